@@ -1,0 +1,87 @@
+// The Backend interface every translation engine implements (CPU with BLAS, CUDA with cuBLAS):
+// prepare a mapper's weights once, then translate whole caches or single target layers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/mapper_view.h"
+#include "kernels/types.h"
+
+namespace kvt {
+
+// Absolute positions of a request's tokens: offset + i, or an explicit list.
+struct Positions {
+  uint64_t offset = 0;
+  const uint64_t* explicit_positions = nullptr;  // num_tokens entries when set
+  uint64_t at(int64_t token) const {
+    return explicit_positions ? explicit_positions[token] : offset + static_cast<uint64_t>(token);
+  }
+};
+
+// One model's cache for a request: per layer, K and V each contiguous in `layout`.
+struct CacheView {
+  DType dtype = DType::kFP32;
+  Layout layout = Layout::kHND;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t num_tokens = 0;
+  std::vector<const void*> k;  // one pointer per layer
+  std::vector<const void*> v;
+};
+
+struct MutableCacheView {
+  DType dtype = DType::kFP32;
+  Layout layout = Layout::kHND;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t num_tokens = 0;
+  std::vector<void*> k;
+  std::vector<void*> v;
+};
+
+// Backend-specific copy of a mapper's weights (e.g. fp32 for BLAS, device memory for CUDA).
+class PreparedMapper {
+ public:
+  virtual ~PreparedMapper() = default;
+  virtual const MapperView& view() const = 0;
+  // Bytes this preparation holds beyond the store's copy.
+  virtual uint64_t bytes() const = 0;
+};
+
+struct TranslateOptions {
+  // Tokens processed per step; bounds the working memory (0 = backend default).
+  int64_t token_chunk = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;    // "cpu", "cuda"
+  virtual std::string device() const = 0;  // "cpu", "cuda:0"
+
+  virtual absl::StatusOr<std::shared_ptr<PreparedMapper>> Prepare(const MapperView& mapper) = 0;
+
+  // Computes target layer `target_layer` (K and V) for all tokens. Reads only the source layers
+  // in that layer's sigma lists, so a caller may start before other layers have arrived.
+  virtual absl::Status TranslateLayer(const PreparedMapper& mapper, int target_layer,
+                                      const CacheView& source, const Positions& positions,
+                                      const TranslateOptions& options,
+                                      MutableCacheView* target) = 0;
+
+  // Every target layer. Shapes are checked against the mapper; errors name the field.
+  virtual absl::Status Translate(const PreparedMapper& mapper, const CacheView& source,
+                                 const Positions& positions, const TranslateOptions& options,
+                                 MutableCacheView* target);
+};
+
+// Checks that `source` / `target` match the mapper's models (layers, heads, head_dim, token
+// counts, non-null pointers). Shared by every backend.
+absl::Status CheckCacheShapes(const MapperView& mapper, const CacheView& source,
+                              const MutableCacheView& target);
+
+}  // namespace kvt

@@ -1,0 +1,47 @@
+// Non-owning view of a loaded mapper as the backends consume it: both models' shapes and RoPE,
+// and per target layer the ordered source-layer lists and the K / V weights (SPEC section 3).
+// The mapper store owns the bytes; a view is valid while the store's handle is held.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/rope.h"
+#include "kernels/types.h"
+
+namespace kvt {
+
+struct ModelSpec {
+  std::string name;  // e.g. "Qwen/Qwen3-14B"
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  RopeConfig rope;
+};
+
+// A dense row-major matrix or vector in a stored dtype.
+struct WeightView {
+  const void* data = nullptr;
+  DType dtype = DType::kFP32;
+  int64_t rows = 0;  // 1 for a bias vector
+  int64_t cols = 0;
+};
+
+// One target layer of a ridge ("linear") mapper:
+//   x_K = concat_{j in sigma_k} strip_S(K_s^j) head-major  -> k_K * n_s * d_s
+//   K_t = apply_T(x_K W_K + b_K)      W_K: (|sigma_k| n_s d_s) x (n_t d_t)
+//   V_t = x_V W_V + b_V               W_V: (|sigma_v| n_s d_s) x (n_t d_t)
+struct LayerMapView {
+  std::vector<int> sigma_k;
+  std::vector<int> sigma_v;
+  WeightView w_k, b_k, w_v, b_v;
+};
+
+struct MapperView {
+  ModelSpec source;
+  ModelSpec target;
+  std::vector<LayerMapView> layers;  // target.num_layers entries
+};
+
+}  // namespace kvt

@@ -1,0 +1,85 @@
+// Rotary position embedding exactly as SPEC section 2 fixes it: frequencies (none, linear,
+// llama3, yarn scaling), neox and gptj pairing, partial rotary, yarn's attention factor, and
+// angles from exact integer positions. The one home of RoPE for every backend.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvt {
+
+enum class RopeStyle {
+  kNeox,  // dimension m pairs with m + r/2 (Hugging Face rotate_half)
+  kGptj,  // dimension 2m pairs with 2m + 1 (interleaved)
+};
+
+enum class RopeScalingType { kNone, kLinear, kLlama3, kYarn };
+
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 1.0;                              // linear, llama3, yarn
+  double low_freq_factor = 1.0;                     // llama3
+  double high_freq_factor = 4.0;                    // llama3
+  double original_max_position_embeddings = 8192;   // llama3, yarn
+  double beta_fast = 32.0;                          // yarn
+  double beta_slow = 1.0;                           // yarn
+  // yarn: multiplies cos and sin. Unset -> 0.1 * ln(factor) + 1 (Hugging Face default).
+  bool has_attention_factor = false;
+  double attention_factor = 1.0;
+};
+
+struct RopeConfig {
+  double theta = 10000.0;
+  int rotary_dim = 0;  // r: even, 0 < r <= head_dim. Dimensions >= r pass through.
+  RopeStyle style = RopeStyle::kNeox;
+  RopeScaling scaling;
+};
+
+// "neox"/"gptj", "none"/"linear"/"llama3"/"yarn". Parsing refuses anything else with an error
+// that names the type (dynamic, longrope, mrope, ...).
+absl::StatusOr<RopeStyle> ParseRopeStyle(const std::string& name);
+const char* RopeStyleName(RopeStyle style);
+absl::StatusOr<RopeScalingType> ParseRopeScalingType(const std::string& name);
+const char* RopeScalingTypeName(RopeScalingType type);
+
+// Checks ranges (theta > 0, r even and <= head_dim, factors > 0, ...); errors name the field.
+absl::Status ValidateRopeConfig(const RopeConfig& config, int head_dim);
+
+// Precomputed frequencies of one model. Cheap to copy.
+class Rope {
+ public:
+  static absl::StatusOr<Rope> Create(const RopeConfig& config, int head_dim);
+
+  int head_dim() const { return head_dim_; }
+  int rotary_dim() const { return config_.rotary_dim; }
+  RopeStyle style() const { return config_.style; }
+  // cos and sin are multiplied by this (1 except for yarn).
+  double attention_factor() const { return attention_factor_; }
+  // r/2 inverse frequencies after scaling, in double.
+  const std::vector<double>& inv_freq() const { return inv_freq_; }
+
+  // Angle p * inv_freq[m] reduced to [0, 2 pi), computed in double from the exact position.
+  double Angle(uint64_t position, int m) const;
+
+  // Fills cos[m], sin[m] (m < r/2) for `position`, including the attention factor, as float.
+  void CosSin(uint64_t position, float* cos, float* sin) const;
+
+  // In place on one head vector of head_dim floats at `position`:
+  //   Apply: x <- R(p) x (scaled by the attention factor), as a model writes its cache.
+  //   Strip: x <- R(p)^-1 x / attention factor, back to content space.
+  // cos/sin as filled by CosSin for that position.
+  void ApplyHead(const float* cos, const float* sin, float* x) const;
+  void StripHead(const float* cos, const float* sin, float* x) const;
+
+ private:
+  RopeConfig config_;
+  int head_dim_ = 0;
+  double attention_factor_ = 1.0;
+  std::vector<double> inv_freq_;
+};
+
+}  // namespace kvt
