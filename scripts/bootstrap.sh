@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Installs exactly the Debian 12 packages kvt needs to build, test and run (idempotent, quiet:
+# a few seconds when everything is present). Usage: scripts/bootstrap.sh [--python]
+#   --python   also create the project venv (.venv) for the Python client and eval tools.
+set -euo pipefail
+
+PACKAGES=(
+  bazel-bootstrap          # Bazel 4.2.3 (offline)
+  bazel-rules-java         # @rules_java for Bazel's own tools
+  g++
+  pkg-config
+  protobuf-compiler        # /usr/bin/protoc
+  protobuf-compiler-grpc   # /usr/bin/grpc_cpp_plugin
+  libprotobuf-dev
+  libgrpc++-dev            # gRPC 1.51 C++ (health, reflection)
+  grpc-proto               # grpc/health/v1/health.proto for clients
+  libabsl-dev              # Abseil 20220623
+  prometheus-cpp-dev       # metrics exposer
+  libyaml-cpp-dev          # kvtd.yaml
+  nlohmann-json3-dev       # safetensors headers
+  libopenblas-dev          # CPU GEMMs
+  liblapacke-dev           # Cholesky solves (kvt fit)
+  libssl-dev               # SHA-256 (libcrypto), TLS
+  zlib1g-dev
+  libgtest-dev
+  libgmock-dev
+  libbenchmark-dev         # Google Benchmark programs
+  prometheus               # promtool + a real Prometheus for the integration test
+  python3
+  python3-venv
+  python3-numpy            # known-answer test generators, eval
+)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$pkg")
+  fi
+done
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bootstrap: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq >/dev/null
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ "${1:-}" = "--python" ]; then
+  root="$(cd "$(dirname "$0")/.." && pwd)"
+  if [ ! -x "$root/.venv/bin/python" ]; then
+    python3 -m venv --system-site-packages "$root/.venv"
+  fi
+  if [ -f "$root/clients/python/requirements.txt" ]; then
+    "$root/.venv/bin/pip" install -q -r "$root/clients/python/requirements.txt"
+  fi
+fi

@@ -1,0 +1,224 @@
+#include "server/config.h"
+
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "yaml-cpp/yaml.h"
+
+namespace kvt {
+namespace {
+
+std::string Where(absl::string_view source, const YAML::Node& node) {
+  const YAML::Mark mark = node.Mark();
+  if (mark.line < 0) return std::string(source);
+  return absl::StrCat(source, ":", mark.line + 1);
+}
+
+template <typename T>
+absl::Status ReadScalar(absl::string_view source, const std::string& key, const YAML::Node& node,
+                        const char* expected, T* out) {
+  if (!node.IsScalar()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(source, node), ": key '", key, "' must be ", expected));
+  }
+  try {
+    *out = node.as<T>();
+  } catch (const YAML::Exception&) {
+    return absl::InvalidArgumentError(absl::StrCat(Where(source, node), ": key '", key,
+                                                   "' must be ", expected, ", got '",
+                                                   node.Scalar(), "'"));
+  }
+  return absl::OkStatus();
+}
+
+// One section of the file: its keys and how each is stored.
+using Setter = std::function<absl::Status(const std::string& key, const YAML::Node&)>;
+
+absl::Status ReadSection(absl::string_view source, const std::string& section,
+                         const YAML::Node& node, const std::map<std::string, Setter>& setters) {
+  if (!node.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(source, node), ": '", section, "' must be a map"));
+  }
+  for (const auto& entry : node) {
+    const std::string key = entry.first.as<std::string>();
+    const std::string full_key = absl::StrCat(section, ".", key);
+    auto it = setters.find(key);
+    if (it == setters.end()) {
+      std::vector<std::string> known;
+      for (const auto& setter : setters) known.push_back(setter.first);
+      return absl::InvalidArgumentError(absl::StrCat(Where(source, entry.first),
+                                                     ": unknown key '", full_key,
+                                                     "' (known: ", absl::StrJoin(known, ", "),
+                                                     ")"));
+    }
+    absl::Status status = it->second(full_key, entry.second);
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
+                                           absl::string_view source_name) {
+  KvtdConfig config;
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::ParserException& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source_name, ":", e.mark.line + 1,
+                                                   ": invalid YAML: ", e.msg));
+  }
+  if (root.IsNull()) return config;  // empty file: all defaults
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source_name, ": top level must be a map of sections"));
+  }
+  const absl::string_view src = source_name;
+  auto str = [src](std::string* out) -> Setter {
+    return [src, out](const std::string& key, const YAML::Node& node) {
+      return ReadScalar(src, key, node, "a string", out);
+    };
+  };
+  auto i64 = [src](int64_t* out) -> Setter {
+    return [src, out](const std::string& key, const YAML::Node& node) {
+      return ReadScalar(src, key, node, "an integer", out);
+    };
+  };
+  auto f64 = [src](double* out) -> Setter {
+    return [src, out](const std::string& key, const YAML::Node& node) {
+      return ReadScalar(src, key, node, "a number", out);
+    };
+  };
+
+  const std::map<std::string, std::map<std::string, Setter>> sections = {
+      {"server",
+       {{"listen_address", str(&config.server.listen_address)},
+        {"unix_socket", str(&config.server.unix_socket)},
+        {"max_message_bytes", i64(&config.server.max_message_bytes)},
+        {"max_sync_threads", i64(&config.server.max_sync_threads)}}},
+      {"mapper_store", {{"path", str(&config.mapper_store.path)}}},
+      {"backend",
+       {{"type", str(&config.backend.type)},
+        {"cpu_threads", i64(&config.backend.cpu_threads)},
+        {"token_chunk", i64(&config.backend.token_chunk)}}},
+      {"limits",
+       {{"max_tokens", i64(&config.limits.max_tokens)},
+        {"max_request_bytes", i64(&config.limits.max_request_bytes)},
+        {"max_inflight_requests", i64(&config.limits.max_inflight_requests)},
+        {"max_inflight_bytes", i64(&config.limits.max_inflight_bytes)},
+        {"response_chunk_bytes", i64(&config.limits.response_chunk_bytes)}}},
+      {"shutdown",
+       {{"drain_grace_seconds", f64(&config.shutdown.drain_grace_seconds)},
+        {"deadline_seconds", f64(&config.shutdown.deadline_seconds)}}},
+      {"logging",
+       {{"level",
+         [src, &config](const std::string& key, const YAML::Node& node) -> absl::Status {
+           std::string name;
+           absl::Status status = ReadScalar(src, key, node, "a string", &name);
+           if (!status.ok()) return status;
+           if (!ParseLogLevel(name, &config.logging.level)) {
+             return absl::InvalidArgumentError(
+                 absl::StrCat(Where(src, node), ": key '", key,
+                              "' must be one of debug, info, warning, error; got '", name, "'"));
+           }
+           return absl::OkStatus();
+         }}}},
+  };
+
+  for (const auto& entry : root) {
+    const std::string section = entry.first.as<std::string>();
+    auto it = sections.find(section);
+    if (it == sections.end()) {
+      std::vector<std::string> known;
+      for (const auto& s : sections) known.push_back(s.first);
+      return absl::InvalidArgumentError(absl::StrCat(Where(source_name, entry.first),
+                                                     ": unknown key '", section,
+                                                     "' (known sections: ",
+                                                     absl::StrJoin(known, ", "), ")"));
+    }
+    absl::Status status = ReadSection(source_name, section, entry.second, it->second);
+    if (!status.ok()) return status;
+  }
+  absl::Status status = ValidateKvtdConfig(config);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(source_name, ": ", status.message()));
+  }
+  return config;
+}
+
+absl::StatusOr<KvtdConfig> LoadKvtdConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open config file '", path, "'"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return ParseKvtdConfig(buffer.str(), path);
+}
+
+absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
+  auto bad = [](absl::string_view key, auto value, absl::string_view rule) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("key '", key, "' = ", value, " is invalid: ", rule));
+  };
+  if (config.server.listen_address.empty() && config.server.unix_socket.empty()) {
+    return absl::InvalidArgumentError(
+        "key 'server.listen_address' is empty and no 'server.unix_socket' is set: nothing to "
+        "listen on");
+  }
+  if (!config.server.listen_address.empty() &&
+      config.server.listen_address.rfind(':') == std::string::npos) {
+    return bad("server.listen_address", config.server.listen_address, "expected host:port");
+  }
+  if (config.server.max_message_bytes < (1 << 20) || config.server.max_message_bytes > (1ll << 31) - 1) {
+    return bad("server.max_message_bytes", config.server.max_message_bytes,
+               "must be in [1 MiB, 2 GiB)");
+  }
+  if (config.server.max_sync_threads < 4) {
+    return bad("server.max_sync_threads", config.server.max_sync_threads, "must be >= 4");
+  }
+  if (config.backend.type != "auto" && config.backend.type != "cpu" &&
+      config.backend.type != "cuda") {
+    return bad("backend.type", config.backend.type, "must be auto, cpu or cuda");
+  }
+  if (config.backend.cpu_threads < 0) {
+    return bad("backend.cpu_threads", config.backend.cpu_threads, "must be >= 0");
+  }
+  if (config.backend.token_chunk < 16) {
+    return bad("backend.token_chunk", config.backend.token_chunk, "must be >= 16");
+  }
+  if (config.limits.max_tokens < 1) {
+    return bad("limits.max_tokens", config.limits.max_tokens, "must be >= 1");
+  }
+  if (config.limits.max_request_bytes < 1) {
+    return bad("limits.max_request_bytes", config.limits.max_request_bytes, "must be >= 1");
+  }
+  if (config.limits.max_inflight_requests < 1) {
+    return bad("limits.max_inflight_requests", config.limits.max_inflight_requests,
+               "must be >= 1");
+  }
+  if (config.limits.max_inflight_bytes < config.limits.max_request_bytes) {
+    return bad("limits.max_inflight_bytes", config.limits.max_inflight_bytes,
+               "must be >= limits.max_request_bytes");
+  }
+  if (config.limits.response_chunk_bytes < 4096 ||
+      config.limits.response_chunk_bytes > config.server.max_message_bytes / 2) {
+    return bad("limits.response_chunk_bytes", config.limits.response_chunk_bytes,
+               "must be in [4096, server.max_message_bytes / 2]");
+  }
+  if (config.shutdown.drain_grace_seconds < 0) {
+    return bad("shutdown.drain_grace_seconds", config.shutdown.drain_grace_seconds,
+               "must be >= 0");
+  }
+  if (config.shutdown.deadline_seconds <= 0) {
+    return bad("shutdown.deadline_seconds", config.shutdown.deadline_seconds, "must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvt

@@ -1,0 +1,54 @@
+// kvtd configuration: the YAML file (every key documented in server/kvtd.yaml), validated
+// strictly (unknown keys and bad values are errors naming the key and line), then command-line
+// flags on top.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/logging.h"
+
+namespace kvt {
+
+struct KvtdConfig {
+  struct Server {
+    std::string listen_address = "0.0.0.0:50051";  // host:port; port 0 = any free port
+    std::string unix_socket;                        // optional extra listener (path)
+    int64_t max_message_bytes = 64ll << 20;         // per gRPC message, both directions
+    int64_t max_sync_threads = 64;                  // gRPC handler threads (bounded)
+  } server;
+  struct MapperStoreConfig {
+    std::string path = "/var/lib/kvt/mappers";
+  } mapper_store;
+  struct Backend {
+    std::string type = "auto";  // auto | cpu | cuda
+    int64_t cpu_threads = 0;    // 0 = all cores
+    int64_t token_chunk = 1024; // tokens per compute step (bounds working memory)
+  } backend;
+  struct Limits {
+    int64_t max_tokens = 131072;                  // per request
+    int64_t max_request_bytes = 16ll << 30;       // source + target cache bytes per request
+    int64_t max_inflight_requests = 8;            // translations admitted at once
+    int64_t max_inflight_bytes = 32ll << 30;      // cache bytes held by admitted requests
+    int64_t response_chunk_bytes = 4ll << 20;     // target chunk size on the wire
+  } limits;
+  struct Shutdown {
+    double drain_grace_seconds = 1.0;  // NOT_SERVING before the listener closes
+    double deadline_seconds = 30.0;    // in-flight requests get this long to finish
+  } shutdown;
+  struct Logging {
+    LogLevel level = LogLevel::kInfo;
+  } logging;
+};
+
+// Parses YAML text; `source_name` (a path) prefixes error messages.
+absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
+                                           absl::string_view source_name);
+absl::StatusOr<KvtdConfig> LoadKvtdConfigFile(const std::string& path);
+
+// Range checks shared by the file and the flag overrides; errors name the key.
+absl::Status ValidateKvtdConfig(const KvtdConfig& config);
+
+}  // namespace kvt

@@ -1,0 +1,115 @@
+#include "server/config.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvt {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ConfigTest, ExampleFileParsesToTheDefaults) {
+  absl::StatusOr<KvtdConfig> config = LoadKvtdConfigFile("server/kvtd.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  const KvtdConfig defaults;
+  EXPECT_EQ(config->server.listen_address, defaults.server.listen_address);
+  EXPECT_EQ(config->server.max_message_bytes, defaults.server.max_message_bytes);
+  EXPECT_EQ(config->mapper_store.path, defaults.mapper_store.path);
+  EXPECT_EQ(config->backend.type, defaults.backend.type);
+  EXPECT_EQ(config->limits.max_tokens, defaults.limits.max_tokens);
+  EXPECT_EQ(config->limits.max_request_bytes, defaults.limits.max_request_bytes);
+  EXPECT_EQ(config->limits.max_inflight_bytes, defaults.limits.max_inflight_bytes);
+  EXPECT_EQ(config->shutdown.deadline_seconds, defaults.shutdown.deadline_seconds);
+  EXPECT_EQ(config->logging.level, defaults.logging.level);
+}
+
+TEST(ConfigTest, EmptyFileMeansDefaults) {
+  absl::StatusOr<KvtdConfig> config = ParseKvtdConfig("", "empty.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->server.listen_address, "0.0.0.0:50051");
+}
+
+TEST(ConfigTest, ValuesAreRead) {
+  absl::StatusOr<KvtdConfig> config = ParseKvtdConfig(R"(
+server:
+  listen_address: "127.0.0.1:0"
+  unix_socket: /tmp/kvt.sock
+backend:
+  type: cpu
+  cpu_threads: 2
+limits:
+  max_tokens: 4096
+logging:
+  level: debug
+)", "x.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->server.listen_address, "127.0.0.1:0");
+  EXPECT_EQ(config->server.unix_socket, "/tmp/kvt.sock");
+  EXPECT_EQ(config->backend.type, "cpu");
+  EXPECT_EQ(config->backend.cpu_threads, 2);
+  EXPECT_EQ(config->limits.max_tokens, 4096);
+  EXPECT_EQ(config->logging.level, LogLevel::kDebug);
+}
+
+TEST(ConfigTest, BadYamlNamesTheLine) {
+  absl::StatusOr<KvtdConfig> config = ParseKvtdConfig("server:\n  listen_address: [1, 2\n", "bad.yaml");
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("bad.yaml:"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("invalid YAML"));
+}
+
+TEST(ConfigTest, UnknownKeyNamesKeyAndLine) {
+  absl::StatusOr<KvtdConfig> config =
+      ParseKvtdConfig("server:\n  listen_address: \"x:1\"\n  listen_adress: \"y:2\"\n", "k.yaml");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("k.yaml:3"));
+  EXPECT_THAT(std::string(config.status().message()),
+              HasSubstr("unknown key 'server.listen_adress'"));
+}
+
+TEST(ConfigTest, UnknownSectionIsNamed) {
+  absl::StatusOr<KvtdConfig> config = ParseKvtdConfig("\n\nmetricz:\n  port: 1\n", "s.yaml");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("s.yaml:3"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("unknown key 'metricz'"));
+}
+
+TEST(ConfigTest, BadValueTypeNamesKeyAndLine) {
+  absl::StatusOr<KvtdConfig> config =
+      ParseKvtdConfig("limits:\n  max_tokens: lots\n", "v.yaml");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("v.yaml:2"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("limits.max_tokens"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("'lots'"));
+}
+
+TEST(ConfigTest, OutOfRangeValuesAreNamed) {
+  struct Case {
+    const char* yaml;
+    const char* key;
+  } cases[] = {
+      {"backend:\n  type: tpu\n", "backend.type"},
+      {"limits:\n  max_tokens: 0\n", "limits.max_tokens"},
+      {"server:\n  listen_address: nocolon\n", "server.listen_address"},
+      {"shutdown:\n  deadline_seconds: -1\n", "shutdown.deadline_seconds"},
+      {"logging:\n  level: loud\n", "logging.level"},
+      {"server:\n  max_message_bytes: 10\n", "server.max_message_bytes"},
+      {"limits:\n  max_inflight_bytes: 1\n", "limits.max_inflight_bytes"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<KvtdConfig> config = ParseKvtdConfig(c.yaml, "r.yaml");
+    ASSERT_FALSE(config.ok()) << c.yaml;
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr(c.key)) << c.yaml;
+  }
+}
+
+TEST(ConfigTest, MissingFileIsNotFound) {
+  absl::StatusOr<KvtdConfig> config = LoadKvtdConfigFile("/nonexistent/kvtd.yaml");
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvt
