@@ -1,0 +1,184 @@
+#include "client/client.h"
+
+#include <algorithm>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "server/grpc_status.h"
+#include "transport/kv_chunks.h"
+#include "transport/proto_convert.h"
+
+namespace kvt {
+
+void HostCache::Allocate() {
+  k.assign(num_layers, std::vector<char>(static_cast<size_t>(layer_bytes()), 0));
+  v.assign(num_layers, std::vector<char>(static_cast<size_t>(layer_bytes()), 0));
+}
+
+std::unique_ptr<Client> Client::Create(const std::string& target, const ClientOptions& options) {
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(options.max_message_bytes);
+  arguments.SetMaxSendMessageSize(options.max_message_bytes);
+  auto channel =
+      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
+  return std::unique_ptr<Client>(new Client(std::move(channel), options));
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
+    : options_(options), channel_(std::move(channel)), stub_(v1::KvTranslator::NewStub(channel_)) {}
+
+void Client::SetDeadline(grpc::ClientContext* context) const {
+  if (options_.timeout.count() > 0) {
+    context->set_deadline(std::chrono::system_clock::now() + options_.timeout);
+  }
+}
+
+absl::StatusOr<std::string> Client::Health(const std::string& service) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status = health->Check(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+}
+
+absl::StatusOr<v1::ListMappersResponse> Client::ListMappers() {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ListMappersResponse response;
+  grpc::Status status = stub_->ListMappers(&context, v1::ListMappersRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::MapperInfo> Client::GetMapper(const std::string& mapper_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::GetMapperRequest request;
+  request.set_mapper_id(mapper_id);
+  v1::MapperInfo response;
+  grpc::Status status = stub_->GetMapper(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
+                                                  const HostCache& source) {
+  if (static_cast<int>(source.k.size()) != source.num_layers ||
+      static_cast<int>(source.v.size()) != source.num_layers) {
+    return absl::InvalidArgumentError("source cache: k/v buffers do not match num_layers");
+  }
+  header.set_dtype(DTypeToProto(source.dtype));
+  header.set_layout(LayoutToProto(source.layout));
+  header.set_num_tokens(static_cast<uint32_t>(source.num_tokens));
+
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  auto stream = stub_->TranslateKV(&context);
+  v1::TranslateKVRequest request;
+  *request.mutable_header() = header;
+  bool sending = stream->Write(request);
+
+  const LayerGeometry geometry{source.layout, source.num_kv_heads, source.num_tokens,
+                               source.head_dim, static_cast<int64_t>(DTypeSize(source.dtype))};
+  const int64_t tokens_per_chunk = TokensPerChunk(geometry, options_.chunk_bytes);
+  for (int layer = 0; sending && layer < source.num_layers; ++layer) {
+    for (int kind = 0; sending && kind < 2; ++kind) {
+      const std::vector<char>& buffer = (kind == 0 ? source.k : source.v)[layer];
+      if (static_cast<int64_t>(buffer.size()) != geometry.layer_bytes()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "source cache layer ", layer, kind == 0 ? " K" : " V", " has ", buffer.size(),
+            " bytes, expected ", geometry.layer_bytes()));
+      }
+      for (int64_t first = 0; sending && first < source.num_tokens; first += tokens_per_chunk) {
+        const int64_t count = std::min(tokens_per_chunk, source.num_tokens - first);
+        v1::KVChunk* chunk = request.mutable_chunk();
+        chunk->set_layer(layer);
+        chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
+        chunk->set_token_start(static_cast<uint32_t>(first));
+        chunk->set_token_count(static_cast<uint32_t>(count));
+        std::string* data = chunk->mutable_data();
+        data->resize(static_cast<size_t>(geometry.chunk_bytes(count)));
+        GatherChunk(geometry, first, count, buffer.data(), data->data());
+        sending = stream->Write(request);
+      }
+    }
+  }
+  // A failed write means the server already ended the stream; Finish() says why.
+  stream->WritesDone();
+
+  TranslateResult result;
+  v1::TranslateKVResponse response;
+  bool have_header = false, have_trailer = false;
+  LayerGeometry target_geometry;
+  std::unique_ptr<CoverageTracker> coverage;
+  absl::Status protocol_error;
+  while (stream->Read(&response)) {
+    if (!protocol_error.ok()) continue;  // drain, then report
+    if (response.has_header()) {
+      result.header = response.header();
+      HostCache& target = result.target;
+      absl::StatusOr<DType> dtype = DTypeFromProto(result.header.output_dtype(), "output_dtype");
+      absl::StatusOr<Layout> layout =
+          LayoutFromProto(result.header.output_layout(), "output_layout");
+      if (!dtype.ok() || !layout.ok()) {
+        protocol_error = absl::InternalError("server sent a response header without dtype/layout");
+        continue;
+      }
+      target.dtype = *dtype;
+      target.layout = *layout;
+      target.num_layers = static_cast<int>(result.header.target_shape().num_layers());
+      target.num_kv_heads = static_cast<int>(result.header.target_shape().num_kv_heads());
+      target.head_dim = static_cast<int>(result.header.target_shape().head_dim());
+      target.num_tokens = result.header.num_tokens();
+      target.Allocate();
+      target_geometry = LayerGeometry{target.layout, target.num_kv_heads, target.num_tokens,
+                                      target.head_dim,
+                                      static_cast<int64_t>(DTypeSize(target.dtype))};
+      coverage = std::make_unique<CoverageTracker>(target.num_layers, target.num_tokens);
+      have_header = true;
+    } else if (response.has_chunk()) {
+      const v1::KVChunk& chunk = response.chunk();
+      const int64_t end = static_cast<int64_t>(chunk.token_start()) + chunk.token_count();
+      if (!have_header || chunk.layer() >= static_cast<uint32_t>(result.target.num_layers) ||
+          end > result.target.num_tokens || chunk.token_count() == 0 ||
+          static_cast<int64_t>(chunk.data().size()) !=
+              target_geometry.chunk_bytes(chunk.token_count())) {
+        protocol_error = absl::InternalError(
+            absl::StrCat("server sent a malformed target chunk (layer ", chunk.layer(), ")"));
+        continue;
+      }
+      const int kind = chunk.kind() == v1::CACHE_KIND_K ? 0 : 1;
+      if (absl::Status added =
+              coverage->Add(chunk.layer(), kind, chunk.token_start(), chunk.token_count());
+          !added.ok()) {
+        protocol_error = absl::InternalError(absl::StrCat("server: ", added.message()));
+        continue;
+      }
+      ScatterChunk(target_geometry, chunk.token_start(), chunk.token_count(),
+                   chunk.data().data(),
+                   (kind == 0 ? result.target.k : result.target.v)[chunk.layer()].data());
+    } else if (response.has_trailer()) {
+      result.trailer = response.trailer();
+      have_trailer = true;
+    }
+  }
+  grpc::Status status = stream->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (!protocol_error.ok()) return protocol_error;
+  if (!have_header || !have_trailer || !coverage->Complete()) {
+    return absl::InternalError(absl::StrCat(
+        "server ended the stream without a complete result",
+        coverage ? absl::StrCat(": ", coverage->FirstGap()) : std::string()));
+  }
+  return result;
+}
+
+}  // namespace kvt

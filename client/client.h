@@ -1,0 +1,81 @@
+// kvt::Client: the C++ client library of kvt.v1 for routers, the CLI and the load tester.
+// Splits a host-memory cache into stream chunks, reassembles the translated cache, and turns
+// every gRPC failure into an absl::Status carrying the server's message.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/channel.h"
+#include "kernels/types.h"
+#include "proto/kvt/v1/service.grpc.pb.h"
+
+namespace kvt {
+
+// One model's KV cache in host memory: per layer, K and V each contiguous in `layout`.
+struct HostCache {
+  DType dtype = DType::kBF16;
+  Layout layout = Layout::kHND;
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t num_tokens = 0;
+  std::vector<std::vector<char>> k;  // num_layers buffers
+  std::vector<std::vector<char>> v;
+
+  int64_t layer_bytes() const {
+    return static_cast<int64_t>(num_kv_heads) * num_tokens * head_dim *
+           static_cast<int64_t>(DTypeSize(dtype));
+  }
+  // Allocates zeroed buffers for the shape already set.
+  void Allocate();
+};
+
+struct ClientOptions {
+  // Per-call deadline (0 = none).
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // Largest message either way; must match the server's server.max_message_bytes or less.
+  int max_message_bytes = 64 << 20;
+  // Bytes of KV per request chunk.
+  int64_t chunk_bytes = 4 << 20;
+};
+
+struct TranslateResult {
+  v1::TranslateResponseHeader header;
+  v1::TranslateTrailer trailer;
+  HostCache target;
+};
+
+class Client {
+ public:
+  // `target`: "host:port" or "unix:/path". Connects lazily.
+  static std::unique_ptr<Client> Create(const std::string& target,
+                                        const ClientOptions& options = ClientOptions());
+
+  // grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... for `service` ("" = the server).
+  absl::StatusOr<std::string> Health(const std::string& service = "");
+
+  absl::StatusOr<v1::ListMappersResponse> ListMappers();
+  absl::StatusOr<v1::MapperInfo> GetMapper(const std::string& mapper_id);
+
+  // Sends `source` (its dtype, layout and token count override the header's) and returns the
+  // target cache in the header's output dtype/layout. The header names the pair or mapper.
+  absl::StatusOr<TranslateResult> Translate(v1::TranslateHeader header, const HostCache& source);
+
+  v1::KvTranslator::Stub* stub() { return stub_.get(); }
+  std::shared_ptr<grpc::Channel> channel() { return channel_; }
+
+ private:
+  Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  void SetDeadline(grpc::ClientContext* context) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvTranslator::Stub> stub_;
+};
+
+}  // namespace kvt

@@ -1,0 +1,131 @@
+// kvtd: the KV translation daemon. Loads kvtd.yaml, applies flag overrides, loads the mapper
+// store, serves kvt.v1.KvTranslator until SIGTERM/SIGINT, then drains and exits 0.
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "mapper_store/store.h"
+#include "server/backend_select.h"
+#include "server/config.h"
+#include "server/kvtd_server.h"
+
+ABSL_FLAG(std::string, config, "",
+          "Path of kvtd.yaml (every key documented in server/kvtd.yaml). Empty: defaults.");
+ABSL_FLAG(std::string, listen_address, "",
+          "Overrides server.listen_address (host:port; port 0 = any free port, logged).");
+ABSL_FLAG(std::string, unix_socket, "", "Overrides server.unix_socket (extra listener).");
+ABSL_FLAG(std::string, mapper_store, "", "Overrides mapper_store.path.");
+ABSL_FLAG(std::string, backend, "", "Overrides backend.type: auto | cpu | cuda.");
+ABSL_FLAG(int64_t, cpu_threads, -1, "Overrides backend.cpu_threads (0 = all cores).");
+ABSL_FLAG(int64_t, max_tokens, -1, "Overrides limits.max_tokens.");
+ABSL_FLAG(int64_t, max_inflight_requests, -1, "Overrides limits.max_inflight_requests.");
+ABSL_FLAG(double, drain_grace_seconds, -1, "Overrides shutdown.drain_grace_seconds.");
+ABSL_FLAG(double, shutdown_deadline_seconds, -1, "Overrides shutdown.deadline_seconds.");
+ABSL_FLAG(std::string, log_level, "", "Overrides logging.level: debug | info | warning | error.");
+
+namespace kvt {
+namespace {
+
+int Fatal(const absl::Status& status) {
+  KVT_LOG(kError, "kvtd cannot start").With("error", status.ToString());
+  std::fprintf(stderr, "kvtd: %s\n", std::string(status.message()).c_str());
+  return 2;
+}
+
+absl::StatusOr<KvtdConfig> BuildConfig() {
+  KvtdConfig config;
+  const std::string path = absl::GetFlag(FLAGS_config);
+  if (!path.empty()) {
+    absl::StatusOr<KvtdConfig> loaded = LoadKvtdConfigFile(path);
+    if (!loaded.ok()) return loaded.status();
+    config = *loaded;
+  }
+  auto override_string = [](const absl::Flag<std::string>& flag, std::string* value) {
+    const std::string flag_value = absl::GetFlag(flag);
+    if (!flag_value.empty()) *value = flag_value;
+  };
+  override_string(FLAGS_listen_address, &config.server.listen_address);
+  override_string(FLAGS_unix_socket, &config.server.unix_socket);
+  override_string(FLAGS_mapper_store, &config.mapper_store.path);
+  override_string(FLAGS_backend, &config.backend.type);
+  if (absl::GetFlag(FLAGS_cpu_threads) >= 0) {
+    config.backend.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  }
+  if (absl::GetFlag(FLAGS_max_tokens) >= 0) config.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  if (absl::GetFlag(FLAGS_max_inflight_requests) >= 0) {
+    config.limits.max_inflight_requests = absl::GetFlag(FLAGS_max_inflight_requests);
+  }
+  if (absl::GetFlag(FLAGS_drain_grace_seconds) >= 0) {
+    config.shutdown.drain_grace_seconds = absl::GetFlag(FLAGS_drain_grace_seconds);
+  }
+  if (absl::GetFlag(FLAGS_shutdown_deadline_seconds) >= 0) {
+    config.shutdown.deadline_seconds = absl::GetFlag(FLAGS_shutdown_deadline_seconds);
+  }
+  const std::string level = absl::GetFlag(FLAGS_log_level);
+  if (!level.empty() && !ParseLogLevel(level, &config.logging.level)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--log_level=", level, " must be debug, info, warning or error"));
+  }
+  absl::Status valid = ValidateKvtdConfig(config);
+  if (!valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("after flag overrides: ", valid.message()));
+  }
+  return config;
+}
+
+int Run() {
+  absl::StatusOr<KvtdConfig> config = BuildConfig();
+  if (!config.ok()) return Fatal(config.status());
+  SetMinLogLevel(config->logging.level);
+
+  // Signals are taken synchronously by sigwait below; every thread created from here on
+  // inherits the blocked mask, so none of them is interrupted by SIGTERM.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<SelectedBackend> backend = SelectBackend(config->backend);
+  if (!backend.ok()) return Fatal(backend.status());
+  KVT_LOG(kInfo, "backend")
+      .With("backend", backend->backend->name())
+      .With("device", backend->backend->device())
+      .With("reason", backend->reason);
+
+  absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(config->mapper_store.path);
+  if (!store.ok()) return Fatal(store.status());
+
+  absl::StatusOr<std::unique_ptr<KvtdServer>> server =
+      KvtdServer::Start(*config, store->get(), backend->backend.get());
+  if (!server.ok()) return Fatal(server.status());
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  KVT_LOG(kInfo, "signal received").With("signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*server)->Shutdown();
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvt
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvtd: translates the KV cache of one LLM into the KV cache of another model of the same "
+      "family over gRPC (kvt.v1.KvTranslator), so the receiving model skips prefill.\n\n"
+      "  kvtd --config=/etc/kvt/kvtd.yaml\n"
+      "  kvtd --mapper_store=demo/mappers --listen_address=127.0.0.1:0\n\n"
+      "Configuration comes from the YAML file (see server/kvtd.yaml for every key); the flags "
+      "below override it. Logs are JSON lines on stderr; the 'listening' line gives the port. "
+      "SIGTERM/SIGINT: health turns NOT_SERVING, in-flight requests finish within "
+      "shutdown.deadline_seconds, exit 0.");
+  absl::ParseCommandLine(argc, argv);
+  return kvt::Run();
+}

@@ -1,0 +1,93 @@
+#include "server/kvtd_server.h"
+
+#include <chrono>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "grpc/grpc.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace kvt {
+
+namespace {
+constexpr char kServiceName[] = "kvt.v1.KvTranslator";
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& config,
+                                                              MapperStore* store,
+                                                              Backend* backend) {
+  std::unique_ptr<KvtdServer> server(new KvtdServer(config));
+  server->service_ = std::make_unique<TranslatorService>(config, store, backend);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // gRPC enables SO_REUSEPORT by default, which would let a second kvtd bind a port in use.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.server.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.server.max_message_bytes));
+  grpc::ResourceQuota quota("kvtd");
+  quota.SetMaxThreads(static_cast<int>(config.server.max_sync_threads));
+  builder.SetResourceQuota(quota);
+  if (!config.server.listen_address.empty()) {
+    builder.AddListeningPort(config.server.listen_address, grpc::InsecureServerCredentials(),
+                             &server->port_);
+  }
+  if (!config.server.unix_socket.empty()) {
+    builder.AddListeningPort(absl::StrCat("unix:", config.server.unix_socket),
+                             grpc::InsecureServerCredentials());
+  }
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr ||
+      (!config.server.listen_address.empty() && server->port_ == 0)) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on server.listen_address='", config.server.listen_address, "'",
+        config.server.unix_socket.empty()
+            ? ""
+            : absl::StrCat(" / server.unix_socket='", config.server.unix_socket, "'"),
+        ": the port is in use or the address is invalid"));
+  }
+  grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(true);
+  KVT_LOG(kInfo, "listening")
+      .With("address", config.server.listen_address)
+      .With("port", server->port_)
+      .With("unix_socket", config.server.unix_socket)
+      .With("backend", backend->name())
+      .With("device", backend->device());
+  return server;
+}
+
+KvtdServer::~KvtdServer() { Shutdown(); }
+
+void KvtdServer::Shutdown() {
+  {
+    absl::MutexLock lock(&shutdown_mutex_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  KVT_LOG(kInfo, "draining")
+      .With("inflight", service_->inflight_requests())
+      .With("grace_s", config_.shutdown.drain_grace_seconds)
+      .With("deadline_s", config_.shutdown.deadline_seconds);
+  service_->StartDraining();
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  absl::SleepFor(absl::Seconds(config_.shutdown.drain_grace_seconds));
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(config_.shutdown.deadline_seconds * 1000));
+  server_->Shutdown(deadline);
+  server_->Wait();
+  KVT_LOG(kInfo, "stopped");
+}
+
+}  // namespace kvt

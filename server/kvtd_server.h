@@ -1,0 +1,45 @@
+// The kvtd gRPC server: listeners (TCP, optional unix socket), message limits, health
+// (grpc.health.v1 Check and Watch), server reflection, and the drain-then-stop shutdown.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/server.h"
+#include "kernels/backend.h"
+#include "mapper_store/store.h"
+#include "server/config.h"
+#include "server/translator_service.h"
+
+namespace kvt {
+
+class KvtdServer {
+ public:
+  // Binds and starts serving. A port in use or a bad address is an error saying which.
+  static absl::StatusOr<std::unique_ptr<KvtdServer>> Start(const KvtdConfig& config,
+                                                           MapperStore* store, Backend* backend);
+  ~KvtdServer();
+
+  // The bound TCP port (the OS's choice when the config asked for port 0); 0 without TCP.
+  int port() const { return port_; }
+  TranslatorService* service() { return service_.get(); }
+
+  // Graceful stop: health NOT_SERVING and new translations refused at once; after
+  // shutdown.drain_grace_seconds the listeners close; in-flight requests get
+  // shutdown.deadline_seconds more, then are cancelled. Returns when the server has stopped.
+  void Shutdown();
+
+ private:
+  KvtdServer(const KvtdConfig& config) : config_(config) {}
+
+  const KvtdConfig config_;
+  std::unique_ptr<TranslatorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  absl::Mutex shutdown_mutex_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mutex_) = false;
+};
+
+}  // namespace kvt

@@ -1,0 +1,503 @@
+#include "server/translator_service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "server/grpc_status.h"
+#include "transport/kv_chunks.h"
+#include "transport/proto_convert.h"
+
+namespace kvt {
+namespace {
+
+double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
+
+// Everything a TranslateKV stream needs once its header has been accepted.
+struct TranslatePlan {
+  std::string request_id;
+  std::shared_ptr<const LoadedMapper> mapper;
+  DType input_dtype;
+  Layout input_layout;
+  DType output_dtype;
+  Layout output_layout;
+  int64_t num_tokens = 0;
+  Positions positions;
+  int64_t response_chunk_tokens = 0;  // 0 = by bytes
+  int64_t source_bytes = 0;
+  int64_t target_bytes = 0;
+};
+
+// A whole-layer byte buffer, uninitialised (GBs of zeroing would be wasted work).
+struct LayerBuffer {
+  std::unique_ptr<char[]> bytes;
+  explicit LayerBuffer(int64_t size) : bytes(new char[static_cast<size_t>(size)]) {}
+};
+
+grpc::Status CancelledOrDeadline(grpc::ServerContext* context) {
+  if (context->deadline() <= std::chrono::system_clock::now()) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        "deadline exceeded before the translation finished");
+  }
+  return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled the stream");
+}
+
+}  // namespace
+
+TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* store,
+                                     Backend* backend)
+    : config_(config),
+      store_(store),
+      backend_(backend),
+      admission_(config.limits.max_inflight_requests, config.limits.max_inflight_bytes),
+      compute_(1) {}
+
+TranslatorService::~TranslatorService() = default;
+
+absl::StatusOr<std::shared_ptr<PreparedMapper>> TranslatorService::Prepared(
+    const std::shared_ptr<const LoadedMapper>& mapper) {
+  absl::MutexLock lock(&prepared_mutex_);
+  auto it = prepared_.find(mapper.get());
+  if (it != prepared_.end()) return it->second.second;
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend_->Prepare(mapper->view());
+  if (!prepared.ok()) return prepared.status();
+  prepared_[mapper.get()] = {mapper, *prepared};
+  return *prepared;
+}
+
+grpc::Status TranslatorService::TranslateKV(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream) {
+  const absl::Time start = absl::Now();
+  v1::TranslateKVRequest request;
+  if (!stream->Read(&request)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "stream ended before its header: send a TranslateHeader first");
+  }
+  if (!request.has_header()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "first message must be a header (TranslateKVRequest.header)");
+  }
+  // Kept for the whole stream: explicit positions are read from it in place.
+  const v1::TranslateHeader header = request.header();
+  TranslatePlan plan;
+  plan.request_id = header.request_id().empty()
+                        ? absl::StrCat("kvt-", next_request_id_.fetch_add(1))
+                        : header.request_id();
+  auto fail = [&](const absl::Status& status) {
+    KVT_LOG(kWarning, "translate failed")
+        .With("request_id", plan.request_id)
+        .With("code", absl::StatusCodeToString(status.code()))
+        .With("error", status.message());
+    return ToGrpcStatus(status);
+  };
+  if (draining()) {
+    return fail(absl::UnavailableError(
+        "server is draining (shutting down); retry on another replica"));
+  }
+
+  // --- Header validation: every error names the field. ---
+  absl::StatusOr<DType> input_dtype = DTypeFromProto(header.dtype(), "header.dtype");
+  if (!input_dtype.ok()) return fail(input_dtype.status());
+  absl::StatusOr<Layout> input_layout = LayoutFromProto(header.layout(), "header.layout");
+  if (!input_layout.ok()) return fail(input_layout.status());
+  plan.input_dtype = *input_dtype;
+  plan.input_layout = *input_layout;
+  plan.output_dtype = plan.input_dtype;
+  plan.output_layout = plan.input_layout;
+  if (header.output_dtype() != v1::DTYPE_UNSPECIFIED) {
+    absl::StatusOr<DType> dtype = DTypeFromProto(header.output_dtype(), "header.output_dtype");
+    if (!dtype.ok()) return fail(dtype.status());
+    plan.output_dtype = *dtype;
+  }
+  if (header.output_layout() != v1::LAYOUT_UNSPECIFIED) {
+    absl::StatusOr<Layout> layout =
+        LayoutFromProto(header.output_layout(), "header.output_layout");
+    if (!layout.ok()) return fail(layout.status());
+    plan.output_layout = *layout;
+  }
+  if (header.num_tokens() == 0) {
+    return fail(absl::InvalidArgumentError("header.num_tokens must be > 0"));
+  }
+  if (header.num_tokens() > config_.limits.max_tokens) {
+    return fail(absl::ResourceExhaustedError(
+        absl::StrCat("header.num_tokens=", header.num_tokens(), " exceeds limits.max_tokens=",
+                     config_.limits.max_tokens, "; split the cache into several requests")));
+  }
+  plan.num_tokens = header.num_tokens();
+  if (header.positions_size() > 0) {
+    if (header.positions_size() != header.num_tokens()) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("header.positions has ", header.positions_size(),
+                       " entries but header.num_tokens=", header.num_tokens())));
+    }
+    if (header.position_offset() != 0) {
+      return fail(absl::InvalidArgumentError(
+          "header.position_offset and header.positions are exclusive: set one"));
+    }
+    plan.positions.explicit_positions = header.positions().data();
+  } else {
+    if (header.position_offset() > UINT64_MAX - header.num_tokens()) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("header.position_offset=", header.position_offset(),
+                       " + num_tokens overflows a 64-bit position")));
+    }
+    plan.positions.offset = header.position_offset();
+  }
+  if (header.input().has_region()) {
+    return fail(absl::UnimplementedError(
+        "header.input.region: shared-memory input is not available yet; send inline chunks"));
+  }
+  if (header.output().has_region()) {
+    return fail(absl::UnimplementedError(
+        "header.output.region: shared-memory output is not available yet; use inline output"));
+  }
+  plan.response_chunk_tokens = header.output().inline_().chunk_tokens();
+
+  // --- Mapper. ---
+  absl::StatusOr<std::shared_ptr<const LoadedMapper>> mapper;
+  if (!header.mapper_id().empty()) {
+    mapper = store_->Get(header.mapper_id());
+    if (mapper.ok() &&
+        ((!header.source_model().empty() &&
+          header.source_model() != (*mapper)->view().source.name) ||
+         (!header.target_model().empty() &&
+          header.target_model() != (*mapper)->view().target.name))) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "header.mapper_id='", header.mapper_id(), "' maps ", (*mapper)->view().source.name,
+          " -> ", (*mapper)->view().target.name, ", not header.source_model='",
+          header.source_model(), "' -> header.target_model='", header.target_model(), "'")));
+    }
+  } else if (header.source_model().empty() || header.target_model().empty()) {
+    return fail(absl::InvalidArgumentError(
+        "header.source_model and header.target_model (or header.mapper_id) are required"));
+  } else {
+    mapper = store_->Find(header.source_model(), header.target_model());
+  }
+  if (!mapper.ok()) return fail(mapper.status());
+  plan.mapper = *mapper;
+  const MapperView& view = plan.mapper->view();
+  const ModelSpec& src_model = view.source;
+  const ModelSpec& tgt_model = view.target;
+
+  const LayerGeometry source_geometry{plan.input_layout, src_model.num_kv_heads, plan.num_tokens,
+                                      src_model.head_dim,
+                                      static_cast<int64_t>(DTypeSize(plan.input_dtype))};
+  const LayerGeometry target_geometry{plan.output_layout, tgt_model.num_kv_heads,
+                                      plan.num_tokens, tgt_model.head_dim,
+                                      static_cast<int64_t>(DTypeSize(plan.output_dtype))};
+  plan.source_bytes = 2 * src_model.num_layers * source_geometry.layer_bytes();
+  plan.target_bytes = 2 * tgt_model.num_layers * target_geometry.layer_bytes();
+  if (plan.source_bytes + plan.target_bytes > config_.limits.max_request_bytes) {
+    return fail(absl::ResourceExhaustedError(absl::StrCat(
+        "header.num_tokens=", plan.num_tokens, " makes ", plan.source_bytes, " source + ",
+        plan.target_bytes, " target cache bytes, over limits.max_request_bytes=",
+        config_.limits.max_request_bytes, "; split the cache into several requests")));
+  }
+
+  // --- Admission: the source cache plus two target layers (double buffering) are held. ---
+  absl::StatusOr<AdmissionController::Ticket> ticket =
+      admission_.TryAdmit(plan.source_bytes + 4 * target_geometry.layer_bytes());
+  if (!ticket.ok()) return fail(ticket.status());
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = Prepared(plan.mapper);
+  if (!prepared.ok()) return fail(prepared.status());
+  const absl::Time admitted = absl::Now();
+
+  KVT_LOG(kInfo, "translate start")
+      .With("request_id", plan.request_id)
+      .With("mapper", plan.mapper->id())
+      .With("tokens", plan.num_tokens)
+      .With("session_id", header.session_id())
+      .With("turn", header.turn());
+
+  {
+    v1::TranslateKVResponse response;
+    v1::TranslateResponseHeader* out = response.mutable_header();
+    out->set_request_id(plan.request_id);
+    out->set_mapper_id(plan.mapper->id());
+    out->set_source_model(src_model.name);
+    out->set_target_model(tgt_model.name);
+    out->mutable_target_shape()->set_num_layers(tgt_model.num_layers);
+    out->mutable_target_shape()->set_num_kv_heads(tgt_model.num_kv_heads);
+    out->mutable_target_shape()->set_head_dim(tgt_model.head_dim);
+    out->set_output_dtype(DTypeToProto(plan.output_dtype));
+    out->set_output_layout(LayoutToProto(plan.output_layout));
+    out->set_num_tokens(plan.num_tokens);
+    out->set_backend(backend_->name());
+    out->set_device(backend_->device());
+    if (!stream->Write(response)) return CancelledOrDeadline(context);
+  }
+
+  // --- Stage in: inline chunks into whole-layer buffers. ---
+  std::vector<LayerBuffer> source_k, source_v;
+  source_k.reserve(src_model.num_layers);
+  source_v.reserve(src_model.num_layers);
+  for (int l = 0; l < src_model.num_layers; ++l) {
+    source_k.emplace_back(source_geometry.layer_bytes());
+    source_v.emplace_back(source_geometry.layer_bytes());
+  }
+  CoverageTracker coverage(src_model.num_layers, plan.num_tokens);
+  while (stream->Read(&request)) {
+    if (request.has_header()) {
+      return fail(absl::InvalidArgumentError(
+          "second header in the stream: a TranslateKV stream carries exactly one header"));
+    }
+    if (!request.has_chunk()) {
+      return fail(absl::InvalidArgumentError("empty TranslateKVRequest: set header or chunk"));
+    }
+    const v1::KVChunk& chunk = request.chunk();
+    if (chunk.layer() >= static_cast<uint32_t>(src_model.num_layers)) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("chunk.layer=", chunk.layer(), " out of range: source model ",
+                       src_model.name, " has ", src_model.num_layers, " layers")));
+    }
+    if (chunk.kind() != v1::CACHE_KIND_K && chunk.kind() != v1::CACHE_KIND_V) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "chunk.kind must be CACHE_KIND_K or CACHE_KIND_V (layer ", chunk.layer(), ")")));
+    }
+    if (chunk.token_count() == 0) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("chunk.token_count must be > 0 (layer ", chunk.layer(), ")")));
+    }
+    const int64_t chunk_end =
+        static_cast<int64_t>(chunk.token_start()) + static_cast<int64_t>(chunk.token_count());
+    if (chunk_end > plan.num_tokens) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "chunk.token_start=", chunk.token_start(), " + chunk.token_count=",
+          chunk.token_count(), " exceeds header.num_tokens=", plan.num_tokens)));
+    }
+    const int kind = chunk.kind() == v1::CACHE_KIND_K ? 0 : 1;
+    const int64_t expected = source_geometry.chunk_bytes(chunk.token_count());
+    if (static_cast<int64_t>(chunk.data().size()) != expected) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "chunk.data has ", chunk.data().size(), " bytes, expected ", expected, " (layer ",
+          chunk.layer(), " ", kind == 0 ? "K" : "V", ", ", src_model.num_kv_heads, " heads x ",
+          chunk.token_count(), " tokens x ", src_model.head_dim, " dims x ",
+          DTypeSize(plan.input_dtype), " bytes of ", DTypeName(plan.input_dtype), ")")));
+    }
+    if (absl::Status added =
+            coverage.Add(chunk.layer(), kind, chunk.token_start(), chunk.token_count());
+        !added.ok()) {
+      return fail(added);
+    }
+    ScatterChunk(source_geometry, chunk.token_start(), chunk.token_count(), chunk.data().data(),
+                 (kind == 0 ? source_k : source_v)[chunk.layer()].bytes.get());
+  }
+  if (context->IsCancelled()) return CancelledOrDeadline(context);
+  if (!coverage.Complete()) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "stream ended before every source chunk arrived: ", coverage.FirstGap())));
+  }
+  const absl::Time staged_in = absl::Now();
+
+  // --- Compute layer l+1 on the compute executor while layer l streams out. ---
+  CacheView source;
+  source.dtype = plan.input_dtype;
+  source.layout = plan.input_layout;
+  source.num_kv_heads = src_model.num_kv_heads;
+  source.head_dim = src_model.head_dim;
+  source.num_tokens = plan.num_tokens;
+  for (int l = 0; l < src_model.num_layers; ++l) {
+    source.k.push_back(source_k[l].bytes.get());
+    source.v.push_back(source_v[l].bytes.get());
+  }
+  struct Slot {
+    std::unique_ptr<LayerBuffer> k, v;
+    MutableCacheView view;
+    double compute_ms = 0;
+  };
+  Slot slots[2];
+  for (Slot& slot : slots) {
+    slot.k = std::make_unique<LayerBuffer>(target_geometry.layer_bytes());
+    slot.v = std::make_unique<LayerBuffer>(target_geometry.layer_bytes());
+    slot.view.dtype = plan.output_dtype;
+    slot.view.layout = plan.output_layout;
+    slot.view.num_kv_heads = tgt_model.num_kv_heads;
+    slot.view.head_dim = tgt_model.head_dim;
+    slot.view.num_tokens = plan.num_tokens;
+    slot.view.k.assign(tgt_model.num_layers, nullptr);
+    slot.view.v.assign(tgt_model.num_layers, nullptr);
+  }
+  TranslateOptions options;
+  options.token_chunk = config_.backend.token_chunk;
+  PreparedMapper* prepared_mapper = prepared->get();
+  auto submit = [&](int layer) {
+    Slot& slot = slots[layer % 2];
+    std::fill(slot.view.k.begin(), slot.view.k.end(), nullptr);
+    std::fill(slot.view.v.begin(), slot.view.v.end(), nullptr);
+    slot.view.k[layer] = slot.k->bytes.get();
+    slot.view.v[layer] = slot.v->bytes.get();
+    return compute_.Submit([this, &slot, &source, &plan, &options, prepared_mapper, layer] {
+      const absl::Time begin = absl::Now();
+      absl::Status status = backend_->TranslateLayer(*prepared_mapper, layer, source,
+                                                      plan.positions, options, &slot.view);
+      slot.compute_ms = Ms(absl::Now() - begin);
+      return status;
+    });
+  };
+  // Whatever happens below, no compute task may outlive the buffers it writes.
+  std::optional<std::future<absl::Status>> pending = submit(0);
+  struct WaitPending {
+    std::optional<std::future<absl::Status>>* pending;
+    ~WaitPending() {
+      if (pending->has_value() && (*pending)->valid()) (*pending)->wait();
+    }
+  } wait_pending{&pending};
+
+  int64_t tokens_per_chunk = TokensPerChunk(target_geometry, config_.limits.response_chunk_bytes);
+  if (plan.response_chunk_tokens > 0) {
+    tokens_per_chunk = std::min(tokens_per_chunk, plan.response_chunk_tokens);
+  }
+  double compute_ms = 0, stage_out_ms = 0;
+  int64_t output_bytes = 0;
+  v1::TranslateKVResponse response;
+  for (int layer = 0; layer < tgt_model.num_layers; ++layer) {
+    absl::Status computed = (*pending)->get();
+    pending.reset();
+    if (!computed.ok()) return fail(computed);
+    Slot& slot = slots[layer % 2];
+    compute_ms += slot.compute_ms;
+    if (context->IsCancelled()) return CancelledOrDeadline(context);
+    if (layer + 1 < tgt_model.num_layers) pending = submit(layer + 1);
+
+    const absl::Time send_begin = absl::Now();
+    for (int kind = 0; kind < 2; ++kind) {
+      const char* layer_bytes = (kind == 0 ? slot.k : slot.v)->bytes.get();
+      for (int64_t first = 0; first < plan.num_tokens; first += tokens_per_chunk) {
+        const int64_t count = std::min(tokens_per_chunk, plan.num_tokens - first);
+        v1::KVChunk* chunk = response.mutable_chunk();
+        chunk->set_layer(layer);
+        chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
+        chunk->set_token_start(static_cast<uint32_t>(first));
+        chunk->set_token_count(static_cast<uint32_t>(count));
+        std::string* data = chunk->mutable_data();
+        data->resize(static_cast<size_t>(target_geometry.chunk_bytes(count)));
+        GatherChunk(target_geometry, first, count, layer_bytes, data->data());
+        output_bytes += static_cast<int64_t>(data->size());
+        if (!stream->Write(response)) return CancelledOrDeadline(context);
+      }
+    }
+    stage_out_ms += Ms(absl::Now() - send_begin);
+  }
+
+  const absl::Time end = absl::Now();
+  v1::TranslateKVResponse trailer_message;
+  v1::TranslateTrailer* trailer = trailer_message.mutable_trailer();
+  trailer->set_request_id(plan.request_id);
+  v1::StageTimings* timings = trailer->mutable_timings();
+  timings->set_queue_ms(Ms(admitted - start));
+  timings->set_stage_in_ms(Ms(staged_in - admitted));
+  timings->set_compute_ms(compute_ms);
+  timings->set_stage_out_ms(stage_out_ms);
+  timings->set_total_ms(Ms(end - start));
+  trailer->set_num_tokens(plan.num_tokens);
+  trailer->set_input_bytes(plan.source_bytes);
+  trailer->set_output_bytes(output_bytes);
+  if (header.reprefill_estimate_ms() > 0 && timings->total_ms() > 0) {
+    trailer->set_speedup_estimate(header.reprefill_estimate_ms() / timings->total_ms());
+  }
+  if (!stream->Write(trailer_message)) return CancelledOrDeadline(context);
+
+  KVT_LOG(kInfo, "translate done")
+      .With("request_id", plan.request_id)
+      .With("mapper", plan.mapper->id())
+      .With("tokens", plan.num_tokens)
+      .With("queue_ms", timings->queue_ms())
+      .With("stage_in_ms", timings->stage_in_ms())
+      .With("compute_ms", compute_ms)
+      .With("stage_out_ms", stage_out_ms)
+      .With("total_ms", timings->total_ms());
+  return grpc::Status::OK;
+}
+
+grpc::Status TranslatorService::ValidateKV(grpc::ServerContext*,
+                                           grpc::ServerReader<v1::ValidateKVRequest>*,
+                                           v1::ValidateKVResponse*) {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      "ValidateKV (quality metrics) is not available in this build yet");
+}
+
+grpc::Status TranslatorService::ListMappers(grpc::ServerContext*,
+                                            const v1::ListMappersRequest*,
+                                            v1::ListMappersResponse* response) {
+  for (const MapperInfo& info : store_->List()) FillMapperInfo(info, response->add_mappers());
+  return grpc::Status::OK;
+}
+
+grpc::Status TranslatorService::GetMapper(grpc::ServerContext*,
+                                          const v1::GetMapperRequest* request,
+                                          v1::MapperInfo* response) {
+  if (request->mapper_id().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "mapper_id is required");
+  }
+  for (const MapperInfo& info : store_->List()) {
+    if (info.id == request->mapper_id()) {
+      FillMapperInfo(info, response);
+      return grpc::Status::OK;
+    }
+  }
+  return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                      absl::StrCat("no mapper with mapper_id '", request->mapper_id(), "'"));
+}
+
+grpc::Status TranslatorService::LoadMapper(grpc::ServerContext*, const v1::LoadMapperRequest*,
+                                           v1::LoadMapperResponse*) {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      "LoadMapper is not available yet: every valid mapper in the store "
+                      "directory is loaded into host memory at startup");
+}
+
+grpc::Status TranslatorService::UnloadMapper(grpc::ServerContext*,
+                                             const v1::UnloadMapperRequest*,
+                                             v1::UnloadMapperResponse*) {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "UnloadMapper is not available yet");
+}
+
+namespace {
+grpc::Status SharedMemoryUnimplemented(const char* rpc) {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      absl::StrCat(rpc, ": client shared-memory regions are not available in "
+                                        "this build yet; send KV inline"));
+}
+}  // namespace
+
+grpc::Status TranslatorService::RegisterSystemMemory(grpc::ServerContext*,
+                                                     const v1::RegisterSystemMemoryRequest*,
+                                                     v1::RegisterSystemMemoryResponse*) {
+  return SharedMemoryUnimplemented("RegisterSystemMemory");
+}
+grpc::Status TranslatorService::UnregisterSystemMemory(grpc::ServerContext*,
+                                                       const v1::UnregisterSystemMemoryRequest*,
+                                                       v1::UnregisterSystemMemoryResponse*) {
+  return SharedMemoryUnimplemented("UnregisterSystemMemory");
+}
+grpc::Status TranslatorService::SystemMemoryStatus(grpc::ServerContext*,
+                                                   const v1::SystemMemoryStatusRequest*,
+                                                   v1::SystemMemoryStatusResponse*) {
+  return SharedMemoryUnimplemented("SystemMemoryStatus");
+}
+grpc::Status TranslatorService::RegisterCudaMemory(grpc::ServerContext*,
+                                                   const v1::RegisterCudaMemoryRequest*,
+                                                   v1::RegisterCudaMemoryResponse*) {
+  return SharedMemoryUnimplemented("RegisterCudaMemory");
+}
+grpc::Status TranslatorService::UnregisterCudaMemory(grpc::ServerContext*,
+                                                     const v1::UnregisterCudaMemoryRequest*,
+                                                     v1::UnregisterCudaMemoryResponse*) {
+  return SharedMemoryUnimplemented("UnregisterCudaMemory");
+}
+grpc::Status TranslatorService::CudaMemoryStatus(grpc::ServerContext*,
+                                                 const v1::CudaMemoryStatusRequest*,
+                                                 v1::CudaMemoryStatusResponse*) {
+  return SharedMemoryUnimplemented("CudaMemoryStatus");
+}
+
+}  // namespace kvt

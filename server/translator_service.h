@@ -1,0 +1,87 @@
+// The kvt.v1.KvTranslator gRPC service: validates and admits TranslateKV streams, assembles
+// inline source chunks, runs the backend layer by layer on the compute executor and streams
+// target chunks back while the next layer computes; model control over the mapper store.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/backend.h"
+#include "mapper_store/store.h"
+#include "proto/kvt/v1/service.grpc.pb.h"
+#include "server/admission.h"
+#include "server/compute_executor.h"
+#include "server/config.h"
+
+namespace kvt {
+
+class TranslatorService final : public v1::KvTranslator::Service {
+ public:
+  // `store` and `backend` must outlive the service.
+  TranslatorService(const KvtdConfig& config, MapperStore* store, Backend* backend);
+  ~TranslatorService() override;
+
+  // After this, new translations are refused with UNAVAILABLE; in-flight ones continue.
+  void StartDraining() { draining_.store(true); }
+  bool draining() const { return draining_.load(); }
+  int64_t inflight_requests() const { return admission_.inflight_requests(); }
+
+  grpc::Status TranslateKV(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream) override;
+  grpc::Status ValidateKV(grpc::ServerContext* context,
+                          grpc::ServerReader<v1::ValidateKVRequest>* reader,
+                          v1::ValidateKVResponse* response) override;
+  grpc::Status ListMappers(grpc::ServerContext* context, const v1::ListMappersRequest* request,
+                           v1::ListMappersResponse* response) override;
+  grpc::Status GetMapper(grpc::ServerContext* context, const v1::GetMapperRequest* request,
+                         v1::MapperInfo* response) override;
+  grpc::Status LoadMapper(grpc::ServerContext* context, const v1::LoadMapperRequest* request,
+                          v1::LoadMapperResponse* response) override;
+  grpc::Status UnloadMapper(grpc::ServerContext* context, const v1::UnloadMapperRequest* request,
+                            v1::UnloadMapperResponse* response) override;
+  grpc::Status RegisterSystemMemory(grpc::ServerContext* context,
+                                    const v1::RegisterSystemMemoryRequest* request,
+                                    v1::RegisterSystemMemoryResponse* response) override;
+  grpc::Status UnregisterSystemMemory(grpc::ServerContext* context,
+                                      const v1::UnregisterSystemMemoryRequest* request,
+                                      v1::UnregisterSystemMemoryResponse* response) override;
+  grpc::Status SystemMemoryStatus(grpc::ServerContext* context,
+                                  const v1::SystemMemoryStatusRequest* request,
+                                  v1::SystemMemoryStatusResponse* response) override;
+  grpc::Status RegisterCudaMemory(grpc::ServerContext* context,
+                                  const v1::RegisterCudaMemoryRequest* request,
+                                  v1::RegisterCudaMemoryResponse* response) override;
+  grpc::Status UnregisterCudaMemory(grpc::ServerContext* context,
+                                    const v1::UnregisterCudaMemoryRequest* request,
+                                    v1::UnregisterCudaMemoryResponse* response) override;
+  grpc::Status CudaMemoryStatus(grpc::ServerContext* context,
+                                const v1::CudaMemoryStatusRequest* request,
+                                v1::CudaMemoryStatusResponse* response) override;
+
+ private:
+  // The backend's prepared copy of a store mapper, made once and shared by requests.
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> Prepared(
+      const std::shared_ptr<const LoadedMapper>& mapper);
+
+  const KvtdConfig config_;
+  MapperStore* const store_;
+  Backend* const backend_;
+  AdmissionController admission_;
+  ComputeExecutor compute_;
+  std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> next_request_id_{1};
+
+  absl::Mutex prepared_mutex_;
+  // Keyed by the loaded mapper; holding it keeps the view's bytes alive.
+  std::map<const LoadedMapper*, std::pair<std::shared_ptr<const LoadedMapper>,
+                                          std::shared_ptr<PreparedMapper>>>
+      prepared_ ABSL_GUARDED_BY(prepared_mutex_);
+};
+
+}  // namespace kvt
