@@ -1,0 +1,81 @@
+// The manifest.yaml of a mapper directory as a struct: parsing with errors that name the key and
+// line, semantic validation (shapes, sigma ranges, RoPE), and emission. docs/MAPPER_FORMAT.md.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/mapper_view.h"
+#include "kernels/types.h"
+
+namespace kvt {
+
+// The one manifest format version this build reads and writes.
+inline constexpr int kManifestFormatVersion = 1;
+inline constexpr char kManifestFileName[] = "manifest.yaml";
+inline constexpr char kDefaultWeightsFileName[] = "weights.safetensors";
+inline constexpr char kChecksumFileName[] = "SHA256SUMS";
+
+enum class MapperKind {
+  kRidge,  // x W + b per target layer and K|V (SPEC 3)
+  kMlp,    // reserved: parsed by name but refused until the MLP kind lands
+};
+const char* MapperKindName(MapperKind kind);
+
+// Where the ridge penalty lambda was added (SPEC 4.1).
+enum class LambdaScale {
+  kCovariance,  // to S_xx = X^T X / N (default)
+  kSum,         // to the un-normalised X^T X
+};
+const char* LambdaScaleName(LambdaScale scale);
+
+// One target layer: the ordered source layers feeding its K and V maps, and fit quality.
+struct LayerEntry {
+  int target_layer = 0;
+  std::vector<int> sigma_k;
+  std::vector<int> sigma_v;
+  std::optional<double> r2_k, r2_v;                  // in-sample, head-averaged
+  std::optional<double> r2_k_heldout, r2_v_heldout;  // on held-out calibration sequences
+};
+
+struct Manifest {
+  int format_version = kManifestFormatVersion;
+  MapperKind kind = MapperKind::kRidge;
+  bool synthetic = false;  // random weights from `kvt synth`
+  ModelSpec source;
+  ModelSpec target;
+  int k = 0;  // the longest sigma list (every sigma has 1..k entries, at least one has k)
+  double lambda = 0.01;
+  LambdaScale lambda_scale = LambdaScale::kCovariance;
+  std::string weights_file = kDefaultWeightsFileName;
+  DType weights_dtype = DType::kBF16;
+  std::vector<LayerEntry> layers;  // exactly target.num_layers, in order
+  // The free-form `calibration` map as YAML text, kept as written; empty if absent.
+  std::string calibration_yaml;
+  std::string created_by;  // free-form
+};
+
+// Parses manifest.yaml text. Errors are INVALID_ARGUMENT (UNIMPLEMENTED for kind: mlp) and read
+// "<label> line N: ..." naming the offending key: YAML syntax, unknown or duplicate keys, missing
+// required keys, wrong scalar types, unsupported format_version, sigma entries out of range, RoPE
+// settings kvt::ValidateRopeConfig refuses. `label` is how messages name the file.
+absl::StatusOr<Manifest> ParseManifest(absl::string_view yaml_text,
+                                       absl::string_view label = kManifestFileName);
+// Reads and parses a file; messages name its path.
+absl::StatusOr<Manifest> ReadManifestFile(const std::string& path);
+
+// The semantic checks of ParseManifest for a struct built in code (writers call this before
+// anything touches the disk). Messages name the field, e.g. "layers[3].sigma_k[1] = 40 ...".
+absl::Status ValidateManifest(const Manifest& manifest);
+
+// YAML text of a valid manifest (validated first). ParseManifest(EmitManifest(m)) == m.
+absl::StatusOr<std::string> EmitManifest(const Manifest& manifest);
+
+// Shortest decimal that reads back as the same double ("0.01", "1000000", "1e-07").
+std::string FormatDouble(double value);
+
+}  // namespace kvt

@@ -1,0 +1,281 @@
+#include "mapper_store/manifest.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "gtest/gtest.h"
+#include "mapper_store/test_util.h"
+
+namespace kvt {
+namespace {
+
+using ::absl::StatusCode;
+
+// A valid manifest, one line per element so tests can name line numbers (1-based).
+std::vector<std::string> ExampleLines() {
+  return {
+      "# a mapper",                                                                     // 1
+      "format_version: 1",                                                              // 2
+      "kind: ridge",                                                                    // 3
+      "synthetic: false",                                                               // 4
+      "source:",                                                                        // 5
+      "  name: Qwen/Qwen3-14B",                                                         // 6
+      "  num_layers: 4",                                                                // 7
+      "  num_kv_heads: 2",                                                              // 8
+      "  head_dim: 8",                                                                  // 9
+      "  rope: {theta: 1000000, rotary_dim: 8, style: neox, scaling: {type: none}}",    // 10
+      "target:",                                                                        // 11
+      "  name: Qwen/Qwen3-32B",                                                         // 12
+      "  num_layers: 3",                                                                // 13
+      "  num_kv_heads: 2",                                                              // 14
+      "  head_dim: 8",                                                                  // 15
+      "  rope:",                                                                        // 16
+      "    theta: 500000",                                                              // 17
+      "    rotary_dim: 8",                                                              // 18
+      "    style: gptj",                                                                // 19
+      "    scaling: {type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
+      "original_max_position_embeddings: 8192}",                                        // 20
+      "k: 2",                                                                           // 21
+      "lambda: 0.01",                                                                   // 22
+      "lambda_scale: sum",                                                              // 23
+      "weights: {file: weights.safetensors, dtype: bf16}",                              // 24
+      "layers:",                                                                        // 25
+      "  - {target_layer: 0, sigma_k: [3, 1], sigma_v: [3], r2_k: 0.91, r2_v: 0.83}",    // 26
+      "  - {target_layer: 1, sigma_k: [0], sigma_v: [2, 0], r2_k_heldout: -0.5}",        // 27
+      "  - {target_layer: 2, sigma_k: [2], sigma_v: [1]}",                              // 28
+      "calibration:",                                                                   // 29
+      "  dataset: fineweb-edu",                                                         // 30
+      "  sequences: 500",                                                               // 31
+      "created_by: \"kvt fit 0.1\"",                                                    // 32
+  };
+}
+
+std::string Join(const std::vector<std::string>& lines) { return absl::StrJoin(lines, "\n") + "\n"; }
+
+// The example with line `line` (1-based) replaced.
+std::string WithLine(int line, const std::string& replacement) {
+  std::vector<std::string> lines = ExampleLines();
+  lines[line - 1] = replacement;
+  return Join(lines);
+}
+
+TEST(ManifestTest, ParsesTheExample) {
+  absl::StatusOr<Manifest> m = ParseManifest(Join(ExampleLines()));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->kind, MapperKind::kRidge);
+  EXPECT_FALSE(m->synthetic);
+  EXPECT_EQ(m->source.name, "Qwen/Qwen3-14B");
+  EXPECT_EQ(m->source.num_layers, 4);
+  EXPECT_EQ(m->source.rope.theta, 1e6);
+  EXPECT_EQ(m->source.rope.style, RopeStyle::kNeox);
+  EXPECT_EQ(m->target.rope.style, RopeStyle::kGptj);
+  EXPECT_EQ(m->target.rope.scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(m->target.rope.scaling.factor, 8);
+  EXPECT_EQ(m->target.rope.scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(m->k, 2);
+  EXPECT_EQ(m->lambda, 0.01);
+  EXPECT_EQ(m->lambda_scale, LambdaScale::kSum);
+  EXPECT_EQ(m->weights_dtype, DType::kBF16);
+  ASSERT_EQ(m->layers.size(), 3u);
+  EXPECT_EQ(m->layers[0].sigma_k, (std::vector<int>{3, 1}));
+  EXPECT_EQ(m->layers[1].sigma_v, (std::vector<int>{2, 0}));
+  EXPECT_EQ(*m->layers[0].r2_k, 0.91);
+  EXPECT_FALSE(m->layers[0].r2_k_heldout.has_value());
+  EXPECT_EQ(*m->layers[1].r2_k_heldout, -0.5);
+  EXPECT_NE(m->calibration_yaml.find("sequences: 500"), std::string::npos);
+  EXPECT_EQ(m->created_by, "kvt fit 0.1");
+}
+
+TEST(ManifestTest, EmitThenParseIsIdentity) {
+  absl::StatusOr<Manifest> m = ParseManifest(Join(ExampleLines()));
+  ASSERT_TRUE(m.ok()) << m.status();
+  m->target.rope.scaling = RopeScaling();
+  m->target.rope.scaling.type = RopeScalingType::kYarn;
+  m->target.rope.scaling.factor = 16;
+  m->target.rope.scaling.original_max_position_embeddings = 16384;
+  m->target.rope.scaling.has_attention_factor = true;
+  m->target.rope.scaling.attention_factor = 1.0;
+  m->lambda = 1e-7;
+  absl::StatusOr<std::string> text = EmitManifest(*m);
+  ASSERT_TRUE(text.ok()) << text.status();
+  absl::StatusOr<Manifest> back = ParseManifest(*text);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << *text;
+  absl::StatusOr<std::string> again = EmitManifest(*back);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *text);
+  EXPECT_EQ(back->lambda, 1e-7);
+  EXPECT_EQ(back->layers[0].r2_v, m->layers[0].r2_v);
+  EXPECT_EQ(back->target.rope.scaling.type, RopeScalingType::kYarn);
+  EXPECT_TRUE(back->target.rope.scaling.has_attention_factor);
+  EXPECT_EQ(back->calibration_yaml, m->calibration_yaml);
+  EXPECT_NE(text->find("sigma_k: [3, 1]"), std::string::npos) << *text;
+}
+
+TEST(ManifestTest, UnknownKeyNamesKeyAndLine) {
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "colour: red")), StatusCode::kInvalidArgument,
+                   "manifest.yaml line 4: unknown key 'colour' at top level");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(9, "  head_dims: 8")), StatusCode::kInvalidArgument,
+                   "line 9: unknown key 'head_dims' in source");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(19, "    stlye: gptj")), StatusCode::kInvalidArgument,
+                   "line 19: unknown key 'stlye' in target.rope");
+  KVT_EXPECT_ERROR(
+      ParseManifest(WithLine(28, "  - {target_layer: 2, sigma_k: [2], sigma_v: [1], r2: 1}")),
+      StatusCode::kInvalidArgument, "line 28: unknown key 'r2' in layers[2]");
+}
+
+TEST(ManifestTest, UnknownKeyErrorUsesTheGivenLabel) {
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "colour: red"), "/store/m/manifest.yaml"),
+                   StatusCode::kInvalidArgument, "/store/m/manifest.yaml line 4: unknown key");
+}
+
+TEST(ManifestTest, DuplicateKey) {
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "kind: ridge")), StatusCode::kInvalidArgument,
+                   "line 4: duplicate key 'kind'");
+}
+
+TEST(ManifestTest, MissingRequiredKeyIsNamed) {
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(15, "")), StatusCode::kInvalidArgument,
+                   "missing required key 'head_dim' in target");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(21, "")), StatusCode::kInvalidArgument,
+                   "missing required key 'k'");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(28, "  - {target_layer: 2, sigma_k: [2]}")),
+                   StatusCode::kInvalidArgument,
+                   "line 28: missing required key 'sigma_v' in layers[2]");
+}
+
+TEST(ManifestTest, UnsupportedFormatVersion) {
+  // Checked before unknown keys: a newer manifest names the version, not its new keys.
+  std::vector<std::string> lines = ExampleLines();
+  lines[1] = "format_version: 2";
+  lines.push_back("new_v2_key: 1");
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "line 2: unsupported format_version 2 (this build reads format_version 1)");
+}
+
+TEST(ManifestTest, MlpKindIsRefusedClearly) {
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(3, "kind: mlp")), StatusCode::kUnimplemented,
+                   "line 3: unsupported kind 'mlp'");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(3, "kind: lasso")), StatusCode::kInvalidArgument,
+                   "unknown kind 'lasso'");
+}
+
+TEST(ManifestTest, SigmaOutOfRangeNamesTheLayer) {
+  KVT_EXPECT_ERROR(
+      ParseManifest(WithLine(27, "  - {target_layer: 1, sigma_k: [0, 4], sigma_v: [2]}")),
+      StatusCode::kInvalidArgument,
+      "line 27: layers[1].sigma_k[1] = 4 is out of range: source.num_layers is 4 (target layer 1)");
+  KVT_EXPECT_ERROR(
+      ParseManifest(WithLine(27, "  - {target_layer: 1, sigma_k: [0], sigma_v: [-1]}")),
+      StatusCode::kInvalidArgument, "layers[1].sigma_v[0] = -1 is out of range");
+}
+
+TEST(ManifestTest, SigmaWithMultiLineLayerEntryPointsAtTheList) {
+  std::vector<std::string> lines = ExampleLines();
+  lines[27] = "  - target_layer: 2";
+  lines.insert(lines.begin() + 28, {"    sigma_k: [2]", "    sigma_v: [9]"});
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "line 30: layers[2].sigma_v[0] = 9 is out of range");
+}
+
+TEST(ManifestTest, LayerStructureErrors) {
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(28, "")), StatusCode::kInvalidArgument,
+                   "layers has 2 entries but target.num_layers is 3");
+  KVT_EXPECT_ERROR(
+      ParseManifest(WithLine(28, "  - {target_layer: 7, sigma_k: [2], sigma_v: [1]}")),
+      StatusCode::kInvalidArgument, "line 28: layers[2].target_layer is 7, expected 2");
+  KVT_EXPECT_ERROR(
+      ParseManifest(WithLine(28, "  - {target_layer: 2, sigma_k: [2, 2], sigma_v: [1]}")),
+      StatusCode::kInvalidArgument, "lists source layer 2 twice");
+  KVT_EXPECT_ERROR(
+      ParseManifest(WithLine(28, "  - {target_layer: 2, sigma_k: [2, 1, 0], sigma_v: [1]}")),
+      StatusCode::kInvalidArgument, "layers[2].sigma_k has 3 entries but k is 2");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(28, "  - {target_layer: 2, sigma_k: [], sigma_v: [1]}")),
+                   StatusCode::kInvalidArgument, "layers[2].sigma_k is empty");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(21, "k: 3")), StatusCode::kInvalidArgument,
+                   "line 21: k = 3 but the longest sigma list has 2 entries");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(21, "k: 5")), StatusCode::kInvalidArgument,
+                   "k = 5 must be between 1 and source.num_layers (4)");
+}
+
+TEST(ManifestTest, RopeIsValidated) {
+  KVT_EXPECT_ERROR(
+      ParseManifest(WithLine(10, "  rope: {theta: 10000, rotary_dim: 10, style: neox}")),
+      StatusCode::kInvalidArgument, "line 10: source.rope: ");
+  KVT_EXPECT_ERROR(
+      ParseManifest(WithLine(10, "  rope: {theta: 10000, rotary_dim: 8, style: neox, "
+                                 "scaling: {type: dynamic, factor: 2}}")),
+      StatusCode::kInvalidArgument, "dynamic");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(19, "    style: sideways")),
+                   StatusCode::kInvalidArgument, "line 19: target.rope.style");
+  // Scaling absent means none.
+  absl::StatusOr<Manifest> m =
+      ParseManifest(WithLine(10, "  rope: {theta: 10000, rotary_dim: 4, style: neox}"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->source.rope.scaling.type, RopeScalingType::kNone);
+  EXPECT_EQ(m->source.rope.rotary_dim, 4);
+}
+
+TEST(ManifestTest, WrongScalarTypes) {
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(21, "k: eight")), StatusCode::kInvalidArgument,
+                   "line 21: k must be an integer, got 'eight'");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(7, "  num_layers: [4]")), StatusCode::kInvalidArgument,
+                   "line 7: source.num_layers must be an integer, got a list");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(24, "weights: {file: weights.safetensors, dtype: int8}")),
+                   StatusCode::kInvalidArgument, "line 24: weights.dtype: unsupported dtype 'int8'");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(24, "weights: {file: ../x.safetensors, dtype: bf16}")),
+                   StatusCode::kInvalidArgument, "must be a plain file name");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(23, "lambda_scale: mean")),
+                   StatusCode::kInvalidArgument, "lambda_scale 'mean' must be covariance or sum");
+  std::vector<std::string> lines = ExampleLines();
+  lines.erase(lines.begin() + 28, lines.begin() + 31);
+  lines.insert(lines.begin() + 28, "calibration: 5");
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "line 29: calibration must be a map");
+}
+
+TEST(ManifestTest, YamlSyntaxErrorHasALine) {
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(26, "  - {target_layer: 0, sigma_k: [3, 1")),
+                   StatusCode::kInvalidArgument, "YAML syntax error");
+  KVT_EXPECT_ERROR(ParseManifest("- 1\n- 2\n"), StatusCode::kInvalidArgument,
+                   "must be a YAML map");
+}
+
+TEST(ManifestTest, ValidateNamesFieldsOfHandBuiltManifests) {
+  absl::StatusOr<Manifest> m = ParseManifest(Join(ExampleLines()));
+  ASSERT_TRUE(m.ok());
+  KVT_EXPECT_OK(ValidateManifest(*m));
+  Manifest bad = *m;
+  bad.layers[2].sigma_v = {4};
+  KVT_EXPECT_ERROR(ValidateManifest(bad), StatusCode::kInvalidArgument,
+                   "layers[2].sigma_v[0] = 4 is out of range");
+  KVT_EXPECT_ERROR(EmitManifest(bad), StatusCode::kInvalidArgument, "out of range");
+  bad = *m;
+  bad.format_version = 3;
+  KVT_EXPECT_ERROR(ValidateManifest(bad), StatusCode::kInvalidArgument,
+                   "unsupported format_version 3");
+  bad = *m;
+  bad.layers[0].r2_k = 1.5;
+  KVT_EXPECT_ERROR(ValidateManifest(bad), StatusCode::kInvalidArgument, "not a valid R^2");
+  bad = *m;
+  bad.source.num_kv_heads = 0;
+  KVT_EXPECT_ERROR(ValidateManifest(bad), StatusCode::kInvalidArgument,
+                   "source.num_kv_heads must be >= 1");
+  bad = *m;
+  bad.calibration_yaml = "[1, 2]";
+  KVT_EXPECT_ERROR(ValidateManifest(bad), StatusCode::kInvalidArgument, "calibration must be");
+}
+
+TEST(ManifestTest, FormatDoubleIsShortestRoundTrip) {
+  EXPECT_EQ(FormatDouble(0.01), "0.01");
+  EXPECT_EQ(FormatDouble(1e6), "1000000");
+  EXPECT_EQ(FormatDouble(500000), "500000");
+  EXPECT_EQ(FormatDouble(1e-7), "1e-07");
+  EXPECT_EQ(FormatDouble(0.1 + 0.2), "0.30000000000000004");
+  EXPECT_EQ(FormatDouble(-0.5), "-0.5");
+}
+
+}  // namespace
+}  // namespace kvt
