@@ -1,0 +1,346 @@
+#include "mapper_store/mapper.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "mapper_store/checksum.h"
+#include "mapper_store/file_util.h"
+
+namespace kvt {
+namespace {
+
+// Prefixes "<dir>: " unless the message already names a path inside the directory.
+absl::Status InDir(const std::string& dir, const absl::Status& status) {
+  if (status.ok() || absl::StartsWith(status.message(), dir)) return status;
+  return absl::Status(status.code(), absl::StrCat(dir, ": ", status.message()));
+}
+
+std::string NormalizeDir(const std::string& dir) {
+  std::string out = dir;
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  return out;
+}
+
+absl::Status ChecksumMismatch(const std::string& file, const std::string& expected,
+                              const std::string& actual) {
+  return absl::DataLossError(absl::StrCat("checksum mismatch for ", file, ": SHA256SUMS says ",
+                                          expected, " but the file hashes to ", actual,
+                                          " (corrupt or partially copied)"));
+}
+
+}  // namespace
+
+std::string MapperTensorName(int target_layer, char kv, bool bias) {
+  return absl::StrCat("layers.", target_layer, ".", std::string(1, kv), bias ? ".bias" : ".weight");
+}
+
+std::vector<TensorSpec> MapperTensorSpecs(const Manifest& m) {
+  std::vector<TensorSpec> specs;
+  const int64_t in_per_layer = static_cast<int64_t>(m.source.num_kv_heads) * m.source.head_dim;
+  const int64_t out = static_cast<int64_t>(m.target.num_kv_heads) * m.target.head_dim;
+  for (const LayerEntry& layer : m.layers) {
+    const int l = layer.target_layer;
+    const int64_t in_k = static_cast<int64_t>(layer.sigma_k.size()) * in_per_layer;
+    const int64_t in_v = static_cast<int64_t>(layer.sigma_v.size()) * in_per_layer;
+    specs.push_back({MapperTensorName(l, 'k', false), m.weights_dtype, {in_k, out}});
+    specs.push_back({MapperTensorName(l, 'k', true), m.weights_dtype, {out}});
+    specs.push_back({MapperTensorName(l, 'v', false), m.weights_dtype, {in_v, out}});
+    specs.push_back({MapperTensorName(l, 'v', true), m.weights_dtype, {out}});
+  }
+  return specs;
+}
+
+uint64_t MapperWeightBytes(const Manifest& manifest) {
+  return static_cast<uint64_t>(MapperNumParams(manifest)) * DTypeSize(manifest.weights_dtype);
+}
+
+int64_t MapperNumParams(const Manifest& manifest) {
+  int64_t params = 0;
+  for (const TensorSpec& spec : MapperTensorSpecs(manifest)) params += spec.num_elements();
+  return params;
+}
+
+absl::Status ValidateMapperTensors(const Manifest& manifest, const std::vector<TensorSpec>& tensors) {
+  std::map<std::string, const TensorSpec*> found;
+  for (const TensorSpec& t : tensors) found[t.name] = &t;
+  const std::vector<TensorSpec> expected = MapperTensorSpecs(manifest);
+  std::set<std::string> expected_names;
+  for (const TensorSpec& e : expected) expected_names.insert(e.name);
+  std::vector<std::string> extra;
+  for (const TensorSpec& t : tensors) {
+    if (expected_names.count(t.name) == 0 && !absl::StartsWith(t.name, kStatsTensorPrefix)) {
+      extra.push_back(absl::StrCat("'", t.name, "'"));
+    }
+  }
+  std::vector<std::string> missing;
+  for (const TensorSpec& e : expected) {
+    auto it = found.find(e.name);
+    if (it == found.end()) {
+      missing.push_back(absl::StrCat("'", e.name, "'"));
+      continue;
+    }
+    const TensorSpec& t = *it->second;
+    if (t.dtype != e.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name, "' has dtype ", SafetensorsDTypeName(t.dtype),
+          " but the manifest's weights.dtype is ", DTypeName(e.dtype), " (",
+          SafetensorsDTypeName(e.dtype), ")"));
+    }
+    if (t.shape != e.shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name, "' has shape ", FormatShape(t.shape), " but the manifest requires ",
+          FormatShape(e.shape), " (rows = len(sigma) x source.num_kv_heads ",
+          manifest.source.num_kv_heads, " x source.head_dim ", manifest.source.head_dim,
+          ", cols = target.num_kv_heads ", manifest.target.num_kv_heads, " x target.head_dim ",
+          manifest.target.head_dim, ")"));
+    }
+  }
+  if (!missing.empty()) {
+    std::string message = absl::StrCat("missing tensor ", missing[0]);
+    if (missing.size() > 1) absl::StrAppend(&message, " (and ", missing.size() - 1, " more)");
+    if (!extra.empty()) {
+      absl::StrAppend(&message, "; the file has unexpected tensors ", absl::StrJoin(extra, ", "));
+    }
+    return absl::InvalidArgumentError(message);
+  }
+  if (!extra.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "extra tensor ", extra[0], extra.size() > 1 ? absl::StrCat(" (and ", extra.size() - 1, " more)") : "",
+        ": a ridge mapper holds only layers.{l}.{k,v}.{weight,bias} and optional '",
+        kStatsTensorPrefix, "' tensors"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string& dir_in,
+                                                            const LoadOptions& options) {
+  const std::string dir = NormalizeDir(dir_in);
+  if (!IsDirectory(dir)) {
+    return absl::NotFoundError(absl::StrCat(dir, ": not a mapper directory (does not exist)"));
+  }
+
+  std::map<std::string, std::string> sums;  // file name -> expected hex
+  if (options.verify_checksums) {
+    absl::StatusOr<std::string> text = ReadFileToString(JoinPath(dir, kChecksumFileName));
+    if (!text.ok()) {
+      if (absl::IsNotFound(text.status())) {
+        return absl::NotFoundError(absl::StrCat(
+            dir, ": missing ", kChecksumFileName,
+            " (every mapper directory carries one; write mappers with WriteMapperDir / kvt)"));
+      }
+      return InDir(dir, text.status());
+    }
+    absl::StatusOr<std::vector<ChecksumEntry>> entries = ParseSha256Sums(*text);
+    if (!entries.ok()) return InDir(dir, entries.status());
+    for (const ChecksumEntry& entry : *entries) sums[entry.filename] = entry.hex;
+  }
+  auto expected_sum = [&](const std::string& file) -> absl::StatusOr<std::string> {
+    auto it = sums.find(file);
+    if (it == sums.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(dir, ": ", kChecksumFileName, " has no entry for ", file));
+    }
+    return it->second;
+  };
+
+  absl::StatusOr<std::string> manifest_text = ReadFileToString(JoinPath(dir, kManifestFileName));
+  if (!manifest_text.ok()) {
+    if (absl::IsNotFound(manifest_text.status())) {
+      return absl::NotFoundError(absl::StrCat(dir, ": missing ", kManifestFileName));
+    }
+    return InDir(dir, manifest_text.status());
+  }
+  if (options.verify_checksums) {
+    absl::StatusOr<std::string> expected = expected_sum(kManifestFileName);
+    if (!expected.ok()) return expected.status();
+    absl::StatusOr<std::string> actual = Sha256Hex(*manifest_text);
+    if (!actual.ok()) return InDir(dir, actual.status());
+    if (*actual != *expected) {
+      return InDir(dir, ChecksumMismatch(kManifestFileName, *expected, *actual));
+    }
+  }
+  absl::StatusOr<Manifest> manifest = ParseManifest(*manifest_text, kManifestFileName);
+  if (!manifest.ok()) return InDir(dir, manifest.status());
+
+  const std::string weights_path = JoinPath(dir, manifest->weights_file);
+  std::string expected_weights_sum;
+  if (options.verify_checksums) {
+    absl::StatusOr<std::string> expected = expected_sum(manifest->weights_file);
+    if (!expected.ok()) return expected.status();
+    expected_weights_sum = *expected;
+  }
+  SafetensorsReadOptions read_options;
+  read_options.allocator = options.allocator;
+  read_options.compute_sha256 = options.verify_checksums;
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> weights =
+      SafetensorsFile::Open(weights_path, read_options);
+  if (!weights.ok()) {
+    // A damaged file usually fails its checksum too; say so, it is the actionable cause.
+    if (options.verify_checksums && PathExists(weights_path)) {
+      absl::StatusOr<std::string> actual = Sha256OfFile(weights_path);
+      if (actual.ok() && *actual != expected_weights_sum) {
+        return absl::DataLossError(absl::StrCat(
+            ChecksumMismatch(weights_path, expected_weights_sum, *actual).message(), "; ",
+            weights.status().message()));
+      }
+    }
+    return InDir(dir, weights.status());
+  }
+  if (options.verify_checksums && (*weights)->sha256_hex() != expected_weights_sum) {
+    return ChecksumMismatch(weights_path, expected_weights_sum, (*weights)->sha256_hex());
+  }
+  // sha256sum -c semantics: anything else listed must be intact too.
+  for (const auto& [file, hex] : sums) {
+    if (file == kManifestFileName || file == manifest->weights_file) continue;
+    absl::StatusOr<std::string> actual = Sha256OfFile(JoinPath(dir, file));
+    if (!actual.ok()) return InDir(dir, actual.status());
+    if (*actual != hex) return InDir(dir, ChecksumMismatch(file, hex, *actual));
+  }
+
+  std::vector<TensorSpec> specs;
+  for (const TensorInfo& info : (*weights)->tensors()) specs.push_back(info.spec);
+  if (absl::Status s = ValidateMapperTensors(*manifest, specs); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(weights_path, ": ", s.message()));
+  }
+
+  std::unique_ptr<LoadedMapper> mapper(new LoadedMapper());
+  mapper->id_ = Basename(dir);
+  mapper->path_ = dir;
+  mapper->manifest_ = *std::move(manifest);
+  mapper->weights_ = *std::move(weights);
+  const Manifest& m = mapper->manifest_;
+  const SafetensorsFile& file = *mapper->weights_;
+  auto view_of = [&file](const std::string& name) {
+    const TensorInfo* info = file.Find(name);  // present: validated above
+    WeightView view;
+    view.data = file.data(*info).data();
+    view.dtype = info->spec.dtype;
+    view.rows = info->spec.shape.size() == 2 ? info->spec.shape[0] : 1;
+    view.cols = info->spec.shape.back();
+    return view;
+  };
+  MapperView& view = mapper->view_;
+  view.source = m.source;
+  view.target = m.target;
+  view.layers.reserve(m.layers.size());
+  for (const LayerEntry& entry : m.layers) {
+    LayerMapView layer;
+    layer.sigma_k = entry.sigma_k;
+    layer.sigma_v = entry.sigma_v;
+    layer.w_k = view_of(MapperTensorName(entry.target_layer, 'k', false));
+    layer.b_k = view_of(MapperTensorName(entry.target_layer, 'k', true));
+    layer.w_v = view_of(MapperTensorName(entry.target_layer, 'v', false));
+    layer.b_v = view_of(MapperTensorName(entry.target_layer, 'v', true));
+    view.layers.push_back(std::move(layer));
+  }
+  return mapper;
+}
+
+namespace {
+
+absl::Status WriteMapperDirImpl(
+    const std::string& dir_in, const Manifest& manifest, const std::vector<TensorSpec>& specs,
+    const std::function<absl::StatusOr<SafetensorsWriteResult>(const std::string& path)>& write_weights,
+    const WriteOptions& options) {
+  if (absl::Status s = ValidateManifest(manifest); !s.ok()) return s;
+  if (absl::Status s = ValidateMapperTensors(manifest, specs); !s.ok()) return s;
+  absl::StatusOr<std::string> manifest_text = EmitManifest(manifest);
+  if (!manifest_text.ok()) return manifest_text.status();
+
+  const std::string dir = NormalizeDir(dir_in);
+  const std::string parent = Dirname(dir);
+  const std::string name = Basename(dir);
+  if (name.empty() || name == "." || name == ".." || name == "/") {
+    return absl::InvalidArgumentError(absl::StrCat("'", dir_in, "' cannot name a mapper directory"));
+  }
+  const bool exists = PathExists(dir);
+  if (exists && !options.overwrite) {
+    return absl::AlreadyExistsError(absl::StrCat(dir, " already exists (overwrite not requested)"));
+  }
+  if (absl::Status s = MakeDirs(parent); !s.ok()) return s;
+
+  static std::atomic<uint64_t> counter{0};
+  const std::string suffix = absl::StrCat(::getpid(), "-", counter++);
+  // Hidden sibling on the same file system, so the final rename is atomic and a concurrent
+  // MapperStore::Scan (which skips dot-directories) never sees a half-written mapper.
+  const std::string tmp = JoinPath(parent, absl::StrCat(".", name, ".tmp-", suffix));
+  if (absl::Status s = RemoveTree(tmp); !s.ok()) return s;
+  if (absl::Status s = MakeDirs(tmp); !s.ok()) return s;
+
+  auto fail = [&tmp](absl::Status status) {
+    RemoveTree(tmp).IgnoreError();
+    return status;
+  };
+  if (absl::Status s = WriteStringToFile(JoinPath(tmp, kManifestFileName), *manifest_text); !s.ok()) {
+    return fail(s);
+  }
+  absl::StatusOr<std::string> manifest_sum = Sha256Hex(*manifest_text);
+  if (!manifest_sum.ok()) return fail(manifest_sum.status());
+  absl::StatusOr<SafetensorsWriteResult> written =
+      write_weights(JoinPath(tmp, manifest.weights_file));
+  if (!written.ok()) return fail(written.status());
+  const std::string sums = FormatSha256Sums(
+      {{*manifest_sum, kManifestFileName}, {written->sha256_hex, manifest.weights_file}});
+  if (absl::Status s = WriteStringToFile(JoinPath(tmp, kChecksumFileName), sums); !s.ok()) {
+    return fail(s);
+  }
+  if (absl::Status s = SyncDirectory(tmp); !s.ok()) return fail(s);
+
+  if (exists) {
+    const std::string old = JoinPath(parent, absl::StrCat(".", name, ".old-", suffix));
+    if (::rename(dir.c_str(), old.c_str()) != 0) {
+      return fail(ErrnoStatus(errno, "cannot move aside", dir));
+    }
+    if (::rename(tmp.c_str(), dir.c_str()) != 0) {
+      const absl::Status status = ErrnoStatus(errno, "cannot rename into place", dir);
+      ::rename(old.c_str(), dir.c_str());  // put the previous mapper back
+      return fail(status);
+    }
+    RemoveTree(old).IgnoreError();
+  } else if (::rename(tmp.c_str(), dir.c_str()) != 0) {
+    return fail(ErrnoStatus(errno, "cannot rename into place", dir));
+  }
+  return SyncDirectory(parent);
+}
+
+std::map<std::string, std::string> WeightsMetadata(const Manifest& manifest) {
+  return {{"kvt_mapper_format_version", absl::StrCat(manifest.format_version)},
+          {"kvt_mapper_kind", MapperKindName(manifest.kind)}};
+}
+
+}  // namespace
+
+absl::Status WriteMapperDir(const std::string& dir, const Manifest& manifest,
+                            const std::vector<TensorRef>& tensors, const WriteOptions& options) {
+  std::vector<TensorSpec> specs;
+  for (const TensorRef& t : tensors) specs.push_back(t.spec);
+  return WriteMapperDirImpl(
+      dir, manifest, specs,
+      [&](const std::string& path) {
+        return WriteSafetensors(path, tensors, WeightsMetadata(manifest));
+      },
+      options);
+}
+
+absl::Status WriteMapperDir(const std::string& dir, const Manifest& manifest,
+                            const std::vector<TensorSpec>& specs, const TensorFiller& fill,
+                            const WriteOptions& options) {
+  return WriteMapperDirImpl(
+      dir, manifest, specs,
+      [&](const std::string& path) {
+        return WriteSafetensors(path, specs, fill, WeightsMetadata(manifest));
+      },
+      options);
+}
+
+}  // namespace kvt
