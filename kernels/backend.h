@@ -84,4 +84,9 @@ class Backend {
 absl::Status CheckCacheShapes(const MapperView& mapper, const CacheView& source,
                               const MutableCacheView& target);
 
+// The same checks for one TranslateLayer call: `target_layer` in range, its sigma lists within
+// the source model, and non-null pointers only for the layers that call reads and writes.
+absl::Status CheckLayerCacheShapes(const MapperView& mapper, int target_layer,
+                                   const CacheView& source, const MutableCacheView& target);
+
 }  // namespace kvt

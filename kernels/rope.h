@@ -79,6 +79,7 @@ class Rope {
   RopeConfig config_;
   int head_dim_ = 0;
   double attention_factor_ = 1.0;
+  float strip_scale_ = 1.0f;  // 1 / attention_factor^2, see StripHead
   std::vector<double> inv_freq_;
 };
 
