@@ -1,0 +1,62 @@
+// Deterministic random ("synthetic") mappers for tests, benchmarks and the demo: real shapes and
+// RoPE of the paper's model pairs, or custom small shapes, with scale-preserving random weights.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/mapper_view.h"
+#include "kernels/types.h"
+#include "mapper_store/manifest.h"
+#include "mapper_store/mapper.h"
+
+namespace kvt {
+
+struct SynthOptions {
+  ModelSpec source;
+  ModelSpec target;
+  // Source layers per target layer; 0 means all of them ("k = all").
+  int k = 0;
+  DType dtype = DType::kBF16;
+  uint64_t seed = 0;
+  // Weights are N(0, (weight_scale / sqrt(fan_in))^2), fan_in = len(sigma) * n_s * d_s, so an
+  // input with unit-variance features gives outputs of about unit variance: translated caches
+  // keep the scale of real ones.
+  double weight_scale = 1.0;
+  // Biases are N(0, bias_scale^2): small, but not zero, so bias handling is exercised.
+  double bias_scale = 0.01;
+  // Use one list for K and V (as the paper does) instead of independent draws.
+  bool shared_sigma = false;
+  std::string created_by = "kvt synth 0.1";
+};
+
+// Shapes and RoPE of the models the paper uses, by Hugging Face name ("Qwen/Qwen3-14B", ...).
+absl::StatusOr<ModelSpec> KnownModelSpec(absl::string_view model_name);
+std::vector<std::string> KnownModelNames();
+
+// Presets: "qwen3-14b-to-32b" (k=8), "qwen3-8b-to-32b" (k=12), "qwen3-32b-to-14b" (k=8),
+// "llama3.1-8b-to-70b" (k=20), "ministral-3b-to-8b" (k=all), all bf16; and "demo-tiny"
+// (4 layers -> 6 layers, 2 heads x 32, k=2, fp32) for the demo and quick checks. The paper-pair
+// presets write GBs (qwen3-14b-to-32b: 1.07 B parameters, 2.1 GB in bf16).
+std::vector<std::string> SynthPresetNames();
+absl::StatusOr<SynthOptions> SynthPreset(absl::string_view preset);
+
+// The manifest a synthetic mapper gets: synthetic: true, sigma lists drawn from the seed, the
+// generator settings under `calibration`. INVALID_ARGUMENT for bad shapes / k / scales.
+absl::StatusOr<Manifest> SynthManifest(const SynthOptions& options);
+
+// Fills tensor `index` of MapperTensorSpecs(SynthManifest(options)). Deterministic: the bytes
+// depend only on options (seed included), not on call order, so tensors can be made lazily.
+absl::Status FillSynthTensor(const SynthOptions& options, const Manifest& manifest, size_t index,
+                             absl::Span<uint8_t> dst);
+
+// Generates and writes a synthetic mapper directory (one tensor in memory at a time).
+// Same options -> byte-identical files.
+absl::Status WriteSynthMapper(const std::string& dir, const SynthOptions& options,
+                              const WriteOptions& write_options = {});
+
+}  // namespace kvt

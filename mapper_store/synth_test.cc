@@ -1,0 +1,216 @@
+#include "mapper_store/synth.h"
+
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+#include "mapper_store/file_util.h"
+#include "mapper_store/mapper.h"
+#include "mapper_store/test_util.h"
+
+namespace kvt {
+namespace {
+
+using ::absl::StatusCode;
+
+ModelSpec Model(const std::string& name, int layers, int heads, int head_dim) {
+  ModelSpec m;
+  m.name = name;
+  m.num_layers = layers;
+  m.num_kv_heads = heads;
+  m.head_dim = head_dim;
+  m.rope.theta = 10000;
+  m.rope.rotary_dim = head_dim;
+  return m;
+}
+
+SynthOptions Small(uint64_t seed) {
+  SynthOptions o;
+  o.source = Model("s", 5, 2, 16);
+  o.target = Model("t", 3, 2, 16);
+  o.k = 3;
+  o.dtype = DType::kBF16;
+  o.seed = seed;
+  return o;
+}
+
+TEST(SynthTest, SameSeedGivesIdenticalBytes) {
+  const std::string root = testing::MakeTempDir("synth_det");
+  KVT_ASSERT_OK(WriteSynthMapper(JoinPath(root, "a"), Small(7)));
+  KVT_ASSERT_OK(WriteSynthMapper(JoinPath(root, "b"), Small(7)));
+  KVT_ASSERT_OK(WriteSynthMapper(JoinPath(root, "c"), Small(8)));
+  for (const char* file : {"manifest.yaml", "weights.safetensors", "SHA256SUMS"}) {
+    EXPECT_EQ(*ReadFileToString(JoinPath(root, std::string("a/") + file)),
+              *ReadFileToString(JoinPath(root, std::string("b/") + file)))
+        << file;
+  }
+  EXPECT_NE(*ReadFileToString(JoinPath(root, "a/weights.safetensors")),
+            *ReadFileToString(JoinPath(root, "c/weights.safetensors")));
+  EXPECT_NE(SynthManifest(Small(7))->layers[0].sigma_k, SynthManifest(Small(8))->layers[0].sigma_k);
+}
+
+TEST(SynthTest, TensorsDoNotDependOnGenerationOrder) {
+  const std::string dir = JoinPath(testing::MakeTempDir("synth_order"), "m");
+  const SynthOptions options = Small(3);
+  KVT_ASSERT_OK(WriteSynthMapper(dir, options));
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(dir);
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  const Manifest manifest = *SynthManifest(options);
+  const std::vector<TensorSpec> specs = MapperTensorSpecs(manifest);
+  std::vector<uint8_t> alone(specs[6].num_bytes());
+  KVT_ASSERT_OK(FillSynthTensor(options, manifest, 6, absl::MakeSpan(alone)));
+  absl::Span<const uint8_t> stored = (*mapper)->weights().data(*(*mapper)->weights().Find(specs[6].name));
+  EXPECT_EQ(std::vector<uint8_t>(stored.begin(), stored.end()), alone);
+}
+
+TEST(SynthTest, ManifestIsSyntheticWithValidSigma) {
+  const SynthOptions options = Small(11);
+  absl::StatusOr<Manifest> m = SynthManifest(options);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(m->synthetic);
+  EXPECT_EQ(m->k, 3);
+  EXPECT_EQ(m->created_by, "kvt synth 0.1");
+  EXPECT_NE(m->calibration_yaml.find("seed: 11"), std::string::npos);
+  ASSERT_EQ(m->layers.size(), 3u);
+  bool k_and_v_differ = false;
+  for (const LayerEntry& layer : m->layers) {
+    for (const std::vector<int>* sigma : {&layer.sigma_k, &layer.sigma_v}) {
+      EXPECT_EQ(sigma->size(), 3u);
+      EXPECT_EQ(std::set<int>(sigma->begin(), sigma->end()).size(), 3u);
+      for (int j : *sigma) {
+        EXPECT_GE(j, 0);
+        EXPECT_LT(j, 5);
+      }
+    }
+    k_and_v_differ = k_and_v_differ || layer.sigma_k != layer.sigma_v;
+  }
+  EXPECT_TRUE(k_and_v_differ);
+
+  SynthOptions shared = options;
+  shared.shared_sigma = true;
+  shared.k = 0;  // all
+  absl::StatusOr<Manifest> all = SynthManifest(shared);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->k, 5);
+  for (const LayerEntry& layer : all->layers) EXPECT_EQ(layer.sigma_k, layer.sigma_v);
+}
+
+TEST(SynthTest, WeightsKeepTheInputScale) {
+  SynthOptions options;
+  options.source = Model("s", 4, 2, 64);
+  options.target = Model("t", 1, 2, 64);
+  options.k = 2;  // fan_in 256
+  options.dtype = DType::kFP32;
+  options.seed = 5;
+  const Manifest m = *SynthManifest(options);
+  const std::vector<TensorSpec> specs = MapperTensorSpecs(m);
+  std::vector<float> w(specs[0].num_elements()), b(specs[1].num_elements());
+  KVT_ASSERT_OK(FillSynthTensor(options, m, 0,
+                                absl::MakeSpan(reinterpret_cast<uint8_t*>(w.data()), w.size() * 4)));
+  KVT_ASSERT_OK(FillSynthTensor(options, m, 1,
+                                absl::MakeSpan(reinterpret_cast<uint8_t*>(b.data()), b.size() * 4)));
+  double sum = 0, sum_sq = 0;
+  for (float v : w) {
+    sum += v;
+    sum_sq += double(v) * v;
+  }
+  const double n = w.size();
+  EXPECT_NEAR(sum / n, 0.0, 0.003);
+  EXPECT_NEAR(std::sqrt(sum_sq / n), 1.0 / 16.0, 0.002);  // 1/sqrt(256), 32768 samples
+  double bias_sq = 0;
+  for (float v : b) bias_sq += double(v) * v;
+  EXPECT_NEAR(std::sqrt(bias_sq / b.size()), 0.01, 0.003);
+
+  // y = x W with x of unit-variance features keeps unit variance (outputs keep the input scale).
+  const int64_t rows = specs[0].shape[0], cols = specs[0].shape[1];
+  double y_sq = 0;
+  int samples = 0;
+  for (int t = 0; t < 32; ++t) {
+    std::vector<double> x(rows);
+    for (int64_t r = 0; r < rows; ++r) x[r] = ((r * 7919 + t * 104729) % 2 == 0) ? 1.0 : -1.0;
+    for (int64_t c = 0; c < cols; ++c) {
+      double y = 0;
+      for (int64_t r = 0; r < rows; ++r) y += x[r] * w[r * cols + c];
+      y_sq += y * y;
+      ++samples;
+    }
+  }
+  EXPECT_NEAR(y_sq / samples, 1.0, 0.15);
+}
+
+TEST(SynthTest, PresetsHaveThePapersSizes) {
+  EXPECT_EQ(SynthPresetNames(),
+            (std::vector<std::string>{"demo-tiny", "llama3.1-8b-to-70b", "ministral-3b-to-8b",
+                                      "qwen3-14b-to-32b", "qwen3-32b-to-14b", "qwen3-8b-to-32b"}));
+  for (const std::string& name : SynthPresetNames()) {
+    absl::StatusOr<SynthOptions> preset = SynthPreset(name);
+    ASSERT_TRUE(preset.ok()) << name << ": " << preset.status();
+    absl::StatusOr<Manifest> m = SynthManifest(*preset);
+    ASSERT_TRUE(m.ok()) << name << ": " << m.status();
+  }
+  // SPEC 6: 2 L_t n_t (k n_s d_s) d_t weight parameters (+ biases 2 L_t n_t d_t).
+  auto weights_only = [](const char* preset) {
+    const Manifest m = *SynthManifest(*SynthPreset(preset));
+    return MapperNumParams(m) - 2LL * m.target.num_layers * m.target.num_kv_heads * m.target.head_dim;
+  };
+  EXPECT_EQ(weights_only("qwen3-14b-to-32b"), 1073741824LL);  // 1.07 B
+  EXPECT_EQ(weights_only("qwen3-8b-to-32b"), 1610612736LL);   // 1.61 B
+  EXPECT_EQ(weights_only("llama3.1-8b-to-70b"), 3355443200LL);  // 3.36 B
+
+  const SynthOptions qwen = *SynthPreset("qwen3-32b-to-14b");
+  EXPECT_EQ(qwen.source.name, "Qwen/Qwen3-32B");
+  EXPECT_EQ(qwen.source.num_layers, 64);
+  EXPECT_EQ(qwen.target.num_layers, 40);
+  EXPECT_EQ(qwen.target.rope.theta, 1e6);
+  EXPECT_EQ(qwen.k, 8);
+  EXPECT_EQ(qwen.dtype, DType::kBF16);
+  const SynthOptions llama = *SynthPreset("llama3.1-8b-to-70b");
+  EXPECT_EQ(llama.target.num_layers, 80);
+  EXPECT_EQ(llama.target.rope.scaling.type, RopeScalingType::kLlama3);
+  EXPECT_EQ(llama.target.rope.scaling.factor, 8);
+  EXPECT_EQ(llama.target.rope.theta, 500000);
+  EXPECT_EQ(SynthManifest(*SynthPreset("ministral-3b-to-8b"))->k, 26);  // k = all
+
+  const SynthOptions tiny = *SynthPreset("demo-tiny");
+  EXPECT_EQ(tiny.source.num_layers, 4);
+  EXPECT_EQ(tiny.target.num_layers, 6);
+  EXPECT_EQ(tiny.source.num_kv_heads, 2);
+  EXPECT_EQ(tiny.source.head_dim, 32);
+  EXPECT_EQ(tiny.k, 2);
+  EXPECT_EQ(tiny.dtype, DType::kFP32);
+
+  KVT_EXPECT_ERROR(SynthPreset("qwen3-1b-to-2b"), StatusCode::kNotFound,
+                   "unknown synth preset 'qwen3-1b-to-2b'");
+  EXPECT_EQ(KnownModelSpec("Qwen/Qwen3-8B")->num_layers, 36);
+  KVT_EXPECT_ERROR(KnownModelSpec("gpt2"), StatusCode::kNotFound, "unknown model 'gpt2'");
+}
+
+TEST(SynthTest, DemoTinyWritesAndLoads) {
+  const std::string dir = JoinPath(testing::MakeTempDir("synth_tiny"), "demo");
+  KVT_ASSERT_OK(WriteSynthMapper(dir, *SynthPreset("demo-tiny")));
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(dir);
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  EXPECT_TRUE((*mapper)->manifest().synthetic);
+  EXPECT_EQ((*mapper)->view().layers.size(), 6u);
+  EXPECT_EQ((*mapper)->view().layers[0].w_k.rows, 2 * 2 * 32);
+  EXPECT_EQ((*mapper)->view().layers[0].w_k.cols, 2 * 32);
+}
+
+TEST(SynthTest, BadOptionsAreNamed) {
+  SynthOptions o = Small(1);
+  o.k = 6;
+  KVT_EXPECT_ERROR(SynthManifest(o), StatusCode::kInvalidArgument,
+                   "k = 6 must be between 1 and source.num_layers (5)");
+  o = Small(1);
+  o.weight_scale = 0;
+  KVT_EXPECT_ERROR(SynthManifest(o), StatusCode::kInvalidArgument, "weight_scale must be > 0");
+  o = Small(1);
+  o.target.rope.rotary_dim = 15;
+  KVT_EXPECT_ERROR(SynthManifest(o), StatusCode::kInvalidArgument, "target.rope");
+}
+
+}  // namespace
+}  // namespace kvt
