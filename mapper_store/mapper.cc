@@ -216,6 +216,7 @@ absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string& d
   std::unique_ptr<LoadedMapper> mapper(new LoadedMapper());
   mapper->id_ = Basename(dir);
   mapper->path_ = dir;
+  mapper->checksums_verified_ = options.verify_checksums;
   mapper->manifest_ = *std::move(manifest);
   mapper->weights_ = *std::move(weights);
   const Manifest& m = mapper->manifest_;

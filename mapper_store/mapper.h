@@ -59,6 +59,8 @@ class LoadedMapper {
   uint64_t weight_bytes() const { return weights_->data_size(); }
   // Parameters of the mapping tensors (W and b, K and V, every target layer).
   int64_t num_params() const { return MapperNumParams(manifest_); }
+  // False when loaded with verify_checksums = false.
+  bool checksums_verified() const { return checksums_verified_; }
 
  private:
   friend absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string&,
@@ -70,6 +72,7 @@ class LoadedMapper {
   Manifest manifest_;
   std::unique_ptr<SafetensorsFile> weights_;
   MapperView view_;
+  bool checksums_verified_ = false;
 };
 
 // Loads and validates a mapper directory. Order: SHA256SUMS parsed (NOT_FOUND if missing);

@@ -192,6 +192,7 @@ absl::StatusOr<Manifest> SynthManifest(const SynthOptions& options) {
   Manifest m;
   m.kind = MapperKind::kRidge;
   m.synthetic = true;
+  m.lambda = 0;  // nothing was fitted, so no regularisation to report
   m.source = options.source;
   m.target = options.target;
   m.k = options.k == 0 ? options.source.num_layers : options.k;
