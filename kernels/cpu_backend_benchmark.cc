@@ -1,0 +1,204 @@
+// CPU translate time against a plain cblas_sgemm of the same FLOPs, measured in the same run.
+//
+//   bazel run -c opt //kernels:cpu_backend_benchmark
+//
+// Shapes are a scaled-down Qwen3 pair (8 KV heads x 128 dims on both sides, bf16 caches and
+// weights, sigma = every source layer) with fewer target layers so 2 cores finish in minutes.
+// Each BM_Translate/T/k/L has a BM_SgemmSameFlops/T/k/L twin: 2 L GEMMs of T x (k n d) x (n d)
+// in fp32, already-converted operands, no gather and no epilogue. The table printed at the end
+// is translate FLOP/s divided by sgemm FLOP/s.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "kernels/cpu_backend.h"
+#include "kernels/dtype.h"
+
+namespace kvt {
+namespace {
+
+constexpr int kHeads = 8;
+constexpr int kHeadDim = 128;
+constexpr int64_t kWidth = kHeads * kHeadDim;
+
+// Fills with small pseudo-random values; quality is irrelevant, speed matters at 10^8 elements.
+void Fill(DType dtype, void* data, int64_t count, uint64_t seed) {
+  uint64_t state = seed * 0x9e3779b97f4a7c15ull + 1;
+  std::vector<float> block(4096);
+  for (int64_t first = 0; first < count; first += 4096) {
+    const int64_t n = std::min<int64_t>(4096, count - first);
+    for (int64_t i = 0; i < n; ++i) {
+      state ^= state << 13;
+      state ^= state >> 7;
+      state ^= state << 17;
+      block[i] = static_cast<float>(static_cast<int64_t>(state >> 40) - (1 << 23)) / (1 << 26);
+    }
+    FromFloat(dtype, block.data(), static_cast<char*>(data) + first * DTypeSize(dtype), n);
+  }
+}
+
+RopeConfig Qwen3Rope() {
+  RopeConfig rope;
+  rope.theta = 1000000;
+  rope.rotary_dim = kHeadDim;
+  return rope;
+}
+
+double Flops(int64_t tokens, int64_t k, int64_t target_layers) {
+  return 2.0 * tokens * (k * kWidth) * kWidth * 2 * target_layers;
+}
+
+void BM_Translate(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  const int source_layers = k;
+
+  MapperView mapper;
+  mapper.source = {"source", source_layers, kHeads, kHeadDim, Qwen3Rope()};
+  mapper.target = {"target", target_layers, kHeads, kHeadDim, Qwen3Rope()};
+  std::vector<std::vector<uint16_t>> weights;
+  weights.reserve(4 * target_layers);
+  const auto weight = [&](int64_t rows, int64_t cols) {
+    std::vector<uint16_t>& w = weights.emplace_back(rows * cols);
+    Fill(DType::kBF16, w.data(), rows * cols, weights.size());
+    return WeightView{w.data(), DType::kBF16, rows, cols};
+  };
+  for (int l = 0; l < target_layers; ++l) {
+    LayerMapView layer;
+    for (int j = 0; j < k; ++j) layer.sigma_k.push_back((j + l) % source_layers);
+    layer.sigma_v = layer.sigma_k;
+    layer.w_k = weight(k * kWidth, kWidth);
+    layer.w_v = weight(k * kWidth, kWidth);
+    layer.b_k = weight(1, kWidth);
+    layer.b_v = weight(1, kWidth);
+    mapper.layers.push_back(layer);
+  }
+
+  std::vector<std::vector<uint16_t>> source_bytes, target_bytes;
+  CacheView source{DType::kBF16, Layout::kHND, kHeads, kHeadDim, tokens, {}, {}};
+  MutableCacheView target{DType::kBF16, Layout::kHND, kHeads, kHeadDim, tokens, {}, {}};
+  for (int j = 0; j < 2 * source_layers; ++j) {
+    std::vector<uint16_t>& bytes = source_bytes.emplace_back(tokens * kWidth);
+    Fill(DType::kBF16, bytes.data(), bytes.size(), 1000 + j);
+    (j % 2 ? source.v : source.k).push_back(bytes.data());
+  }
+  for (int l = 0; l < 2 * target_layers; ++l) {
+    std::vector<uint16_t>& bytes = target_bytes.emplace_back(tokens * kWidth);
+    (l % 2 ? target.v : target.k).push_back(bytes.data());
+  }
+
+  std::unique_ptr<Backend> backend = NewCpuBackend(CpuBackendOptions());
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->Prepare(mapper);
+  if (!prepared.ok()) {
+    state.SkipWithError(std::string(prepared.status().message()).c_str());
+    return;
+  }
+  Positions positions;
+  positions.offset = 100;
+  TranslateOptions options;
+  options.token_chunk = state.range(3);
+  for (auto _ : state) {
+    absl::Status status = backend->Translate(**prepared, source, positions, options, &target);
+    if (!status.ok()) {
+      state.SkipWithError(std::string(status.message()).c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(target.k[0]);
+  }
+  state.counters["FLOP/s"] = benchmark::Counter(Flops(tokens, k, target_layers),
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.SetItemsProcessed(state.iterations() * tokens);
+}
+
+void BM_SgemmSameFlops(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  const int64_t inputs = k * kWidth;
+  std::vector<float> a(tokens * inputs), b(inputs * kWidth), c(tokens * kWidth);
+  Fill(DType::kFP32, a.data(), a.size(), 1);
+  Fill(DType::kFP32, b.data(), b.size(), 2);
+  // The CPU backend sets OpenBLAS to one thread (it parallelises over tokens itself).
+  openblas_set_num_threads(static_cast<int>(std::thread::hardware_concurrency()));
+  for (auto _ : state) {
+    for (int g = 0; g < 2 * target_layers; ++g) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(tokens),
+                  static_cast<int>(kWidth), static_cast<int>(inputs), 1.0f, a.data(),
+                  static_cast<int>(inputs), b.data(), static_cast<int>(kWidth), 0.0f, c.data(),
+                  static_cast<int>(kWidth));
+    }
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["FLOP/s"] = benchmark::Counter(Flops(tokens, k, target_layers),
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.SetItemsProcessed(state.iterations() * tokens);
+}
+
+// Args: tokens, k, target layers, token chunk (0 = backend default). Each shape registers its
+// translate and its sgemm twin back to back, so both see the same machine state.
+void RegisterShapes() {
+  std::vector<std::vector<int64_t>> shapes;
+  for (int k : {2, 4, 8}) shapes.push_back({512, k, 4, 0});
+  for (int k : {2, 4, 8}) shapes.push_back({4096, k, 2, 0});
+  shapes.push_back({32768, 2, 1, 0});
+  shapes.push_back({32768, 8, 1, 0});
+  for (const std::vector<int64_t>& shape : shapes) {
+    for (auto* b : {benchmark::RegisterBenchmark("BM_Translate", BM_Translate),
+                    benchmark::RegisterBenchmark("BM_SgemmSameFlops", BM_SgemmSameFlops)}) {
+      b->Args(shape)->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
+    }
+  }
+}
+
+// Console output plus, at the end, translate FLOP/s over sgemm FLOP/s for each shape.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& run : runs) {
+      if (run.error_occurred || run.run_type != Run::RT_Iteration) continue;
+      const auto it = run.counters.find("FLOP/s");
+      if (it == run.counters.end()) continue;
+      const std::string& name = run.run_name.function_name;
+      // Counters arrive already divided by the (real) time.
+      (name == "BM_Translate" ? translate_ : sgemm_)[run.run_name.args] = it->second.value;
+    }
+  }
+
+  void Finalize() override {
+    ConsoleReporter::Finalize();
+    std::printf("\n%-22s %14s %14s %8s\n", "tokens/k/layers/chunk", "translate GF/s",
+                "sgemm GF/s", "ratio");
+    for (const auto& [args, translate] : translate_) {
+      const auto it = sgemm_.find(args);
+      if (it == sgemm_.end()) continue;
+      std::printf("%-22s %14.1f %14.1f %8.3f\n", args.c_str(), translate / 1e9, it->second / 1e9,
+                  translate / it->second);
+    }
+  }
+
+ private:
+  std::map<std::string, double> translate_, sgemm_;
+};
+
+}  // namespace
+}  // namespace kvt
+
+int main(int argc, char** argv) {
+  kvt::RegisterShapes();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  kvt::RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,277 @@
+#include "kernels/testing/reference.h"
+
+#include <chrono>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "kernels/dtype.h"
+
+namespace kvt {
+namespace testing {
+namespace {
+
+Rope MustCreateRope(const RopeConfig& config, int head_dim) {
+  absl::StatusOr<Rope> rope = Rope::Create(config, head_dim);
+  if (!rope.ok()) {
+    std::fprintf(stderr, "reference: bad RoPE config: %s\n", rope.status().ToString().c_str());
+    std::abort();
+  }
+  return *rope;
+}
+
+std::vector<double> LoadAll(const WeightView& w) {
+  std::vector<double> out(w.rows * w.cols);
+  for (int64_t i = 0; i < w.rows * w.cols; ++i) out[i] = LoadAsDouble(w.dtype, w.data, i);
+  return out;
+}
+
+template <typename Pointer>
+std::vector<double> ReadLayerImpl(DType dtype, Layout layout, int heads, int head_dim,
+                                  int64_t tokens, Pointer data) {
+  std::vector<double> out(tokens * heads * head_dim);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < heads; ++h) {
+      for (int d = 0; d < head_dim; ++d) {
+        out[(t * heads + h) * head_dim + d] =
+            LoadAsDouble(dtype, data, CacheOffset(layout, heads, tokens, head_dim, h, t, d));
+      }
+    }
+  }
+  return out;
+}
+
+void StoreNormal(DType dtype, double stddev, std::mt19937_64* rng, std::vector<uint8_t>* bytes,
+                 int64_t count) {
+  bytes->assign(count * DTypeSize(dtype), 0);
+  std::normal_distribution<double> normal(0.0, stddev);
+  for (int64_t i = 0; i < count; ++i) StoreFromDouble(dtype, bytes->data(), i, normal(*rng));
+}
+
+OwnedCache AllocateCache(int layers, int heads, int head_dim, int64_t tokens, DType dtype,
+                         Layout layout, uint8_t fill) {
+  OwnedCache cache;
+  const size_t bytes = static_cast<size_t>(tokens) * heads * head_dim * DTypeSize(dtype);
+  cache.k.assign(layers, std::vector<uint8_t>(bytes, fill));
+  cache.v.assign(layers, std::vector<uint8_t>(bytes, fill));
+  for (MutableCacheView* view : {&cache.mutable_view}) {
+    view->dtype = dtype;
+    view->layout = layout;
+    view->num_kv_heads = heads;
+    view->head_dim = head_dim;
+    view->num_tokens = tokens;
+  }
+  cache.view.dtype = dtype;
+  cache.view.layout = layout;
+  cache.view.num_kv_heads = heads;
+  cache.view.head_dim = head_dim;
+  cache.view.num_tokens = tokens;
+  for (int l = 0; l < layers; ++l) {
+    cache.view.k.push_back(cache.k[l].data());
+    cache.view.v.push_back(cache.v[l].data());
+    cache.mutable_view.k.push_back(cache.k[l].data());
+    cache.mutable_view.v.push_back(cache.v[l].data());
+  }
+  return cache;
+}
+
+}  // namespace
+
+void RotateDouble(const Rope& rope, uint64_t position, bool inverse, double* x) {
+  const int half = rope.rotary_dim() / 2;
+  const double factor = rope.attention_factor();
+  for (int m = 0; m < half; ++m) {
+    // long double keeps the phase of positions far beyond 10^6 (64-bit mantissa).
+    const long double angle = static_cast<long double>(position) * rope.inv_freq()[m];
+    const double c = static_cast<double>(std::cos(angle));
+    const double s = static_cast<double>(std::sin(angle));
+    const int i = rope.style() == RopeStyle::kNeox ? m : 2 * m;
+    const int j = rope.style() == RopeStyle::kNeox ? m + half : 2 * m + 1;
+    const double a = x[i];
+    const double b = x[j];
+    if (inverse) {
+      x[i] = (a * c + b * s) / factor;
+      x[j] = (b * c - a * s) / factor;
+    } else {
+      x[i] = (a * c - b * s) * factor;
+      x[j] = (b * c + a * s) * factor;
+    }
+  }
+}
+
+std::vector<double> ReferenceTranslate(const MapperView& mapper, int layer, Kind kind,
+                                       const CacheView& source, const Positions& positions,
+                                       const ReferenceOptions& options) {
+  const LayerMapView& map = mapper.layers[layer];
+  const bool keys = kind == Kind::kK;
+  const std::vector<int>& sigma = keys ? map.sigma_k : map.sigma_v;
+  const std::vector<double> w = LoadAll(keys ? map.w_k : map.w_v);
+  const WeightView& bias_view = keys ? map.b_k : map.b_v;
+  const std::vector<double> bias =
+      bias_view.data ? LoadAll(bias_view) : std::vector<double>();
+  const Rope source_rope = MustCreateRope(mapper.source.rope, mapper.source.head_dim);
+  const Rope target_rope = MustCreateRope(mapper.target.rope, mapper.target.head_dim);
+
+  const int64_t tokens = source.num_tokens;
+  const int ns = mapper.source.num_kv_heads, ds = mapper.source.head_dim;
+  const int nt = mapper.target.num_kv_heads, dt = mapper.target.head_dim;
+  const int64_t inputs = static_cast<int64_t>(sigma.size()) * ns * ds;
+  const int64_t outputs = static_cast<int64_t>(nt) * dt;
+  std::vector<double> out(tokens * outputs);
+  std::vector<double> x(inputs);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint64_t p = positions.at(t);
+    for (size_t block = 0; block < sigma.size(); ++block) {
+      const void* data = keys ? source.k[sigma[block]] : source.v[sigma[block]];
+      for (int h = 0; h < ns; ++h) {
+        double* head = &x[(block * ns + h) * ds];
+        for (int d = 0; d < ds; ++d) {
+          head[d] = LoadAsDouble(source.dtype, data,
+                                 CacheOffset(source.layout, ns, tokens, ds, h, t, d));
+        }
+        if (keys && options.strip_source_rope) RotateDouble(source_rope, p, true, head);
+      }
+    }
+    double* y = &out[t * outputs];
+    for (int64_t c = 0; c < outputs; ++c) {
+      double sum = bias.empty() ? 0.0 : bias[c];
+      for (int64_t i = 0; i < inputs; ++i) sum += x[i] * w[i * outputs + c];
+      y[c] = sum;
+    }
+    if (keys && options.apply_target_rope) {
+      for (int h = 0; h < nt; ++h) RotateDouble(target_rope, p, false, y + h * dt);
+    }
+  }
+  return out;
+}
+
+std::vector<double> ReadLayer(const CacheView& cache, int layer, Kind kind) {
+  return ReadLayerImpl(cache.dtype, cache.layout, cache.num_kv_heads, cache.head_dim,
+                       cache.num_tokens, kind == Kind::kK ? cache.k[layer] : cache.v[layer]);
+}
+
+std::vector<double> ReadLayer(const MutableCacheView& cache, int layer, Kind kind) {
+  return ReadLayerImpl(cache.dtype, cache.layout, cache.num_kv_heads, cache.head_dim,
+                       cache.num_tokens,
+                       static_cast<const void*>(kind == Kind::kK ? cache.k[layer]
+                                                                 : cache.v[layer]));
+}
+
+double MaxRelError(const std::vector<double>& actual, const std::vector<double>& expected) {
+  if (actual.size() != expected.size()) return std::numeric_limits<double>::infinity();
+  double max_diff = 0, max_ref = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    if (std::isnan(actual[i]) || std::isnan(expected[i])) {
+      return std::numeric_limits<double>::infinity();
+    }
+    max_diff = std::max(max_diff, std::abs(actual[i] - expected[i]));
+    max_ref = std::max(max_ref, std::abs(expected[i]));
+  }
+  return max_ref > 0 ? max_diff / max_ref : max_diff;
+}
+
+uint64_t FreshSeed(const char* what) {
+  std::random_device device;
+  const uint64_t seed =
+      (static_cast<uint64_t>(device()) << 32) ^ device() ^
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  std::fprintf(stderr, "[seed] %s: %llu\n", what, static_cast<unsigned long long>(seed));
+  return seed;
+}
+
+RandomMapper MakeRandomMapper(const RandomMapperSpec& spec, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  RandomMapper mapper;
+  const auto model = [](const char* name, int layers, int heads, int head_dim, RopeConfig rope) {
+    ModelSpec m;
+    m.name = name;
+    m.num_layers = layers;
+    m.num_kv_heads = heads;
+    m.head_dim = head_dim;
+    if (rope.rotary_dim == 0) rope.rotary_dim = head_dim;
+    m.rope = rope;
+    return m;
+  };
+  mapper.view.source = model("random-source", spec.source_layers, spec.source_heads,
+                             spec.source_head_dim, spec.source_rope);
+  mapper.view.target = model("random-target", spec.target_layers, spec.target_heads,
+                             spec.target_head_dim, spec.target_rope);
+  const int64_t rows = static_cast<int64_t>(spec.k) * spec.source_heads * spec.source_head_dim;
+  const int64_t cols = static_cast<int64_t>(spec.target_heads) * spec.target_head_dim;
+  // Every buffer exists before any view takes a pointer into `storage`.
+  mapper.storage.resize(4 * spec.target_layers);
+  const auto weight = [&](size_t slot, int64_t r, int64_t c, double stddev) {
+    StoreNormal(spec.weight_dtype, stddev, &rng, &mapper.storage[slot], r * c);
+    WeightView w;
+    w.data = mapper.storage[slot].data();
+    w.dtype = spec.weight_dtype;
+    w.rows = r;
+    w.cols = c;
+    return w;
+  };
+  const auto sigma = [&] {
+    std::vector<int> layers(spec.source_layers);
+    for (int j = 0; j < spec.source_layers; ++j) layers[j] = j;
+    std::shuffle(layers.begin(), layers.end(), rng);
+    layers.resize(spec.k);
+    return layers;
+  };
+  for (int l = 0; l < spec.target_layers; ++l) {
+    LayerMapView layer;
+    layer.sigma_k = sigma();
+    layer.sigma_v = sigma();
+    layer.w_k = weight(4 * l, rows, cols, 1.0 / std::sqrt(static_cast<double>(rows)));
+    layer.w_v = weight(4 * l + 1, rows, cols, 1.0 / std::sqrt(static_cast<double>(rows)));
+    if (spec.with_bias) {
+      layer.b_k = weight(4 * l + 2, 1, cols, 0.5);
+      layer.b_v = weight(4 * l + 3, 1, cols, 0.5);
+    }
+    mapper.view.layers.push_back(layer);
+  }
+  return mapper;
+}
+
+OwnedCache MakeRandomCache(int layers, int heads, int head_dim, int64_t tokens, DType dtype,
+                           Layout layout, uint64_t seed) {
+  OwnedCache cache = AllocateCache(layers, heads, head_dim, tokens, dtype, layout, 0);
+  std::mt19937_64 rng(seed);
+  const int64_t count = tokens * heads * head_dim;
+  for (int l = 0; l < layers; ++l) {
+    StoreNormal(dtype, 1.0, &rng, &cache.k[l], count);
+    StoreNormal(dtype, 1.0, &rng, &cache.v[l], count);
+  }
+  return cache;
+}
+
+OwnedCache MakeOutputCache(int layers, int heads, int head_dim, int64_t tokens, DType dtype,
+                           Layout layout) {
+  return AllocateCache(layers, heads, head_dim, tokens, dtype, layout, 0xff);
+}
+
+OwnedCache SliceTokens(const CacheView& cache, int64_t begin, int64_t end) {
+  const int layers = static_cast<int>(cache.k.size());
+  OwnedCache slice = AllocateCache(layers, cache.num_kv_heads, cache.head_dim, end - begin,
+                                   cache.dtype, cache.layout, 0);
+  const size_t element = DTypeSize(cache.dtype);
+  const int64_t n = cache.num_kv_heads, d = cache.head_dim;
+  for (int l = 0; l < layers; ++l) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const uint8_t* from = static_cast<const uint8_t*>(kind == 0 ? cache.k[l] : cache.v[l]);
+      uint8_t* to = kind == 0 ? slice.k[l].data() : slice.v[l].data();
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < n; ++h) {
+          std::memcpy(to + CacheOffset(cache.layout, n, end - begin, d, h, t - begin, 0) * element,
+                      from + CacheOffset(cache.layout, n, cache.num_tokens, d, h, t, 0) * element,
+                      d * element);
+        }
+      }
+    }
+  }
+  return slice;
+}
+
+}  // namespace testing
+}  // namespace kvt
