@@ -63,6 +63,7 @@ uint16_t FloatToFP16(float value) {
 }
 
 void ToFloat(DType dtype, const void* src, float* dst, int64_t count) {
+  if (count <= 0) return;  // empty buffers may be null, which memcpy must not see
   switch (dtype) {
     case DType::kFP32:
       std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
@@ -89,6 +90,7 @@ void ToFloat(DType dtype, const void* src, float* dst, int64_t count) {
 }
 
 void FromFloat(DType dtype, const float* src, void* dst, int64_t count) {
+  if (count <= 0) return;  // empty buffers may be null, which memcpy must not see
   switch (dtype) {
     case DType::kFP32:
       std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));

@@ -17,10 +17,10 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    work_cv_.SignalAll();
   }
+  work_cv_.notify_all();
   for (std::thread& worker : workers_) worker.join();
 }
 
@@ -34,40 +34,39 @@ void ThreadPool::ParallelFor(int64_t n, int64_t min_grain,
     fn(0, n);
     return;
   }
-  absl::MutexLock run_lock(&run_mu_);
+  std::lock_guard<std::mutex> run_lock(run_mu_);
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     fn_ = &fn;
     n_ = n;
     num_parts_ = parts;
     pending_ = parts - 1;
     ++generation_;
-    work_cv_.SignalAll();
   }
+  work_cv_.notify_all();
   fn(PartBegin(n, parts, 0), PartBegin(n, parts, 1));
-  absl::MutexLock lock(&mu_);
-  while (pending_ > 0) done_cv_.Wait(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return pending_ == 0; });
   fn_ = nullptr;
 }
 
 void ThreadPool::WorkerLoop(int index) {
   uint64_t seen = 0;
-  mu_.Lock();
+  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    while (!stop_ && generation_ == seen) work_cv_.Wait(&mu_);
-    if (stop_) break;
+    work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+    if (stop_) return;
     seen = generation_;
     // A job with fewer parts than workers leaves this worker idle (and uncounted).
     if (index >= num_parts_) continue;
     const std::function<void(int64_t, int64_t)>* fn = fn_;
     const int64_t begin = PartBegin(n_, num_parts_, index);
     const int64_t end = PartBegin(n_, num_parts_, index + 1);
-    mu_.Unlock();
+    lock.unlock();
     (*fn)(begin, end);
-    mu_.Lock();
-    if (--pending_ == 0) done_cv_.Signal();
+    lock.lock();
+    if (--pending_ == 0) done_cv_.notify_one();
   }
-  mu_.Unlock();
 }
 
 }  // namespace kvt

@@ -2,13 +2,14 @@
 // conversion): one blocking ParallelFor, the calling thread taking a share.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 
 namespace kvt {
 
@@ -32,10 +33,12 @@ class ThreadPool {
   void WorkerLoop(int index);
 
   std::vector<std::thread> workers_;
-  absl::Mutex run_mu_;  // held for a whole ParallelFor: one job at a time
-  absl::Mutex mu_;
-  absl::CondVar work_cv_;
-  absl::CondVar done_cv_;
+  // std::mutex rather than absl::Mutex: the system's absl is not built with ThreadSanitizer,
+  // which then cannot see absl::Mutex's synchronisation and reports every handoff as a race.
+  std::mutex run_mu_;  // held for a whole ParallelFor: one job at a time
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   const std::function<void(int64_t, int64_t)>* fn_ ABSL_GUARDED_BY(mu_) = nullptr;
