@@ -209,7 +209,8 @@ class Parser {
     }
     std::set<std::string> seen;
     for (auto it = map.begin(); it != map.end(); ++it) {
-      const YAML::Node& key = it->first;
+      // By value: yaml-cpp's iterator returns a temporary proxy, a reference would dangle.
+      const YAML::Node key = it->first;
       const std::string name = key.IsScalar() ? key.Scalar() : "<non-scalar key>";
       bool known = false;
       for (const char* a : allowed) known = known || name == a;
