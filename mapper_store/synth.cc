@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -235,18 +236,32 @@ absl::Status FillSynthTensor(const SynthOptions& options, const Manifest& manife
   // Box-Muller: pair p gives elements 2p (cos) and 2p+1 (sin). Generated in float chunks and
   // converted, so one tensor never needs a full float copy.
   constexpr int64_t kChunk = 1 << 16;  // even, so pairs never straddle chunks
-  std::vector<float> values(static_cast<size_t>(std::min(count, kChunk)));
-  for (int64_t start = 0; start < count; start += kChunk) {
-    const int64_t n = std::min(kChunk, count - start);
-    for (int64_t i = 0; i < n; i += 2) {
-      const uint64_t pair = static_cast<uint64_t>(start + i) / 2;
-      const double radius = std::sqrt(-2.0 * std::log(Uniform(key, 2 * pair)));
-      const double angle = 2.0 * M_PI * Uniform(key, 2 * pair + 1);
-      values[i] = static_cast<float>(stddev * radius * std::cos(angle));
-      if (i + 1 < n) values[i + 1] = static_cast<float>(stddev * radius * std::sin(angle));
+  auto generate = [&](int64_t first_chunk, int64_t end_chunk) {
+    std::vector<float> values(static_cast<size_t>(std::min(count, kChunk)));
+    for (int64_t c = first_chunk; c < end_chunk; ++c) {
+      const int64_t start = c * kChunk;
+      const int64_t n = std::min(kChunk, count - start);
+      for (int64_t i = 0; i < n; i += 2) {
+        const uint64_t pair = static_cast<uint64_t>(start + i) / 2;
+        const double radius = std::sqrt(-2.0 * std::log(Uniform(key, 2 * pair)));
+        const double angle = 2.0 * M_PI * Uniform(key, 2 * pair + 1);
+        values[i] = static_cast<float>(stddev * radius * std::cos(angle));
+        if (i + 1 < n) values[i + 1] = static_cast<float>(stddev * radius * std::sin(angle));
+      }
+      FromFloat(spec.dtype, values.data(), dst.data() + start * element_size, n);
     }
-    FromFloat(spec.dtype, values.data(), dst.data() + start * element_size, n);
+  };
+  // The generator is counter-based, so chunks are independent: a multi-GB preset uses every
+  // core and the bytes do not depend on the thread count.
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+  const int64_t threads = std::clamp<int64_t>(
+      chunks / 16, 1, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads; ++t) {
+    workers.emplace_back(generate, chunks * t / threads, chunks * (t + 1) / threads);
   }
+  generate(0, chunks / threads);
+  for (std::thread& worker : workers) worker.join();
   return absl::OkStatus();
 }
 
