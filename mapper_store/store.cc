@@ -75,7 +75,7 @@ MapperStore::Entry MapperStore::LoadEntry(const std::string& id) const {
 }
 
 absl::Status MapperStore::Scan() {
-  absl::MutexLock scan_lock(&scan_mu_);
+  std::lock_guard<std::mutex> scan_lock(scan_mu_);
   if (!IsDirectory(root_)) {
     return absl::NotFoundError(
         absl::StrCat("mapper store directory ", root_, " does not exist or is not a directory"));
@@ -91,7 +91,7 @@ absl::Status MapperStore::Scan() {
 
   std::vector<std::string> to_load;
   {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::shared_mutex> lock(mu_);
     for (auto it = entries_.begin(); it != entries_.end();) {
       // Requests holding the shared_ptr keep a dropped mapper alive until they finish.
       it = present.count(it->first) == 0 ? entries_.erase(it) : std::next(it);
@@ -105,7 +105,7 @@ absl::Status MapperStore::Scan() {
   }
   for (const std::string& id : to_load) {
     Entry entry = LoadEntry(id);
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::shared_mutex> lock(mu_);
     auto it = entries_.find(id);
     if (it != entries_.end()) {  // a retried FAILED entry keeps its usage counters
       entry.info.hits = it->second.info.hits;
@@ -117,7 +117,7 @@ absl::Status MapperStore::Scan() {
 }
 
 std::vector<MapperInfo> MapperStore::List() const {
-  absl::ReaderMutexLock lock(&mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   std::vector<MapperInfo> infos;
   infos.reserve(entries_.size());
   for (const auto& [id, entry] : entries_) infos.push_back(entry.info);
@@ -125,7 +125,7 @@ std::vector<MapperInfo> MapperStore::List() const {
 }
 
 absl::StatusOr<MapperInfo> MapperStore::Info(const std::string& mapper_id) const {
-  absl::ReaderMutexLock lock(&mu_);
+  std::shared_lock<std::shared_mutex> lock(mu_);
   auto it = entries_.find(mapper_id);
   if (it == entries_.end()) {
     return absl::NotFoundError(absl::StrCat("no mapper with id '", mapper_id, "' in ", root_));
@@ -139,7 +139,7 @@ void MapperStore::RecordUse(Entry& entry) {
 }
 
 absl::StatusOr<std::shared_ptr<const LoadedMapper>> MapperStore::Get(const std::string& mapper_id) {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   auto it = entries_.find(mapper_id);
   if (it == entries_.end()) {
     return absl::NotFoundError(absl::StrCat("no mapper with id '", mapper_id, "' in ", root_));
@@ -155,7 +155,7 @@ absl::StatusOr<std::shared_ptr<const LoadedMapper>> MapperStore::Get(const std::
 
 absl::StatusOr<std::shared_ptr<const LoadedMapper>> MapperStore::Find(
     const std::string& source_model, const std::string& target_model) {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::shared_mutex> lock(mu_);
   std::vector<Entry*> serving;
   std::vector<const Entry*> failed;
   for (auto& [id, entry] : entries_) {

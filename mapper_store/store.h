@@ -5,13 +5,14 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/mapper_view.h"
 #include "kernels/types.h"
 #include "mapper_store/mapper.h"
@@ -109,9 +110,13 @@ class MapperStore {
 
   const std::string root_;
   const StoreOptions options_;
+  // std mutexes rather than absl::Mutex: the system's absl is not built with ThreadSanitizer, so
+  // TSan cannot see absl::Mutex handoffs and reports false races (same choice as
+  // kernels/thread_pool.h). The annotations still document which lock guards what.
   // Serialises scans, so two concurrent Scan() calls never load one directory twice.
-  absl::Mutex scan_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  mutable absl::Mutex mu_;
+  std::mutex scan_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // Shared for List/Info, exclusive for Get/Find (they count hits) and for scan updates.
+  mutable std::shared_mutex mu_;
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 
