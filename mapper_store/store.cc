@@ -149,6 +149,11 @@ absl::StatusOr<std::shared_ptr<const LoadedMapper>> MapperStore::Get(const std::
     return absl::FailedPreconditionError(absl::StrCat(
         "mapper '", mapper_id, "' failed to load and cannot serve: ", entry.info.state_reason));
   }
+  if (entry.mapper == nullptr) {  // future states (DISCOVERED, LOADING) hold no weights yet
+    return absl::UnavailableError(absl::StrCat("mapper '", mapper_id, "' is ",
+                                               MapperStateName(entry.info.state),
+                                               ", not ready to serve yet"));
+  }
   RecordUse(entry);
   return entry.mapper;
 }
@@ -164,7 +169,7 @@ absl::StatusOr<std::shared_ptr<const LoadedMapper>> MapperStore::Find(
     }
     if (entry.info.state == MapperState::kFailed) {
       failed.push_back(&entry);
-    } else {
+    } else if (entry.mapper != nullptr) {
       serving.push_back(&entry);
     }
   }
