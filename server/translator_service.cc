@@ -50,6 +50,48 @@ grpc::Status CancelledOrDeadline(grpc::ServerContext* context) {
   return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled the stream");
 }
 
+v1::MapperState StateToProto(MapperState state) {
+  switch (state) {
+    case MapperState::kDiscovered:
+      return v1::MAPPER_STATE_DISCOVERED;
+    case MapperState::kLoading:
+      return v1::MAPPER_STATE_LOADING;
+    case MapperState::kHostResident:
+      return v1::MAPPER_STATE_HOST_RESIDENT;
+    case MapperState::kDeviceResident:
+      return v1::MAPPER_STATE_DEVICE_RESIDENT;
+    case MapperState::kFailed:
+      return v1::MAPPER_STATE_FAILED;
+  }
+  return v1::MAPPER_STATE_UNSPECIFIED;
+}
+
+void FillShape(const ModelSpec& model, v1::CacheShape* shape) {
+  shape->set_num_layers(model.num_layers);
+  shape->set_num_kv_heads(model.num_kv_heads);
+  shape->set_head_dim(model.head_dim);
+}
+
+void FillMapperInfo(const MapperInfo& info, v1::MapperInfo* out) {
+  out->set_mapper_id(info.id);
+  out->set_source_model(info.source_model);
+  out->set_target_model(info.target_model);
+  out->set_kind(info.kind);
+  out->set_k(info.k);
+  out->set_state(StateToProto(info.state));
+  out->set_state_reason(info.state_reason);
+  out->set_weight_bytes(info.weight_bytes);
+  if (info.state != MapperState::kFailed) out->set_weight_dtype(DTypeToProto(info.weight_dtype));
+  FillShape(info.source, out->mutable_source_shape());
+  FillShape(info.target, out->mutable_target_shape());
+  for (const std::string& device : info.devices) out->add_devices(device);
+  out->set_last_used_unix_ms(info.last_used_unix_ms);
+  out->set_hits(info.hits);
+  out->set_page_ins(info.page_ins);
+  out->set_synthetic(info.synthetic);
+  out->set_path(info.path);
+}
+
 }  // namespace
 
 TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* store,
@@ -360,7 +402,7 @@ grpc::Status TranslatorService::TranslateKV(
   int64_t output_bytes = 0;
   v1::TranslateKVResponse response;
   for (int layer = 0; layer < tgt_model.num_layers; ++layer) {
-    absl::Status computed = (*pending)->get();
+    absl::Status computed = pending->get();
     pending.reset();
     if (!computed.ok()) return fail(computed);
     Slot& slot = slots[layer % 2];
@@ -438,14 +480,10 @@ grpc::Status TranslatorService::GetMapper(grpc::ServerContext*,
   if (request->mapper_id().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "mapper_id is required");
   }
-  for (const MapperInfo& info : store_->List()) {
-    if (info.id == request->mapper_id()) {
-      FillMapperInfo(info, response);
-      return grpc::Status::OK;
-    }
-  }
-  return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                      absl::StrCat("no mapper with mapper_id '", request->mapper_id(), "'"));
+  absl::StatusOr<MapperInfo> info = store_->Info(request->mapper_id());
+  if (!info.ok()) return ToGrpcStatus(info.status());
+  FillMapperInfo(*info, response);
+  return grpc::Status::OK;
 }
 
 grpc::Status TranslatorService::LoadMapper(grpc::ServerContext*, const v1::LoadMapperRequest*,

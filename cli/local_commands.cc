@@ -1,0 +1,116 @@
+// `kvt synth` and `kvt inspect`: mapper directories on local disk, no server involved.
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "cli/commands.h"
+#include "mapper_store/inspect.h"
+#include "mapper_store/synth.h"
+
+ABSL_FLAG(std::string, preset, "",
+          "kvt synth: a named pair (demo-tiny, qwen3-14b-to-32b, qwen3-8b-to-32b, "
+          "qwen3-32b-to-14b, llama3.1-8b-to-70b, ministral-3b-to-8b). Empty: custom shapes.");
+ABSL_FLAG(std::string, out, "", "kvt synth: the mapper directory to write (must not exist).");
+ABSL_FLAG(uint64_t, seed, 1, "kvt synth / demo: random seed (same seed, same bytes).");
+ABSL_FLAG(std::string, weight_dtype, "", "kvt synth: bf16 | fp16 | fp32 (default: preset's).");
+ABSL_FLAG(int32_t, k, -1, "kvt synth: source layers per target layer (0 = all; default preset's).");
+ABSL_FLAG(std::string, source_model, "", "Source model name (synth custom shapes; translate).");
+ABSL_FLAG(std::string, target_model, "", "Target model name (synth custom shapes; translate).");
+ABSL_FLAG(int32_t, source_layers, 4, "kvt synth custom: source layers.");
+ABSL_FLAG(int32_t, source_heads, 2, "kvt synth custom: source KV heads.");
+ABSL_FLAG(int32_t, source_head_dim, 32, "kvt synth custom: source head_dim.");
+ABSL_FLAG(int32_t, target_layers, 6, "kvt synth custom: target layers.");
+ABSL_FLAG(int32_t, target_heads, 2, "kvt synth custom: target KV heads.");
+ABSL_FLAG(int32_t, target_head_dim, 32, "kvt synth custom: target head_dim.");
+ABSL_FLAG(double, rope_theta, 10000.0, "kvt synth custom: RoPE theta of both models (neox).");
+
+namespace kvt {
+namespace cli {
+namespace {
+
+ModelSpec CustomModel(const std::string& name, int layers, int heads, int head_dim) {
+  ModelSpec model;
+  model.name = name;
+  model.num_layers = layers;
+  model.num_kv_heads = heads;
+  model.head_dim = head_dim;
+  model.rope.theta = absl::GetFlag(FLAGS_rope_theta);
+  model.rope.rotary_dim = head_dim;
+  return model;
+}
+
+}  // namespace
+
+int RunSynth(const std::vector<std::string>& args) {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) {
+    std::fprintf(stderr, "kvt synth: --out=DIR is required\n");
+    return 1;
+  }
+  SynthOptions options;
+  const std::string preset = absl::GetFlag(FLAGS_preset);
+  if (!preset.empty()) {
+    absl::StatusOr<SynthOptions> preset_options = SynthPreset(preset);
+    if (!preset_options.ok()) {
+      std::fprintf(stderr, "kvt synth: %s (presets: %s)\n",
+                   std::string(preset_options.status().message()).c_str(),
+                   absl::StrJoin(SynthPresetNames(), ", ").c_str());
+      return 1;
+    }
+    options = *preset_options;
+  } else {
+    const std::string source_name = absl::GetFlag(FLAGS_source_model);
+    const std::string target_name = absl::GetFlag(FLAGS_target_model);
+    options.source = CustomModel(source_name.empty() ? "custom/source" : source_name,
+                                 absl::GetFlag(FLAGS_source_layers),
+                                 absl::GetFlag(FLAGS_source_heads),
+                                 absl::GetFlag(FLAGS_source_head_dim));
+    options.target = CustomModel(target_name.empty() ? "custom/target" : target_name,
+                                 absl::GetFlag(FLAGS_target_layers),
+                                 absl::GetFlag(FLAGS_target_heads),
+                                 absl::GetFlag(FLAGS_target_head_dim));
+    options.k = 2;
+  }
+  if (absl::GetFlag(FLAGS_k) >= 0) options.k = absl::GetFlag(FLAGS_k);
+  if (!absl::GetFlag(FLAGS_weight_dtype).empty()) {
+    absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_weight_dtype));
+    if (!dtype.ok()) {
+      std::fprintf(stderr, "kvt synth: --weight_dtype: %s\n",
+                   std::string(dtype.status().message()).c_str());
+      return 1;
+    }
+    options.dtype = *dtype;
+  }
+  options.seed = absl::GetFlag(FLAGS_seed);
+  absl::Status written = WriteSynthMapper(out, options);
+  if (!written.ok()) {
+    std::fprintf(stderr, "kvt synth: %s\n", written.ToString().c_str());
+    return 2;
+  }
+  absl::StatusOr<std::string> report = InspectMapperDir(out);
+  if (!report.ok()) {
+    std::fprintf(stderr, "kvt synth: wrote %s but cannot read it back: %s\n", out.c_str(),
+                 report.status().ToString().c_str());
+    return 2;
+  }
+  std::printf("%s", report->c_str());
+  return 0;
+}
+
+int RunInspect(const std::vector<std::string>& args) {
+  if (args.size() != 1) {
+    std::fprintf(stderr, "usage: kvt inspect DIR\n");
+    return 1;
+  }
+  absl::StatusOr<std::string> report = InspectMapperDir(args[0]);
+  if (!report.ok()) {
+    std::fprintf(stderr, "kvt inspect: %s\n", report.status().ToString().c_str());
+    return 2;
+  }
+  std::printf("%s", report->c_str());
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace kvt
