@@ -1,0 +1,512 @@
+// kvtd's gRPC surface end to end, in process: a real server on port 0, a real channel, real
+// mapper directories on disk, results checked against the float64 reference.
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_backend.h"
+#include "kernels/dtype.h"
+#include "kernels/testing/reference.h"
+#include "mapper_store/mapper.h"
+#include "mapper_store/store.h"
+#include "mapper_store/synth.h"
+#include "server/kvtd_server.h"
+#include "transport/proto_convert.h"
+
+namespace kvt {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string TempDir(const std::string& name) {
+  const char* root = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(root ? root : "/tmp", "/", name);
+  std::string command = absl::StrCat("rm -rf '", dir, "' && mkdir -p '", dir, "'");
+  EXPECT_EQ(std::system(command.c_str()), 0);
+  return dir;
+}
+
+ModelSpec Model(const std::string& name, int layers, int heads, int head_dim, double theta) {
+  ModelSpec model;
+  model.name = name;
+  model.num_layers = layers;
+  model.num_kv_heads = heads;
+  model.head_dim = head_dim;
+  model.rope.theta = theta;
+  model.rope.rotary_dim = head_dim;
+  return model;
+}
+
+// A running kvtd over a store directory, plus a client.
+class Kvtd {
+ public:
+  explicit Kvtd(const std::string& store_dir, KvtdConfig config = KvtdConfig()) {
+    config.server.listen_address = "127.0.0.1:0";
+    config.mapper_store.path = store_dir;
+    config.shutdown.drain_grace_seconds = 0.3;
+    config_ = config;
+    absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(store_dir);
+    EXPECT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    backend_ = NewCpuBackend();
+    absl::StatusOr<std::unique_ptr<KvtdServer>> server =
+        KvtdServer::Start(config, store_.get(), backend_.get());
+    EXPECT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    address_ = absl::StrCat("127.0.0.1:", server_->port());
+    client_ = Client::Create(address_);
+  }
+
+  Client& client() { return *client_; }
+  KvtdServer& server() { return *server_; }
+  const std::string& address() const { return address_; }
+
+ private:
+  KvtdConfig config_;
+  std::unique_ptr<MapperStore> store_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<KvtdServer> server_;
+  std::string address_;
+  std::unique_ptr<Client> client_;
+};
+
+HostCache RandomCache(const ModelSpec& model, int64_t tokens, DType dtype, Layout layout,
+                      uint64_t seed) {
+  HostCache cache;
+  cache.dtype = dtype;
+  cache.layout = layout;
+  cache.num_layers = model.num_layers;
+  cache.num_kv_heads = model.num_kv_heads;
+  cache.head_dim = model.head_dim;
+  cache.num_tokens = tokens;
+  cache.Allocate();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  const int64_t elements = cache.layer_bytes() / static_cast<int64_t>(DTypeSize(dtype));
+  for (int layer = 0; layer < cache.num_layers; ++layer) {
+    for (int64_t i = 0; i < elements; ++i) {
+      StoreFromDouble(dtype, cache.k[layer].data(), i, normal(rng));
+      StoreFromDouble(dtype, cache.v[layer].data(), i, normal(rng));
+    }
+  }
+  return cache;
+}
+
+CacheView ViewOf(const HostCache& cache) {
+  CacheView view;
+  view.dtype = cache.dtype;
+  view.layout = cache.layout;
+  view.num_kv_heads = cache.num_kv_heads;
+  view.head_dim = cache.head_dim;
+  view.num_tokens = cache.num_tokens;
+  for (int layer = 0; layer < cache.num_layers; ++layer) {
+    view.k.push_back(cache.k[layer].data());
+    view.v.push_back(cache.v[layer].data());
+  }
+  return view;
+}
+
+// Max relative error of a translated cache against the float64 reference, all layers and kinds.
+double ErrorAgainstReference(const MapperView& mapper, const HostCache& source,
+                             const HostCache& target, const Positions& positions) {
+  double worst = 0;
+  const CacheView source_view = ViewOf(source);
+  const CacheView target_view = ViewOf(target);
+  for (int layer = 0; layer < mapper.target.num_layers; ++layer) {
+    for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
+      worst = std::max(worst, testing::MaxRelError(
+                                  testing::ReadLayer(target_view, layer, kind),
+                                  testing::ReferenceTranslate(mapper, layer, kind, source_view,
+                                                              positions)));
+    }
+  }
+  return worst;
+}
+
+class TranslateServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    store_dir_ = new std::string(TempDir("store"));
+    // Matched shapes, and an unmatched pair (heads, head_dim, RoPE all differ).
+    SynthOptions matched;
+    matched.source = Model("test/src", 3, 2, 16, 10000);
+    matched.target = Model("test/dst", 4, 2, 16, 10000);
+    matched.k = 2;
+    matched.dtype = DType::kFP32;
+    matched.seed = 7;
+    ASSERT_TRUE(WriteSynthMapper(*store_dir_ + "/matched", matched).ok());
+    SynthOptions unmatched;
+    unmatched.source = Model("test/small", 2, 2, 8, 10000);
+    unmatched.target = Model("test/big", 3, 4, 16, 500000);
+    unmatched.target.rope.rotary_dim = 8;  // partial rotary on the target
+    unmatched.k = 0;
+    unmatched.dtype = DType::kBF16;
+    unmatched.seed = 8;
+    ASSERT_TRUE(WriteSynthMapper(*store_dir_ + "/unmatched", unmatched).ok());
+  }
+
+  static std::unique_ptr<LoadedMapper> Local(const std::string& id) {
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper =
+        LoadMapperDir(*store_dir_ + "/" + id);
+    EXPECT_TRUE(mapper.ok()) << mapper.status();
+    return std::move(*mapper);
+  }
+
+  static std::string* store_dir_;
+};
+std::string* TranslateServiceTest::store_dir_ = nullptr;
+
+TEST_F(TranslateServiceTest, HealthIsServingAndReflectionListsTheService) {
+  Kvtd kvtd(*store_dir_);
+  absl::StatusOr<std::string> health = kvtd.client().Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, "SERVING");
+  absl::StatusOr<std::string> service_health = kvtd.client().Health("kvt.v1.KvTranslator");
+  ASSERT_TRUE(service_health.ok());
+  EXPECT_EQ(*service_health, "SERVING");
+
+  auto reflection = grpc::reflection::v1alpha::ServerReflection::NewStub(kvtd.client().channel());
+  grpc::ClientContext context;
+  auto stream = reflection->ServerReflectionInfo(&context);
+  grpc::reflection::v1alpha::ServerReflectionRequest request;
+  request.set_list_services("");
+  ASSERT_TRUE(stream->Write(request));
+  stream->WritesDone();
+  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  std::vector<std::string> services;
+  for (const auto& service : response.list_services_response().service()) {
+    services.push_back(service.name());
+  }
+  EXPECT_THAT(services, ::testing::Contains("kvt.v1.KvTranslator"));
+  EXPECT_THAT(services, ::testing::Contains("grpc.health.v1.Health"));
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(TranslateServiceTest, ListMappersOnAnEmptyStore) {
+  Kvtd kvtd(TempDir("empty_store"));
+  absl::StatusOr<v1::ListMappersResponse> list = kvtd.client().ListMappers();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->mappers_size(), 0);
+}
+
+TEST_F(TranslateServiceTest, ListAndGetMappers) {
+  Kvtd kvtd(*store_dir_);
+  absl::StatusOr<v1::ListMappersResponse> list = kvtd.client().ListMappers();
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->mappers_size(), 2);
+  absl::StatusOr<v1::MapperInfo> info = kvtd.client().GetMapper("unmatched");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->source_model(), "test/small");
+  EXPECT_EQ(info->target_shape().num_kv_heads(), 4u);
+  EXPECT_EQ(info->state(), v1::MAPPER_STATE_HOST_RESIDENT);
+  EXPECT_TRUE(info->synthetic());
+  EXPECT_EQ(kvtd.client().GetMapper("nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(TranslateServiceTest, UnknownPairIsNotFoundNamingThePair) {
+  Kvtd kvtd(*store_dir_);
+  v1::TranslateHeader header;
+  header.set_source_model("Qwen/Qwen3-14B");
+  header.set_target_model("Qwen/Qwen3-32B");
+  HostCache cache = RandomCache(Model("x", 1, 1, 8, 1e4), 4, DType::kBF16, Layout::kHND, 1);
+  absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, cache);
+  ASSERT_EQ(result.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(result.status().message()),
+              HasSubstr("Qwen/Qwen3-14B -> Qwen/Qwen3-32B"));
+}
+
+TEST_F(TranslateServiceTest, TranslationsMatchTheFloat64Reference) {
+  KvtdConfig config;
+  config.limits.response_chunk_bytes = 4096;  // several response chunks per layer
+  Kvtd kvtd(*store_dir_, config);
+  struct Case {
+    std::string mapper;
+    DType dtype;
+    Layout layout;
+    DType output_dtype;
+    Layout output_layout;
+    int64_t tokens;
+    uint64_t offset;
+    bool explicit_positions;
+  };
+  const std::vector<Case> cases = {
+      {"matched", DType::kFP32, Layout::kHND, DType::kFP32, Layout::kHND, 70, 0, false},
+      {"matched", DType::kBF16, Layout::kNHD, DType::kBF16, Layout::kHND, 129, 1000, false},
+      {"matched", DType::kFP16, Layout::kHND, DType::kFP32, Layout::kNHD, 33, 5, true},
+      {"unmatched", DType::kBF16, Layout::kHND, DType::kBF16, Layout::kNHD, 257, 123456, false},
+      {"unmatched", DType::kFP32, Layout::kNHD, DType::kFP16, Layout::kNHD, 17, 0, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(c.mapper, " ", DTypeName(c.dtype), " ", LayoutName(c.layout),
+                              " -> ", DTypeName(c.output_dtype), " ", LayoutName(c.output_layout),
+                              " T=", c.tokens));
+    std::unique_ptr<LoadedMapper> mapper = Local(c.mapper);
+    const uint64_t seed = testing::FreshSeed("service translate");
+    HostCache source = RandomCache(mapper->view().source, c.tokens, c.dtype, c.layout, seed);
+    v1::TranslateHeader header;
+    header.set_source_model(mapper->view().source.name);
+    header.set_target_model(mapper->view().target.name);
+    header.set_output_dtype(DTypeToProto(c.output_dtype));
+    header.set_output_layout(LayoutToProto(c.output_layout));
+    std::vector<uint64_t> explicit_positions;
+    Positions positions;
+    if (c.explicit_positions) {
+      std::mt19937_64 rng(seed);
+      for (int64_t i = 0; i < c.tokens; ++i) {
+        explicit_positions.push_back(rng() % 100000);
+        header.add_positions(explicit_positions.back());
+      }
+      positions.explicit_positions = explicit_positions.data();
+    } else {
+      header.set_position_offset(c.offset);
+      positions.offset = c.offset;
+    }
+    absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, source);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->target.dtype, c.output_dtype);
+    EXPECT_EQ(result->target.layout, c.output_layout);
+    EXPECT_EQ(result->header.mapper_id(), c.mapper);
+    EXPECT_EQ(result->trailer.num_tokens(), static_cast<uint64_t>(c.tokens));
+    EXPECT_GT(result->trailer.timings().total_ms(), 0);
+    const double tolerance =
+        (c.dtype == DType::kFP32 && c.output_dtype == DType::kFP32 &&
+         mapper->manifest().weights_dtype == DType::kFP32)
+            ? 1e-5
+            : 1e-2;
+    EXPECT_LE(ErrorAgainstReference(mapper->view(), source, result->target, positions),
+              tolerance);
+  }
+}
+
+// The raw stream, for malformed requests the client library would never send.
+struct RawStream {
+  explicit RawStream(Client& client, int deadline_ms = 10000) {
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(deadline_ms));
+    stream = client.stub()->TranslateKV(&context);
+  }
+  grpc::Status Finish() {
+    stream->WritesDone();
+    v1::TranslateKVResponse response;
+    while (stream->Read(&response)) {
+    }
+    return stream->Finish();
+  }
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::TranslateKVRequest, v1::TranslateKVResponse>>
+      stream;
+};
+
+v1::TranslateKVRequest HeaderMessage(int tokens) {
+  v1::TranslateKVRequest request;
+  v1::TranslateHeader* header = request.mutable_header();
+  header->set_mapper_id("matched");
+  header->set_dtype(v1::DTYPE_FP32);
+  header->set_layout(v1::LAYOUT_HND);
+  header->set_num_tokens(tokens);
+  return request;
+}
+
+v1::TranslateKVRequest ChunkMessage(int layer, v1::CacheKind kind, int start, int count,
+                                    int bytes_per_token = 2 * 16 * 4) {
+  v1::TranslateKVRequest request;
+  v1::KVChunk* chunk = request.mutable_chunk();
+  chunk->set_layer(layer);
+  chunk->set_kind(kind);
+  chunk->set_token_start(start);
+  chunk->set_token_count(count);
+  chunk->mutable_data()->assign(static_cast<size_t>(count) * bytes_per_token, '\0');
+  return request;
+}
+
+TEST_F(TranslateServiceTest, MalformedStreamsGetClearErrorsAndTheServerKeepsServing) {
+  KvtdConfig config;
+  config.limits.max_tokens = 1000;
+  Kvtd kvtd(*store_dir_, config);
+  struct Case {
+    std::string name;
+    std::vector<v1::TranslateKVRequest> messages;
+    grpc::StatusCode code;
+    std::string message_part;
+  };
+  auto header_with = [](auto&& edit) {
+    v1::TranslateKVRequest request = HeaderMessage(8);
+    edit(request.mutable_header());
+    return request;
+  };
+  std::vector<v1::TranslateKVRequest> all_but_one;
+  all_but_one.push_back(HeaderMessage(8));
+  for (int layer = 0; layer < 3; ++layer) {
+    all_but_one.push_back(ChunkMessage(layer, v1::CACHE_KIND_K, 0, 8));
+    if (layer != 2) all_but_one.push_back(ChunkMessage(layer, v1::CACHE_KIND_V, 0, 8));
+  }
+  const std::vector<Case> cases = {
+      {"no header", {}, grpc::StatusCode::INVALID_ARGUMENT, "before its header"},
+      {"chunk first", {ChunkMessage(0, v1::CACHE_KIND_K, 0, 8)},
+       grpc::StatusCode::INVALID_ARGUMENT, "first message must be a header"},
+      {"second header", {HeaderMessage(8), HeaderMessage(8)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "second header"},
+      {"dtype unset", {header_with([](v1::TranslateHeader* h) { h->clear_dtype(); })},
+       grpc::StatusCode::INVALID_ARGUMENT, "header.dtype"},
+      {"layout unset", {header_with([](v1::TranslateHeader* h) { h->clear_layout(); })},
+       grpc::StatusCode::INVALID_ARGUMENT, "header.layout"},
+      {"zero tokens", {HeaderMessage(0)}, grpc::StatusCode::INVALID_ARGUMENT,
+       "header.num_tokens"},
+      {"too many tokens", {HeaderMessage(1001)}, grpc::StatusCode::RESOURCE_EXHAUSTED,
+       "limits.max_tokens"},
+      {"positions count", {header_with([](v1::TranslateHeader* h) { h->add_positions(3); })},
+       grpc::StatusCode::INVALID_ARGUMENT, "header.positions"},
+      {"unknown mapper",
+       {header_with([](v1::TranslateHeader* h) { h->set_mapper_id("missing"); })},
+       grpc::StatusCode::NOT_FOUND, "missing"},
+      {"mapper and pair disagree",
+       {header_with([](v1::TranslateHeader* h) { h->set_source_model("test/small"); })},
+       grpc::StatusCode::INVALID_ARGUMENT, "header.mapper_id"},
+      {"shared memory input",
+       {header_with([](v1::TranslateHeader* h) { h->mutable_input()->mutable_region(); })},
+       grpc::StatusCode::UNIMPLEMENTED, "header.input.region"},
+      {"layer out of range", {HeaderMessage(8), ChunkMessage(3, v1::CACHE_KIND_K, 0, 8)},
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk.layer=3"},
+      {"kind unset", {HeaderMessage(8), ChunkMessage(0, v1::CACHE_KIND_UNSPECIFIED, 0, 8)},
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk.kind"},
+      {"tokens out of range", {HeaderMessage(8), ChunkMessage(0, v1::CACHE_KIND_K, 4, 8)},
+       grpc::StatusCode::INVALID_ARGUMENT, "exceeds header.num_tokens"},
+      {"empty chunk", {HeaderMessage(8), ChunkMessage(0, v1::CACHE_KIND_K, 0, 0)},
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk.token_count"},
+      {"wrong byte count", {HeaderMessage(8), ChunkMessage(0, v1::CACHE_KIND_K, 0, 8, 100)},
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk.data has 800 bytes, expected 1024"},
+      {"duplicate chunk",
+       {HeaderMessage(8), ChunkMessage(0, v1::CACHE_KIND_K, 0, 8),
+        ChunkMessage(0, v1::CACHE_KIND_K, 4, 2)},
+       grpc::StatusCode::INVALID_ARGUMENT, "repeats token 4"},
+      {"stream ends early", all_but_one, grpc::StatusCode::INVALID_ARGUMENT,
+       "layer 2 V: tokens [0, 8) missing"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    RawStream raw(kvtd.client());
+    for (const v1::TranslateKVRequest& message : c.messages) {
+      if (!raw.stream->Write(message)) break;
+    }
+    grpc::Status status = raw.Finish();
+    EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message_part));
+  }
+  // Still serving, and the failed requests released their admission.
+  std::unique_ptr<LoadedMapper> mapper = Local("matched");
+  HostCache source = RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 3);
+  v1::TranslateHeader header;
+  header.set_mapper_id("matched");
+  absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, source);
+  EXPECT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(kvtd.server().service()->inflight_requests(), 0);
+}
+
+TEST_F(TranslateServiceTest, AdmissionLimitGivesResourceExhaustedAndDeadlinesFreeTheSlot) {
+  KvtdConfig config;
+  config.limits.max_inflight_requests = 1;
+  Kvtd kvtd(*store_dir_, config);
+  {
+    // Holds the only slot: header accepted, chunks never sent, deadline short.
+    RawStream holder(kvtd.client(), 1500);
+    ASSERT_TRUE(holder.stream->Write(HeaderMessage(8)));
+    v1::TranslateKVResponse first;
+    ASSERT_TRUE(holder.stream->Read(&first));  // response header: admitted
+    ASSERT_TRUE(first.has_header());
+
+    RawStream second(kvtd.client());
+    second.stream->Write(HeaderMessage(8));
+    grpc::Status busy = second.Finish();
+    EXPECT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(busy.error_message(), HasSubstr("limits.max_inflight_requests"));
+
+    v1::TranslateKVResponse response;
+    while (holder.stream->Read(&response)) {
+    }
+    EXPECT_EQ(holder.stream->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  // The expired request gave its slot back.
+  for (int i = 0; i < 50 && kvtd.server().service()->inflight_requests() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::unique_ptr<LoadedMapper> mapper = Local("matched");
+  HostCache source = RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 4);
+  v1::TranslateHeader header;
+  header.set_mapper_id("matched");
+  EXPECT_TRUE(kvtd.client().Translate(header, source).ok());
+}
+
+TEST_F(TranslateServiceTest, ShutdownDrainsInFlightStreamsAndRefusesNewOnes) {
+  Kvtd kvtd(*store_dir_);
+  std::unique_ptr<LoadedMapper> mapper = Local("matched");
+  HostCache source = RandomCache(mapper->view().source, 16, DType::kFP32, Layout::kHND, 5);
+
+  RawStream inflight(kvtd.client());
+  v1::TranslateKVRequest header = HeaderMessage(16);
+  ASSERT_TRUE(inflight.stream->Write(header));
+  v1::TranslateKVResponse response;
+  ASSERT_TRUE(inflight.stream->Read(&response));
+
+  std::thread stopper([&kvtd] { kvtd.server().Shutdown(); });
+  // During the grace period: NOT_SERVING, and new translations are refused.
+  std::string health;
+  for (int i = 0; i < 100; ++i) {
+    auto status = kvtd.client().Health();
+    if (status.ok() && *status == "NOT_SERVING") {
+      health = *status;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(health, "NOT_SERVING");
+  {
+    RawStream refused(kvtd.client());
+    refused.stream->Write(HeaderMessage(16));
+    grpc::Status status = refused.Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  }
+  // The in-flight stream finishes normally.
+  for (int layer = 0; layer < 3; ++layer) {
+    for (int kind = 0; kind < 2; ++kind) {
+      v1::TranslateKVRequest chunk = ChunkMessage(
+          layer, kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V, 0, 16);
+      chunk.mutable_chunk()->set_data((kind == 0 ? source.k : source.v)[layer].data(),
+                                      source.layer_bytes());
+      ASSERT_TRUE(inflight.stream->Write(chunk));
+    }
+  }
+  inflight.stream->WritesDone();
+  bool trailer = false;
+  while (inflight.stream->Read(&response)) trailer = trailer || response.has_trailer();
+  EXPECT_TRUE(inflight.stream->Finish().ok());
+  EXPECT_TRUE(trailer);
+  stopper.join();
+}
+
+TEST_F(TranslateServiceTest, RpcsOfLaterIssuesSayUnimplemented) {
+  Kvtd kvtd(*store_dir_);
+  grpc::ClientContext context;
+  v1::RegisterSystemMemoryResponse response;
+  grpc::Status status = kvtd.client().stub()->RegisterSystemMemory(
+      &context, v1::RegisterSystemMemoryRequest(), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_FALSE(status.error_message().empty());
+  grpc::ClientContext validate_context;
+  v1::ValidateKVResponse validate_response;
+  auto writer = kvtd.client().stub()->ValidateKV(&validate_context, &validate_response);
+  writer->WritesDone();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+}
+
+}  // namespace
+}  // namespace kvt
