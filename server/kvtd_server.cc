@@ -70,6 +70,8 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
 KvtdServer::~KvtdServer() { Shutdown(); }
 
 void KvtdServer::Shutdown() {
+  // Start() failed to bind (port in use): nothing was served, so there is nothing to drain.
+  if (server_ == nullptr) return;
   {
     absl::MutexLock lock(&shutdown_mutex_);
     if (shut_down_) return;
