@@ -101,6 +101,16 @@ int Run() {
 
   absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(config->mapper_store.path);
   if (!store.ok()) return Fatal(store.status());
+  for (const MapperInfo& info : (*store)->List()) {
+    const bool failed = info.state == MapperState::kFailed;
+    LogLine(failed ? LogLevel::kWarning : LogLevel::kInfo, "mapper")
+        .With("mapper", info.id)
+        .With("source", info.source_model)
+        .With("target", info.target_model)
+        .With("state", MapperStateName(info.state))
+        .With("reason", info.state_reason)
+        .With("bytes", info.weight_bytes);
+  }
 
   absl::StatusOr<std::unique_ptr<KvtdServer>> server =
       KvtdServer::Start(*config, store->get(), backend->backend.get());
