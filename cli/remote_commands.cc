@@ -16,13 +16,14 @@ ABSL_FLAG(int64_t, timeout_ms, 300000, "Deadline of each call, milliseconds.");
 
 namespace kvt {
 namespace cli {
-namespace {
 
-std::unique_ptr<Client> Connect() {
+std::unique_ptr<Client> ConnectFromFlags() {
   ClientOptions options;
   options.timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   return Client::Create(absl::GetFlag(FLAGS_server), options);
 }
+
+namespace {
 
 void PrintMapper(const v1::MapperInfo& m) {
   std::printf("%-28s %s -> %s  kind=%s k=%u state=%s%s%s  %.1f MiB %s%s\n",
@@ -41,7 +42,7 @@ void PrintMapper(const v1::MapperInfo& m) {
 
 int RunHealth(const std::vector<std::string>& args) {
   const std::string service = args.empty() ? "" : args[0];
-  absl::StatusOr<std::string> status = Connect()->Health(service);
+  absl::StatusOr<std::string> status = ConnectFromFlags()->Health(service);
   if (!status.ok()) {
     std::fprintf(stderr, "kvt health: %s: %s\n", absl::GetFlag(FLAGS_server).c_str(),
                  status.status().ToString().c_str());
@@ -52,7 +53,7 @@ int RunHealth(const std::vector<std::string>& args) {
 }
 
 int RunMappers(const std::vector<std::string>& args) {
-  std::unique_ptr<Client> client = Connect();
+  std::unique_ptr<Client> client = ConnectFromFlags();
   if (!args.empty()) {
     absl::StatusOr<v1::MapperInfo> info = client->GetMapper(args[0]);
     if (!info.ok()) {

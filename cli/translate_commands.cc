@@ -34,12 +34,6 @@ namespace kvt {
 namespace cli {
 namespace {
 
-std::unique_ptr<Client> Connect() {
-  ClientOptions options;
-  options.timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms));
-  return Client::Create(absl::GetFlag(FLAGS_server), options);
-}
-
 absl::Status FillCommonHeader(v1::TranslateHeader* header) {
   header->set_source_model(absl::GetFlag(FLAGS_source_model));
   header->set_target_model(absl::GetFlag(FLAGS_target_model));
@@ -82,7 +76,7 @@ int RunTranslate(const std::vector<std::string>& args) {
   v1::TranslateHeader header;
   if (absl::Status s = FillCommonHeader(&header); !s.ok()) return Fail("translate", s);
   absl::StatusOr<TranslateResult> result =
-      Connect()->Translate(header, ToLayout(*source, *layout));
+      ConnectFromFlags()->Translate(header, ToLayout(*source, *layout));
   if (!result.ok()) return Fail("translate", result.status());
   if (absl::Status s = WriteCacheFile(absl::GetFlag(FLAGS_result), result->target); !s.ok()) {
     return Fail("translate", s);
@@ -97,7 +91,7 @@ int RunTranslate(const std::vector<std::string>& args) {
 }
 
 int RunDemo(const std::vector<std::string>& args) {
-  std::unique_ptr<Client> client = Connect();
+  std::unique_ptr<Client> client = ConnectFromFlags();
   std::string mapper_id = absl::GetFlag(FLAGS_mapper_id);
   if (mapper_id.empty()) {
     absl::StatusOr<v1::ListMappersResponse> list = client->ListMappers();
@@ -157,27 +151,9 @@ int RunDemo(const std::vector<std::string>& args) {
   if (!result.ok()) return Fail("demo", result.status());
 
   // Float64 reference over every target layer, K and V.
-  CacheView source_view;
-  source_view.dtype = source.dtype;
-  source_view.layout = source.layout;
-  source_view.num_kv_heads = source.num_kv_heads;
-  source_view.head_dim = source.head_dim;
-  source_view.num_tokens = source.num_tokens;
-  for (int layer = 0; layer < source.num_layers; ++layer) {
-    source_view.k.push_back(source.k[layer].data());
-    source_view.v.push_back(source.v[layer].data());
-  }
-  CacheView target_view;
+  const CacheView source_view = source.view();
   const HostCache& target = result->target;
-  target_view.dtype = target.dtype;
-  target_view.layout = target.layout;
-  target_view.num_kv_heads = target.num_kv_heads;
-  target_view.head_dim = target.head_dim;
-  target_view.num_tokens = target.num_tokens;
-  for (int layer = 0; layer < target.num_layers; ++layer) {
-    target_view.k.push_back(target.k[layer].data());
-    target_view.v.push_back(target.v[layer].data());
-  }
+  const CacheView target_view = target.view();
   Positions positions;
   positions.offset = absl::GetFlag(FLAGS_position_offset);
   double max_error = 0;

@@ -19,6 +19,20 @@ void HostCache::Allocate() {
   v.assign(num_layers, std::vector<char>(static_cast<size_t>(layer_bytes()), 0));
 }
 
+CacheView HostCache::view() const {
+  CacheView view;
+  view.dtype = dtype;
+  view.layout = layout;
+  view.num_kv_heads = num_kv_heads;
+  view.head_dim = head_dim;
+  view.num_tokens = num_tokens;
+  for (int layer = 0; layer < num_layers; ++layer) {
+    view.k.push_back(k[layer].data());
+    view.v.push_back(v[layer].data());
+  }
+  return view;
+}
+
 std::unique_ptr<Client> Client::Create(const std::string& target, const ClientOptions& options) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options.max_message_bytes);

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/channel.h"
+#include "kernels/backend.h"
 #include "kernels/types.h"
 #include "proto/kvt/v1/service.grpc.pb.h"
 
@@ -33,6 +34,8 @@ struct HostCache {
   }
   // Allocates zeroed buffers for the shape already set.
   void Allocate();
+  // A read-only engine view of the buffers (valid while they are neither resized nor freed).
+  CacheView view() const;
 };
 
 struct ClientOptions {

@@ -101,26 +101,12 @@ HostCache RandomCache(const ModelSpec& model, int64_t tokens, DType dtype, Layou
   return cache;
 }
 
-CacheView ViewOf(const HostCache& cache) {
-  CacheView view;
-  view.dtype = cache.dtype;
-  view.layout = cache.layout;
-  view.num_kv_heads = cache.num_kv_heads;
-  view.head_dim = cache.head_dim;
-  view.num_tokens = cache.num_tokens;
-  for (int layer = 0; layer < cache.num_layers; ++layer) {
-    view.k.push_back(cache.k[layer].data());
-    view.v.push_back(cache.v[layer].data());
-  }
-  return view;
-}
-
 // Max relative error of a translated cache against the float64 reference, all layers and kinds.
 double ErrorAgainstReference(const MapperView& mapper, const HostCache& source,
                              const HostCache& target, const Positions& positions) {
   double worst = 0;
-  const CacheView source_view = ViewOf(source);
-  const CacheView target_view = ViewOf(target);
+  const CacheView source_view = source.view();
+  const CacheView target_view = target.view();
   for (int layer = 0; layer < mapper.target.num_layers; ++layer) {
     for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
       worst = std::max(worst, testing::MaxRelError(
