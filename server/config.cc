@@ -175,6 +175,11 @@ absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
       config.server.listen_address.rfind(':') == std::string::npos) {
     return bad("server.listen_address", config.server.listen_address, "expected host:port");
   }
+  // sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+  if (config.server.unix_socket.size() > 107) {
+    return bad("server.unix_socket", config.server.unix_socket,
+               "a unix socket path may have at most 107 characters");
+  }
   if (config.server.max_message_bytes < (1 << 20) || config.server.max_message_bytes > (1ll << 31) - 1) {
     return bad("server.max_message_bytes", config.server.max_message_bytes,
                "must be in [1 MiB, 2 GiB)");

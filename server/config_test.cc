@@ -98,6 +98,8 @@ TEST(ConfigTest, OutOfRangeValuesAreNamed) {
       {"logging:\n  level: loud\n", "logging.level"},
       {"server:\n  max_message_bytes: 10\n", "server.max_message_bytes"},
       {"limits:\n  max_inflight_bytes: 1\n", "limits.max_inflight_bytes"},
+      {"server:\n  unix_socket: /tmp/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\n",
+       "server.unix_socket"},
   };
   for (const Case& c : cases) {
     absl::StatusOr<KvtdConfig> config = ParseKvtdConfig(c.yaml, "r.yaml");

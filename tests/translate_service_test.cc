@@ -1,6 +1,9 @@
 // kvtd's gRPC surface end to end, in process: a real server on port 0, a real channel, real
 // mapper directories on disk, results checked against the float64 reference.
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -176,6 +179,24 @@ TEST_F(TranslateServiceTest, HealthIsServingAndReflectionListsTheService) {
   EXPECT_THAT(services, ::testing::Contains("kvt.v1.KvTranslator"));
   EXPECT_THAT(services, ::testing::Contains("grpc.health.v1.Health"));
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(TranslateServiceTest, ServesOnAUnixSocketToo) {
+  KvtdConfig config;
+  // Bazel's TEST_TMPDIR is longer than a unix socket path may be (107 characters).
+  char dir_template[] = "/tmp/kvt-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  config.server.unix_socket = std::string(dir_template) + "/kvtd.sock";
+  Kvtd kvtd(*store_dir_, config);
+  std::unique_ptr<Client> local = Client::Create("unix:" + config.server.unix_socket);
+  absl::StatusOr<std::string> health = local->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, "SERVING");
+  absl::StatusOr<v1::ListMappersResponse> list = local->ListMappers();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->mappers_size(), 2);
+  std::remove(config.server.unix_socket.c_str());
+  rmdir(dir_template);
 }
 
 TEST_F(TranslateServiceTest, ListMappersOnAnEmptyStore) {
