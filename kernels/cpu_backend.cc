@@ -25,6 +25,31 @@ struct Fp32Layer {
   const float* b_v = nullptr;
 };
 
+// A float buffer that only grows and is never zero-filled: every element is written before
+// it is read.
+class Scratch {
+ public:
+  float* Get(int64_t count) {
+    if (count > size_) {
+      data_.reset(new float[count]);
+      size_ = count;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  int64_t size_ = 0;
+};
+
+// One thread's working memory for a piece of tokens.
+struct Workspace {
+  Scratch x;                     // gathered, stripped inputs: rows x (|sigma| n_s d_s)
+  Scratch y;                     // GEMM output: rows x (n_t d_t)
+  Scratch strip_cos, strip_sin;  // source RoPE per row
+  Scratch apply_cos, apply_sin;  // target RoPE per row
+};
+
 class CpuPreparedMapper : public PreparedMapper {
  public:
   const MapperView& view() const override { return view_; }
@@ -214,37 +239,46 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
     void* target;
     const float* w;
     const float* b;
-    const Rope* strip;  // null for V: values carry no position
-    const Rope* apply;
+    bool rope;  // keys only: values carry no position
   };
   const Kind kinds[2] = {
-      {&layer.sigma_k, &source.k, target->k[target_layer], weights.w_k, weights.b_k,
-       &prepared->source_rope_, &prepared->target_rope_},
-      {&layer.sigma_v, &source.v, target->v[target_layer], weights.w_v, weights.b_v, nullptr,
-       nullptr},
+      {&layer.sigma_k, &source.k, target->k[target_layer], weights.w_k, weights.b_k, true},
+      {&layer.sigma_v, &source.v, target->v[target_layer], weights.w_v, weights.b_v, false},
   };
   const int64_t max_inputs =
       static_cast<int64_t>(std::max(layer.sigma_k.size(), layer.sigma_v.size())) * source_width;
 
   // Tokens [t0, t0 + rows) through gather -> sgemm -> epilogue, for K then V, on one thread
   // with its own workspace.
-  const auto run_piece = [&](int64_t t0, int64_t rows, std::vector<float>* x,
-                             std::vector<float>* y) {
-    x->resize(std::max<size_t>(x->size(), rows * max_inputs));
-    y->resize(std::max<size_t>(y->size(), rows * target_width));
-    std::vector<float> cos, sin;
+  const auto run_piece = [&](int64_t t0, int64_t rows, Workspace* ws) {
+    const Rope& strip = prepared->source_rope_;
+    const Rope& apply = prepared->target_rope_;
+    const int strip_half = strip.rotary_dim() / 2;
+    const int apply_half = apply.rotary_dim() / 2;
+    float* x = ws->x.Get(rows * max_inputs);
+    float* y = ws->y.Get(rows * target_width);
+    float* strip_cos = ws->strip_cos.Get(rows * strip_half);
+    float* strip_sin = ws->strip_sin.Get(rows * strip_half);
+    float* apply_cos = ws->apply_cos.Get(rows * apply_half);
+    float* apply_sin = ws->apply_sin.Get(rows * apply_half);
+    // Both models' rotations for these positions, once per piece.
+    if (positions.explicit_positions == nullptr) {
+      strip.CosSinRange(positions.at(t0), rows, strip_cos, strip_sin);
+      apply.CosSinRange(positions.at(t0), rows, apply_cos, apply_sin);
+    } else {
+      for (int64_t i = 0; i < rows; ++i) {
+        strip.CosSin(positions.at(t0 + i), strip_cos + i * strip_half, strip_sin + i * strip_half);
+        apply.CosSin(positions.at(t0 + i), apply_cos + i * apply_half, apply_sin + i * apply_half);
+      }
+    }
+
     for (const Kind& kind : kinds) {
       const int64_t inputs = static_cast<int64_t>(kind.sigma->size()) * source_width;
 
       // Gather: row i = token t0 + i, columns [sigma block][head][dim], source RoPE stripped.
-      if (kind.strip) {
-        cos.resize(kind.strip->rotary_dim() / 2);
-        sin.resize(kind.strip->rotary_dim() / 2);
-      }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = t0 + i;
-        float* row = x->data() + i * inputs;
-        if (kind.strip) kind.strip->CosSin(positions.at(t), cos.data(), sin.data());
+        float* row = x + i * inputs;
         for (size_t block = 0; block < kind.sigma->size(); ++block) {
           const char* base = static_cast<const char*>((*kind.source)[(*kind.sigma)[block]]);
           float* out = row + block * source_width;
@@ -256,35 +290,31 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
                       out + h * ds, ds);
             }
           }
-          if (kind.strip) {
+          if (kind.rope) {
             for (int64_t h = 0; h < ns; ++h) {
-              kind.strip->StripHead(cos.data(), sin.data(), out + h * ds);
+              strip.StripHead(strip_cos + i * strip_half, strip_sin + i * strip_half,
+                              out + h * ds);
             }
           }
         }
       }
 
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
-                  static_cast<int>(target_width), static_cast<int>(inputs), 1.0f, x->data(),
-                  static_cast<int>(inputs), kind.w, static_cast<int>(target_width), 0.0f,
-                  y->data(), static_cast<int>(target_width));
+                  static_cast<int>(target_width), static_cast<int>(inputs), 1.0f, x,
+                  static_cast<int>(inputs), kind.w, static_cast<int>(target_width), 0.0f, y,
+                  static_cast<int>(target_width));
 
       // Epilogue: bias, target RoPE, conversion, scatter into the target layout.
-      if (kind.apply) {
-        cos.resize(kind.apply->rotary_dim() / 2);
-        sin.resize(kind.apply->rotary_dim() / 2);
-      }
       char* base = static_cast<char*>(kind.target);
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = t0 + i;
-        float* row = y->data() + i * target_width;
+        float* row = y + i * target_width;
         if (kind.b) {
           for (int64_t c = 0; c < target_width; ++c) row[c] += kind.b[c];
         }
-        if (kind.apply) {
-          kind.apply->CosSin(positions.at(t), cos.data(), sin.data());
+        if (kind.rope) {
           for (int64_t h = 0; h < nt; ++h) {
-            kind.apply->ApplyHead(cos.data(), sin.data(), row + h * dt);
+            apply.ApplyHead(apply_cos + i * apply_half, apply_sin + i * apply_half, row + h * dt);
           }
         }
         if (target->layout == Layout::kNHD) {
@@ -303,10 +333,10 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
   if (openblas_get_num_threads() > 1) {
     // Someone in this process re-enabled OpenBLAS threading after the constructor: running
     // pieces on the pool too would oversubscribe the cores, so let BLAS own the parallelism.
-    std::vector<float> x, y;
+    Workspace ws;
     for (int64_t piece = 0; piece < min_pieces; ++piece) {
       const int64_t t0 = num_tokens * piece / min_pieces;
-      run_piece(t0, num_tokens * (piece + 1) / min_pieces - t0, &x, &y);
+      run_piece(t0, num_tokens * (piece + 1) / min_pieces - t0, &ws);
     }
     return absl::OkStatus();
   }
@@ -320,10 +350,10 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
       min_pieces, std::min<int64_t>((min_pieces + threads - 1) / threads * threads,
                                     num_tokens / kMinTokensPerThread));
   pool_->ParallelFor(pieces, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x, y;
+    Workspace ws;
     for (int64_t piece = begin; piece < end; ++piece) {
       const int64_t t0 = num_tokens * piece / pieces;
-      run_piece(t0, num_tokens * (piece + 1) / pieces - t0, &x, &y);
+      run_piece(t0, num_tokens * (piece + 1) / pieces - t0, &ws);
     }
   });
   return absl::OkStatus();

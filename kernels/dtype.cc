@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -97,7 +97,31 @@ void FromFloat(DType dtype, const float* src, void* dst, int64_t count) {
       return;
     case DType::kBF16: {
       uint16_t* out = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < count; ++i) out[i] = FloatToBF16(src[i]);
+      int64_t i = 0;
+#if defined(__AVX2__)
+      // FloatToBF16 eight at a time: the translate epilogue's hottest conversion.
+      const __m256i one = _mm256_set1_epi32(1);
+      const __m256i bias = _mm256_set1_epi32(0x7fff);
+      const __m256i quiet = _mm256_set1_epi32(0x40);
+      const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+      const __m256i inf = _mm256_set1_epi32(0x7f800000);
+      for (; i + 8 <= count; i += 8) {
+        const __m256i word = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+        const __m256i high = _mm256_srli_epi32(word, 16);
+        const __m256i lsb = _mm256_and_si256(high, one);
+        const __m256i rounded =
+            _mm256_srli_epi32(_mm256_add_epi32(word, _mm256_add_epi32(bias, lsb)), 16);
+        const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(word, abs_mask), inf);
+        const __m256i result =
+            _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), is_nan);
+        // Every lane is < 2^16, so the saturating pack is exact; it packs within 128-bit
+        // lanes, hence the permute to bring elements 4..7 next to 0..3.
+        const __m256i packed =
+            _mm256_permute4x64_epi64(_mm256_packus_epi32(result, result), 0xd8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+      }
+#endif
+      for (; i < count; ++i) out[i] = FloatToBF16(src[i]);
       return;
     }
     case DType::kFP16: {

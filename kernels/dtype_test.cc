@@ -147,6 +147,7 @@ TEST(BulkConversionTest, MatchesScalar) {
     for (float& v : values) {
       uint32_t u = rng();
       if (rng() % 4) u = (u & 0x807fffffu) | ((112u + rng() % 32) << 23);
+      if (rng() % 16 == 0) u |= 0x7f800000u;  // infinities and NaNs of every payload
       v = FromBits(u);
     }
     for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
@@ -167,8 +168,8 @@ TEST(BulkConversionTest, MatchesScalar) {
         if (dtype != DType::kFP32) {
           uint16_t bulk_bits;
           std::memcpy(&bulk_bits, stored.data() + 2 * i, 2);
-          if (std::isnan(values[i])) {
-            EXPECT_TRUE(std::isnan(back[i]));
+          if (std::isnan(values[i]) && dtype == DType::kFP16) {
+            EXPECT_TRUE(std::isnan(back[i]));  // F16C keeps NaN payload bits the scalar drops
           } else {
             ASSERT_EQ(bulk_bits, scalar_bits) << DTypeName(dtype) << " " << i;
           }

@@ -179,6 +179,10 @@ absl::StatusOr<Rope> Rope::Create(const RopeConfig& config, int head_dim) {
       }
       break;
   }
+  for (double f : rope.inv_freq_) {
+    rope.step_cos_.push_back(std::cos(f));
+    rope.step_sin_.push_back(std::sin(f));
+  }
   // Strip receives cos/sin that already carry the factor A; undoing A R(phi) needs 1/A^2.
   rope.strip_scale_ = static_cast<float>(1.0 / (rope.attention_factor_ * rope.attention_factor_));
   return rope;
@@ -208,6 +212,35 @@ void Rope::CosSin(uint64_t position, float* cos, float* sin) const {
     const double angle = Angle(position, m);
     cos[m] = static_cast<float>(attention_factor_ * std::cos(angle));
     sin[m] = static_cast<float>(attention_factor_ * std::sin(angle));
+  }
+}
+
+void Rope::CosSinRange(uint64_t first, int64_t count, float* cos, float* sin) const {
+  // Re-anchoring every kAnchor rows bounds the drift of the recurrence whatever the count.
+  constexpr int64_t kAnchor = 64;
+  const int half = config_.rotary_dim / 2;
+  const double factor = attention_factor_;
+  std::vector<double> c(half), s(half);
+  for (int64_t i = 0; i < count; ++i) {
+    if (i % kAnchor == 0) {
+      for (int m = 0; m < half; ++m) {
+        const double angle = Angle(first + static_cast<uint64_t>(i), m);
+        c[m] = std::cos(angle);
+        s[m] = std::sin(angle);
+      }
+    } else {
+      for (int m = 0; m < half; ++m) {
+        const double next_c = c[m] * step_cos_[m] - s[m] * step_sin_[m];
+        s[m] = s[m] * step_cos_[m] + c[m] * step_sin_[m];
+        c[m] = next_c;
+      }
+    }
+    float* row_cos = cos + i * half;
+    float* row_sin = sin + i * half;
+    for (int m = 0; m < half; ++m) {
+      row_cos[m] = static_cast<float>(factor * c[m]);
+      row_sin[m] = static_cast<float>(factor * s[m]);
+    }
   }
 }
 

@@ -68,6 +68,12 @@ class Rope {
   // Fills cos[m], sin[m] (m < r/2) for `position`, including the attention factor, as float.
   void CosSin(uint64_t position, float* cos, float* sin) const;
 
+  // CosSin for the consecutive positions first .. first + count - 1, row i (r/2 floats) at
+  // cos + i * r/2 and sin + i * r/2. Every 64th row is computed as CosSin does; the rows
+  // between by double-precision angle addition from it (error ~1e-14 before the cast to float),
+  // which costs a few multiplies per pair instead of a sin and a cos.
+  void CosSinRange(uint64_t first, int64_t count, float* cos, float* sin) const;
+
   // In place on one head vector of head_dim floats at `position`:
   //   Apply: x <- R(p) x (scaled by the attention factor), as a model writes its cache.
   //   Strip: x <- R(p)^-1 x / attention factor, back to content space.
@@ -81,6 +87,7 @@ class Rope {
   double attention_factor_ = 1.0;
   float strip_scale_ = 1.0f;  // 1 / attention_factor^2, see StripHead
   std::vector<double> inv_freq_;
+  std::vector<double> step_cos_, step_sin_;  // cos, sin of inv_freq: one position forward
 };
 
 }  // namespace kvt

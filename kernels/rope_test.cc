@@ -360,6 +360,26 @@ TEST(RopePropertyTest, LargePositionPhase) {
   EXPECT_GT(worst_naive, 1e-3);  // the test above would catch a float-angle implementation
 }
 
+// The recurrence for consecutive positions matches CosSin at every row.
+TEST(RopePropertyTest, CosSinRangeMatchesCosSin) {
+  for (const auto& [config, head_dim] : AllVariants()) {
+    const Rope rope = MustCreate(config, head_dim);
+    const int half = config.rotary_dim / 2;
+    for (uint64_t first : {uint64_t{0}, uint64_t{1000}, uint64_t{999900}, uint64_t{1} << 40}) {
+      const int64_t count = 300;
+      std::vector<float> cos(count * half), sin(count * half), c(half), s(half);
+      rope.CosSinRange(first, count, cos.data(), sin.data());
+      for (int64_t i = 0; i < count; ++i) {
+        rope.CosSin(first + i, c.data(), s.data());
+        for (int m = 0; m < half; ++m) {
+          ASSERT_NEAR(cos[i * half + m], c[m], 2e-7) << Describe(config) << " p=" << first + i;
+          ASSERT_NEAR(sin[i * half + m], s[m], 2e-7) << Describe(config) << " p=" << first + i;
+        }
+      }
+    }
+  }
+}
+
 TEST(RopePropertyTest, PositionZeroIsIdentity) {
   const Rope rope = MustCreate(Config(RopeScalingType::kNone, RopeStyle::kGptj, 16, 10000), 32);
   std::vector<float> cos(8), sin(8);
