@@ -211,6 +211,21 @@ TEST_F(CpuBackendTest, UnmatchedShapesEveryK) {
   }
 }
 
+// The format allows different source lists for K and V, of different lengths.
+TEST_F(CpuBackendTest, SeparateSigmaForValues) {
+  for (auto [k, k_v] : {std::pair<int, int>{1, 3}, std::pair<int, int>{4, 2}}) {
+    Case c;
+    c.spec.source_layers = 4;
+    c.spec.k = k;
+    c.spec.k_v = k_v;
+    c.spec.source_rope = MakeRope(RopeScalingType::kLinear, RopeStyle::kGptj);
+    c.spec.target_rope = MakeRope(RopeScalingType::kNone);
+    c.tokens = 40;
+    c.chunk = 16;
+    CheckCase(c);
+  }
+}
+
 TEST_F(CpuBackendTest, EveryDtypeAndLayout) {
   for (DType in : {DType::kFP32, DType::kBF16, DType::kFP16}) {
     for (DType out : {DType::kFP32, DType::kBF16, DType::kFP16}) {

@@ -199,7 +199,9 @@ RandomMapper MakeRandomMapper(const RandomMapperSpec& spec, uint64_t seed) {
                              spec.source_head_dim, spec.source_rope);
   mapper.view.target = model("random-target", spec.target_layers, spec.target_heads,
                              spec.target_head_dim, spec.target_rope);
-  const int64_t rows = static_cast<int64_t>(spec.k) * spec.source_heads * spec.source_head_dim;
+  const int k_v = spec.k_v > 0 ? spec.k_v : spec.k;
+  const int64_t rows_k = static_cast<int64_t>(spec.k) * spec.source_heads * spec.source_head_dim;
+  const int64_t rows_v = static_cast<int64_t>(k_v) * spec.source_heads * spec.source_head_dim;
   const int64_t cols = static_cast<int64_t>(spec.target_heads) * spec.target_head_dim;
   // Every buffer exists before any view takes a pointer into `storage`.
   mapper.storage.resize(4 * spec.target_layers);
@@ -212,19 +214,19 @@ RandomMapper MakeRandomMapper(const RandomMapperSpec& spec, uint64_t seed) {
     w.cols = c;
     return w;
   };
-  const auto sigma = [&] {
+  const auto sigma = [&](int k) {
     std::vector<int> layers(spec.source_layers);
     for (int j = 0; j < spec.source_layers; ++j) layers[j] = j;
     std::shuffle(layers.begin(), layers.end(), rng);
-    layers.resize(spec.k);
+    layers.resize(k);
     return layers;
   };
   for (int l = 0; l < spec.target_layers; ++l) {
     LayerMapView layer;
-    layer.sigma_k = sigma();
-    layer.sigma_v = sigma();
-    layer.w_k = weight(4 * l, rows, cols, 1.0 / std::sqrt(static_cast<double>(rows)));
-    layer.w_v = weight(4 * l + 1, rows, cols, 1.0 / std::sqrt(static_cast<double>(rows)));
+    layer.sigma_k = sigma(spec.k);
+    layer.sigma_v = sigma(k_v);
+    layer.w_k = weight(4 * l, rows_k, cols, 1.0 / std::sqrt(static_cast<double>(rows_k)));
+    layer.w_v = weight(4 * l + 1, rows_v, cols, 1.0 / std::sqrt(static_cast<double>(rows_v)));
     if (spec.with_bias) {
       layer.b_k = weight(4 * l + 2, 1, cols, 0.5);
       layer.b_v = weight(4 * l + 3, 1, cols, 0.5);

@@ -51,7 +51,8 @@ struct RandomMapperSpec {
   int target_layers = 2;
   int target_heads = 2;
   int target_head_dim = 16;
-  int k = 1;  // |sigma_k| and |sigma_v|, distinct source layers in random order
+  int k = 1;    // |sigma_k|: distinct source layers in random order
+  int k_v = 0;  // |sigma_v|; 0: same as k
   DType weight_dtype = DType::kFP32;
   bool with_bias = true;
   RopeConfig source_rope;  // rotary_dim 0: the full head_dim
