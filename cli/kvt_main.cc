@@ -31,7 +31,7 @@ const std::map<std::string, Command>& Commands() {
 
 std::string Usage() {
   std::string usage =
-      "kvt: client and tools of kvt, the cross-model KV cache translation service.\n\n"
+      "client and tools of kvt, the cross-model KV cache translation service.\n\n"
       "usage: kvt <command> [--flags] [args]\n\ncommands:\n";
   for (const auto& [name, command] : Commands()) {
     absl::StrAppend(&usage, "  ", name, std::string(12 - name.size(), ' '), command.summary,
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(Usage());
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() < 2 || std::string(positional[1]) == "help") {
-    std::printf("%s\n", Usage().c_str());
+    std::printf("kvt: %s\n", Usage().c_str());
     return positional.size() < 2 ? 1 : 0;
   }
   const std::string name = positional[1];

@@ -128,7 +128,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvtd: translates the KV cache of one LLM into the KV cache of another model of the same "
+      "translates the KV cache of one LLM into the KV cache of another model of the same "
       "family over gRPC (kvt.v1.KvTranslator), so the receiving model skips prefill.\n\n"
       "  kvtd --config=/etc/kvt/kvtd.yaml\n"
       "  kvtd --mapper_store=demo/mappers --listen_address=127.0.0.1:0\n\n"

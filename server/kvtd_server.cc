@@ -1,6 +1,7 @@
 #include "server/kvtd_server.h"
 
 #include <chrono>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -87,7 +88,25 @@ void KvtdServer::Shutdown() {
   const auto deadline =
       std::chrono::system_clock::now() +
       std::chrono::milliseconds(static_cast<int64_t>(config_.shutdown.deadline_seconds * 1000));
-  server_->Shutdown(deadline);
+  // grpc::Server::Shutdown also waits for idle client connections to go away, which an idle
+  // C++ client only notices on its next connectivity check (seconds). Once no translation has
+  // been in flight for a quiet period (long enough for the last one's final status to leave),
+  // cut the remaining connections instead of waiting for the deadline.
+  std::thread stopper([this, deadline] { server_->Shutdown(deadline); });
+  const absl::Duration quiet_period = absl::Milliseconds(300);
+  absl::Time quiet_since = absl::InfiniteFuture();
+  while (std::chrono::system_clock::now() < deadline) {
+    if (service_->inflight_requests() > 0) {
+      quiet_since = absl::InfiniteFuture();
+    } else if (quiet_since == absl::InfiniteFuture()) {
+      quiet_since = absl::Now();
+    } else if (absl::Now() - quiet_since >= quiet_period) {
+      grpc_server_cancel_all_calls(server_->c_server());
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  stopper.join();
   server_->Wait();
   KVT_LOG(kInfo, "stopped");
 }

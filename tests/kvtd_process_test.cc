@@ -463,14 +463,12 @@ TEST_F(KvtdProcessTest, SigtermWhenIdleExitsZeroPromptly) {
   EXPECT_TRUE(FindLogLine(log, "stopped").has_value()) << log;
 }
 
-// A client that stays connected but idle holds gRPC's graceful shutdown open: grpc::Server::
-// Shutdown(deadline) only returns once every connection is gone, and an idle C-core client
-// notices the GOAWAY only at its next poll (its backup poller runs every 5 s). So today kvtd
-// exits after about min(shutdown.deadline_seconds, that client's reaction) even with nothing in
-// flight; what must hold is that it exits 0 by the deadline.
-TEST_F(KvtdProcessTest, SigtermWithAnIdleClientConnectionExitsZeroByTheDeadline) {
-  constexpr int kDeadlineMs = 1500;
-  KvtdProcess kvtd("idle_connection", ServeFlags(*store_, "127.0.0.1:0", "0", "1.5"));
+// A client that stays connected but idle would hold gRPC's graceful shutdown open until the
+// deadline (grpc::Server::Shutdown waits for every connection, and an idle C-core client notices
+// the GOAWAY only at its next poll, every 5 s). kvtd cuts such connections once nothing has been
+// in flight for a quiet period, so it stops promptly even with a long deadline.
+TEST_F(KvtdProcessTest, SigtermWithAnIdleClientConnectionExitsZeroPromptly) {
+  KvtdProcess kvtd("idle_connection", ServeFlags(*store_, "127.0.0.1:0", "0", "20"));
   const int port = kvtd.WaitForPort();
   ASSERT_GT(port, 0);
   std::unique_ptr<Client> client = Client::Create(absl::StrCat("127.0.0.1:", port));
@@ -479,12 +477,11 @@ TEST_F(KvtdProcessTest, SigtermWithAnIdleClientConnectionExitsZeroByTheDeadline)
 
   const Clock::time_point start = Clock::now();
   ASSERT_TRUE(kvtd.Signal(SIGTERM));
-  const std::optional<int> status = kvtd.WaitExit(milliseconds(kDeadlineMs + 3000));
-  ASSERT_TRUE(status.has_value()) << "kvtd did not exit by shutdown.deadline_seconds; stderr:\n"
-                                  << kvtd.Stderr();
+  const std::optional<int> status = kvtd.WaitExit(milliseconds(25000));
+  ASSERT_TRUE(status.has_value()) << "kvtd did not exit; stderr:\n" << kvtd.Stderr();
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0)
       << DescribeWaitStatus(*status) << "; stderr:\n" << kvtd.Stderr();
-  EXPECT_LT(Clock::now() - start, milliseconds(kDeadlineMs + 3000));
+  EXPECT_LT(Clock::now() - start, milliseconds(2000)) << "an idle connection held the drain";
   EXPECT_TRUE(FindLogLine(kvtd.Stderr(), "stopped").has_value()) << kvtd.Stderr();
 }
 
