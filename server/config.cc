@@ -3,6 +3,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "absl/status/status.h"
@@ -45,9 +46,14 @@ absl::Status ReadSection(absl::string_view source, const std::string& section,
     return absl::InvalidArgumentError(
         absl::StrCat(Where(source, node), ": '", section, "' must be a map"));
   }
+  std::set<std::string> seen;
   for (const auto& entry : node) {
     const std::string key = entry.first.as<std::string>();
     const std::string full_key = absl::StrCat(section, ".", key);
+    if (!seen.insert(key).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(source, entry.first), ": duplicate key '", full_key, "'"));
+    }
     auto it = setters.find(key);
     if (it == setters.end()) {
       std::vector<std::string> known;
@@ -132,8 +138,13 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
          }}}},
   };
 
+  std::set<std::string> seen_sections;
   for (const auto& entry : root) {
     const std::string section = entry.first.as<std::string>();
+    if (!seen_sections.insert(section).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(source_name, entry.first), ": duplicate key '", section, "'"));
+    }
     auto it = sections.find(section);
     if (it == sections.end()) {
       std::vector<std::string> known;

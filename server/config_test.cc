@@ -108,6 +108,17 @@ TEST(ConfigTest, OutOfRangeValuesAreNamed) {
   }
 }
 
+TEST(ConfigTest, DuplicateKeysAreNamed) {
+  absl::StatusOr<KvtdConfig> config =
+      ParseKvtdConfig("limits:\n  max_tokens: 5\n  max_tokens: 6\n", "d.yaml");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("d.yaml:3"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("duplicate key 'limits.max_tokens'"));
+  config = ParseKvtdConfig("limits: {}\nlimits: {}\n", "d.yaml");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("duplicate key 'limits'"));
+}
+
 TEST(ConfigTest, MissingFileIsNotFound) {
   absl::StatusOr<KvtdConfig> config = LoadKvtdConfigFile("/nonexistent/kvtd.yaml");
   EXPECT_EQ(config.status().code(), absl::StatusCode::kNotFound);
