@@ -1,0 +1,151 @@
+// The `kvt` command as a user runs it: synth and inspect a mapper directory, then translate a
+// safetensors KV dump through a real kvtd (in process) and check the written result against the
+// float64 reference.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/cache_file.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_backend.h"
+#include "kernels/dtype.h"
+#include "kernels/testing/reference.h"
+#include "mapper_store/mapper.h"
+#include "mapper_store/store.h"
+#include "server/kvtd_server.h"
+
+namespace kvt {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct CommandResult {
+  int exit_code;
+  std::string output;
+};
+
+CommandResult RunKvt(const std::string& arguments) {
+  const std::string binary = absl::StrCat(std::getenv("TEST_SRCDIR"), "/kvt/cli/kvt");
+  const std::string command = absl::StrCat(binary, " ", arguments, " 2>&1");
+  FILE* pipe = popen(command.c_str(), "r");
+  CommandResult result{-1, ""};
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  size_t read;
+  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, read);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir ? dir : "/tmp";
+}
+
+TEST(KvtCliTest, SynthInspectAndTranslateThroughARealServer) {
+  const std::string store = TempDir() + "/store";
+  ASSERT_EQ(std::system(("rm -rf " + store + " && mkdir -p " + store).c_str()), 0);
+  CommandResult synth = RunKvt(absl::StrCat(
+      "synth --out=", store, "/pair --source_model=cli/a --target_model=cli/b --source_layers=3 "
+      "--source_heads=2 --source_head_dim=16 --target_layers=2 --target_heads=4 "
+      "--target_head_dim=8 --k=2 --weight_dtype=fp32 --seed=11"));
+  ASSERT_EQ(synth.exit_code, 0) << synth.output;
+  EXPECT_THAT(synth.output, HasSubstr("SYNTHETIC"));
+
+  CommandResult inspect = RunKvt(absl::StrCat("inspect ", store, "/pair"));
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_THAT(inspect.output, HasSubstr("cli/a: 3 layers, 2 KV heads x 16"));
+  EXPECT_THAT(inspect.output, HasSubstr("sigma_k"));
+
+  CommandResult missing = RunKvt(absl::StrCat("inspect ", store, "/nope"));
+  EXPECT_NE(missing.exit_code, 0);
+
+  absl::StatusOr<std::unique_ptr<MapperStore>> mapper_store = MapperStore::Open(store);
+  ASSERT_TRUE(mapper_store.ok()) << mapper_store.status();
+  std::unique_ptr<Backend> backend = NewCpuBackend();
+  KvtdConfig config;
+  config.server.listen_address = "127.0.0.1:0";
+  config.shutdown.drain_grace_seconds = 0;
+  absl::StatusOr<std::unique_ptr<KvtdServer>> server =
+      KvtdServer::Start(config, mapper_store->get(), backend.get());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+
+  CommandResult health = RunKvt("health --server=" + address);
+  EXPECT_EQ(health.exit_code, 0) << health.output;
+  EXPECT_THAT(health.output, HasSubstr("SERVING"));
+  CommandResult mappers = RunKvt("mappers --server=" + address);
+  EXPECT_EQ(mappers.exit_code, 0) << mappers.output;
+  EXPECT_THAT(mappers.output, HasSubstr("cli/a -> cli/b"));
+
+  // A source dump with unit-variance entries.
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(store + "/pair");
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  HostCache source;
+  source.dtype = DType::kBF16;
+  source.num_layers = 3;
+  source.num_kv_heads = 2;
+  source.head_dim = 16;
+  source.num_tokens = 40;
+  source.Allocate();
+  std::mt19937_64 rng(testing::FreshSeed("kvt cli"));
+  std::normal_distribution<double> normal;
+  for (int layer = 0; layer < 3; ++layer) {
+    for (int64_t i = 0; i < 2 * 40 * 16; ++i) {
+      StoreFromDouble(DType::kBF16, source.k[layer].data(), i, normal(rng));
+      StoreFromDouble(DType::kBF16, source.v[layer].data(), i, normal(rng));
+    }
+  }
+  const std::string in = TempDir() + "/source.safetensors";
+  const std::string out = TempDir() + "/target.safetensors";
+  ASSERT_TRUE(WriteCacheFile(in, source).ok());
+  CommandResult translate =
+      RunKvt(absl::StrCat("translate --server=", address, " --in=", in, " --result=", out,
+                       " --source_model=cli/a --target_model=cli/b --wire_layout=NHD "
+                       "--position_offset=77 --output_dtype=fp32"));
+  ASSERT_EQ(translate.exit_code, 0) << translate.output;
+  EXPECT_THAT(translate.output, HasSubstr("translated 40 tokens cli/a -> cli/b"));
+
+  absl::StatusOr<HostCache> target = ReadCacheFile(out);
+  ASSERT_TRUE(target.ok()) << target.status();
+  EXPECT_EQ(target->dtype, DType::kFP32);
+  EXPECT_EQ(target->num_layers, 2);
+  EXPECT_EQ(target->num_kv_heads, 4);
+  Positions positions;
+  positions.offset = 77;
+  for (int layer = 0; layer < 2; ++layer) {
+    for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
+      EXPECT_LE(testing::MaxRelError(
+                    testing::ReadLayer(target->view(), layer, kind),
+                    testing::ReferenceTranslate((*mapper)->view(), layer, kind, source.view(),
+                                                positions)),
+                1e-5);
+    }
+  }
+
+  CommandResult wrong_pair = RunKvt(absl::StrCat("translate --server=", address, " --in=", in,
+                                              " --result=", out,
+                                              " --source_model=cli/b --target_model=cli/a"));
+  EXPECT_NE(wrong_pair.exit_code, 0);
+  EXPECT_THAT(wrong_pair.output, HasSubstr("NOT_FOUND"));
+  EXPECT_THAT(wrong_pair.output, HasSubstr("cli/b -> cli/a"));
+  (*server)->Shutdown();
+}
+
+TEST(KvtCliTest, UnknownCommandAndMissingFlagsAreUsageErrors) {
+  CommandResult unknown = RunKvt("frobnicate");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output, HasSubstr("unknown command 'frobnicate'"));
+  CommandResult synth = RunKvt("synth");
+  EXPECT_EQ(synth.exit_code, 1);
+  EXPECT_THAT(synth.output, HasSubstr("--out"));
+  CommandResult preset = RunKvt("synth --preset=gpt5 --out=/tmp/never");
+  EXPECT_NE(preset.exit_code, 0);
+  EXPECT_THAT(preset.output, HasSubstr("demo-tiny"));
+}
+
+}  // namespace
+}  // namespace kvt
