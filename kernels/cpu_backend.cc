@@ -342,8 +342,8 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
   }
   // Token-parallel: each thread runs whole pieces (its own gather, single-threaded sgemm and
   // epilogue), so no phase waits on another and no BLAS thread spins while the gather runs.
-  // Measured on 2 cores (docs/BENCHMARKS.md): 0.72-0.78 of the sgemm rate with OpenBLAS
-  // threads and a pooled gather/epilogue, 0.91-0.97 this way. Pieces are a multiple of the
+  // Measured on 2 cores (docs/BENCHMARKS.md): 0.66-0.78 of the sgemm rate with OpenBLAS
+  // threads and a pooled gather/epilogue, 0.90-0.95 this way. Pieces are a multiple of the
   // thread count where the tokens allow, and never longer than `chunk`.
   const int threads = pool_->num_threads();
   const int64_t pieces = std::max(

@@ -1,12 +1,14 @@
 // CPU translate time against a plain cblas_sgemm of the same FLOPs, measured in the same run.
 //
-//   bazel run -c opt //kernels:cpu_backend_benchmark
+//   bazel build -c opt //kernels:cpu_backend_benchmark
+//   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark --benchmark_repetitions=3
 //
 // Shapes are a scaled-down Qwen3 pair (8 KV heads x 128 dims on both sides, bf16 caches and
 // weights, sigma = every source layer) with fewer target layers so 2 cores finish in minutes.
-// Each BM_Translate/T/k/L has a BM_SgemmSameFlops/T/k/L twin: 2 L GEMMs of T x (k n d) x (n d)
-// in fp32, already-converted operands, no gather and no epilogue. The table printed at the end
-// is translate FLOP/s divided by sgemm FLOP/s.
+// Each BM_Translate/T/k/L/chunk runs next to its BM_SgemmSameFlops twin: 2 L GEMMs of
+// T x (k n d) x (n d) in fp32 on already-converted operands (one weight matrix per GEMM), with
+// OpenBLAS on every core, no gather and no epilogue. The table printed at the end is translate
+// FLOP/s over sgemm FLOP/s, from the best repetition of each. Results: docs/BENCHMARKS.md.
 #include <cblas.h>
 
 #include <algorithm>
