@@ -1,4 +1,4 @@
-// A small fixed-size pool for the CPU backend's data-parallel loops (gather, epilogue, weight
+// A small fixed-size pool for the CPU backend's data-parallel work (token pieces, weight
 // conversion): one blocking ParallelFor, the calling thread taking a share.
 #pragma once
 

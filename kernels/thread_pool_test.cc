@@ -21,7 +21,9 @@ TEST(ThreadPoolTest, CoversEveryIndexOnce) {
         pool.ParallelFor(n, grain, [&](int64_t begin, int64_t end) {
           ++ranges;
           EXPECT_LT(begin, end);
-          if (end - begin < grain) EXPECT_EQ(end - begin, n);  // only when n itself is short
+          if (end - begin < grain) {
+            EXPECT_EQ(end - begin, n);  // only when n itself is short
+          }
           for (int64_t i = begin; i < end; ++i) ++hits[i];
         });
         for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1) << i;

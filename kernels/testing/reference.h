@@ -24,6 +24,8 @@ struct ReferenceOptions {
 
 // Rotates one head vector (rope.head_dim() doubles) at `position` in double: forward as a model
 // writes its cache (times the attention factor), or inverse (strip: rotate by -phi, divide).
+// The angle p * inv_freq[m] and its cos/sin are taken in long double, so the phase stays exact
+// well past the 10^6 positions the backends must handle.
 void RotateDouble(const Rope& rope, uint64_t position, bool inverse, double* x);
 
 // Target layer `layer`'s K or V for every source token, in [token][head][dim] order.
