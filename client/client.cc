@@ -37,24 +37,34 @@ std::unique_ptr<Client> Client::Create(const std::string& target, const ClientOp
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options.max_message_bytes);
   arguments.SetMaxSendMessageSize(options.max_message_bytes);
-  auto channel =
-      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), arguments);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!options.tls_root_ca_pem.empty()) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = options.tls_root_ca_pem;
+    tls.pem_cert_chain = options.tls_client_cert_pem;
+    tls.pem_private_key = options.tls_client_key_pem;
+    credentials = grpc::SslCredentials(tls);
+  }
+  auto channel = grpc::CreateCustomChannel(target, credentials, arguments);
   return std::unique_ptr<Client>(new Client(std::move(channel), options));
 }
 
 Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
     : options_(options), channel_(std::move(channel)), stub_(v1::KvTranslator::NewStub(channel_)) {}
 
-void Client::SetDeadline(grpc::ClientContext* context) const {
+void Client::Prepare(grpc::ClientContext* context) const {
   if (options_.timeout.count() > 0) {
     context->set_deadline(std::chrono::system_clock::now() + options_.timeout);
+  }
+  if (!options_.bearer_token.empty()) {
+    context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
   }
 }
 
 absl::StatusOr<std::string> Client::Health(const std::string& service) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
@@ -65,7 +75,7 @@ absl::StatusOr<std::string> Client::Health(const std::string& service) {
 
 absl::StatusOr<v1::ListMappersResponse> Client::ListMappers() {
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   v1::ListMappersResponse response;
   grpc::Status status = stub_->ListMappers(&context, v1::ListMappersRequest(), &response);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -74,7 +84,7 @@ absl::StatusOr<v1::ListMappersResponse> Client::ListMappers() {
 
 absl::StatusOr<v1::MapperInfo> Client::GetMapper(const std::string& mapper_id) {
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   v1::GetMapperRequest request;
   request.set_mapper_id(mapper_id);
   v1::MapperInfo response;
@@ -94,7 +104,7 @@ absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
   header.set_num_tokens(static_cast<uint32_t>(source.num_tokens));
 
   grpc::ClientContext context;
-  SetDeadline(&context);
+  Prepare(&context);
   auto stream = stub_->TranslateKV(&context);
   v1::TranslateKVRequest request;
   *request.mutable_header() = header;

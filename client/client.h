@@ -45,6 +45,14 @@ struct ClientOptions {
   int max_message_bytes = 64 << 20;
   // Bytes of KV per request chunk.
   int64_t chunk_bytes = 4 << 20;
+
+  // TLS: set root_ca_pem (the CA that signed kvtd's certificate) to connect over TLS; add a
+  // client certificate and key (PEM) for mTLS. Empty: plaintext.
+  std::string tls_root_ca_pem;
+  std::string tls_client_cert_pem;
+  std::string tls_client_key_pem;
+  // Sent as "authorization: Bearer <token>" on every call when set.
+  std::string bearer_token;
 };
 
 struct TranslateResult {
@@ -74,7 +82,8 @@ class Client {
 
  private:
   Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
-  void SetDeadline(grpc::ClientContext* context) const;
+  // Deadline and credentials of one call.
+  void Prepare(grpc::ClientContext* context) const;
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
