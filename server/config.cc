@@ -69,6 +69,48 @@ absl::Status ReadSection(absl::string_view source, const std::string& section,
   return absl::OkStatus();
 }
 
+// metrics.prefill_cost: a map from target model name to {a, b, c}; every coefficient required.
+absl::Status ReadPrefillCosts(absl::string_view source, const std::string& key,
+                              const YAML::Node& node,
+                              std::map<std::string, KvtdConfig::Metrics::PrefillCost>* out) {
+  if (!node.IsMap()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(source, node), ": key '", key,
+        "' must be a map from target model name to {a: ms, b: ms/token, c: ms/token^2}"));
+  }
+  for (const auto& model : node) {
+    const std::string name = model.first.as<std::string>();
+    const std::string model_key = absl::StrCat(key, ".", name);
+    if (out->count(name) > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(source, model.first), ": duplicate key '", model_key, "'"));
+    }
+    KvtdConfig::Metrics::PrefillCost cost;
+    const std::map<std::string, Setter> coefficients = {
+        {"a", [&](const std::string& k, const YAML::Node& n) {
+           return ReadScalar(source, k, n, "a number", &cost.a);
+         }},
+        {"b", [&](const std::string& k, const YAML::Node& n) {
+           return ReadScalar(source, k, n, "a number", &cost.b);
+         }},
+        {"c", [&](const std::string& k, const YAML::Node& n) {
+           return ReadScalar(source, k, n, "a number", &cost.c);
+         }},
+    };
+    absl::Status status = ReadSection(source, model_key, model.second, coefficients);
+    if (!status.ok()) return status;
+    for (const char* coefficient : {"a", "b", "c"}) {
+      if (!model.second[coefficient]) {
+        return absl::InvalidArgumentError(absl::StrCat(Where(source, model.second), ": key '",
+                                                       model_key, ".", coefficient,
+                                                       "' is required (a, b and c)"));
+      }
+    }
+    (*out)[name] = cost;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
@@ -135,6 +177,11 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
                               "' must be one of debug, info, warning, error; got '", name, "'"));
            }
            return absl::OkStatus();
+         }}}},
+      {"metrics",
+       {{"listen_address", str(&config.metrics.listen_address)},
+        {"prefill_cost", [src, &config](const std::string& key, const YAML::Node& node) {
+           return ReadPrefillCosts(src, key, node, &config.metrics.prefill_cost);
          }}}},
   };
 
@@ -233,6 +280,21 @@ absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
   }
   if (config.shutdown.deadline_seconds <= 0) {
     return bad("shutdown.deadline_seconds", config.shutdown.deadline_seconds, "must be > 0");
+  }
+  if (!config.metrics.listen_address.empty() &&
+      config.metrics.listen_address.rfind(':') == std::string::npos) {
+    return bad("metrics.listen_address", config.metrics.listen_address,
+               "expected host:port (or \"\" to disable the metrics endpoint)");
+  }
+  for (const auto& [model, cost] : config.metrics.prefill_cost) {
+    const std::string key = absl::StrCat("metrics.prefill_cost.", model);
+    if (cost.a < 0 || cost.b < 0 || cost.c < 0) {
+      return bad(key, absl::StrCat("{a: ", cost.a, ", b: ", cost.b, ", c: ", cost.c, "}"),
+                 "coefficients must be >= 0");
+    }
+    if (cost.a + cost.b + cost.c <= 0) {
+      return bad(key, "{a: 0, b: 0, c: 0}", "at least one coefficient must be > 0");
+    }
   }
   return absl::OkStatus();
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -41,6 +42,22 @@ struct KvtdConfig {
   struct Logging {
     LogLevel level = LogLevel::kInfo;
   } logging;
+  struct Metrics {
+    // Prometheus /metrics endpoint, host:port (port 0 = any free port, logged); "" = off.
+    std::string listen_address;
+    // What a re-prefill of T tokens costs on a target model: ms = a + b*T + c*T^2. Feeds
+    // kvt_translate_speedup_ratio when a request carries no reprefill_estimate_ms.
+    struct PrefillCost {
+      double a = 0;  // ms
+      double b = 0;  // ms per token
+      double c = 0;  // ms per token^2 (attention)
+      double Ms(int64_t tokens) const {
+        const double t = static_cast<double>(tokens);
+        return a + b * t + c * t * t;
+      }
+    };
+    std::map<std::string, PrefillCost> prefill_cost;  // by target model name
+  } metrics;
 };
 
 // Parses YAML text; `source_name` (a path) prefixes error messages.

@@ -124,5 +124,51 @@ TEST(ConfigTest, MissingFileIsNotFound) {
   EXPECT_EQ(config.status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(ConfigTest, MetricsSectionReadsTheEndpointAndPrefillCostModels) {
+  absl::StatusOr<KvtdConfig> config = ParseKvtdConfig(R"(
+metrics:
+  listen_address: "127.0.0.1:0"
+  prefill_cost:
+    "Qwen/Qwen3-32B": {a: 54.7, b: 0.1086, c: 3.13e-6}
+    test/dst:
+      a: 1
+      b: 0
+      c: 0
+)", "m.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->metrics.listen_address, "127.0.0.1:0");
+  ASSERT_EQ(config->metrics.prefill_cost.size(), 2u);
+  const KvtdConfig::Metrics::PrefillCost& qwen = config->metrics.prefill_cost.at("Qwen/Qwen3-32B");
+  // The paper's 8K-token re-prefill of Qwen3-32B: 1154.8 ms.
+  EXPECT_NEAR(qwen.Ms(8192), 1154.8, 1.0);
+  EXPECT_EQ(config->metrics.prefill_cost.at("test/dst").Ms(100), 1.0);
+  EXPECT_TRUE(KvtdConfig().metrics.listen_address.empty());  // off unless configured
+}
+
+TEST(ConfigTest, BadMetricsKeysAreNamed) {
+  const struct {
+    const char* yaml;
+    const char* message;
+  } cases[] = {
+      {"metrics:\n  listen_address: nonsense\n", "metrics.listen_address"},
+      {"metrics:\n  prefill_cost: [1, 2]\n", "'metrics.prefill_cost' must be a map"},
+      {"metrics:\n  prefill_cost:\n    m: {a: 1, b: 2}\n", "'metrics.prefill_cost.m.c' is required"},
+      {"metrics:\n  prefill_cost:\n    m: {a: 1, b: 2, c: 3, d: 4}\n",
+       "unknown key 'metrics.prefill_cost.m.d'"},
+      {"metrics:\n  prefill_cost:\n    m: {a: 1, b: x, c: 3}\n",
+       "'metrics.prefill_cost.m.b' must be a number"},
+      {"metrics:\n  prefill_cost:\n    m: {a: -1, b: 2, c: 3}\n", "must be >= 0"},
+      {"metrics:\n  prefill_cost:\n    m: {a: 0, b: 0, c: 0}\n", "at least one"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.yaml);
+    absl::StatusOr<KvtdConfig> config = ParseKvtdConfig(c.yaml, "m.yaml");
+    ASSERT_FALSE(config.ok());
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr(c.message));
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr("m.yaml"));
+  }
+}
+
 }  // namespace
 }  // namespace kvt
