@@ -75,7 +75,8 @@ absl::StatusOr<ParsedHeader> ParseHeader(absl::string_view text, uint64_t data_s
   json header;
   try {
     header = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for a number too large for any JSON number type.
     return absl::InvalidArgumentError(absl::StrCat("invalid JSON in safetensors header: ", e.what()));
   }
   if (!header.is_object()) {
