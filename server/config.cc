@@ -37,6 +37,17 @@ absl::Status ReadScalar(absl::string_view source, const std::string& key, const 
   return absl::OkStatus();
 }
 
+// A mapping key as a string; a key that is itself a map or a list ("{{}: 1}") is an error, not a
+// YAML::BadConversion thrown out of the parser.
+absl::Status ReadKey(absl::string_view source, const YAML::Node& key, std::string* out) {
+  if (!key.IsScalar()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(source, key), ": keys must be plain strings, not a map or a list"));
+  }
+  *out = key.Scalar();
+  return absl::OkStatus();
+}
+
 // One section of the file: its keys and how each is stored.
 using Setter = std::function<absl::Status(const std::string& key, const YAML::Node&)>;
 
@@ -48,7 +59,8 @@ absl::Status ReadSection(absl::string_view source, const std::string& section,
   }
   std::set<std::string> seen;
   for (const auto& entry : node) {
-    const std::string key = entry.first.as<std::string>();
+    std::string key;
+    if (absl::Status status = ReadKey(source, entry.first, &key); !status.ok()) return status;
     const std::string full_key = absl::StrCat(section, ".", key);
     if (!seen.insert(key).second) {
       return absl::InvalidArgumentError(
@@ -79,7 +91,8 @@ absl::Status ReadPrefillCosts(absl::string_view source, const std::string& key,
         "' must be a map from target model name to {a: ms, b: ms/token, c: ms/token^2}"));
   }
   for (const auto& model : node) {
-    const std::string name = model.first.as<std::string>();
+    std::string name;
+    if (absl::Status status = ReadKey(source, model.first, &name); !status.ok()) return status;
     const std::string model_key = absl::StrCat(key, ".", name);
     if (out->count(name) > 0) {
       return absl::InvalidArgumentError(
@@ -187,7 +200,10 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
 
   std::set<std::string> seen_sections;
   for (const auto& entry : root) {
-    const std::string section = entry.first.as<std::string>();
+    std::string section;
+    if (absl::Status status = ReadKey(source_name, entry.first, &section); !status.ok()) {
+      return status;
+    }
     if (!seen_sections.insert(section).second) {
       return absl::InvalidArgumentError(
           absl::StrCat(Where(source_name, entry.first), ": duplicate key '", section, "'"));
