@@ -25,6 +25,9 @@ PACKAGES=(
   libgtest-dev
   libgmock-dev
   libbenchmark-dev         # Google Benchmark programs
+  clang                    # clang 14: libFuzzer targets (fuzz/build.sh)
+  libclang-rt-14-dev       # libFuzzer + ASan/UBSan runtimes for clang 14
+  make                     # fuzz/Makefile
   prometheus               # promtool + a real Prometheus for the integration test
   python3
   python3-venv
