@@ -1,0 +1,122 @@
+#include "transport/shm_registry.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace kvt {
+namespace {
+
+// A real POSIX shm object filled with a byte pattern, removed at the end.
+class ShmObject {
+ public:
+  explicit ShmObject(size_t size)
+      : key_(absl::StrCat("/kvt-test-", getpid(), "-", std::random_device{}())), size_(size) {
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+    void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    bytes_ = static_cast<unsigned char*>(data);
+    for (size_t i = 0; i < size; ++i) bytes_[i] = static_cast<unsigned char>(i * 7 + 3);
+  }
+  ~ShmObject() {
+    munmap(bytes_, size_);
+    shm_unlink(key_.c_str());
+  }
+  const std::string& key() const { return key_; }
+  unsigned char* bytes() { return bytes_; }
+
+ private:
+  std::string key_;
+  size_t size_;
+  unsigned char* bytes_ = nullptr;
+};
+
+TEST(ShmRegistryTest, RegisterAcquireSharesMemoryBothWays) {
+  ShmObject object(3 * 4096 + 100);
+  SystemMemoryRegistry registry;
+  // An offset that is not page aligned: the registry maps from the page below.
+  ASSERT_TRUE(registry.Register("in", object.key(), 5000, 4000).ok());
+  absl::StatusOr<SystemMemoryRegistry::Lease> lease = registry.Acquire("in", 100, 50, "f");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->size(), 50u);
+  EXPECT_EQ(std::memcmp(lease->data(), object.bytes() + 5100, 50), 0);
+  lease->data()[0] = 42;  // writes land in the client's memory
+  EXPECT_EQ(object.bytes()[5100], 42);
+  absl::StatusOr<std::vector<SystemMemoryRegistry::RegionInfo>> status = registry.Status("");
+  ASSERT_TRUE(status.ok());
+  ASSERT_EQ(status->size(), 1u);
+  EXPECT_EQ((*status)[0].in_use, 1);
+  EXPECT_EQ((*status)[0].byte_size, 4000u);
+}
+
+TEST(ShmRegistryTest, BadRegistrationsAndRangesAreNamed) {
+  ShmObject object(8192);
+  SystemMemoryRegistry registry;
+  EXPECT_EQ(registry.Register("x", "/kvt-no-such-object", 0, 10).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Register("x", object.key(), 8000, 500).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register("x", object.key(), UINT64_MAX - 5, 10).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register("x", object.key(), 0, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register("", object.key(), 0, 10).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(registry.Register("x", object.key(), 0, 8192).ok());
+  EXPECT_EQ(registry.Register("x", object.key(), 0, 10).code(), absl::StatusCode::kAlreadyExists);
+
+  absl::StatusOr<SystemMemoryRegistry::Lease> outside =
+      registry.Acquire("x", 8000, 200, "header.input.region");
+  ASSERT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(outside.status().message().find("header.input.region"), std::string::npos);
+  EXPECT_EQ(registry.Acquire("x", UINT64_MAX, 2, "f").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Acquire("x", 1, UINT64_MAX, "f").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Acquire("nope", 0, 1, "f").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Status("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Unregister("nope", absl::Now()).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ShmRegistryTest, UnregisterWaitsForRequestsInUse) {
+  ShmObject object(4096);
+  SystemMemoryRegistry registry;
+  ASSERT_TRUE(registry.Register("r", object.key(), 0, 4096).ok());
+  absl::StatusOr<SystemMemoryRegistry::Lease> lease = registry.Acquire("r", 0, 16, "f");
+  ASSERT_TRUE(lease.ok());
+  // While in use: a short wait times out, and the region takes no new requests.
+  EXPECT_EQ(registry.Unregister("r", absl::Now() + absl::Milliseconds(50)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(registry.Acquire("r", 0, 16, "f").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // The request finishes while unregister waits: unregister then succeeds.
+  std::thread finisher([&lease] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    *lease = SystemMemoryRegistry::Lease();
+  });
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(registry.Unregister("r", absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
+  finisher.join();
+  EXPECT_EQ(registry.Status("").value().size(), 0u);
+}
+
+TEST(ShmRegistryTest, UnregisterAllWithEmptyName) {
+  ShmObject object(4096);
+  SystemMemoryRegistry registry;
+  ASSERT_TRUE(registry.Register("a", object.key(), 0, 100).ok());
+  ASSERT_TRUE(registry.Register("b", object.key(), 100, 100).ok());
+  EXPECT_TRUE(registry.Unregister("", absl::Now() + absl::Seconds(1)).ok());
+  EXPECT_TRUE(registry.Status("").value().empty());
+}
+
+}  // namespace
+}  // namespace kvt
