@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Sums test cases over Bazel's JUnit XML files and prints 'N passed, N failed'.
 
-Usage: junit_summary.py TESTLOGS_DIR //pkg:target ...
+Usage: junit_summary.py TESTLOGS_DIR //pkg:target ... [TESTLOGS_DIR2 //pkg:target ...]
+Several runs (e.g. an ASan configuration, whose logs live in another output tree) are summed:
+each directory argument applies to the targets after it.
 A target without a test.xml (it failed to build, or never ran) counts as one failed case.
 Exits 1 when anything failed or no test case ran at all.
 """
@@ -38,18 +40,21 @@ def main():
     targets = sys.argv[2:]
     passed = failed = skipped = 0
     for target in targets:
+        if not target.startswith("//"):  # the next run's testlogs directory
+            testlogs = target
+            continue
         rel = target.lstrip("/").replace(":", "/")
         xml_path = os.path.join(testlogs, rel, "test.xml")
         if not os.path.exists(xml_path):
             failed += 1
-            print(f"missing result: {target}", file=sys.stderr)
+            print(f"missing result: {target} ({testlogs})", file=sys.stderr)
             continue
         p, f, s, names = count(xml_path)
         passed += p
         failed += f
         skipped += s
         for name in names:
-            print(f"FAILED: {target} {name}", file=sys.stderr)
+            print(f"FAILED: {target} {name} ({testlogs})", file=sys.stderr)
     line = f"{passed} passed, {failed} failed"
     if skipped:
         line += f", {skipped} skipped"

@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
 # Builds everything and runs every test; prints "N passed, N failed" (gtest cases summed from
 # Bazel's JUnit XML) and exits non-zero on any failure. Extra arguments go to `bazel test`.
+# KVT_TEST_ASAN=1 (CI) first runs the tests but the soak under --config=asan (ASan + UBSan, its
+# own output tree); its cases are counted in the same line.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
 bash scripts/bootstrap.sh
 
+asan_rc=0
+asan_summary=()
+if [ "${KVT_TEST_ASAN:-0}" = 1 ]; then
+  bazel test --config=asan --test_tag_filters=-soak //... "$@"
+  asan_rc=$?
+  asan_summary=("$(bazel info --config=asan bazel-testlogs 2>/dev/null)"
+                $(bazel query 'tests(//...) except attr(tags, soak, tests(//...))' 2>/dev/null))
+fi
+
 bazel test //... "$@"
 bazel_rc=$?
 
 # Count only the test targets that exist now (bazel-testlogs may hold results of deleted ones).
 targets=$(bazel query 'tests(//...)' 2>/dev/null)
-python3 scripts/junit_summary.py "$(bazel info bazel-testlogs 2>/dev/null)" $targets
+python3 scripts/junit_summary.py "$(bazel info bazel-testlogs 2>/dev/null)" $targets \
+  "${asan_summary[@]}"
 summary_rc=$?
 
-if [ $bazel_rc -ne 0 ] || [ $summary_rc -ne 0 ]; then
+if [ $asan_rc -ne 0 ] || [ $bazel_rc -ne 0 ] || [ $summary_rc -ne 0 ]; then
   exit 1
 fi
