@@ -1,6 +1,7 @@
 #include "client/client.h"
 
 #include <algorithm>
+#include <functional>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -13,6 +14,41 @@
 #include "transport/proto_convert.h"
 
 namespace kvt {
+namespace {
+
+// Splits every layer of `cache` (K, then V unless `keys_only`) into chunks of about
+// `chunk_bytes`, filling `*chunk` and calling `send` for each until it returns false (the
+// server ended the stream). INVALID_ARGUMENT when a buffer does not match the cache's shape.
+absl::Status SendChunks(const HostCache& cache, bool keys_only, int64_t chunk_bytes,
+                        v1::KVChunk* chunk, const std::function<bool()>& send) {
+  const LayerGeometry geometry{cache.layout, cache.num_kv_heads, cache.num_tokens,
+                               cache.head_dim, static_cast<int64_t>(DTypeSize(cache.dtype))};
+  const int64_t tokens_per_chunk = TokensPerChunk(geometry, chunk_bytes);
+  for (int layer = 0; layer < cache.num_layers; ++layer) {
+    for (int kind = 0; kind < (keys_only ? 1 : 2); ++kind) {
+      const std::vector<char>& buffer = (kind == 0 ? cache.k : cache.v)[layer];
+      if (static_cast<int64_t>(buffer.size()) != geometry.layer_bytes()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cache layer ", layer, kind == 0 ? " K" : " V", " has ", buffer.size(),
+            " bytes, expected ", geometry.layer_bytes()));
+      }
+      for (int64_t first = 0; first < cache.num_tokens; first += tokens_per_chunk) {
+        const int64_t count = std::min(tokens_per_chunk, cache.num_tokens - first);
+        chunk->set_layer(layer);
+        chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
+        chunk->set_token_start(static_cast<uint32_t>(first));
+        chunk->set_token_count(static_cast<uint32_t>(count));
+        std::string* data = chunk->mutable_data();
+        data->resize(static_cast<size_t>(geometry.chunk_bytes(count)));
+        GatherChunk(geometry, first, count, buffer.data(), data->data());
+        if (!send()) return absl::OkStatus();
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 void HostCache::Allocate() {
   k.assign(num_layers, std::vector<char>(static_cast<size_t>(layer_bytes()), 0));
@@ -110,30 +146,10 @@ absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
   *request.mutable_header() = header;
   bool sending = stream->Write(request);
 
-  const LayerGeometry geometry{source.layout, source.num_kv_heads, source.num_tokens,
-                               source.head_dim, static_cast<int64_t>(DTypeSize(source.dtype))};
-  const int64_t tokens_per_chunk = TokensPerChunk(geometry, options_.chunk_bytes);
-  for (int layer = 0; sending && layer < source.num_layers; ++layer) {
-    for (int kind = 0; sending && kind < 2; ++kind) {
-      const std::vector<char>& buffer = (kind == 0 ? source.k : source.v)[layer];
-      if (static_cast<int64_t>(buffer.size()) != geometry.layer_bytes()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "source cache layer ", layer, kind == 0 ? " K" : " V", " has ", buffer.size(),
-            " bytes, expected ", geometry.layer_bytes()));
-      }
-      for (int64_t first = 0; sending && first < source.num_tokens; first += tokens_per_chunk) {
-        const int64_t count = std::min(tokens_per_chunk, source.num_tokens - first);
-        v1::KVChunk* chunk = request.mutable_chunk();
-        chunk->set_layer(layer);
-        chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
-        chunk->set_token_start(static_cast<uint32_t>(first));
-        chunk->set_token_count(static_cast<uint32_t>(count));
-        std::string* data = chunk->mutable_data();
-        data->resize(static_cast<size_t>(geometry.chunk_bytes(count)));
-        GatherChunk(geometry, first, count, buffer.data(), data->data());
-        sending = stream->Write(request);
-      }
-    }
+  if (sending) {
+    absl::Status sent = SendChunks(source, /*keys_only=*/false, options_.chunk_bytes,
+                                   request.mutable_chunk(), [&] { return stream->Write(request); });
+    if (!sent.ok()) return sent;
   }
   // A failed write means the server already ended the stream; Finish() says why.
   stream->WritesDone();
@@ -203,6 +219,55 @@ absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
         coverage ? absl::StrCat(": ", coverage->FirstGap()) : std::string()));
   }
   return result;
+}
+
+absl::StatusOr<v1::ValidateKVResponse> Client::Validate(v1::ValidateHeader header,
+                                                       const HostCache& source,
+                                                       const HostCache& target_true,
+                                                       const HostCache* queries) {
+  for (const HostCache* cache : {&source, &target_true}) {
+    if (static_cast<int>(cache->k.size()) != cache->num_layers ||
+        static_cast<int>(cache->v.size()) != cache->num_layers) {
+      return absl::InvalidArgumentError("cache: k/v buffers do not match num_layers");
+    }
+  }
+  if (target_true.dtype != source.dtype || target_true.layout != source.layout ||
+      target_true.num_tokens != source.num_tokens ||
+      (queries != nullptr &&
+       (queries->dtype != source.dtype || queries->layout != source.layout ||
+        queries->num_tokens != source.num_tokens))) {
+    return absl::InvalidArgumentError(
+        "source, target_true and queries must share dtype, layout and token count");
+  }
+  header.set_dtype(DTypeToProto(source.dtype));
+  header.set_layout(LayoutToProto(source.layout));
+  header.set_num_tokens(static_cast<uint32_t>(source.num_tokens));
+  header.set_num_query_heads(queries != nullptr ? queries->num_kv_heads : 0);
+
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ValidateKVResponse response;
+  auto writer = stub_->ValidateKV(&context, &response);
+  v1::ValidateKVRequest request;
+  *request.mutable_header() = header;
+  bool sending = writer->Write(request);
+  auto write = [&] { return sending = writer->Write(request); };
+  const std::pair<v1::ValidateRole, const HostCache*> parts[] = {
+      {v1::VALIDATE_ROLE_SOURCE, &source},
+      {v1::VALIDATE_ROLE_TARGET_TRUE, &target_true},
+      {v1::VALIDATE_ROLE_TARGET_QUERY, queries}};
+  for (const auto& [role, cache] : parts) {
+    if (!sending || cache == nullptr) continue;
+    request.mutable_chunk()->set_role(role);
+    absl::Status sent = SendChunks(*cache, role == v1::VALIDATE_ROLE_TARGET_QUERY,
+                                   options_.chunk_bytes, request.mutable_chunk()->mutable_chunk(),
+                                   write);
+    if (!sent.ok()) return sent;
+  }
+  writer->WritesDone();
+  grpc::Status status = writer->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
 }
 
 }  // namespace kvt

@@ -77,6 +77,15 @@ class Client {
   // target cache in the header's output dtype/layout. The header names the pair or mapper.
   absl::StatusOr<TranslateResult> Translate(v1::TranslateHeader header, const HostCache& source);
 
+  // ValidateKV: `source` and the target's own cache for the same tokens (and optionally the
+  // target's post-RoPE queries: a HostCache whose num_kv_heads is the query head count, K only)
+  // in; SPEC 5 quality per layer and overall out. The three must share dtype, layout and token
+  // count, which (with num_query_heads) override the header's.
+  absl::StatusOr<v1::ValidateKVResponse> Validate(v1::ValidateHeader header,
+                                                  const HostCache& source,
+                                                  const HostCache& target_true,
+                                                  const HostCache* queries = nullptr);
+
   v1::KvTranslator::Stub* stub() { return stub_.get(); }
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
 

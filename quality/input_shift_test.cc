@@ -12,6 +12,7 @@
 #include "mapper_store/mapper.h"
 #include "mapper_store/synth.h"
 #include "mapper_store/test_util.h"
+#include "quality/stats_testing.h"
 
 namespace kvt {
 namespace {
@@ -39,36 +40,19 @@ SynthOptions Options() {
 double Mean(int layer, bool keys, int i) { return 0.5 * std::sin(i + layer + keys); }
 double Var(int layer, bool keys, int i) { return 0.25 + (i % 5) * 0.5 + layer * 0.1 + keys; }
 
-// A mapper directory: synthetic weights plus the stats `kvt fit` stores (all, or none).
+// A mapper directory: synthetic weights plus (optionally) the stats `kvt fit` stores.
 std::unique_ptr<LoadedMapper> WriteMapper(const std::string& dir, bool with_stats,
                                           DType stats_dtype = DType::kFP32) {
-  const SynthOptions options = Options();
-  absl::StatusOr<Manifest> manifest = SynthManifest(options);
-  EXPECT_TRUE(manifest.ok()) << manifest.status();
-  std::vector<TensorSpec> specs = MapperTensorSpecs(*manifest);
-  std::vector<std::vector<uint8_t>> bytes(specs.size());
-  for (size_t i = 0; i < specs.size(); ++i) {
-    bytes[i].resize(specs[i].num_bytes());
-    KVT_EXPECT_OK(FillSynthTensor(options, *manifest, i, absl::MakeSpan(bytes[i])));
-  }
   if (with_stats) {
-    for (int layer = 0; layer < kLayers; ++layer) {
-      for (char kv : {'k', 'v'}) {
-        for (bool variance : {false, true}) {
-          specs.push_back({SourceStatsTensorName(layer, kv, variance), stats_dtype, {kWidth}});
-          std::vector<uint8_t> data(specs.back().num_bytes());
-          for (int i = 0; i < kWidth; ++i) {
-            StoreFromDouble(stats_dtype, data.data(), i,
-                            variance ? Var(layer, kv == 'k', i) : Mean(layer, kv == 'k', i));
-          }
-          bytes.push_back(std::move(data));
-        }
-      }
-    }
+    KVT_EXPECT_OK(testing::WriteSynthMapperWithStats(
+        dir, Options(),
+        [](int layer, bool keys, int i, bool variance) {
+          return variance ? Var(layer, keys, i) : Mean(layer, keys, i);
+        },
+        stats_dtype));
+  } else {
+    KVT_EXPECT_OK(WriteSynthMapper(dir, Options()));
   }
-  std::vector<TensorRef> tensors;
-  for (size_t i = 0; i < specs.size(); ++i) tensors.push_back({specs[i], absl::MakeSpan(bytes[i])});
-  KVT_EXPECT_OK(WriteMapperDir(dir, *manifest, tensors));
   absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(dir);
   EXPECT_TRUE(mapper.ok()) << mapper.status();
   return std::move(*mapper);

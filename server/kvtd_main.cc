@@ -28,6 +28,9 @@ ABSL_FLAG(int64_t, max_inflight_requests, -1, "Overrides limits.max_inflight_req
 ABSL_FLAG(double, drain_grace_seconds, -1, "Overrides shutdown.drain_grace_seconds.");
 ABSL_FLAG(double, shutdown_deadline_seconds, -1, "Overrides shutdown.deadline_seconds.");
 ABSL_FLAG(std::string, log_level, "", "Overrides logging.level: debug | info | warning | error.");
+ABSL_FLAG(std::string, metrics_listen_address, "",
+          "Overrides metrics.listen_address: the Prometheus /metrics endpoint, host:port (port 0 "
+          "= any free port, logged in the 'metrics listening' line).");
 
 namespace kvt {
 namespace {
@@ -54,6 +57,7 @@ absl::StatusOr<KvtdConfig> BuildConfig() {
   override_string(FLAGS_unix_socket, &config.server.unix_socket);
   override_string(FLAGS_mapper_store, &config.mapper_store.path);
   override_string(FLAGS_backend, &config.backend.type);
+  override_string(FLAGS_metrics_listen_address, &config.metrics.listen_address);
   if (absl::GetFlag(FLAGS_cpu_threads) >= 0) {
     config.backend.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   }

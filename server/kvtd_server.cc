@@ -25,7 +25,14 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
                                                               MapperStore* store,
                                                               Backend* backend) {
   std::unique_ptr<KvtdServer> server(new KvtdServer(config));
-  server->service_ = std::make_unique<TranslatorService>(config, store, backend);
+  server->metrics_ = std::make_unique<Metrics>(backend->device());
+  if (absl::Status status = server->metrics_->StartExposer(config.metrics.listen_address);
+      !status.ok()) {
+    return status;
+  }
+  server->metrics_->SetBackend(backend->name(), backend->device(), config.backend.type);
+  server->service_ =
+      std::make_unique<TranslatorService>(config, store, backend, server->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -65,10 +72,22 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
       .With("unix_socket", config.server.unix_socket)
       .With("backend", backend->name())
       .With("device", backend->device());
+  TranslatorService* service = server->service_.get();
+  server->metrics_->SetScrapeSources(store, [service] { return service->inflight_requests(); });
+  if (!config.metrics.listen_address.empty()) {
+    KVT_LOG(kInfo, "metrics listening")
+        .With("address", config.metrics.listen_address)
+        .With("port", server->metrics_->port())
+        .With("path", "/metrics");
+  }
   return server;
 }
 
-KvtdServer::~KvtdServer() { Shutdown(); }
+KvtdServer::~KvtdServer() {
+  Shutdown();
+  // Scrapes may still arrive until the metrics endpoint goes; they must not reach the service.
+  if (metrics_ != nullptr) metrics_->SetScrapeSources(nullptr, nullptr);
+}
 
 void KvtdServer::Shutdown() {
   // Start() failed to bind (port in use): nothing was served, so there is nothing to drain.

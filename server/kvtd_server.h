@@ -11,6 +11,7 @@
 #include "kernels/backend.h"
 #include "mapper_store/store.h"
 #include "server/config.h"
+#include "server/metrics.h"
 #include "server/translator_service.h"
 
 namespace kvt {
@@ -25,6 +26,9 @@ class KvtdServer {
   // The bound TCP port (the OS's choice when the config asked for port 0); 0 without TCP.
   int port() const { return port_; }
   TranslatorService* service() { return service_.get(); }
+  Metrics* metrics() { return metrics_.get(); }
+  // The bound port of the Prometheus endpoint (metrics.listen_address); 0 when it is off.
+  int metrics_port() const { return metrics_->port(); }
 
   // Graceful stop: health NOT_SERVING and new translations refused at once; after
   // shutdown.drain_grace_seconds the listeners close; in-flight requests get
@@ -35,6 +39,8 @@ class KvtdServer {
   KvtdServer(const KvtdConfig& config) : config_(config) {}
 
   const KvtdConfig config_;
+  // Declared before the service, which records into it, so it is destroyed after it.
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<TranslatorService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "server/grpc_status.h"
+#include "server/request_checks.h"
 #include "transport/kv_chunks.h"
 #include "transport/proto_convert.h"
 
@@ -41,14 +42,6 @@ struct LayerBuffer {
   std::unique_ptr<char[]> bytes;
   explicit LayerBuffer(int64_t size) : bytes(new char[static_cast<size_t>(size)]) {}
 };
-
-grpc::Status CancelledOrDeadline(grpc::ServerContext* context) {
-  if (context->deadline() <= std::chrono::system_clock::now()) {
-    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                        "deadline exceeded before the translation finished");
-  }
-  return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled the stream");
-}
 
 v1::MapperState StateToProto(MapperState state) {
   switch (state) {
@@ -95,29 +88,56 @@ void FillMapperInfo(const MapperInfo& info, v1::MapperInfo* out) {
 }  // namespace
 
 TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* store,
-                                     Backend* backend)
+                                     Backend* backend, Metrics* metrics)
     : config_(config),
       store_(store),
       backend_(backend),
+      metrics_(metrics),
       admission_(config.limits.max_inflight_requests, config.limits.max_inflight_bytes),
       compute_(1) {}
 
 TranslatorService::~TranslatorService() = default;
 
-absl::StatusOr<std::shared_ptr<PreparedMapper>> TranslatorService::Prepared(
+absl::StatusOr<TranslatorService::Derived> TranslatorService::Prepared(
     const std::shared_ptr<const LoadedMapper>& mapper) {
   absl::MutexLock lock(&prepared_mutex_);
   auto it = prepared_.find(mapper.get());
   if (it != prepared_.end()) return it->second.second;
   absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend_->Prepare(mapper->view());
   if (!prepared.ok()) return prepared.status();
-  prepared_[mapper.get()] = {mapper, *prepared};
-  return *prepared;
+  Derived derived;
+  derived.prepared = *prepared;
+  // Malformed statistics cost the mapper its score, not its translations.
+  absl::StatusOr<std::optional<InputShiftStats>> shift = InputShiftStats::FromMapper(*mapper);
+  if (!shift.ok()) {
+    KVT_LOG(kWarning, "mapper statistics unusable: no input-shift score")
+        .With("mapper", mapper->id())
+        .With("error", shift.status().message());
+  } else if (shift->has_value()) {
+    derived.shift = std::make_shared<const InputShiftStats>(std::move(**shift));
+  }
+  prepared_[mapper.get()] = {mapper, derived};
+  return derived;
+}
+
+std::string TranslatorService::RequestId(const std::string& from_header) {
+  return from_header.empty() ? absl::StrCat("kvt-", next_request_id_.fetch_add(1)) : from_header;
 }
 
 grpc::Status TranslatorService::TranslateKV(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream) {
+  TranslateRecord record;
+  const grpc::Status status = TranslateKVImpl(context, stream, &record);
+  record.code = static_cast<absl::StatusCode>(status.error_code());
+  if (metrics_ != nullptr) metrics_->RecordTranslate(record);
+  return status;
+}
+
+grpc::Status TranslatorService::TranslateKVImpl(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream,
+    TranslateRecord* record) {
   const absl::Time start = absl::Now();
   v1::TranslateKVRequest request;
   if (!stream->Read(&request)) {
@@ -131,9 +151,7 @@ grpc::Status TranslatorService::TranslateKV(
   // Kept for the whole stream: explicit positions are read from it in place.
   const v1::TranslateHeader header = request.header();
   TranslatePlan plan;
-  plan.request_id = header.request_id().empty()
-                        ? absl::StrCat("kvt-", next_request_id_.fetch_add(1))
-                        : header.request_id();
+  plan.request_id = RequestId(header.request_id());
   auto fail = [&](const absl::Status& status) {
     KVT_LOG(kWarning, "translate failed")
         .With("request_id", plan.request_id)
@@ -147,12 +165,12 @@ grpc::Status TranslatorService::TranslateKV(
   }
 
   // --- Header validation: every error names the field. ---
-  absl::StatusOr<DType> input_dtype = DTypeFromProto(header.dtype(), "header.dtype");
-  if (!input_dtype.ok()) return fail(input_dtype.status());
-  absl::StatusOr<Layout> input_layout = LayoutFromProto(header.layout(), "header.layout");
-  if (!input_layout.ok()) return fail(input_layout.status());
-  plan.input_dtype = *input_dtype;
-  plan.input_layout = *input_layout;
+  absl::StatusOr<InputHeader> input = CheckInputHeader(header, config_.limits.max_tokens);
+  if (!input.ok()) return fail(input.status());
+  plan.input_dtype = input->dtype;
+  plan.input_layout = input->layout;
+  plan.num_tokens = input->num_tokens;
+  plan.positions = input->positions;
   plan.output_dtype = plan.input_dtype;
   plan.output_layout = plan.input_layout;
   if (header.output_dtype() != v1::DTYPE_UNSPECIFIED) {
@@ -166,34 +184,6 @@ grpc::Status TranslatorService::TranslateKV(
     if (!layout.ok()) return fail(layout.status());
     plan.output_layout = *layout;
   }
-  if (header.num_tokens() == 0) {
-    return fail(absl::InvalidArgumentError("header.num_tokens must be > 0"));
-  }
-  if (header.num_tokens() > config_.limits.max_tokens) {
-    return fail(absl::ResourceExhaustedError(
-        absl::StrCat("header.num_tokens=", header.num_tokens(), " exceeds limits.max_tokens=",
-                     config_.limits.max_tokens, "; split the cache into several requests")));
-  }
-  plan.num_tokens = header.num_tokens();
-  if (header.positions_size() > 0) {
-    if (header.positions_size() != header.num_tokens()) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat("header.positions has ", header.positions_size(),
-                       " entries but header.num_tokens=", header.num_tokens())));
-    }
-    if (header.position_offset() != 0) {
-      return fail(absl::InvalidArgumentError(
-          "header.position_offset and header.positions are exclusive: set one"));
-    }
-    plan.positions.explicit_positions = header.positions().data();
-  } else {
-    if (header.position_offset() > UINT64_MAX - header.num_tokens()) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat("header.position_offset=", header.position_offset(),
-                       " + num_tokens overflows a 64-bit position")));
-    }
-    plan.positions.offset = header.position_offset();
-  }
   if (header.input().has_region()) {
     return fail(absl::UnimplementedError(
         "header.input.region: shared-memory input is not available yet; send inline chunks"));
@@ -205,28 +195,11 @@ grpc::Status TranslatorService::TranslateKV(
   plan.response_chunk_tokens = header.output().inline_().chunk_tokens();
 
   // --- Mapper. ---
-  absl::StatusOr<std::shared_ptr<const LoadedMapper>> mapper;
-  if (!header.mapper_id().empty()) {
-    mapper = store_->Get(header.mapper_id());
-    if (mapper.ok() &&
-        ((!header.source_model().empty() &&
-          header.source_model() != (*mapper)->view().source.name) ||
-         (!header.target_model().empty() &&
-          header.target_model() != (*mapper)->view().target.name))) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "header.mapper_id='", header.mapper_id(), "' maps ", (*mapper)->view().source.name,
-          " -> ", (*mapper)->view().target.name, ", not header.source_model='",
-          header.source_model(), "' -> header.target_model='", header.target_model(), "'")));
-    }
-  } else if (header.source_model().empty() || header.target_model().empty()) {
-    return fail(absl::InvalidArgumentError(
-        "header.source_model and header.target_model (or header.mapper_id) are required"));
-  } else {
-    mapper = store_->Find(header.source_model(), header.target_model());
-  }
+  absl::StatusOr<std::shared_ptr<const LoadedMapper>> mapper = ResolveMapper(store_, header);
   if (!mapper.ok()) return fail(mapper.status());
   plan.mapper = *mapper;
   const MapperView& view = plan.mapper->view();
+  record->pair = PairLabels::Of(view);
   const ModelSpec& src_model = view.source;
   const ModelSpec& tgt_model = view.target;
 
@@ -249,7 +222,7 @@ grpc::Status TranslatorService::TranslateKV(
   absl::StatusOr<AdmissionController::Ticket> ticket =
       admission_.TryAdmit(plan.source_bytes + 4 * target_geometry.layer_bytes());
   if (!ticket.ok()) return fail(ticket.status());
-  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = Prepared(plan.mapper);
+  absl::StatusOr<Derived> prepared = Prepared(plan.mapper);
   if (!prepared.ok()) return fail(prepared.status());
   const absl::Time admitted = absl::Now();
 
@@ -287,6 +260,9 @@ grpc::Status TranslatorService::TranslateKV(
     source_v.emplace_back(source_geometry.layer_bytes());
   }
   CoverageTracker coverage(src_model.num_layers, plan.num_tokens);
+  const ChunkExpectation chunk_expectation{"chunk", absl::StrCat("source model ", src_model.name),
+                                           src_model.num_layers, source_geometry,
+                                           plan.input_dtype, /*keys_only=*/false};
   while (stream->Read(&request)) {
     if (request.has_header()) {
       return fail(absl::InvalidArgumentError(
@@ -296,35 +272,9 @@ grpc::Status TranslatorService::TranslateKV(
       return fail(absl::InvalidArgumentError("empty TranslateKVRequest: set header or chunk"));
     }
     const v1::KVChunk& chunk = request.chunk();
-    if (chunk.layer() >= static_cast<uint32_t>(src_model.num_layers)) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat("chunk.layer=", chunk.layer(), " out of range: source model ",
-                       src_model.name, " has ", src_model.num_layers, " layers")));
-    }
-    if (chunk.kind() != v1::CACHE_KIND_K && chunk.kind() != v1::CACHE_KIND_V) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "chunk.kind must be CACHE_KIND_K or CACHE_KIND_V (layer ", chunk.layer(), ")")));
-    }
-    if (chunk.token_count() == 0) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat("chunk.token_count must be > 0 (layer ", chunk.layer(), ")")));
-    }
-    const int64_t chunk_end =
-        static_cast<int64_t>(chunk.token_start()) + static_cast<int64_t>(chunk.token_count());
-    if (chunk_end > plan.num_tokens) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "chunk.token_start=", chunk.token_start(), " + chunk.token_count=",
-          chunk.token_count(), " exceeds header.num_tokens=", plan.num_tokens)));
-    }
-    const int kind = chunk.kind() == v1::CACHE_KIND_K ? 0 : 1;
-    const int64_t expected = source_geometry.chunk_bytes(chunk.token_count());
-    if (static_cast<int64_t>(chunk.data().size()) != expected) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "chunk.data has ", chunk.data().size(), " bytes, expected ", expected, " (layer ",
-          chunk.layer(), " ", kind == 0 ? "K" : "V", ", ", src_model.num_kv_heads, " heads x ",
-          chunk.token_count(), " tokens x ", src_model.head_dim, " dims x ",
-          DTypeSize(plan.input_dtype), " bytes of ", DTypeName(plan.input_dtype), ")")));
-    }
+    absl::StatusOr<int> checked = CheckChunk(chunk, chunk_expectation);
+    if (!checked.ok()) return fail(checked.status());
+    const int kind = *checked;
     if (absl::Status added =
             coverage.Add(chunk.layer(), kind, chunk.token_start(), chunk.token_count());
         !added.ok()) {
@@ -370,7 +320,7 @@ grpc::Status TranslatorService::TranslateKV(
   }
   TranslateOptions options;
   options.token_chunk = config_.backend.token_chunk;
-  PreparedMapper* prepared_mapper = prepared->get();
+  PreparedMapper* prepared_mapper = prepared->prepared.get();
   auto submit = [&](int layer) {
     Slot& slot = slots[layer % 2];
     std::fill(slot.view.k.begin(), slot.view.k.end(), nullptr);
@@ -393,6 +343,10 @@ grpc::Status TranslatorService::TranslateKV(
       if (pending->has_value() && (*pending)->valid()) (*pending)->wait();
     }
   } wait_pending{&pending};
+  // A pass over (a sample of) the source features: cheap next to the GEMMs, and it runs here
+  // while layer 0 computes.
+  std::optional<double> input_shift;
+  if (prepared->shift != nullptr) input_shift = prepared->shift->Score(source, plan.positions);
 
   int64_t tokens_per_chunk = TokensPerChunk(target_geometry, config_.limits.response_chunk_bytes);
   if (plan.response_chunk_tokens > 0) {
@@ -443,9 +397,24 @@ grpc::Status TranslatorService::TranslateKV(
   trailer->set_num_tokens(plan.num_tokens);
   trailer->set_input_bytes(plan.source_bytes);
   trailer->set_output_bytes(output_bytes);
-  if (header.reprefill_estimate_ms() > 0 && timings->total_ms() > 0) {
-    trailer->set_speedup_estimate(header.reprefill_estimate_ms() / timings->total_ms());
+  // The caller's re-prefill estimate, else the target model's cost model from the config.
+  double reprefill_ms = header.reprefill_estimate_ms();
+  if (reprefill_ms <= 0) {
+    auto cost = config_.metrics.prefill_cost.find(tgt_model.name);
+    if (cost != config_.metrics.prefill_cost.end()) reprefill_ms = cost->second.Ms(plan.num_tokens);
   }
+  if (reprefill_ms > 0 && timings->total_ms() > 0) {
+    trailer->set_speedup_estimate(reprefill_ms / timings->total_ms());
+    record->speedup = trailer->speedup_estimate();
+  }
+  if (input_shift.has_value()) trailer->set_input_shift_score(*input_shift);
+  record->input_shift = input_shift;
+  record->queue_s = timings->queue_ms() / 1000;
+  record->stage_in_s = timings->stage_in_ms() / 1000;
+  record->compute_s = compute_ms / 1000;
+  record->stage_out_s = stage_out_ms / 1000;
+  record->total_s = timings->total_ms() / 1000;
+  record->tokens = plan.num_tokens;
   if (!stream->Write(trailer_message)) return CancelledOrDeadline(context);
 
   KVT_LOG(kInfo, "translate done")
@@ -458,13 +427,6 @@ grpc::Status TranslatorService::TranslateKV(
       .With("stage_out_ms", stage_out_ms)
       .With("total_ms", timings->total_ms());
   return grpc::Status::OK;
-}
-
-grpc::Status TranslatorService::ValidateKV(grpc::ServerContext*,
-                                           grpc::ServerReader<v1::ValidateKVRequest>*,
-                                           v1::ValidateKVResponse*) {
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      "ValidateKV (quality metrics) is not available in this build yet");
 }
 
 grpc::Status TranslatorService::ListMappers(grpc::ServerContext*,

@@ -14,16 +14,19 @@
 #include "kernels/backend.h"
 #include "mapper_store/store.h"
 #include "proto/kvt/v1/service.grpc.pb.h"
+#include "quality/input_shift.h"
 #include "server/admission.h"
 #include "server/compute_executor.h"
 #include "server/config.h"
+#include "server/metrics.h"
 
 namespace kvt {
 
 class TranslatorService final : public v1::KvTranslator::Service {
  public:
-  // `store` and `backend` must outlive the service.
-  TranslatorService(const KvtdConfig& config, MapperStore* store, Backend* backend);
+  // `store`, `backend` and `metrics` (optional: null records nothing) must outlive the service.
+  TranslatorService(const KvtdConfig& config, MapperStore* store, Backend* backend,
+                    Metrics* metrics = nullptr);
   ~TranslatorService() override;
 
   // After this, new translations are refused with UNAVAILABLE; in-flight ones continue.
@@ -65,13 +68,27 @@ class TranslatorService final : public v1::KvTranslator::Service {
                                 v1::CudaMemoryStatusResponse* response) override;
 
  private:
-  // The backend's prepared copy of a store mapper, made once and shared by requests.
-  absl::StatusOr<std::shared_ptr<PreparedMapper>> Prepared(
-      const std::shared_ptr<const LoadedMapper>& mapper);
+  // What the service derives from a store mapper once and shares between requests.
+  struct Derived {
+    std::shared_ptr<PreparedMapper> prepared;     // the backend's copy of the weights
+    std::shared_ptr<const InputShiftStats> shift;  // null: the mapper carries no statistics
+  };
+  absl::StatusOr<Derived> Prepared(const std::shared_ptr<const LoadedMapper>& mapper);
+
+  // The RPC bodies; the public methods record their outcome (every exit path) in metrics_.
+  grpc::Status TranslateKVImpl(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream,
+      TranslateRecord* record);
+  grpc::Status ValidateKVImpl(grpc::ServerContext* context,
+                              grpc::ServerReader<v1::ValidateKVRequest>* reader,
+                              v1::ValidateKVResponse* response, ValidateRecord* record);
+  std::string RequestId(const std::string& from_header);
 
   const KvtdConfig config_;
   MapperStore* const store_;
   Backend* const backend_;
+  Metrics* const metrics_;
   AdmissionController admission_;
   ComputeExecutor compute_;
   std::atomic<bool> draining_{false};
@@ -79,8 +96,7 @@ class TranslatorService final : public v1::KvTranslator::Service {
 
   absl::Mutex prepared_mutex_;
   // Keyed by the loaded mapper; holding it keeps the view's bytes alive.
-  std::map<const LoadedMapper*, std::pair<std::shared_ptr<const LoadedMapper>,
-                                          std::shared_ptr<PreparedMapper>>>
+  std::map<const LoadedMapper*, std::pair<std::shared_ptr<const LoadedMapper>, Derived>>
       prepared_ ABSL_GUARDED_BY(prepared_mutex_);
 };
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "common/testing/http_get.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
@@ -22,6 +23,8 @@
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
+#include "quality/quality_reference.h"
+#include "quality/stats_testing.h"
 #include "server/kvtd_server.h"
 #include "transport/proto_convert.h"
 
@@ -29,6 +32,7 @@ namespace kvt {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string TempDir(const std::string& name) {
   const char* root = std::getenv("TEST_TMPDIR");
@@ -508,11 +512,294 @@ TEST_F(TranslateServiceTest, RpcsOfLaterIssuesSayUnimplemented) {
       &context, v1::RegisterSystemMemoryRequest(), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
   EXPECT_FALSE(status.error_message().empty());
-  grpc::ClientContext validate_context;
-  v1::ValidateKVResponse validate_response;
-  auto writer = kvtd.client().stub()->ValidateKV(&validate_context, &validate_response);
-  writer->WritesDone();
-  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+}
+
+// --- ValidateKV and telemetry. ---
+
+// One model's cache from [token][head][dim] doubles per layer and kind (fp32, HND).
+HostCache FromDoubles(const ModelSpec& model, int64_t tokens, int heads,
+                      const std::vector<std::vector<double>>& k,
+                      const std::vector<std::vector<double>>& v) {
+  HostCache cache;
+  cache.dtype = DType::kFP32;
+  cache.layout = Layout::kHND;
+  cache.num_layers = model.num_layers;
+  cache.num_kv_heads = heads;
+  cache.head_dim = model.head_dim;
+  cache.num_tokens = tokens;
+  cache.Allocate();
+  for (int layer = 0; layer < model.num_layers; ++layer) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int h = 0; h < heads; ++h) {
+        for (int d = 0; d < model.head_dim; ++d) {
+          const int64_t at = CacheOffset(Layout::kHND, heads, tokens, model.head_dim, h, t, d);
+          const size_t from = (t * heads + h) * model.head_dim + d;
+          StoreFromDouble(DType::kFP32, cache.k[layer].data(), at, k[layer][from]);
+          if (!v.empty()) StoreFromDouble(DType::kFP32, cache.v[layer].data(), at, v[layer][from]);
+        }
+      }
+    }
+  }
+  return cache;
+}
+
+std::vector<double> Strip(const Rope& rope, std::vector<double> keys, const Positions& positions,
+                          int64_t tokens, int heads, int dim) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < heads; ++h) {
+      testing::RotateDouble(rope, positions.at(t), true, &keys[(t * heads + h) * dim]);
+    }
+  }
+  return keys;
+}
+
+void ExpectLayerNear(const v1::LayerQuality& got, const testing::QualityReference& want,
+                     bool with_queries) {
+  EXPECT_NEAR(got.r2_k(), want.r2_k, 1e-4);
+  EXPECT_NEAR(got.r2_v(), want.r2_v, 1e-4);
+  EXPECT_NEAR(got.cosine_k(), want.cosine_k, 1e-5);
+  EXPECT_NEAR(got.cosine_v(), want.cosine_v, 1e-5);
+  ASSERT_EQ(got.has_attention_cosine(), with_queries);
+  if (!with_queries) return;
+  EXPECT_NEAR(got.attention_cosine(), want.attention_cosine, 1e-4);
+  EXPECT_NEAR(got.c_k(), want.c_k, 1e-3 * want.c_k);
+  EXPECT_NEAR(got.c_v(), want.c_v, 1e-3 * want.c_v);
+}
+
+TEST_F(TranslateServiceTest, ValidateKvMatchesTheFloat64ReferenceAndFeedsTheQualityHistograms) {
+  Kvtd kvtd(*store_dir_);
+  std::unique_ptr<LoadedMapper> mapper = Local("matched");
+  const MapperView& view = mapper->view();
+  const ModelSpec& target = view.target;
+  const int64_t T = 24;
+  const int heads = target.num_kv_heads, dim = target.head_dim, query_heads = 4;
+  HostCache source = RandomCache(view.source, T, DType::kFP32, Layout::kHND, 21);
+  Positions positions;
+  positions.offset = 300;
+  // The target's "true" cache: the exact translation plus noise; random queries.
+  std::mt19937_64 rng(22);
+  std::normal_distribution<double> noise(0.0, 0.3);
+  std::vector<std::vector<double>> mapped_k, mapped_v, true_k, true_v, queries;
+  for (int layer = 0; layer < target.num_layers; ++layer) {
+    mapped_k.push_back(testing::ReferenceTranslate(view, layer, testing::Kind::kK, source.view(),
+                                                   positions));
+    mapped_v.push_back(testing::ReferenceTranslate(view, layer, testing::Kind::kV, source.view(),
+                                                   positions));
+    true_k.push_back(mapped_k.back());
+    true_v.push_back(mapped_v.back());
+    for (double& x : true_k.back()) x = static_cast<float>(x + noise(rng));
+    for (double& x : true_v.back()) x = static_cast<float>(x + noise(rng));
+    queries.emplace_back(T * query_heads * dim);
+    for (double& x : queries.back()) x = static_cast<float>(noise(rng) * 3);
+  }
+  const HostCache truth = FromDoubles(target, T, heads, true_k, true_v);
+  const HostCache query_cache = FromDoubles(target, T, query_heads, queries, {});
+
+  v1::ValidateHeader header;
+  header.set_mapper_id("matched");
+  header.set_position_offset(300);
+  header.set_turn(3);
+  header.set_request_id("validate-1");
+  absl::StatusOr<v1::ValidateKVResponse> response =
+      kvtd.client().Validate(header, source, truth, &query_cache);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->request_id(), "validate-1");
+  EXPECT_EQ(response->mapper_id(), "matched");
+  ASSERT_EQ(response->layers_size(), target.num_layers);
+  const Rope rope = *Rope::Create(target.rope, dim);
+  std::vector<uint64_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = positions.at(t);
+  double attention_sum = 0;
+  for (int layer = 0; layer < target.num_layers; ++layer) {
+    SCOPED_TRACE(layer);
+    const testing::QualityReference want = testing::RefQuality(
+        mapped_k[layer], mapped_v[layer], true_k[layer], true_v[layer],
+        Strip(rope, mapped_k[layer], positions, T, heads, dim),
+        Strip(rope, true_k[layer], positions, T, heads, dim), queries[layer], pos, T, heads, dim,
+        query_heads);
+    EXPECT_EQ(response->layers(layer).layer(), static_cast<uint32_t>(layer));
+    ExpectLayerNear(response->layers(layer), want, true);
+    if (layer > 0) attention_sum += want.attention_cosine;
+  }
+  EXPECT_NEAR(response->overall_without_layer0().attention_cosine(),
+              attention_sum / (target.num_layers - 1), 1e-4);
+  EXPECT_GT(response->overall().r2_k(), 0.0);
+  EXPECT_LT(response->overall().r2_k(), 1.0);
+
+  // Without queries: no attention metrics. The true cache equal to the translation: 1 and 1.
+  const HostCache exact = FromDoubles(target, T, heads, mapped_k, mapped_v);
+  absl::StatusOr<v1::ValidateKVResponse> identical = kvtd.client().Validate(header, source, exact);
+  ASSERT_TRUE(identical.ok()) << identical.status();
+  EXPECT_NEAR(identical->overall().cosine_k(), 1.0, 1e-6);
+  EXPECT_NEAR(identical->overall().cosine_v(), 1.0, 1e-6);
+  EXPECT_NEAR(identical->overall().r2_k(), 1.0, 1e-6);
+  EXPECT_NEAR(identical->overall().r2_v(), 1.0, 1e-6);
+  EXPECT_FALSE(identical->overall().has_attention_cosine());
+
+  const std::string metrics = kvtd.server().metrics()->Serialize();
+  EXPECT_THAT(metrics, HasSubstr(R"(kvt_validate_requests_total{code="OK",source="test/src",target="test/dst"} 2)"));
+  EXPECT_THAT(metrics, HasSubstr(R"(kvt_quality_attention_cosine_count{source="test/src",target="test/dst",turn="3"} 1)"));
+  EXPECT_THAT(metrics, HasSubstr(R"(kvt_quality_kv_cosine_count{kind="k",source="test/src",target="test/dst",turn="3"} 2)"));
+  EXPECT_THAT(metrics, HasSubstr(R"(kvt_quality_r2_bucket{kind="v",source="test/src",target="test/dst",turn="3",le="1"} 2)"));
+}
+
+v1::ValidateKVRequest ValidateHeaderMessage(int tokens, int query_heads = 0) {
+  v1::ValidateKVRequest request;
+  v1::ValidateHeader* header = request.mutable_header();
+  header->set_mapper_id("matched");
+  header->set_dtype(v1::DTYPE_FP32);
+  header->set_layout(v1::LAYOUT_HND);
+  header->set_num_tokens(tokens);
+  header->set_num_query_heads(query_heads);
+  return request;
+}
+
+v1::ValidateKVRequest ValidateChunkMessage(v1::ValidateRole role, int layer, v1::CacheKind kind,
+                                           int count, int heads = 2) {
+  v1::ValidateKVRequest request;
+  request.mutable_chunk()->set_role(role);
+  *request.mutable_chunk()->mutable_chunk() =
+      ChunkMessage(layer, kind, 0, count, heads * 16 * 4).chunk();
+  return request;
+}
+
+TEST_F(TranslateServiceTest, ValidateKvRejectsMalformedStreamsNamingTheField) {
+  KvtdConfig config;
+  config.limits.max_tokens = 100;
+  Kvtd kvtd(*store_dir_, config);
+  const auto S = v1::VALIDATE_ROLE_SOURCE, R = v1::VALIDATE_ROLE_TARGET_TRUE,
+             Q = v1::VALIDATE_ROLE_TARGET_QUERY;
+  std::vector<v1::ValidateKVRequest> missing_truth = {ValidateHeaderMessage(8)};
+  for (int layer = 0; layer < 3; ++layer) {
+    missing_truth.push_back(ValidateChunkMessage(S, layer, v1::CACHE_KIND_K, 8));
+    missing_truth.push_back(ValidateChunkMessage(S, layer, v1::CACHE_KIND_V, 8));
+  }
+  struct Case {
+    std::string name;
+    std::vector<v1::ValidateKVRequest> messages;
+    grpc::StatusCode code;
+    std::string message_part;
+  };
+  const std::vector<Case> cases = {
+      {"no header", {}, grpc::StatusCode::INVALID_ARGUMENT, "before its header"},
+      {"too many tokens", {ValidateHeaderMessage(101)}, grpc::StatusCode::RESOURCE_EXHAUSTED,
+       "limits.max_tokens"},
+      {"query heads not a multiple", {ValidateHeaderMessage(8, 3)},
+       grpc::StatusCode::INVALID_ARGUMENT, "header.num_query_heads=3"},
+      {"role unset",
+       {ValidateHeaderMessage(8),
+        ValidateChunkMessage(v1::VALIDATE_ROLE_UNSPECIFIED, 0, v1::CACHE_KIND_K, 8)},
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk.role"},
+      {"queries not declared",
+       {ValidateHeaderMessage(8), ValidateChunkMessage(Q, 0, v1::CACHE_KIND_K, 8)},
+       grpc::StatusCode::INVALID_ARGUMENT, "header.num_query_heads=0"},
+      {"query values",
+       {ValidateHeaderMessage(8, 4), ValidateChunkMessage(Q, 0, v1::CACHE_KIND_V, 8, 4)},
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk.chunk.kind must be CACHE_KIND_K"},
+      {"query bytes",
+       {ValidateHeaderMessage(8, 4), ValidateChunkMessage(Q, 0, v1::CACHE_KIND_K, 8, 2)},
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk.chunk.data has 1024 bytes, expected 2048"},
+      {"target layer out of range",
+       {ValidateHeaderMessage(8), ValidateChunkMessage(R, 4, v1::CACHE_KIND_K, 8)},
+       grpc::StatusCode::INVALID_ARGUMENT, "chunk.chunk.layer=4 out of range: target model test/dst"},
+      {"duplicate target chunk",
+       {ValidateHeaderMessage(8), ValidateChunkMessage(R, 1, v1::CACHE_KIND_V, 8),
+        ValidateChunkMessage(R, 1, v1::CACHE_KIND_V, 8)},
+       grpc::StatusCode::INVALID_ARGUMENT, "TARGET_TRUE chunk layer=1 kind=V"},
+      {"truth missing", missing_truth, grpc::StatusCode::INVALID_ARGUMENT,
+       "before every TARGET_TRUE chunk arrived: layer 0 K: tokens [0, 8) missing"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::ValidateKVResponse response;
+    auto writer = kvtd.client().stub()->ValidateKV(&context, &response);
+    for (const v1::ValidateKVRequest& message : c.messages) {
+      if (!writer->Write(message)) break;
+    }
+    writer->WritesDone();
+    grpc::Status status = writer->Finish();
+    EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message_part));
+  }
+  EXPECT_EQ(kvtd.server().service()->inflight_requests(), 0);
+  const std::string metrics = kvtd.server().metrics()->Serialize();
+  // Failures before the mapper is known count under the fixed "unknown" pair.
+  EXPECT_THAT(metrics, HasSubstr(R"(kvt_validate_requests_total{code="INVALID_ARGUMENT",source="unknown",target="unknown"} 1)"));
+  EXPECT_THAT(metrics, HasSubstr(R"(kvt_validate_requests_total{code="INVALID_ARGUMENT",source="test/src",target="test/dst"} 8)"));
+}
+
+TEST_F(TranslateServiceTest, TrailerCarriesInputShiftAndSpeedupAndMetricsCountEveryOutcome) {
+  // A store of its own: a mapper with calibration statistics N(0, 1) for every feature.
+  const std::string store = TempDir("shift-store");
+  SynthOptions options;
+  options.source = Model("shift/src", 2, 2, 16, 10000);
+  options.target = Model("shift/dst", 2, 2, 16, 10000);
+  options.k = 1;
+  options.dtype = DType::kFP32;
+  options.seed = 9;
+  ASSERT_TRUE(testing::WriteSynthMapperWithStats(
+                  store + "/with-stats", options,
+                  [](int, bool, int, bool variance) { return variance ? 1.0 : 0.0; })
+                  .ok());
+  options.target.name = "shift/other";
+  ASSERT_TRUE(WriteSynthMapper(store + "/no-stats", options).ok());
+  KvtdConfig config;
+  config.metrics.prefill_cost["shift/dst"] = {5000.0, 0.0, 0.0};  // 5 s, whatever the length
+  config.metrics.listen_address = "127.0.0.1:0";
+  Kvtd kvtd(store, config);
+  ASSERT_GT(kvtd.server().metrics_port(), 0);
+
+  // Random N(0, 1) caches are in distribution: keys stay N(0, 1) in content space (a rotation
+  // of an isotropic Gaussian). Three times the scale: about 9.
+  HostCache source = RandomCache(options.source, 300, DType::kFP32, Layout::kNHD, 31);
+  v1::TranslateHeader header;
+  header.set_mapper_id("with-stats");
+  absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, source);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_TRUE(result->trailer.has_input_shift_score());
+  EXPECT_NEAR(result->trailer.input_shift_score(), 1.0, 0.1);
+  EXPECT_NEAR(result->trailer.speedup_estimate(),
+              5000.0 / result->trailer.timings().total_ms(), 1e-6);
+  for (std::vector<char>* layer : {&source.k[0], &source.k[1], &source.v[0], &source.v[1]}) {
+    float* values = reinterpret_cast<float*>(layer->data());
+    for (size_t i = 0; i < layer->size() / sizeof(float); ++i) values[i] *= 3;
+  }
+  header.set_reprefill_estimate_ms(1e6);  // the request's estimate wins over the config's
+  result = kvtd.client().Translate(header, source);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_NEAR(result->trailer.input_shift_score(), 9.0, 1.0);
+  EXPECT_NEAR(result->trailer.speedup_estimate(),
+              1e6 / result->trailer.timings().total_ms(), 1e-3);
+
+  // No statistics: no score; no cost model for shift/other: no speedup.
+  header.Clear();
+  header.set_mapper_id("no-stats");
+  result = kvtd.client().Translate(header, source);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->trailer.has_input_shift_score());
+  EXPECT_EQ(result->trailer.speedup_estimate(), 0.0);
+  // A client-chosen pair name never becomes a label value.
+  header.set_mapper_id("");
+  header.set_source_model("attacker/label-1");
+  header.set_target_model("attacker/label-2");
+  EXPECT_EQ(kvtd.client().Translate(header, source).status().code(), absl::StatusCode::kNotFound);
+
+  absl::StatusOr<testing::HttpResponse> scraped =
+      testing::HttpGet("127.0.0.1", kvtd.server().metrics_port(), "/metrics");
+  ASSERT_TRUE(scraped.ok()) << scraped.status();
+  const std::string& text = scraped->body;
+  EXPECT_THAT(text, HasSubstr(R"(kvt_translate_requests_total{code="OK",source="shift/src",target="shift/dst"} 2)"));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_translate_requests_total{code="OK",source="shift/src",target="shift/other"} 1)"));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_translate_requests_total{code="NOT_FOUND",source="unknown",target="unknown"} 1)"));
+  EXPECT_THAT(text, Not(HasSubstr("attacker")));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_translate_tokens_total{source="shift/src",target="shift/dst"} 600)"));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_input_shift_score_count{source="shift/src",target="shift/dst"} 2)"));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_translate_speedup_ratio_count{device="cpu",source="shift/src",target="shift/dst"} 2)"));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_translate_duration_seconds_count{device="cpu",source="shift/src",stage="compute",target="shift/dst"} 2)"));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_backend_info{backend="cpu",device="cpu",requested="auto"} 1)"));
+  EXPECT_THAT(text, HasSubstr("kvt_inflight_requests 0"));
 }
 
 }  // namespace

@@ -1,0 +1,339 @@
+#include "server/metrics.h"
+
+#include <exception>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+
+namespace kvt {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+using prometheus::Histogram;
+
+constexpr char kVersion[] = "0.1";
+
+// Latencies from a sub-millisecond small translation to a multi-second 128K-token one.
+const Histogram::BucketBoundaries& LatencyBuckets() {
+  static const Histogram::BucketBoundaries buckets = {
+      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+  return buckets;
+}
+// Re-prefill time / translate time: below 1 is a loss, the paper reports 2.7x .. 25x.
+const Histogram::BucketBoundaries& SpeedupBuckets() {
+  static const Histogram::BucketBoundaries buckets = {0.5, 1,  1.5, 2,  3,  5,  7.5,
+                                                      10,  15, 20,  30, 50, 100};
+  return buckets;
+}
+// Cosines in [0, 1], fine near 1 where usable translations sit (negative ones land in le=0).
+const Histogram::BucketBoundaries& CosineBuckets() {
+  static const Histogram::BucketBoundaries buckets = {0,    0.5,  0.7,   0.8,  0.85,
+                                                      0.9,  0.925, 0.95, 0.96, 0.97,
+                                                      0.98, 0.99, 0.995, 0.999, 1};
+  return buckets;
+}
+// R^2 (the paper's pairs: 0.3 .. 0.85); below 0 is worse than predicting the mean.
+const Histogram::BucketBoundaries& R2Buckets() {
+  static const Histogram::BucketBoundaries buckets = {0,   0.2, 0.3,  0.4, 0.5,  0.6, 0.7,
+                                                      0.75, 0.8, 0.85, 0.9, 0.95, 0.99, 1};
+  return buckets;
+}
+// Error concentration: 1 = isotropic, > 1 errors where attention reads.
+const Histogram::BucketBoundaries& ConcentrationBuckets() {
+  static const Histogram::BucketBoundaries buckets = {0.25, 0.5, 0.75, 0.9, 1, 1.1,
+                                                      1.25, 1.5, 2,    3,   5};
+  return buckets;
+}
+// Mean standardised squared deviation: about 1 in distribution.
+const Histogram::BucketBoundaries& InputShiftBuckets() {
+  static const Histogram::BucketBoundaries buckets = {0.5, 0.75, 0.9, 1,  1.1, 1.25, 1.5,
+                                                      2,   3,    5,   10, 25,  100};
+  return buckets;
+}
+
+prometheus::ClientMetric::Label Label(std::string name, std::string value) {
+  prometheus::ClientMetric::Label label;
+  label.name = std::move(name);
+  label.value = std::move(value);
+  return label;
+}
+
+}  // namespace
+
+// Families whose values live elsewhere (the store, the admission controller), read per scrape so
+// they can never disagree with their source.
+class Metrics::ScrapeCollector : public prometheus::Collectable {
+ public:
+  void Set(const MapperStore* store, std::function<int64_t()> inflight) {
+    absl::MutexLock lock(&mutex_);
+    store_ = store;
+    inflight_ = std::move(inflight);
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    absl::MutexLock lock(&mutex_);
+    std::vector<prometheus::MetricFamily> families;
+    prometheus::MetricFamily inflight;
+    inflight.name = "kvt_inflight_requests";
+    inflight.help = "Translations and validations admitted and not yet finished.";
+    inflight.type = prometheus::MetricType::Gauge;
+    inflight.metric.emplace_back();
+    inflight.metric.back().gauge.value = inflight_ ? static_cast<double>(inflight_()) : 0.0;
+    families.push_back(std::move(inflight));
+
+    prometheus::MetricFamily resident;
+    resident.name = "kvt_mapper_device_resident_bytes";
+    resident.help =
+        "Bytes of mapper weights held per place (device=\"host\": host memory of the store; "
+        "\"cuda:N\": device copies).";
+    resident.type = prometheus::MetricType::Gauge;
+    if (store_ != nullptr) {
+      for (const MapperInfo& info : store_->List()) {
+        if (info.state != MapperState::kHostResident &&
+            info.state != MapperState::kDeviceResident) {
+          continue;
+        }
+        for (const std::string& device : info.devices) {
+          prometheus::ClientMetric metric;
+          metric.label = {Label("device", device), Label("mapper", info.id),
+                          Label("source", info.source_model), Label("target", info.target_model)};
+          metric.gauge.value = static_cast<double>(info.weight_bytes);
+          resident.metric.push_back(std::move(metric));
+        }
+      }
+    }
+    families.push_back(std::move(resident));
+    return families;
+  }
+
+ private:
+  mutable absl::Mutex mutex_;
+  const MapperStore* store_ ABSL_GUARDED_BY(mutex_) = nullptr;
+  std::function<int64_t()> inflight_ ABSL_GUARDED_BY(mutex_);
+};
+
+Metrics::Metrics(std::string device)
+    : device_(std::move(device)),
+      registry_(std::make_shared<prometheus::Registry>()),
+      scrape_(std::make_shared<ScrapeCollector>()) {
+  prometheus::Registry& r = *registry_;
+  build_info_ = &BuildGauge()
+                     .Name("kvt_build_info")
+                     .Help("Always 1; labels say which kvt build is running.")
+                     .Register(r);
+  build_info_->Add({{"version", kVersion}, {"compiler", __VERSION__}}).Set(1);
+  backend_info_ = &BuildGauge()
+                       .Name("kvt_backend_info")
+                       .Help("Always 1; the translation backend kvtd chose (backend.type is "
+                             "'requested').")
+                       .Register(r);
+  requests_ = &BuildCounter()
+                   .Name("kvt_translate_requests_total")
+                   .Help("TranslateKV calls by outcome (canonical gRPC code).")
+                   .Register(r);
+  duration_ = &BuildHistogram()
+                   .Name("kvt_translate_duration_seconds")
+                   .Help("Successful TranslateKV wall time per stage (queue, stage_in, compute, "
+                         "stage_out, total).")
+                   .Register(r);
+  tokens_ = &BuildCounter()
+                 .Name("kvt_translate_tokens_total")
+                 .Help("Tokens translated by successful TranslateKV calls.")
+                 .Register(r);
+  speedup_ = &BuildHistogram()
+                  .Name("kvt_translate_speedup_ratio")
+                  .Help("Estimated target re-prefill time / translate total time (estimate from "
+                        "the request or metrics.prefill_cost).")
+                  .Register(r);
+  input_shift_ = &BuildHistogram()
+                      .Name("kvt_input_shift_score")
+                      .Help("Mean standardised squared deviation of the source features from "
+                            "the mapper's calibration statistics (about 1 in distribution).")
+                      .Register(r);
+  validate_requests_ = &BuildCounter()
+                            .Name("kvt_validate_requests_total")
+                            .Help("ValidateKV calls by outcome (canonical gRPC code).")
+                            .Register(r);
+  validate_duration_ = &BuildHistogram()
+                            .Name("kvt_validate_duration_seconds")
+                            .Help("Successful ValidateKV wall time.")
+                            .Register(r);
+  attention_cosine_ = &BuildHistogram()
+                           .Name("kvt_quality_attention_cosine")
+                           .Help("ValidateKV attention-output cosine, mean over layers 1.. "
+                                 "(SPEC 5), by conversation turn bucket.")
+                           .Register(r);
+  r2_ = &BuildHistogram()
+             .Name("kvt_quality_r2")
+             .Help("ValidateKV R^2 of K (content space) and V, mean over layers 1.., by turn "
+                   "bucket.")
+             .Register(r);
+  kv_cosine_ = &BuildHistogram()
+                    .Name("kvt_quality_kv_cosine")
+                    .Help("ValidateKV cosine of translated vs true K and V, mean over layers 1.., "
+                          "by turn bucket.")
+                    .Register(r);
+  error_concentration_ = &BuildHistogram()
+                              .Name("kvt_quality_error_concentration")
+                              .Help("ValidateKV c_K / c_V (1 = isotropic error, > 1 where "
+                                    "attention reads), mean over layers 1.., by turn bucket.")
+                              .Register(r);
+  page_ins_ = &BuildCounter()
+                   .Name("kvt_mapper_page_ins_total")
+                   .Help("Mapper copies into a device's memory.")
+                   .Register(r);
+  evictions_ = &BuildCounter()
+                    .Name("kvt_mapper_evictions_total")
+                    .Help("Mappers dropped from a device's memory to make room.")
+                    .Register(r);
+  page_in_duration_ = &BuildHistogram()
+                           .Name("kvt_mapper_page_in_duration_seconds")
+                           .Help("Time to copy a mapper into a device's memory.")
+                           .Register(r);
+}
+
+Metrics::~Metrics() {
+  // The endpoint's threads read the registry and the collector: stop them first.
+  exposer_.reset();
+}
+
+absl::Status Metrics::StartExposer(const std::string& listen_address) {
+  if (listen_address.empty()) return absl::OkStatus();
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(listen_address);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on metrics.listen_address='",
+                                               listen_address, "': ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(scrape_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  if (ports.empty()) {
+    exposer_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot listen on metrics.listen_address='",
+                                               listen_address, "': no port bound"));
+  }
+  port_ = ports.front();
+  return absl::OkStatus();
+}
+
+void Metrics::SetBackend(const std::string& backend, const std::string& device,
+                         const std::string& requested) {
+  backend_info_->Add({{"backend", backend}, {"device", device}, {"requested", requested}}).Set(1);
+}
+
+void Metrics::SetScrapeSources(const MapperStore* store,
+                               std::function<int64_t()> inflight_requests) {
+  scrape_->Set(store, std::move(inflight_requests));
+  if (store == nullptr) return;
+  // Zero-valued series for every servable pair, so rate() and the alerts see a series before
+  // the first event (an absent series is not a zero rate).
+  for (const MapperInfo& info : store->List()) {
+    if (info.state == MapperState::kFailed) continue;
+    const std::string& source = info.source_model;
+    const std::string& target = info.target_model;
+    requests_->Add({{"source", source}, {"target", target}, {"code", CodeLabel(absl::StatusCode::kOk)}});
+    tokens_->Add({{"source", source}, {"target", target}});
+    page_ins_->Add({{"source", source}, {"target", target}, {"device", device_}});
+    evictions_->Add({{"source", source}, {"target", target}, {"device", device_}});
+  }
+}
+
+std::string Metrics::CodeLabel(absl::StatusCode code) { return absl::StatusCodeToString(code); }
+
+std::string Metrics::TurnBucket(uint32_t turn) {
+  if (turn < 10) return absl::StrCat(turn);
+  if (turn < 20) return "10-19";
+  return "20+";
+}
+
+void Metrics::RecordTranslate(const TranslateRecord& record) {
+  const std::string& source = record.pair.source();
+  const std::string& target = record.pair.target();
+  requests_->Add({{"source", source}, {"target", target}, {"code", CodeLabel(record.code)}})
+      .Increment();
+  if (record.code != absl::StatusCode::kOk) return;
+  const std::pair<const char*, double> stages[] = {{"queue", record.queue_s},
+                                                   {"stage_in", record.stage_in_s},
+                                                   {"compute", record.compute_s},
+                                                   {"stage_out", record.stage_out_s},
+                                                   {"total", record.total_s}};
+  for (const auto& [stage, seconds] : stages) {
+    duration_
+        ->Add({{"source", source}, {"target", target}, {"device", device_}, {"stage", stage}},
+              LatencyBuckets())
+        .Observe(seconds);
+  }
+  tokens_->Add({{"source", source}, {"target", target}}).Increment(static_cast<double>(record.tokens));
+  if (record.speedup.has_value()) {
+    speedup_->Add({{"source", source}, {"target", target}, {"device", device_}}, SpeedupBuckets())
+        .Observe(*record.speedup);
+  }
+  if (record.input_shift.has_value()) {
+    input_shift_->Add({{"source", source}, {"target", target}}, InputShiftBuckets())
+        .Observe(*record.input_shift);
+  }
+}
+
+void Metrics::RecordValidate(const ValidateRecord& record) {
+  const std::string& source = record.pair.source();
+  const std::string& target = record.pair.target();
+  validate_requests_
+      ->Add({{"source", source}, {"target", target}, {"code", CodeLabel(record.code)}})
+      .Increment();
+  if (record.code != absl::StatusCode::kOk) return;
+  validate_duration_->Add({{"source", source}, {"target", target}, {"device", device_}},
+                          LatencyBuckets())
+      .Observe(record.total_s);
+  if (!record.has_quality) return;
+  const std::string turn = TurnBucket(record.turn);
+  auto kind_labels = [&](const char* kind) -> prometheus::Labels {
+    return {{"source", source}, {"target", target}, {"kind", kind}, {"turn", turn}};
+  };
+  r2_->Add(kind_labels("k"), R2Buckets()).Observe(record.r2_k);
+  r2_->Add(kind_labels("v"), R2Buckets()).Observe(record.r2_v);
+  kv_cosine_->Add(kind_labels("k"), CosineBuckets()).Observe(record.cosine_k);
+  kv_cosine_->Add(kind_labels("v"), CosineBuckets()).Observe(record.cosine_v);
+  if (record.attention_cosine.has_value()) {
+    attention_cosine_->Add({{"source", source}, {"target", target}, {"turn", turn}},
+                           CosineBuckets())
+        .Observe(*record.attention_cosine);
+  }
+  if (record.c_k.has_value()) {
+    error_concentration_->Add(kind_labels("k"), ConcentrationBuckets()).Observe(*record.c_k);
+  }
+  if (record.c_v.has_value()) {
+    error_concentration_->Add(kind_labels("v"), ConcentrationBuckets()).Observe(*record.c_v);
+  }
+}
+
+void Metrics::RecordPageIn(const PairLabels& pair, const std::string& device, double seconds) {
+  page_ins_->Add({{"source", pair.source()}, {"target", pair.target()}, {"device", device}})
+      .Increment();
+  page_in_duration_
+      ->Add({{"source", pair.source()}, {"target", pair.target()}, {"device", device}},
+            LatencyBuckets())
+      .Observe(seconds);
+}
+
+void Metrics::RecordEviction(const PairLabels& pair, const std::string& device) {
+  evictions_->Add({{"source", pair.source()}, {"target", pair.target()}, {"device", device}})
+      .Increment();
+}
+
+std::string Metrics::Serialize() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::vector<prometheus::MetricFamily> scraped = scrape_->Collect();
+  families.insert(families.end(), scraped.begin(), scraped.end());
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, families);
+  return out.str();
+}
+
+}  // namespace kvt

@@ -1,0 +1,131 @@
+// kvtd's Prometheus metrics (every name, label and bucket in docs/TELEMETRY.md): one registry,
+// the families of ARCHITECTURE.md "Telemetry", label values bounded by the mapper store, values
+// read at scrape time (in-flight requests, mapper residency), and the optional /metrics endpoint.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/mapper_view.h"
+#include "mapper_store/store.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace kvt {
+
+// The `source` / `target` label values of one request. Built only from a mapper the store
+// handed out (or as "unknown"), never from the strings a client sent, so the number of series
+// stays bounded by the store's contents.
+class PairLabels {
+ public:
+  static constexpr char kUnknown[] = "unknown";
+  static PairLabels Unknown() { return PairLabels(kUnknown, kUnknown); }
+  static PairLabels Of(const MapperView& mapper) {
+    return PairLabels(mapper.source.name, mapper.target.name);
+  }
+  const std::string& source() const { return source_; }
+  const std::string& target() const { return target_; }
+
+ private:
+  PairLabels(std::string source, std::string target)
+      : source_(std::move(source)), target_(std::move(target)) {}
+  std::string source_;
+  std::string target_;
+};
+
+// Everything one TranslateKV call reports, whatever way it ended.
+struct TranslateRecord {
+  PairLabels pair = PairLabels::Unknown();
+  absl::StatusCode code = absl::StatusCode::kUnknown;
+  // Stage durations, seconds; observed only for successful translations (a failure's timings
+  // would mix fast rejections into the latency distribution).
+  double queue_s = 0, stage_in_s = 0, compute_s = 0, stage_out_s = 0, total_s = 0;
+  int64_t tokens = 0;
+  std::optional<double> speedup;      // estimated re-prefill time / total time
+  std::optional<double> input_shift;  // mapper has feature statistics
+};
+
+// What one ValidateKV call reports: the overall quality without layer 0 (see docs/TELEMETRY.md).
+struct ValidateRecord {
+  PairLabels pair = PairLabels::Unknown();
+  absl::StatusCode code = absl::StatusCode::kUnknown;
+  uint32_t turn = 0;
+  double total_s = 0;
+  bool has_quality = false;  // set on success
+  double r2_k = 0, r2_v = 0, cosine_k = 0, cosine_v = 0;
+  std::optional<double> attention_cosine, c_k, c_v;
+};
+
+class Metrics {
+ public:
+  // `device` is the backend's device ("cpu", "cuda:0"): the `device` label of this process.
+  explicit Metrics(std::string device);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // Serves GET /metrics on `listen_address` (host:port, port 0 = any free port); "" = no
+  // endpoint. UNAVAILABLE naming metrics.listen_address when it cannot bind.
+  absl::Status StartExposer(const std::string& listen_address);
+  // The bound port; 0 without an endpoint.
+  int port() const { return port_; }
+
+  // kvt_backend_info{backend, device, requested} = 1: which engine kvtd chose for backend.type.
+  void SetBackend(const std::string& backend, const std::string& device,
+                  const std::string& requested);
+  // Scrape-time sources: the store (residency) and the number of admitted requests. Either may
+  // be null / empty; they must outlive this object or be reset first.
+  void SetScrapeSources(const MapperStore* store, std::function<int64_t()> inflight_requests);
+
+  void RecordTranslate(const TranslateRecord& record);
+  void RecordValidate(const ValidateRecord& record);
+  // For the device pager: a mapper copied to / dropped from `device`.
+  void RecordPageIn(const PairLabels& pair, const std::string& device, double seconds);
+  void RecordEviction(const PairLabels& pair, const std::string& device);
+
+  // The text exposition (what GET /metrics returns).
+  std::string Serialize() const;
+
+  // The `turn` label: "0" .. "9" exactly, then "10-19", "20+" (bounded, fine where drift is).
+  static std::string TurnBucket(uint32_t turn);
+  // "OK", "INVALID_ARGUMENT", ...: the `code` label.
+  static std::string CodeLabel(absl::StatusCode code);
+
+ private:
+  class ScrapeCollector;
+
+  const std::string device_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<ScrapeCollector> scrape_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+
+  prometheus::Family<prometheus::Gauge>* build_info_;
+  prometheus::Family<prometheus::Gauge>* backend_info_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Histogram>* duration_;
+  prometheus::Family<prometheus::Counter>* tokens_;
+  prometheus::Family<prometheus::Histogram>* speedup_;
+  prometheus::Family<prometheus::Histogram>* input_shift_;
+  prometheus::Family<prometheus::Counter>* validate_requests_;
+  prometheus::Family<prometheus::Histogram>* validate_duration_;
+  prometheus::Family<prometheus::Histogram>* attention_cosine_;
+  prometheus::Family<prometheus::Histogram>* r2_;
+  prometheus::Family<prometheus::Histogram>* kv_cosine_;
+  prometheus::Family<prometheus::Histogram>* error_concentration_;
+  prometheus::Family<prometheus::Counter>* page_ins_;
+  prometheus::Family<prometheus::Counter>* evictions_;
+  prometheus::Family<prometheus::Histogram>* page_in_duration_;
+};
+
+}  // namespace kvt
