@@ -8,9 +8,11 @@
 
 namespace kvt {
 
-absl::StatusOr<HostCache> ReadCacheFile(const std::string& path) {
+absl::StatusOr<HostCache> ReadCacheFile(const std::string& path,
+                                        std::map<std::string, std::string>* metadata) {
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
   if (!file.ok()) return file.status();
+  if (metadata != nullptr) *metadata = (*file)->metadata();
   HostCache cache;
   cache.layout = Layout::kHND;
   const TensorInfo* first = (*file)->Find("layers.0.k");

@@ -12,8 +12,10 @@
 namespace kvt {
 
 // Reads a dump into an HND HostCache. Errors name the file and the missing or malformed tensor
-// (layers must be 0..L-1 without gaps, every tensor one shape and dtype).
-absl::StatusOr<HostCache> ReadCacheFile(const std::string& path);
+// (layers must be 0..L-1 without gaps, every tensor one shape and dtype). `metadata`, when
+// given, receives the file's __metadata__ (e.g. `rope: post|pre` for `kvt fit`).
+absl::StatusOr<HostCache> ReadCacheFile(const std::string& path,
+                                        std::map<std::string, std::string>* metadata = nullptr);
 
 // Writes an HND or NHD cache as an HND dump (NHD is transposed on the way).
 absl::Status WriteCacheFile(const std::string& path, const HostCache& cache,
