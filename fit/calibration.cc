@@ -1,0 +1,289 @@
+#include "fit/calibration.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/cache_file.h"
+#include "kernels/dtype.h"
+#include "kernels/rope.h"
+#include "mapper_store/file_util.h"
+
+namespace kvt {
+namespace fit {
+namespace {
+
+absl::StatusOr<std::set<std::string>> DumpNames(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::directory_iterator it(dir, error);
+  if (error) {
+    return absl::NotFoundError(absl::StrCat(dir, ": cannot list the directory: ", error.message()));
+  }
+  std::set<std::string> names;
+  for (const auto& entry : it) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_regular_file() && absl::EndsWith(name, ".safetensors")) names.insert(name);
+  }
+  return names;
+}
+
+// SplitMix64: a fixed, well-mixed hash so the split is the same on every machine and build.
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+absl::Status CheckShape(const HostCache& cache, const ModelSpec& model, const std::string& path,
+                        const char* side) {
+  if (cache.num_layers != model.num_layers || cache.num_kv_heads != model.num_kv_heads ||
+      cache.head_dim != model.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": dump has ", cache.num_layers, " layers x ", cache.num_kv_heads, " KV heads x ",
+        cache.head_dim, " dims but the ", side, " model ", model.name, " has ", model.num_layers,
+        " x ", model.num_kv_heads, " x ", model.head_dim));
+  }
+  return absl::OkStatus();
+}
+
+// "post" (default) -> true, "pre" -> false.
+absl::StatusOr<bool> KeysArePostRope(const std::map<std::string, std::string>& metadata,
+                                     const std::string& path) {
+  auto it = metadata.find("rope");
+  if (it == metadata.end() || it->second == "post") return true;
+  if (it->second == "pre") return false;
+  return absl::InvalidArgumentError(absl::StrCat(path, ": metadata rope = '", it->second,
+                                                 "', expected 'post' or 'pre'"));
+}
+
+// Metadata `key` as a non-negative integer, `fallback` when absent.
+absl::StatusOr<uint64_t> MetadataInt(const std::map<std::string, std::string>& metadata,
+                                     const std::string& key, uint64_t fallback,
+                                     const std::string& path) {
+  auto it = metadata.find(key);
+  if (it == metadata.end()) return fallback;
+  uint64_t value = 0;
+  if (!absl::SimpleAtoi(it->second, &value)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": metadata ", key, " = '", it->second,
+                                                   "' is not a non-negative integer"));
+  }
+  return value;
+}
+
+// Where token t of a dump sits: offset + t * step (dump_kv.py --keep_every stores every
+// step-th position only).
+struct Placement {
+  uint64_t offset = 0;
+  uint64_t step = 1;
+  bool operator==(const Placement& o) const { return offset == o.offset && step == o.step; }
+};
+
+absl::StatusOr<Placement> PlacementOf(const std::map<std::string, std::string>& metadata,
+                                      const std::string& path) {
+  absl::StatusOr<uint64_t> offset = MetadataInt(metadata, "position_offset", 0, path);
+  if (!offset.ok()) return offset.status();
+  absl::StatusOr<uint64_t> step = MetadataInt(metadata, "position_stride", 1, path);
+  if (!step.ok()) return step.status();
+  if (*step == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": metadata position_stride is 0"));
+  }
+  return Placement{*offset, *step};
+}
+
+// Writes the kept tokens of one cache into columns of `out` (row stride `cols`) starting at
+// `first_row`: K stripped of RoPE when `post_rope`, V as is.
+void Extract(const HostCache& cache, const Rope& rope, bool post_rope, Placement placement,
+             int stride, int64_t first_row, int64_t cols, double* out_k, double* out_v) {
+  const int64_t tokens = cache.num_tokens;
+  const int d = cache.head_dim;
+  const int64_t kept = KeptTokens(tokens, stride);
+  const int half = rope.rotary_dim() / 2;
+  std::vector<float> cos(static_cast<size_t>(kept) * half), sin(cos.size());
+  for (int64_t r = 0; r < kept; ++r) {
+    rope.CosSin(placement.offset + static_cast<uint64_t>(r) * stride * placement.step,
+                cos.data() + r * half, sin.data() + r * half);
+  }
+  const int64_t layer_elements = static_cast<int64_t>(cache.num_kv_heads) * tokens * d;
+  std::vector<float> layer(layer_elements);
+  std::vector<float> head(d);
+  for (int kind = 0; kind < 2; ++kind) {
+    for (int j = 0; j < cache.num_layers; ++j) {
+      ToFloat(cache.dtype, (kind == 0 ? cache.k : cache.v)[j].data(), layer.data(),
+              layer_elements);
+      double* out = kind == 0 ? out_k : out_v;
+      for (int h = 0; h < cache.num_kv_heads; ++h) {
+        for (int64_t r = 0; r < kept; ++r) {
+          const float* src = layer.data() + (static_cast<int64_t>(h) * tokens + r * stride) * d;
+          const float* x = src;
+          if (kind == 0 && post_rope) {
+            std::copy(src, src + d, head.begin());
+            rope.StripHead(cos.data() + r * half, sin.data() + r * half, head.data());
+            x = head.data();
+          }
+          double* dst = out + (first_row + r) * cols + (static_cast<int64_t>(j) *
+                                                            cache.num_kv_heads + h) * d;
+          for (int i = 0; i < d; ++i) dst[i] = x[i];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<SequencePair>> PairsFromDirs(const std::string& source_dir,
+                                                        const std::string& target_dir) {
+  absl::StatusOr<std::set<std::string>> source = DumpNames(source_dir);
+  if (!source.ok()) return source.status();
+  absl::StatusOr<std::set<std::string>> target = DumpNames(target_dir);
+  if (!target.ok()) return target.status();
+  for (const std::string& name : *source) {
+    if (target->count(name) == 0) {
+      return absl::NotFoundError(absl::StrCat(JoinPath(source_dir, name), " has no counterpart ",
+                                              JoinPath(target_dir, name)));
+    }
+  }
+  for (const std::string& name : *target) {
+    if (source->count(name) == 0) {
+      return absl::NotFoundError(absl::StrCat(JoinPath(target_dir, name), " has no counterpart ",
+                                              JoinPath(source_dir, name)));
+    }
+  }
+  if (source->empty()) {
+    return absl::NotFoundError(absl::StrCat(source_dir, ": no *.safetensors dumps"));
+  }
+  std::vector<SequencePair> pairs;
+  for (const std::string& name : *source) {
+    pairs.push_back({name, JoinPath(source_dir, name), JoinPath(target_dir, name), false});
+  }
+  return pairs;
+}
+
+absl::StatusOr<std::vector<SequencePair>> PairsFromListFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) return text.status();
+  const std::string base = Dirname(path);
+  std::vector<SequencePair> pairs;
+  std::set<std::string> names;
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+    ++line_number;
+    line = line.substr(0, line.find('#'));
+    std::vector<std::string> fields = absl::StrSplit(line, absl::ByAnyChar(" \t\r"),
+                                                     absl::SkipEmpty());
+    if (fields.empty()) continue;
+    if (fields.size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " line ", line_number, ": expected 'SOURCE_DUMP TARGET_DUMP', got ",
+          fields.size(), " fields"));
+    }
+    for (std::string& field : fields) {
+      if (field[0] != '/') field = JoinPath(base, field);
+    }
+    const std::string name = Basename(fields[0]);
+    if (!names.insert(name).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " line ", line_number, ": sequence name '", name,
+          "' (the source dump's file name) appears twice; names identify sequences in the "
+          "held-out split and in shards"));
+    }
+    pairs.push_back({name, fields[0], fields[1], false});
+  }
+  if (pairs.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no pairs"));
+  return pairs;
+}
+
+void AssignHeldout(double fraction, uint64_t seed, std::vector<SequencePair>* pairs) {
+  for (SequencePair& pair : *pairs) {
+    uint64_t hash = Mix(seed);
+    for (unsigned char c : pair.name) hash = Mix(hash ^ c);
+    pair.heldout = static_cast<double>(hash >> 11) * 0x1.0p-53 < fraction;
+  }
+}
+
+std::vector<SequencePair> SelectShard(const std::vector<SequencePair>& pairs, int index,
+                                      int count) {
+  std::vector<SequencePair> shard;
+  for (size_t i = index; i < pairs.size(); i += count) shard.push_back(pairs[i]);
+  return shard;
+}
+
+void FeatureRows::Reset(int64_t source, int64_t target) {
+  rows = 0;
+  source_cols = source;
+  target_cols = target;
+  for (std::vector<double>* m : {&source_k, &source_v, &target_k, &target_v}) m->clear();
+}
+
+void FeatureRows::Resize(int64_t new_rows) {
+  rows = new_rows;
+  source_k.resize(rows * source_cols);
+  source_v.resize(rows * source_cols);
+  target_k.resize(rows * target_cols);
+  target_v.resize(rows * target_cols);
+}
+
+absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec& source,
+                            const ModelSpec& target, int stride, FeatureRows* rows) {
+  std::map<std::string, std::string> source_meta, target_meta;
+  absl::StatusOr<HostCache> source_cache = ReadCacheFile(pair.source_path, &source_meta);
+  if (!source_cache.ok()) return source_cache.status();
+  absl::StatusOr<HostCache> target_cache = ReadCacheFile(pair.target_path, &target_meta);
+  if (!target_cache.ok()) return target_cache.status();
+  absl::Status status = CheckShape(*source_cache, source, pair.source_path, "source");
+  if (status.ok()) status = CheckShape(*target_cache, target, pair.target_path, "target");
+  if (!status.ok()) return status;
+  if (source_cache->num_tokens != target_cache->num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        pair.target_path, ": ", target_cache->num_tokens, " tokens but the source dump ",
+        pair.source_path, " has ", source_cache->num_tokens,
+        " (both models must see the same token sequence)"));
+  }
+  if (source_cache->num_tokens == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(pair.source_path, ": no tokens"));
+  }
+  absl::StatusOr<bool> source_post = KeysArePostRope(source_meta, pair.source_path);
+  absl::StatusOr<bool> target_post = KeysArePostRope(target_meta, pair.target_path);
+  absl::StatusOr<Placement> source_place = PlacementOf(source_meta, pair.source_path);
+  absl::StatusOr<Placement> target_place = PlacementOf(target_meta, pair.target_path);
+  for (const absl::Status& s : {source_post.status(), target_post.status(),
+                                source_place.status(), target_place.status()}) {
+    if (!s.ok()) return s;
+  }
+  if (!(*source_place == *target_place)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        pair.target_path, ": position_offset/position_stride ", target_place->offset, "/",
+        target_place->step, " but the source dump has ", source_place->offset, "/",
+        source_place->step));
+  }
+  // Written by tools/dump_kv.py: both models must have read the same token ids.
+  auto source_ids = source_meta.find("tokens_sha256");
+  auto target_ids = target_meta.find("tokens_sha256");
+  if (source_ids != source_meta.end() && target_ids != target_meta.end() &&
+      source_ids->second != target_ids->second) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        pair.target_path, ": tokens_sha256 differs from the source dump ", pair.source_path,
+        " (the two models read different token sequences: same corpus, tokenizer and --tokens?)"));
+  }
+  absl::StatusOr<Rope> source_rope = Rope::Create(source.rope, source.head_dim);
+  absl::StatusOr<Rope> target_rope = Rope::Create(target.rope, target.head_dim);
+  if (!source_rope.ok()) return source_rope.status();
+  if (!target_rope.ok()) return target_rope.status();
+  const int64_t first = rows->rows;
+  rows->Resize(first + KeptTokens(source_cache->num_tokens, stride));
+  Extract(*source_cache, *source_rope, *source_post, *source_place, stride, first,
+          rows->source_cols, rows->source_k.data(), rows->source_v.data());
+  Extract(*target_cache, *target_rope, *target_post, *target_place, stride, first,
+          rows->target_cols, rows->target_k.data(), rows->target_v.data());
+  return source_cache->num_tokens;
+}
+
+}  // namespace fit
+}  // namespace kvt

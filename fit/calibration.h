@@ -1,0 +1,70 @@
+// The calibration set of `kvt fit`: which (source dump, target dump) pairs, the held-out split
+// by sequence, shards, and turning one pair into feature rows (RoPE-stripped K, V, as float64).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/mapper_view.h"
+
+namespace kvt {
+namespace fit {
+
+// One calibration sequence run through both models.
+struct SequencePair {
+  std::string name;  // the dump's file name: identifies the sequence in splits and shards
+  std::string source_path;
+  std::string target_path;
+  bool heldout = false;
+};
+
+// Every *.safetensors file of `source_dir` paired with the file of the same name in
+// `target_dir`, sorted by name. A file present on one side only is an error naming it.
+absl::StatusOr<std::vector<SequencePair>> PairsFromDirs(const std::string& source_dir,
+                                                        const std::string& target_dir);
+// A list file: one pair per line, "SOURCE_DUMP TARGET_DUMP" (whitespace-separated; relative paths
+// are relative to the list file's directory; '#' starts a comment). Errors name file and line.
+absl::StatusOr<std::vector<SequencePair>> PairsFromListFile(const std::string& path);
+
+// Marks a sequence held out when a hash of (seed, name) falls below `fraction`. Depending on the
+// name alone (not the position in a list) makes the split the same whether the set is fitted in
+// one run or in shards, and stable when sequences are added.
+void AssignHeldout(double fraction, uint64_t seed, std::vector<SequencePair>* pairs);
+
+// Shard `index` of `count`: the pairs at positions index, index + count, ... of the list.
+std::vector<SequencePair> SelectShard(const std::vector<SequencePair>& pairs, int index,
+                                      int count);
+
+// Feature rows of one or more sequences: row-major float64 matrices with one row per kept token.
+// Source columns are layer-major then head-major ([layer][head][dim], so source layer j is the
+// column block [j n_s d_s, (j+1) n_s d_s), the row block order of a mapper's W); the same for
+// the target. Keys are in content space (RoPE stripped) on both sides.
+struct FeatureRows {
+  int64_t rows = 0;
+  int64_t source_cols = 0;  // L_s n_s d_s
+  int64_t target_cols = 0;  // L_t n_t d_t
+  std::vector<double> source_k, source_v, target_k, target_v;
+
+  // Sets the column counts and drops every row (the memory is kept for the next rows).
+  void Reset(int64_t source_cols, int64_t target_cols);
+  // Grows the matrices to `rows` rows (new rows zeroed).
+  void Resize(int64_t rows);
+};
+
+// Tokens kept from a sequence of `tokens` with `stride`: positions 0, stride, 2 stride, ...
+inline int64_t KeptTokens(int64_t tokens, int stride) { return (tokens + stride - 1) / stride; }
+
+// Reads one pair and appends its kept tokens to `rows` (column counts set by Reset). Checks, each error naming the file: the dump's shape against its model
+// (layers, KV heads, head_dim), equal token counts on both sides, metadata `rope` is `post`
+// (default: keys as a cache holds them, stripped here) or `pre` (already content space).
+// Token t of a dump sits at position position_offset + t * position_stride (metadata, defaults
+// 0 and 1; both dumps must agree); metadata tokens_sha256, when both have it, must be equal.
+// Returns the sequence's token count in the dump (before the stride).
+absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec& source,
+                            const ModelSpec& target, int stride, FeatureRows* rows);
+
+}  // namespace fit
+}  // namespace kvt

@@ -1,0 +1,472 @@
+#include "fit/fit.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <ctime>
+#include <functional>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "fit/hf_config.h"
+#include "fit/progress.h"
+#include "fit/report.h"
+#include "kernels/dtype.h"
+#include "mapper_store/file_util.h"
+#include "mapper_store/mapper.h"
+#include "nlohmann/json.hpp"
+
+namespace kvt {
+namespace fit {
+namespace {
+
+using nlohmann::json;
+
+constexpr char kPhase[] = "kvt_fit_phase";
+
+json SequenceLog(const SequencePair& pair, int64_t tokens, int64_t observations) {
+  return json{{"name", pair.name},
+              {"tokens", tokens},
+              {"observations", observations},
+              {"heldout", pair.heldout}};
+}
+
+// What every shard of one fit must agree on (checked by StatSet::Add when merging).
+StatSet Header(const FitOptions& options, const std::string& phase) {
+  StatSet stats;
+  stats.metadata[kPhase] = phase;
+  stats.metadata["source_name"] = options.source.spec.name;
+  stats.metadata["source_config"] = options.source.config_json;
+  stats.metadata["target_name"] = options.target.spec.name;
+  stats.metadata["target_config"] = options.target.config_json;
+  stats.metadata["stride"] = absl::StrCat(options.stride);
+  stats.metadata["heldout_fraction"] = absl::StrCat(options.heldout_fraction);
+  stats.metadata["seed"] = absl::StrCat(options.seed);
+  stats.metadata["corpus"] = options.corpus;
+  stats.metadata["tool"] = kFitToolVersion;
+  stats.metadata["sequences"] = "[]";
+  return stats;
+}
+
+absl::StatusOr<FitShape> ShapeOf(const StatSet& stats) {
+  absl::StatusOr<FitModel> source = FitModelFromJson(
+      stats.metadata.at("source_config"), stats.metadata.at("source_name"), "source_config");
+  if (!source.ok()) return source.status();
+  absl::StatusOr<FitModel> target = FitModelFromJson(
+      stats.metadata.at("target_config"), stats.metadata.at("target_name"), "target_config");
+  if (!target.ok()) return target.status();
+  return FitShape{source->spec, target->spec};
+}
+
+absl::Status NeedMetadata(const StatSet& stats, const std::vector<std::string>& keys,
+                          const std::string& phase) {
+  auto it = stats.metadata.find(kPhase);
+  if (it == stats.metadata.end() || it->second != phase) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "statistics of phase '", it == stats.metadata.end() ? "(none)" : it->second,
+        "' where phase '", phase, "' is needed"));
+  }
+  for (const std::string& key : keys) {
+    if (stats.metadata.count(key) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("statistics lack metadata '", key, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Reads `sequences` in order into feature-row buffers (one for training, one for held-out
+// sequences unless `training_only`), handing a buffer to `consume` whenever it holds
+// `chunk_rows` rows, and once more at the end. Records each sequence in `log`.
+absl::Status StreamSequences(const FitOptions& options, const FitShape& shape,
+                             const std::string& what, bool training_only,
+                             const std::function<void(const FeatureRows&, bool)>& consume,
+                             json* log) {
+  const int64_t source_cols = shape.source.num_layers * shape.ds();
+  const int64_t target_cols = shape.target.num_layers * shape.dt();
+  const int64_t row_bytes = 2 * (source_cols + target_cols) * int64_t{sizeof(double)};
+  const int64_t chunk_rows = std::max<int64_t>(64, options.chunk_bytes / row_bytes);
+  FeatureRows buffers[2];
+  for (FeatureRows& b : buffers) b.Reset(source_cols, target_cols);
+  std::vector<const SequencePair*> todo;
+  for (const SequencePair& pair : options.sequences) {
+    if (!(training_only && pair.heldout)) todo.push_back(&pair);
+  }
+  std::unique_ptr<Progress> progress;
+  if (options.solve.show_progress) {
+    progress = std::make_unique<Progress>(what, todo.size(), "sequences", options.solve.log);
+  }
+  for (const SequencePair* pair : todo) {
+    FeatureRows& buffer = buffers[pair->heldout ? 1 : 0];
+    const int64_t before = buffer.rows;
+    absl::StatusOr<int64_t> tokens =
+        AppendSequence(*pair, shape.source, shape.target, options.stride, &buffer);
+    if (!tokens.ok()) return tokens.status();
+    const int64_t kept = buffer.rows - before;
+    log->push_back(SequenceLog(*pair, *tokens, kept));
+    if (buffer.rows >= chunk_rows) {
+      consume(buffer, pair->heldout);
+      buffer.Reset(source_cols, target_cols);
+    }
+    if (progress) progress->Advance(1, kept);
+  }
+  for (int split = 0; split < 2; ++split) {
+    if (buffers[split].rows > 0) consume(buffers[split], split == 1);
+  }
+  return absl::OkStatus();
+}
+
+std::string UtcNow() {
+  char buffer[32];
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  std::strftime(buffer, sizeof(buffer), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buffer;
+}
+
+// Converts a row-major float64 array to `dtype` bytes.
+std::vector<uint8_t> ToBytes(const std::vector<double>& values, DType dtype) {
+  std::vector<float> floats(values.begin(), values.end());
+  std::vector<uint8_t> bytes(values.size() * DTypeSize(dtype));
+  FromFloat(dtype, floats.data(), bytes.data(), floats.size());
+  return bytes;
+}
+
+}  // namespace
+
+absl::StatusOr<FitModel> FitModelFromJson(const std::string& json_text, const std::string& name,
+                                          const std::string& label) {
+  absl::StatusOr<ModelSpec> spec = ParseHfConfig(json_text, label, name);
+  if (!spec.ok()) return spec.status();
+  return FitModel{*spec, json_text};
+}
+
+absl::StatusOr<FitModel> LoadFitModel(const std::string& path, const std::string& name) {
+  const std::string file = IsDirectory(path) ? JoinPath(path, "config.json") : path;
+  absl::StatusOr<std::string> text = ReadFileToString(file);
+  if (!text.ok()) return text.status();
+  return FitModelFromJson(*text, name, file);
+}
+
+void SetBlasThreads(int num_threads) {
+  if (num_threads <= 0) num_threads = std::max(1u, std::thread::hardware_concurrency());
+  openblas_set_num_threads(num_threads);
+}
+
+absl::StatusOr<StatSet> AccumulateProbe(const FitOptions& options) {
+  SetBlasThreads(options.num_threads);
+  const FitShape shape{options.source.spec, options.target.spec};
+  ProbeAccumulator accumulator(shape);
+  json log = json::array();
+  absl::Status status = StreamSequences(
+      options, shape, "probe", /*training_only=*/true,
+      [&](const FeatureRows& rows, bool) { accumulator.Add(rows); }, &log);
+  if (!status.ok()) return status;
+  StatSet stats = Header(options, "probe");
+  for (auto& [name, values] : accumulator.stats().arrays) stats.arrays[name] = std::move(values);
+  stats.metadata["sequences"] = log.dump();
+  return stats;
+}
+
+absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings) {
+  absl::Status need = NeedMetadata(probe, {"source_config", "target_config"}, "probe");
+  if (!need.ok()) return need;
+  absl::StatusOr<FitShape> shape = ShapeOf(probe);
+  if (!shape.ok()) return shape.status();
+  absl::StatusOr<ProbeTables> tables = SolveProbe(*shape, probe, warnings);
+  if (!tables.ok()) return tables.status();
+  StatSet plan;
+  plan.metadata = probe.metadata;
+  plan.metadata[kPhase] = "plan";
+  plan.arrays["plan.r2_k"] = tables->r2_k;
+  plan.arrays["plan.r2_v"] = tables->r2_v;
+  plan.arrays["plan.probe_tokens"] = probe.at("probe.n");
+  return plan;
+}
+
+namespace {
+
+absl::StatusOr<ProbeTables> TablesOf(const StatSet& plan, const FitShape& shape) {
+  for (const char* name : {"plan.r2_k", "plan.r2_v"}) {
+    auto it = plan.arrays.find(name);
+    if (it == plan.arrays.end() ||
+        it->second.size() !=
+            static_cast<size_t>(shape.source.num_layers) * shape.target.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("plan lacks a well-shaped '", name, "'"));
+    }
+  }
+  ProbeTables tables;
+  tables.source_layers = shape.source.num_layers;
+  tables.target_layers = shape.target.num_layers;
+  tables.r2_k = plan.at("plan.r2_k");
+  tables.r2_v = plan.at("plan.r2_v");
+  return tables;
+}
+
+}  // namespace
+
+absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet& plan) {
+  absl::Status need = NeedMetadata(plan, {"source_config", "target_config"}, "plan");
+  if (!need.ok()) return need;
+  const FitShape shape{options.source.spec, options.target.spec};
+  // The plan must come from the same models, stride and split as these sequences.
+  StatSet header = Header(options, "final");
+  for (const char* key : {"source_name", "source_config", "target_name", "target_config",
+                          "stride", "heldout_fraction", "seed"}) {
+    if (plan.metadata.at(key) != header.metadata.at(key)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the plan was made with a different ", key, " ('", plan.metadata.at(key),
+          "') than this run ('", header.metadata.at(key), "')"));
+    }
+  }
+  absl::StatusOr<ProbeTables> tables = TablesOf(plan, shape);
+  if (!tables.ok()) return tables.status();
+  const std::vector<std::vector<int>> sigma = SelectLayers(*tables, options.k);
+  SetBlasThreads(options.num_threads);
+  FinalAccumulator accumulator(shape, BlockPlan::FromSigma(sigma));
+  json log = json::array();
+  absl::Status status = StreamSequences(
+      options, shape, "fit", /*training_only=*/false,
+      [&](const FeatureRows& rows, bool heldout) { accumulator.Add(rows, heldout); }, &log);
+  if (!status.ok()) return status;
+  StatSet stats = std::move(header);
+  for (auto& [name, values] : accumulator.stats().arrays) stats.arrays[name] = std::move(values);
+  for (const char* name : {"plan.r2_k", "plan.r2_v", "plan.probe_tokens"}) {
+    stats.arrays[name] = plan.at(name);
+  }
+  stats.metadata["sequences"] = log.dump();
+  stats.metadata["k"] = options.k <= 0 || options.k >= shape.source.num_layers
+                            ? "all"
+                            : absl::StrCat(options.k);
+  stats.metadata["sigma"] = json(sigma).dump();
+  return stats;
+}
+
+absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions& options,
+                                        const std::string& out_dir,
+                                        std::vector<std::string> warnings) {
+  absl::Status need = NeedMetadata(stats, {"sigma", "k", "sequences", "stride"}, "final");
+  if (!need.ok()) return need;
+  absl::StatusOr<FitShape> shape = ShapeOf(stats);
+  if (!shape.ok()) return shape.status();
+  absl::StatusOr<ProbeTables> tables = TablesOf(stats, *shape);
+  if (!tables.ok()) return tables.status();
+  const json sigma_json = json::parse(stats.metadata.at("sigma"), nullptr, false);
+  if (sigma_json.is_discarded() || !sigma_json.is_array() ||
+      sigma_json.size() != static_cast<size_t>(shape->target.num_layers)) {
+    return absl::InvalidArgumentError("statistics metadata 'sigma' is malformed");
+  }
+  const std::vector<std::vector<int>> sigma = sigma_json.get<std::vector<std::vector<int>>>();
+
+  Manifest manifest;
+  manifest.kind = MapperKind::kRidge;
+  manifest.source = shape->source;
+  manifest.target = shape->target;
+  manifest.lambda = options.ridge.lambda;
+  manifest.lambda_scale = options.ridge.scale;
+  manifest.weights_dtype = options.weight_dtype;
+  manifest.created_by = kFitToolVersion;
+  for (const auto& s : sigma) manifest.k = std::max<int>(manifest.k, s.size());
+
+  for (std::string& w : DegenerateInputWarnings(*shape, stats, sigma)) {
+    if (options.show_progress) std::fprintf(options.log, "kvt fit: warning: %s\n", w.c_str());
+    warnings.push_back(std::move(w));
+  }
+  // Solve every layer first: the manifest (written first) carries each layer's R^2.
+  std::vector<std::vector<uint8_t>> storage;
+  std::vector<TensorRef> tensors;
+  {
+    std::unique_ptr<Progress> progress;
+    if (options.show_progress) {
+      progress = std::make_unique<Progress>("solve", shape->target.num_layers, "layers",
+                                            options.log);
+    }
+    for (int l = 0; l < shape->target.num_layers; ++l) {
+      absl::StatusOr<LayerFit> fit = SolveLayer(*shape, stats, l, sigma[l], options.ridge);
+      if (!fit.ok()) return fit.status();
+      LayerEntry entry;
+      entry.target_layer = l;
+      entry.sigma_k = sigma[l];
+      entry.sigma_v = sigma[l];
+      entry.r2_k = fit->r2_k;
+      entry.r2_v = fit->r2_v;
+      entry.r2_k_heldout = fit->r2_k_heldout;
+      entry.r2_v_heldout = fit->r2_v_heldout;
+      manifest.layers.push_back(entry);
+      for (const std::vector<double>* values : {&fit->w_k, &fit->b_k, &fit->w_v, &fit->b_v}) {
+        storage.push_back(ToBytes(*values, options.weight_dtype));
+      }
+      if (progress) progress->Advance(1, 0);
+    }
+  }
+  std::vector<TensorSpec> specs = MapperTensorSpecs(manifest);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    tensors.push_back({specs[i], absl::Span<const uint8_t>(storage[i].data(), storage[i].size())});
+  }
+
+  // Per-source-layer feature statistics over every calibration token (both splits), for the
+  // input-shift score of kvtd: stats.source.{j}.{k,v}.{mean,var}, fp32, K in content space.
+  const int64_t ds = shape->ds();
+  const double n_train = stats.at("train.n")[0], n_held = stats.at("heldout.n")[0];
+  const double n_all = n_train + n_held;
+  for (int j = 0; j < shape->source.num_layers; ++j) {
+    for (int c = 0; c < 2; ++c) {
+      std::vector<double> mean(ds), var(ds);
+      for (int64_t i = 0; i < ds; ++i) {
+        const int64_t at = j * ds + i;
+        const double sum = stats.at(FinalName(false, c, "sum_x"))[at] +
+                           stats.at(FinalName(true, c, "sum_x"))[at];
+        const double sumsq = stats.at(FinalName(false, c, "sumsq_x"))[at] +
+                             stats.at(FinalName(true, c, "sumsq_x"))[at];
+        mean[i] = sum / n_all;
+        var[i] = std::max(0.0, sumsq / n_all - mean[i] * mean[i]);
+      }
+      for (auto [what, values] : {std::pair<const char*, std::vector<double>*>{"mean", &mean},
+                                  {"var", &var}}) {
+        storage.push_back(ToBytes(*values, DType::kFP32));
+        TensorSpec spec{absl::StrCat("stats.source.", j, ".", KindName(c), ".", what),
+                        DType::kFP32,
+                        {ds}};
+        tensors.push_back({spec, absl::Span<const uint8_t>(storage.back().data(),
+                                                           storage.back().size())});
+      }
+    }
+  }
+  // `storage` grew after the first spans were taken: re-point them all.
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    tensors[i].bytes = absl::Span<const uint8_t>(storage[i].data(), storage[i].size());
+  }
+
+  // Calibration facts: the manifest's free-form map and the report's table.
+  const json sequences = json::parse(stats.metadata.at("sequences"));
+  int64_t heldout_sequences = 0, min_tokens = INT64_MAX, max_tokens = 0, total_tokens = 0;
+  for (const json& s : sequences) {
+    const int64_t tokens = s["tokens"].get<int64_t>();
+    heldout_sequences += s["heldout"].get<bool>() ? 1 : 0;
+    min_tokens = std::min(min_tokens, tokens);
+    max_tokens = std::max(max_tokens, tokens);
+    total_tokens += tokens;
+  }
+  const std::string tokens_per_sequence = min_tokens == max_tokens
+                                              ? absl::StrCat(max_tokens)
+                                              : absl::StrCat(min_tokens, "..", max_tokens);
+  const int stride = std::stoi(stats.metadata.at("stride"));
+  ReportData report;
+  report.mapper_id = Basename(out_dir);
+  report.probe = *tables;
+  auto fact = [&](const std::string& key, const std::string& value) {
+    report.facts.push_back({key, value});
+  };
+  const std::string corpus = stats.metadata.count("corpus") ? stats.metadata.at("corpus") : "";
+  fact("dataset", corpus.empty() ? "(not given)" : corpus);
+  fact("sequences", absl::StrCat(sequences.size(), " (", sequences.size() - heldout_sequences,
+                                 " training, ", heldout_sequences, " held out)"));
+  fact("tokens per sequence", tokens_per_sequence);
+  fact("tokens in all", absl::StrCat(total_tokens));
+  fact("stride", absl::StrCat(stride));
+  fact("training observations", absl::StrCat(static_cast<int64_t>(n_train)));
+  fact("held-out observations", absl::StrCat(static_cast<int64_t>(n_held)));
+  fact("held-out split", absl::StrCat("by sequence: fraction ", stats.metadata.at("heldout_fraction"),
+                                      ", seed ", stats.metadata.at("seed"),
+                                      " (hash of seed and dump file name)"));
+  fact("probe", shape->matched() ? "head h on head h (matched KV shapes)"
+                                 : "each target head on the whole source layer (unmatched)");
+  fact("k", stats.metadata.at("k"));
+  fact("lambda", absl::StrCat(FormatDouble(options.ridge.lambda), " (",
+                              LambdaScaleName(options.ridge.scale), " scale)"));
+  fact("date", UtcNow());
+  fact("tool", kFitToolVersion);
+
+  json calibration;
+  calibration["dataset"] = corpus.empty() ? "unspecified" : corpus;
+  calibration["sequences"] = sequences.size();
+  calibration["sequences_heldout"] = heldout_sequences;
+  if (min_tokens == max_tokens) {
+    calibration["tokens"] = max_tokens;  // per sequence, before the stride
+  } else {
+    calibration["tokens"] = tokens_per_sequence;
+  }
+  calibration["tokens_total"] = total_tokens;
+  calibration["stride"] = stride;
+  calibration["observations"] = {{"train", static_cast<int64_t>(n_train)},
+                                 {"heldout", static_cast<int64_t>(n_held)}};
+  calibration["heldout_split"] = {
+      {"fraction", std::stod(stats.metadata.at("heldout_fraction"))},
+      {"seed", std::stoull(stats.metadata.at("seed"))},
+      {"by", "sequence (hash of seed and dump file name)"}};
+  calibration["probe"] = shape->matched() ? "head-matched" : "full-source-layer";
+  calibration["k_requested"] = stats.metadata.at("k");
+  json means;
+  for (auto [name, field] : {std::pair<const char*, R2Field>{"k", R2Field::kK},
+                             {"v", R2Field::kV},
+                             {"k_heldout", R2Field::kKHeldout},
+                             {"v_heldout", R2Field::kVHeldout}}) {
+    for (bool skip : {false, true}) {
+      std::optional<double> mean = MeanR2(manifest, field, skip);
+      if (mean.has_value()) {
+        means[absl::StrCat(name, skip ? "_without_layer0" : "")] = std::round(*mean * 1e4) / 1e4;
+      }
+    }
+  }
+  calibration["r2_mean"] = means;
+  calibration["date"] = UtcNow();
+  calibration["tool"] = kFitToolVersion;
+  if (!warnings.empty()) calibration["warnings"] = warnings;
+  // JSON is YAML: the manifest keeps this map as written.
+  manifest.calibration_yaml = calibration.dump();
+
+  WriteOptions write_options;
+  write_options.overwrite = options.overwrite;
+  absl::Status written = WriteMapperDir(out_dir, manifest, tensors, write_options);
+  if (!written.ok()) return written;
+
+  report.manifest = manifest;
+  report.warnings = warnings;
+  FitResult result;
+  result.mapper_dir = out_dir;
+  // Beside the mapper files; SHA256SUMS does not list it and the loader ignores it.
+  result.report_path = JoinPath(out_dir, kReportFileName);
+  absl::Status report_written = WriteStringToFile(result.report_path, RenderReport(report));
+  if (!report_written.ok()) return report_written;
+  result.manifest = std::move(manifest);
+  result.probe = *tables;
+  result.warnings = std::move(warnings);
+  return result;
+}
+
+absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& out_dir,
+                                 const StatSet* plan_in) {
+  std::vector<std::string> warnings;
+  StatSet plan;
+  if (plan_in == nullptr) {
+    absl::StatusOr<StatSet> probe = AccumulateProbe(options);
+    if (!probe.ok()) return probe.status();
+    absl::StatusOr<StatSet> made = MakePlan(*probe, &warnings);
+    if (!made.ok()) return made.status();
+    plan = std::move(*made);
+    plan_in = &plan;
+  }
+  absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan_in);
+  if (!final_stats.ok()) return final_stats.status();
+  return SolveAndWrite(*final_stats, options.solve, out_dir, std::move(warnings));
+}
+
+absl::StatusOr<StatSet> MergeStatFiles(const std::vector<std::string>& paths) {
+  if (paths.empty()) return absl::InvalidArgumentError("no shard files to merge");
+  absl::StatusOr<StatSet> merged = ReadStatSet(paths[0]);
+  if (!merged.ok()) return merged.status();
+  for (size_t i = 1; i < paths.size(); ++i) {
+    absl::StatusOr<StatSet> shard = ReadStatSet(paths[i]);
+    if (!shard.ok()) return shard.status();
+    absl::Status added = merged->Add(*shard, paths[i]);
+    if (!added.ok()) return added;
+  }
+  return merged;
+}
+
+}  // namespace fit
+}  // namespace kvt

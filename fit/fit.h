@@ -1,0 +1,95 @@
+// `kvt fit` end to end: calibration dumps -> probe statistics -> plan (probe R^2, top-k sigma) ->
+// Gram / cross-covariance statistics -> ridge solve -> mapper directory + HTML report. Every
+// phase's statistics can be written as a shard and summed (`--partial`, `merge`).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "fit/calibration.h"
+#include "fit/solve.h"
+#include "fit/stats.h"
+#include "kernels/mapper_view.h"
+#include "mapper_store/manifest.h"
+
+namespace kvt {
+namespace fit {
+
+inline constexpr char kFitToolVersion[] = "kvt fit 0.1";
+inline constexpr char kReportFileName[] = "report.html";
+
+// A model as `kvt fit` knows it: the spec, and the config.json text it came from, which shard
+// files carry so that `merge` needs no config paths.
+struct FitModel {
+  ModelSpec spec;
+  std::string config_json;
+};
+// `path`: a config.json or a directory holding one. `name`: the mapper's model name (empty: the
+// file's _name_or_path).
+absl::StatusOr<FitModel> LoadFitModel(const std::string& path, const std::string& name);
+absl::StatusOr<FitModel> FitModelFromJson(const std::string& json, const std::string& name,
+                                          const std::string& label);
+
+// How statistics become a mapper (also all `merge` needs).
+struct SolveOptions {
+  RidgeOptions ridge;
+  DType weight_dtype = DType::kBF16;
+  bool overwrite = false;  // replace an existing mapper directory
+  // A progress bar (terminal) or log lines on `log` for every pass and the solve.
+  bool show_progress = true;
+  FILE* log = stderr;
+};
+
+struct FitOptions {
+  FitModel source, target;
+  // The calibration set (of this shard, for --partial), held-out marks already assigned.
+  std::vector<SequencePair> sequences;
+  int stride = 4;
+  int k = 8;  // source layers per target layer; <= 0: all
+  SolveOptions solve;
+  double heldout_fraction = 0.1;  // recorded: the marks are in `sequences`
+  uint64_t seed = 1;              // recorded
+  std::string corpus;             // recorded as calibration.dataset
+  // OpenBLAS threads for accumulation and solve; 0: every core. Set explicitly because a
+  // CpuBackend in the same process sets it to 1 process-wide.
+  int num_threads = 0;
+  // Feature rows buffered per round of BLAS calls (bigger: fewer, more efficient calls).
+  int64_t chunk_bytes = int64_t{256} << 20;
+};
+
+struct FitResult {
+  std::string mapper_dir;
+  std::string report_path;
+  Manifest manifest;
+  ProbeTables probe;
+  std::vector<std::string> warnings;
+};
+
+// Sets OpenBLAS to `num_threads` (0: every core).
+void SetBlasThreads(int num_threads);
+
+// Pass 1 over the training sequences: probe statistics (phase "probe").
+absl::StatusOr<StatSet> AccumulateProbe(const FitOptions& options);
+// Probe R^2 tables from (summed) probe statistics: phase "plan", arrays plan.r2_k/plan.r2_v.
+absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings);
+// Pass 2 over all sequences: the blocks that sigma (top-k of the plan's scores) needs, training
+// and held-out apart (phase "final"; carries the plan's tables).
+absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet& plan);
+// Solves every target layer from (summed) final statistics and writes `out_dir` (mapper format,
+// with stats.source.* tensors) and its report.html. `warnings` seeds the report's list.
+absl::StatusOr<FitResult> SolveAndWrite(const StatSet& final_stats, const SolveOptions& options,
+                                        const std::string& out_dir,
+                                        std::vector<std::string> warnings = {});
+
+// The single run: probe, plan, final, solve. `plan` (optional) skips the probe pass.
+absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& out_dir,
+                                 const StatSet* plan = nullptr);
+
+// Sums shard files (every one the same phase, models, stride and split; disjoint sequences).
+absl::StatusOr<StatSet> MergeStatFiles(const std::vector<std::string>& paths);
+
+}  // namespace fit
+}  // namespace kvt

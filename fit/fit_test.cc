@@ -1,0 +1,514 @@
+// `kvt fit` on synthetic families with a known ground truth: layer choice, weight recovery, R^2,
+// shards == single run, degenerate inputs, calibration-set errors.
+#include "fit/fit.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "client/cache_file.h"
+#include "fit/calibration.h"
+#include "fit/synthetic_family.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+#include "mapper_store/file_util.h"
+#include "mapper_store/mapper.h"
+
+namespace kvt {
+namespace fit {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Family;
+using testing::FamilyOptions;
+
+std::string TempDir(const std::string& name) {
+  const char* root = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(root ? root : "/tmp", "/", name);
+  EXPECT_EQ(std::system(absl::StrCat("rm -rf '", dir, "' && mkdir -p '", dir, "'").c_str()), 0);
+  return dir;
+}
+
+ModelSpec Model(const std::string& name, int layers, int heads, int head_dim, double theta) {
+  ModelSpec model;
+  model.name = name;
+  model.num_layers = layers;
+  model.num_kv_heads = heads;
+  model.head_dim = head_dim;
+  model.rope.theta = theta;
+  model.rope.rotary_dim = head_dim;
+  return model;
+}
+
+// Matched shapes (2 heads x 8 dims both sides), different RoPE: plain neox on the source,
+// llama3-scaled on the target. Every target layer is fed by two source layers.
+FamilyOptions MatchedFamily() {
+  FamilyOptions o;
+  o.source = Model("test/src-5l", 5, 2, 8, 10000);
+  o.target = Model("test/dst-4l", 4, 2, 8, 500000);
+  o.target.rope.scaling.type = RopeScalingType::kLlama3;
+  o.target.rope.scaling.factor = 8;
+  o.target.rope.scaling.original_max_position_embeddings = 64;
+  o.true_sigma = {{3, 0}, {1, 4}, {2, 3}, {4, 1}};
+  o.noise_share = 0.05;
+  o.seed = 11;
+  return o;
+}
+
+// Unmatched: 2 x 8 source -> 3 x 4 target with partial rotary and yarn (attention factor != 1).
+FamilyOptions UnmatchedFamily() {
+  FamilyOptions o;
+  o.source = Model("test/src-4l", 4, 2, 8, 10000);
+  o.target = Model("test/dst-3l", 3, 3, 4, 1000000);
+  o.target.rope.rotary_dim = 2;
+  o.target.rope.scaling.type = RopeScalingType::kYarn;
+  o.target.rope.scaling.factor = 4;
+  o.target.rope.scaling.original_max_position_embeddings = 32;
+  o.true_sigma = {{2}, {0}, {3}};
+  o.noise_share = 0.1;
+  o.seed = 12;
+  return o;
+}
+
+FitOptions Options(const Family& family, const std::string& data_dir, int k) {
+  FitOptions options;
+  absl::StatusOr<FitModel> source = FitModelFromJson(
+      testing::HfConfigJson(family.options.source), "", "source config");
+  absl::StatusOr<FitModel> target = FitModelFromJson(
+      testing::HfConfigJson(family.options.target), "", "target config");
+  EXPECT_TRUE(source.ok()) << source.status();
+  EXPECT_TRUE(target.ok()) << target.status();
+  options.source = *source;
+  options.target = *target;
+  absl::StatusOr<std::vector<SequencePair>> pairs =
+      PairsFromDirs(JoinPath(data_dir, "source"), JoinPath(data_dir, "target"));
+  EXPECT_TRUE(pairs.ok()) << pairs.status();
+  options.sequences = *pairs;
+  options.heldout_fraction = 0.2;
+  options.seed = 5;
+  AssignHeldout(options.heldout_fraction, options.seed, &options.sequences);
+  options.stride = 1;
+  options.k = k;
+  options.solve.ridge.lambda = 1e-4;
+  options.solve.weight_dtype = DType::kFP32;
+  options.solve.show_progress = false;
+  options.num_threads = 2;
+  options.chunk_bytes = 200 << 10;  // several chunks per pass: exercises the flushing
+  options.corpus = "synthetic";
+  return options;
+}
+
+std::vector<double> Tensor(const LoadedMapper& mapper, const std::string& name) {
+  const TensorInfo* info = mapper.weights().Find(name);
+  EXPECT_NE(info, nullptr) << name;
+  if (info == nullptr) return {};
+  std::vector<double> values(info->spec.num_elements());
+  for (size_t i = 0; i < values.size(); ++i) {
+    values[i] = LoadAsDouble(info->spec.dtype, mapper.weights().data(*info).data(), i);
+  }
+  return values;
+}
+
+double RelativeError(const std::vector<double>& a, const std::vector<double>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (a[i] - b[i]) * (a[i] - b[i]);
+    norm += b[i] * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+bool AllFinite(const std::vector<double>& values) {
+  for (double v : values) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
+class FitFamilyTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    matched_ = new Family(testing::MakeFamily(MatchedFamily()));
+    matched_dir_ = new std::string(TempDir("matched"));
+    ASSERT_TRUE(testing::WriteSequences(*matched_, *matched_dir_, 0, 40, 128, DType::kFP32).ok());
+    unmatched_ = new Family(testing::MakeFamily(UnmatchedFamily()));
+    unmatched_dir_ = new std::string(TempDir("unmatched"));
+    ASSERT_TRUE(
+        testing::WriteSequences(*unmatched_, *unmatched_dir_, 0, 30, 128, DType::kFP32).ok());
+  }
+
+  // Checks sigma, weights and R^2 of a fitted mapper against the family's truth. Weight error
+  // bound: OLS error ~ sqrt(noise variance / signal variance x features / tokens) relative,
+  // with a factor 3 for the spread over layers.
+  static void CheckAgainstTruth(const Family& family, const FitResult& result) {
+    const double nu = family.options.noise_share;
+    ASSERT_EQ(result.manifest.layers.size(), family.options.true_sigma.size());
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(result.mapper_dir);
+    ASSERT_TRUE(mapper.ok()) << mapper.status();
+    const std::string calibration = result.manifest.calibration_yaml;
+    const double n_train = [&] {
+      auto at = calibration.find("\"train\":");
+      return std::stod(calibration.substr(at + 8));
+    }();
+    for (size_t l = 0; l < result.manifest.layers.size(); ++l) {
+      const LayerEntry& layer = result.manifest.layers[l];
+      SCOPED_TRACE(absl::StrCat("target layer ", l));
+      EXPECT_EQ(layer.sigma_k, family.options.true_sigma[l]);
+      EXPECT_EQ(layer.sigma_v, layer.sigma_k);
+      const double features = layer.sigma_k.size() * family.options.source.num_kv_heads *
+                              family.options.source.head_dim;
+      const double bound = 3 * std::sqrt(nu / (1 - nu) * features / n_train);
+      EXPECT_LT(RelativeError(Tensor(**mapper, absl::StrCat("layers.", l, ".k.weight")),
+                              family.w_k[l]),
+                bound);
+      EXPECT_LT(RelativeError(Tensor(**mapper, absl::StrCat("layers.", l, ".v.weight")),
+                              family.w_v[l]),
+                bound);
+      // The bias alone moves with every weight error times the feature means (b = mu_y -
+      // mu_x W); what the map must get right is the prediction at the mean, mu_x W + b.
+      const std::vector<double> w_fit = Tensor(**mapper, absl::StrCat("layers.", l, ".k.weight"));
+      const std::vector<double> b_fit = Tensor(**mapper, absl::StrCat("layers.", l, ".k.bias"));
+      const int64_t ds = family.options.source.num_kv_heads * family.options.source.head_dim;
+      const int64_t dt = family.options.target.num_kv_heads * family.options.target.head_dim;
+      std::vector<double> at_mean_fit = b_fit, at_mean_true = family.b_k[l];
+      for (size_t a = 0; a < layer.sigma_k.size(); ++a) {
+        for (int64_t i = 0; i < ds; ++i) {
+          const double mu = family.mean_k[family.options.true_sigma[l][a]][i];
+          for (int64_t c = 0; c < dt; ++c) {
+            at_mean_fit[c] += mu * w_fit[(a * ds + i) * dt + c];
+            at_mean_true[c] += mu * family.w_k[l][(a * ds + i) * dt + c];
+          }
+        }
+      }
+      EXPECT_LT(RelativeError(at_mean_fit, at_mean_true), bound);
+      ASSERT_TRUE(layer.r2_k && layer.r2_v && layer.r2_k_heldout && layer.r2_v_heldout);
+      EXPECT_NEAR(*layer.r2_k, 1 - nu, 0.02);
+      EXPECT_NEAR(*layer.r2_v, 1 - nu, 0.02);
+      EXPECT_NEAR(*layer.r2_k_heldout, 1 - nu, 0.03);
+      EXPECT_NEAR(*layer.r2_v_heldout, 1 - nu, 0.03);
+    }
+    // Feature statistics: content-space means and unit variances of the generator.
+    const int64_t ds = family.options.source.num_kv_heads * family.options.source.head_dim;
+    for (int j = 0; j < family.options.source.num_layers; ++j) {
+      for (const char* kind : {"k", "v"}) {
+        const std::vector<double> mean =
+            Tensor(**mapper, absl::StrCat("stats.source.", j, ".", kind, ".mean"));
+        const std::vector<double> var =
+            Tensor(**mapper, absl::StrCat("stats.source.", j, ".", kind, ".var"));
+        ASSERT_EQ(mean.size(), ds);
+        ASSERT_EQ(var.size(), ds);
+        const std::vector<double>& truth =
+            (kind[0] == 'k' ? family.mean_k : family.mean_v)[j];
+        for (int64_t i = 0; i < ds; ++i) {
+          EXPECT_NEAR(mean[i], truth[i], 0.1) << "stats.source." << j << "." << kind;
+          EXPECT_NEAR(var[i], 1.0, 0.15) << "stats.source." << j << "." << kind;
+        }
+      }
+    }
+  }
+
+  static Family* matched_;
+  static Family* unmatched_;
+  static std::string* matched_dir_;
+  static std::string* unmatched_dir_;
+};
+Family* FitFamilyTest::matched_ = nullptr;
+Family* FitFamilyTest::unmatched_ = nullptr;
+std::string* FitFamilyTest::matched_dir_ = nullptr;
+std::string* FitFamilyTest::unmatched_dir_ = nullptr;
+
+TEST_F(FitFamilyTest, MatchedPairRecoversLayersWeightsAndR2) {
+  FitOptions options = Options(*matched_, *matched_dir_, 2);
+  int heldout = 0;
+  for (const SequencePair& pair : options.sequences) heldout += pair.heldout;
+  ASSERT_GT(heldout, 3);
+  ASSERT_LT(heldout, 15);
+  const std::string out = JoinPath(TempDir("matched_out"), "fitted");
+  absl::StatusOr<FitResult> result = RunFit(options, out);
+  ASSERT_TRUE(result.ok()) << result.status();
+  CheckAgainstTruth(*matched_, *result);
+  // The probe: true layers score high, the others near 0 (independent features).
+  for (int l = 0; l < 4; ++l) {
+    for (int j = 0; j < 5; ++j) {
+      const std::vector<int>& truth = matched_->options.true_sigma[l];
+      const bool feeds = std::count(truth.begin(), truth.end(), j) > 0;
+      if (feeds) {
+        EXPECT_GT(result->probe.score(j, l), 0.05) << j << " -> " << l;
+      } else {
+        EXPECT_LT(result->probe.score(j, l), 0.05) << j << " -> " << l;
+      }
+    }
+  }
+  absl::StatusOr<std::string> report = ReadFileToString(result->report_path);
+  ASSERT_TRUE(report.ok());
+  EXPECT_THAT(*report, HasSubstr("<svg"));
+  EXPECT_THAT(*report, HasSubstr("K (RoPE stripped)"));
+  EXPECT_THAT(*report, HasSubstr("mean R^2 without layer 0"));
+  EXPECT_THAT(result->manifest.calibration_yaml, HasSubstr("synthetic"));
+}
+
+TEST_F(FitFamilyTest, UnmatchedPairUsesFullLayerProbe) {
+  FitOptions options = Options(*unmatched_, *unmatched_dir_, 1);
+  const std::string out = JoinPath(TempDir("unmatched_out"), "fitted");
+  absl::StatusOr<FitResult> result = RunFit(options, out);
+  ASSERT_TRUE(result.ok()) << result.status();
+  CheckAgainstTruth(*unmatched_, *result);
+  EXPECT_THAT(result->manifest.calibration_yaml, HasSubstr("full-source-layer"));
+}
+
+TEST_F(FitFamilyTest, KAllKeepsTrueBlocksAndZeroesTheRest) {
+  FitOptions options = Options(*unmatched_, *unmatched_dir_, 0);
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("kall"), "fitted"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->manifest.k, 4);
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(result->mapper_dir);
+  ASSERT_TRUE(mapper.ok());
+  const int64_t ds = 16, dt = 12;
+  for (int l = 0; l < 3; ++l) {
+    const LayerEntry& layer = result->manifest.layers[l];
+    ASSERT_EQ(layer.sigma_k.size(), 4u);
+    EXPECT_EQ(layer.sigma_k[0], UnmatchedFamily().true_sigma[l][0]);
+    const std::vector<double> w = Tensor(**mapper, absl::StrCat("layers.", l, ".v.weight"));
+    double first = 0, rest = 0;
+    for (int64_t i = 0; i < 4 * ds * dt; ++i) (i < ds * dt ? first : rest) += w[i] * w[i];
+    EXPECT_LT(rest, 0.01 * first);
+  }
+}
+
+TEST_F(FitFamilyTest, LambdaScaleSumIsCovarianceScaleTimesN) {
+  FitOptions options = Options(*unmatched_, *unmatched_dir_, 1);
+  options.solve.ridge.lambda = 0.5;
+  absl::StatusOr<FitResult> cov = RunFit(options, JoinPath(TempDir("cov"), "fitted"));
+  ASSERT_TRUE(cov.ok()) << cov.status();
+  const std::string calibration = cov->manifest.calibration_yaml;
+  const double n = std::stod(calibration.substr(calibration.find("\"train\":") + 8));
+  options.solve.ridge.lambda = 0.5 * n;
+  options.solve.ridge.scale = LambdaScale::kSum;
+  absl::StatusOr<FitResult> sum = RunFit(options, JoinPath(TempDir("sum"), "fitted"));
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  EXPECT_EQ(sum->manifest.lambda_scale, LambdaScale::kSum);
+  auto a = LoadMapperDir(cov->mapper_dir), b = LoadMapperDir(sum->mapper_dir);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_LT(RelativeError(Tensor(**b, "layers.1.k.weight"), Tensor(**a, "layers.1.k.weight")),
+            1e-6);
+}
+
+TEST_F(FitFamilyTest, MergedShardsEqualSingleRun) {
+  FitOptions options = Options(*matched_, *matched_dir_, 2);
+  absl::StatusOr<FitResult> single = RunFit(options, JoinPath(TempDir("single"), "fitted"));
+  ASSERT_TRUE(single.ok()) << single.status();
+
+  // Phase 1: probe shards -> plan. Phase 2: final shards with the plan -> mapper.
+  const std::string shards = TempDir("shards");
+  std::vector<std::string> probe_files, final_files;
+  for (int i = 0; i < 3; ++i) {
+    FitOptions shard = options;
+    shard.sequences = SelectShard(options.sequences, i, 3);
+    absl::StatusOr<StatSet> probe = AccumulateProbe(shard);
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    probe_files.push_back(JoinPath(shards, absl::StrCat("probe", i, ".kvtstats")));
+    ASSERT_TRUE(WriteStatSet(probe_files.back(), *probe).ok());
+  }
+  absl::StatusOr<StatSet> merged_probe = MergeStatFiles(probe_files);
+  ASSERT_TRUE(merged_probe.ok()) << merged_probe.status();
+  std::vector<std::string> warnings;
+  absl::StatusOr<StatSet> plan = MakePlan(*merged_probe, &warnings);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (int i = 0; i < 3; ++i) {
+    FitOptions shard = options;
+    shard.sequences = SelectShard(options.sequences, i, 3);
+    absl::StatusOr<StatSet> final_stats = AccumulateFinal(shard, *plan);
+    ASSERT_TRUE(final_stats.ok()) << final_stats.status();
+    final_files.push_back(JoinPath(shards, absl::StrCat("final", i, ".kvtstats")));
+    ASSERT_TRUE(WriteStatSet(final_files.back(), *final_stats).ok());
+  }
+  absl::StatusOr<StatSet> merged = MergeStatFiles(final_files);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  absl::StatusOr<FitResult> from_shards =
+      SolveAndWrite(*merged, options.solve, JoinPath(shards, "fitted"));
+  ASSERT_TRUE(from_shards.ok()) << from_shards.status();
+
+  // Equal up to the order of float64 additions: R^2 to 1e-9, fp32 weights to 1e-6.
+  EXPECT_EQ(from_shards->probe.r2_k.size(), single->probe.r2_k.size());
+  for (size_t i = 0; i < single->probe.r2_k.size(); ++i) {
+    EXPECT_NEAR(from_shards->probe.r2_k[i], single->probe.r2_k[i], 1e-9);
+    EXPECT_NEAR(from_shards->probe.r2_v[i], single->probe.r2_v[i], 1e-9);
+  }
+  auto a = LoadMapperDir(single->mapper_dir), b = LoadMapperDir(from_shards->mapper_dir);
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (size_t l = 0; l < single->manifest.layers.size(); ++l) {
+    const LayerEntry& x = single->manifest.layers[l];
+    const LayerEntry& y = from_shards->manifest.layers[l];
+    EXPECT_EQ(x.sigma_k, y.sigma_k);
+    EXPECT_NEAR(*x.r2_k, *y.r2_k, 1e-9);
+    EXPECT_NEAR(*x.r2_v_heldout, *y.r2_v_heldout, 1e-9);
+    for (const char* name : {"k.weight", "k.bias", "v.weight", "v.bias"}) {
+      const std::string tensor = absl::StrCat("layers.", l, ".", name);
+      EXPECT_LT(RelativeError(Tensor(**b, tensor), Tensor(**a, tensor)), 1e-6) << tensor;
+    }
+  }
+  for (const char* name : {"stats.source.2.k.mean", "stats.source.4.v.var"}) {
+    EXPECT_LT(RelativeError(Tensor(**b, name), Tensor(**a, name)), 1e-6) << name;
+  }
+
+  // A shard given twice would count its sequences twice.
+  absl::StatusOr<StatSet> twice = MergeStatFiles({final_files[0], final_files[0]});
+  ASSERT_FALSE(twice.ok());
+  EXPECT_THAT(twice.status().message(), HasSubstr("counted twice"));
+  // Phases do not mix.
+  absl::StatusOr<StatSet> mixed = MergeStatFiles({probe_files[0], final_files[1]});
+  EXPECT_FALSE(mixed.ok());
+}
+
+TEST(FitDegenerateTest, ConstantFeatureWarnsAndGetsZeroWeightLambdaZeroRefuses) {
+  FamilyOptions o = UnmatchedFamily();
+  o.seed = 21;
+  Family family = testing::MakeFamily(o);
+  const std::string dir = TempDir("constant");
+  ASSERT_TRUE(testing::WriteSequences(family, dir, 0, 12, 64, DType::kFP32).ok());
+  // Source layer 2's V, head 0 dim 3: the same value at every token of every sequence.
+  for (int s = 0; s < 12; ++s) {
+    const std::string path = JoinPath(JoinPath(dir, "source"), testing::SequenceFileName(s));
+    absl::StatusOr<HostCache> cache = ReadCacheFile(path);
+    ASSERT_TRUE(cache.ok());
+    float* v = reinterpret_cast<float*>(cache->v[2].data());
+    for (int64_t t = 0; t < cache->num_tokens; ++t) v[t * 8 + 3] = 2.5f;
+    ASSERT_TRUE(WriteCacheFile(path, *cache).ok());
+  }
+  FitOptions options = Options(family, dir, 1);
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("constant_out"), "m"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  bool warned = false;
+  for (const std::string& w : result->warnings) {
+    warned |= w.find("source layer 2 V: 1 of 16 features are constant") != std::string::npos &&
+              w.find("head 0 dim 3") != std::string::npos;
+  }
+  EXPECT_TRUE(warned) << "warnings: " << result->warnings.size();
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(result->mapper_dir);
+  ASSERT_TRUE(mapper.ok());
+  // Target layer 0 is fed by source layer 2: row 3 of its V weight is exactly 0.
+  ASSERT_EQ(result->manifest.layers[0].sigma_v[0], 2);
+  const std::vector<double> w = Tensor(**mapper, "layers.0.v.weight");
+  EXPECT_TRUE(AllFinite(w));
+  for (int c = 0; c < 12; ++c) EXPECT_EQ(w[3 * 12 + c], 0.0);
+  // The constant feature carried 1/16 of the signal (unit-scale weights, 16 features).
+  EXPECT_NEAR(*result->manifest.layers[0].r2_v, (1 - o.noise_share) * 15 / 16, 0.03);
+
+  options.solve.ridge.lambda = 0;
+  absl::StatusOr<FitResult> singular = RunFit(options, JoinPath(TempDir("constant_l0"), "m"));
+  ASSERT_FALSE(singular.ok());
+  EXPECT_THAT(singular.status().message(), HasSubstr("singular"));
+  EXPECT_THAT(singular.status().message(), HasSubstr("constant features"));
+  EXPECT_THAT(singular.status().message(), HasSubstr("--lambda"));
+  EXPECT_FALSE(PathExists(JoinPath(TempDir("constant_l0"), "m")));
+}
+
+TEST(FitDegenerateTest, FewerTokensThanFeatures) {
+  FamilyOptions o = MatchedFamily();
+  Family family = testing::MakeFamily(o);
+  const std::string dir = TempDir("few");
+  // 3 sequences x 12 tokens; k = all gives 5 x 16 = 80 features.
+  ASSERT_TRUE(testing::WriteSequences(family, dir, 0, 3, 12, DType::kFP32).ok());
+  FitOptions options = Options(family, dir, 0);
+  for (SequencePair& pair : options.sequences) pair.heldout = false;
+  options.solve.ridge.lambda = 0.01;
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("few_out"), "m"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  bool warned = false;
+  for (const std::string& w : result->warnings) warned |= w.find("training tokens for") != std::string::npos;
+  EXPECT_TRUE(warned);
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(result->mapper_dir);
+  ASSERT_TRUE(mapper.ok());
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_TRUE(AllFinite(Tensor(**mapper, absl::StrCat("layers.", l, ".k.weight"))));
+    EXPECT_FALSE(result->manifest.layers[l].r2_k_heldout.has_value());
+  }
+  options.solve.ridge.lambda = 0;
+  absl::StatusOr<FitResult> singular = RunFit(options, JoinPath(TempDir("few_l0"), "m"));
+  ASSERT_FALSE(singular.ok());
+  EXPECT_THAT(singular.status().message(), HasSubstr("36 training tokens, 80 features"));
+}
+
+TEST(FitInputTest, MismatchedTokensShapesAndMetadataNameTheFile) {
+  FamilyOptions o = UnmatchedFamily();
+  Family family = testing::MakeFamily(o);
+  const std::string dir = TempDir("bad_inputs");
+  ASSERT_TRUE(testing::WriteSequences(family, dir, 0, 2, 16, DType::kFP32).ok());
+  FitOptions options = Options(family, dir, 1);
+  const std::string target1 = JoinPath(JoinPath(dir, "target"), testing::SequenceFileName(1));
+  absl::StatusOr<HostCache> cache = ReadCacheFile(target1);
+  ASSERT_TRUE(cache.ok());
+  HostCache shorter = *cache;
+  shorter.num_tokens = 15;
+  shorter.Allocate();
+  ASSERT_TRUE(WriteCacheFile(target1, shorter).ok());
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(dir, "out"));
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(result.status().message(), HasSubstr(target1));
+  EXPECT_THAT(result.status().message(), HasSubstr("15 tokens"));
+
+  ASSERT_TRUE(WriteCacheFile(target1, *cache, {{"rope", "sideways"}}).ok());
+  result = RunFit(options, JoinPath(dir, "out"));
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(result.status().message(), HasSubstr("rope = 'sideways'"));
+
+  // Keys already in content space ("rope: pre") are used as they are.
+  ASSERT_TRUE(WriteCacheFile(target1, *cache).ok());
+  options.target.spec.num_kv_heads = 4;
+  result = RunFit(options, JoinPath(dir, "out"));
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(result.status().message(), HasSubstr("KV heads"));
+}
+
+TEST(CalibrationSetTest, PairsFromDirsAndListFile) {
+  const std::string dir = TempDir("pairs");
+  Family family = testing::MakeFamily(UnmatchedFamily());
+  ASSERT_TRUE(testing::WriteSequences(family, dir, 0, 3, 4, DType::kBF16).ok());
+  absl::StatusOr<std::vector<SequencePair>> pairs =
+      PairsFromDirs(JoinPath(dir, "source"), JoinPath(dir, "target"));
+  ASSERT_TRUE(pairs.ok()) << pairs.status();
+  ASSERT_EQ(pairs->size(), 3u);
+  EXPECT_EQ((*pairs)[1].name, "seq0001.safetensors");
+  ASSERT_TRUE(std::system(absl::StrCat("cp ", dir, "/source/seq0000.safetensors ", dir,
+                                       "/source/extra.safetensors").c_str()) == 0);
+  pairs = PairsFromDirs(JoinPath(dir, "source"), JoinPath(dir, "target"));
+  ASSERT_FALSE(pairs.ok());
+  EXPECT_THAT(pairs.status().message(), HasSubstr("extra.safetensors has no counterpart"));
+
+  const std::string list = JoinPath(dir, "pairs.txt");
+  ASSERT_TRUE(WriteStringToFile(list, "# calibration\nsource/seq0000.safetensors "
+                                      "target/seq0000.safetensors\n\n"
+                                      "source/seq0002.safetensors target/seq0002.safetensors\n")
+                  .ok());
+  pairs = PairsFromListFile(list);
+  ASSERT_TRUE(pairs.ok()) << pairs.status();
+  ASSERT_EQ(pairs->size(), 2u);
+  EXPECT_EQ((*pairs)[1].target_path, JoinPath(dir, "target/seq0002.safetensors"));
+  ASSERT_TRUE(WriteStringToFile(list, "a b\nonly-one\n").ok());
+  pairs = PairsFromListFile(list);
+  ASSERT_FALSE(pairs.ok());
+  EXPECT_THAT(pairs.status().message(), HasSubstr("line 2"));
+}
+
+TEST(CalibrationSetTest, HeldoutSplitDependsOnNamesNotShards) {
+  std::vector<SequencePair> pairs;
+  for (int i = 0; i < 400; ++i) pairs.push_back({testing::SequenceFileName(i), "", "", false});
+  AssignHeldout(0.25, 3, &pairs);
+  int heldout = 0;
+  for (const SequencePair& p : pairs) heldout += p.heldout;
+  EXPECT_NEAR(heldout, 100, 30);
+  std::vector<SequencePair> shard = SelectShard(pairs, 1, 3);
+  AssignHeldout(0.25, 3, &shard);
+  for (size_t i = 0; i < shard.size(); ++i) EXPECT_EQ(shard[i].heldout, pairs[1 + 3 * i].heldout);
+  std::vector<SequencePair> reseeded = pairs;
+  AssignHeldout(0.25, 4, &reseeded);
+  int differ = 0;
+  for (size_t i = 0; i < pairs.size(); ++i) differ += pairs[i].heldout != reseeded[i].heldout;
+  EXPECT_GT(differ, 50);
+}
+
+}  // namespace
+}  // namespace fit
+}  // namespace kvt

@@ -1,0 +1,54 @@
+// Synthetic model pairs with a known ground truth for testing and benchmarking `kvt fit`: target
+// K/V (content space) = a known linear map of chosen source layers + noise, each side with its
+// own RoPE, written as real KV dump files and config.json texts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "fit/calibration.h"
+#include "kernels/mapper_view.h"
+#include "kernels/types.h"
+
+namespace kvt {
+namespace fit {
+namespace testing {
+
+struct FamilyOptions {
+  ModelSpec source, target;
+  // Target layer l is fed by true_sigma[l] (ordered by decreasing weight scale, so a correct
+  // probe ranks them in this order). Every other source layer is independent of the target.
+  std::vector<std::vector<int>> true_sigma;
+  // Share of each target column's variance that is noise: the best possible R^2 is 1 - it.
+  double noise_share = 0.05;
+  uint64_t seed = 1;
+};
+
+struct Family {
+  FamilyOptions options;
+  // Per target layer, row-major in the mapper layout (rows: true_sigma's layers in order).
+  std::vector<std::vector<double>> w_k, b_k, w_v, b_v;
+  // Per source layer: feature means (features are mean + N(0, 1), K in content space).
+  std::vector<std::vector<double>> mean_k, mean_v;
+};
+
+Family MakeFamily(const FamilyOptions& options);
+
+// Writes sequences first .. first + count - 1 of `tokens` tokens each as
+// `<dir>/source/seqNNNN.safetensors` and `<dir>/target/...` (post-RoPE keys, the default), plus
+// noise-free targets under `<dir>/target_clean/` when `clean` is set. Every sequence is drawn
+// from its own seed, so any subset is reproducible.
+absl::Status WriteSequences(const Family& family, const std::string& dir, int first, int count,
+                            int64_t tokens, DType dtype, bool clean = false);
+
+// A Hugging Face config.json text describing `model` (neox RoPE), as `kvt fit` reads it.
+std::string HfConfigJson(const ModelSpec& model);
+
+// "seqNNNN.safetensors".
+std::string SequenceFileName(int index);
+
+}  // namespace testing
+}  // namespace fit
+}  // namespace kvt
