@@ -13,6 +13,7 @@ int RunSynth(const std::vector<std::string>& args);
 int RunInspect(const std::vector<std::string>& args);
 int RunTranslate(const std::vector<std::string>& args);
 int RunDemo(const std::vector<std::string>& args);
+int RunFit(const std::vector<std::string>& args);
 
 }  // namespace cli
 }  // namespace kvt

@@ -25,6 +25,7 @@ const std::map<std::string, Command>& Commands() {
       {"translate",
        {kvt::cli::RunTranslate, "translate a safetensors cache through a kvtd (--in, --out)"}},
       {"demo", {kvt::cli::RunDemo, "one real handoff through a kvtd, checked in float64"}},
+      {"fit", {kvt::cli::RunFit, "fit a mapper from KV dumps of two models (docs/FIT.md)"}},
   };
   return *commands;
 }

@@ -1,0 +1,242 @@
+// `kvt fit` and `kvt fit merge`: calibration dumps -> mapper directory (docs/FIT.md).
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "cli/commands.h"
+#include "fit/calibration.h"
+#include "fit/fit.h"
+#include "fit/report.h"
+#include "kernels/types.h"
+
+ABSL_FLAG(std::string, source_config, "",
+          "kvt fit: the source model's Hugging Face config.json (or its directory).");
+ABSL_FLAG(std::string, target_config, "", "kvt fit: the target model's config.json.");
+ABSL_FLAG(std::string, source_dumps, "",
+          "kvt fit: directory of source KV dumps (*.safetensors, one per sequence).");
+ABSL_FLAG(std::string, target_dumps, "",
+          "kvt fit: directory of target KV dumps with the same file names.");
+ABSL_FLAG(std::string, pairs, "",
+          "kvt fit: instead of the two directories, a list file of 'SOURCE TARGET' lines.");
+ABSL_FLAG(int32_t, stride, 4, "kvt fit: keep every stride-th token position.");
+ABSL_FLAG(std::string, top_k, "8",
+          "kvt fit: source layers per target layer, an integer or 'all'.");
+ABSL_FLAG(double, lambda, 0.01, "kvt fit / merge: ridge penalty.");
+ABSL_FLAG(std::string, lambda_scale, "covariance",
+          "kvt fit / merge: where lambda is added: covariance (S_xx = X^T X / N) or sum "
+          "(X^T X).");
+ABSL_FLAG(double, heldout_fraction, 0.1,
+          "kvt fit: share of sequences held out (chosen by a hash of --seed and file name).");
+ABSL_FLAG(std::string, corpus, "", "kvt fit: what the calibration text was (recorded).");
+ABSL_FLAG(bool, partial, false,
+          "kvt fit: write this shard's statistics to --out (a file) instead of a mapper.");
+ABSL_FLAG(std::string, shard, "",
+          "kvt fit: 'i/n': use only sequences i, i+n, ... of the calibration set.");
+ABSL_FLAG(std::string, plan, "",
+          "kvt fit: a plan from `kvt fit merge` of probe shards: skip the probe pass.");
+ABSL_FLAG(int32_t, threads, 0, "kvt fit / merge: OpenBLAS threads (0: every core).");
+ABSL_FLAG(int32_t, chunk_mb, 256, "kvt fit: MiB of feature rows buffered per BLAS round.");
+ABSL_FLAG(bool, overwrite, false, "kvt fit / merge: replace an existing mapper directory.");
+
+ABSL_DECLARE_FLAG(std::string, out);
+ABSL_DECLARE_FLAG(uint64_t, seed);
+ABSL_DECLARE_FLAG(std::string, weight_dtype);
+ABSL_DECLARE_FLAG(int32_t, k);
+ABSL_DECLARE_FLAG(std::string, source_model);
+ABSL_DECLARE_FLAG(std::string, target_model);
+
+namespace kvt {
+namespace cli {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: kvt fit --source_config=CFG --target_config=CFG\n"
+    "               (--source_dumps=DIR --target_dumps=DIR | --pairs=LIST) --out=MAPPER_DIR\n"
+    "               [--top_k=8|all] [--stride=4] [--lambda=0.01] [--lambda_scale=covariance|sum]\n"
+    "               [--heldout_fraction=0.1] [--seed=1] [--weight_dtype=bf16] [--corpus=TEXT]\n"
+    "               [--partial [--shard=i/n] [--plan=PLAN] --out=SHARD_FILE]\n"
+    "       kvt fit merge --out=PLAN_FILE|MAPPER_DIR SHARD_FILE...\n";
+
+int Fail(const std::string& message, int code = 2) {
+  std::fprintf(stderr, "kvt fit: %s\n", message.c_str());
+  return code;
+}
+
+absl::StatusOr<fit::SolveOptions> SolveOptionsFromFlags() {
+  fit::SolveOptions options;
+  options.ridge.lambda = absl::GetFlag(FLAGS_lambda);
+  if (!(options.ridge.lambda >= 0)) {
+    return absl::InvalidArgumentError("--lambda must be >= 0");
+  }
+  const std::string scale = absl::GetFlag(FLAGS_lambda_scale);
+  if (scale == "covariance") {
+    options.ridge.scale = LambdaScale::kCovariance;
+  } else if (scale == "sum") {
+    options.ridge.scale = LambdaScale::kSum;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--lambda_scale must be covariance or sum, got '", scale, "'"));
+  }
+  const std::string dtype = absl::GetFlag(FLAGS_weight_dtype);
+  if (!dtype.empty()) {
+    absl::StatusOr<DType> parsed = ParseDType(dtype);
+    if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat("--weight_dtype: ", parsed.status().message()));
+    options.weight_dtype = *parsed;
+  }
+  options.overwrite = absl::GetFlag(FLAGS_overwrite);
+  return options;
+}
+
+void PrintSummary(const fit::FitResult& result) {
+  const Manifest& m = result.manifest;
+  std::printf("wrote %s (%s -> %s, k = %d)\n", result.mapper_dir.c_str(), m.source.name.c_str(),
+              m.target.name.c_str(), m.k);
+  std::printf("report: %s\n", result.report_path.c_str());
+  auto show = [&](fit::R2Field field) {
+    std::optional<double> all = fit::MeanR2(m, field, false);
+    std::optional<double> without = fit::MeanR2(m, field, true);
+    return absl::StrCat(all ? absl::StrFormat("%.4f", *all) : "-", " (",
+                        without ? absl::StrFormat("%.4f", *without) : "-", ")");
+  };
+  std::printf("mean R^2 (without layer 0): K %s  V %s  held-out K %s  V %s\n",
+              show(fit::R2Field::kK).c_str(), show(fit::R2Field::kV).c_str(),
+              show(fit::R2Field::kKHeldout).c_str(), show(fit::R2Field::kVHeldout).c_str());
+  for (const std::string& w : result.warnings) std::printf("warning: %s\n", w.c_str());
+}
+
+int RunMerge(const std::vector<std::string>& shards) {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty() || shards.empty()) return Fail(kUsage, 1);
+  absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags();
+  if (!solve.ok()) return Fail(std::string(solve.status().message()), 1);
+  fit::SetBlasThreads(absl::GetFlag(FLAGS_threads));
+  absl::StatusOr<fit::StatSet> merged = fit::MergeStatFiles(shards);
+  if (!merged.ok()) return Fail(merged.status().ToString());
+  const std::string phase = merged->metadata["kvt_fit_phase"];
+  if (phase == "probe") {
+    std::vector<std::string> warnings;
+    absl::StatusOr<fit::StatSet> plan = fit::MakePlan(*merged, &warnings);
+    if (!plan.ok()) return Fail(plan.status().ToString());
+    absl::Status written = fit::WriteStatSet(out, *plan);
+    if (!written.ok()) return Fail(written.ToString());
+    for (const std::string& w : warnings) std::printf("warning: %s\n", w.c_str());
+    std::printf("wrote plan %s from %zu probe shards; next: kvt fit --partial --plan=%s ... "
+                "on each shard, then kvt fit merge\n",
+                out.c_str(), shards.size(), out.c_str());
+    return 0;
+  }
+  if (phase != "final") {
+    return Fail(absl::StrCat("cannot merge statistics of phase '", phase,
+                             "' (expected probe or final shards)"));
+  }
+  absl::StatusOr<fit::FitResult> result = fit::SolveAndWrite(*merged, *solve, out);
+  if (!result.ok()) return Fail(result.status().ToString());
+  PrintSummary(*result);
+  return 0;
+}
+
+}  // namespace
+
+int RunFit(const std::vector<std::string>& args) {
+  if (!args.empty() && args[0] == "merge") {
+    return RunMerge(std::vector<std::string>(args.begin() + 1, args.end()));
+  }
+  if (!args.empty()) return Fail(absl::StrCat("unexpected argument '", args[0], "'\n", kUsage), 1);
+  if (absl::GetFlag(FLAGS_k) != -1) {
+    return Fail("use --top_k (an integer or 'all') with kvt fit; --k belongs to kvt synth", 1);
+  }
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty() || absl::GetFlag(FLAGS_source_config).empty() ||
+      absl::GetFlag(FLAGS_target_config).empty()) {
+    return Fail(absl::StrCat("--source_config, --target_config and --out are required\n", kUsage),
+                1);
+  }
+  fit::FitOptions options;
+  absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags();
+  if (!solve.ok()) return Fail(std::string(solve.status().message()), 1);
+  options.solve = *solve;
+  const std::string top_k = absl::GetFlag(FLAGS_top_k);
+  if (top_k == "all") {
+    options.k = 0;
+  } else if (!absl::SimpleAtoi(top_k, &options.k) || options.k < 1) {
+    return Fail(absl::StrCat("--top_k must be a positive integer or 'all', got '", top_k, "'"), 1);
+  }
+  options.stride = absl::GetFlag(FLAGS_stride);
+  if (options.stride < 1) return Fail("--stride must be >= 1", 1);
+  options.heldout_fraction = absl::GetFlag(FLAGS_heldout_fraction);
+  if (!(options.heldout_fraction >= 0 && options.heldout_fraction < 1)) {
+    return Fail("--heldout_fraction must be in [0, 1)", 1);
+  }
+  options.seed = absl::GetFlag(FLAGS_seed);
+  options.corpus = absl::GetFlag(FLAGS_corpus);
+  options.num_threads = absl::GetFlag(FLAGS_threads);
+  options.chunk_bytes = int64_t{std::max(1, absl::GetFlag(FLAGS_chunk_mb))} << 20;
+
+  absl::StatusOr<fit::FitModel> source =
+      fit::LoadFitModel(absl::GetFlag(FLAGS_source_config), absl::GetFlag(FLAGS_source_model));
+  if (!source.ok()) return Fail(source.status().ToString());
+  absl::StatusOr<fit::FitModel> target =
+      fit::LoadFitModel(absl::GetFlag(FLAGS_target_config), absl::GetFlag(FLAGS_target_model));
+  if (!target.ok()) return Fail(target.status().ToString());
+  options.source = *source;
+  options.target = *target;
+
+  absl::StatusOr<std::vector<fit::SequencePair>> pairs;
+  if (!absl::GetFlag(FLAGS_pairs).empty()) {
+    pairs = fit::PairsFromListFile(absl::GetFlag(FLAGS_pairs));
+  } else if (!absl::GetFlag(FLAGS_source_dumps).empty() &&
+             !absl::GetFlag(FLAGS_target_dumps).empty()) {
+    pairs = fit::PairsFromDirs(absl::GetFlag(FLAGS_source_dumps),
+                               absl::GetFlag(FLAGS_target_dumps));
+  } else {
+    return Fail(absl::StrCat("give --source_dumps and --target_dumps, or --pairs\n", kUsage), 1);
+  }
+  if (!pairs.ok()) return Fail(pairs.status().ToString());
+  fit::AssignHeldout(options.heldout_fraction, options.seed, &*pairs);
+  options.sequences = *pairs;
+  const std::string shard = absl::GetFlag(FLAGS_shard);
+  if (!shard.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(shard, '/');
+    int index = -1, count = 0;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &index) ||
+        !absl::SimpleAtoi(parts[1], &count) || count < 1 || index < 0 || index >= count) {
+      return Fail(absl::StrCat("--shard must be i/n with 0 <= i < n, got '", shard, "'"), 1);
+    }
+    options.sequences = fit::SelectShard(options.sequences, index, count);
+  }
+
+  std::unique_ptr<fit::StatSet> plan;
+  if (!absl::GetFlag(FLAGS_plan).empty()) {
+    absl::StatusOr<fit::StatSet> read = fit::ReadStatSet(absl::GetFlag(FLAGS_plan));
+    if (!read.ok()) return Fail(read.status().ToString());
+    plan = std::make_unique<fit::StatSet>(std::move(*read));
+  }
+
+  if (absl::GetFlag(FLAGS_partial)) {
+    absl::StatusOr<fit::StatSet> stats =
+        plan ? fit::AccumulateFinal(options, *plan) : fit::AccumulateProbe(options);
+    if (!stats.ok()) return Fail(stats.status().ToString());
+    stats->metadata["shard"] = shard;
+    absl::Status written = fit::WriteStatSet(out, *stats);
+    if (!written.ok()) return Fail(written.ToString());
+    std::printf("wrote %s statistics of %zu sequences to %s\n", plan ? "final" : "probe",
+                options.sequences.size(), out.c_str());
+    return 0;
+  }
+  if (!shard.empty()) return Fail("--shard only makes sense with --partial", 1);
+  absl::StatusOr<fit::FitResult> result = fit::RunFit(options, out, plan.get());
+  if (!result.ok()) return Fail(result.status().ToString());
+  PrintSummary(*result);
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace kvt
