@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Dump the KV cache of a Hugging Face causal LM over a text corpus, for `kvt fit`.
+
+Runs the model over consecutive windows of --tokens tokens of a corpus and writes, per window,
+one safetensors file in kvt's KV dump format (docs/FIT.md):
+
+    <out>/seq00000.safetensors
+        layers.{j}.k   [num_kv_heads, T, head_dim]   keys as the cache holds them (post-RoPE)
+        layers.{j}.v   [num_kv_heads, T, head_dim]
+        __metadata__   rope=post, position_offset=0, position_stride, tokens, model, corpus,
+                       tokens_sha256 (kvt fit checks both models saw the same tokens)
+    <out>/config.json                                 the model's config, for --source_config
+
+Run it once per model with the same corpus, tokenizer and settings: `kvt fit` pairs the two
+directories by file name. Every window starts at position 0 (an independent forward pass), as
+the calibration of SPEC 4 assumes.
+
+    python3 tools/dump_kv.py --model Qwen/Qwen3-14B --corpus fineweb.jsonl --out dumps/14b \\
+        --tokens 1024 --sequences 500 --dtype bf16 --device cuda
+
+Options worth knowing:
+  --keep_every N   store only positions 0, N, 2N, ... (N times less disk; metadata
+                   position_stride tells kvt fit the true positions, so stripping RoPE stays
+                   exact). `kvt fit --stride` then subsamples further; use one or the other.
+  --tokenizer bytes  a built-in byte-level tokenizer (token = UTF-8 byte), for tiny test
+                   models without tokenizer files; otherwise the model's own AutoTokenizer.
+  corpus: a .txt file (documents separated by blank lines) or .jsonl (--text_field, default
+  "text"). Documents are tokenized, joined with the EOS token and cut into windows.
+
+Needs torch and transformers (safetensors files are written directly, without the safetensors
+package). No network access is attempted for local model directories.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import struct
+import sys
+
+
+def read_documents(path, text_field):
+    """Yields the corpus documents in order."""
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            for number, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{path} line {number}: not JSON: {e}")
+                if text_field not in record or not isinstance(record[text_field], str):
+                    raise SystemExit(f"{path} line {number}: no string field '{text_field}'")
+                yield record[text_field]
+        else:
+            document = []
+            for line in f:
+                if line.strip():
+                    document.append(line)
+                elif document:
+                    yield "".join(document)
+                    document = []
+            if document:
+                yield "".join(document)
+
+
+class ByteTokenizer:
+    """Token = UTF-8 byte; EOS = 0. For tiny models with a vocabulary of at least 256."""
+
+    eos_token_id = 0
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+
+def load_tokenizer(name, model_path):
+    if name == "bytes":
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name or model_path)
+
+    class Wrapped:
+        eos_token_id = tokenizer.eos_token_id
+
+        def encode(self, text):
+            return tokenizer.encode(text, add_special_tokens=False)
+
+    return Wrapped()
+
+
+def windows(token_stream, size, count):
+    """Consecutive non-overlapping windows of `size` tokens, at most `count`."""
+    buffer = []
+    produced = 0
+    for ids in token_stream:
+        buffer.extend(ids)
+        while len(buffer) >= size and produced < count:
+            yield buffer[:size]
+            buffer = buffer[size:]
+            produced += 1
+        if produced >= count:
+            return
+
+
+_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+
+
+def write_safetensors(path, tensors, metadata):
+    """Writes {name: torch tensor} in the safetensors format (header padded to 8 bytes)."""
+    import torch
+
+    header = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+    blobs = []
+    offset = 0
+    for name, tensor in tensors.items():
+        tensor = tensor.contiguous().cpu()
+        dtype = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[tensor.dtype]
+        # bf16 has no numpy type: view the bytes as int16 for the copy out.
+        raw = tensor.view(torch.int16).numpy().tobytes() if tensor.dtype != torch.float32 \
+            else tensor.numpy().tobytes()
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+    os.replace(tmp, path)
+
+
+def legacy_cache(past_key_values):
+    """[(k, v)] per layer, whatever cache class this transformers version returns."""
+    if hasattr(past_key_values, "to_legacy_cache"):
+        return past_key_values.to_legacy_cache()
+    if hasattr(past_key_values, "layers"):
+        return [(layer.keys, layer.values) for layer in past_key_values.layers]
+    return past_key_values
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="HF model id or local directory")
+    parser.add_argument("--corpus", required=True, help=".txt or .jsonl")
+    parser.add_argument("--text_field", default="text", help="jsonl field holding the text")
+    parser.add_argument("--out", required=True, help="directory for the dumps")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per window (T)")
+    parser.add_argument("--sequences", type=int, default=500, help="windows to dump")
+    parser.add_argument("--keep_every", type=int, default=1,
+                        help="store positions 0, N, 2N, ... only")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokenizer", default="",
+                        help="tokenizer id/dir (default: the model's), or 'bytes'")
+    parser.add_argument("--corpus_name", default="",
+                        help="recorded as metadata 'corpus' (default: the file name)")
+    args = parser.parse_args(argv)
+    if args.tokens < 1 or args.sequences < 1 or args.keep_every < 1:
+        raise SystemExit("--tokens, --sequences and --keep_every must be >= 1")
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch_dtype)
+    model.to(args.device).eval()
+    tokenizer = load_tokenizer(args.tokenizer, args.model)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        f.write(model.config.to_json_string())
+
+    def stream():
+        for document in read_documents(args.corpus, args.text_field):
+            yield tokenizer.encode(document) + [tokenizer.eos_token_id]
+
+    corpus_name = args.corpus_name or os.path.basename(args.corpus)
+    written = 0
+    for index, ids in enumerate(windows(stream(), args.tokens, args.sequences)):
+        input_ids = torch.tensor([ids], device=args.device)
+        with torch.no_grad():
+            output = model(input_ids=input_ids, use_cache=True)
+        tensors = {}
+        for j, (k, v) in enumerate(legacy_cache(output.past_key_values)):
+            # [batch, n_kv, T, d] -> [n_kv, T', d] of the kept positions.
+            tensors[f"layers.{j}.k"] = k[0, :, ::args.keep_every, :].to(torch_dtype)
+            tensors[f"layers.{j}.v"] = v[0, :, ::args.keep_every, :].to(torch_dtype)
+        metadata = {
+            "rope": "post",
+            "position_offset": 0,
+            "position_stride": args.keep_every,
+            "tokens": args.tokens,
+            "model": args.model,
+            "corpus": corpus_name,
+            "tokens_sha256": hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest(),
+        }
+        write_safetensors(os.path.join(args.out, f"seq{index:05d}.safetensors"), tensors, metadata)
+        written += 1
+        print(f"dump_kv: {written}/{args.sequences} windows", file=sys.stderr, end="\r")
+    print(f"dump_kv: wrote {written} windows of {args.tokens} tokens to {args.out}",
+          file=sys.stderr)
+    if written < args.sequences:
+        print(f"dump_kv: the corpus ran out after {written} windows", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
