@@ -21,6 +21,7 @@ PACKAGES=(
   libopenblas-dev          # CPU GEMMs
   liblapacke-dev           # Cholesky solves (kvt fit)
   libssl-dev               # SHA-256 (libcrypto), TLS
+  openssl                  # certificates for the TLS/mTLS tests
   zlib1g-dev
   libgtest-dev
   libgmock-dev

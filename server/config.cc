@@ -191,6 +191,11 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
            }
            return absl::OkStatus();
          }}}},
+      {"security",
+       {{"tls_cert_file", str(&config.security.tls_cert_file)},
+        {"tls_key_file", str(&config.security.tls_key_file)},
+        {"tls_client_ca_file", str(&config.security.tls_client_ca_file)},
+        {"auth_token_file", str(&config.security.auth_token_file)}}},
       {"metrics",
        {{"listen_address", str(&config.metrics.listen_address)},
         {"prefill_cost", [src, &config](const std::string& key, const YAML::Node& node) {
@@ -289,6 +294,16 @@ absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
       config.limits.response_chunk_bytes > config.server.max_message_bytes / 2) {
     return bad("limits.response_chunk_bytes", config.limits.response_chunk_bytes,
                "must be in [4096, server.max_message_bytes / 2]");
+  }
+  if (config.security.tls_cert_file.empty() != config.security.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "keys 'security.tls_cert_file' and 'security.tls_key_file' go together: set both for "
+        "TLS, or neither");
+  }
+  if (!config.security.tls_client_ca_file.empty() && config.security.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "key 'security.tls_client_ca_file' (mTLS) needs 'security.tls_cert_file' and "
+        "'security.tls_key_file' (TLS) too");
   }
   if (config.shutdown.drain_grace_seconds < 0) {
     return bad("shutdown.drain_grace_seconds", config.shutdown.drain_grace_seconds,

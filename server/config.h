@@ -42,6 +42,12 @@ struct KvtdConfig {
   struct Logging {
     LogLevel level = LogLevel::kInfo;
   } logging;
+  struct Security {
+    std::string tls_cert_file;       // PEM certificate chain; set with tls_key_file for TLS
+    std::string tls_key_file;        // PEM private key
+    std::string tls_client_ca_file;  // PEM CA; set: mTLS, clients must present a certificate
+    std::string auth_token_file;     // "TOKEN ROLE" lines; set: every RPC needs a bearer token
+  } security;
   struct Metrics {
     // Prometheus /metrics endpoint, host:port (port 0 = any free port, logged); "" = off.
     std::string listen_address;

@@ -27,6 +27,12 @@ ABSL_FLAG(int64_t, max_tokens, -1, "Overrides limits.max_tokens.");
 ABSL_FLAG(int64_t, max_inflight_requests, -1, "Overrides limits.max_inflight_requests.");
 ABSL_FLAG(double, drain_grace_seconds, -1, "Overrides shutdown.drain_grace_seconds.");
 ABSL_FLAG(double, shutdown_deadline_seconds, -1, "Overrides shutdown.deadline_seconds.");
+ABSL_FLAG(std::string, tls_cert_file, "", "Overrides security.tls_cert_file (PEM, enables TLS).");
+ABSL_FLAG(std::string, tls_key_file, "", "Overrides security.tls_key_file (PEM).");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "Overrides security.tls_client_ca_file (PEM CA; enables mTLS).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "Overrides security.auth_token_file (\"TOKEN ROLE\" lines; enables bearer auth).");
 ABSL_FLAG(std::string, log_level, "", "Overrides logging.level: debug | info | warning | error.");
 ABSL_FLAG(std::string, metrics_listen_address, "",
           "Overrides metrics.listen_address: the Prometheus /metrics endpoint, host:port (port 0 "
@@ -57,6 +63,10 @@ absl::StatusOr<KvtdConfig> BuildConfig() {
   override_string(FLAGS_unix_socket, &config.server.unix_socket);
   override_string(FLAGS_mapper_store, &config.mapper_store.path);
   override_string(FLAGS_backend, &config.backend.type);
+  override_string(FLAGS_tls_cert_file, &config.security.tls_cert_file);
+  override_string(FLAGS_tls_key_file, &config.security.tls_key_file);
+  override_string(FLAGS_tls_client_ca_file, &config.security.tls_client_ca_file);
+  override_string(FLAGS_auth_token_file, &config.security.auth_token_file);
   override_string(FLAGS_metrics_listen_address, &config.metrics.listen_address);
   if (absl::GetFlag(FLAGS_cpu_threads) >= 0) {
     config.backend.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);

@@ -1,6 +1,8 @@
 #include "server/kvtd_server.h"
 
 #include <chrono>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -19,6 +21,39 @@ namespace kvt {
 
 namespace {
 constexpr char kServiceName[] = "kvt.v1.KvTranslator";
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* key) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(key, ": cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(key, ": '", path, "' is not a PEM file"));
+  }
+  return text.str();
+}
+
+// Plaintext, TLS, or mTLS (client certificates required and verified against the CA).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
+    const KvtdConfig::Security& security) {
+  if (security.tls_cert_file.empty()) return grpc::InsecureServerCredentials();
+  absl::StatusOr<std::string> cert = ReadPem(security.tls_cert_file, "security.tls_cert_file");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(security.tls_key_file, "security.tls_key_file");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  options.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!security.tls_client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca =
+        ReadPem(security.tls_client_ca_file, "security.tls_client_ca_file");
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *ca;
+    options.client_certificate_request =
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& config,
@@ -31,8 +66,20 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
     return status;
   }
   server->metrics_->SetBackend(backend->name(), backend->device(), config.backend.type);
-  server->service_ =
-      std::make_unique<TranslatorService>(config, store, backend, server->metrics_.get());
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      ServerCredentials(config.security);
+  if (!credentials.ok()) return credentials.status();
+  if (config.security.auth_token_file.empty()) {
+    server->auth_ = Authenticator::AllowAll();
+  } else {
+    absl::StatusOr<std::unique_ptr<Authenticator>> auth =
+        Authenticator::FromFile(config.security.auth_token_file);
+    if (!auth.ok()) return auth.status();
+    server->auth_ = std::move(*auth);
+  }
+  server->service_ = std::make_unique<TranslatorService>(config, store, backend,
+                                                         server->metrics_.get(),
+                                                         server->auth_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -45,12 +92,10 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
   quota.SetMaxThreads(static_cast<int>(config.server.max_sync_threads));
   builder.SetResourceQuota(quota);
   if (!config.server.listen_address.empty()) {
-    builder.AddListeningPort(config.server.listen_address, grpc::InsecureServerCredentials(),
-                             &server->port_);
+    builder.AddListeningPort(config.server.listen_address, *credentials, &server->port_);
   }
   if (!config.server.unix_socket.empty()) {
-    builder.AddListeningPort(absl::StrCat("unix:", config.server.unix_socket),
-                             grpc::InsecureServerCredentials());
+    builder.AddListeningPort(absl::StrCat("unix:", config.server.unix_socket), *credentials);
   }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
@@ -71,7 +116,11 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
       .With("port", server->port_)
       .With("unix_socket", config.server.unix_socket)
       .With("backend", backend->name())
-      .With("device", backend->device());
+      .With("device", backend->device())
+      .With("tls", config.security.tls_cert_file.empty()
+                       ? "off"
+                       : (config.security.tls_client_ca_file.empty() ? "tls" : "mtls"))
+      .With("auth", server->auth_->enabled() ? "bearer" : "off");
   TranslatorService* service = server->service_.get();
   server->metrics_->SetScrapeSources(store, [service] { return service->inflight_requests(); });
   if (!config.metrics.listen_address.empty()) {

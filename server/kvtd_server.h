@@ -10,6 +10,7 @@
 #include "grpcpp/server.h"
 #include "kernels/backend.h"
 #include "mapper_store/store.h"
+#include "server/auth.h"
 #include "server/config.h"
 #include "server/metrics.h"
 #include "server/translator_service.h"
@@ -41,6 +42,7 @@ class KvtdServer {
   const KvtdConfig config_;
   // Declared before the service, which records into it, so it is destroyed after it.
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<TranslatorService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -88,13 +88,20 @@ void FillMapperInfo(const MapperInfo& info, v1::MapperInfo* out) {
 }  // namespace
 
 TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* store,
-                                     Backend* backend, Metrics* metrics)
+                                     Backend* backend, Metrics* metrics,
+                                     const Authenticator* auth)
     : config_(config),
       store_(store),
       backend_(backend),
       metrics_(metrics),
+      auth_(auth),
       admission_(config.limits.max_inflight_requests, config.limits.max_inflight_bytes),
       compute_(1) {}
+
+grpc::Status TranslatorService::Authorize(const grpc::ServerContext* context, Role role) const {
+  if (auth_ == nullptr) return grpc::Status::OK;
+  return auth_->Authorize(*context, role);
+}
 
 TranslatorService::~TranslatorService() = default;
 
@@ -128,7 +135,8 @@ grpc::Status TranslatorService::TranslateKV(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream) {
   TranslateRecord record;
-  const grpc::Status status = TranslateKVImpl(context, stream, &record);
+  grpc::Status status = Authorize(context, Role::kClient);
+  if (status.ok()) status = TranslateKVImpl(context, stream, &record);
   record.code = static_cast<absl::StatusCode>(status.error_code());
   if (metrics_ != nullptr) metrics_->RecordTranslate(record);
   return status;
@@ -429,16 +437,18 @@ grpc::Status TranslatorService::TranslateKVImpl(
   return grpc::Status::OK;
 }
 
-grpc::Status TranslatorService::ListMappers(grpc::ServerContext*,
+grpc::Status TranslatorService::ListMappers(grpc::ServerContext* context,
                                             const v1::ListMappersRequest*,
                                             v1::ListMappersResponse* response) {
+  if (grpc::Status allowed = Authorize(context, Role::kClient); !allowed.ok()) return allowed;
   for (const MapperInfo& info : store_->List()) FillMapperInfo(info, response->add_mappers());
   return grpc::Status::OK;
 }
 
-grpc::Status TranslatorService::GetMapper(grpc::ServerContext*,
+grpc::Status TranslatorService::GetMapper(grpc::ServerContext* context,
                                           const v1::GetMapperRequest* request,
                                           v1::MapperInfo* response) {
+  if (grpc::Status allowed = Authorize(context, Role::kClient); !allowed.ok()) return allowed;
   if (request->mapper_id().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "mapper_id is required");
   }
@@ -448,16 +458,18 @@ grpc::Status TranslatorService::GetMapper(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status TranslatorService::LoadMapper(grpc::ServerContext*, const v1::LoadMapperRequest*,
-                                           v1::LoadMapperResponse*) {
+grpc::Status TranslatorService::LoadMapper(grpc::ServerContext* context,
+                                           const v1::LoadMapperRequest*, v1::LoadMapperResponse*) {
+  if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                       "LoadMapper is not available yet: every valid mapper in the store "
                       "directory is loaded into host memory at startup");
 }
 
-grpc::Status TranslatorService::UnloadMapper(grpc::ServerContext*,
+grpc::Status TranslatorService::UnloadMapper(grpc::ServerContext* context,
                                              const v1::UnloadMapperRequest*,
                                              v1::UnloadMapperResponse*) {
+  if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "UnloadMapper is not available yet");
 }
 
@@ -469,34 +481,40 @@ grpc::Status SharedMemoryUnimplemented(const char* rpc) {
 }
 }  // namespace
 
-grpc::Status TranslatorService::RegisterSystemMemory(grpc::ServerContext*,
+grpc::Status TranslatorService::RegisterSystemMemory(grpc::ServerContext* context,
                                                      const v1::RegisterSystemMemoryRequest*,
                                                      v1::RegisterSystemMemoryResponse*) {
+  if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   return SharedMemoryUnimplemented("RegisterSystemMemory");
 }
-grpc::Status TranslatorService::UnregisterSystemMemory(grpc::ServerContext*,
+grpc::Status TranslatorService::UnregisterSystemMemory(grpc::ServerContext* context,
                                                        const v1::UnregisterSystemMemoryRequest*,
                                                        v1::UnregisterSystemMemoryResponse*) {
+  if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   return SharedMemoryUnimplemented("UnregisterSystemMemory");
 }
-grpc::Status TranslatorService::SystemMemoryStatus(grpc::ServerContext*,
+grpc::Status TranslatorService::SystemMemoryStatus(grpc::ServerContext* context,
                                                    const v1::SystemMemoryStatusRequest*,
                                                    v1::SystemMemoryStatusResponse*) {
+  if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   return SharedMemoryUnimplemented("SystemMemoryStatus");
 }
-grpc::Status TranslatorService::RegisterCudaMemory(grpc::ServerContext*,
+grpc::Status TranslatorService::RegisterCudaMemory(grpc::ServerContext* context,
                                                    const v1::RegisterCudaMemoryRequest*,
                                                    v1::RegisterCudaMemoryResponse*) {
+  if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   return SharedMemoryUnimplemented("RegisterCudaMemory");
 }
-grpc::Status TranslatorService::UnregisterCudaMemory(grpc::ServerContext*,
+grpc::Status TranslatorService::UnregisterCudaMemory(grpc::ServerContext* context,
                                                      const v1::UnregisterCudaMemoryRequest*,
                                                      v1::UnregisterCudaMemoryResponse*) {
+  if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   return SharedMemoryUnimplemented("UnregisterCudaMemory");
 }
-grpc::Status TranslatorService::CudaMemoryStatus(grpc::ServerContext*,
+grpc::Status TranslatorService::CudaMemoryStatus(grpc::ServerContext* context,
                                                  const v1::CudaMemoryStatusRequest*,
                                                  v1::CudaMemoryStatusResponse*) {
+  if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   return SharedMemoryUnimplemented("CudaMemoryStatus");
 }
 

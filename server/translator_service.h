@@ -17,6 +17,7 @@
 #include "quality/input_shift.h"
 #include "server/admission.h"
 #include "server/compute_executor.h"
+#include "server/auth.h"
 #include "server/config.h"
 #include "server/metrics.h"
 
@@ -24,9 +25,10 @@ namespace kvt {
 
 class TranslatorService final : public v1::KvTranslator::Service {
  public:
-  // `store`, `backend` and `metrics` (optional: null records nothing) must outlive the service.
+  // `store`, `backend`, `metrics` (optional: null records nothing) and `auth` (optional: null
+  // allows every call) must outlive the service.
   TranslatorService(const KvtdConfig& config, MapperStore* store, Backend* backend,
-                    Metrics* metrics = nullptr);
+                    Metrics* metrics = nullptr, const Authenticator* auth = nullptr);
   ~TranslatorService() override;
 
   // After this, new translations are refused with UNAVAILABLE; in-flight ones continue.
@@ -84,11 +86,14 @@ class TranslatorService final : public v1::KvTranslator::Service {
                               grpc::ServerReader<v1::ValidateKVRequest>* reader,
                               v1::ValidateKVResponse* response, ValidateRecord* record);
   std::string RequestId(const std::string& from_header);
+  // OK, or UNAUTHENTICATED / PERMISSION_DENIED when `auth_` is set and the call lacks `role`.
+  grpc::Status Authorize(const grpc::ServerContext* context, Role role) const;
 
   const KvtdConfig config_;
   MapperStore* const store_;
   Backend* const backend_;
   Metrics* const metrics_;
+  const Authenticator* const auth_;
   AdmissionController admission_;
   ComputeExecutor compute_;
   std::atomic<bool> draining_{false};

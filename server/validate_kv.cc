@@ -61,7 +61,8 @@ grpc::Status TranslatorService::ValidateKV(grpc::ServerContext* context,
                                            v1::ValidateKVResponse* response) {
   ValidateRecord record;
   const absl::Time start = absl::Now();
-  const grpc::Status status = ValidateKVImpl(context, reader, response, &record);
+  grpc::Status status = Authorize(context, Role::kClient);
+  if (status.ok()) status = ValidateKVImpl(context, reader, response, &record);
   record.code = static_cast<absl::StatusCode>(status.error_code());
   record.total_s = absl::ToDoubleSeconds(absl::Now() - start);
   if (metrics_ != nullptr) metrics_->RecordValidate(record);

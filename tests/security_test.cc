@@ -1,0 +1,206 @@
+// TLS, mTLS and bearer-token auth end to end: certificates made by the openssl command in the
+// test, a real kvtd (in process) and real channels.
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_backend.h"
+#include "mapper_store/store.h"
+#include "mapper_store/synth.h"
+#include "server/kvtd_server.h"
+
+namespace kvt {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A CA, a server certificate for 127.0.0.1/localhost, a client certificate from the same CA,
+// and a client certificate from an unrelated CA.
+class Pki {
+ public:
+  explicit Pki(const std::string& dir) : dir_(dir) {
+    const std::string script = absl::StrCat(
+        "set -e; cd '", dir, "'\n",
+        "ossl() { openssl \"$@\" 2>/dev/null; }\n",
+        "ca() { ossl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=$1 -keyout $1.key "
+        "-out $1.pem; }\n",
+        "leaf() { ossl req -newkey rsa:2048 -nodes -subj /CN=$1 -keyout $1.key -out $1.csr; "
+        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > $1.ext; "
+        "ossl x509 -req -in $1.csr -CA $2.pem -CAkey $2.key -CAcreateserial -days 2 "
+        "-extfile $1.ext -out $1.pem; }\n",
+        "ca ca; ca rogue-ca; leaf server ca; leaf client ca; leaf rogue-client rogue-ca\n");
+    EXPECT_EQ(std::system(absl::StrCat("bash -c \"$(cat <<'KVT_EOF'\n", script,
+                                       "KVT_EOF\n)\"")
+                              .c_str()),
+              0);
+  }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string pem(const std::string& name) const { return ReadFile(path(name)); }
+
+ private:
+  std::string dir_;
+};
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    dir_ = new std::string(absl::StrCat(tmp ? tmp : "/tmp", "/security"));
+    std::filesystem::remove_all(*dir_);
+    std::filesystem::create_directories(*dir_ + "/pki");
+    std::filesystem::create_directories(*dir_ + "/store");
+    pki_ = new Pki(*dir_ + "/pki");
+    absl::StatusOr<SynthOptions> preset = SynthPreset("demo-tiny");
+    ASSERT_TRUE(preset.ok());
+    ASSERT_TRUE(WriteSynthMapper(*dir_ + "/store/demo-tiny", *preset).ok());
+    std::ofstream tokens(*dir_ + "/tokens");
+    tokens << "# role per token\nrouter-token-0123456789 client\nadmin-token-abcdefghijk admin\n";
+  }
+
+  void StartServer(bool mtls, bool tokens) {
+    KvtdConfig config;
+    config.server.listen_address = "127.0.0.1:0";
+    config.mapper_store.path = *dir_ + "/store";
+    config.shutdown.drain_grace_seconds = 0;
+    config.security.tls_cert_file = pki_->path("server.pem");
+    config.security.tls_key_file = pki_->path("server.key");
+    if (mtls) config.security.tls_client_ca_file = pki_->path("ca.pem");
+    if (tokens) config.security.auth_token_file = *dir_ + "/tokens";
+    ASSERT_TRUE(ValidateKvtdConfig(config).ok());
+    absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(*dir_ + "/store");
+    ASSERT_TRUE(store.ok());
+    store_ = std::move(*store);
+    backend_ = NewCpuBackend();
+    absl::StatusOr<std::unique_ptr<KvtdServer>> server =
+        KvtdServer::Start(config, store_.get(), backend_.get());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+
+  std::unique_ptr<Client> Connect(const std::string& client_cert, const std::string& token,
+                                  bool tls = true) {
+    ClientOptions options;
+    options.timeout = std::chrono::seconds(5);
+    if (tls) {
+      options.tls_root_ca_pem = pki_->pem("ca.pem");
+      if (!client_cert.empty()) {
+        options.tls_client_cert_pem = pki_->pem(client_cert + ".pem");
+        options.tls_client_key_pem = pki_->pem(client_cert + ".key");
+      }
+    }
+    options.bearer_token = token;
+    return Client::Create(absl::StrCat("127.0.0.1:", server_->port()), options);
+  }
+
+  static std::string* dir_;
+  static Pki* pki_;
+  std::unique_ptr<MapperStore> store_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<KvtdServer> server_;
+};
+std::string* SecurityTest::dir_ = nullptr;
+Pki* SecurityTest::pki_ = nullptr;
+
+TEST_F(SecurityTest, TlsServesTlsClientsAndRefusesPlaintext) {
+  StartServer(/*mtls=*/false, /*tokens=*/false);
+  absl::StatusOr<v1::ListMappersResponse> list = Connect("", "")->ListMappers();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->mappers_size(), 1);
+  EXPECT_FALSE(Connect("", "", /*tls=*/false)->ListMappers().ok());
+}
+
+TEST_F(SecurityTest, MtlsNeedsAClientCertificateFromTheTrustedCa) {
+  StartServer(/*mtls=*/true, /*tokens=*/false);
+  absl::StatusOr<std::string> health = Connect("client", "")->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, "SERVING");
+  EXPECT_FALSE(Connect("", "")->ListMappers().ok());              // no client certificate
+  EXPECT_FALSE(Connect("rogue-client", "")->ListMappers().ok());  // signed by another CA
+  EXPECT_FALSE(Connect("", "", /*tls=*/false)->ListMappers().ok());
+}
+
+TEST_F(SecurityTest, BearerTokensAndAdminRole) {
+  StartServer(/*mtls=*/true, /*tokens=*/true);
+  // Health stays open for Kubernetes probes.
+  EXPECT_TRUE(Connect("client", "")->Health().ok());
+
+  absl::StatusOr<v1::ListMappersResponse> none = Connect("client", "")->ListMappers();
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnauthenticated);
+  absl::StatusOr<v1::ListMappersResponse> wrong =
+      Connect("client", "router-token-0123456780")->ListMappers();
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(Connect("client", "router-token-0123456789")->ListMappers().ok());
+
+  HostCache source;
+  source.dtype = DType::kBF16;
+  source.num_layers = 4;
+  source.num_kv_heads = 2;
+  source.head_dim = 32;
+  source.num_tokens = 16;
+  source.Allocate();
+  v1::TranslateHeader header;
+  header.set_mapper_id("demo-tiny");
+  EXPECT_EQ(Connect("client", "")->Translate(header, source).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  absl::StatusOr<TranslateResult> translated =
+      Connect("client", "router-token-0123456789")->Translate(header, source);
+  EXPECT_TRUE(translated.ok()) << translated.status();
+
+  // Admin RPCs: a client token is not enough.
+  auto admin_call = [this](const std::string& token) {
+    std::unique_ptr<Client> client = Connect("client", token);
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer " + token);
+    v1::RegisterSystemMemoryResponse response;
+    return client->stub()->RegisterSystemMemory(&context, v1::RegisterSystemMemoryRequest(),
+                                                &response);
+  };
+  EXPECT_EQ(admin_call("router-token-0123456789").error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(admin_call("admin-token-abcdefghijk").error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+}
+
+TEST_F(SecurityTest, MissingOrBadSecurityFilesStopTheServer) {
+  KvtdConfig config;
+  config.server.listen_address = "127.0.0.1:0";
+  config.security.tls_cert_file = *dir_ + "/nope.pem";
+  config.security.tls_key_file = pki_->path("server.key");
+  absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(*dir_ + "/store");
+  ASSERT_TRUE(store.ok());
+  std::unique_ptr<Backend> backend = NewCpuBackend();
+  absl::StatusOr<std::unique_ptr<KvtdServer>> server =
+      KvtdServer::Start(config, store->get(), backend.get());
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("security.tls_cert_file"));
+  config.security.tls_cert_file = *dir_ + "/tokens";  // exists, not PEM
+  server = KvtdServer::Start(config, store->get(), backend.get());
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("not a PEM file"));
+  config.security.tls_cert_file.clear();
+  config.security.tls_key_file.clear();
+  config.security.auth_token_file = *dir_ + "/missing-tokens";
+  server = KvtdServer::Start(config, store->get(), backend.get());
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("security.auth_token_file"));
+  KvtdConfig half;
+  half.security.tls_cert_file = "x.pem";
+  EXPECT_FALSE(ValidateKvtdConfig(half).ok());
+}
+
+}  // namespace
+}  // namespace kvt
