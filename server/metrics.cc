@@ -1,10 +1,21 @@
 #include "server/metrics.h"
 
-#include <exception>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <sstream>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -118,6 +129,128 @@ class Metrics::ScrapeCollector : public prometheus::Collectable {
   std::function<int64_t()> inflight_ ABSL_GUARDED_BY(mutex_);
 };
 
+// GET /metrics over HTTP/1.x on one listening socket: one connection at a time (Prometheus
+// scrapes a target sequentially), each answered and closed; slow clients time out after 5 s.
+class Metrics::HttpEndpoint {
+ public:
+  static absl::StatusOr<std::unique_ptr<HttpEndpoint>> Start(const std::string& address,
+                                                             std::function<std::string()> body) {
+    auto fail = [&](const std::string& why) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on metrics.listen_address='", address, "': ", why));
+    };
+    const size_t colon = address.rfind(':');
+    if (colon == std::string::npos) return fail("expected host:port");
+    std::string host = address.substr(0, colon);
+    const std::string port = address.substr(colon + 1);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+      host = host.substr(1, host.size() - 2);
+    }
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    addrinfo* found = nullptr;
+    if (const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints,
+                                   &found);
+        rc != 0) {
+      return fail(gai_strerror(rc));
+    }
+    int fd = -1;
+    std::string error = "no usable address";
+    for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+      fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      const int one = 1;
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+      if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, 16) != 0) {
+        error = std::strerror(errno);
+        close(fd);
+        fd = -1;
+      }
+    }
+    freeaddrinfo(found);
+    if (fd < 0) return fail(error);
+    sockaddr_storage bound{};
+    socklen_t length = sizeof(bound);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length);
+    const int bound_port =
+        bound.ss_family == AF_INET6
+            ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+            : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    return std::unique_ptr<HttpEndpoint>(new HttpEndpoint(fd, bound_port, std::move(body)));
+  }
+
+  ~HttpEndpoint() {
+    stop_.store(true);
+    thread_.join();
+    close(fd_);
+  }
+
+  int port() const { return port_; }
+
+ private:
+  HttpEndpoint(int fd, int port, std::function<std::string()> body)
+      : fd_(fd), port_(port), body_(std::move(body)), thread_([this] { Serve(); }) {}
+
+  void Serve() {
+    while (!stop_.load()) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;  // wakes up to notice stop_
+      const int connection = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (connection < 0) continue;
+      Answer(connection);
+      close(connection);
+    }
+  }
+
+  void Answer(int connection) {
+    timeval timeout{5, 0};
+    setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+    std::string request;
+    char buffer[4096];
+    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+      const ssize_t n = recv(connection, buffer, sizeof(buffer), 0);
+      if (n <= 0) return;
+      request.append(buffer, static_cast<size_t>(n));
+    }
+    const size_t line_end = request.find("\r\n");
+    const std::string line = request.substr(0, line_end);
+    std::string status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8", content;
+    const bool get = absl::StartsWith(line, "GET "), head = absl::StartsWith(line, "HEAD ");
+    const std::string target = line.substr(line.find(' ') + 1, line.rfind(' ') - line.find(' ') - 1);
+    if (!get && !head) {
+      status = "405 Method Not Allowed";
+      type = "text/plain";
+      content = "GET /metrics\n";
+    } else if (target != "/metrics" && !absl::StartsWith(target, "/metrics?")) {
+      status = "404 Not Found";
+      type = "text/plain";
+      content = "kvtd serves its metrics at /metrics\n";
+    } else {
+      content = body_();
+    }
+    std::string response = absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
+                                        "\r\nContent-Length: ", content.size(),
+                                        "\r\nConnection: close\r\n\r\n");
+    if (!head) response += content;
+    size_t sent = 0;
+    while (sent < response.size()) {
+      const ssize_t n = send(connection, response.data() + sent, response.size() - sent,
+                             MSG_NOSIGNAL);
+      if (n <= 0) return;
+      sent += static_cast<size_t>(n);
+    }
+  }
+
+  const int fd_;
+  const int port_;
+  const std::function<std::string()> body_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: starts once everything it reads is initialised
+};
+
 Metrics::Metrics(std::string device)
     : device_(std::move(device)),
       registry_(std::make_shared<prometheus::Registry>()),
@@ -199,27 +332,17 @@ Metrics::Metrics(std::string device)
 }
 
 Metrics::~Metrics() {
-  // The endpoint's threads read the registry and the collector: stop them first.
-  exposer_.reset();
+  // The endpoint's thread reads the registry and the collector: stop it first.
+  endpoint_.reset();
 }
 
 absl::Status Metrics::StartExposer(const std::string& listen_address) {
   if (listen_address.empty()) return absl::OkStatus();
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(listen_address);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on metrics.listen_address='",
-                                               listen_address, "': ", e.what()));
-  }
-  exposer_->RegisterCollectable(registry_);
-  exposer_->RegisterCollectable(scrape_);
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  if (ports.empty()) {
-    exposer_.reset();
-    return absl::UnavailableError(absl::StrCat("cannot listen on metrics.listen_address='",
-                                               listen_address, "': no port bound"));
-  }
-  port_ = ports.front();
+  absl::StatusOr<std::unique_ptr<HttpEndpoint>> endpoint =
+      HttpEndpoint::Start(listen_address, [this] { return Serialize(); });
+  if (!endpoint.ok()) return endpoint.status();
+  endpoint_ = std::move(*endpoint);
+  port_ = endpoint_->port();
   return absl::OkStatus();
 }
 

@@ -15,7 +15,6 @@
 #include "kernels/mapper_view.h"
 #include "mapper_store/store.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -76,6 +75,11 @@ class Metrics {
 
   // Serves GET /metrics on `listen_address` (host:port, port 0 = any free port); "" = no
   // endpoint. UNAVAILABLE naming metrics.listen_address when it cannot bind.
+  //
+  // Not prometheus-cpp's Exposer: its civetweb workers run on 100 KiB stacks (Debian builds
+  // civetweb with USE_STACK_SIZE=102400), and glibc carves every thread's static TLS out of its
+  // stack; OpenBLAS alone has 60 KiB of TLS, so in kvtd the first scrape overflowed the stack.
+  // The endpoint here is one thread with a default-sized stack serving one scrape at a time.
   absl::Status StartExposer(const std::string& listen_address);
   // The bound port; 0 without an endpoint.
   int port() const { return port_; }
@@ -103,11 +107,12 @@ class Metrics {
 
  private:
   class ScrapeCollector;
+  class HttpEndpoint;
 
   const std::string device_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<ScrapeCollector> scrape_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<HttpEndpoint> endpoint_;
   int port_ = 0;
 
   prometheus::Family<prometheus::Gauge>* build_info_;

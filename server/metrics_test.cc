@@ -138,7 +138,7 @@ TEST(MetricsTest, ScrapeTimeValuesComeFromTheStoreAndTheService) {
   EXPECT_THAT(metrics.Serialize(), HasSubstr("kvt_inflight_requests 0"));
 }
 
-TEST(MetricsTest, ExposerServesTheRegistryOnAnOsChosenPort) {
+TEST(MetricsTest, EndpointServesTheRegistryOnAnOsChosenPort) {
   Metrics metrics("cpu");
   ASSERT_EQ(metrics.port(), 0);
   KVT_ASSERT_OK(metrics.StartExposer("127.0.0.1:0"));
@@ -150,6 +150,10 @@ TEST(MetricsTest, ExposerServesTheRegistryOnAnOsChosenPort) {
   EXPECT_EQ(response->status, 200);
   EXPECT_THAT(response->body, HasSubstr("kvt_build_info{"));
   EXPECT_THAT(response->body, HasSubstr("kvt_inflight_requests 2"));
+  absl::StatusOr<testing::HttpResponse> elsewhere =
+      testing::HttpGet("127.0.0.1", metrics.port(), "/");
+  ASSERT_TRUE(elsewhere.ok()) << elsewhere.status();
+  EXPECT_EQ(elsewhere->status, 404);
 
   // The same port again cannot be bound: an error naming the key.
   Metrics second("cpu");

@@ -102,12 +102,17 @@ inline std::string DescribeWaitStatus(int status) {
 // and reaps a child that is still running, and the child gets SIGKILL if this test process dies.
 class KvtdProcess {
  public:
-  KvtdProcess(const std::string& name, const std::vector<std::string>& flags) {
+  KvtdProcess(const std::string& name, const std::vector<std::string>& flags)
+      : KvtdProcess(name, KvtdBinary(), flags) {}
+  // Another program under the same supervision (e.g. the Prometheus server of the telemetry
+  // test); WaitForPort is kvtd's alone.
+  KvtdProcess(const std::string& name, const std::string& binary,
+              const std::vector<std::string>& flags) {
     static int counter = 0;
     const std::string base = absl::StrCat(TestTmpDir(), "/", name, ".", ++counter);
     stdout_path_ = base + ".stdout";
     stderr_path_ = base + ".stderr";
-    std::vector<std::string> args = {KvtdBinary()};
+    std::vector<std::string> args = {binary};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
     for (std::string& arg : args) argv.push_back(arg.data());
