@@ -270,4 +270,58 @@ absl::StatusOr<v1::ValidateKVResponse> Client::Validate(v1::ValidateHeader heade
   return response;
 }
 
+absl::Status Client::RegisterSystemMemory(const std::string& name, const std::string& key,
+                                          uint64_t offset, uint64_t byte_size) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::RegisterSystemMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSystemMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterSystemMemory(&context, request, &response));
+}
+
+absl::Status Client::UnregisterSystemMemory(const std::string& name) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::UnregisterSystemMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSystemMemoryResponse response;
+  return FromGrpcStatus(stub_->UnregisterSystemMemory(&context, request, &response));
+}
+
+absl::StatusOr<TranslateResult> Client::TranslateRegions(const v1::TranslateHeader& header) {
+  if (!header.input().has_region() || !header.output().has_region()) {
+    return absl::InvalidArgumentError(
+        "TranslateRegions needs header.input.region and header.output.region");
+  }
+  grpc::ClientContext context;
+  Prepare(&context);
+  auto stream = stub_->TranslateKV(&context);
+  v1::TranslateKVRequest request;
+  *request.mutable_header() = header;
+  stream->Write(request);
+  stream->WritesDone();
+  TranslateResult result;
+  bool have_header = false, have_trailer = false;
+  v1::TranslateKVResponse response;
+  while (stream->Read(&response)) {
+    if (response.has_header()) {
+      result.header = response.header();
+      have_header = true;
+    } else if (response.has_trailer()) {
+      result.trailer = response.trailer();
+      have_trailer = true;
+    }
+  }
+  grpc::Status status = stream->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (!have_header || !have_trailer) {
+    return absl::InternalError("server ended the stream without header and trailer");
+  }
+  return result;
+}
+
 }  // namespace kvt

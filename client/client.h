@@ -86,6 +86,15 @@ class Client {
                                                   const HostCache& target_true,
                                                   const HostCache* queries = nullptr);
 
+  // Shared-memory transport (the server must allow client regions; admin role with auth).
+  absl::Status RegisterSystemMemory(const std::string& name, const std::string& key,
+                                    uint64_t offset, uint64_t byte_size);
+  absl::Status UnregisterSystemMemory(const std::string& name);
+  // A translation whose input and/or output live in registered regions (header.input.region /
+  // header.output.region set by the caller); inline sides are not supported here. The result's
+  // target cache is empty: the bytes are in the output region.
+  absl::StatusOr<TranslateResult> TranslateRegions(const v1::TranslateHeader& header);
+
   v1::KvTranslator::Stub* stub() { return stub_.get(); }
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
 

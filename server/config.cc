@@ -191,6 +191,12 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
            }
            return absl::OkStatus();
          }}}},
+      {"shared_memory",
+       {{"allow_client_regions",
+         [src, &config](const std::string& key, const YAML::Node& node) {
+           return ReadScalar(src, key, node, "true or false",
+                             &config.shared_memory.allow_client_regions);
+         }}}},
       {"security",
        {{"tls_cert_file", str(&config.security.tls_cert_file)},
         {"tls_key_file", str(&config.security.tls_key_file)},

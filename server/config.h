@@ -42,6 +42,10 @@ struct KvtdConfig {
   struct Logging {
     LogLevel level = LogLevel::kInfo;
   } logging;
+  struct SharedMemory {
+    // Clients may register POSIX shm regions and pass caches through them (same host only).
+    bool allow_client_regions = false;
+  } shared_memory;
   struct Security {
     std::string tls_cert_file;       // PEM certificate chain; set with tls_key_file for TLS
     std::string tls_key_file;        // PEM private key

@@ -98,6 +98,13 @@ TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* stor
       admission_(config.limits.max_inflight_requests, config.limits.max_inflight_bytes),
       compute_(1) {}
 
+grpc::Status TranslatorService::SharedMemoryEnabled() const {
+  if (config_.shared_memory.allow_client_regions) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      "client shared memory is disabled on this server "
+                      "(shared_memory.allow_client_regions: false)");
+}
+
 grpc::Status TranslatorService::Authorize(const grpc::ServerContext* context, Role role) const {
   if (auth_ == nullptr) return grpc::Status::OK;
   return auth_->Authorize(*context, role);
@@ -192,13 +199,13 @@ grpc::Status TranslatorService::TranslateKVImpl(
     if (!layout.ok()) return fail(layout.status());
     plan.output_layout = *layout;
   }
-  if (header.input().has_region()) {
-    return fail(absl::UnimplementedError(
-        "header.input.region: shared-memory input is not available yet; send inline chunks"));
-  }
-  if (header.output().has_region()) {
-    return fail(absl::UnimplementedError(
-        "header.output.region: shared-memory output is not available yet; use inline output"));
+  const bool input_in_region = header.input().has_region();
+  const bool output_in_region = header.output().has_region();
+  if ((input_in_region || output_in_region) && !config_.shared_memory.allow_client_regions) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        input_in_region ? "header.input.region" : "header.output.region",
+        ": client shared memory is disabled on this server "
+        "(shared_memory.allow_client_regions); send KV inline")));
   }
   plan.response_chunk_tokens = header.output().inline_().chunk_tokens();
 
@@ -226,9 +233,41 @@ grpc::Status TranslatorService::TranslateKVImpl(
         config_.limits.max_request_bytes, "; split the cache into several requests")));
   }
 
-  // --- Admission: the source cache plus two target layers (double buffering) are held. ---
+  // --- Shared-memory regions: leased for the whole request (an unregister waits for it). ---
+  SystemMemoryRegistry::Lease input_region, output_region;
+  auto lease = [&](const v1::RegionRef& ref, const char* field, int64_t expected,
+                   SystemMemoryRegistry::Lease* out) -> absl::Status {
+    if (ref.byte_size() != static_cast<uint64_t>(expected)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".byte_size=", ref.byte_size(), " but the cache is ", expected,
+          " bytes (layer-major, K then V per layer, in the request's layout and dtype)"));
+    }
+    absl::StatusOr<SystemMemoryRegistry::Lease> leased =
+        system_memory_.Acquire(ref.region(), ref.offset(), ref.byte_size(), field);
+    if (!leased.ok()) return leased.status();
+    *out = std::move(*leased);
+    return absl::OkStatus();
+  };
+  if (input_in_region) {
+    if (absl::Status s = lease(header.input().region(), "header.input.region", plan.source_bytes,
+                               &input_region);
+        !s.ok()) {
+      return fail(s);
+    }
+  }
+  if (output_in_region) {
+    if (absl::Status s = lease(header.output().region(), "header.output.region",
+                               plan.target_bytes, &output_region);
+        !s.ok()) {
+      return fail(s);
+    }
+  }
+
+  // --- Admission: the bytes this request makes kvtd hold: the inline source cache and two
+  // target layers (double buffering) of inline output. Region bytes live in the client. ---
   absl::StatusOr<AdmissionController::Ticket> ticket =
-      admission_.TryAdmit(plan.source_bytes + 4 * target_geometry.layer_bytes());
+      admission_.TryAdmit((input_in_region ? 0 : plan.source_bytes) +
+                          (output_in_region ? 0 : 4 * target_geometry.layer_bytes()));
   if (!ticket.ok()) return fail(ticket.status());
   absl::StatusOr<Derived> prepared = Prepared(plan.mapper);
   if (!prepared.ok()) return fail(prepared.status());
@@ -259,15 +298,18 @@ grpc::Status TranslatorService::TranslateKVImpl(
     if (!stream->Write(response)) return CancelledOrDeadline(context);
   }
 
-  // --- Stage in: inline chunks into whole-layer buffers. ---
+  // --- Stage in: inline chunks into whole-layer buffers, or the cache already sits in the
+  // input region (read in place, no copy). ---
   std::vector<LayerBuffer> source_k, source_v;
-  source_k.reserve(src_model.num_layers);
-  source_v.reserve(src_model.num_layers);
-  for (int l = 0; l < src_model.num_layers; ++l) {
-    source_k.emplace_back(source_geometry.layer_bytes());
-    source_v.emplace_back(source_geometry.layer_bytes());
+  if (!input_in_region) {
+    source_k.reserve(src_model.num_layers);
+    source_v.reserve(src_model.num_layers);
+    for (int l = 0; l < src_model.num_layers; ++l) {
+      source_k.emplace_back(source_geometry.layer_bytes());
+      source_v.emplace_back(source_geometry.layer_bytes());
+    }
   }
-  CoverageTracker coverage(src_model.num_layers, plan.num_tokens);
+  CoverageTracker coverage(input_in_region ? 0 : src_model.num_layers, plan.num_tokens);
   const ChunkExpectation chunk_expectation{"chunk", absl::StrCat("source model ", src_model.name),
                                            src_model.num_layers, source_geometry,
                                            plan.input_dtype, /*keys_only=*/false};
@@ -278,6 +320,11 @@ grpc::Status TranslatorService::TranslateKVImpl(
     }
     if (!request.has_chunk()) {
       return fail(absl::InvalidArgumentError("empty TranslateKVRequest: set header or chunk"));
+    }
+    if (input_in_region) {
+      return fail(absl::InvalidArgumentError(
+          "header.input.region is set: the source cache is read from the region, so the stream "
+          "must carry no chunks"));
     }
     const v1::KVChunk& chunk = request.chunk();
     absl::StatusOr<int> checked = CheckChunk(chunk, chunk_expectation);
@@ -305,9 +352,16 @@ grpc::Status TranslatorService::TranslateKVImpl(
   source.num_kv_heads = src_model.num_kv_heads;
   source.head_dim = src_model.head_dim;
   source.num_tokens = plan.num_tokens;
+  const int64_t source_layer_bytes = source_geometry.layer_bytes();
+  const int64_t target_layer_bytes = target_geometry.layer_bytes();
   for (int l = 0; l < src_model.num_layers; ++l) {
-    source.k.push_back(source_k[l].bytes.get());
-    source.v.push_back(source_v[l].bytes.get());
+    if (input_in_region) {  // layer-major, K then V
+      source.k.push_back(input_region.data() + (2 * l) * source_layer_bytes);
+      source.v.push_back(input_region.data() + (2 * l + 1) * source_layer_bytes);
+    } else {
+      source.k.push_back(source_k[l].bytes.get());
+      source.v.push_back(source_v[l].bytes.get());
+    }
   }
   struct Slot {
     std::unique_ptr<LayerBuffer> k, v;
@@ -316,8 +370,10 @@ grpc::Status TranslatorService::TranslateKVImpl(
   };
   Slot slots[2];
   for (Slot& slot : slots) {
-    slot.k = std::make_unique<LayerBuffer>(target_geometry.layer_bytes());
-    slot.v = std::make_unique<LayerBuffer>(target_geometry.layer_bytes());
+    if (!output_in_region) {
+      slot.k = std::make_unique<LayerBuffer>(target_layer_bytes);
+      slot.v = std::make_unique<LayerBuffer>(target_layer_bytes);
+    }
     slot.view.dtype = plan.output_dtype;
     slot.view.layout = plan.output_layout;
     slot.view.num_kv_heads = tgt_model.num_kv_heads;
@@ -333,8 +389,13 @@ grpc::Status TranslatorService::TranslateKVImpl(
     Slot& slot = slots[layer % 2];
     std::fill(slot.view.k.begin(), slot.view.k.end(), nullptr);
     std::fill(slot.view.v.begin(), slot.view.v.end(), nullptr);
-    slot.view.k[layer] = slot.k->bytes.get();
-    slot.view.v[layer] = slot.v->bytes.get();
+    if (output_in_region) {  // computed straight into the client's memory
+      slot.view.k[layer] = output_region.data() + (2 * layer) * target_layer_bytes;
+      slot.view.v[layer] = output_region.data() + (2 * layer + 1) * target_layer_bytes;
+    } else {
+      slot.view.k[layer] = slot.k->bytes.get();
+      slot.view.v[layer] = slot.v->bytes.get();
+    }
     return compute_.Submit([this, &slot, &source, &plan, &options, prepared_mapper, layer] {
       const absl::Time begin = absl::Now();
       absl::Status status = backend_->TranslateLayer(*prepared_mapper, layer, source,
@@ -372,6 +433,10 @@ grpc::Status TranslatorService::TranslateKVImpl(
     if (context->IsCancelled()) return CancelledOrDeadline(context);
     if (layer + 1 < tgt_model.num_layers) pending = submit(layer + 1);
 
+    if (output_in_region) {
+      output_bytes += 2 * target_layer_bytes;
+      continue;
+    }
     const absl::Time send_begin = absl::Now();
     for (int kind = 0; kind < 2; ++kind) {
       const char* layer_bytes = (kind == 0 ? slot.k : slot.v)->bytes.get();
@@ -474,48 +539,73 @@ grpc::Status TranslatorService::UnloadMapper(grpc::ServerContext* context,
 }
 
 namespace {
-grpc::Status SharedMemoryUnimplemented(const char* rpc) {
+grpc::Status CudaMemoryUnimplemented(const char* rpc) {
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      absl::StrCat(rpc, ": client shared-memory regions are not available in "
-                                        "this build yet; send KV inline"));
+                      absl::StrCat(rpc, ": CUDA IPC regions are not available in this build "
+                                        "yet; use system shared memory or inline KV"));
 }
 }  // namespace
 
 grpc::Status TranslatorService::RegisterSystemMemory(grpc::ServerContext* context,
-                                                     const v1::RegisterSystemMemoryRequest*,
-                                                     v1::RegisterSystemMemoryResponse*) {
+                                                     const v1::RegisterSystemMemoryRequest* request,
+                                                     v1::RegisterSystemMemoryResponse* response) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return SharedMemoryUnimplemented("RegisterSystemMemory");
+  if (grpc::Status enabled = SharedMemoryEnabled(); !enabled.ok()) return enabled;
+  absl::Status status = system_memory_.Register(request->name(), request->key(),
+                                                request->offset(), request->byte_size());
+  if (status.ok()) {
+    KVT_LOG(kInfo, "system memory registered")
+        .With("name", request->name())
+        .With("key", request->key())
+        .With("bytes", request->byte_size());
+  }
+  return ToGrpcStatus(status);
 }
 grpc::Status TranslatorService::UnregisterSystemMemory(grpc::ServerContext* context,
-                                                       const v1::UnregisterSystemMemoryRequest*,
-                                                       v1::UnregisterSystemMemoryResponse*) {
+                                                       const v1::UnregisterSystemMemoryRequest* request,
+                                                       v1::UnregisterSystemMemoryResponse* response) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return SharedMemoryUnimplemented("UnregisterSystemMemory");
+  if (grpc::Status enabled = SharedMemoryEnabled(); !enabled.ok()) return enabled;
+  // Waits for the requests using the region, within the caller's deadline.
+  const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
+                                       absl::Now() + absl::Seconds(config_.shutdown.deadline_seconds));
+  return ToGrpcStatus(system_memory_.Unregister(request->name(), deadline));
 }
 grpc::Status TranslatorService::SystemMemoryStatus(grpc::ServerContext* context,
-                                                   const v1::SystemMemoryStatusRequest*,
-                                                   v1::SystemMemoryStatusResponse*) {
+                                                   const v1::SystemMemoryStatusRequest* request,
+                                                   v1::SystemMemoryStatusResponse* response) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return SharedMemoryUnimplemented("SystemMemoryStatus");
+  if (grpc::Status enabled = SharedMemoryEnabled(); !enabled.ok()) return enabled;
+  absl::StatusOr<std::vector<SystemMemoryRegistry::RegionInfo>> regions =
+      system_memory_.Status(request->name());
+  if (!regions.ok()) return ToGrpcStatus(regions.status());
+  for (const SystemMemoryRegistry::RegionInfo& info : *regions) {
+    v1::SystemMemoryStatusResponse::Region* region = response->add_regions();
+    region->set_name(info.name);
+    region->set_key(info.key);
+    region->set_offset(info.offset);
+    region->set_byte_size(info.byte_size);
+    region->set_in_use(info.in_use);
+  }
+  return grpc::Status::OK;
 }
 grpc::Status TranslatorService::RegisterCudaMemory(grpc::ServerContext* context,
                                                    const v1::RegisterCudaMemoryRequest*,
                                                    v1::RegisterCudaMemoryResponse*) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return SharedMemoryUnimplemented("RegisterCudaMemory");
+  return CudaMemoryUnimplemented("RegisterCudaMemory");
 }
 grpc::Status TranslatorService::UnregisterCudaMemory(grpc::ServerContext* context,
                                                      const v1::UnregisterCudaMemoryRequest*,
                                                      v1::UnregisterCudaMemoryResponse*) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return SharedMemoryUnimplemented("UnregisterCudaMemory");
+  return CudaMemoryUnimplemented("UnregisterCudaMemory");
 }
 grpc::Status TranslatorService::CudaMemoryStatus(grpc::ServerContext* context,
                                                  const v1::CudaMemoryStatusRequest*,
                                                  v1::CudaMemoryStatusResponse*) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return SharedMemoryUnimplemented("CudaMemoryStatus");
+  return CudaMemoryUnimplemented("CudaMemoryStatus");
 }
 
 }  // namespace kvt

@@ -19,6 +19,7 @@
 #include "server/compute_executor.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "transport/shm_registry.h"
 #include "server/metrics.h"
 
 namespace kvt {
@@ -88,12 +89,15 @@ class TranslatorService final : public v1::KvTranslator::Service {
   std::string RequestId(const std::string& from_header);
   // OK, or UNAUTHENTICATED / PERMISSION_DENIED when `auth_` is set and the call lacks `role`.
   grpc::Status Authorize(const grpc::ServerContext* context, Role role) const;
+  // FAILED_PRECONDITION unless shared_memory.allow_client_regions.
+  grpc::Status SharedMemoryEnabled() const;
 
   const KvtdConfig config_;
   MapperStore* const store_;
   Backend* const backend_;
   Metrics* const metrics_;
   const Authenticator* const auth_;
+  SystemMemoryRegistry system_memory_;
   AdmissionController admission_;
   ComputeExecutor compute_;
   std::atomic<bool> draining_{false};

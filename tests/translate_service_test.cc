@@ -385,7 +385,7 @@ TEST_F(TranslateServiceTest, MalformedStreamsGetClearErrorsAndTheServerKeepsServ
        grpc::StatusCode::INVALID_ARGUMENT, "header.mapper_id"},
       {"shared memory input",
        {header_with([](v1::TranslateHeader* h) { h->mutable_input()->mutable_region(); })},
-       grpc::StatusCode::UNIMPLEMENTED, "header.input.region"},
+       grpc::StatusCode::FAILED_PRECONDITION, "header.input.region"},
       {"layer out of range", {HeaderMessage(8), ChunkMessage(3, v1::CACHE_KIND_K, 0, 8)},
        grpc::StatusCode::INVALID_ARGUMENT, "chunk.layer=3"},
       {"kind unset", {HeaderMessage(8), ChunkMessage(0, v1::CACHE_KIND_UNSPECIFIED, 0, 8)},
@@ -504,14 +504,22 @@ TEST_F(TranslateServiceTest, ShutdownDrainsInFlightStreamsAndRefusesNewOnes) {
   stopper.join();
 }
 
-TEST_F(TranslateServiceTest, RpcsOfLaterIssuesSayUnimplemented) {
+TEST_F(TranslateServiceTest, SharedMemoryIsOffByDefaultAndCudaIpcUnimplemented) {
   Kvtd kvtd(*store_dir_);
   grpc::ClientContext context;
   v1::RegisterSystemMemoryResponse response;
   grpc::Status status = kvtd.client().stub()->RegisterSystemMemory(
       &context, v1::RegisterSystemMemoryRequest(), &response);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-  EXPECT_FALSE(status.error_message().empty());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("shared_memory.allow_client_regions"));
+  grpc::ClientContext cuda_context;
+  v1::RegisterCudaMemoryResponse cuda_response;
+  EXPECT_EQ(kvtd.client()
+                .stub()
+                ->RegisterCudaMemory(&cuda_context, v1::RegisterCudaMemoryRequest(),
+                                     &cuda_response)
+                .error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
 }
 
 // --- ValidateKV and telemetry. ---
