@@ -4,7 +4,7 @@
 // streamed to a real TranslatorService (real mapper store with two small synthetic mappers, real
 // CPU backend) over an in-process gRPC channel. Invariants:
 //   - the status is OK or one of the documented refusals (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
-//     NOT_FOUND, UNIMPLEMENTED): never UNKNOWN/INTERNAL, never a hang (DEADLINE_EXCEEDED);
+//     NOT_FOUND, UNIMPLEMENTED, FAILED_PRECONDITION): never UNKNOWN/INTERNAL, never a hang (DEADLINE_EXCEEDED);
 //   - OK means: a response header first, the trailer last, and target chunks covering every
 //     target layer's K and V exactly (byte count), all inside the announced shape;
 //   - every refusal carries a message.
@@ -360,6 +360,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case grpc::StatusCode::RESOURCE_EXHAUSTED:
     case grpc::StatusCode::NOT_FOUND:
     case grpc::StatusCode::UNIMPLEMENTED:
+    case grpc::StatusCode::FAILED_PRECONDITION:  // shared memory disabled, mapper FAILED
       FUZZ_CHECK(!status.error_message().empty());
       FUZZ_CHECK(trailers == 0);
       break;
