@@ -3,7 +3,9 @@
 // Prints p50/p95/p99/max latency, req/s, tokens/s, GB/s and errors by code; writes JSON and an
 // SVG latency plot; in soak runs (--server_pid) checks RSS and fd growth after warm-up.
 #include <cstdio>
+#include <algorithm>
 #include <fstream>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -28,7 +30,8 @@ ABSL_FLAG(std::string, json_out, "", "write the summary and every sample as JSON
 ABSL_FLAG(std::string, svg_out, "", "write an SVG plot of latency over time here.");
 ABSL_FLAG(int32_t, server_pid, 0, "soak: sample this kvtd's RSS and open fds once a second.");
 ABSL_FLAG(double, max_rss_growth_pct, -1,
-          "soak: fail if RSS grows more than this (percent) from the end of warm-up to the end.");
+          "soak: fail if the RSS floor (lowest sample) of the last third of the run after warm-up "
+          "exceeds that of the first third by more than this (percent), or open fds grew.");
 ABSL_FLAG(bool, fail_on_error, false, "exit non-zero when any request failed.");
 
 namespace kvt {
@@ -85,21 +88,29 @@ int Main() {
   int exit_code = 0;
   if (absl::GetFlag(FLAGS_fail_on_error) && summary.ok != summary.requests) exit_code = 3;
   if (!result->resources.empty()) {
-    // Growth from the first sample after warm-up to the last.
-    const ResourcePoint* first = nullptr;
+    // Steady-state growth: the lowest RSS of the last third of the samples after warm-up against
+    // the lowest of the first third. Single samples swing by 10-20% with whatever requests are
+    // in flight at that instant (several MB each); a leak raises the floor, in-flight work does
+    // not.
+    std::vector<const ResourcePoint*> steady;
     for (const ResourcePoint& point : result->resources) {
-      if (point.t_s >= options.warmup_s) {
-        first = &point;
-        break;
-      }
+      if (point.t_s >= options.warmup_s) steady.push_back(&point);
     }
-    if (first == nullptr) first = &result->resources.front();
-    const ResourcePoint& last = result->resources.back();
-    const double growth = first->rss_kib > 0
-                              ? 100.0 * (last.rss_kib - first->rss_kib) / first->rss_kib
-                              : 0;
-    std::printf("server    RSS %.1f MiB -> %.1f MiB (%+.2f%% after warm-up), fds %lld -> %lld\n",
-                first->rss_kib / 1024.0, last.rss_kib / 1024.0, growth,
+    if (steady.empty()) steady.push_back(&result->resources.back());
+    const size_t third = std::max<size_t>(1, steady.size() / 3);
+    auto floor_rss = [](std::vector<const ResourcePoint*> points) {
+      int64_t lowest = points.front()->rss_kib;
+      for (const ResourcePoint* point : points) lowest = std::min(lowest, point->rss_kib);
+      return static_cast<double>(lowest);
+    };
+    const double early = floor_rss({steady.begin(), steady.begin() + third});
+    const double late = floor_rss({steady.end() - third, steady.end()});
+    const ResourcePoint* first = steady.front();
+    const ResourcePoint& last = *steady.back();
+    const double growth = early > 0 ? 100.0 * (late - early) / early : 0;
+    std::printf("server    RSS floor %.1f MiB -> %.1f MiB (%+.2f%%, first vs last third after "
+                "warm-up, %zu samples), fds %lld -> %lld\n",
+                early / 1024.0, late / 1024.0, growth, steady.size(),
                 static_cast<long long>(first->open_fds), static_cast<long long>(last.open_fds));
     const double limit = absl::GetFlag(FLAGS_max_rss_growth_pct);
     if (limit >= 0 && growth > limit) {
