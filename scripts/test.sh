@@ -15,14 +15,16 @@ if [ "${KVT_TEST_ASAN:-0}" = 1 ]; then
   bazel test --config=asan --test_tag_filters=-soak //... "$@"
   asan_rc=$?
   asan_summary=("$(bazel info --config=asan bazel-testlogs 2>/dev/null)"
-                $(bazel query 'tests(//...) except attr(tags, soak, tests(//...))' 2>/dev/null))
+                $(bazel query 'tests(//...) except attr(tags, "soak|manual", tests(//...))' \
+                  2>/dev/null))
 fi
 
 bazel test //... "$@"
 bazel_rc=$?
 
-# Count only the test targets that exist now (bazel-testlogs may hold results of deleted ones).
-targets=$(bazel query 'tests(//...)' 2>/dev/null)
+# Count only the test targets that exist now (bazel-testlogs may hold results of deleted ones)
+# and that `bazel test //...` runs (manual ones, e.g. the soak, are run by hand).
+targets=$(bazel query 'tests(//...) except attr(tags, manual, tests(//...))' 2>/dev/null)
 python3 scripts/junit_summary.py "$(bazel info bazel-testlogs 2>/dev/null)" $targets \
   "${asan_summary[@]}"
 summary_rc=$?
