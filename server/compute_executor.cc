@@ -11,22 +11,26 @@ ComputeExecutor::ComputeExecutor(int num_threads) {
 
 ComputeExecutor::~ComputeExecutor() {
   {
-    absl::MutexLock lock(&mutex_);
+    std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
+  work_available_.notify_all();
   for (std::thread& worker : workers_) worker.join();
 }
 
 std::future<absl::Status> ComputeExecutor::Submit(std::function<absl::Status()> task) {
   std::packaged_task<absl::Status()> packaged(std::move(task));
   std::future<absl::Status> result = packaged.get_future();
-  absl::MutexLock lock(&mutex_);
-  queue_.push_back(std::move(packaged));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(packaged));
+  }
+  work_available_.notify_one();
   return result;
 }
 
 size_t ComputeExecutor::queued() const {
-  absl::MutexLock lock(&mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
   return queue_.size();
 }
 
@@ -34,12 +38,8 @@ void ComputeExecutor::WorkerLoop() {
   while (true) {
     std::packaged_task<absl::Status()> task;
     {
-      absl::MutexLock lock(&mutex_);
-      mutex_.Await(absl::Condition(
-          +[](ComputeExecutor* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mutex_) {
-            return self->stopping_ || !self->queue_.empty();
-          },
-          this));
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_available_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping and drained
       task = std::move(queue_.front());
       queue_.pop_front();

@@ -11,7 +11,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include <condition_variable>
+#include <mutex>
+
 
 namespace kvt {
 
@@ -30,7 +32,9 @@ class ComputeExecutor {
  private:
   void WorkerLoop();
 
-  mutable absl::Mutex mutex_;
+  // std::mutex: TSan sees it (Debian's absl is not TSan-instrumented).
+  mutable std::mutex mutex_;
+  std::condition_variable work_available_;
   std::deque<std::packaged_task<absl::Status()>> queue_ ABSL_GUARDED_BY(mutex_);
   bool stopping_ ABSL_GUARDED_BY(mutex_) = false;
   std::vector<std::thread> workers_;

@@ -142,7 +142,7 @@ void KvtdServer::Shutdown() {
   // Start() failed to bind (port in use): nothing was served, so there is nothing to drain.
   if (server_ == nullptr) return;
   {
-    absl::MutexLock lock(&shutdown_mutex_);
+    std::lock_guard<std::mutex> lock(shutdown_mutex_);
     if (shut_down_) return;
     shut_down_ = true;
   }

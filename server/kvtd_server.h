@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -46,7 +47,7 @@ class KvtdServer {
   std::unique_ptr<TranslatorService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  absl::Mutex shutdown_mutex_;
+  std::mutex shutdown_mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mutex_) = false;
 };
 

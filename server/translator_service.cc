@@ -114,7 +114,7 @@ TranslatorService::~TranslatorService() = default;
 
 absl::StatusOr<TranslatorService::Derived> TranslatorService::Prepared(
     const std::shared_ptr<const LoadedMapper>& mapper) {
-  absl::MutexLock lock(&prepared_mutex_);
+  std::lock_guard<std::mutex> lock(prepared_mutex_);
   auto it = prepared_.find(mapper.get());
   if (it != prepared_.end()) return it->second.second;
   absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend_->Prepare(mapper->view());

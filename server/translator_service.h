@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -103,7 +104,7 @@ class TranslatorService final : public v1::KvTranslator::Service {
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> next_request_id_{1};
 
-  absl::Mutex prepared_mutex_;
+  std::mutex prepared_mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex
   // Keyed by the loaded mapper; holding it keeps the view's bytes alive.
   std::map<const LoadedMapper*, std::pair<std::shared_ptr<const LoadedMapper>, Derived>>
       prepared_ ABSL_GUARDED_BY(prepared_mutex_);
