@@ -27,20 +27,6 @@ ABSL_FLAG(double, rope_theta, 10000.0, "kvt synth custom: RoPE theta of both mod
 
 namespace kvt {
 namespace cli {
-namespace {
-
-ModelSpec CustomModel(const std::string& name, int layers, int heads, int head_dim) {
-  ModelSpec model;
-  model.name = name;
-  model.num_layers = layers;
-  model.num_kv_heads = heads;
-  model.head_dim = head_dim;
-  model.rope.theta = absl::GetFlag(FLAGS_rope_theta);
-  model.rope.rotary_dim = head_dim;
-  return model;
-}
-
-}  // namespace
 
 int RunSynth(const std::vector<std::string>& args) {
   const std::string out = absl::GetFlag(FLAGS_out);
@@ -62,14 +48,15 @@ int RunSynth(const std::vector<std::string>& args) {
   } else {
     const std::string source_name = absl::GetFlag(FLAGS_source_model);
     const std::string target_name = absl::GetFlag(FLAGS_target_model);
-    options.source = CustomModel(source_name.empty() ? "custom/source" : source_name,
-                                 absl::GetFlag(FLAGS_source_layers),
-                                 absl::GetFlag(FLAGS_source_heads),
-                                 absl::GetFlag(FLAGS_source_head_dim));
-    options.target = CustomModel(target_name.empty() ? "custom/target" : target_name,
-                                 absl::GetFlag(FLAGS_target_layers),
-                                 absl::GetFlag(FLAGS_target_heads),
-                                 absl::GetFlag(FLAGS_target_head_dim));
+    const double theta = absl::GetFlag(FLAGS_rope_theta);
+    options.source = NeoxModelSpec(source_name.empty() ? "custom/source" : source_name,
+                                   absl::GetFlag(FLAGS_source_layers),
+                                   absl::GetFlag(FLAGS_source_heads),
+                                   absl::GetFlag(FLAGS_source_head_dim), theta);
+    options.target = NeoxModelSpec(target_name.empty() ? "custom/target" : target_name,
+                                   absl::GetFlag(FLAGS_target_layers),
+                                   absl::GetFlag(FLAGS_target_heads),
+                                   absl::GetFlag(FLAGS_target_head_dim), theta);
     options.k = 2;
   }
   if (absl::GetFlag(FLAGS_k) >= 0) options.k = absl::GetFlag(FLAGS_k);

@@ -31,23 +31,12 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
-ModelSpec Model(const std::string& name, int layers, int heads, int head_dim, double theta) {
-  ModelSpec model;
-  model.name = name;
-  model.num_layers = layers;
-  model.num_kv_heads = heads;
-  model.head_dim = head_dim;
-  model.rope.theta = theta;
-  model.rope.rotary_dim = head_dim;
-  return model;
-}
-
 // Matched shapes (2 heads x 8 dims both sides), different RoPE: plain neox on the source,
 // llama3-scaled on the target. Every target layer is fed by two source layers.
 FamilyOptions MatchedFamily() {
   FamilyOptions o;
-  o.source = Model("test/src-5l", 5, 2, 8, 10000);
-  o.target = Model("test/dst-4l", 4, 2, 8, 500000);
+  o.source = NeoxModelSpec("test/src-5l", 5, 2, 8, 10000);
+  o.target = NeoxModelSpec("test/dst-4l", 4, 2, 8, 500000);
   o.target.rope.scaling.type = RopeScalingType::kLlama3;
   o.target.rope.scaling.factor = 8;
   o.target.rope.scaling.original_max_position_embeddings = 64;
@@ -60,8 +49,8 @@ FamilyOptions MatchedFamily() {
 // Unmatched: 2 x 8 source -> 3 x 4 target with partial rotary and yarn (attention factor != 1).
 FamilyOptions UnmatchedFamily() {
   FamilyOptions o;
-  o.source = Model("test/src-4l", 4, 2, 8, 10000);
-  o.target = Model("test/dst-3l", 3, 3, 4, 1000000);
+  o.source = NeoxModelSpec("test/src-4l", 4, 2, 8, 10000);
+  o.target = NeoxModelSpec("test/dst-3l", 3, 3, 4, 1000000);
   o.target.rope.rotary_dim = 2;
   o.target.rope.scaling.type = RopeScalingType::kYarn;
   o.target.rope.scaling.factor = 4;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/rope.h"
@@ -19,6 +20,21 @@ struct ModelSpec {
   int head_dim = 0;
   RopeConfig rope;
 };
+
+// A model with plain neox RoPE over the whole head (no scaling): synthetic mappers, custom
+// shapes and tests. Real models come from config.json (fit/hf_config.h) or the synth presets.
+inline ModelSpec NeoxModelSpec(std::string name, int num_layers, int num_kv_heads, int head_dim,
+                               double theta = 10000.0) {
+  ModelSpec model;
+  model.name = std::move(name);
+  model.num_layers = num_layers;
+  model.num_kv_heads = num_kv_heads;
+  model.head_dim = head_dim;
+  model.rope.theta = theta;
+  model.rope.rotary_dim = head_dim;
+  model.rope.style = RopeStyle::kNeox;
+  return model;
+}
 
 // A dense row-major matrix or vector in a stored dtype.
 struct WeightView {

@@ -17,22 +17,11 @@ namespace {
 
 using ::absl::StatusCode;
 
-ModelSpec Model(const std::string& name, int layers, int heads, int head_dim) {
-  ModelSpec m;
-  m.name = name;
-  m.num_layers = layers;
-  m.num_kv_heads = heads;
-  m.head_dim = head_dim;
-  m.rope.theta = 10000;
-  m.rope.rotary_dim = head_dim;
-  return m;
-}
-
 // Source 3 layers x 2 heads x 4, target 2 layers x 1 head x 8 (unmatched on purpose), k = 2.
 Manifest SmallManifest(DType dtype) {
   Manifest m;
-  m.source = Model("test/src", 3, 2, 4);
-  m.target = Model("test/tgt", 2, 1, 8);
+  m.source = NeoxModelSpec("test/src", 3, 2, 4);
+  m.target = NeoxModelSpec("test/tgt", 2, 1, 8);
   m.k = 2;
   m.weights_dtype = dtype;
   m.layers = {{0, {2, 0}, {1}, 0.9, 0.8, std::nullopt, std::nullopt},

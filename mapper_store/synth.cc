@@ -50,22 +50,10 @@ std::vector<int> DrawSigma(uint64_t seed, uint64_t stream, int num_source_layers
   return pool;
 }
 
-ModelSpec Spec(const char* name, int layers, int kv_heads, int head_dim, double theta) {
-  ModelSpec m;
-  m.name = name;
-  m.num_layers = layers;
-  m.num_kv_heads = kv_heads;
-  m.head_dim = head_dim;
-  m.rope.theta = theta;
-  m.rope.rotary_dim = head_dim;
-  m.rope.style = RopeStyle::kNeox;
-  return m;
-}
-
 ModelSpec Llama31(const char* name, int layers) {
   // Llama 3.1 config.json: rope_theta 500000, rope_scaling {rope_type: llama3, factor: 8,
   // low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192}.
-  ModelSpec m = Spec(name, layers, 8, 128, 500000.0);
+  ModelSpec m = NeoxModelSpec(name, layers, 8, 128, 500000.0);
   m.rope.scaling.type = RopeScalingType::kLlama3;
   m.rope.scaling.factor = 8;
   m.rope.scaling.low_freq_factor = 1;
@@ -80,7 +68,7 @@ ModelSpec Ministral3(const char* name, int layers) {
   // yarn scaling with factor 16, original_max_position_embeddings 16384, beta_fast 32,
   // beta_slow 1, mscale = mscale_all_dim = 1 -> attention factor exactly 1 (Hugging Face
   // computes get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) in that case).
-  ModelSpec m = Spec(name, layers, 8, 128, 1e6);
+  ModelSpec m = NeoxModelSpec(name, layers, 8, 128, 1e6);
   m.rope.scaling.type = RopeScalingType::kYarn;
   m.rope.scaling.factor = 16;
   m.rope.scaling.original_max_position_embeddings = 16384;
@@ -95,9 +83,9 @@ const std::map<std::string, ModelSpec>& KnownModels() {
   static const std::map<std::string, ModelSpec>* const models = [] {
     auto* m = new std::map<std::string, ModelSpec>;
     // Qwen3 config.json: num_key_value_heads 8, head_dim 128, rope_theta 1e6, no rope_scaling.
-    for (const ModelSpec& spec : {Spec("Qwen/Qwen3-8B", 36, 8, 128, 1e6),
-                                  Spec("Qwen/Qwen3-14B", 40, 8, 128, 1e6),
-                                  Spec("Qwen/Qwen3-32B", 64, 8, 128, 1e6),
+    for (const ModelSpec& spec : {NeoxModelSpec("Qwen/Qwen3-8B", 36, 8, 128, 1e6),
+                                  NeoxModelSpec("Qwen/Qwen3-14B", 40, 8, 128, 1e6),
+                                  NeoxModelSpec("Qwen/Qwen3-32B", 64, 8, 128, 1e6),
                                   Llama31("meta-llama/Llama-3.1-8B", 32),
                                   Llama31("meta-llama/Llama-3.1-70B", 80),
                                   // ASSUMPTION: 26 layers (3B) and 34 layers (8B).
@@ -155,8 +143,8 @@ std::vector<std::string> SynthPresetNames() {
 absl::StatusOr<SynthOptions> SynthPreset(absl::string_view preset) {
   SynthOptions options;
   if (preset == "demo-tiny") {
-    options.source = Spec("kvt-demo/tiny-4l", 4, 2, 32, 10000.0);
-    options.target = Spec("kvt-demo/tiny-6l", 6, 2, 32, 10000.0);
+    options.source = NeoxModelSpec("kvt-demo/tiny-4l", 4, 2, 32, 10000.0);
+    options.target = NeoxModelSpec("kvt-demo/tiny-6l", 6, 2, 32, 10000.0);
     options.k = 2;
     options.dtype = DType::kFP32;
     return options;

@@ -16,21 +16,10 @@ namespace {
 
 using ::absl::StatusCode;
 
-ModelSpec Model(const std::string& name, int layers, int heads, int head_dim) {
-  ModelSpec m;
-  m.name = name;
-  m.num_layers = layers;
-  m.num_kv_heads = heads;
-  m.head_dim = head_dim;
-  m.rope.theta = 10000;
-  m.rope.rotary_dim = head_dim;
-  return m;
-}
-
 SynthOptions Small(uint64_t seed) {
   SynthOptions o;
-  o.source = Model("s", 5, 2, 16);
-  o.target = Model("t", 3, 2, 16);
+  o.source = NeoxModelSpec("s", 5, 2, 16);
+  o.target = NeoxModelSpec("t", 3, 2, 16);
   o.k = 3;
   o.dtype = DType::kBF16;
   o.seed = seed;
@@ -100,8 +89,8 @@ TEST(SynthTest, ManifestIsSyntheticWithValidSigma) {
 
 TEST(SynthTest, WeightsKeepTheInputScale) {
   SynthOptions options;
-  options.source = Model("s", 4, 2, 64);
-  options.target = Model("t", 1, 2, 64);
+  options.source = NeoxModelSpec("s", 4, 2, 64);
+  options.target = NeoxModelSpec("t", 1, 2, 64);
   options.k = 2;  // fan_in 256
   options.dtype = DType::kFP32;
   options.seed = 5;

@@ -34,22 +34,11 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
-ModelSpec Model(const std::string& name, int layers, int heads, int head_dim, double theta) {
-  ModelSpec model;
-  model.name = name;
-  model.num_layers = layers;
-  model.num_kv_heads = heads;
-  model.head_dim = head_dim;
-  model.rope.theta = theta;
-  model.rope.rotary_dim = head_dim;
-  return model;
-}
-
 // Source neox theta 1e4; target yarn-scaled theta 1e6 (its attention factor scales cached keys).
 fit::testing::FamilyOptions Family() {
   fit::testing::FamilyOptions o;
-  o.source = Model("fam/src", 3, 2, 16, 10000);
-  o.target = Model("fam/dst", 4, 2, 16, 1000000);
+  o.source = NeoxModelSpec("fam/src", 3, 2, 16, 10000);
+  o.target = NeoxModelSpec("fam/dst", 4, 2, 16, 1000000);
   o.target.rope.scaling.type = RopeScalingType::kYarn;
   o.target.rope.scaling.factor = 4;
   o.target.rope.scaling.original_max_position_embeddings = 32;

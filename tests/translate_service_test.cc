@@ -42,17 +42,6 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
-ModelSpec Model(const std::string& name, int layers, int heads, int head_dim, double theta) {
-  ModelSpec model;
-  model.name = name;
-  model.num_layers = layers;
-  model.num_kv_heads = heads;
-  model.head_dim = head_dim;
-  model.rope.theta = theta;
-  model.rope.rotary_dim = head_dim;
-  return model;
-}
-
 // A running kvtd over a store directory, plus a client.
 class Kvtd {
  public:
@@ -131,15 +120,15 @@ class TranslateServiceTest : public ::testing::Test {
     store_dir_ = new std::string(TempDir("store"));
     // Matched shapes, and an unmatched pair (heads, head_dim, RoPE all differ).
     SynthOptions matched;
-    matched.source = Model("test/src", 3, 2, 16, 10000);
-    matched.target = Model("test/dst", 4, 2, 16, 10000);
+    matched.source = NeoxModelSpec("test/src", 3, 2, 16, 10000);
+    matched.target = NeoxModelSpec("test/dst", 4, 2, 16, 10000);
     matched.k = 2;
     matched.dtype = DType::kFP32;
     matched.seed = 7;
     ASSERT_TRUE(WriteSynthMapper(*store_dir_ + "/matched", matched).ok());
     SynthOptions unmatched;
-    unmatched.source = Model("test/small", 2, 2, 8, 10000);
-    unmatched.target = Model("test/big", 3, 4, 16, 500000);
+    unmatched.source = NeoxModelSpec("test/small", 2, 2, 8, 10000);
+    unmatched.target = NeoxModelSpec("test/big", 3, 4, 16, 500000);
     unmatched.target.rope.rotary_dim = 8;  // partial rotary on the target
     unmatched.k = 0;
     unmatched.dtype = DType::kBF16;
@@ -229,7 +218,7 @@ TEST_F(TranslateServiceTest, UnknownPairIsNotFoundNamingThePair) {
   v1::TranslateHeader header;
   header.set_source_model("Qwen/Qwen3-14B");
   header.set_target_model("Qwen/Qwen3-32B");
-  HostCache cache = RandomCache(Model("x", 1, 1, 8, 1e4), 4, DType::kBF16, Layout::kHND, 1);
+  HostCache cache = RandomCache(NeoxModelSpec("x", 1, 1, 8, 1e4), 4, DType::kBF16, Layout::kHND, 1);
   absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, cache);
   ASSERT_EQ(result.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(result.status().message()),
@@ -742,8 +731,8 @@ TEST_F(TranslateServiceTest, TrailerCarriesInputShiftAndSpeedupAndMetricsCountEv
   // A store of its own: a mapper with calibration statistics N(0, 1) for every feature.
   const std::string store = TempDir("shift-store");
   SynthOptions options;
-  options.source = Model("shift/src", 2, 2, 16, 10000);
-  options.target = Model("shift/dst", 2, 2, 16, 10000);
+  options.source = NeoxModelSpec("shift/src", 2, 2, 16, 10000);
+  options.target = NeoxModelSpec("shift/dst", 2, 2, 16, 10000);
   options.k = 1;
   options.dtype = DType::kFP32;
   options.seed = 9;
