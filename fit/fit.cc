@@ -249,7 +249,8 @@ absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet
 absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions& options,
                                         const std::string& out_dir,
                                         std::vector<std::string> warnings) {
-  absl::Status need = NeedMetadata(stats, {"sigma", "k", "sequences", "stride"}, "final");
+  absl::Status need = NeedMetadata(
+      stats, {"sigma", "k", "sequences", "stride", "heldout_fraction", "seed"}, "final");
   if (!need.ok()) return need;
   absl::StatusOr<FitShape> shape = ShapeOf(stats);
   if (!shape.ok()) return shape.status();
@@ -342,9 +343,21 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   }
 
   // Calibration facts: the manifest's free-form map and the report's table.
-  const json sequences = json::parse(stats.metadata.at("sequences"));
+  // The statistics may come from shard files on disk: parse without exceptions and check types.
+  const json sequences =
+      json::parse(stats.metadata.at("sequences"), /*cb=*/nullptr, /*allow_exceptions=*/false);
+  if (!sequences.is_array()) {
+    return absl::InvalidArgumentError(
+        "statistics metadata 'sequences' is not a JSON array (corrupt shard file?)");
+  }
   int64_t heldout_sequences = 0, min_tokens = INT64_MAX, max_tokens = 0, total_tokens = 0;
   for (const json& s : sequences) {
+    if (!s.is_object() || !s.contains("tokens") || !s["tokens"].is_number_integer() ||
+        !s.contains("heldout") || !s["heldout"].is_boolean()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "statistics metadata 'sequences' entry lacks integer 'tokens' / boolean 'heldout': ",
+          s.dump()));
+    }
     const int64_t tokens = s["tokens"].get<int64_t>();
     heldout_sequences += s["heldout"].get<bool>() ? 1 : 0;
     min_tokens = std::min(min_tokens, tokens);
@@ -354,7 +367,11 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   const std::string tokens_per_sequence = min_tokens == max_tokens
                                               ? absl::StrCat(max_tokens)
                                               : absl::StrCat(min_tokens, "..", max_tokens);
-  const int stride = std::stoi(stats.metadata.at("stride"));
+  int stride = 0;
+  if (!absl::SimpleAtoi(stats.metadata.at("stride"), &stride) || stride < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("statistics metadata 'stride' is not a positive "
+                                                   "integer: '", stats.metadata.at("stride"), "'"));
+  }
   ReportData report;
   report.mapper_id = Basename(out_dir);
   report.probe = *tables;
@@ -394,9 +411,16 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   calibration["stride"] = stride;
   calibration["observations"] = {{"train", static_cast<int64_t>(n_train)},
                                  {"heldout", static_cast<int64_t>(n_held)}};
+  double heldout_fraction = 0;
+  uint64_t split_seed = 0;
+  if (!absl::SimpleAtod(stats.metadata.at("heldout_fraction"), &heldout_fraction) ||
+      !absl::SimpleAtoi(stats.metadata.at("seed"), &split_seed)) {
+    return absl::InvalidArgumentError(
+        "statistics metadata 'heldout_fraction' / 'seed' are not numbers (corrupt shard file?)");
+  }
   calibration["heldout_split"] = {
-      {"fraction", std::stod(stats.metadata.at("heldout_fraction"))},
-      {"seed", std::stoull(stats.metadata.at("seed"))},
+      {"fraction", heldout_fraction},
+      {"seed", split_seed},
       {"by", "sequence (hash of seed and dump file name)"}};
   calibration["probe"] = shape->matched() ? "head-matched" : "full-source-layer";
   calibration["k_requested"] = stats.metadata.at("k");
