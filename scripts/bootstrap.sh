@@ -33,6 +33,8 @@ PACKAGES=(
   python3
   python3-venv
   python3-numpy            # known-answer test generators, eval
+  python3-matplotlib       # eval/run_eval.py plots for docs/EVAL.md
+  python3.11-doc           # eval/tinyfamily corpus: the Python docs' English text
 )
 
 missing=()
@@ -60,4 +62,5 @@ if [ "${1:-}" = "--python" ]; then
   if [ -f "$root/clients/python/requirements.txt" ]; then
     "$root/.venv/bin/pip" install -q -r "$root/clients/python/requirements.txt"
   fi
+  "$root/.venv/bin/pip" install -q -r "$root/eval/requirements.txt"  # eval/, tools/dump_kv.py
 fi

@@ -136,6 +136,29 @@ def write_safetensors(path, tensors, metadata):
     os.replace(tmp, path)
 
 
+def read_safetensors(path):
+    """{name: torch tensor} of a safetensors file (the inverse of write_safetensors)."""
+    import numpy as np
+    import torch
+
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        data = f.read()
+    types = {"F32": np.float32, "F16": np.float16, "BF16": np.int16, "I64": np.int64}
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in types:
+            raise ValueError(f"{path}: tensor {name}: unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        array = np.frombuffer(data[begin:end], dtype=types[info["dtype"]]).reshape(info["shape"])
+        tensor = torch.from_numpy(array.copy())
+        tensors[name] = tensor.view(torch.bfloat16) if info["dtype"] == "BF16" else tensor
+    return tensors
+
+
 def legacy_cache(past_key_values):
     """[(k, v)] per layer, whatever cache class this transformers version returns."""
     if hasattr(past_key_values, "to_legacy_cache"):

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Trains one member of the bundled tiny Llama family (eval/tinyfamily/README.md).
+
+From scratch (cross-entropy on the training split) or, with --teacher, distilled from a larger
+member: loss = --kl_weight * KL(teacher || student) on the teacher's next-byte distribution
++ --ce_weight * cross-entropy on the text. Training is bounded by wall-clock time (--minutes);
+the learning rate follows a warmup + cosine schedule over that time, so a run on a loaded machine
+ends on time with a fully decayed schedule. Writes into --out: model.safetensors + config.json
+(loadable by transformers' LlamaForCausalLM), train_log.csv (loss curve), summary.json
+(tokens, steps, held-out bits per byte), and a checkpoint every --checkpoint_minutes.
+
+    nice -n 5 python3 eval/tinyfamily/train.py --out eval/tinyfamily/models/L --name kvt-tiny-L \\
+        --layers 6 --hidden 128 --heads 4 --kv_heads 2 --head_dim 32 --ffn 384 --minutes 45
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402
+import model as tiny  # noqa: E402
+
+
+def byte_stream(docs):
+    """Documents as UTF-8 bytes joined by EOS (0), as dump_kv.py joins them."""
+    parts = []
+    for d in docs:
+        parts.append(np.frombuffer(d["text"].encode("utf-8"), dtype=np.uint8))
+        parts.append(np.zeros(1, dtype=np.uint8))
+    return np.concatenate(parts).astype(np.int64)
+
+
+def heldout_bpb(model, data, seq, max_windows=None):
+    """Bits per byte over consecutive non-overlapping windows (each a fresh forward from 0)."""
+    model.eval()
+    n = (len(data) - 1) // seq
+    if max_windows:
+        n = min(n, max_windows)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, n, 8):
+            idx = range(i, min(n, i + 8))
+            x = torch.stack([torch.from_numpy(data[j * seq:j * seq + seq]) for j in idx])
+            y = torch.stack([torch.from_numpy(data[j * seq + 1:j * seq + seq + 1]) for j in idx])
+            logits = model(x)
+            total += F.cross_entropy(logits.reshape(-1, tiny.VOCAB), y.reshape(-1),
+                                     reduction="sum").item()
+            count += y.numel()
+    model.train()
+    return total / count / math.log(2)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--name", required=True, help="model name (config _name_or_path)")
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--kv_heads", type=int, required=True)
+    p.add_argument("--head_dim", type=int, required=True)
+    p.add_argument("--ffn", type=int, required=True)
+    p.add_argument("--teacher", default="", help="directory of the member to distill from")
+    p.add_argument("--kl_weight", type=float, default=1.0)
+    p.add_argument("--ce_weight", type=float, default=None,
+                   help="default 1 from scratch, 0.1 when distilling")
+    p.add_argument("--minutes", type=float, required=True, help="wall-clock training budget")
+    p.add_argument("--max_steps", type=int, default=0, help="stop after N steps (smoke tests)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup_steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--checkpoint_minutes", type=float, default=5)
+    p.add_argument("--eval_every", type=int, default=200, help="steps between held-out checks")
+    p.add_argument("--corpus_root", default=corpus.SOURCES)
+    args = p.parse_args()
+    ce_weight = args.ce_weight if args.ce_weight is not None else (0.1 if args.teacher else 1.0)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    splits = corpus.splits(args.corpus_root)
+    train = byte_stream(splits["train"])
+    heldout = byte_stream(splits["heldout"])
+
+    config = tiny.hf_config(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim,
+                            args.ffn, args.name)
+    student = tiny.Llama(config)
+    student.init_weights(args.seed)
+    teacher = None
+    if args.teacher:
+        teacher = tiny.load(args.teacher).eval()
+        for q in teacher.parameters():
+            q.requires_grad_(False)
+    params = sum(q.numel() for q in student.parameters())
+    decay = [q for n, q in student.named_parameters() if q.dim() >= 2]
+    no_decay = [q for n, q in student.named_parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "train_log.csv")
+    log = open(log_path, "w", newline="")
+    writer = csv.writer(log)
+    writer.writerow(["step", "seconds", "tokens", "lr", "loss", "ce_bits_per_byte",
+                     "heldout_bits_per_byte"])
+    print(f"{args.name}: {params} parameters, train {len(train)} bytes, heldout {len(heldout)}"
+          f" bytes, teacher={args.teacher or '-'}", flush=True)
+
+    budget = args.minutes * 60
+    start = time.time()
+    last_checkpoint = start
+    step = tokens = 0
+    while True:
+        elapsed = time.time() - start
+        if elapsed >= budget or (args.max_steps and step >= args.max_steps):
+            break
+        frac = elapsed / budget
+        lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * \
+            (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = rng.integers(0, len(train) - args.seq - 1, size=args.batch)
+        x = torch.from_numpy(np.stack([train[s:s + args.seq] for s in starts]))
+        y = torch.from_numpy(np.stack([train[s + 1:s + args.seq + 1] for s in starts]))
+        logits = student(x).reshape(-1, tiny.VOCAB)
+        ce = F.cross_entropy(logits, y.reshape(-1))
+        loss = ce_weight * ce
+        if teacher is not None:
+            with torch.no_grad():
+                t_logp = F.log_softmax(teacher(x).reshape(-1, tiny.VOCAB), dim=-1)
+            kl = F.kl_div(F.log_softmax(logits, dim=-1), t_logp, log_target=True,
+                          reduction="batchmean")
+            loss = loss + args.kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += x.numel()
+        held = ""
+        if step % args.eval_every == 0:
+            held = f"{heldout_bpb(student, heldout, args.seq, max_windows=64):.4f}"
+        if step % 10 == 0 or held:
+            writer.writerow([step, f"{time.time() - start:.1f}", tokens, f"{lr:.6f}",
+                             f"{loss.item():.4f}", f"{ce.item() / math.log(2):.4f}", held])
+            log.flush()
+        if held:
+            print(f"step {step} {time.time() - start:.0f}s tokens {tokens} ce_bpb "
+                  f"{ce.item() / math.log(2):.3f} heldout_bpb {held}", flush=True)
+        if time.time() - last_checkpoint > args.checkpoint_minutes * 60:
+            tiny.save(student, os.path.join(args.out, "checkpoint"))
+            last_checkpoint = time.time()
+    train_seconds = time.time() - start
+    tiny.save(student, args.out)
+    bpb = heldout_bpb(student, heldout, args.seq)
+    summary = {"name": args.name, "parameters": params, "steps": step, "tokens": tokens,
+               "train_seconds": round(train_seconds), "batch": args.batch, "seq": args.seq,
+               "lr": args.lr, "teacher": args.teacher, "kl_weight": args.kl_weight,
+               "ce_weight": ce_weight, "heldout_bits_per_byte": round(bpb, 4),
+               "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
+               "command": " ".join(sys.argv)}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    writer.writerow([step, f"{train_seconds:.1f}", tokens, "", "", "", f"{bpb:.4f}"])
+    log.close()
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
