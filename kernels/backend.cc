@@ -126,4 +126,14 @@ absl::Status Backend::Translate(const PreparedMapper& mapper, const CacheView& s
   return absl::OkStatus();
 }
 
+uint64_t Backend::PreparedBytesEstimate(const MapperView& mapper) const {
+  uint64_t elements = 0;
+  for (const LayerMapView& layer : mapper.layers) {
+    for (const WeightView* w : {&layer.w_k, &layer.b_k, &layer.w_v, &layer.b_v}) {
+      elements += static_cast<uint64_t>(w->rows) * static_cast<uint64_t>(w->cols);
+    }
+  }
+  return elements * sizeof(float);
+}
+
 }  // namespace kvt

@@ -77,6 +77,33 @@ class Backend {
   virtual absl::Status Translate(const PreparedMapper& mapper, const CacheView& source,
                                  const Positions& positions, const TranslateOptions& options,
                                  MutableCacheView* target);
+
+  // --- Paging hooks for the mapper store's device tier (mapper_store/store.h). The defaults
+  // let any backend be paged; a GPU backend overrides them for streamed, budgeted page-ins. ---
+
+  // Bytes Prepare(mapper) will hold, known before it runs so the pager can make room first.
+  // The pager accounts PreparedMapper::bytes() once preparation has started; this only sizes
+  // the reservation. Default: every weight as fp32 (what the CPU backend holds at most).
+  virtual uint64_t PreparedBytesEstimate(const MapperView& mapper) const;
+
+  // Memory of this backend's device that prepared mappers may use; 0 = unknown (the pager
+  // then relies on the configured budget alone). Default 0.
+  virtual uint64_t DeviceMemoryBytes() const { return 0; }
+
+  // Streamed page-in: BeginPrepare allocates the backend's copy and returns it with no layer
+  // ready yet; the pager then calls PrepareLayer(prepared, l) for l = 0 .. target layers - 1,
+  // in order, from one thread, and lets TranslateLayer(l) run (on other threads) as soon as
+  // PrepareLayer(l) has returned, so the first target layers compute while later ones copy.
+  // bytes() must be final when BeginPrepare returns. Defaults: BeginPrepare = Prepare (all
+  // layers ready at once) and PrepareLayer does nothing.
+  virtual absl::StatusOr<std::shared_ptr<PreparedMapper>> BeginPrepare(const MapperView& mapper) {
+    return Prepare(mapper);
+  }
+  virtual absl::Status PrepareLayer(PreparedMapper& prepared, int target_layer) {
+    (void)prepared;
+    (void)target_layer;
+    return absl::OkStatus();
+  }
 };
 
 // Checks that `source` / `target` match the mapper's models (layers, heads, head_dim, token
