@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -129,37 +130,37 @@ absl::StatusOr<v1::MapperInfo> Client::GetMapper(const std::string& mapper_id) {
   return response;
 }
 
-absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
-                                                  const HostCache& source) {
-  if (static_cast<int>(source.k.size()) != source.num_layers ||
-      static_cast<int>(source.v.size()) != source.num_layers) {
-    return absl::InvalidArgumentError("source cache: k/v buffers do not match num_layers");
-  }
-  header.set_dtype(DTypeToProto(source.dtype));
-  header.set_layout(LayoutToProto(source.layout));
-  header.set_num_tokens(static_cast<uint32_t>(source.num_tokens));
-
+struct TranslateStream::State {
   grpc::ClientContext context;
-  Prepare(&context);
-  auto stream = stub_->TranslateKV(&context);
+  std::unique_ptr<grpc::ClientReaderWriter<v1::TranslateKVRequest, v1::TranslateKVResponse>>
+      stream;
+  TranslateStreamOptions options;
+  HostCache shape;  // source shape, no buffers
+  LayerGeometry source_geometry;
+  int64_t tokens_per_chunk = 0;
+  std::vector<bool> pushed;
+  bool sending = true;   // false once a Write failed: the server ended the stream
+  bool finished = false;
   v1::TranslateKVRequest request;
-  *request.mutable_header() = header;
-  bool sending = stream->Write(request);
+  std::chrono::steady_clock::time_point start;
 
-  if (sending) {
-    absl::Status sent = SendChunks(source, /*keys_only=*/false, options_.chunk_bytes,
-                                   request.mutable_chunk(), [&] { return stream->Write(request); });
-    if (!sent.ok()) return sent;
-  }
-  // A failed write means the server already ended the stream; Finish() says why.
-  stream->WritesDone();
-
+  // Written by the reading thread, read by Finish() after joining it.
+  std::thread reader;
   TranslateResult result;
-  v1::TranslateKVResponse response;
   bool have_header = false, have_trailer = false;
-  LayerGeometry target_geometry;
   std::unique_ptr<CoverageTracker> coverage;
   absl::Status protocol_error;
+
+  double MsSinceStart() const {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+        .count();
+  }
+  void Read();
+};
+
+void TranslateStream::State::Read() {
+  v1::TranslateKVResponse response;
+  LayerGeometry target_geometry;
   while (stream->Read(&response)) {
     if (!protocol_error.ok()) continue;  // drain, then report
     if (response.has_header()) {
@@ -205,20 +206,137 @@ absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
       ScatterChunk(target_geometry, chunk.token_start(), chunk.token_count(),
                    chunk.data().data(),
                    (kind == 0 ? result.target.k : result.target.v)[chunk.layer()].data());
+      if (coverage->LayerComplete(chunk.layer())) {
+        if (result.first_layer_ms == 0) result.first_layer_ms = MsSinceStart();
+        result.last_byte_ms = MsSinceStart();
+        if (options.on_target_layer) {
+          options.on_target_layer(static_cast<int>(chunk.layer()), result.target);
+        }
+      }
     } else if (response.has_trailer()) {
       result.trailer = response.trailer();
       have_trailer = true;
     }
   }
-  grpc::Status status = stream->Finish();
+}
+
+TranslateStream::TranslateStream(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+TranslateStream::~TranslateStream() {
+  if (state_ == nullptr || state_->finished) return;
+  state_->context.TryCancel();
+  if (state_->reader.joinable()) state_->reader.join();
+  state_->stream->Finish().ok();
+}
+
+absl::Status TranslateStream::PushLayer(int layer, const void* k, const void* v) {
+  State& s = *state_;
+  if (s.finished) return absl::FailedPreconditionError("PushLayer after Finish");
+  if (layer < 0 || layer >= s.shape.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("PushLayer: layer ", layer,
+                                                   " outside the source's ", s.shape.num_layers,
+                                                   " layers"));
+  }
+  if (s.pushed[layer]) {
+    return absl::InvalidArgumentError(absl::StrCat("PushLayer: layer ", layer, " pushed twice"));
+  }
+  s.pushed[layer] = true;
+  v1::KVChunk* chunk = s.request.mutable_chunk();
+  for (int kind = 0; kind < 2 && s.sending; ++kind) {
+    const void* buffer = kind == 0 ? k : v;
+    for (int64_t first = 0; first < s.shape.num_tokens && s.sending;
+         first += s.tokens_per_chunk) {
+      const int64_t count = std::min(s.tokens_per_chunk, s.shape.num_tokens - first);
+      chunk->set_layer(layer);
+      chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
+      chunk->set_token_start(static_cast<uint32_t>(first));
+      chunk->set_token_count(static_cast<uint32_t>(count));
+      std::string* data = chunk->mutable_data();
+      data->resize(static_cast<size_t>(s.source_geometry.chunk_bytes(count)));
+      GatherChunk(s.source_geometry, first, count, buffer, data->data());
+      // A failed write means the server already ended the stream; Finish() says why.
+      s.sending = s.stream->Write(s.request);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TranslateResult> TranslateStream::Finish() {
+  State& s = *state_;
+  if (s.finished) return absl::FailedPreconditionError("Finish called twice");
+  s.finished = true;
+  s.stream->WritesDone();
+  s.reader.join();
+  grpc::Status status = s.stream->Finish();
   if (!status.ok()) return FromGrpcStatus(status);
-  if (!protocol_error.ok()) return protocol_error;
-  if (!have_header || !have_trailer || !coverage->Complete()) {
+  if (!s.protocol_error.ok()) return s.protocol_error;
+  if (!s.have_header || !s.have_trailer || !s.coverage->Complete()) {
     return absl::InternalError(absl::StrCat(
         "server ended the stream without a complete result",
-        coverage ? absl::StrCat(": ", coverage->FirstGap()) : std::string()));
+        s.coverage ? absl::StrCat(": ", s.coverage->FirstGap()) : std::string()));
   }
-  return result;
+  s.result.last_byte_ms = s.MsSinceStart();
+  return std::move(s.result);
+}
+
+absl::StatusOr<std::unique_ptr<TranslateStream>> Client::StartTranslate(
+    v1::TranslateHeader header, const HostCache& source_shape,
+    TranslateStreamOptions stream_options) {
+  auto state = std::make_unique<TranslateStream::State>();
+  state->start = std::chrono::steady_clock::now();
+  state->options = std::move(stream_options);
+  state->shape.dtype = source_shape.dtype;
+  state->shape.layout = source_shape.layout;
+  state->shape.num_layers = source_shape.num_layers;
+  state->shape.num_kv_heads = source_shape.num_kv_heads;
+  state->shape.head_dim = source_shape.head_dim;
+  state->shape.num_tokens = source_shape.num_tokens;
+  if (state->shape.num_layers <= 0 || state->shape.num_kv_heads <= 0 ||
+      state->shape.head_dim <= 0 || state->shape.num_tokens <= 0) {
+    return absl::InvalidArgumentError(
+        "source shape: num_layers, num_kv_heads, head_dim and num_tokens must be > 0");
+  }
+  state->source_geometry =
+      LayerGeometry{state->shape.layout, state->shape.num_kv_heads, state->shape.num_tokens,
+                    state->shape.head_dim, static_cast<int64_t>(DTypeSize(state->shape.dtype))};
+  state->tokens_per_chunk = TokensPerChunk(state->source_geometry, options_.chunk_bytes);
+  state->pushed.assign(state->shape.num_layers, false);
+  header.set_dtype(DTypeToProto(state->shape.dtype));
+  header.set_layout(LayoutToProto(state->shape.layout));
+  header.set_num_tokens(static_cast<uint32_t>(state->shape.num_tokens));
+
+  Prepare(&state->context);
+  state->stream = stub_->TranslateKV(&state->context);
+  *state->request.mutable_header() = header;
+  state->sending = state->stream->Write(state->request);
+  state->reader = std::thread([s = state.get()] { s->Read(); });
+  return std::unique_ptr<TranslateStream>(new TranslateStream(std::move(state)));
+}
+
+absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
+                                                  const HostCache& source) {
+  if (static_cast<int>(source.k.size()) != source.num_layers ||
+      static_cast<int>(source.v.size()) != source.num_layers) {
+    return absl::InvalidArgumentError("source cache: k/v buffers do not match num_layers");
+  }
+  for (int layer = 0; layer < source.num_layers; ++layer) {
+    for (const std::vector<char>* buffer : {&source.k[layer], &source.v[layer]}) {
+      if (static_cast<int64_t>(buffer->size()) != source.layer_bytes()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cache layer ", layer, buffer == &source.k[layer] ? " K" : " V", " has ",
+            buffer->size(), " bytes, expected ", source.layer_bytes()));
+      }
+    }
+  }
+  absl::StatusOr<std::unique_ptr<TranslateStream>> stream =
+      StartTranslate(std::move(header), source);
+  if (!stream.ok()) return stream.status();
+  for (int layer = 0; layer < source.num_layers; ++layer) {
+    absl::Status pushed =
+        (*stream)->PushLayer(layer, source.k[layer].data(), source.v[layer].data());
+    if (!pushed.ok()) return pushed;
+  }
+  return (*stream)->Finish();
 }
 
 absl::StatusOr<v1::ValidateKVResponse> Client::Validate(v1::ValidateHeader header,

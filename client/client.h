@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,43 @@ struct TranslateResult {
   v1::TranslateResponseHeader header;
   v1::TranslateTrailer trailer;
   HostCache target;
+  // Measured by the client from the start of the call: until the first target layer (K and V)
+  // was complete here, and until the last byte of the result arrived.
+  double first_layer_ms = 0;
+  double last_byte_ms = 0;
+};
+
+struct TranslateStreamOptions {
+  // Called on the stream's reading thread as soon as target layer `layer` (K and V) is complete
+  // in `target` (that layer's buffers may be read; others may still be filling). Optional.
+  std::function<void(int layer, const HostCache& target)> on_target_layer;
+};
+
+// One TranslateKV call fed layer by layer while the source model produces them (prefill runs
+// layer after layer). Responses are read on a background thread from the start, so a server
+// that pipelines returns target layers while later source layers are still being pushed.
+// Create with Client::StartTranslate; not thread-safe (one producer).
+class TranslateStream {
+ public:
+  ~TranslateStream();  // cancels the call unless Finish() completed it
+  TranslateStream(const TranslateStream&) = delete;
+  TranslateStream& operator=(const TranslateStream&) = delete;
+
+  // Sends source layer `layer`: `k` and `v` each hold the layer in the stream's layout and
+  // dtype (source.layer_bytes() bytes). Each layer once; in order 0, 1, ... lets the server
+  // start soonest. INVALID_ARGUMENT for a bad layer index or a repeated layer; a server that
+  // has ended the stream is reported by Finish(), not here.
+  absl::Status PushLayer(int layer, const void* k, const void* v);
+
+  // Half-closes (every layer must have been pushed, else the server reports the gap), waits
+  // for the whole result and the call's status.
+  absl::StatusOr<TranslateResult> Finish();
+
+ private:
+  friend class Client;
+  struct State;
+  explicit TranslateStream(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
 };
 
 class Client {
@@ -76,6 +114,13 @@ class Client {
   // Sends `source` (its dtype, layout and token count override the header's) and returns the
   // target cache in the header's output dtype/layout. The header names the pair or mapper.
   absl::StatusOr<TranslateResult> Translate(v1::TranslateHeader header, const HostCache& source);
+
+  // Starts a TranslateKV call whose source layers the caller pushes as they are produced. Only
+  // the shape fields of `source_shape` are read (dtype, layout, layers, heads, head_dim,
+  // tokens; they override the header's); its buffers may be empty.
+  absl::StatusOr<std::unique_ptr<TranslateStream>> StartTranslate(
+      v1::TranslateHeader header, const HostCache& source_shape,
+      TranslateStreamOptions stream_options = TranslateStreamOptions());
 
   // ValidateKV: `source` and the target's own cache for the same tokens (and optionally the
   // target's post-RoPE queries: a HostCache whose num_kv_heads is the query head count, K only)

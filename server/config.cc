@@ -197,6 +197,7 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
            return ReadScalar(src, key, node, "true or false",
                              &config.shared_memory.allow_client_regions);
          }}}},
+      {"transport", {{"pipeline_min_tokens", i64(&config.transport.pipeline_min_tokens)}}},
       {"security",
        {{"tls_cert_file", str(&config.security.tls_cert_file)},
         {"tls_key_file", str(&config.security.tls_key_file)},
@@ -300,6 +301,10 @@ absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
       config.limits.response_chunk_bytes > config.server.max_message_bytes / 2) {
     return bad("limits.response_chunk_bytes", config.limits.response_chunk_bytes,
                "must be in [4096, server.max_message_bytes / 2]");
+  }
+  if (config.transport.pipeline_min_tokens < 0) {
+    return bad("transport.pipeline_min_tokens", config.transport.pipeline_min_tokens,
+               "must be >= 0");
   }
   if (config.security.tls_cert_file.empty() != config.security.tls_key_file.empty()) {
     return absl::InvalidArgumentError(

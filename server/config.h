@@ -46,6 +46,12 @@ struct KvtdConfig {
     // Clients may register POSIX shm regions and pass caches through them (same host only).
     bool allow_client_regions = false;
   } shared_memory;
+  struct Transport {
+    // TranslateKV with inline input of at least this many tokens is layer-pipelined: target
+    // layers are computed and streamed back while later source layers still arrive. Smaller
+    // requests read everything first (the handoffs cost more than the overlap saves). 0: all.
+    int64_t pipeline_min_tokens = 1024;
+  } transport;
   struct Security {
     std::string tls_cert_file;       // PEM certificate chain; set with tls_key_file for TLS
     std::string tls_key_file;        // PEM private key

@@ -1,9 +1,14 @@
 #include "server/translator_service.h"
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <future>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -309,43 +314,6 @@ grpc::Status TranslatorService::TranslateKVImpl(
       source_v.emplace_back(source_geometry.layer_bytes());
     }
   }
-  CoverageTracker coverage(input_in_region ? 0 : src_model.num_layers, plan.num_tokens);
-  const ChunkExpectation chunk_expectation{"chunk", absl::StrCat("source model ", src_model.name),
-                                           src_model.num_layers, source_geometry,
-                                           plan.input_dtype, /*keys_only=*/false};
-  while (stream->Read(&request)) {
-    if (request.has_header()) {
-      return fail(absl::InvalidArgumentError(
-          "second header in the stream: a TranslateKV stream carries exactly one header"));
-    }
-    if (!request.has_chunk()) {
-      return fail(absl::InvalidArgumentError("empty TranslateKVRequest: set header or chunk"));
-    }
-    if (input_in_region) {
-      return fail(absl::InvalidArgumentError(
-          "header.input.region is set: the source cache is read from the region, so the stream "
-          "must carry no chunks"));
-    }
-    const v1::KVChunk& chunk = request.chunk();
-    absl::StatusOr<int> checked = CheckChunk(chunk, chunk_expectation);
-    if (!checked.ok()) return fail(checked.status());
-    const int kind = *checked;
-    if (absl::Status added =
-            coverage.Add(chunk.layer(), kind, chunk.token_start(), chunk.token_count());
-        !added.ok()) {
-      return fail(added);
-    }
-    ScatterChunk(source_geometry, chunk.token_start(), chunk.token_count(), chunk.data().data(),
-                 (kind == 0 ? source_k : source_v)[chunk.layer()].bytes.get());
-  }
-  if (context->IsCancelled()) return CancelledOrDeadline(context);
-  if (!coverage.Complete()) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
-        "stream ended before every source chunk arrived: ", coverage.FirstGap())));
-  }
-  const absl::Time staged_in = absl::Now();
-
-  // --- Compute layer l+1 on the compute executor while layer l streams out. ---
   CacheView source;
   source.dtype = plan.input_dtype;
   source.layout = plan.input_layout;
@@ -363,6 +331,42 @@ grpc::Status TranslatorService::TranslateKVImpl(
       source.v.push_back(source_v[l].bytes.get());
     }
   }
+
+  // Layer pipelining: with inline input of at least transport.pipeline_min_tokens tokens, an
+  // output thread computes target layer l as soon as the source layers of its sigma lists have
+  // arrived and streams it back while this thread still reads the rest. Below the threshold the
+  // extra thread and handoffs cost more than the overlap gains, so everything arrives first.
+  const bool pipelined =
+      !input_in_region && plan.num_tokens >= config_.transport.pipeline_min_tokens;
+  struct Arrivals {
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::vector<char> complete ABSL_GUARDED_BY(mutex);  // [layer * 2 + kind]
+    bool abort ABSL_GUARDED_BY(mutex) = false;
+  } arrivals;
+  arrivals.complete.assign(2 * src_model.num_layers, input_in_region ? 1 : 0);
+  const std::vector<LayerMapView>& layer_maps = view.layers;
+  // Under arrivals.mutex: every source layer that target `layer` reads has arrived.
+  auto sources_arrived = [&](int layer) {
+    for (int s : layer_maps[layer].sigma_k) {
+      if (!arrivals.complete[2 * s]) return false;
+    }
+    for (int s : layer_maps[layer].sigma_v) {
+      if (!arrivals.complete[2 * s + 1]) return false;
+    }
+    return true;
+  };
+  auto ready_now = [&](int layer) {
+    std::lock_guard<std::mutex> lock(arrivals.mutex);
+    return sources_arrived(layer);
+  };
+  auto wait_ready = [&](int layer) {  // false: the request is being abandoned
+    std::unique_lock<std::mutex> lock(arrivals.mutex);
+    arrivals.changed.wait(lock, [&] { return arrivals.abort || sources_arrived(layer); });
+    return !arrivals.abort;
+  };
+
+  // --- Compute layer l+1 on the compute executor while layer l streams out. ---
   struct Slot {
     std::unique_ptr<LayerBuffer> k, v;
     MutableCacheView view;
@@ -404,18 +408,6 @@ grpc::Status TranslatorService::TranslateKVImpl(
       return status;
     });
   };
-  // Whatever happens below, no compute task may outlive the buffers it writes.
-  std::optional<std::future<absl::Status>> pending = submit(0);
-  struct WaitPending {
-    std::optional<std::future<absl::Status>>* pending;
-    ~WaitPending() {
-      if (pending->has_value() && (*pending)->valid()) (*pending)->wait();
-    }
-  } wait_pending{&pending};
-  // A pass over (a sample of) the source features: cheap next to the GEMMs, and it runs here
-  // while layer 0 computes.
-  std::optional<double> input_shift;
-  if (prepared->shift != nullptr) input_shift = prepared->shift->Score(source, plan.positions);
 
   int64_t tokens_per_chunk = TokensPerChunk(target_geometry, config_.limits.response_chunk_bytes);
   if (plan.response_chunk_tokens > 0) {
@@ -423,39 +415,163 @@ grpc::Status TranslatorService::TranslateKVImpl(
   }
   double compute_ms = 0, stage_out_ms = 0;
   int64_t output_bytes = 0;
-  v1::TranslateKVResponse response;
-  for (int layer = 0; layer < tgt_model.num_layers; ++layer) {
-    absl::Status computed = pending->get();
-    pending.reset();
-    if (!computed.ok()) return fail(computed);
-    Slot& slot = slots[layer % 2];
-    compute_ms += slot.compute_ms;
-    if (context->IsCancelled()) return CancelledOrDeadline(context);
-    if (layer + 1 < tgt_model.num_layers) pending = submit(layer + 1);
-
-    if (output_in_region) {
-      output_bytes += 2 * target_layer_bytes;
-      continue;
+  absl::Time first_output = absl::InfiniteFuture();
+  std::optional<double> input_shift;
+  // Computes and delivers every target layer; in pipelined mode on the output thread.
+  auto produce = [&]() -> grpc::Status {
+    std::optional<std::future<absl::Status>> pending;
+    // Whatever happens below, no compute task may outlive the buffers it writes.
+    struct WaitPending {
+      std::optional<std::future<absl::Status>>* pending;
+      ~WaitPending() {
+        if (pending->has_value() && (*pending)->valid()) (*pending)->wait();
+      }
+    } wait_pending{&pending};
+    if (!wait_ready(0)) return grpc::Status::CANCELLED;
+    pending = submit(0);
+    // A pass over (a sample of) the source features: cheap next to the GEMMs, and it runs here
+    // while layer 0 computes. Pipelined, the reading thread takes it once every layer is in.
+    if (!pipelined && prepared->shift != nullptr) {
+      input_shift = prepared->shift->Score(source, plan.positions);
     }
-    const absl::Time send_begin = absl::Now();
-    for (int kind = 0; kind < 2; ++kind) {
-      const char* layer_bytes = (kind == 0 ? slot.k : slot.v)->bytes.get();
-      for (int64_t first = 0; first < plan.num_tokens; first += tokens_per_chunk) {
-        const int64_t count = std::min(tokens_per_chunk, plan.num_tokens - first);
-        v1::KVChunk* chunk = response.mutable_chunk();
-        chunk->set_layer(layer);
-        chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
-        chunk->set_token_start(static_cast<uint32_t>(first));
-        chunk->set_token_count(static_cast<uint32_t>(count));
-        std::string* data = chunk->mutable_data();
-        data->resize(static_cast<size_t>(target_geometry.chunk_bytes(count)));
-        GatherChunk(target_geometry, first, count, layer_bytes, data->data());
-        output_bytes += static_cast<int64_t>(data->size());
-        if (!stream->Write(response)) return CancelledOrDeadline(context);
+    v1::TranslateKVResponse response;
+    for (int layer = 0; layer < tgt_model.num_layers; ++layer) {
+      absl::Status computed = pending->get();
+      pending.reset();
+      if (!computed.ok()) return fail(computed);
+      Slot& slot = slots[layer % 2];
+      compute_ms += slot.compute_ms;
+      if (context->IsCancelled()) return CancelledOrDeadline(context);
+      const bool has_next = layer + 1 < tgt_model.num_layers;
+      // The next layer's sources may still be on the wire: then this one goes out first.
+      if (has_next && ready_now(layer + 1)) pending = submit(layer + 1);
+
+      if (first_output == absl::InfiniteFuture()) first_output = absl::Now();
+      if (output_in_region) {
+        output_bytes += 2 * target_layer_bytes;
+      } else {
+        const absl::Time send_begin = absl::Now();
+        for (int kind = 0; kind < 2; ++kind) {
+          const char* layer_bytes = (kind == 0 ? slot.k : slot.v)->bytes.get();
+          for (int64_t first = 0; first < plan.num_tokens; first += tokens_per_chunk) {
+            const int64_t count = std::min(tokens_per_chunk, plan.num_tokens - first);
+            v1::KVChunk* chunk = response.mutable_chunk();
+            chunk->set_layer(layer);
+            chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
+            chunk->set_token_start(static_cast<uint32_t>(first));
+            chunk->set_token_count(static_cast<uint32_t>(count));
+            std::string* data = chunk->mutable_data();
+            data->resize(static_cast<size_t>(target_geometry.chunk_bytes(count)));
+            GatherChunk(target_geometry, first, count, layer_bytes, data->data());
+            output_bytes += static_cast<int64_t>(data->size());
+            if (!stream->Write(response)) return CancelledOrDeadline(context);
+          }
+        }
+        stage_out_ms += Ms(absl::Now() - send_begin);
+      }
+      if (has_next && !pending.has_value()) {
+        if (!wait_ready(layer + 1)) return grpc::Status::CANCELLED;
+        pending = submit(layer + 1);
       }
     }
-    stage_out_ms += Ms(absl::Now() - send_begin);
+    return grpc::Status::OK;
+  };
+  grpc::Status output_status;
+  std::atomic<bool> output_done{false}, output_failed{false};
+  std::optional<std::thread> output_thread;
+  if (pipelined) {
+    output_thread.emplace([&] {
+      output_status = produce();
+      if (!output_status.ok()) output_failed.store(true);
+      output_done.store(true);
+    });
   }
+  // Stops the output thread (if any) and waits for it. A client that writes everything before
+  // it reads may still be writing; reading (and dropping) its messages lets a blocked Write of
+  // the output thread finish.
+  auto stop_output = [&] {
+    if (!output_thread.has_value()) return;
+    {
+      std::lock_guard<std::mutex> lock(arrivals.mutex);
+      arrivals.abort = true;
+    }
+    arrivals.changed.notify_all();
+    v1::TranslateKVRequest discard;
+    while (!output_done.load() && stream->Read(&discard)) {
+    }
+    output_thread->join();
+    output_thread.reset();
+  };
+  struct StopOutput {
+    std::function<void()> stop;
+    ~StopOutput() { stop(); }
+  } stop_output_on_exit{stop_output};
+
+  CoverageTracker coverage(input_in_region ? 0 : src_model.num_layers, plan.num_tokens);
+  const ChunkExpectation chunk_expectation{"chunk", absl::StrCat("source model ", src_model.name),
+                                           src_model.num_layers, source_geometry,
+                                           plan.input_dtype, /*keys_only=*/false};
+  auto read_chunks = [&]() -> absl::Status {
+    while (!output_failed.load() && stream->Read(&request)) {
+      if (request.has_header()) {
+        return absl::InvalidArgumentError(
+            "second header in the stream: a TranslateKV stream carries exactly one header");
+      }
+      if (!request.has_chunk()) {
+        return absl::InvalidArgumentError("empty TranslateKVRequest: set header or chunk");
+      }
+      if (input_in_region) {
+        return absl::InvalidArgumentError(
+            "header.input.region is set: the source cache is read from the region, so the "
+            "stream must carry no chunks");
+      }
+      const v1::KVChunk& chunk = request.chunk();
+      absl::StatusOr<int> checked = CheckChunk(chunk, chunk_expectation);
+      if (!checked.ok()) return checked.status();
+      const int kind = *checked;
+      if (absl::Status added =
+              coverage.Add(chunk.layer(), kind, chunk.token_start(), chunk.token_count());
+          !added.ok()) {
+        return added;
+      }
+      ScatterChunk(source_geometry, chunk.token_start(), chunk.token_count(),
+                   chunk.data().data(),
+                   (kind == 0 ? source_k : source_v)[chunk.layer()].bytes.get());
+      if (pipelined && coverage.KindComplete(chunk.layer(), kind)) {
+        {
+          std::lock_guard<std::mutex> lock(arrivals.mutex);
+          arrivals.complete[2 * chunk.layer() + kind] = 1;
+        }
+        arrivals.changed.notify_all();
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status read = read_chunks(); !read.ok()) {
+    stop_output();
+    return fail(read);
+  }
+  if (output_failed.load()) {
+    stop_output();
+    return output_status;
+  }
+  if (context->IsCancelled()) return CancelledOrDeadline(context);
+  if (!coverage.Complete()) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "stream ended before every source chunk arrived: ", coverage.FirstGap())));
+  }
+  const absl::Time staged_in = absl::Now();
+
+  if (pipelined) {
+    // Every source layer is in; the output thread may still be computing.
+    if (prepared->shift != nullptr) input_shift = prepared->shift->Score(source, plan.positions);
+    output_thread->join();
+    output_thread.reset();
+  } else {
+    std::fill(arrivals.complete.begin(), arrivals.complete.end(), 1);
+    output_status = produce();
+  }
+  if (!output_status.ok()) return output_status;
 
   const absl::Time end = absl::Now();
   v1::TranslateKVResponse trailer_message;
@@ -467,6 +583,10 @@ grpc::Status TranslatorService::TranslateKVImpl(
   timings->set_compute_ms(compute_ms);
   timings->set_stage_out_ms(stage_out_ms);
   timings->set_total_ms(Ms(end - start));
+  if (first_output != absl::InfiniteFuture()) {
+    timings->set_first_output_ms(Ms(first_output - start));
+  }
+  trailer->set_pipelined(pipelined);
   trailer->set_num_tokens(plan.num_tokens);
   trailer->set_input_bytes(plan.source_bytes);
   trailer->set_output_bytes(output_bytes);

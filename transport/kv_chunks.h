@@ -46,6 +46,10 @@ class CoverageTracker {
   // chunk when it overlaps tokens already received.
   absl::Status Add(int layer, int kind, int64_t start, int64_t count);
   bool LayerComplete(int layer) const;
+  // Every token of (layer, kind) has arrived.
+  bool KindComplete(int layer, int kind) const {
+    return received_count_[layer * 2 + kind] == num_tokens_;
+  }
   bool Complete() const;
   // e.g. "layer 3 V: tokens [128, 256) missing" for the first gap, or "" when complete.
   std::string FirstGap() const;

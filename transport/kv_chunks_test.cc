@@ -49,8 +49,12 @@ TEST(CoverageTrackerTest, DetectsOverlapAndGaps) {
   EXPECT_NE(overlap.message().find("repeats token 4"), absl::string_view::npos);
   EXPECT_FALSE(tracker.Complete());
   EXPECT_EQ(tracker.FirstGap(), "layer 0 K: tokens [5, 10) missing");
+  EXPECT_FALSE(tracker.KindComplete(0, 0));
   EXPECT_TRUE(tracker.Add(0, 0, 5, 5).ok());
+  EXPECT_TRUE(tracker.KindComplete(0, 0));
+  EXPECT_FALSE(tracker.KindComplete(0, 1));
   EXPECT_TRUE(tracker.Add(0, 1, 0, 10).ok());
+  EXPECT_TRUE(tracker.KindComplete(0, 1));
   EXPECT_TRUE(tracker.LayerComplete(0));
   EXPECT_FALSE(tracker.LayerComplete(1));
   EXPECT_EQ(tracker.FirstGap(), "layer 1 K: tokens [0, 10) missing");

@@ -1,0 +1,321 @@
+// Layer-pipelined TranslateKV and incremental sessions, end to end in process: a real kvtd on
+// port 0, a real channel, a synthetic mapper on disk. Pipelining must hand back a target layer
+// before the caller has sent the source layers it does not read; sessions that translate only
+// the tokens added since the last handoff must match translating everything at once; every
+// result is checked against the float64 reference.
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/session.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_backend.h"
+#include "kernels/testing/reference.h"
+#include "mapper_store/mapper.h"
+#include "mapper_store/store.h"
+#include "mapper_store/synth.h"
+#include "server/kvtd_server.h"
+
+namespace kvt {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kSourceLayers = 8;
+
+std::string StoreDir() {
+  const char* root = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(root ? root : "/tmp", "/pipelined_store");
+  static const bool written = [&] {
+    SynthOptions options;
+    options.source = NeoxModelSpec("test/src", kSourceLayers, 2, 32, 10000);
+    options.target = NeoxModelSpec("test/dst", 6, 4, 16, 500000);
+    options.k = 2;
+    options.dtype = DType::kFP32;
+    options.seed = 11;
+    return WriteSynthMapper(dir + "/m", options).ok();
+  }();
+  EXPECT_TRUE(written);
+  return dir;
+}
+
+// A kvtd over the test store with the given pipelining threshold, and a client.
+struct Kvtd {
+  explicit Kvtd(int64_t pipeline_min_tokens, int64_t response_chunk_bytes = 4 << 20) {
+    KvtdConfig config;
+    config.server.listen_address = "127.0.0.1:0";
+    config.mapper_store.path = StoreDir();
+    config.shutdown.drain_grace_seconds = 0;
+    config.transport.pipeline_min_tokens = pipeline_min_tokens;
+    config.limits.response_chunk_bytes = response_chunk_bytes;
+    absl::StatusOr<std::unique_ptr<MapperStore>> opened = MapperStore::Open(StoreDir());
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    store = std::move(*opened);
+    backend = NewCpuBackend();
+    absl::StatusOr<std::unique_ptr<KvtdServer>> started =
+        KvtdServer::Start(config, store.get(), backend.get());
+    EXPECT_TRUE(started.ok()) << started.status();
+    server = std::move(*started);
+    ClientOptions options;
+    options.chunk_bytes = 64 << 10;  // many chunks per layer
+    client = Client::Create(absl::StrCat("127.0.0.1:", server->port()), options);
+  }
+  const MapperView& view() {
+    mapper = *store->Get("m");
+    return mapper->view();
+  }
+
+  std::unique_ptr<MapperStore> store;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<KvtdServer> server;
+  std::unique_ptr<Client> client;
+  std::shared_ptr<const LoadedMapper> mapper;
+};
+
+HostCache ToHost(const testing::OwnedCache& owned) {
+  HostCache cache;
+  cache.dtype = owned.view.dtype;
+  cache.layout = owned.view.layout;
+  cache.num_layers = static_cast<int>(owned.k.size());
+  cache.num_kv_heads = owned.view.num_kv_heads;
+  cache.head_dim = owned.view.head_dim;
+  cache.num_tokens = owned.view.num_tokens;
+  for (int l = 0; l < cache.num_layers; ++l) {
+    cache.k.emplace_back(owned.k[l].begin(), owned.k[l].end());
+    cache.v.emplace_back(owned.v[l].begin(), owned.v[l].end());
+  }
+  return cache;
+}
+
+HostCache RandomSource(int64_t tokens, DType dtype, Layout layout, const char* what) {
+  return ToHost(testing::MakeRandomCache(kSourceLayers, 2, 32, tokens, dtype, layout,
+                                         testing::FreshSeed(what)));
+}
+
+// Max relative error of every target layer against the float64 reference.
+double ErrorAgainstReference(const MapperView& mapper, const HostCache& source,
+                             const HostCache& target, const Positions& positions) {
+  double worst = 0;
+  for (int layer = 0; layer < mapper.target.num_layers; ++layer) {
+    for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
+      worst = std::max(
+          worst, testing::MaxRelError(
+                     testing::ReadLayer(target.view(), layer, kind),
+                     testing::ReferenceTranslate(mapper, layer, kind, source.view(), positions)));
+    }
+  }
+  return worst;
+}
+
+v1::TranslateHeader Header() {
+  v1::TranslateHeader header;
+  header.set_mapper_id("m");
+  header.set_output_dtype(v1::DTYPE_FP32);
+  return header;
+}
+
+TEST(PipelinedTranslateTest, TargetLayerComesBackBeforeTheUnreadSourceLayersAreSent) {
+  Kvtd kvtd(/*pipeline_min_tokens=*/64);
+  const MapperView& view = kvtd.view();
+  // Source layers target layer 0 reads, in the order the caller pushes them.
+  std::set<int> needed(view.layers[0].sigma_k.begin(), view.layers[0].sigma_k.end());
+  needed.insert(view.layers[0].sigma_v.begin(), view.layers[0].sigma_v.end());
+  ASSERT_LT(static_cast<int>(needed.size()), kSourceLayers);
+  const HostCache source = RandomSource(300, DType::kBF16, Layout::kNHD, "pipelined source");
+
+  std::mutex mutex;
+  std::condition_variable arrived;
+  std::vector<int> layers_back;
+  TranslateStreamOptions options;
+  options.on_target_layer = [&](int layer, const HostCache&) {
+    std::lock_guard<std::mutex> lock(mutex);
+    layers_back.push_back(layer);
+    arrived.notify_all();
+  };
+  absl::StatusOr<std::unique_ptr<TranslateStream>> stream =
+      kvtd.client->StartTranslate(Header(), source, options);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  for (int layer : needed) {
+    ASSERT_TRUE((*stream)->PushLayer(layer, source.k[layer].data(), source.v[layer].data()).ok());
+  }
+  {
+    // Without pipelining nothing comes back until every layer is sent: this would time out.
+    std::unique_lock<std::mutex> lock(mutex);
+    ASSERT_TRUE(arrived.wait_for(lock, std::chrono::seconds(60),
+                                 [&] { return !layers_back.empty(); }))
+        << "no target layer came back while source layers were still missing";
+    EXPECT_EQ(layers_back[0], 0);
+  }
+  for (int layer = 0; layer < kSourceLayers; ++layer) {
+    if (needed.count(layer) > 0) continue;
+    ASSERT_TRUE((*stream)->PushLayer(layer, source.k[layer].data(), source.v[layer].data()).ok());
+  }
+  absl::StatusOr<TranslateResult> result = (*stream)->Finish();
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->trailer.pipelined());
+  EXPECT_EQ(layers_back.size(), 6u);
+  EXPECT_GT(result->trailer.timings().first_output_ms(), 0);
+  EXPECT_LE(result->first_layer_ms, result->last_byte_ms);
+  EXPECT_LE(ErrorAgainstReference(view, source, result->target, Positions{}), 1e-5);
+
+  // The same request below the threshold is not pipelined and gives the same bytes.
+  Kvtd plain(/*pipeline_min_tokens=*/100000);
+  absl::StatusOr<TranslateResult> unpipelined = plain.client->Translate(Header(), source);
+  ASSERT_TRUE(unpipelined.ok()) << unpipelined.status();
+  EXPECT_FALSE(unpipelined->trailer.pipelined());
+  for (int layer = 0; layer < 6; ++layer) {
+    EXPECT_EQ(unpipelined->target.k[layer], result->target.k[layer]) << "layer " << layer;
+    EXPECT_EQ(unpipelined->target.v[layer], result->target.v[layer]) << "layer " << layer;
+  }
+}
+
+// A caller that writes everything before reading anything: a pipelined server must not
+// deadlock on its output (far more than the flow-control window) and errors still name the
+// field.
+TEST(PipelinedTranslateTest, WriteAllThenReadCallersStillWork) {
+  Kvtd kvtd(/*pipeline_min_tokens=*/0, /*response_chunk_bytes=*/64 << 10);
+  const MapperView& view = kvtd.view();
+  const HostCache source = RandomSource(4096, DType::kFP32, Layout::kHND, "write-all source");
+  v1::TranslateHeader header = Header();
+  header.set_dtype(v1::DTYPE_FP32);
+  header.set_layout(v1::LAYOUT_HND);
+  header.set_num_tokens(4096);
+  for (bool corrupt : {false, true}) {
+    grpc::ClientContext context;
+    auto stream = kvtd.client->stub()->TranslateKV(&context);
+    v1::TranslateKVRequest request;
+    *request.mutable_header() = header;
+    ASSERT_TRUE(stream->Write(request));
+    for (int layer = 0; layer < kSourceLayers; ++layer) {
+      for (int kind = 0; kind < 2; ++kind) {
+        v1::KVChunk* chunk = request.mutable_chunk();
+        chunk->set_layer(layer);
+        chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
+        chunk->set_token_start(0);
+        chunk->set_token_count(4096);
+        const std::vector<char>& bytes = (kind == 0 ? source.k : source.v)[layer];
+        chunk->set_data(bytes.data(), bytes.size());
+        // The corrupt run repeats layer 6's K instead of sending its V.
+        if (corrupt && layer == 6 && kind == 1) chunk->set_kind(v1::CACHE_KIND_K);
+        if (!stream->Write(request)) break;
+      }
+    }
+    stream->WritesDone();
+    v1::TranslateKVResponse response;
+    HostCache target;
+    target.dtype = DType::kFP32;
+    target.num_layers = 6;
+    target.num_kv_heads = 4;
+    target.head_dim = 16;
+    target.num_tokens = 4096;
+    target.Allocate();
+    int64_t received = 0;
+    while (stream->Read(&response)) {
+      if (!response.has_chunk()) continue;
+      const v1::KVChunk& chunk = response.chunk();
+      std::vector<char>& layer = (chunk.kind() == v1::CACHE_KIND_K ? target.k : target.v)
+          [chunk.layer()];
+      // HND chunk [heads, count, dim] into the HND layer [heads, 4096, dim], fp32.
+      const int64_t row = 16 * 4;
+      for (int head = 0; head < 4; ++head) {
+        std::memcpy(layer.data() + (head * 4096 + chunk.token_start()) * row,
+                    chunk.data().data() + head * chunk.token_count() * row,
+                    chunk.token_count() * row);
+      }
+      received += chunk.token_count();
+    }
+    grpc::Status status = stream->Finish();
+    if (corrupt) {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_THAT(status.error_message(), HasSubstr("repeats token 0"));
+    } else {
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      EXPECT_EQ(received, 2 * 6 * 4096);
+      EXPECT_LE(ErrorAgainstReference(view, source, target, Positions{}), 1e-5);
+    }
+  }
+}
+
+TEST(TranslateSessionTest, TurnByTurnEqualsAllAtOnce) {
+  Kvtd kvtd(/*pipeline_min_tokens=*/64);
+  const MapperView& view = kvtd.view();
+  for (Layout layout : {Layout::kHND, Layout::kNHD}) {
+    const HostCache whole = RandomSource(170, DType::kBF16, layout, "session source");
+    const std::vector<int64_t> turns = {37, 120, 13};
+    v1::TranslateHeader base = Header();
+    base.set_output_layout(layout == Layout::kHND ? v1::LAYOUT_NHD : v1::LAYOUT_HND);
+    base.set_session_id("conversation-1");
+    TranslateSession session(kvtd.client.get(), base);
+    int64_t begin = 0;
+    for (int64_t count : turns) {
+      testing::OwnedCache owned_part = testing::SliceTokens(whole.view(), begin, begin + count);
+      const HostCache part = ToHost(owned_part);
+      absl::StatusOr<TranslateResult> turn = session.Extend(part);
+      ASSERT_TRUE(turn.ok()) << turn.status();
+      EXPECT_EQ(turn->target.num_tokens, count);
+      // Each turn on its own, at its absolute positions.
+      EXPECT_LE(ErrorAgainstReference(view, part, turn->target,
+                                      Positions{static_cast<uint64_t>(begin)}),
+                1e-5);
+      begin += count;
+    }
+    EXPECT_EQ(session.tokens(), 170);
+    EXPECT_EQ(session.turns(), 3u);
+    absl::StatusOr<TranslateResult> at_once = kvtd.client->Translate(base, whole);
+    ASSERT_TRUE(at_once.ok()) << at_once.status();
+    const double session_error =
+        ErrorAgainstReference(view, whole, session.target(), Positions{});
+    const double at_once_error = ErrorAgainstReference(view, whole, at_once->target, Positions{});
+    EXPECT_LE(session_error, 1e-5);
+    EXPECT_LE(at_once_error, 1e-5);
+    // The map is per token: the two differ at most by float rounding.
+    double worst = 0;
+    for (int layer = 0; layer < 6; ++layer) {
+      for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
+        worst = std::max(worst,
+                         testing::MaxRelError(
+                             testing::ReadLayer(session.target().view(), layer, kind),
+                             testing::ReadLayer(at_once->target.view(), layer, kind)));
+      }
+    }
+    EXPECT_LE(worst, 1e-5) << LayoutName(layout);
+  }
+}
+
+TEST(TranslateSessionTest, ExplicitPositionsEqualTheOffsetAndShapeChangesAreRefused) {
+  Kvtd kvtd(/*pipeline_min_tokens=*/64);
+  const MapperView& view = kvtd.view();
+  const HostCache part = RandomSource(20, DType::kFP32, Layout::kNHD, "positions source");
+  v1::TranslateHeader by_offset = Header();
+  by_offset.set_position_offset(1000);
+  v1::TranslateHeader by_list = Header();
+  for (uint64_t p = 1000; p < 1020; ++p) by_list.add_positions(p);
+  absl::StatusOr<TranslateResult> a = kvtd.client->Translate(by_offset, part);
+  absl::StatusOr<TranslateResult> b = kvtd.client->Translate(by_list, part);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  for (int layer = 0; layer < 6; ++layer) {
+    EXPECT_EQ(a->target.k[layer], b->target.k[layer]);
+    EXPECT_EQ(a->target.v[layer], b->target.v[layer]);
+  }
+  EXPECT_LE(ErrorAgainstReference(view, part, a->target, Positions{1000}), 1e-5);
+
+  TranslateSession session(kvtd.client.get(), Header());
+  ASSERT_TRUE(session.Extend(part).ok());
+  const HostCache other_layout = RandomSource(5, DType::kFP32, Layout::kHND, "other layout");
+  absl::StatusOr<TranslateResult> refused = session.Extend(other_layout);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session.tokens(), 20);
+}
+
+}  // namespace
+}  // namespace kvt
