@@ -1,5 +1,7 @@
 #include "kernels/types.h"
 
+#include <vector>
+
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -50,6 +52,40 @@ absl::StatusOr<Layout> ParseLayout(absl::string_view name) {
   if (upper == "NHD") return Layout::kNHD;
   return absl::InvalidArgumentError(
       absl::StrCat("unsupported layout '", name, "' (expected HND or NHD)"));
+}
+
+absl::Status CheckBlockTable(const PagedLayout& paged, const uint32_t* table, int64_t table_size,
+                             int64_t num_tokens, bool distinct, const std::string& field) {
+  if (paged.block_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".block_size must be > 0"));
+  }
+  if (paged.num_blocks <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".num_blocks must be > 0"));
+  }
+  const int64_t needed = paged.BlocksFor(num_tokens);
+  if (table_size < needed) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".block_table has ", table_size, " entries; ", num_tokens, " tokens in blocks of ",
+        paged.block_size, " need ", needed));
+  }
+  std::vector<int64_t> first_use(distinct ? static_cast<size_t>(paged.num_blocks) : 0, -1);
+  for (int64_t i = 0; i < needed; ++i) {
+    if (table[i] >= paged.num_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".block_table[", i, "]=", table[i],
+                                                     " is outside num_blocks=",
+                                                     paged.num_blocks));
+    }
+    if (distinct) {
+      int64_t& seen = first_use[table[i]];
+      if (seen >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".block_table[", i, "]=", table[i], " repeats block_table[", seen,
+            "]: two token ranges would be written to one block"));
+      }
+      seen = i;
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvt

@@ -1,0 +1,83 @@
+#include "transport/paged.h"
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/types.h"
+
+namespace kvt {
+namespace {
+
+// vLLM's indexing written out: kv_cache[kind][block][slot][head][dim] (NHD blocks) or
+// kv_cache[kind][block][head][slot][dim] (HND blocks), in elements.
+int64_t PagedIndex(const PagedLayout& p, int kind, int64_t block, int64_t slot, int64_t head,
+                   int64_t dim) {
+  const int64_t inner = p.block_layout == Layout::kNHD
+                            ? (slot * p.num_kv_heads + head) * p.head_dim + dim
+                            : (head * p.block_size + slot) * p.head_dim + dim;
+  return ((kind * p.num_blocks + block) * p.block_size * p.num_kv_heads) * p.head_dim + inner;
+}
+
+TEST(PagedTest, ScatterPlacesEveryElementWhereVllmLooksAndGatherInverts) {
+  std::mt19937 rng(std::random_device{}());
+  for (Layout block_layout : {Layout::kNHD, Layout::kHND}) {
+    for (Layout layer_layout : {Layout::kNHD, Layout::kHND}) {
+      PagedLayout paged{block_layout, /*num_blocks=*/9, /*block_size=*/4, /*heads=*/3,
+                        /*head_dim=*/5, /*element_size=*/4};
+      const int64_t tokens = 10;  // 3 blocks, the last one partly used
+      const std::vector<uint32_t> table = {7, 2, 5};
+      ASSERT_TRUE(CheckBlockTable(paged, table.data(), 3, tokens, true, "t").ok());
+      const LayerGeometry layer{layer_layout, 3, tokens, 5, 4};
+      std::vector<float> contiguous(3 * tokens * 5);
+      for (float& x : contiguous) x = std::uniform_real_distribution<float>(-1, 1)(rng);
+      std::vector<float> tensor(paged.layer_bytes() / 4, -7.0f);
+      for (int kind = 0; kind < 2; ++kind) {
+        ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data());
+        for (int64_t t = 0; t < tokens; ++t) {
+          for (int64_t h = 0; h < 3; ++h) {
+            for (int64_t d = 0; d < 5; ++d) {
+              ASSERT_EQ(tensor[PagedIndex(paged, kind, table[t / 4], t % 4, h, d)],
+                        contiguous[CacheOffset(layer_layout, 3, tokens, 5, h, t, d)]);
+            }
+          }
+        }
+        std::vector<float> back(contiguous.size(), 0);
+        GatherPaged(paged, table.data(), kind, tensor.data(), layer, back.data());
+        EXPECT_EQ(back, contiguous);
+      }
+      // Slots the request does not use are left alone: 2 * (9 * 4 - 10) slots of 3 x 5.
+      int64_t untouched = 0;
+      for (float x : tensor) untouched += x == -7.0f;
+      EXPECT_EQ(untouched, 2 * (9 * 4 - 10) * 3 * 5);
+    }
+  }
+}
+
+TEST(PagedTest, BadBlockTablesNameTheField) {
+  const PagedLayout paged{Layout::kNHD, 8, 16, 2, 4, 2};
+  const std::vector<uint32_t> table = {1, 8, 1};
+  absl::Status short_table = CheckBlockTable(paged, table.data(), 1, 17, false, "f");
+  EXPECT_EQ(short_table.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(short_table.message(),
+            "f.block_table has 1 entries; 17 tokens in blocks of 16 need 2");
+  absl::Status outside = CheckBlockTable(paged, table.data(), 3, 40, false, "f");
+  EXPECT_EQ(outside.message(), "f.block_table[1]=8 is outside num_blocks=8");
+  const std::vector<uint32_t> repeated = {1, 3, 1};
+  EXPECT_TRUE(CheckBlockTable(paged, repeated.data(), 3, 40, false, "f").ok());
+  absl::Status repeat = CheckBlockTable(paged, repeated.data(), 3, 40, true, "f");
+  EXPECT_EQ(repeat.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(repeat.message().find("f.block_table[2]=1 repeats block_table[0]"),
+            absl::string_view::npos);
+  // Entries past the tokens' blocks are not looked at.
+  EXPECT_TRUE(CheckBlockTable(paged, table.data(), 3, 16, true, "f").ok());
+  EXPECT_NE(CheckBlockTable(PagedLayout{Layout::kNHD, 8, 0, 2, 4, 2}, table.data(), 3, 4, false,
+                            "f")
+                .message()
+                .find("f.block_size must be > 0"),
+            absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace kvt
