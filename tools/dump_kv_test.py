@@ -2,7 +2,8 @@
 """Tests of tools/dump_kv.py. The corpus and window logic always run; the model part runs a tiny
 randomly initialised Llama (no downloads) when torch and transformers are importable, checks the
 dump format and that keys are post-RoPE, and fits a mapper from two such models with `kvt fit`.
-Without torch + transformers those tests are skipped (reported, not failed)."""
+torch and transformers come from the project venv (scripts/bootstrap.sh --python; scripts/test.sh
+puts it first on PATH); without them the test fails, it never skips."""
 
 import json
 import os
@@ -20,9 +21,9 @@ import dump_kv  # noqa: E402
 try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
-    HAVE_TORCH = True
-except ImportError:
-    HAVE_TORCH = False
+except ImportError as e:
+    sys.exit(f"dump_kv_test: {e} (python {sys.executable}): run scripts/bootstrap.sh --python "
+             "and put .venv/bin first on PATH, as scripts/test.sh does")
 
 
 def read_header(path):
@@ -70,7 +71,6 @@ class CorpusTest(unittest.TestCase):
         self.assertEqual(dump_kv.ByteTokenizer().encode("hé"), [104, 195, 169])
 
 
-@unittest.skipUnless(HAVE_TORCH, "torch + transformers are not importable here")
 class TinyLlamaTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
@@ -101,6 +101,17 @@ class TinyLlamaTest(unittest.TestCase):
         for key, value in flags.items():
             argv += [f"--{key}", str(value)]
         self.assertEqual(dump_kv.main(argv), 0)
+
+    def test_read_safetensors_inverts_write(self):
+        tensors = {"a": torch.randn(3, 5), "b": torch.randn(2, 4).to(torch.bfloat16),
+                   "c": torch.randn(7).to(torch.float16)}
+        path = os.path.join(self.dir, "t.safetensors")
+        dump_kv.write_safetensors(path, tensors, {"format": "pt"})
+        back = dump_kv.read_safetensors(path)
+        self.assertEqual(sorted(back), ["a", "b", "c"])
+        for name, tensor in tensors.items():
+            self.assertEqual(back[name].dtype, tensor.dtype)
+            self.assertTrue(torch.equal(back[name], tensor), name)
 
     def test_dump_format_and_post_rope_keys(self):
         path, model = self.make_model("small", 2, 2, 16, 10000.0, 1)
@@ -135,8 +146,7 @@ class TinyLlamaTest(unittest.TestCase):
 
     def test_kvt_fit_reads_the_dumps(self):
         binary = kvt_binary()
-        if binary is None:
-            self.skipTest("the kvt binary is not built")
+        self.assertIsNotNone(binary, "the kvt binary is not in the runfiles nor in bazel-bin")
         small, _ = self.make_model("small", 2, 2, 16, 10000.0, 1)
         large, _ = self.make_model("large", 3, 2, 16, 500000.0, 2)
         self.dump(small, os.path.join(self.dir, "d_small"), keep_every=2)
