@@ -14,6 +14,9 @@ int RunInspect(const std::vector<std::string>& args);
 int RunTranslate(const std::vector<std::string>& args);
 int RunDemo(const std::vector<std::string>& args);
 int RunFit(const std::vector<std::string>& args);
+int RunImport(const std::vector<std::string>& args);
+// `kvt import --help`.
+const char* ImportHelp();
 
 }  // namespace cli
 }  // namespace kvt

@@ -18,8 +18,8 @@
 #include "kernels/types.h"
 
 ABSL_FLAG(std::string, source_config, "",
-          "kvt fit: the source model's Hugging Face config.json (or its directory).");
-ABSL_FLAG(std::string, target_config, "", "kvt fit: the target model's config.json.");
+          "kvt fit / import: the source model's Hugging Face config.json (or its directory).");
+ABSL_FLAG(std::string, target_config, "", "kvt fit / import: the target model's config.json.");
 ABSL_FLAG(std::string, source_dumps, "",
           "kvt fit: directory of source KV dumps (*.safetensors, one per sequence).");
 ABSL_FLAG(std::string, target_dumps, "",
@@ -44,7 +44,8 @@ ABSL_FLAG(std::string, plan, "",
           "kvt fit: a plan from `kvt fit merge` of probe shards: skip the probe pass.");
 ABSL_FLAG(int32_t, threads, 0, "kvt fit / merge: OpenBLAS threads (0: every core).");
 ABSL_FLAG(int32_t, chunk_mb, 256, "kvt fit: MiB of feature rows buffered per BLAS round.");
-ABSL_FLAG(bool, overwrite, false, "kvt fit / merge: replace an existing mapper directory.");
+ABSL_FLAG(bool, overwrite, false,
+          "kvt fit / merge / import: replace an existing mapper directory.");
 
 ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(uint64_t, seed);

@@ -14,6 +14,8 @@ namespace {
 struct Command {
   int (*run)(const std::vector<std::string>& args);
   const char* summary;
+  // `kvt <command> --help`; absl's own --help only lists the flags of this file.
+  const char* (*help)() = nullptr;
 };
 
 const std::map<std::string, Command>& Commands() {
@@ -26,6 +28,9 @@ const std::map<std::string, Command>& Commands() {
        {kvt::cli::RunTranslate, "translate a safetensors cache through a kvtd (--in, --out)"}},
       {"demo", {kvt::cli::RunDemo, "one real handoff through a kvtd, checked in float64"}},
       {"fit", {kvt::cli::RunFit, "fit a mapper from KV dumps of two models (docs/FIT.md)"}},
+      {"import",
+       {kvt::cli::RunImport, "convert a semantic-router kv_mapper into a kvt mapper (--help)",
+        kvt::cli::ImportHelp}},
   };
   return *commands;
 }
@@ -46,6 +51,18 @@ std::string Usage() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(Usage());
+  if (argc >= 3) {
+    auto it = Commands().find(argv[1]);
+    if (it != Commands().end() && it->second.help != nullptr) {
+      for (int i = 2; i < argc; ++i) {
+        const std::string arg = argv[i];
+        if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "help") {
+          std::printf("%s", it->second.help());
+          return 0;
+        }
+      }
+    }
+  }
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() < 2 || std::string(positional[1]) == "help") {
     std::printf("kvt: %s\n", Usage().c_str());

@@ -11,12 +11,16 @@
 ABSL_FLAG(std::string, preset, "",
           "kvt synth: a named pair (demo-tiny, qwen3-14b-to-32b, qwen3-8b-to-32b, "
           "qwen3-32b-to-14b, llama3.1-8b-to-70b, ministral-3b-to-8b). Empty: custom shapes.");
-ABSL_FLAG(std::string, out, "", "kvt synth: the mapper directory to write (must not exist).");
+ABSL_FLAG(std::string, out, "",
+          "kvt synth / import / fit: the mapper directory to write (must not exist).");
 ABSL_FLAG(uint64_t, seed, 1, "kvt synth / demo: random seed (same seed, same bytes).");
-ABSL_FLAG(std::string, weight_dtype, "", "kvt synth: bf16 | fp16 | fp32 (default: preset's).");
+ABSL_FLAG(std::string, weight_dtype, "",
+          "kvt synth / fit / import: bf16 | fp16 | fp32 (default: preset's; import: fp32).");
 ABSL_FLAG(int32_t, k, -1, "kvt synth: source layers per target layer (0 = all; default preset's).");
-ABSL_FLAG(std::string, source_model, "", "Source model name (synth custom shapes; translate).");
-ABSL_FLAG(std::string, target_model, "", "Target model name (synth custom shapes; translate).");
+ABSL_FLAG(std::string, source_model, "",
+          "Source model name (synth custom shapes; translate; import).");
+ABSL_FLAG(std::string, target_model, "",
+          "Target model name (synth custom shapes; translate; import).");
 ABSL_FLAG(int32_t, source_layers, 4, "kvt synth custom: source layers.");
 ABSL_FLAG(int32_t, source_heads, 2, "kvt synth custom: source KV heads.");
 ABSL_FLAG(int32_t, source_head_dim, 32, "kvt synth custom: source head_dim.");

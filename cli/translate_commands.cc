@@ -19,7 +19,8 @@
 ABSL_DECLARE_FLAG(std::string, source_model);
 ABSL_DECLARE_FLAG(std::string, target_model);
 ABSL_DECLARE_FLAG(uint64_t, seed);
-ABSL_FLAG(std::string, in, "", "kvt translate: source KV dump (safetensors, layers.{j}.k/.v).");
+ABSL_FLAG(std::string, in, "",
+          "kvt translate: source KV dump (safetensors, layers.{j}.k/.v); kvt import: the input.");
 ABSL_FLAG(std::string, result, "", "kvt translate: where to write the target KV dump.");
 ABSL_FLAG(std::string, mapper_id, "", "translate / demo: the mapper to use (default: by pair).");
 ABSL_FLAG(std::string, wire_layout, "HND", "translate / demo: layout on the wire, HND | NHD.");

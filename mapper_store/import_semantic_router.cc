@@ -111,12 +111,12 @@ class FieldReader {
 // artifact.py's normalize_precision.
 absl::StatusOr<std::string> NormalizePrecision(const std::string& precision) {
   static const auto* aliases = new std::map<std::string, std::string>{
-      {"fp16", "fp16"}, {"float16", "fp16"}, {"half", "fp16"},  {"bf16", "bf16"},
-      {"bfloat16", "bf16"}, {"fp32", "fp32"}, {"float32", "fp32"}};
+      {"fp16", "fp16"},     {"float16", "fp16"}, {"half", "fp16"},   {"bf16", "bf16"},
+      {"bfloat16", "bf16"}, {"fp32", "fp32"},    {"float32", "fp32"}};
   auto it = aliases->find(absl::AsciiStrToLower(absl::StripAsciiWhitespace(precision)));
   if (it == aliases->end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compatibility.precision '", precision, "' is not supported (fp16, bf16, fp32)"));
+    return absl::InvalidArgumentError(absl::StrCat("compatibility.precision '", precision,
+                                                   "' is not supported (fp16, bf16, fp32)"));
   }
   return it->second;
 }
@@ -126,8 +126,9 @@ absl::StatusOr<std::vector<std::vector<int>>> ParseSelection(const FieldReader& 
                                                              const json& selection,
                                                              const std::string& path, int topk) {
   if (!selection.is_object() || selection.empty()) {
-    return reader.Error(absl::StrCat(path, " must be a non-empty object {\"<target layer>\": "
-                                           "[source layers]}, got ",
+    return reader.Error(absl::StrCat(path,
+                                     " must be a non-empty object {\"<target layer>\": "
+                                     "[source layers]}, got ",
                                      Dump(selection)));
   }
   std::map<int, std::vector<int>> by_layer;
@@ -140,8 +141,8 @@ absl::StatusOr<std::vector<std::vector<int>>> ParseSelection(const FieldReader& 
                                        "', which is not a target layer index (0, 1, ...)"));
     }
     if (!it.value().is_array() || it.value().empty()) {
-      return reader.Error(
-          absl::StrCat(field, " must be a non-empty list of source layers, got ", Dump(it.value())));
+      return reader.Error(absl::StrCat(field, " must be a non-empty list of source layers, got ",
+                                       Dump(it.value())));
     }
     std::vector<int> sources;
     std::set<int> seen;
@@ -155,8 +156,8 @@ absl::StatusOr<std::vector<std::vector<int>>> ParseSelection(const FieldReader& 
       sources.push_back(*source);
     }
     if (static_cast<int>(sources.size()) != topk) {
-      return reader.Error(absl::StrCat(field, " has ", sources.size(),
-                                       " source layers but topk is ", topk));
+      return reader.Error(
+          absl::StrCat(field, " has ", sources.size(), " source layers but topk is ", topk));
     }
     by_layer[layer] = std::move(sources);
   }
@@ -239,21 +240,19 @@ absl::StatusOr<SemanticRouterManifest> ParseManifestJson(absl::string_view json_
   const json& c = **compat;
   // CompatibilitySpec(**data) refuses unknown fields; so does this.
   static const std::set<std::string> kCompatFields = {
-      "source_model", "source_revision", "target_model", "target_revision",
-      "variant",      "precision",       "source_tp",    "target_tp",
-      "head_order",   "num_kv_heads",    "head_dim"};
+      "source_model", "source_revision", "target_model", "target_revision", "variant", "precision",
+      "source_tp",    "target_tp",       "head_order",   "num_kv_heads",    "head_dim"};
   for (auto it = c.begin(); it != c.end(); ++it) {
     if (kCompatFields.count(it.key()) == 0) {
-      return reader.Error(absl::StrCat("unknown field compatibility.", it.key(), " (allowed: ",
-                                       absl::StrJoin(kCompatFields, ", "), ")"));
+      return reader.Error(absl::StrCat("unknown field compatibility.", it.key(),
+                                       " (allowed: ", absl::StrJoin(kCompatFields, ", "), ")"));
     }
   }
-  for (auto [key, field] :
-       {std::pair<const char*, std::string*>{"source_model", &m.source_model},
-        {"source_revision", &m.source_revision},
-        {"target_model", &m.target_model},
-        {"target_revision", &m.target_revision},
-        {"head_order", &m.head_order}}) {
+  for (auto [key, field] : {std::pair<const char*, std::string*>{"source_model", &m.source_model},
+                            {"source_revision", &m.source_revision},
+                            {"target_model", &m.target_model},
+                            {"target_revision", &m.target_revision},
+                            {"head_order", &m.head_order}}) {
     absl::StatusOr<std::string> value = reader.String(c, key, absl::StrCat("compatibility.", key));
     if (!value.ok()) return value.status();
     *field = *value;
@@ -304,19 +303,18 @@ absl::StatusOr<SemanticRouterManifest> ParseManifestJson(absl::string_view json_
   if (!selections.ok()) return selections.status();
   const json& s = **selections;
   if (!s.is_object()) {
-    return reader.Error(
-        absl::StrCat("source_layers_per_target must be an object {\"k\": ..., \"v\": ...}, got ",
-                     Dump(s)));
+    return reader.Error(absl::StrCat(
+        "source_layers_per_target must be an object {\"k\": ..., \"v\": ...}, got ", Dump(s)));
   }
   for (auto it = s.begin(); it != s.end(); ++it) {
     if (it.key() != "k" && it.key() != "v") {
-      return reader.Error(absl::StrCat("unknown field source_layers_per_target.", it.key(),
-                                       " (allowed: k, v)"));
+      return reader.Error(
+          absl::StrCat("unknown field source_layers_per_target.", it.key(), " (allowed: k, v)"));
     }
   }
-  for (auto [key, field] : {std::pair<const char*, std::vector<std::vector<int>>*>{
-                                "k", &m.sources_k},
-                            {"v", &m.sources_v}}) {
+  for (auto [key, field] :
+       {std::pair<const char*, std::vector<std::vector<int>>*>{"k", &m.sources_k},
+        {"v", &m.sources_v}}) {
     const std::string path = absl::StrCat("source_layers_per_target.", key);
     absl::StatusOr<const json*> channel = reader.Required(s, key, path);
     if (!channel.ok()) return channel.status();
@@ -374,8 +372,9 @@ absl::StatusOr<ModelSpec> ResolveModel(const char* role, const std::string& conf
     if (model.num_layers == 0) model.num_layers = default_layers;
     if (model.num_layers <= 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          role, " model: the semantic-router artifact does not store its layer count; give its "
-                "config.json or the number of layers"));
+          role,
+          " model: the semantic-router artifact does not store its layer count; give its "
+          "config.json or the number of layers"));
     }
     if (model.rope.rotary_dim == 0) model.rope.rotary_dim = model.head_dim;
     if (absl::Status s = ValidateRopeConfig(model.rope, model.head_dim); !s.ok()) {
@@ -453,8 +452,7 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
   for (const ChecksumEntry& entry : *entries) sums[entry.filename] = entry.hex;
   for (const char* required : {kSemanticRouterManifestFile, kSemanticRouterWeightsFile}) {
     if (sums.count(required) == 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(sums_path, " has no entry for ", required));
+      return absl::FailedPreconditionError(absl::StrCat(sums_path, " has no entry for ", required));
     }
   }
 
@@ -482,16 +480,16 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
         "keys in content space (source RoPE stripped, target RoPE re-applied, SPEC 3)"));
   }
   if (m.head_order != "contiguous") {
-    return absl::UnimplementedError(absl::StrCat(
-        manifest_path, ": compatibility.head_order '", m.head_order,
-        "' is not supported (kvt rows and columns are head-major: 'contiguous')"));
+    return absl::UnimplementedError(
+        absl::StrCat(manifest_path, ": compatibility.head_order '", m.head_order,
+                     "' is not supported (kvt rows and columns are head-major: 'contiguous')"));
   }
   const int num_target_layers = static_cast<int>(m.sources_k.size());
 
   // 3. The two models.
-  absl::StatusOr<ModelSpec> source = ResolveModel(
-      "source", options.source_config, options.source_spec,
-      options.source_name.empty() ? m.source_model : options.source_name, m, 0);
+  absl::StatusOr<ModelSpec> source =
+      ResolveModel("source", options.source_config, options.source_spec,
+                   options.source_name.empty() ? m.source_model : options.source_name, m, 0);
   if (!source.ok()) return source.status();
   absl::StatusOr<ModelSpec> target = ResolveModel(
       "target", options.target_config, options.target_spec,
@@ -509,9 +507,9 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
       for (size_t i = 0; i < (*lists)[l].size(); ++i) {
         if ((*lists)[l][i] >= source->num_layers) {
           return absl::InvalidArgumentError(absl::StrCat(
-              manifest_path, ": source_layers_per_target.", std::string(1, kv), "[\"", l, "\"][",
-              i, "] = ", (*lists)[l][i], " is out of range: the source model ", source->name,
-              " has ", source->num_layers, " layers"));
+              manifest_path, ": source_layers_per_target.", std::string(1, kv), "[\"", l, "\"][", i,
+              "] = ", (*lists)[l][i], " is out of range: the source model ", source->name, " has ",
+              source->num_layers, " layers"));
         }
       }
     }
@@ -529,8 +527,8 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
       absl::StatusOr<std::string> actual = Sha256OfFile(weights_path);
       if (actual.ok() && *actual != expected_weights) {
         return absl::DataLossError(
-            absl::StrCat(ChecksumMismatch(weights_path, expected_weights, *actual).message(),
-                         "; ", weights.status().message()));
+            absl::StrCat(ChecksumMismatch(weights_path, expected_weights, *actual).message(), "; ",
+                         weights.status().message()));
       }
     }
     return weights.status();
@@ -565,8 +563,8 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
         if (info == nullptr) {
           return tensor_error(absl::StrCat(
               "missing tensor '", name, "' (a semantic-router mapper with ", num_target_layers,
-              " target layers holds target.{L}.{k,v}.{W,b} for every L in [0, ",
-              num_target_layers, "))"));
+              " target layers holds target.{L}.{k,v}.{W,b} for every L in [0, ", num_target_layers,
+              "))"));
         }
         if (info->spec.dtype != DType::kFP32) {
           return tensor_error(absl::StrCat("tensor '", name, "' has dtype ",
@@ -588,9 +586,10 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
         }
         std::string required = FormatShape(dense);
         if (!bias && per_head) absl::StrAppend(&required, " or, per head, ", FormatShape(compact));
-        return tensor_error(absl::StrCat(
-            "tensor '", name, "' has shape ", FormatShape(info->spec.shape), " but the manifest requires ",
-            required, " (", k, " source layers x ", n, " KV heads x head_dim ", d, ")"));
+        return tensor_error(absl::StrCat("tensor '", name, "' has shape ",
+                                         FormatShape(info->spec.shape),
+                                         " but the manifest requires ", required, " (", k,
+                                         " source layers x ", n, " KV heads x head_dim ", d, ")"));
       }
     }
   }
@@ -614,8 +613,8 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
     for (int64_t i = 0; i < count; ++i) {
       const float value = LoadF32(data, i);
       if (!std::isfinite(value)) {
-        return tensor_error(absl::StrCat("tensor '", name, "' holds a non-finite value (",
-                                         value, ") at element ", i));
+        return tensor_error(absl::StrCat("tensor '", name, "' holds a non-finite value (", value,
+                                         ") at element ", i));
       }
       if (check_blocks && value != 0) {
         const int64_t row = i / width, col = i % width;

@@ -80,28 +80,27 @@ Artifact MakeArtifact(const ArtifactOptions& o) {
       a.tensors[prefix + ".b"] = b;
     }
   }
-  a.manifest = {
-      {"mapper_id", "tiny-a-b-full_head-fp16-tp1-h2-sabc-tdef-b1"},
-      {"compatibility",
-       {{"source_model", "org/tiny-a"},
-        {"source_revision", "abc123"},
-        {"target_model", "org/tiny-b"},
-        {"target_revision", "def456"},
-        {"variant", o.variant},
-        {"precision", "fp16"},
-        {"source_tp", 1},
-        {"target_tp", 1},
-        {"head_order", "contiguous"},
-        {"num_kv_heads", o.heads},
-        {"head_dim", o.head_dim}}},
-      {"topk", o.topk},
-      {"ridge_alpha", 0.01},
-      {"centered_inputs", true},
-      {"rope_stripped_on_keys", true},
-      {"source_layers_per_target", {{"k", selection}, {"v", selection}}},
-      {"calibration", {{"corpus", "synthetic"}, {"seed", 0}}},
-      {"evaluation_report", nullptr},
-      {"schema_version", 1}};
+  a.manifest = {{"mapper_id", "tiny-a-b-full_head-fp16-tp1-h2-sabc-tdef-b1"},
+                {"compatibility",
+                 {{"source_model", "org/tiny-a"},
+                  {"source_revision", "abc123"},
+                  {"target_model", "org/tiny-b"},
+                  {"target_revision", "def456"},
+                  {"variant", o.variant},
+                  {"precision", "fp16"},
+                  {"source_tp", 1},
+                  {"target_tp", 1},
+                  {"head_order", "contiguous"},
+                  {"num_kv_heads", o.heads},
+                  {"head_dim", o.head_dim}}},
+                {"topk", o.topk},
+                {"ridge_alpha", 0.01},
+                {"centered_inputs", true},
+                {"rope_stripped_on_keys", true},
+                {"source_layers_per_target", {{"k", selection}, {"v", selection}}},
+                {"calibration", {{"corpus", "synthetic"}, {"seed", 0}}},
+                {"evaluation_report", nullptr},
+                {"schema_version", 1}};
   return a;
 }
 
@@ -122,10 +121,10 @@ void WriteFiles(const std::string& dir, const Artifact& a) {
   ASSERT_TRUE(written.ok()) << written.status();
   absl::StatusOr<std::string> manifest_sum = Sha256Hex(manifest);
   ASSERT_TRUE(manifest_sum.ok());
-  KVT_ASSERT_OK(WriteStringToFile(
-      JoinPath(dir, "SHA256SUMS"),
-      FormatSha256Sums({{*manifest_sum, "manifest.json"},
-                        {written->sha256_hex, "weights.safetensors"}})));
+  KVT_ASSERT_OK(
+      WriteStringToFile(JoinPath(dir, "SHA256SUMS"),
+                        FormatSha256Sums({{*manifest_sum, "manifest.json"},
+                                          {written->sha256_hex, "weights.safetensors"}})));
 }
 
 SemanticRouterImportOptions Options(int source_layers = 5) {
@@ -189,8 +188,7 @@ TEST_F(ImportTest, FullHeadRoundTripIsExactInFp32) {
       for (bool bias : {false, true}) {
         const std::string from =
             absl::StrCat("target.", l, ".", std::string(1, kv), bias ? ".b" : ".W");
-        EXPECT_EQ(TensorFloats(**loaded, MapperTensorName(l, kv, bias)),
-                  a.tensors.at(from).values)
+        EXPECT_EQ(TensorFloats(**loaded, MapperTensorName(l, kv, bias)), a.tensors.at(from).values)
             << from;
       }
     }
@@ -245,8 +243,8 @@ TEST_F(ImportTest, PerHeadCompactIsExpandedWithZerosOffTheHeadBlocks) {
             for (int64_t o2 = 0; o2 < d; ++o2) {
               const int64_t row = (b * n + hs) * d + i, col = ht * d + o2;
               const float want = hs == ht ? compact[((hs * k * d) + b * d + i) * d + o2] : 0.0f;
-              ASSERT_EQ(dense[row * width + col], want) << "layer " << l << " [" << row << ", "
-                                                        << col << "]";
+              ASSERT_EQ(dense[row * width + col], want)
+                  << "layer " << l << " [" << row << ", " << col << "]";
             }
           }
         }
@@ -300,8 +298,9 @@ TEST_F(ImportTest, ConfigWithAnotherKvShapeIsRefused) {
                "head_dim": 4})"));
   SemanticRouterImportOptions options = Options();
   options.source_config = cfg;
-  KVT_EXPECT_ERROR(Import(a, options), absl::StatusCode::kInvalidArgument,
-                   "has 4 KV heads x head_dim 4 but manifest.json has compatibility.num_kv_heads 2");
+  KVT_EXPECT_ERROR(
+      Import(a, options), absl::StatusCode::kInvalidArgument,
+      "has 4 KV heads x head_dim 4 but manifest.json has compatibility.num_kv_heads 2");
 }
 
 TEST_F(ImportTest, TargetLayerCountMustMatchTheTargetModel) {
@@ -349,8 +348,7 @@ TEST_F(ImportTest, SelectionErrorsNameTheEntry) {
 TEST_F(ImportTest, MissingTensor) {
   Artifact a = MakeArtifact({});
   a.tensors.erase("target.2.v.b");
-  KVT_EXPECT_ERROR(Import(a), absl::StatusCode::kInvalidArgument,
-                   "missing tensor 'target.2.v.b'");
+  KVT_EXPECT_ERROR(Import(a), absl::StatusCode::kInvalidArgument, "missing tensor 'target.2.v.b'");
 }
 
 TEST_F(ImportTest, UnexpectedTensor) {
@@ -386,16 +384,16 @@ TEST_F(ImportTest, ChecksumMismatch) {
   ASSERT_TRUE(bytes.ok());
   (*bytes)[bytes->size() - 3] ^= 0x40;
   KVT_ASSERT_OK(WriteStringToFile(weights, *bytes));
-  KVT_EXPECT_ERROR(ImportSemanticRouterMapper(in_, out_, Options()),
-                   absl::StatusCode::kDataLoss, "checksum mismatch for " + weights);
+  KVT_EXPECT_ERROR(ImportSemanticRouterMapper(in_, out_, Options()), absl::StatusCode::kDataLoss,
+                   "checksum mismatch for " + weights);
   // An edited manifest.
   WriteFiles(in_, MakeArtifact({}));
   const std::string manifest = JoinPath(in_, "manifest.json");
   absl::StatusOr<std::string> text = ReadFileToString(manifest);
   ASSERT_TRUE(text.ok());
   KVT_ASSERT_OK(WriteStringToFile(manifest, *text + " "));
-  KVT_EXPECT_ERROR(ImportSemanticRouterMapper(in_, out_, Options()),
-                   absl::StatusCode::kDataLoss, "checksum mismatch for " + manifest);
+  KVT_EXPECT_ERROR(ImportSemanticRouterMapper(in_, out_, Options()), absl::StatusCode::kDataLoss,
+                   "checksum mismatch for " + manifest);
   EXPECT_FALSE(PathExists(out_));
 }
 
@@ -452,8 +450,9 @@ TEST_F(ImportTest, ManifestFieldErrors) {
 }
 
 TEST_F(ImportTest, ParseNeverThrows) {
-  for (const char* text : {"", "{", "[]", "null", "{\"mapper_id\": 3}", "\xff\xfe",
-                           "{\"schema_version\": 1e400}", "{\"schema_version\": 18446744073709551615}"}) {
+  for (const char* text :
+       {"", "{", "[]", "null", "{\"mapper_id\": 3}", "\xff\xfe", "{\"schema_version\": 1e400}",
+        "{\"schema_version\": 18446744073709551615}"}) {
     absl::StatusOr<SemanticRouterManifest> parsed = ParseSemanticRouterManifest(text);
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << text;
   }

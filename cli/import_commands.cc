@@ -1,0 +1,137 @@
+// `kvt import`: a mapper written by another project -> a kvt mapper directory.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "cli/commands.h"
+#include "kernels/mapper_view.h"
+#include "kernels/types.h"
+#include "mapper_store/import_semantic_router.h"
+#include "mapper_store/inspect.h"
+
+ABSL_FLAG(std::string, format, "", "kvt import: the input's format: semantic-router.");
+ABSL_FLAG(int32_t, source_num_layers, 0,
+          "kvt import without --source_config: the source model's layer count.");
+ABSL_FLAG(int32_t, target_num_layers, 0,
+          "kvt import without --target_config: the target's layer count (0: the manifest's).");
+ABSL_FLAG(double, source_rope_theta, 0,
+          "kvt import without --source_config: the source's RoPE theta (neox, whole head).");
+ABSL_FLAG(double, target_rope_theta, 0,
+          "kvt import without --target_config: the target's RoPE theta (neox, whole head).");
+
+ABSL_DECLARE_FLAG(std::string, in);
+ABSL_DECLARE_FLAG(std::string, out);
+ABSL_DECLARE_FLAG(std::string, source_config);
+ABSL_DECLARE_FLAG(std::string, target_config);
+ABSL_DECLARE_FLAG(bool, overwrite);
+ABSL_DECLARE_FLAG(std::string, weight_dtype);
+ABSL_DECLARE_FLAG(std::string, source_model);
+ABSL_DECLARE_FLAG(std::string, target_model);
+
+namespace kvt {
+namespace cli {
+namespace {
+
+constexpr char kImportHelp[] =
+    "usage: kvt import --format=semantic-router --in=DIR --out=MAPPER_DIR\n"
+    "                  [--source_config=CONFIG] [--target_config=CONFIG]\n"
+    "                  [--source_num_layers=N --source_rope_theta=THETA]\n"
+    "                  [--target_num_layers=N --target_rope_theta=THETA]\n"
+    "                  [--source_model=NAME] [--target_model=NAME]\n"
+    "                  [--weight_dtype=fp32|bf16|fp16] [--overwrite]\n"
+    "\n"
+    "Converts a vllm-project/semantic-router kv_mapper directory (manifest.json,\n"
+    "weights.safetensors, SHA256SUMS; tensors target.{L}.{k,v}.{W,b} applied as x W + b) into a\n"
+    "kvt mapper directory (docs/MAPPER_FORMAT.md). SHA256SUMS is verified, and every tensor's\n"
+    "name, dtype, shape and values are checked before anything is written.\n"
+    "\n"
+    "The artifact stores neither layer counts nor RoPE (its keys are pre-RoPE), so kvt takes them\n"
+    "from each model's Hugging Face config.json (--source_config / --target_config: the file or\n"
+    "the model directory). Without a config a model gets the manifest's KV shape and plain neox\n"
+    "RoPE over the whole head with --source_rope_theta / --target_rope_theta (then required);\n"
+    "the source also needs --source_num_layers, and the target's layer count defaults to the\n"
+    "manifest's. Partial rotary and RoPE scaling need the config.json.\n"
+    "Model names default to the manifest's compatibility.source_model / target_model.\n"
+    "compatibility.variant full_head is copied as it is; per_head (target head h reads source\n"
+    "head h only; W dense with zeros off the head blocks, or [n_kv, k*head_dim, head_dim]) is\n"
+    "expanded to the equivalent dense matrix. Weights are written as fp32 (exact) unless\n"
+    "--weight_dtype says otherwise.\n";
+
+int Fail(const std::string& message, int code = 2) {
+  std::fprintf(stderr, "kvt import: %s\n", message.c_str());
+  return code;
+}
+
+}  // namespace
+
+const char* ImportHelp() { return kImportHelp; }
+
+int RunImport(const std::vector<std::string>& args) {
+  if (!args.empty()) {
+    return Fail(absl::StrCat("unexpected argument '", args[0], "'\n", kImportHelp), 1);
+  }
+  const std::string format = absl::GetFlag(FLAGS_format);
+  const std::string in = absl::GetFlag(FLAGS_in);
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (format.empty() || in.empty() || out.empty()) {
+    return Fail(absl::StrCat("--format, --in and --out are required\n", kImportHelp), 1);
+  }
+  if (format != "semantic-router") {
+    return Fail(absl::StrCat("--format '", format, "' is not supported (semantic-router)"), 1);
+  }
+  SemanticRouterImportOptions options;
+  options.source_config = absl::GetFlag(FLAGS_source_config);
+  options.target_config = absl::GetFlag(FLAGS_target_config);
+  options.source_name = absl::GetFlag(FLAGS_source_model);
+  options.target_name = absl::GetFlag(FLAGS_target_model);
+  options.overwrite = absl::GetFlag(FLAGS_overwrite);
+  // The artifact stores no RoPE and no source layer count: without a config.json they must be
+  // given, never defaulted, or a wrong theta would silently corrupt every translated key.
+  if (options.source_config.empty()) {
+    const int layers = absl::GetFlag(FLAGS_source_num_layers);
+    const double theta = absl::GetFlag(FLAGS_source_rope_theta);
+    if (layers < 1 || !(theta > 0)) {
+      return Fail(
+          "give --source_config, or --source_num_layers and --source_rope_theta (the "
+          "semantic-router artifact stores neither)",
+          1);
+    }
+    options.source_spec = NeoxModelSpec("", layers, 0, 0, theta);
+  }
+  if (options.target_config.empty()) {
+    const int layers = absl::GetFlag(FLAGS_target_num_layers);
+    const double theta = absl::GetFlag(FLAGS_target_rope_theta);
+    if (layers < 0 || !(theta > 0)) {
+      return Fail(
+          "give --target_config, or --target_rope_theta (and optionally "
+          "--target_num_layers; the semantic-router artifact stores no RoPE settings)",
+          1);
+    }
+    options.target_spec = NeoxModelSpec("", layers, 0, 0, theta);
+  }
+  const std::string dtype = absl::GetFlag(FLAGS_weight_dtype);
+  if (!dtype.empty()) {
+    absl::StatusOr<DType> parsed = ParseDType(dtype);
+    if (!parsed.ok()) return Fail(absl::StrCat("--weight_dtype: ", parsed.status().message()), 1);
+    options.weights_dtype = *parsed;
+  }
+  absl::StatusOr<SemanticRouterImportResult> result = ImportSemanticRouterMapper(in, out, options);
+  if (!result.ok()) return Fail(result.status().ToString());
+  std::printf(
+      "imported semantic-router mapper %s (%s) from %s\n", result->original.mapper_id.c_str(),
+      result->original.variant == SemanticRouterVariant::kPerHead ? "per_head" : "full_head",
+      in.c_str());
+  absl::StatusOr<std::string> report = InspectMapperDir(out);
+  if (!report.ok()) {
+    return Fail(
+        absl::StrCat("wrote ", out, " but cannot read it back: ", report.status().ToString()));
+  }
+  std::printf("%s", report->c_str());
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace kvt
