@@ -10,7 +10,7 @@ PACKAGES=(
   g++
   pkg-config
   protobuf-compiler        # /usr/bin/protoc
-  protobuf-compiler-grpc   # /usr/bin/grpc_cpp_plugin
+  protobuf-compiler-grpc   # /usr/bin/grpc_cpp_plugin, grpc_python_plugin
   libprotobuf-dev
   libgrpc++-dev            # gRPC 1.51 C++ (health, reflection)
   grpc-proto               # grpc/health/v1/health.proto for clients
@@ -33,6 +33,10 @@ PACKAGES=(
   python3
   python3-venv
   python3-numpy            # known-answer test generators, eval
+  python3-grpcio           # the Python client (clients/python)
+  python3-protobuf
+  python3-yaml             # clients/python tests read mapper manifests
+  python3-torch            # torch 1.13: client adapters, eval (transformers comes from PyPI)
   python3-matplotlib       # eval/run_eval.py plots for docs/EVAL.md
   python3.11-doc           # eval/tinyfamily corpus: the Python docs' English text
 )
@@ -56,8 +60,12 @@ fi
 
 if [ "${1:-}" = "--python" ]; then
   root="$(cd "$(dirname "$0")/.." && pwd)"
-  if [ ! -x "$root/.venv/bin/python" ]; then
-    python3 -m venv --system-site-packages "$root/.venv"
+  # Debian's interpreter, so --system-site-packages sees Debian's numpy, grpcio, torch (a
+  # python3 earlier on PATH, e.g. pyenv's, would not); a venv made from another one is redone.
+  if [ ! -x "$root/.venv/bin/python" ] ||
+     [ "$("$root/.venv/bin/python" -c 'import sys; print(sys.base_prefix)')" != /usr ]; then
+    rm -rf "$root/.venv"
+    /usr/bin/python3 -m venv --system-site-packages "$root/.venv"
   fi
   if [ -f "$root/clients/python/requirements.txt" ]; then
     "$root/.venv/bin/pip" install -q -r "$root/clients/python/requirements.txt"

@@ -7,19 +7,23 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh --python
+
+# Python tests (py_test, and sh_tests running python3) find `python3` on PATH: the project venv
+# first (Debian's numpy/grpcio/torch + PyPI transformers), never a pyenv or other interpreter.
+py_env=(--test_env=PATH="$root/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 
 asan_rc=0
 asan_summary=()
 if [ "${KVT_TEST_ASAN:-0}" = 1 ]; then
-  bazel test --config=asan --test_tag_filters=-soak //... "$@"
+  bazel test --config=asan --test_tag_filters=-soak "${py_env[@]}" //... "$@"
   asan_rc=$?
   asan_summary=("$(bazel info --config=asan bazel-testlogs 2>/dev/null)"
                 $(bazel query 'tests(//...) except attr(tags, "soak|manual", tests(//...))' \
                   2>/dev/null))
 fi
 
-bazel test //... "$@"
+bazel test "${py_env[@]}" //... "$@"
 bazel_rc=$?
 
 # Count only the test targets that exist now (bazel-testlogs may hold results of deleted ones)

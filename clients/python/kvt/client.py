@@ -1,0 +1,455 @@
+"""kvt.Client: the Python client of the kvt.v1 API (kvtd) for routers and evaluation tools.
+
+It mirrors the C++ client (client/client.cc): a TranslateKV stream carries one header and then
+every source layer's K and V in token-range chunks of at most `chunk_bytes`, layers in order
+(so a pipelining server can start on early layers); the response (header, target chunks,
+trailer) is reassembled with a check that every target token of every layer arrives exactly
+once. Every gRPC failure becomes a KvtError subclass carrying the status code and the server's
+message.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+
+import grpc
+import numpy as np
+
+from kvt._proto import (common_pb2, health_pb2, health_pb2_grpc, mappers_pb2, memory_pb2,
+                        service_pb2_grpc, translate_pb2, validate_pb2)
+from kvt.cache import (DTYPE_NAMES, DTYPES, ELEMENT_SIZE, LAYOUT_NAMES, LAYOUTS, KVCache,
+                       coverage_error, decode)
+from kvt.errors import (InternalError, InvalidArgumentError, KvtError, NotFoundError,
+                        from_rpc_error)
+
+Pem = Union[str, bytes]
+
+# Room left in each message for the chunk's other fields and framing.
+_MESSAGE_OVERHEAD = 64 << 10
+
+
+@dataclass
+class TranslateResult:
+    """What a TranslateKV call returned. `target` is None when the output went to a region."""
+
+    header: translate_pb2.TranslateResponseHeader
+    trailer: translate_pb2.TranslateTrailer
+    target: Optional[KVCache]
+
+
+def _pem(value: Optional[Pem]) -> Optional[bytes]:
+    if value is None:
+        return None
+    return value.encode() if isinstance(value, str) else value
+
+
+class Client:
+    """A connection to one kvtd. Thread-safe: calls may run concurrently from several threads.
+
+    target: "host:port" or "unix:/path/to/socket".
+    timeout: default per-call deadline in seconds (None = no deadline); every method also takes
+        its own `timeout`.
+    max_message_bytes: largest gRPC message either way; keep it at or below the server's
+        server.max_message_bytes (64 MiB by default).
+    chunk_bytes: KV bytes per request chunk (a few MiB is ideal; capped below max_message_bytes).
+    tls_root_ca: PEM of the CA that signed kvtd's certificate; set it to use TLS.
+    tls_client_cert / tls_client_key: PEM client certificate and key for mTLS.
+    tls_server_name: overrides the name checked against the server certificate.
+    bearer_token: sent as "authorization: Bearer <token>" on every call.
+    """
+
+    def __init__(self, target: str, *, timeout: Optional[float] = 300.0,
+                 max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20,
+                 tls_root_ca: Optional[Pem] = None, tls_client_cert: Optional[Pem] = None,
+                 tls_client_key: Optional[Pem] = None, tls_server_name: Optional[str] = None,
+                 bearer_token: Optional[str] = None,
+                 channel_options: Sequence[Tuple[str, Any]] = ()) -> None:
+        if max_message_bytes <= _MESSAGE_OVERHEAD:
+            raise InvalidArgumentError(f"max_message_bytes {max_message_bytes} is too small")
+        if chunk_bytes <= 0:
+            raise InvalidArgumentError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if (tls_client_cert is None) != (tls_client_key is None):
+            raise InvalidArgumentError("tls_client_cert and tls_client_key go together")
+        if tls_client_cert is not None and tls_root_ca is None:
+            raise InvalidArgumentError("mTLS (tls_client_cert) needs tls_root_ca")
+        self.target = target
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        self.chunk_bytes = min(chunk_bytes, max_message_bytes - _MESSAGE_OVERHEAD)
+        self._metadata: Tuple[Tuple[str, str], ...] = (
+            (("authorization", f"Bearer {bearer_token}"),) if bearer_token else ())
+        options: List[Tuple[str, Any]] = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        options.extend(channel_options)
+        if tls_root_ca is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(tls_root_ca), private_key=_pem(tls_client_key),
+                certificate_chain=_pem(tls_client_cert))
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = service_pb2_grpc.KvTranslatorStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def stub(self) -> service_pb2_grpc.KvTranslatorStub:
+        """The generated stub, for anything this class does not wrap."""
+        return self._stub
+
+    def _timeout(self, timeout: Optional[float]) -> Optional[float]:
+        return self.timeout if timeout is None else timeout
+
+    def _unary(self, method: Any, request: Any, timeout: Optional[float]) -> Any:
+        try:
+            return method(request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    # -- health and mappers -------------------------------------------------------------------
+
+    def health(self, service: str = "", timeout: Optional[float] = None) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... for `service` ("" = the server)."""
+        response = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service),
+                               timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def list_mappers(self, timeout: Optional[float] = None) -> List[mappers_pb2.MapperInfo]:
+        return list(self._unary(self._stub.ListMappers, mappers_pb2.ListMappersRequest(),
+                                timeout).mappers)
+
+    def get_mapper(self, mapper_id: str, timeout: Optional[float] = None
+                   ) -> mappers_pb2.MapperInfo:
+        return self._unary(self._stub.GetMapper, mappers_pb2.GetMapperRequest(mapper_id=mapper_id),
+                           timeout)
+
+    def load_mapper(self, mapper_id: str, device: str = "", timeout: Optional[float] = None
+                    ) -> mappers_pb2.MapperInfo:
+        """Loads onto "host" (default) or a device such as "cuda:0". Admin role under auth."""
+        request = mappers_pb2.LoadMapperRequest(mapper_id=mapper_id, device=device)
+        return self._unary(self._stub.LoadMapper, request, timeout).mapper
+
+    def unload_mapper(self, mapper_id: str, device: str = "", timeout: Optional[float] = None
+                      ) -> mappers_pb2.MapperInfo:
+        """Drops from every tier ("") or one device. Admin role under auth."""
+        request = mappers_pb2.UnloadMapperRequest(mapper_id=mapper_id, device=device)
+        return self._unary(self._stub.UnloadMapper, request, timeout).mapper
+
+    def find_mapper(self, source_model: str = "", target_model: str = "", mapper_id: str = "",
+                    timeout: Optional[float] = None) -> mappers_pb2.MapperInfo:
+        """The mapper a translation of this pair (or id) would use; NotFoundError if none."""
+        if mapper_id:
+            return self.get_mapper(mapper_id, timeout)
+        if not source_model or not target_model:
+            raise InvalidArgumentError("set mapper_id, or both source_model and target_model")
+        for info in self.list_mappers(timeout):
+            if (info.source_model == source_model and info.target_model == target_model and
+                    info.state != mappers_pb2.MAPPER_STATE_FAILED):
+                return info
+        raise NotFoundError(f"no mapper for {source_model} -> {target_model}")
+
+    # -- TranslateKV ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _translate_header(num_tokens: int, dtype: str, layout: str, mapper_id: str,
+                          source_model: str, target_model: str, position_offset: int,
+                          positions: Optional[Sequence[int]], output_dtype: Optional[str],
+                          output_layout: Optional[str], request_id: str, session_id: str,
+                          turn: int, reprefill_estimate_ms: float
+                          ) -> translate_pb2.TranslateHeader:
+        if not mapper_id and not (source_model and target_model):
+            raise InvalidArgumentError(
+                "header: set mapper_id, or both source_model and target_model")
+        if output_dtype is not None and output_dtype not in DTYPES:
+            raise InvalidArgumentError(f"output_dtype: unknown dtype {output_dtype!r}")
+        if output_layout is not None and output_layout not in LAYOUTS:
+            raise InvalidArgumentError(f"output_layout: unknown layout {output_layout!r}")
+        if position_offset < 0:
+            raise InvalidArgumentError(f"position_offset must be >= 0, got {position_offset}")
+        header = translate_pb2.TranslateHeader(
+            request_id=request_id, source_model=source_model, target_model=target_model,
+            mapper_id=mapper_id, dtype=DTYPES[dtype], layout=LAYOUTS[layout],
+            output_dtype=DTYPES[output_dtype] if output_dtype else common_pb2.DTYPE_UNSPECIFIED,
+            output_layout=(LAYOUTS[output_layout] if output_layout
+                           else common_pb2.LAYOUT_UNSPECIFIED),
+            num_tokens=num_tokens, position_offset=position_offset, session_id=session_id,
+            turn=turn, reprefill_estimate_ms=reprefill_estimate_ms)
+        if positions is not None:
+            positions = [int(p) for p in positions]
+            if len(positions) != num_tokens or min(positions) < 0:
+                raise InvalidArgumentError(
+                    f"positions: need {num_tokens} entries >= 0, got {len(positions)}")
+            header.positions.extend(positions)
+        return header
+
+    def translate(self, source: KVCache, *, mapper_id: str = "", source_model: str = "",
+                  target_model: str = "", position_offset: int = 0,
+                  positions: Optional[Sequence[int]] = None, output_dtype: Optional[str] = None,
+                  output_layout: Optional[str] = None, request_id: str = "",
+                  session_id: str = "", turn: int = 0, reprefill_estimate_ms: float = 0.0,
+                  response_chunk_tokens: int = 0, timeout: Optional[float] = None
+                  ) -> TranslateResult:
+        """Translates `source` (the source model's cache) into the target model's cache.
+
+        Name the pair (source_model and target_model) or a mapper_id. Token i sits at absolute
+        position position_offset + i unless `positions` lists all of them. The result is in
+        output_dtype / output_layout (default: the source's).
+        """
+        header = self._translate_header(
+            source.num_tokens, source.dtype or "fp32", source.layout, mapper_id, source_model,
+            target_model, position_offset, positions, output_dtype, output_layout, request_id,
+            session_id, turn, reprefill_estimate_ms)
+        if response_chunk_tokens:
+            header.output.inline.chunk_tokens = response_chunk_tokens
+
+        def requests() -> Iterator[translate_pb2.TranslateKVRequest]:
+            yield translate_pb2.TranslateKVRequest(header=header)
+            for layer, kind, start, count, data in source.chunks(self.chunk_bytes):
+                yield translate_pb2.TranslateKVRequest(chunk=common_pb2.KVChunk(
+                    layer=layer, kind=kind, token_start=start, token_count=count, data=data))
+
+        call = self._stub.TranslateKV(requests(), timeout=self._timeout(timeout),
+                                      metadata=self._metadata)
+        return _Reassembler(call).run()
+
+    def translate_regions(self, *, input_region: str, output_region: str, num_tokens: int,
+                          dtype: str, input_byte_size: int, output_byte_size: int,
+                          input_offset: int = 0, output_offset: int = 0, layout: str = "HND",
+                          mapper_id: str = "", source_model: str = "", target_model: str = "",
+                          position_offset: int = 0, positions: Optional[Sequence[int]] = None,
+                          output_dtype: Optional[str] = None, output_layout: Optional[str] = None,
+                          request_id: str = "", session_id: str = "", turn: int = 0,
+                          reprefill_estimate_ms: float = 0.0, timeout: Optional[float] = None
+                          ) -> TranslateResult:
+        """A translation whose source cache lies packed in a registered region and whose result
+        is written packed into another (or the same) registered region; see SharedMemoryRegion.
+        The returned result's `target` is None: the bytes are in the output region."""
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype: unknown dtype {dtype!r}")
+        if layout not in LAYOUTS:
+            raise InvalidArgumentError(f"layout: unknown layout {layout!r}")
+        header = self._translate_header(
+            num_tokens, dtype, layout, mapper_id, source_model, target_model, position_offset,
+            positions, output_dtype, output_layout, request_id, session_id, turn,
+            reprefill_estimate_ms)
+        header.input.region.CopyFrom(common_pb2.RegionRef(
+            region=input_region, offset=input_offset, byte_size=input_byte_size))
+        header.output.region.CopyFrom(common_pb2.RegionRef(
+            region=output_region, offset=output_offset, byte_size=output_byte_size))
+        call = self._stub.TranslateKV(iter([translate_pb2.TranslateKVRequest(header=header)]),
+                                      timeout=self._timeout(timeout), metadata=self._metadata)
+        return _Reassembler(call, expect_chunks=False).run()
+
+    def translate_via_shm(self, source: KVCache, *, mapper_id: str = "", source_model: str = "",
+                          target_model: str = "", output_dtype: Optional[str] = None,
+                          output_layout: Optional[str] = None, timeout: Optional[float] = None,
+                          **header_fields: Any) -> TranslateResult:
+        """translate() through one temporary POSIX shared-memory region instead of inline
+        chunks: created, registered, filled, translated in place, read back, and unregistered
+        and unlinked whatever happens. The server must allow client regions (admin role under
+        auth). Returns the target cache like translate()."""
+        from kvt.shm import SharedMemoryRegion
+
+        info = self.find_mapper(source_model, target_model, mapper_id, timeout)
+        dtype = output_dtype or source.dtype or "fp32"
+        layout = output_layout or source.layout
+        shape = info.target_shape
+        out_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * \
+            source.num_tokens * ELEMENT_SIZE[dtype]
+        in_bytes = source.nbytes
+        out_offset = (in_bytes + 63) // 64 * 64
+        with SharedMemoryRegion(self, out_offset + out_bytes, timeout=timeout) as region:
+            region.write_cache(source, offset=0)
+            result = self.translate_regions(
+                input_region=region.name, output_region=region.name,
+                num_tokens=source.num_tokens, dtype=source.dtype or "fp32",
+                input_byte_size=in_bytes, output_byte_size=out_bytes, output_offset=out_offset,
+                layout=source.layout, mapper_id=mapper_id, source_model=source_model,
+                target_model=target_model, output_dtype=output_dtype,
+                output_layout=output_layout, timeout=timeout, **header_fields)
+            result.target = region.read_cache(
+                out_offset, shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                source.num_tokens, dtype, layout)
+        return result
+
+    # -- ValidateKV ----------------------------------------------------------------------------
+
+    def validate(self, source: KVCache, target_true: KVCache, queries: Optional[KVCache] = None,
+                 *, mapper_id: str = "", source_model: str = "", target_model: str = "",
+                 position_offset: int = 0, positions: Optional[Sequence[int]] = None,
+                 request_id: str = "", turn: int = 0, timeout: Optional[float] = None
+                 ) -> validate_pb2.ValidateKVResponse:
+        """SPEC 5 quality of the mapper on `source` against the target's own cache of the same
+        tokens: per-layer and overall R^2 and cosine; with `queries` (the target's post-RoPE
+        queries as a cache whose K arrays have the query heads; V is ignored) also the
+        attention-output cosine and c_K / c_V."""
+        caches = [("source", source), ("target_true", target_true)]
+        if queries is not None:
+            caches.append(("queries", queries))
+        for name, cache in caches[1:]:
+            if (cache.dtype != source.dtype or cache.layout != source.layout or
+                    cache.num_tokens != source.num_tokens):
+                raise InvalidArgumentError(
+                    f"{name}: dtype/layout/tokens {cache.dtype}/{cache.layout}/{cache.num_tokens}"
+                    f" differ from source's {source.dtype}/{source.layout}/{source.num_tokens}")
+        if not mapper_id and not (source_model and target_model):
+            raise InvalidArgumentError(
+                "header: set mapper_id, or both source_model and target_model")
+        header = validate_pb2.ValidateHeader(
+            request_id=request_id, source_model=source_model, target_model=target_model,
+            mapper_id=mapper_id, dtype=DTYPES[source.dtype or "fp32"],
+            layout=LAYOUTS[source.layout], num_tokens=source.num_tokens,
+            position_offset=position_offset,
+            num_query_heads=queries.num_kv_heads if queries is not None else 0, turn=turn)
+        if positions is not None:
+            if len(positions) != source.num_tokens:
+                raise InvalidArgumentError(
+                    f"positions: need {source.num_tokens} entries, got {len(positions)}")
+            header.positions.extend(int(p) for p in positions)
+        roles = [(validate_pb2.VALIDATE_ROLE_SOURCE, source, False),
+                 (validate_pb2.VALIDATE_ROLE_TARGET_TRUE, target_true, False)]
+        if queries is not None:
+            roles.append((validate_pb2.VALIDATE_ROLE_TARGET_QUERY, queries, True))
+        chunk_bytes = self.chunk_bytes
+
+        def requests() -> Iterator[validate_pb2.ValidateKVRequest]:
+            yield validate_pb2.ValidateKVRequest(header=header)
+            for role, cache, keys_only in roles:
+                for layer, kind, start, count, data in cache.chunks(chunk_bytes, keys_only):
+                    yield validate_pb2.ValidateKVRequest(chunk=validate_pb2.ValidateChunk(
+                        role=role, chunk=common_pb2.KVChunk(layer=layer, kind=kind,
+                                                            token_start=start,
+                                                            token_count=count, data=data)))
+
+        try:
+            return self._stub.ValidateKV(requests(), timeout=self._timeout(timeout),
+                                         metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    # -- shared memory -------------------------------------------------------------------------
+
+    def register_system_memory(self, name: str, key: str, byte_size: int, offset: int = 0,
+                               timeout: Optional[float] = None) -> None:
+        """Registers POSIX shm object `key` ("/name" as for shm_open), bytes [offset, offset +
+        byte_size), under `name`. Prefer SharedMemoryRegion, which also creates and cleans up."""
+        self._unary(self._stub.RegisterSystemMemory, memory_pb2.RegisterSystemMemoryRequest(
+            name=name, key=key, offset=offset, byte_size=byte_size), timeout)
+
+    def unregister_system_memory(self, name: str = "", timeout: Optional[float] = None) -> None:
+        """Unregisters `name` ("" = every system-memory region)."""
+        self._unary(self._stub.UnregisterSystemMemory,
+                    memory_pb2.UnregisterSystemMemoryRequest(name=name), timeout)
+
+    def system_memory_status(self, name: str = "", timeout: Optional[float] = None
+                             ) -> List[memory_pb2.SystemMemoryStatusResponse.Region]:
+        return list(self._unary(self._stub.SystemMemoryStatus,
+                                memory_pb2.SystemMemoryStatusRequest(name=name), timeout).regions)
+
+    def create_region(self, byte_size: int, name: Optional[str] = None,
+                      timeout: Optional[float] = None) -> "Any":
+        """A new SharedMemoryRegion of `byte_size` bytes registered with this server."""
+        from kvt.shm import SharedMemoryRegion
+
+        return SharedMemoryRegion(self, byte_size, name=name, timeout=timeout)
+
+
+def unique_region_name() -> str:
+    return f"kvt-py-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:12]}"
+
+
+class _Reassembler:
+    """Reads a TranslateKV response stream into a TranslateResult, checking the protocol."""
+
+    def __init__(self, call: Any, expect_chunks: bool = True) -> None:
+        self._call = call
+        self._expect_chunks = expect_chunks
+        self._header: Optional[translate_pb2.TranslateResponseHeader] = None
+        self._trailer: Optional[translate_pb2.TranslateTrailer] = None
+        self._target: Optional[KVCache] = None
+        self._received: List[np.ndarray] = []
+
+    def _fail(self, message: str) -> KvtError:
+        self._call.cancel()
+        return InternalError(f"server broke the TranslateKV protocol: {message}")
+
+    def run(self) -> TranslateResult:
+        try:
+            for response in self._call:
+                which = response.WhichOneof("msg")
+                if which == "header":
+                    self._on_header(response.header)
+                elif which == "chunk":
+                    self._on_chunk(response.chunk)
+                elif which == "trailer":
+                    self._trailer = response.trailer
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        if self._header is None or self._trailer is None:
+            raise InternalError("server ended the stream without a header and trailer")
+        if self._expect_chunks:
+            assert self._target is not None
+            gap = coverage_error(self._received, self._target.num_tokens)
+            if gap is not None:
+                raise InternalError(f"server ended the stream without a complete result: {gap}")
+        return TranslateResult(header=self._header, trailer=self._trailer, target=self._target)
+
+    def _on_header(self, header: translate_pb2.TranslateResponseHeader) -> None:
+        if self._header is not None:
+            raise self._fail("a second response header")
+        self._header = header
+        if not self._expect_chunks:
+            return
+        if header.output_dtype not in DTYPE_NAMES or header.output_layout not in LAYOUT_NAMES:
+            raise self._fail("response header without output dtype/layout")
+        shape = header.target_shape
+        if min(shape.num_layers, shape.num_kv_heads, shape.head_dim, header.num_tokens) == 0:
+            raise self._fail(f"response header with an empty target shape {shape}")
+        self._target = KVCache.empty(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                     header.num_tokens, DTYPE_NAMES[header.output_dtype],
+                                     LAYOUT_NAMES[header.output_layout])
+        self._received = [np.zeros(header.num_tokens, dtype=bool)
+                          for _ in range(2 * shape.num_layers)]
+
+    def _on_chunk(self, chunk: common_pb2.KVChunk) -> None:
+        target = self._target
+        if target is None:
+            raise self._fail("a target chunk before the header (or into a region request)")
+        start, count = chunk.token_start, chunk.token_count
+        dtype = target.dtype or "fp32"
+        if (chunk.layer >= target.num_layers or count == 0 or
+                start + count > target.num_tokens or
+                chunk.kind not in (common_pb2.CACHE_KIND_K, common_pb2.CACHE_KIND_V) or
+                len(chunk.data) != target.token_bytes() * count):
+            raise self._fail(f"a malformed target chunk (layer {chunk.layer}, tokens "
+                             f"[{start}, {start + count}), {len(chunk.data)} bytes)")
+        kind = 0 if chunk.kind == common_pb2.CACHE_KIND_K else 1
+        bits = self._received[chunk.layer * 2 + kind]
+        if bits[start:start + count].any():
+            raise self._fail(f"target layer {chunk.layer} {'KV'[kind]} tokens "
+                             f"[{start}, {start + count}) arrived twice")
+        bits[start:start + count] = True
+        array = (target.k if kind == 0 else target.v)[chunk.layer]
+        heads, dim = target.num_kv_heads, target.head_dim
+        if target.layout == "HND":
+            array[:, start:start + count, :] = decode(chunk.data, dtype, (heads, count, dim))
+        else:
+            array[start:start + count] = decode(chunk.data, dtype, (count, heads, dim))

@@ -1,0 +1,409 @@
+"""kvt.Client against a real kvtd process serving the bundled demo-tiny mapper: translations
+checked against a float64 numpy reference (SPEC 3 tolerances) in both dtypes, layouts and chunk
+sizes; ValidateKV; mapper control and the admin role; TLS; shared-memory regions; and every
+kind of bad input raising the exception of its gRPC code with a message naming the field."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import unittest
+
+import grpc
+import numpy as np
+
+import kvt
+from kvtd_process import Kvtd, runfile, test_tmpdir
+from reference import RidgeMapper, max_rel_error
+
+SEED = int.from_bytes(os.urandom(4), "little")
+print(f"client_test: numpy seed {SEED}", file=sys.stderr)
+
+ADMIN_TOKEN = "admin-token-abcdefghijk"
+CLIENT_TOKEN = "router-token-0123456789"
+SOURCE, TARGET = "kvt-demo/tiny-4l", "kvt-demo/tiny-6l"
+
+
+def make_store() -> str:
+    store = os.path.join(test_tmpdir(), "store")
+    shutil.rmtree(store, ignore_errors=True)
+    os.makedirs(store)
+    source = os.path.dirname(runfile("demo/mappers/demo-tiny/manifest.yaml"))
+    destination = os.path.join(store, "demo-tiny")
+    os.makedirs(destination)
+    for name in ("manifest.yaml", "weights.safetensors", "SHA256SUMS"):
+        shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
+    return store
+
+
+def write(path: str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def random_cache(rng: np.random.Generator, tokens: int, dtype: str = "fp32",
+                 layers: int = 4, heads: int = 2, dim: int = 32) -> kvt.KVCache:
+    def one() -> np.ndarray:
+        array = rng.standard_normal((heads, tokens, dim)).astype(np.float32)
+        if dtype == "bf16":  # values the wire carries exactly, so the reference sees the same
+            array = kvt.cache.bf16_bits_to_float32(kvt.cache.float32_to_bf16_bits(array))
+        return array.astype(np.float16) if dtype == "fp16" else array
+    return kvt.KVCache(k=[one() for _ in range(layers)], v=[one() for _ in range(layers)],
+                       dtype=dtype)
+
+
+def check_load_unload(test: unittest.TestCase, client: kvt.Client) -> None:
+    """LoadMapper to host then UnloadMapper: HOST_RESIDENT, then DISCOVERED. Servers built
+    before mapper control landed answer UNIMPLEMENTED, which must surface as UnimplementedError
+    naming the RPC; anything else fails."""
+    mappers_pb2 = kvt.client.mappers_pb2
+    try:
+        loaded = client.load_mapper("demo-tiny")
+    except kvt.UnimplementedError as error:
+        test.assertEqual(error.code, grpc.StatusCode.UNIMPLEMENTED)
+        test.assertIn("LoadMapper", error.details)
+        with test.assertRaises(kvt.UnimplementedError) as caught:
+            client.unload_mapper("demo-tiny")
+        test.assertIn("UnloadMapper", caught.exception.details)
+        return
+    test.assertEqual(loaded.mapper_id, "demo-tiny")
+    test.assertEqual(loaded.state, mappers_pb2.MAPPER_STATE_HOST_RESIDENT)
+    test.assertEqual(client.get_mapper("demo-tiny").state, mappers_pb2.MAPPER_STATE_HOST_RESIDENT)
+    test.assertEqual(client.unload_mapper("demo-tiny").state,
+                     mappers_pb2.MAPPER_STATE_DISCOVERED)
+    with test.assertRaises(kvt.NotFoundError):
+        client.load_mapper("no-such-mapper")
+
+
+class ClientTest(unittest.TestCase):
+    kvtd: Kvtd
+    client: kvt.Client
+    mapper: RidgeMapper
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.store = make_store()
+        config = write(os.path.join(test_tmpdir(), "kvtd.yaml"),
+                       "shared_memory:\n  allow_client_regions: true\n")
+        cls.kvtd = Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={cls.store}",
+                         "--backend=cpu", "--cpu_threads=1", "--drain_grace_seconds=0",
+                         "--max_tokens=4096", f"--config={config}"]).__enter__()
+        cls.client = kvt.Client(cls.kvtd.address, timeout=60)
+        cls.mapper = RidgeMapper(os.path.join(cls.store, "demo-tiny"))
+        cls.rng = np.random.default_rng(SEED)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.client.close()
+        cls.kvtd.__exit__()
+
+    def check_against_reference(self, source: kvt.KVCache, result: kvt.TranslateResult,
+                                positions: np.ndarray, tolerance: float) -> None:
+        hnd = source.to_layout("HND")
+        expected_k, expected_v = self.mapper.translate(
+            [a.astype(np.float64) for a in hnd.k], [a.astype(np.float64) for a in hnd.v],
+            positions)
+        target = result.target
+        assert target is not None
+        self.assertEqual(target.num_layers, 6)
+        self.assertEqual(target.num_tokens, source.num_tokens)
+        target = target.to_layout("HND")
+        for layer in range(6):
+            for name, actual, expected in (("K", target.k[layer], expected_k[layer]),
+                                           ("V", target.v[layer], expected_v[layer])):
+                error = max_rel_error(actual, expected)
+                self.assertLessEqual(error, tolerance, f"layer {layer} {name} (seed {SEED})")
+
+    # -- health, mappers -----------------------------------------------------------------------
+
+    def test_health_list_and_get(self) -> None:
+        self.assertEqual(self.client.health(), "SERVING")
+        mappers = self.client.list_mappers()
+        self.assertEqual([m.mapper_id for m in mappers], ["demo-tiny"])
+        info = self.client.get_mapper("demo-tiny")
+        self.assertEqual((info.source_model, info.target_model), (SOURCE, TARGET))
+        self.assertEqual((info.source_shape.num_layers, info.target_shape.num_layers), (4, 6))
+        self.assertEqual(info.k, 2)
+        self.assertEqual(self.client.find_mapper(SOURCE, TARGET).mapper_id, "demo-tiny")
+        with self.assertRaises(kvt.NotFoundError) as caught:
+            self.client.get_mapper("no-such-mapper")
+        self.assertEqual(caught.exception.code, grpc.StatusCode.NOT_FOUND)
+        self.assertIn("no-such-mapper", caught.exception.details)
+        with self.assertRaises(kvt.NotFoundError):
+            self.client.find_mapper(TARGET, SOURCE)
+
+    def test_load_and_unload(self) -> None:
+        check_load_unload(self, self.client)
+        # A translation pages it back in.
+        result = self.client.translate(random_cache(self.rng, 5), mapper_id="demo-tiny")
+        self.assertEqual(result.header.mapper_id, "demo-tiny")
+
+    # -- translate -----------------------------------------------------------------------------
+
+    def test_translate_fp32_matches_reference_with_many_chunks(self) -> None:
+        tokens = int(self.rng.integers(50, 300))
+        offset = int(self.rng.integers(0, 100000))
+        source = random_cache(self.rng, tokens)
+        # ~7 tokens per request chunk and 5 per response chunk: many chunks each way.
+        small = kvt.Client(self.kvtd.address, chunk_bytes=7 * 2 * 32 * 4)
+        result = small.translate(source, mapper_id="demo-tiny", position_offset=offset,
+                                 response_chunk_tokens=5, request_id="py-fp32")
+        small.close()
+        self.assertEqual(result.header.request_id, "py-fp32")
+        self.assertEqual(result.trailer.num_tokens, tokens)
+        self.assertEqual(result.trailer.input_bytes, source.nbytes)
+        self.assertEqual(result.target.dtype, "fp32")
+        self.check_against_reference(source, result, offset + np.arange(tokens), 1e-5)
+
+    def test_translate_bf16_by_model_pair_to_nhd(self) -> None:
+        tokens = int(self.rng.integers(20, 200))
+        source = random_cache(self.rng, tokens, dtype="bf16")
+        result = self.client.translate(source, source_model=SOURCE, target_model=TARGET,
+                                       position_offset=3, output_layout="NHD")
+        self.assertEqual(result.target.layout, "NHD")
+        self.assertEqual(result.target.dtype, "bf16")
+        self.assertEqual(result.target.k[0].shape, (tokens, 2, 32))
+        self.check_against_reference(source, result, 3 + np.arange(tokens), 1e-2)
+
+    def test_translate_nhd_fp16_explicit_positions_to_fp32(self) -> None:
+        tokens = 64
+        source = random_cache(self.rng, tokens, dtype="fp16").to_layout("NHD")
+        positions = self.rng.permutation(10 ** 6)[:tokens]
+        result = self.client.translate(source, mapper_id="demo-tiny", positions=positions,
+                                       output_dtype="fp32", output_layout="HND")
+        self.assertEqual((result.target.dtype, result.target.layout), ("fp32", "HND"))
+        # fp16 input, fp32 accumulation and output: the fp32 tolerance applies.
+        self.check_against_reference(source, result, positions, 1e-5)
+
+    def test_float32_arrays_sent_as_bf16_round_to_nearest_even(self) -> None:
+        source = random_cache(self.rng, 16)
+        rounded = kvt.KVCache(k=source.k, v=source.v, dtype="bf16")
+        result = self.client.translate(rounded, mapper_id="demo-tiny")
+        exact = random_cache(self.rng, 16)
+        exact.k = [kvt.cache.bf16_bits_to_float32(kvt.cache.float32_to_bf16_bits(a))
+                   for a in source.k]
+        exact.v = [kvt.cache.bf16_bits_to_float32(kvt.cache.float32_to_bf16_bits(a))
+                   for a in source.v]
+        self.check_against_reference(exact, result, np.arange(16), 1e-2)
+        self.assertEqual(float(kvt.cache.bf16_bits_to_float32(
+            kvt.cache.float32_to_bf16_bits(np.array([1.00390625], np.float32)))[0]), 1.0)
+
+    def test_split_translation_equals_whole(self) -> None:
+        # The map is token-wise: two halves with position_offset give the whole's result.
+        source = random_cache(self.rng, 40)
+        whole = self.client.translate(source, mapper_id="demo-tiny", position_offset=7).target
+        first = kvt.KVCache(k=[a[:, :25] for a in source.k], v=[a[:, :25] for a in source.v])
+        second = kvt.KVCache(k=[a[:, 25:] for a in source.k], v=[a[:, 25:] for a in source.v])
+        a = self.client.translate(first, mapper_id="demo-tiny", position_offset=7).target
+        b = self.client.translate(second, mapper_id="demo-tiny", position_offset=32).target
+        for layer in range(6):
+            np.testing.assert_allclose(np.concatenate([a.k[layer], b.k[layer]], 1),
+                                       whole.k[layer], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.concatenate([a.v[layer], b.v[layer]], 1),
+                                       whole.v[layer], rtol=1e-5, atol=1e-5)
+
+    # -- validate ------------------------------------------------------------------------------
+
+    def test_validate(self) -> None:
+        tokens = 48
+        source = random_cache(self.rng, tokens)
+        truth = self.client.translate(source, mapper_id="demo-tiny").target
+        queries = random_cache(self.rng, tokens, layers=6, heads=4)
+        report = self.client.validate(source, truth, queries, mapper_id="demo-tiny", turn=2)
+        self.assertEqual(report.mapper_id, "demo-tiny")
+        self.assertEqual(len(report.layers), 6)
+        for layer in report.layers:
+            self.assertGreater(layer.r2_k, 0.999999)
+            self.assertGreater(layer.cosine_v, 0.999999)
+            self.assertTrue(layer.HasField("attention_cosine"))
+            self.assertGreater(layer.attention_cosine, 0.999999)
+        # Against an unrelated "true" cache the same mapper scores badly.
+        unrelated = random_cache(self.rng, tokens, layers=6)
+        bad = self.client.validate(source, unrelated, mapper_id="demo-tiny")
+        self.assertLess(bad.overall.r2_v, 0.1)
+        self.assertFalse(bad.layers[0].HasField("attention_cosine"))
+        with self.assertRaises(kvt.InvalidArgumentError):
+            self.client.validate(source, random_cache(self.rng, tokens + 1, layers=6),
+                                 mapper_id="demo-tiny")
+
+    # -- bad input -----------------------------------------------------------------------------
+
+    def assert_code(self, error_class: type, code: grpc.StatusCode, fragment: str,
+                    call: object) -> None:
+        with self.assertRaises(error_class) as caught:
+            call()  # type: ignore[operator]
+        self.assertEqual(caught.exception.code, code)
+        self.assertIn(fragment, str(caught.exception))
+
+    def test_bad_input_gets_the_grpc_code_and_names_the_field(self) -> None:
+        c = self.client
+        self.assert_code(kvt.NotFoundError, grpc.StatusCode.NOT_FOUND, "nope",
+                         lambda: c.translate(random_cache(self.rng, 4), mapper_id="nope"))
+        # Wrong shapes for the mapper: 3 source layers, head_dim 16.
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, "layer",
+                         lambda: c.translate(random_cache(self.rng, 4, layers=3),
+                                             mapper_id="demo-tiny"))
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, "head",
+                         lambda: c.translate(random_cache(self.rng, 4, dim=16),
+                                             mapper_id="demo-tiny"))
+        # More tokens than the server's limits.max_tokens (4096 here).
+        self.assert_code(kvt.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         "num_tokens", lambda: c.translate(random_cache(self.rng, 4097),
+                                                           mapper_id="demo-tiny"))
+        # The pair and the mapper disagree.
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, "",
+                         lambda: c.translate(random_cache(self.rng, 4), mapper_id="demo-tiny",
+                                             source_model=TARGET, target_model=SOURCE))
+        # Caught in the client before anything is sent.
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT,
+                         "mapper_id", lambda: c.translate(random_cache(self.rng, 4)))
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT,
+                         "layer 1 V", lambda: kvt.KVCache(
+                             k=[np.zeros((2, 4, 32))] * 2,
+                             v=[np.zeros((2, 4, 32)), np.zeros((2, 5, 32))]))
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, "dtype",
+                         lambda: kvt.KVCache(k=[np.zeros((2, 4, 32))],
+                                             v=[np.zeros((2, 4, 32))], dtype="int8"))
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT,
+                         "positions", lambda: c.translate(random_cache(self.rng, 4),
+                                                          mapper_id="demo-tiny",
+                                                          positions=[1, 2]))
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT,
+                         "output_dtype", lambda: c.translate(random_cache(self.rng, 4),
+                                                             mapper_id="demo-tiny",
+                                                             output_dtype="fp8"))
+        # A deadline that has passed before the server can answer.
+        self.assert_code(kvt.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED, "",
+                         lambda: c.translate(random_cache(self.rng, 2000),
+                                             mapper_id="demo-tiny", timeout=1e-4))
+        # No server there.
+        with kvt.Client("127.0.0.1:1", timeout=5) as nowhere:
+            self.assert_code(kvt.UnavailableError, grpc.StatusCode.UNAVAILABLE, "",
+                             nowhere.list_mappers)
+
+    # -- shared memory -------------------------------------------------------------------------
+
+    def test_shared_memory_round_trip_equals_inline(self) -> None:
+        for dtype, layout in (("bf16", "HND"), ("fp32", "NHD")):
+            source = random_cache(self.rng, 77, dtype=dtype).to_layout(layout)
+            inline = self.client.translate(source, mapper_id="demo-tiny", position_offset=33)
+            shm = self.client.translate_via_shm(source, mapper_id="demo-tiny",
+                                                position_offset=33)
+            self.assertEqual(shm.trailer.output_bytes, inline.target.nbytes)
+            for layer in range(6):
+                np.testing.assert_array_equal(shm.target.k[layer], inline.target.k[layer])
+                np.testing.assert_array_equal(shm.target.v[layer], inline.target.v[layer])
+        self.assertEqual(self.client.system_memory_status(), [])
+
+    def test_region_lifecycle_and_cleanup(self) -> None:
+        source = random_cache(self.rng, 10)
+        with self.client.create_region(source.nbytes + 4096) as region:
+            key = region.key
+            self.assertTrue(os.path.exists("/dev/shm" + key))
+            status = self.client.system_memory_status(region.name)
+            self.assertEqual([(r.name, r.key, r.byte_size) for r in status],
+                             [(region.name, key, source.nbytes + 4096)])
+            region.write_cache(source, offset=100)
+            back = region.read_cache(100, 4, 2, 32, 10, "fp32")
+            np.testing.assert_array_equal(back.k[3], source.k[3])
+            with self.assertRaises(kvt.InvalidArgumentError):
+                region.write_cache(source, offset=4097)
+            # A RegionRef beyond the region: the server names the field.
+            self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT,
+                             "region", lambda: self.client.translate_regions(
+                                 input_region=region.name, output_region=region.name,
+                                 num_tokens=10, dtype="fp32", input_byte_size=source.nbytes,
+                                 output_byte_size=10 ** 9, mapper_id="demo-tiny"))
+            # An unknown region name.
+            with self.assertRaises(kvt.KvtError):
+                self.client.translate_regions(
+                    input_region="nope", output_region=region.name, num_tokens=10,
+                    dtype="fp32", input_byte_size=source.nbytes, output_byte_size=1,
+                    mapper_id="demo-tiny")
+        self.assertFalse(os.path.exists("/dev/shm" + key))
+        self.assertEqual(self.client.system_memory_status(), [])
+        # A name the server already has: registration fails and the object is unlinked.
+        with self.client.create_region(64, name="taken") as taken:
+            before = set(os.listdir("/dev/shm"))
+            with self.assertRaises(kvt.AlreadyExistsError):
+                self.client.create_region(64, name="taken")
+            self.assertEqual(set(os.listdir("/dev/shm")), before)
+            self.assertTrue(os.path.exists("/dev/shm" + taken.key))
+
+    def test_shared_memory_refused_when_disabled(self) -> None:
+        with Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={self.store}",
+                   "--backend=cpu", "--drain_grace_seconds=0"], "noshm") as plain:
+            with kvt.Client(plain.address, timeout=30) as client:
+                before = set(os.listdir("/dev/shm"))
+                with self.assertRaises(kvt.FailedPreconditionError) as caught:
+                    client.translate_via_shm(random_cache(self.rng, 8), mapper_id="demo-tiny")
+                self.assertIn("allow_client_regions", str(caught.exception))
+                self.assertEqual(set(os.listdir("/dev/shm")), before)
+
+
+class SecurityTest(unittest.TestCase):
+    """Bearer tokens with roles and TLS against a kvtd started with both."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.dir = os.path.join(test_tmpdir(), "security")
+        shutil.rmtree(cls.dir, ignore_errors=True)
+        os.makedirs(cls.dir)
+        script = (
+            "set -e\n"
+            "ossl() { openssl \"$@\" 2>/dev/null; }\n"
+            "ossl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=ca -keyout ca.key -out ca.pem\n"
+            "ossl req -newkey rsa:2048 -nodes -subj /CN=server -keyout server.key -out server.csr\n"
+            "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext\n"
+            "ossl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
+            "-extfile server.ext -out server.pem\n")
+        subprocess.run(["bash", "-c", script], cwd=cls.dir, check=True)
+        tokens = write(os.path.join(cls.dir, "tokens"),
+                       f"{CLIENT_TOKEN} client\n{ADMIN_TOKEN} admin\n")
+        cls.kvtd = Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={make_store()}",
+                         "--backend=cpu", "--drain_grace_seconds=0",
+                         f"--tls_cert_file={cls.dir}/server.pem",
+                         f"--tls_key_file={cls.dir}/server.key",
+                         f"--auth_token_file={tokens}"], "secure").__enter__()
+        with open(os.path.join(cls.dir, "ca.pem"), "rb") as f:
+            cls.ca = f.read()
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.kvtd.__exit__()
+
+    def connect(self, token: str = "", tls: bool = True) -> kvt.Client:
+        return kvt.Client(self.kvtd.address, timeout=30, bearer_token=token or None,
+                          tls_root_ca=self.ca if tls else None)
+
+    def test_roles(self) -> None:
+        with self.connect(CLIENT_TOKEN) as router, self.connect(ADMIN_TOKEN) as admin:
+            self.assertEqual([m.mapper_id for m in router.list_mappers()], ["demo-tiny"])
+            with self.assertRaises(kvt.PermissionDeniedError) as caught:
+                router.load_mapper("demo-tiny")
+            self.assertEqual(caught.exception.code, grpc.StatusCode.PERMISSION_DENIED)
+            with self.assertRaises(kvt.PermissionDeniedError):
+                router.unload_mapper("demo-tiny")
+            check_load_unload(self, admin)
+            rng = np.random.default_rng(SEED)
+            result = router.translate(random_cache(rng, 12), mapper_id="demo-tiny")
+            self.assertEqual(result.target.num_layers, 6)
+
+    def test_missing_or_wrong_token_and_plaintext(self) -> None:
+        with self.connect() as anonymous:
+            self.assertEqual(anonymous.health(), "SERVING")  # probes stay open
+            with self.assertRaises(kvt.UnauthenticatedError):
+                anonymous.list_mappers()
+        with self.connect("not-a-valid-token-at-all") as wrong:
+            with self.assertRaises(kvt.UnauthenticatedError):
+                wrong.list_mappers()
+        with self.connect(CLIENT_TOKEN, tls=False) as plaintext:
+            with self.assertRaises(kvt.UnavailableError):
+                plaintext.list_mappers()
+
+
+if __name__ == "__main__":
+    unittest.main()
