@@ -8,6 +8,8 @@ the learning rate follows a warmup + cosine schedule over that time, so a run on
 ends on time with a fully decayed schedule. Writes into --out: model.safetensors + config.json
 (loadable by transformers' LlamaForCausalLM), train_log.csv (loss curve), summary.json
 (tokens, steps, held-out bits per byte), and a checkpoint every --checkpoint_minutes.
+--also trains further students on the same batches, so one teacher forward pass serves several
+students (distillation on 2 cores is dominated by the teacher otherwise).
 
     nice -n 5 python3 eval/tinyfamily/train.py --out eval/tinyfamily/models/L --name kvt-tiny-L \\
         --layers 6 --hidden 128 --heads 4 --kv_heads 2 --head_dim 32 --ffn 384 --minutes 45
@@ -59,6 +61,36 @@ def heldout_bpb(model, data, seq, max_windows=None):
     return total / count / math.log(2)
 
 
+class Student:
+    """One model being trained: its weights, optimizer, log and output directory."""
+
+    def __init__(self, out, name, layers, hidden, heads, kv_heads, head_dim, ffn, seed, lr):
+        self.out, self.name = out, name
+        self.model = tiny.Llama(tiny.hf_config(layers, hidden, heads, kv_heads, head_dim, ffn,
+                                               name))
+        self.model.init_weights(seed)
+        self.params = sum(q.numel() for q in self.model.parameters())
+        decay = [q for q in self.model.parameters() if q.dim() >= 2]
+        no_decay = [q for q in self.model.parameters() if q.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=lr, betas=(0.9, 0.95))
+        os.makedirs(out, exist_ok=True)
+        self.log = open(os.path.join(out, "train_log.csv"), "w", newline="")
+        self.writer = csv.writer(self.log)
+        self.writer.writerow(["step", "seconds", "tokens", "lr", "loss", "ce_bits_per_byte",
+                              "heldout_bits_per_byte"])
+
+
+def parse_student(spec, seed, lr):
+    """OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN"""
+    parts = spec.split(":")
+    if len(parts) != 8:
+        raise SystemExit(f"--also: expected OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN, "
+                         f"got {spec!r}")
+    return Student(parts[0], parts[1], *map(int, parts[2:]), seed=seed, lr=lr)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
@@ -69,6 +101,9 @@ def main():
     p.add_argument("--kv_heads", type=int, required=True)
     p.add_argument("--head_dim", type=int, required=True)
     p.add_argument("--ffn", type=int, required=True)
+    p.add_argument("--also", action="append", default=[],
+                   help="another student OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN "
+                        "trained on the same batches (one teacher forward pass serves all)")
     p.add_argument("--teacher", default="", help="directory of the member to distill from")
     p.add_argument("--kl_weight", type=float, default=1.0)
     p.add_argument("--ce_weight", type=float, default=None,
@@ -94,29 +129,17 @@ def main():
     train = byte_stream(splits["train"])
     heldout = byte_stream(splits["heldout"])
 
-    config = tiny.hf_config(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim,
-                            args.ffn, args.name)
-    student = tiny.Llama(config)
-    student.init_weights(args.seed)
+    students = [Student(args.out, args.name, args.layers, args.hidden, args.heads, args.kv_heads,
+                        args.head_dim, args.ffn, args.seed, args.lr)]
+    students += [parse_student(spec, args.seed, args.lr) for spec in args.also]
     teacher = None
     if args.teacher:
         teacher = tiny.load(args.teacher).eval()
         for q in teacher.parameters():
             q.requires_grad_(False)
-    params = sum(q.numel() for q in student.parameters())
-    decay = [q for n, q in student.named_parameters() if q.dim() >= 2]
-    no_decay = [q for n, q in student.named_parameters() if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "train_log.csv")
-    log = open(log_path, "w", newline="")
-    writer = csv.writer(log)
-    writer.writerow(["step", "seconds", "tokens", "lr", "loss", "ce_bits_per_byte",
-                     "heldout_bits_per_byte"])
-    print(f"{args.name}: {params} parameters, train {len(train)} bytes, heldout {len(heldout)}"
-          f" bytes, teacher={args.teacher or '-'}", flush=True)
+    for st in students:
+        print(f"{st.name}: {st.params} parameters, train {len(train)} bytes, heldout "
+              f"{len(heldout)} bytes, teacher={args.teacher or '-'}", flush=True)
 
     budget = args.minutes * 60
     start = time.time()
@@ -129,54 +152,61 @@ def main():
         frac = elapsed / budget
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * \
             (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr
         starts = rng.integers(0, len(train) - args.seq - 1, size=args.batch)
         x = torch.from_numpy(np.stack([train[s:s + args.seq] for s in starts]))
         y = torch.from_numpy(np.stack([train[s + 1:s + args.seq + 1] for s in starts]))
-        logits = student(x).reshape(-1, tiny.VOCAB)
-        ce = F.cross_entropy(logits, y.reshape(-1))
-        loss = ce_weight * ce
+        t_logp = None
         if teacher is not None:
             with torch.no_grad():
                 t_logp = F.log_softmax(teacher(x).reshape(-1, tiny.VOCAB), dim=-1)
-            kl = F.kl_div(F.log_softmax(logits, dim=-1), t_logp, log_target=True,
-                          reduction="batchmean")
-            loss = loss + args.kl_weight * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
         step += 1
         tokens += x.numel()
-        held = ""
-        if step % args.eval_every == 0:
-            held = f"{heldout_bpb(student, heldout, args.seq, max_windows=64):.4f}"
-        if step % 10 == 0 or held:
-            writer.writerow([step, f"{time.time() - start:.1f}", tokens, f"{lr:.6f}",
-                             f"{loss.item():.4f}", f"{ce.item() / math.log(2):.4f}", held])
-            log.flush()
-        if held:
-            print(f"step {step} {time.time() - start:.0f}s tokens {tokens} ce_bpb "
-                  f"{ce.item() / math.log(2):.3f} heldout_bpb {held}", flush=True)
+        for st in students:
+            for g in st.opt.param_groups:
+                g["lr"] = lr
+            logits = st.model(x).reshape(-1, tiny.VOCAB)
+            ce = F.cross_entropy(logits, y.reshape(-1))
+            loss = ce_weight * ce
+            if t_logp is not None:
+                kl = F.kl_div(F.log_softmax(logits, dim=-1), t_logp, log_target=True,
+                              reduction="batchmean")
+                loss = loss + args.kl_weight * kl
+            st.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(st.model.parameters(), 1.0)
+            st.opt.step()
+            held = ""
+            if step % args.eval_every == 0:
+                held = f"{heldout_bpb(st.model, heldout, args.seq, max_windows=64):.4f}"
+            if step % 10 == 0 or held:
+                st.writer.writerow([step, f"{time.time() - start:.1f}", tokens, f"{lr:.6f}",
+                                    f"{loss.item():.4f}", f"{ce.item() / math.log(2):.4f}",
+                                    held])
+                st.log.flush()
+            if held:
+                print(f"{st.name} step {step} {time.time() - start:.0f}s tokens {tokens} ce_bpb "
+                      f"{ce.item() / math.log(2):.3f} heldout_bpb {held}", flush=True)
         if time.time() - last_checkpoint > args.checkpoint_minutes * 60:
-            tiny.save(student, os.path.join(args.out, "checkpoint"))
+            for st in students:
+                tiny.save(st.model, os.path.join(st.out, "checkpoint"))
             last_checkpoint = time.time()
     train_seconds = time.time() - start
-    tiny.save(student, args.out)
-    bpb = heldout_bpb(student, heldout, args.seq)
-    summary = {"name": args.name, "parameters": params, "steps": step, "tokens": tokens,
-               "train_seconds": round(train_seconds), "batch": args.batch, "seq": args.seq,
-               "lr": args.lr, "teacher": args.teacher, "kl_weight": args.kl_weight,
-               "ce_weight": ce_weight, "heldout_bits_per_byte": round(bpb, 4),
-               "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
-               "command": " ".join(sys.argv)}
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
-    writer.writerow([step, f"{train_seconds:.1f}", tokens, "", "", "", f"{bpb:.4f}"])
-    log.close()
-    print(json.dumps(summary), flush=True)
+    for st in students:
+        tiny.save(st.model, st.out)
+        bpb = heldout_bpb(st.model, heldout, args.seq)
+        summary = {"name": st.name, "parameters": st.params, "steps": step, "tokens": tokens,
+                   "train_seconds": round(train_seconds), "batch": args.batch, "seq": args.seq,
+                   "lr": args.lr, "teacher": args.teacher, "kl_weight": args.kl_weight,
+                   "ce_weight": ce_weight, "heldout_bits_per_byte": round(bpb, 4),
+                   "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
+                   "trained_with": [o.name for o in students if o is not st],
+                   "command": " ".join(sys.argv)}
+        with open(os.path.join(st.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+        st.writer.writerow([step, f"{train_seconds:.1f}", tokens, "", "", "", f"{bpb:.4f}"])
+        st.log.close()
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,337 @@
+"""Retention evaluation of kvt on the bundled tiny family (issue 12 item 3; docs/EVAL.md).
+
+The pipeline, all on real parts: tools/dump_kv.py dumps each model's calibration KV through
+transformers' LlamaForCausalLM; `kvt fit` fits a mapper per ordered pair and k; a kvtd process
+serves the mapper store; the `kvt` Python client (clients/python) translates over gRPC and asks
+kvtd's ValidateKV for R^2, attention-output cosine, c_K and c_V. On held-out documents
+(eval/tinyfamily/corpus.py: never seen in training or calibration) the target's cross-entropy on
+a continuation is measured after: its own prefill of the context; the translated cache; no
+context; a token-identity map (ridge from one-hot current and previous byte to the target's K/V:
+the control that exposes caches that are trivially "linear" in the tokens); the translated cache
+of an untrained source (random weights, its own fitted mapper); the source's KV untranslated
+(when the KV shapes match; target layer l gets source layer floor(l * L_s / L_t)); and the
+translated cache with the target RoPE not re-applied (ablation).
+
+context benefit recovered = (CE_none - CE_x) / (CE_none - CE_own), on all continuation tokens
+and on the first 16 after the cache boundary; the perplexity ratio exp(CE_x - CE_own) is the
+secondary figure (EVAL-NOTES 3: it overstates retention).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Under `bazel run`/`bazel test` this file sits in <runfiles>/kvt/eval/.
+os.environ.setdefault("RUNFILES_DIR", os.path.dirname(os.path.dirname(_HERE)))
+ROOT = os.path.dirname(_HERE)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "eval", "tinyfamily"))
+
+import dump_kv  # noqa: E402
+import corpus  # noqa: E402
+import model as tiny  # noqa: E402
+import kvt  # noqa: E402
+from kvt import adapters  # noqa: E402
+from kvtd_process import Kvtd, runfile  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+from transformers.models.llama.modeling_llama import (  # noqa: E402
+    LlamaRotaryEmbedding, apply_rotary_pos_emb)
+
+FIRST = 16  # tokens right after the cache boundary, reported separately
+
+
+# -- models ------------------------------------------------------------------------------------
+
+class Member:
+    """One family member loaded through transformers (the real Hugging Face code path)."""
+
+    def __init__(self, directory):
+        self.dir = directory
+        self.hf = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+        self.config = self.hf.config
+        # from_pretrained overwrites _name_or_path with the directory; the model's name is the
+        # one its config.json records.
+        with open(os.path.join(directory, "config.json")) as f:
+            self.name = json.load(f)["_name_or_path"]
+        self.rotary = LlamaRotaryEmbedding(config=self.config)
+        self.n_kv = self.config.num_key_value_heads
+        self.head_dim = self.config.hidden_size // self.config.num_attention_heads
+        self.layers = self.config.num_hidden_layers
+
+    def rope(self, x, start, inverse=False):
+        """x [1, heads, T, d] rotated to positions start.. (inverse: rotated back)."""
+        positions = torch.arange(start, start + x.shape[2])[None]
+        cos, sin = self.rotary(x, positions)
+        rotated, _ = apply_rotary_pos_emb(x, x, cos, -sin if inverse else sin)
+        return rotated
+
+    def prefill(self, ids, queries=False):
+        """Per-layer (K, V) [1, n_kv, T, d] of the context (and post-RoPE queries if asked)."""
+        captured = []
+        hooks = []
+        if queries:
+            for layer in self.hf.model.layers:
+                hooks.append(layer.self_attn.q_proj.register_forward_hook(
+                    lambda mod, inp, out: captured.append(out)))
+        with torch.no_grad():
+            out = self.hf(input_ids=torch.tensor([ids]), use_cache=True)
+        for h in hooks:
+            h.remove()
+        layers = [(k.clone(), v.clone()) for k, v in adapters.dynamic_cache_layers(
+            out.past_key_values)]
+        if not queries:
+            return layers
+        heads = self.config.num_attention_heads
+        q = [self.rope(c.view(1, len(ids), heads, self.head_dim).transpose(1, 2), 0)
+             for c in captured]
+        return layers, q
+
+    def continuation_nll(self, layers, cont, targets):
+        """Per-token negative log-likelihood (nats, float64) of `targets` after feeding `cont`
+        on top of the cache `layers` (None: no context, positions from 0)."""
+        cache = None
+        if layers is not None:
+            cache = adapters.to_dynamic_cache(adapters.from_torch(layers))
+        with torch.no_grad():
+            out = self.hf(input_ids=torch.tensor([cont]), past_key_values=cache,
+                          use_cache=cache is not None)
+        logp = F.log_softmax(out.logits[0].double(), dim=-1)
+        return -logp.gather(1, torch.tensor(targets)[:, None])[:, 0].numpy()
+
+
+def make_untrained(source_dir, out_dir, seed=7):
+    """The source's architecture with random weights (the untrained-source control)."""
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    config["_name_or_path"] = config["_name_or_path"] + "-untrained"
+    m = tiny.Llama(config)
+    m.init_weights(seed)
+    tiny.save(m, out_dir)
+    return out_dir
+
+
+# -- text --------------------------------------------------------------------------------------
+
+def write_split(name, path):
+    with open(path, "w", encoding="utf-8") as f:
+        for d in corpus.splits()[name]:
+            f.write(json.dumps({"text": d["text"]}) + "\n")
+    return path
+
+
+def token_stream(name):
+    tok = dump_kv.ByteTokenizer()
+    for d in corpus.splits()[name]:
+        yield tok.encode(d["text"]) + [tok.eos_token_id]
+
+
+def heldout_windows(length, count):
+    """`count` windows of `length` bytes spread evenly over the held-out documents."""
+    stream = [t for ids in token_stream("heldout") for t in ids]
+    n = len(stream) // length
+    picks = np.linspace(0, n - 1, min(count, n)).astype(int)
+    return [stream[i * length:(i + 1) * length] for i in picks]
+
+
+# -- pipeline: dumps, fits, kvtd ---------------------------------------------------------------
+
+def dump(member_dir, calib_jsonl, out, tokens, sequences):
+    if not os.path.exists(os.path.join(out, "config.json")):
+        dump_kv.main(["--model", member_dir, "--corpus", calib_jsonl, "--out", out,
+                      "--tokens", str(tokens), "--sequences", str(sequences), "--dtype", "fp32",
+                      "--tokenizer", "bytes", "--corpus_name", corpus.PACKAGE])
+    return out
+
+
+def fit(source_dump, target_dump, source_name, target_name, k, out, stride=1):
+    """`kvt fit` of one ordered pair; returns the mapper manifest's held-out R^2 summary."""
+    cmd = [runfile("cli/kvt"), "fit", f"--source_config={source_dump}",
+           f"--target_config={target_dump}", f"--source_model={source_name}",
+           f"--target_model={target_name}", f"--source_dumps={source_dump}",
+           f"--target_dumps={target_dump}", f"--top_k={k}", f"--stride={stride}",
+           f"--corpus={corpus.PACKAGE}", "--threads=1", "--overwrite", f"--out={out}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"kvt fit failed ({done.returncode}): {' '.join(cmd)}\n"
+                           f"{done.stdout}\n{done.stderr}")
+    return out
+
+
+def start_kvtd(store):
+    return Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={store}", "--backend=cpu",
+                 "--cpu_threads=1", "--drain_grace_seconds=0", "--max_tokens=65536"],
+                "eval-kvtd")
+
+
+# -- controls ----------------------------------------------------------------------------------
+
+class TokenIdentityMap:
+    """Ridge (float64) from one-hot(current byte) + one-hot(previous byte) + 1 to the target's
+    content-space K (RoPE stripped) and V, per layer; predictions get the target RoPE back."""
+
+    FEATURES = 256 + 257 + 1  # previous byte has an extra "none" slot at position 0
+
+    def __init__(self, target, windows, lam=1.0):
+        self.target = target
+        gram = np.zeros((self.FEATURES, self.FEATURES))
+        cross = None
+        for ids in windows:
+            x = self.features(ids)
+            layers = target.prefill(ids)
+            y = np.concatenate([self._flat(target.rope(k, 0, inverse=True)) for k, _ in layers] +
+                               [self._flat(v) for _, v in layers], axis=1)
+            gram += x.T @ x
+            cross = x.T @ y if cross is None else cross + x.T @ y
+        self.w = np.linalg.solve(gram + lam * np.eye(self.FEATURES), cross)
+
+    @staticmethod
+    def _flat(t):  # [1, n, T, d] -> [T, n*d] float64
+        return t[0].permute(1, 0, 2).reshape(t.shape[2], -1).double().numpy()
+
+    def features(self, ids):
+        x = np.zeros((len(ids), self.FEATURES))
+        rows = np.arange(len(ids))
+        x[rows, ids] = 1.0
+        prev = np.array([256] + list(ids[:-1])) + 256
+        x[rows, prev] = 1.0
+        x[:, -1] = 1.0
+        return x
+
+    def predict(self, ids):
+        t = self.target
+        y = self.features(ids) @ self.w
+        width = t.n_kv * t.head_dim
+        out = []
+        for j in range(t.layers):
+            def block(col):
+                a = torch.from_numpy(y[:, col * width:(col + 1) * width]).float()
+                return a.reshape(len(ids), t.n_kv, t.head_dim).permute(1, 0, 2)[None].contiguous()
+            out.append((t.rope(block(j), 0), block(t.layers + j)))
+        return out
+
+
+def untranslated(source_layers, target):
+    """The source's KV as the target's cache (same KV shapes only), layers spread by depth."""
+    ls = len(source_layers)
+    return [source_layers[(l * ls) // target.layers] for l in range(target.layers)]
+
+
+# -- measures ----------------------------------------------------------------------------------
+
+def translate(client, mapper_id, layers):
+    result = client.translate(adapters.from_torch(layers), mapper_id=mapper_id)
+    return adapters.to_torch(result.target)
+
+
+def strip_target_rope(target, layers):
+    return [(target.rope(k, 0, inverse=True), v) for k, v in layers]
+
+
+def benefit(ce, key, part="all"):
+    none, own = ce["none"][part], ce["own"][part]
+    return (none - ce[key][part]) / (none - own) if none != own else float("nan")
+
+
+def summarize(nll):
+    """{condition: {"all": mean nats, "first": mean over the first FIRST tokens}}."""
+    return {key: {"all": float(np.mean(np.concatenate(v))),
+                  "first": float(np.mean(np.concatenate([x[:FIRST] for x in v])))}
+            for key, v in nll.items()}
+
+
+def evaluate_pair(client, source, target, mapper_id, windows, context, extra):
+    """CE of the target on each window's continuation under every condition, plus ValidateKV.
+
+    extra: {"identity": TokenIdentityMap, "untrained": (Member, mapper_id)} (either may be
+    missing). Returns {"ce": summarize(...), "benefit": ..., "validate": ...}."""
+    nll = {}
+    quality = []
+
+    def add(key, values):
+        nll.setdefault(key, []).append(values)
+
+    for ids in windows:
+        ctx, cont, tgt = ids[:context], ids[context:-1], ids[context + 1:]
+        own, queries = target.prefill(ctx, queries=True)
+        src = source.prefill(ctx)
+        mapped = translate(client, mapper_id, src)
+        add("own", target.continuation_nll(own, cont, tgt))
+        add("none", target.continuation_nll(None, cont, tgt))
+        add("mapped", target.continuation_nll(mapped, cont, tgt))
+        add("no_target_rope", target.continuation_nll(strip_target_rope(target, mapped), cont,
+                                                      tgt))
+        if "identity" in extra:
+            add("identity", target.continuation_nll(extra["identity"].predict(ctx), cont, tgt))
+        if "untrained" in extra:
+            member, mid = extra["untrained"]
+            add("untrained", target.continuation_nll(
+                translate(client, mid, member.prefill(ctx)), cont, tgt))
+        if source.n_kv == target.n_kv and source.head_dim == target.head_dim:
+            add("untranslated", target.continuation_nll(untranslated(src, target), cont, tgt))
+        q = [(qq, qq) for qq in queries]
+        response = client.validate(adapters.from_torch(src), adapters.from_torch(own),
+                                   adapters.from_torch(q), mapper_id=mapper_id)
+        quality.append(response)
+    ce = summarize(nll)
+    result = {"ce": ce, "windows": len(windows), "context": context,
+              "continuation": len(windows[0]) - context - 1}
+    result["benefit"] = {key: {"all": benefit(ce, key), "first": benefit(ce, key, "first")}
+                         for key in ce if key not in ("own", "none")}
+    result["ppl_ratio"] = {key: math.exp(ce[key]["all"] - ce["own"]["all"])
+                           for key in ce if key != "own"}
+
+    def mean(field, which):
+        vals = [getattr(getattr(r, which), field) for r in quality]
+        return float(np.mean(vals))
+    result["validate"] = {
+        which: {f: mean(f, which) for f in ("r2_k", "r2_v", "cosine_k", "cosine_v",
+                                              "attention_cosine", "c_k", "c_v")}
+        for which in ("overall", "overall_without_layer0")}
+    result["validate"]["layers"] = [
+        {"layer": int(l.layer), "r2_k": float(np.mean([r.layers[i].r2_k for r in quality])),
+         "r2_v": float(np.mean([r.layers[i].r2_v for r in quality]))}
+        for i, l in enumerate(quality[0].layers)]
+    return result
+
+
+def multi_turn(client, a, b, mapper_ab, mapper_ba, windows, segment, turns):
+    """Alternating handoffs: a reads segment 1; at each turn the whole cache is translated to
+    the other model, which is scored on the next segment and appends it with its own forward
+    pass. Returns per turn the benefit recovered (vs that model's own prefill of all text so
+    far and vs no context)."""
+    per_turn = []
+    for t in range(turns):
+        per_turn.append({"own": [], "none": [], "mapped": []})
+    for ids in windows:
+        cache = a.prefill(ids[:segment])
+        holder = a
+        for t in range(turns):
+            receiver, mid = (b, mapper_ab) if holder is a else (a, mapper_ba)
+            translated = translate(client, mid, cache)
+            start = (t + 1) * segment
+            cont, tgt = ids[start:start + segment], ids[start + 1:start + segment + 1]
+            per_turn[t]["mapped"].append(receiver.continuation_nll(translated, cont, tgt))
+            per_turn[t]["own"].append(receiver.continuation_nll(receiver.prefill(ids[:start]),
+                                                                cont, tgt))
+            per_turn[t]["none"].append(receiver.continuation_nll(None, cont, tgt))
+            # The receiver's cache now holds the translated prefix plus its own segment.
+            cache_obj = adapters.to_dynamic_cache(adapters.from_torch(translated))
+            with torch.no_grad():
+                receiver.hf(input_ids=torch.tensor([cont]), past_key_values=cache_obj,
+                            use_cache=True)
+            cache = [(k.clone(), v.clone()) for k, v in adapters.dynamic_cache_layers(cache_obj)]
+            holder = receiver
+    out = []
+    for t, d in enumerate(per_turn):
+        ce = summarize(d)
+        out.append({"turn": t + 1, "receiver": (b if t % 2 == 0 else a).name,
+                    "benefit": benefit(ce, "mapped"), "ce": ce})
+    return out

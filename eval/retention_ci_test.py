@@ -1,0 +1,80 @@
+"""Fast subset of the retention evaluation (docs/EVAL.md) on the committed family weights.
+
+For the matched distilled pair SOURCE -> TARGET: dumps calibration KV of both and of an
+untrained SOURCE through tools/dump_kv.py, fits both mappers with `kvt fit`, serves them from a
+kvtd process and measures on held-out documents through the Python client. Asserts that the
+translated cache recovers more of the context benefit than the token-identity ridge and than the
+untrained source's translated cache, and more than the same translation with the target RoPE
+not re-applied. torch and transformers must be importable (scripts/test.sh runs the project
+venv): a missing one fails this test.
+"""
+
+import os
+import sys
+import unittest
+
+import retention as R
+
+SOURCE, TARGET, K = "S", "L", "2"
+CALIB_WINDOWS, CALIB_TOKENS = 32, 256
+WINDOWS, CONTEXT, CONTINUATION = 16, 192, 64
+
+
+class RetentionCiTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        R.torch.set_num_threads(1)
+        work = os.environ.get("TEST_TMPDIR") or "/tmp/kvt-retention-ci"
+        family = os.environ.get("KVT_EVAL_FAMILY") or os.path.join(R.ROOT, "eval", "tinyfamily",
+                                                                   "models")
+        calib = R.write_split("calib", os.path.join(work, "calib.jsonl"))
+        source = R.Member(os.path.join(family, SOURCE))
+        target = R.Member(os.path.join(family, TARGET))
+        untrained = R.Member(R.make_untrained(source.dir, os.path.join(work, "untrained")))
+        dumps = {}
+        for key, member in (("s", source), ("t", target), ("u", untrained)):
+            dumps[key] = R.dump(member.dir, calib, os.path.join(work, "dumps", key),
+                                CALIB_TOKENS, CALIB_WINDOWS)
+        store = os.path.join(work, "store")
+        R.fit(dumps["s"], dumps["t"], source.name, target.name, K, os.path.join(store, "mapped"))
+        R.fit(dumps["u"], dumps["t"], untrained.name, target.name, K,
+              os.path.join(store, "untrained"))
+        calib_windows = list(R.dump_kv.windows(R.token_stream("calib"), CALIB_TOKENS,
+                                               CALIB_WINDOWS))
+        identity = R.TokenIdentityMap(target, calib_windows)
+        windows = R.heldout_windows(CONTEXT + CONTINUATION + 1, WINDOWS)
+        with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
+            cls.result = R.evaluate_pair(client, source, target, "mapped", windows, CONTEXT,
+                                         {"identity": identity,
+                                          "untrained": (untrained, "untrained")})
+        b = cls.result["benefit"]
+        print("\nretention_ci: CE (nats) " +
+              ", ".join(f"{k} {v['all']:.4f}" for k, v in cls.result["ce"].items()) +
+              "\nretention_ci: benefit recovered " +
+              ", ".join(f"{k} {v['all']:.3f} (first {R.FIRST}: {v['first']:.3f})"
+                        for k, v in b.items()), file=sys.stderr)
+
+    def benefit(self, key):
+        return self.result["benefit"][key]["all"]
+
+    def test_context_helps_the_target(self):
+        ce = self.result["ce"]
+        self.assertLess(ce["own"]["all"], ce["none"]["all"] - 0.05)
+
+    def test_translation_beats_token_identity_map(self):
+        self.assertGreater(self.benefit("mapped"), self.benefit("identity"))
+
+    def test_translation_beats_untrained_source(self):
+        self.assertGreater(self.benefit("mapped"), self.benefit("untrained"))
+
+    def test_target_rope_matters(self):
+        self.assertGreater(self.benefit("mapped"), self.benefit("no_target_rope"))
+
+    def test_validate_reports_quality(self):
+        v = self.result["validate"]
+        self.assertGreater(v["overall_without_layer0"]["r2_k"], 0.0)
+        self.assertGreater(v["overall"]["attention_cosine"], 0.5)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Runs the full retention evaluation on the bundled family and writes docs/EVAL.md.
+
+    bazel run //eval:run_eval -- --out_md=docs/EVAL.md --work=/tmp/kvt-eval
+
+Dumps, fits (every ordered matched pair, several k, plus the untrained-source controls), one
+kvtd for all mappers, then the measures of eval/retention.py; results.json and the SVG plots go
+next to the Markdown (docs/eval/).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import retention as R  # noqa: E402
+
+
+def fmt(x, digits=3):
+    return "n/a" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--members", default="S,M,L,U")
+    p.add_argument("--pairs", default="S:L,L:S,M:L,L:M,S:M,M:S,U:L,L:U")
+    p.add_argument("--ks", default="1,2,4")
+    p.add_argument("--main_k", default="2")
+    p.add_argument("--calib_windows", type=int, default=64)
+    p.add_argument("--calib_tokens", type=int, default=512)
+    p.add_argument("--windows", type=int, default=24)
+    p.add_argument("--context", type=int, default=384)
+    p.add_argument("--continuation", type=int, default=96)
+    p.add_argument("--drift_pair", default="S:L")
+    p.add_argument("--drift_windows", type=int, default=8)
+    p.add_argument("--segment", type=int, default=40)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--work", required=True)
+    p.add_argument("--out_md", required=True)
+    args = p.parse_args()
+    # `bazel run` starts in the runfiles: relative paths are the caller's.
+    caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
+    args.work = os.path.join(caller, args.work)
+    args.out_md = os.path.join(caller, args.out_md)
+    os.makedirs(args.work, exist_ok=True)
+    start = time.time()
+    R.torch.set_num_threads(1)
+
+    calib = R.write_split("calib", os.path.join(args.work, "calib.jsonl"))
+    members = {}
+    dumps = {}
+    for m in args.members.split(","):
+        d = os.path.join(args.family, m)
+        members[m] = R.Member(d)
+        dumps[m] = R.dump(d, calib, os.path.join(args.work, "dumps", m), args.calib_tokens,
+                          args.calib_windows)
+    pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
+    store = os.path.join(args.work, "store")
+    untrained = {}
+    for s in sorted({a for a, _ in pairs}):
+        udir = R.make_untrained(members[s].dir, os.path.join(args.work, "untrained", s))
+        untrained[s] = R.Member(udir)
+        dumps[s + "0"] = R.dump(udir, calib, os.path.join(args.work, "dumps", s + "0"),
+                                args.calib_tokens, args.calib_windows)
+    ks = args.ks.split(",")
+    for a, b in pairs:
+        for k in ks:
+            R.fit(dumps[a], dumps[b], members[a].name, members[b].name, k,
+                  os.path.join(store, f"{a}-to-{b}-k{k}"))
+        R.fit(dumps[a + "0"], dumps[b], untrained[a].name, members[b].name, args.main_k,
+              os.path.join(store, f"{a}0-to-{b}-k{args.main_k}"))
+    print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
+
+    calib_windows = [w for w, _ in zip(R.dump_kv.windows(R.token_stream("calib"),
+                                                          args.calib_tokens, args.calib_windows),
+                                       range(args.calib_windows))]
+    identity = {}
+    windows = R.heldout_windows(args.context + args.continuation + 1, args.windows)
+    settings = dict(vars(args))
+    settings["command"] = "bazel run //eval:run_eval -- " + " ".join(sys.argv[1:])
+    results = {"pairs": {}, "settings": settings}
+    with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
+        for a, b in pairs:
+            if b not in identity:
+                identity[b] = R.TokenIdentityMap(members[b], calib_windows)
+            for k in ks:
+                extra = {}
+                if k == args.main_k:
+                    extra = {"identity": identity[b],
+                             "untrained": (untrained[a], f"{a}0-to-{b}-k{k}")}
+                r = R.evaluate_pair(client, members[a], members[b], f"{a}-to-{b}-k{k}", windows,
+                                    args.context, extra)
+                results["pairs"][f"{a}->{b} k={k}"] = r
+                print(f"eval: {a}->{b} k={k}: benefit {r['benefit']['mapped']['all']:.3f} "
+                      f"({time.time() - start:.0f} s)", flush=True)
+        da, db = args.drift_pair.split(":")
+        drift_windows = R.heldout_windows(args.segment * (args.turns + 1) + 1,
+                                          args.drift_windows)
+        results["drift"] = R.multi_turn(client, members[da], members[db],
+                                        f"{da}-to-{db}-k{args.main_k}",
+                                        f"{db}-to-{da}-k{args.main_k}", drift_windows,
+                                        args.segment, args.turns)
+    results["family"] = {}
+    for m, member in members.items():
+        with open(os.path.join(member.dir, "summary.json")) as f:
+            s = json.load(f)
+        c = member.config
+        results["family"][m] = {"name": member.name, "layers": c.num_hidden_layers,
+                                "hidden": c.hidden_size, "heads": c.num_attention_heads,
+                                "kv_heads": c.num_key_value_heads, "head_dim": member.head_dim,
+                                "parameters": s["parameters"], "tokens": s["tokens"],
+                                "teacher": os.path.basename(s["teacher"]) or "-",
+                                "bpb": s["heldout_bits_per_byte"]}
+    results["seconds"] = round(time.time() - start)
+    out_dir = os.path.join(os.path.dirname(args.out_md), "eval")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plots(results, out_dir, args.main_k)
+    import write_eval_md
+    sys.argv = ["write_eval_md", os.path.join(out_dir, "results.json"), args.out_md]
+    write_eval_md.main()
+    print(f"eval: done in {results['seconds']} s; results in {out_dir}/results.json")
+
+
+def plots(results, out_dir, main_k):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["mapped", "identity", "untrained", "untranslated", "no_target_rope"]
+    names = [n for n in results["pairs"] if n.endswith(f"k={main_k}")]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.16
+    for i, key in enumerate(keys):
+        vals = [results["pairs"][n]["benefit"].get(key, {}).get("all", float("nan"))
+                for n in names]
+        ax.bar([j + i * width for j in range(len(names))], vals, width, label=key)
+    ax.set_xticks([j + 2 * width for j in range(len(names))])
+    ax.set_xticklabels([n.split(" ")[0] for n in names])
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.set_ylabel("context benefit recovered")
+    ax.set_title(f"Held-out context benefit recovered (k={main_k})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "benefit.svg"))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([d["turn"] for d in results["drift"]], [d["benefit"] for d in results["drift"]], "o-")
+    ax.set_xlabel("turn (handoff)")
+    ax.set_ylabel("benefit recovered")
+    ax.set_title("Multi-turn drift: alternating handoffs")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "drift.svg"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Writes the generated tables of docs/EVAL.md from docs/eval/results.json (run_eval.py calls
+it; the prose outside the GENERATED markers is kept as is).
+
+    python3 eval/write_eval_md.py docs/eval/results.json docs/EVAL.md
+"""
+
+import json
+import sys
+
+BEGIN = "<!-- BEGIN GENERATED (eval/write_eval_md.py) -->"
+END = "<!-- END GENERATED -->"
+CONTROLS = ["identity", "untrained", "untranslated", "no_target_rope"]
+
+
+def f(x, d=3):
+    return "n/a" if x is None or x != x else f"{x:.{d}f}"
+
+
+def tables(r):
+    k = r["settings"]["main_k"]
+    out = []
+    out.append("### The family\n")
+    out.append("| member | layers | hidden | heads | KV heads x head_dim | parameters | "
+               "training tokens | teacher | held-out bits/byte |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
+    for m, s in r["family"].items():
+        out.append(f"| {m} ({s['name']}) | {s['layers']} | {s['hidden']} | {s['heads']} | "
+                   f"{s['kv_heads']} x {s['head_dim']} | {s['parameters']:,} | "
+                   f"{s['tokens'] / 1e6:.2f}M | {s['teacher']} | {s['bpb']:.3f} |")
+    st = r["settings"]
+    out.append(f"\nHeld-out: {st['windows']} windows of {st['context']} context + "
+               f"{st['continuation']} continuation bytes from held-out documents; calibration: "
+               f"{st['calib_windows']} windows x {st['calib_tokens']} bytes from calibration "
+               f"documents. CE in nats per byte.\n")
+    out.append(f"### Context benefit recovered (k = {k})\n")
+    out.append("Benefit recovered = (CE_none - CE_x) / (CE_none - CE_own); in parentheses: on the "
+               f"first 16 bytes after the boundary.\n")
+    out.append("| pair | CE own | CE none | CE mapped | **mapped** | token identity | "
+               "untrained source | untranslated | no target RoPE | ppl ratio mapped |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    for name, p in r["pairs"].items():
+        if not name.endswith(f"k={k}"):
+            continue
+        b, ce = p["benefit"], p["ce"]
+
+        def cell(key):
+            if key not in b:
+                return "(shapes differ)"
+            return f"{f(b[key]['all'])} ({f(b[key]['first'])})"
+        out.append(f"| {name.split(' ')[0]} | {f(ce['own']['all'])} | {f(ce['none']['all'])} | "
+                   f"{f(ce['mapped']['all'])} | **{cell('mapped')}** | " +
+                   " | ".join(cell(c) for c in CONTROLS) +
+                   f" | {f(p['ppl_ratio']['mapped'], 4)} |")
+    out.append("\n### Every k: benefit and ValidateKV quality on held-out windows\n")
+    out.append("| pair | k | benefit (first 16) | ppl ratio | R^2 K / V | R^2 K / V without "
+               "layer 0 | attention-output cosine | c_K | c_V |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
+    for name, p in r["pairs"].items():
+        pair, kk = name.split(" ")
+        v, v0 = p["validate"]["overall"], p["validate"]["overall_without_layer0"]
+        out.append(f"| {pair} | {kk[2:]} | {f(p['benefit']['mapped']['all'])} "
+                   f"({f(p['benefit']['mapped']['first'])}) | {f(p['ppl_ratio']['mapped'], 4)} | "
+                   f"{f(v['r2_k'])} / {f(v['r2_v'])} | {f(v0['r2_k'])} / {f(v0['r2_v'])} | "
+                   f"{f(v['attention_cosine'], 4)} | {f(v['c_k'])} | {f(v['c_v'])} |")
+    d = r["drift"]
+    out.append(f"\n### Multi-turn drift ({st['drift_pair'].replace(':', ' <-> ')}, "
+               f"{st['turns']} alternating handoffs, {st['segment']}-byte segments, "
+               f"{st['drift_windows']} windows)\n")
+    out.append("| turn | receiver | CE own | CE none | CE mapped | benefit recovered |")
+    out.append("|---|---|---|---|---|---|")
+    for t in d:
+        ce = t["ce"]
+        out.append(f"| {t['turn']} | {t['receiver']} | {f(ce['own']['all'])} | "
+                   f"{f(ce['none']['all'])} | {f(ce['mapped']['all'])} | {f(t['benefit'])} |")
+    out.append("\n![benefit recovered](eval/benefit.svg)\n\n![drift](eval/drift.svg)\n")
+    out.append(f"Generated in {r['seconds']} s by `{st.get('command', 'eval/run_eval.py')}`.")
+    return "\n".join(out)
+
+
+def main():
+    results, md = sys.argv[1], sys.argv[2]
+    with open(results) as fh:
+        r = json.load(fh)
+    try:
+        with open(md) as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        text = f"# Retention evaluation\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{md}: no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(md, "w") as fh:
+        fh.write(head + BEGIN + "\n" + tables(r) + "\n" + END + tail)
+
+
+if __name__ == "__main__":
+    main()
