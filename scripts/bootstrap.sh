@@ -71,4 +71,5 @@ if [ "${1:-}" = "--python" ]; then
     "$root/.venv/bin/pip" install -q -r "$root/clients/python/requirements.txt"
   fi
   "$root/.venv/bin/pip" install -q -r "$root/eval/requirements.txt"  # eval/, tools/dump_kv.py
+  "$root/.venv/bin/pip" install -q -r "$root/deploy/requirements.txt"  # //deploy:k8s_test
 fi
