@@ -106,6 +106,11 @@ class Backend {
   }
 };
 
+// Checks a mapper before a backend prepares it: both models' shapes and RoPE, one entry per
+// target layer, sigma lists within the source model, weight and bias shapes. Errors name the
+// field (e.g. "layers[3].w_k is 4096x1024 but expected ..."). Shared by every backend.
+absl::Status CheckMapperView(const MapperView& mapper);
+
 // Checks that `source` / `target` match the mapper's models (layers, heads, head_dim, token
 // counts, non-null pointers). Shared by every backend.
 absl::Status CheckCacheShapes(const MapperView& mapper, const CacheView& source,

@@ -63,59 +63,6 @@ class CpuPreparedMapper : public PreparedMapper {
   uint64_t bytes_ = 0;
 };
 
-absl::Status CheckModel(const char* which, const ModelSpec& model) {
-  if (model.num_layers <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(which, ".num_layers=", model.num_layers, " must be positive"));
-  }
-  if (model.num_kv_heads <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(which, ".num_kv_heads=", model.num_kv_heads, " must be positive"));
-  }
-  if (model.head_dim <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(which, ".head_dim=", model.head_dim, " must be positive"));
-  }
-  if (absl::Status s = ValidateRopeConfig(model.rope, model.head_dim); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(which, ".", s.message()));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckSigma(int layer, const char* name, const std::vector<int>& sigma,
-                        int source_layers) {
-  if (sigma.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("layers[", layer, "].", name, " is empty"));
-  }
-  for (size_t i = 0; i < sigma.size(); ++i) {
-    if (sigma[i] < 0 || sigma[i] >= source_layers) {
-      return absl::InvalidArgumentError(absl::StrCat("layers[", layer, "].", name, "[", i, "]=",
-                                                     sigma[i], " out of range [0, ",
-                                                     source_layers, ")"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckWeight(int layer, const char* name, const WeightView& w, int64_t rows,
-                         int64_t cols, const std::string& why) {
-  if (w.rows != rows || w.cols != cols) {
-    return absl::InvalidArgumentError(absl::StrCat("layers[", layer, "].", name, " is ", w.rows,
-                                                   "x", w.cols, " but expected ", rows, "x",
-                                                   cols, " (", why, ")"));
-  }
-  if (w.data == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("layers[", layer, "].", name, " is null"));
-  }
-  return absl::OkStatus();
-}
-
-// A bias is optional: data null with a 0x0 shape means zero.
-absl::Status CheckBias(int layer, const char* name, const WeightView& b, int64_t cols) {
-  if (b.data == nullptr && b.rows == 0 && b.cols == 0) return absl::OkStatus();
-  return CheckWeight(layer, name, b, 1, cols, "one row of target n_t * d_t");
-}
-
 }  // namespace
 
 CpuBackend::CpuBackend(const CpuBackendOptions& options)
@@ -127,45 +74,7 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options)
 }
 
 absl::StatusOr<std::shared_ptr<PreparedMapper>> CpuBackend::Prepare(const MapperView& mapper) {
-  if (absl::Status s = CheckModel("source", mapper.source); !s.ok()) return s;
-  if (absl::Status s = CheckModel("target", mapper.target); !s.ok()) return s;
-  if (static_cast<int64_t>(mapper.layers.size()) != mapper.target.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("mapper.layers has ", mapper.layers.size(),
-                                                   " entries but target.num_layers=",
-                                                   mapper.target.num_layers));
-  }
-  const int64_t source_width =
-      static_cast<int64_t>(mapper.source.num_kv_heads) * mapper.source.head_dim;
-  const int64_t target_width =
-      static_cast<int64_t>(mapper.target.num_kv_heads) * mapper.target.head_dim;
-  for (int l = 0; l < mapper.target.num_layers; ++l) {
-    const LayerMapView& layer = mapper.layers[l];
-    if (absl::Status s = CheckSigma(l, "sigma_k", layer.sigma_k, mapper.source.num_layers);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = CheckSigma(l, "sigma_v", layer.sigma_v, mapper.source.num_layers);
-        !s.ok()) {
-      return s;
-    }
-    const auto why = [&](const char* sigma, size_t k) {
-      return absl::StrCat("|", sigma, "|=", k, " x source n=", mapper.source.num_kv_heads,
-                          " x d=", mapper.source.head_dim, " rows, target n=",
-                          mapper.target.num_kv_heads, " x d=", mapper.target.head_dim, " cols");
-    };
-    if (absl::Status s = CheckWeight(l, "w_k", layer.w_k, layer.sigma_k.size() * source_width,
-                                     target_width, why("sigma_k", layer.sigma_k.size()));
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = CheckWeight(l, "w_v", layer.w_v, layer.sigma_v.size() * source_width,
-                                     target_width, why("sigma_v", layer.sigma_v.size()));
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = CheckBias(l, "b_k", layer.b_k, target_width); !s.ok()) return s;
-    if (absl::Status s = CheckBias(l, "b_v", layer.b_v, target_width); !s.ok()) return s;
-  }
+  if (absl::Status s = CheckMapperView(mapper); !s.ok()) return s;
 
   auto prepared = std::make_shared<CpuPreparedMapper>();
   prepared->view_ = mapper;

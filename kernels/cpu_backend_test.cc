@@ -24,6 +24,7 @@ using ::kvt::testing::Kind;
 using ::kvt::testing::MakeOutputCache;
 using ::kvt::testing::MakeRandomCache;
 using ::kvt::testing::MakeRandomMapper;
+using ::kvt::testing::MakeTestRope;
 using ::kvt::testing::MaxRelError;
 using ::kvt::testing::OwnedCache;
 using ::kvt::testing::RandomMapper;
@@ -31,49 +32,8 @@ using ::kvt::testing::RandomMapperSpec;
 using ::kvt::testing::ReadLayer;
 using ::kvt::testing::ReferenceOptions;
 using ::kvt::testing::ReferenceTranslate;
+using ::kvt::testing::TranslationTolerance;
 using ::testing::HasSubstr;
-
-// SPEC 3 tolerances on max|diff| / max|ref| against the float64 reference. The reference reads
-// the same (already rounded) inputs and weights, so what remains is fp32 arithmetic plus the
-// rounding of the output: 2^-9 relative for bf16, 2^-11 for fp16.
-double Tolerance(DType output) {
-  switch (output) {
-    case DType::kFP32:
-      return 1e-5;
-    case DType::kFP16:
-      return 1e-3;
-    case DType::kBF16:
-      return 1e-2;
-  }
-  return 0;
-}
-
-RopeConfig MakeRope(RopeScalingType type, RopeStyle style = RopeStyle::kNeox, int rotary_dim = 0,
-                double theta = 10000.0) {
-  RopeConfig config;
-  config.theta = theta;
-  config.rotary_dim = rotary_dim;
-  config.style = style;
-  config.scaling.type = type;
-  switch (type) {
-    case RopeScalingType::kNone:
-      break;
-    case RopeScalingType::kLinear:
-      config.scaling.factor = 2.5;
-      break;
-    case RopeScalingType::kLlama3:
-      config.scaling.factor = 8;
-      config.scaling.low_freq_factor = 1;
-      config.scaling.high_freq_factor = 4;
-      config.scaling.original_max_position_embeddings = 64;  // small, so every band is hit
-      break;
-    case RopeScalingType::kYarn:
-      config.scaling.factor = 4;
-      config.scaling.original_max_position_embeddings = 256;
-      break;
-  }
-  return config;
-}
 
 struct Case {
   RandomMapperSpec spec;
@@ -145,7 +105,7 @@ class CpuBackendTest : public ::testing::Test {
         const double error =
             MaxRelError(ReadLayer(target.mutable_view, l, kind),
                         ReferenceTranslate(mapper.view, l, kind, source.view, positions));
-        EXPECT_LE(error, Tolerance(c.out_dtype))
+        EXPECT_LE(error, TranslationTolerance(c.out_dtype))
             << "layer " << l << (kind == Kind::kK ? " K" : " V");
       }
     }
@@ -157,13 +117,13 @@ class CpuBackendTest : public ::testing::Test {
 
 TEST_F(CpuBackendTest, EveryRopeTypeAndStyle) {
   const std::vector<RopeConfig> ropes = {
-      MakeRope(RopeScalingType::kNone),
-      MakeRope(RopeScalingType::kNone, RopeStyle::kGptj),
-      MakeRope(RopeScalingType::kLinear),
-      MakeRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000),
-      MakeRope(RopeScalingType::kYarn, RopeStyle::kNeox, 0, 1000000),
-      MakeRope(RopeScalingType::kYarn, RopeStyle::kGptj, 8),
-      MakeRope(RopeScalingType::kLlama3, RopeStyle::kGptj, 12),
+      MakeTestRope(RopeScalingType::kNone),
+      MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj),
+      MakeTestRope(RopeScalingType::kLinear),
+      MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000),
+      MakeTestRope(RopeScalingType::kYarn, RopeStyle::kNeox, 0, 1000000),
+      MakeTestRope(RopeScalingType::kYarn, RopeStyle::kGptj, 8),
+      MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kGptj, 12),
   };
   // Every config as source and as target, paired with a different one on the other side.
   for (size_t i = 0; i < ropes.size(); ++i) {
@@ -179,10 +139,10 @@ TEST_F(CpuBackendTest, EveryRopeTypeAndStyle) {
 
 TEST_F(CpuBackendTest, YarnWithExplicitAttentionFactor) {
   Case c;
-  c.spec.source_rope = MakeRope(RopeScalingType::kYarn);
+  c.spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
   c.spec.source_rope.scaling.has_attention_factor = true;
   c.spec.source_rope.scaling.attention_factor = 0.7;
-  c.spec.target_rope = MakeRope(RopeScalingType::kYarn, RopeStyle::kGptj);
+  c.spec.target_rope = MakeTestRope(RopeScalingType::kYarn, RopeStyle::kGptj);
   c.spec.target_rope.scaling.factor = 16;
   CheckCase(c);
 }
@@ -202,8 +162,8 @@ TEST_F(CpuBackendTest, UnmatchedShapesEveryK) {
       c.spec.target_heads = shape.nt;
       c.spec.target_head_dim = shape.dt;
       c.spec.k = k;
-      c.spec.source_rope = MakeRope(RopeScalingType::kLlama3, RopeStyle::kNeox, shape.ds / 2);
-      c.spec.target_rope = MakeRope(RopeScalingType::kYarn, RopeStyle::kGptj);
+      c.spec.source_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, shape.ds / 2);
+      c.spec.target_rope = MakeTestRope(RopeScalingType::kYarn, RopeStyle::kGptj);
       c.tokens = 29;
       c.offset = 17;
       CheckCase(c);
@@ -218,8 +178,8 @@ TEST_F(CpuBackendTest, SeparateSigmaForValues) {
     c.spec.source_layers = 4;
     c.spec.k = k;
     c.spec.k_v = k_v;
-    c.spec.source_rope = MakeRope(RopeScalingType::kLinear, RopeStyle::kGptj);
-    c.spec.target_rope = MakeRope(RopeScalingType::kNone);
+    c.spec.source_rope = MakeTestRope(RopeScalingType::kLinear, RopeStyle::kGptj);
+    c.spec.target_rope = MakeTestRope(RopeScalingType::kNone);
     c.tokens = 40;
     c.chunk = 16;
     CheckCase(c);
@@ -235,8 +195,8 @@ TEST_F(CpuBackendTest, EveryDtypeAndLayout) {
           c.spec.source_heads = 2;
           c.spec.target_heads = 3;
           c.spec.target_head_dim = 8;
-          c.spec.source_rope = MakeRope(RopeScalingType::kLinear);
-          c.spec.target_rope = MakeRope(RopeScalingType::kNone, RopeStyle::kGptj, 4);
+          c.spec.source_rope = MakeTestRope(RopeScalingType::kLinear);
+          c.spec.target_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj, 4);
           c.in_dtype = in;
           c.out_dtype = out;
           c.in_layout = in_layout;
@@ -254,8 +214,8 @@ TEST_F(CpuBackendTest, WeightDtypes) {
   for (DType weights : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     Case c;
     c.spec.weight_dtype = weights;
-    c.spec.source_rope = MakeRope(RopeScalingType::kNone);
-    c.spec.target_rope = MakeRope(RopeScalingType::kNone);
+    c.spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+    c.spec.target_rope = MakeTestRope(RopeScalingType::kNone);
     CheckCase(c);
   }
 }
@@ -263,8 +223,8 @@ TEST_F(CpuBackendTest, WeightDtypes) {
 TEST_F(CpuBackendTest, NoBias) {
   Case c;
   c.spec.with_bias = false;
-  c.spec.source_rope = MakeRope(RopeScalingType::kNone);
-  c.spec.target_rope = MakeRope(RopeScalingType::kLinear);
+  c.spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+  c.spec.target_rope = MakeTestRope(RopeScalingType::kLinear);
   CheckCase(c);
 }
 
@@ -272,8 +232,8 @@ TEST_F(CpuBackendTest, LargeAndExplicitPositions) {
   for (bool explicit_positions : {false, true}) {
     for (uint64_t offset : {uint64_t{0}, uint64_t{999983}, uint64_t{1} << 40}) {
       Case c;
-      c.spec.source_rope = MakeRope(RopeScalingType::kYarn, RopeStyle::kNeox, 0, 1000000);
-      c.spec.target_rope = MakeRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
+      c.spec.source_rope = MakeTestRope(RopeScalingType::kYarn, RopeStyle::kNeox, 0, 1000000);
+      c.spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
       c.offset = offset;
       c.explicit_positions = explicit_positions;
       CheckCase(c);
@@ -285,8 +245,8 @@ TEST_F(CpuBackendTest, TokenCountsAcrossChunks) {
   for (int64_t tokens : {1, 7, 64, 65, 300}) {
     for (int64_t chunk : {0, 1, 7, 64}) {
       Case c;
-      c.spec.source_rope = MakeRope(RopeScalingType::kNone, RopeStyle::kGptj);
-      c.spec.target_rope = MakeRope(RopeScalingType::kNone);
+      c.spec.source_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj);
+      c.spec.target_rope = MakeTestRope(RopeScalingType::kNone);
       c.tokens = tokens;
       c.chunk = chunk;
       c.offset = 5;
@@ -304,8 +264,8 @@ TEST_F(CpuBackendTest, SplitTranslationEqualsWhole) {
   RandomMapperSpec spec;
   spec.source_layers = 3;
   spec.k = 2;
-  spec.source_rope = MakeRope(RopeScalingType::kYarn);
-  spec.target_rope = MakeRope(RopeScalingType::kLlama3, RopeStyle::kGptj, 8);
+  spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
+  spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kGptj, 8);
   const RandomMapper mapper = MakeRandomMapper(spec, rng());
   const int64_t tokens = 150;
   const OwnedCache source =
@@ -364,8 +324,8 @@ TEST_F(CpuBackendTest, TargetRopeIsReapplied) {
   RandomMapperSpec spec;
   // Identical RoPE on both sides, so a strip/apply pair that cancelled out would go unnoticed
   // by a test that only compared against the correct reference with different configs.
-  spec.source_rope = MakeRope(RopeScalingType::kNone);
-  spec.target_rope = MakeRope(RopeScalingType::kNone);
+  spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone);
   const RandomMapper mapper = MakeRandomMapper(spec, rng());
   const int64_t tokens = 64;
   const OwnedCache source = MakeRandomCache(2, 2, 16, tokens, DType::kFP32, Layout::kHND, rng());
@@ -400,8 +360,8 @@ TEST_F(CpuBackendTest, OneThreadAndTwoAgree) {
   const uint64_t seed = FreshSeed("OneThreadAndTwoAgree");
   std::mt19937_64 rng(seed);
   RandomMapperSpec spec;
-  spec.source_rope = MakeRope(RopeScalingType::kYarn);
-  spec.target_rope = MakeRope(RopeScalingType::kNone);
+  spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone);
   const RandomMapper mapper = MakeRandomMapper(spec, rng());
   const OwnedCache source = MakeRandomCache(2, 2, 16, 100, DType::kBF16, Layout::kNHD, rng());
   std::vector<std::vector<double>> results;
@@ -423,8 +383,8 @@ TEST_F(CpuBackendTest, OneThreadAndTwoAgree) {
 TEST_F(CpuBackendTest, ThreadedBlasFallback) {
   threaded_blas_ = true;
   Case c;
-  c.spec.source_rope = MakeRope(RopeScalingType::kYarn);
-  c.spec.target_rope = MakeRope(RopeScalingType::kLlama3);
+  c.spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
+  c.spec.target_rope = MakeTestRope(RopeScalingType::kLlama3);
   c.tokens = 100;
   c.chunk = 30;
   CheckCase(c);
@@ -433,8 +393,8 @@ TEST_F(CpuBackendTest, ThreadedBlasFallback) {
 TEST_F(CpuBackendTest, PreparedBytesCountConversionsOnly) {
   auto backend = MakeBackend();
   RandomMapperSpec spec;
-  spec.source_rope = MakeRope(RopeScalingType::kNone);
-  spec.target_rope = MakeRope(RopeScalingType::kNone);
+  spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone);
   spec.weight_dtype = DType::kFP32;
   const RandomMapper fp32 = MakeRandomMapper(spec, 1);
   auto prepared = backend->Prepare(fp32.view);
@@ -459,8 +419,8 @@ class CpuBackendErrorTest : public CpuBackendTest {
     spec.source_head_dim = 8;
     spec.target_layers = 2;
     spec.k = 2;
-    spec.source_rope = MakeRope(RopeScalingType::kNone);
-    spec.target_rope = MakeRope(RopeScalingType::kNone);
+    spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+    spec.target_rope = MakeTestRope(RopeScalingType::kNone);
     mapper_ = MakeRandomMapper(spec, 7);
     source_ = MakeRandomCache(4, 8, 8, 10, DType::kBF16, Layout::kHND, 8);
     target_ = MakeOutputCache(2, 2, 16, 10, DType::kBF16, Layout::kHND);

@@ -253,6 +253,44 @@ OwnedCache MakeOutputCache(int layers, int heads, int head_dim, int64_t tokens, 
   return AllocateCache(layers, heads, head_dim, tokens, dtype, layout, 0xff);
 }
 
+double TranslationTolerance(DType output) {
+  switch (output) {
+    case DType::kFP32:
+      return 1e-5;
+    case DType::kFP16:
+      return 1e-3;
+    case DType::kBF16:
+      return 1e-2;
+  }
+  return 0;
+}
+
+RopeConfig MakeTestRope(RopeScalingType type, RopeStyle style, int rotary_dim, double theta) {
+  RopeConfig config;
+  config.theta = theta;
+  config.rotary_dim = rotary_dim;
+  config.style = style;
+  config.scaling.type = type;
+  switch (type) {
+    case RopeScalingType::kNone:
+      break;
+    case RopeScalingType::kLinear:
+      config.scaling.factor = 2.5;
+      break;
+    case RopeScalingType::kLlama3:
+      config.scaling.factor = 8;
+      config.scaling.low_freq_factor = 1;
+      config.scaling.high_freq_factor = 4;
+      config.scaling.original_max_position_embeddings = 64;  // small, so every band is hit
+      break;
+    case RopeScalingType::kYarn:
+      config.scaling.factor = 4;
+      config.scaling.original_max_position_embeddings = 256;
+      break;
+  }
+  return config;
+}
+
 OwnedCache SliceTokens(const CacheView& cache, int64_t begin, int64_t end) {
   const int layers = static_cast<int>(cache.k.size());
   OwnedCache slice = AllocateCache(layers, cache.num_kv_heads, cache.head_dim, end - begin,

@@ -43,6 +43,16 @@ std::vector<double> ReadLayer(const MutableCacheView& cache, int layer, Kind kin
 // or any NaN.
 double MaxRelError(const std::vector<double>& actual, const std::vector<double>& expected);
 
+// SPEC 3 tolerance of MaxRelError against this reference for a backend's output dtype: 1e-5
+// fp32, 1e-3 fp16, 1e-2 bf16. The reference reads the same (already rounded) inputs and weights,
+// so what remains is fp32 arithmetic plus the output's rounding (2^-9 bf16, 2^-11 fp16).
+double TranslationTolerance(DType output);
+
+// RoPE configs that exercise each scaling type's every branch at small positions (llama3 with
+// original_max_position_embeddings 64 hits all three bands). rotary_dim 0: the full head.
+RopeConfig MakeTestRope(RopeScalingType type, RopeStyle style = RopeStyle::kNeox,
+                        int rotary_dim = 0, double theta = 10000.0);
+
 // A seed from std::random_device, printed to stderr so a failing run can be replayed.
 uint64_t FreshSeed(const char* what);
 

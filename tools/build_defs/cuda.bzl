@@ -42,12 +42,20 @@ def kvt_cuda_library(name, cu_srcs, hdrs = [], srcs = [], deps = [], cu_inputs =
             cmd = compile + " && ar rcs $@ " + " ".join(["$(@D)/" + o for o in objects]),
             message = "nvcc " + name,
         )
+        # The archive is a library of its own that the host code depends on, so it comes after
+        # the host objects on the link line and their calls into the .cu files resolve.
+        native.cc_library(
+            name = name + "_cu",
+            srcs = [archive],
+            deps = ["@local_cuda//:cudart"],
+            visibility = ["//visibility:private"],
+        )
         native.cc_library(
             name = name,
-            srcs = srcs + [archive],
+            srcs = srcs,
             hdrs = hdrs,
             defines = ["KVT_HAVE_CUDA=1"],
-            deps = deps + ["@local_cuda//:cudart"],
+            deps = deps + [":" + name + "_cu", "@local_cuda//:cudart"],
             visibility = visibility,
         )
     else:

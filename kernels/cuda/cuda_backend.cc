@@ -1,0 +1,798 @@
+#include "kernels/cuda/cuda_backend.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+#if KVT_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/cuda_plan.h"
+#include "kernels/cuda/device.h"
+#include "kernels/dtype.h"
+#include "kernels/rope.h"
+#endif
+
+namespace kvt {
+
+#if !KVT_HAVE_CUDA
+
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions&) {
+  return absl::FailedPreconditionError(
+      "backend cuda: this kvt was built without the CUDA toolkit");
+}
+
+#else  // KVT_HAVE_CUDA
+
+namespace {
+
+using cuda::CudaFailure;
+namespace ki = cuda::internal;
+
+CudaFailure Classify(cudaError_t error) {
+  switch (error) {
+    case cudaErrorMemoryAllocation:
+      return CudaFailure::kOutOfMemory;
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorInvalidDevice:
+      return CudaFailure::kNoDevice;
+    case cudaErrorUnsupportedPtxVersion:
+    case cudaErrorNoKernelImageForDevice:
+      return CudaFailure::kNotSupported;
+    case cudaErrorInvalidValue:
+      return CudaFailure::kInvalidValue;
+    default:
+      return CudaFailure::kOther;
+  }
+}
+
+absl::Status CudaStatus(const char* call, cudaError_t error) {
+  return cuda::CudaCallStatus(call, Classify(error), static_cast<int>(error),
+                              cudaGetErrorName(error), cudaGetErrorString(error));
+}
+
+absl::Status CublasStatus(const char* call, cublasStatus_t status) {
+  CudaFailure failure = CudaFailure::kOther;
+  if (status == CUBLAS_STATUS_ALLOC_FAILED) failure = CudaFailure::kOutOfMemory;
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_ARCH_MISMATCH) {
+    failure = CudaFailure::kNotSupported;
+  }
+  if (status == CUBLAS_STATUS_NOT_INITIALIZED) failure = CudaFailure::kNoDevice;
+  if (status == CUBLAS_STATUS_INVALID_VALUE) failure = CudaFailure::kInvalidValue;
+  return cuda::CudaCallStatus(call, failure, static_cast<int>(status),
+                              cublasGetStatusName(status), cublasGetStatusString(status));
+}
+
+// Every CUDA / cuBLAS call goes through these: the error names the call and the code.
+#define KVT_CUDA_RETURN_IF_ERROR(name, expr)            \
+  do {                                                  \
+    const cudaError_t kvt_cuda_error = (expr);          \
+    if (kvt_cuda_error != cudaSuccess) return CudaStatus(name, kvt_cuda_error); \
+  } while (0)
+#define KVT_CUBLAS_RETURN_IF_ERROR(name, expr)          \
+  do {                                                  \
+    const cublasStatus_t kvt_cublas_status = (expr);    \
+    if (kvt_cublas_status != CUBLAS_STATUS_SUCCESS) {   \
+      return CublasStatus(name, kvt_cublas_status);     \
+    }                                                   \
+  } while (0)
+
+constexpr int64_t kAlign = 256;
+int64_t Align(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+cudaDataType CudaType(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kFP16:
+      return CUDA_R_16F;
+    case DType::kFP32:
+      return CUDA_R_32F;
+  }
+  return CUDA_R_32F;
+}
+
+// Grow-only device memory. Contents are never zero-filled: every element is written before
+// it is read.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  absl::Status Reserve(int64_t bytes) {
+    if (bytes <= size_) return absl::OkStatus();
+    if (data_ != nullptr) {
+      cudaFree(data_);
+      data_ = nullptr;
+      size_ = 0;
+    }
+    KVT_CUDA_RETURN_IF_ERROR("cudaMalloc", cudaMalloc(&data_, static_cast<size_t>(bytes)));
+    size_ = bytes;
+    return absl::OkStatus();
+  }
+  char* data() const { return static_cast<char*>(data_); }
+  int64_t size() const { return size_; }
+
+ private:
+  void* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// Grow-only page-locked host memory: the only host memory cudaMemcpyAsync copies without
+// blocking, so staging through it overlaps the host's copies with the GPU's work.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+  }
+  absl::Status Reserve(int64_t bytes) {
+    if (bytes <= size_) return absl::OkStatus();
+    if (data_ != nullptr) {
+      cudaFreeHost(data_);
+      data_ = nullptr;
+      size_ = 0;
+    }
+    KVT_CUDA_RETURN_IF_ERROR("cudaHostAlloc",
+                             cudaHostAlloc(&data_, static_cast<size_t>(bytes), cudaHostAllocDefault));
+    size_ = bytes;
+    return absl::OkStatus();
+  }
+  char* data() const { return static_cast<char*>(data_); }
+
+ private:
+  void* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+class CudaPreparedMapper : public PreparedMapper {
+ public:
+  const MapperView& view() const override { return view_; }
+  uint64_t bytes() const override { return bytes_; }
+
+  MapperView view_;
+  int device_ = 0;
+  Rope source_rope_;
+  Rope target_rope_;
+  DType weight_dtype_ = DType::kFP32;
+  int max_blocks_ = 0;       // max |sigma| over layers and kinds
+  int64_t input_width_ = 0;  // max_blocks * n_s * d_s
+  // [target layer][kind][input_width][n_t d_t] in weight_dtype_, rows past |sigma| zero.
+  DeviceBuffer weights_;
+  DeviceBuffer bias_;   // [target layer][kind][n_t d_t] fp32
+  DeviceBuffer sigma_;  // [target layer][kind][max_blocks] int, -1 padded
+  uint64_t bytes_ = 0;
+};
+
+// One call's GPU resources; calls run concurrently on separate contexts.
+struct Context {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  // Pinned slot reuse: the host may refill slot s only after the GPU has finished copying it.
+  cudaEvent_t table_copied[2] = {nullptr, nullptr};
+  cudaEvent_t input_copied[2] = {nullptr, nullptr};
+  cudaEvent_t output_copied[2] = {nullptr, nullptr};
+  bool table_used[2] = {false, false};
+  bool input_used[2] = {false, false};
+  DeviceBuffer workspace;
+  DeviceBuffer pointer_tables;
+  PinnedBuffer pinned_tables[2];
+  PinnedBuffer pinned_input[2];
+  PinnedBuffer pinned_output[2];
+  PinnedBuffer pinned_pointers;
+
+  ~Context() {
+    for (cudaEvent_t* events : {table_copied, input_copied, output_copied}) {
+      for (int s = 0; s < 2; ++s) {
+        if (events[s] != nullptr) cudaEventDestroy(events[s]);
+      }
+    }
+    if (cublas != nullptr) cublasDestroy(cublas);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+
+  absl::Status Init() {
+    KVT_CUDA_RETURN_IF_ERROR("cudaStreamCreateWithFlags",
+                             cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    KVT_CUBLAS_RETURN_IF_ERROR("cublasCreate", cublasCreate(&cublas));
+    KVT_CUBLAS_RETURN_IF_ERROR("cublasSetStream", cublasSetStream(cublas, stream));
+    // No TF32: fp32 caches get fp32 products (SPEC 3's 1e-5 for fp32 output).
+    KVT_CUBLAS_RETURN_IF_ERROR("cublasSetMathMode",
+                               cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));
+    for (cudaEvent_t* events : {table_copied, input_copied, output_copied}) {
+      for (int s = 0; s < 2; ++s) {
+        KVT_CUDA_RETURN_IF_ERROR("cudaEventCreateWithFlags",
+                                 cudaEventCreateWithFlags(&events[s], cudaEventDisableTiming));
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+// Where a cache layer pointer lives. Device memory of another GPU is refused: the kernels
+// would fault on it.
+absl::StatusOr<bool> OnDevice(const void* pointer, int device, const char* which,
+                              const char* kind, int layer) {
+  cudaPointerAttributes attributes;
+  const cudaError_t error = cudaPointerGetAttributes(&attributes, pointer);
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // not sticky; host memory unknown to CUDA is reported this way by old drivers
+    return false;
+  }
+  if (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged) {
+    if (attributes.device != device) {
+      return absl::InvalidArgumentError(absl::StrCat(which, ".", kind, "[", layer,
+                                                     "] is memory of cuda:", attributes.device,
+                                                     " but the backend runs on cuda:", device));
+    }
+    return true;
+  }
+  return false;
+}
+
+class CudaBackend : public Backend {
+ public:
+  explicit CudaBackend(const CudaBackendOptions& options) : options_(options) {}
+
+  std::string name() const override { return "cuda"; }
+  std::string device() const override { return absl::StrCat("cuda:", options_.device); }
+
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> Prepare(const MapperView& mapper) override;
+
+  absl::Status TranslateLayer(const PreparedMapper& mapper, int target_layer,
+                              const CacheView& source, const Positions& positions,
+                              const TranslateOptions& options,
+                              MutableCacheView* target) override;
+
+  // All target layers in steps of several layers each (one batched GEMM per step).
+  absl::Status Translate(const PreparedMapper& mapper, const CacheView& source,
+                         const Positions& positions, const TranslateOptions& options,
+                         MutableCacheView* target) override;
+
+ private:
+  absl::StatusOr<const CudaPreparedMapper*> Cast(const PreparedMapper& mapper) const;
+  absl::Status Run(const CudaPreparedMapper& mapper, int layer_begin, int layer_end,
+                   const CacheView& source, const Positions& positions,
+                   const TranslateOptions& options, MutableCacheView* target, Context* context);
+  absl::StatusOr<std::unique_ptr<Context>> AcquireContext();
+  void ReleaseContext(std::unique_ptr<Context> context);
+
+  CudaBackendOptions options_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Context>> idle_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::Prepare(const MapperView& mapper) {
+  if (absl::Status s = CheckMapperView(mapper); !s.ok()) return s;
+  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
+  auto prepared = std::make_shared<CudaPreparedMapper>();
+  prepared->view_ = mapper;
+  prepared->device_ = options_.device;
+  absl::StatusOr<Rope> source_rope = Rope::Create(mapper.source.rope, mapper.source.head_dim);
+  if (!source_rope.ok()) return source_rope.status();
+  absl::StatusOr<Rope> target_rope = Rope::Create(mapper.target.rope, mapper.target.head_dim);
+  if (!target_rope.ok()) return target_rope.status();
+  prepared->source_rope_ = *std::move(source_rope);
+  prepared->target_rope_ = *std::move(target_rope);
+
+  const int layers = mapper.target.num_layers;
+  const int64_t source_width =
+      static_cast<int64_t>(mapper.source.num_kv_heads) * mapper.source.head_dim;
+  const int64_t target_width =
+      static_cast<int64_t>(mapper.target.num_kv_heads) * mapper.target.head_dim;
+  // One device dtype for all weights (a batched GEMM has one type): the stored one when every
+  // layer agrees, else fp32.
+  DType weight_dtype = mapper.layers[0].w_k.dtype;
+  int max_blocks = 0;
+  for (const LayerMapView& layer : mapper.layers) {
+    if (layer.w_k.dtype != weight_dtype || layer.w_v.dtype != weight_dtype) {
+      weight_dtype = DType::kFP32;
+    }
+    max_blocks = std::max<int>(max_blocks, std::max(layer.sigma_k.size(), layer.sigma_v.size()));
+  }
+  prepared->weight_dtype_ = weight_dtype;
+  prepared->max_blocks_ = max_blocks;
+  prepared->input_width_ = max_blocks * source_width;
+
+  const size_t element = DTypeSize(weight_dtype);
+  const int64_t matrix_elements = prepared->input_width_ * target_width;
+  const int64_t weight_bytes = static_cast<int64_t>(layers) * 2 * matrix_elements * element;
+  if (absl::Status s = prepared->weights_.Reserve(weight_bytes); !s.ok()) return s;
+  const bool padded = std::any_of(mapper.layers.begin(), mapper.layers.end(),
+                                  [&](const LayerMapView& layer) {
+                                    return static_cast<int>(layer.sigma_k.size()) != max_blocks ||
+                                           static_cast<int>(layer.sigma_v.size()) != max_blocks;
+                                  });
+  if (padded) {
+    // Rows of the padding blocks multiply zeros in X, but NaN * 0 is NaN: they must be zero.
+    KVT_CUDA_RETURN_IF_ERROR("cudaMemset", cudaMemset(prepared->weights_.data(), 0, weight_bytes));
+  }
+  std::vector<float> converted;
+  std::vector<float> bias(static_cast<size_t>(layers) * 2 * target_width, 0.0f);
+  std::vector<int> sigma(static_cast<size_t>(layers) * 2 * max_blocks, -1);
+  for (int l = 0; l < layers; ++l) {
+    const LayerMapView& layer = mapper.layers[l];
+    const WeightView* weights[2] = {&layer.w_k, &layer.w_v};
+    const WeightView* biases[2] = {&layer.b_k, &layer.b_v};
+    const std::vector<int>* sigmas[2] = {&layer.sigma_k, &layer.sigma_v};
+    for (int kind = 0; kind < 2; ++kind) {
+      const WeightView& w = *weights[kind];
+      const int64_t count = w.rows * w.cols;
+      const void* host = w.data;
+      if (w.dtype != weight_dtype) {
+        converted.resize(count);
+        ToFloat(w.dtype, w.data, converted.data(), count);
+        host = converted.data();
+      }
+      char* device = prepared->weights_.data() + (static_cast<int64_t>(l) * 2 + kind) *
+                                                     matrix_elements * element;
+      KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
+                               cudaMemcpy(device, host, count * element, cudaMemcpyHostToDevice));
+      if (biases[kind]->data != nullptr) {
+        ToFloat(biases[kind]->dtype, biases[kind]->data,
+                bias.data() + (static_cast<size_t>(l) * 2 + kind) * target_width, target_width);
+      }
+      std::copy(sigmas[kind]->begin(), sigmas[kind]->end(),
+                sigma.begin() + (static_cast<size_t>(l) * 2 + kind) * max_blocks);
+    }
+  }
+  if (absl::Status s = prepared->bias_.Reserve(bias.size() * sizeof(float)); !s.ok()) return s;
+  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy", cudaMemcpy(prepared->bias_.data(), bias.data(),
+                                                    bias.size() * sizeof(float),
+                                                    cudaMemcpyHostToDevice));
+  if (absl::Status s = prepared->sigma_.Reserve(sigma.size() * sizeof(int)); !s.ok()) return s;
+  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy", cudaMemcpy(prepared->sigma_.data(), sigma.data(),
+                                                    sigma.size() * sizeof(int),
+                                                    cudaMemcpyHostToDevice));
+  prepared->bytes_ = static_cast<uint64_t>(weight_bytes + bias.size() * sizeof(float) +
+                                           sigma.size() * sizeof(int));
+  return std::shared_ptr<PreparedMapper>(std::move(prepared));
+}
+
+absl::StatusOr<const CudaPreparedMapper*> CudaBackend::Cast(const PreparedMapper& mapper) const {
+  const auto* prepared = dynamic_cast<const CudaPreparedMapper*>(&mapper);
+  if (prepared == nullptr) {
+    return absl::InvalidArgumentError("mapper was not prepared by the cuda backend");
+  }
+  if (prepared->device_ != options_.device) {
+    return absl::InvalidArgumentError(absl::StrCat("mapper was prepared on cuda:",
+                                                   prepared->device_, " but the backend runs on ",
+                                                   device()));
+  }
+  return prepared;
+}
+
+absl::StatusOr<std::unique_ptr<Context>> CudaBackend::AcquireContext() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!idle_.empty()) {
+      std::unique_ptr<Context> context = std::move(idle_.back());
+      idle_.pop_back();
+      return context;
+    }
+  }
+  auto context = std::make_unique<Context>();
+  if (absl::Status s = context->Init(); !s.ok()) return s;
+  return context;
+}
+
+void CudaBackend::ReleaseContext(std::unique_ptr<Context> context) {
+  // A call that failed half-way may have left copies into its pinned buffers in flight; the
+  // next call on this context must not refill them before they finish.
+  cudaStreamSynchronize(context->stream);
+  std::lock_guard<std::mutex> lock(mu_);
+  idle_.push_back(std::move(context));
+}
+
+absl::Status CudaBackend::TranslateLayer(const PreparedMapper& mapper, int target_layer,
+                                         const CacheView& source, const Positions& positions,
+                                         const TranslateOptions& options,
+                                         MutableCacheView* target) {
+  if (target == nullptr) return absl::InvalidArgumentError("target is null");
+  absl::StatusOr<const CudaPreparedMapper*> prepared = Cast(mapper);
+  if (!prepared.ok()) return prepared.status();
+  if (absl::Status s = CheckLayerCacheShapes((*prepared)->view(), target_layer, source, *target);
+      !s.ok()) {
+    return s;
+  }
+  if (source.num_tokens == 0) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<Context>> context = AcquireContext();
+  if (!context.ok()) return context.status();
+  absl::Status status = Run(**prepared, target_layer, target_layer + 1, source, positions,
+                            options, target, context->get());
+  ReleaseContext(*std::move(context));
+  return status;
+}
+
+absl::Status CudaBackend::Translate(const PreparedMapper& mapper, const CacheView& source,
+                                    const Positions& positions, const TranslateOptions& options,
+                                    MutableCacheView* target) {
+  if (target == nullptr) return absl::InvalidArgumentError("target is null");
+  absl::StatusOr<const CudaPreparedMapper*> prepared = Cast(mapper);
+  if (!prepared.ok()) return prepared.status();
+  if (absl::Status s = CheckCacheShapes((*prepared)->view(), source, *target); !s.ok()) return s;
+  if (source.num_tokens == 0) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<Context>> context = AcquireContext();
+  if (!context.ok()) return context.status();
+  absl::Status status = Run(**prepared, 0, (*prepared)->view().target.num_layers, source,
+                            positions, options, target, context->get());
+  ReleaseContext(*std::move(context));
+  return status;
+}
+
+absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin, int layer_end,
+                              const CacheView& source, const Positions& positions,
+                              const TranslateOptions& options, MutableCacheView* target,
+                              Context* context) {
+  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
+  const MapperView& view = mapper.view();
+  const int source_layers = view.source.num_layers;
+  const int target_layers = view.target.num_layers;
+  const int64_t num_tokens = source.num_tokens;
+  const int ns = source.num_kv_heads, ds = source.head_dim;
+  const int nt = target->num_kv_heads, dt = target->head_dim;
+  const int64_t source_width = static_cast<int64_t>(ns) * ds;
+  const int64_t target_width = static_cast<int64_t>(nt) * dt;
+  const size_t in_element = DTypeSize(source.dtype);
+  const size_t out_element = DTypeSize(target->dtype);
+
+  // Pointer tables: device layers are read / written in place, host layers through staging.
+  std::vector<const void*> source_pointers(2 * source_layers, nullptr);
+  std::vector<int> source_slots(2 * source_layers, -1);
+  std::vector<void*> target_pointers(2 * target_layers, nullptr);
+  std::vector<int> target_slots(2 * target_layers, -1);
+  std::vector<std::pair<int, int>> staged_sources;  // (kind, layer) per slot
+  const char* kind_names[2] = {"k", "v"};
+  for (int l = layer_begin; l < layer_end; ++l) {
+    const std::vector<int>* sigmas[2] = {&view.layers[l].sigma_k, &view.layers[l].sigma_v};
+    for (int kind = 0; kind < 2; ++kind) {
+      for (int j : *sigmas[kind]) {
+        const int index = kind * source_layers + j;
+        if (source_pointers[index] != nullptr) continue;
+        const void* pointer = kind == 0 ? source.k[j] : source.v[j];
+        source_pointers[index] = pointer;
+        absl::StatusOr<bool> on_device =
+            OnDevice(pointer, options_.device, "source", kind_names[kind], j);
+        if (!on_device.ok()) return on_device.status();
+        if (!*on_device) {
+          source_slots[index] = static_cast<int>(staged_sources.size());
+          staged_sources.emplace_back(kind, j);
+        }
+      }
+      void* pointer = kind == 0 ? target->k[l] : target->v[l];
+      target_pointers[kind * target_layers + l] = pointer;
+      absl::StatusOr<bool> on_device =
+          OnDevice(pointer, options_.device, "target", kind_names[kind], l);
+      if (!on_device.ok()) return on_device.status();
+      if (!*on_device) target_slots[kind * target_layers + l] = 0;
+    }
+  }
+  const bool any_staged_target =
+      std::any_of(target_slots.begin(), target_slots.end(), [](int s) { return s >= 0; });
+
+  const DType gemm_dtype = cuda::GemmDType(source.dtype, mapper.weight_dtype_, target->dtype);
+  const bool convert_weights = gemm_dtype != mapper.weight_dtype_;
+  const Rope& strip = mapper.source_rope_;
+  const Rope& apply = mapper.target_rope_;
+  const int strip_half = strip.rotary_dim() / 2;
+  const int apply_half = apply.rotary_dim() / 2;
+
+  cuda::StepShape shape;
+  shape.num_tokens = num_tokens;
+  shape.num_layers = layer_end - layer_begin;
+  shape.input_width = mapper.input_width_;
+  shape.target_width = target_width;
+  shape.gemm_dtype = gemm_dtype;
+  shape.convert_weights = convert_weights;
+  shape.rope_half_source = strip_half;
+  shape.rope_half_target = apply_half;
+  shape.staged_source_bytes_per_token =
+      static_cast<int64_t>(staged_sources.size()) * source_width * in_element;
+  shape.staged_target_bytes_per_layer_token =
+      any_staged_target ? 2 * target_width * static_cast<int64_t>(out_element) : 0;
+  const int64_t token_chunk = options.token_chunk > 0 ? options.token_chunk : options_.token_chunk;
+  absl::StatusOr<cuda::StepPlan> plan_or =
+      cuda::PlanSteps(shape, token_chunk, options_.workspace_bytes);
+  if (!plan_or.ok()) return plan_or.status();
+  const cuda::StepPlan& plan = *plan_or;
+  const int64_t chunk = plan.chunk_tokens;
+
+  // Workspace carve-up.
+  const int64_t x_offset = 0;
+  const int64_t y_offset = x_offset + Align(plan.x_bytes);
+  const int64_t w32_offset = y_offset + Align(plan.y_bytes);
+  const int64_t table_offset = w32_offset + Align(plan.weights32_bytes);
+  const int64_t stage_in_offset = table_offset + Align(plan.table_bytes);
+  const int64_t stage_out_offset = stage_in_offset + Align(plan.staged_source_bytes);
+  const int64_t workspace_bytes = stage_out_offset + Align(plan.staged_target_bytes);
+  if (absl::Status s = context->workspace.Reserve(workspace_bytes); !s.ok()) return s;
+  char* workspace = context->workspace.data();
+  const int64_t stage_in_slot = chunk * source_width;   // elements
+  const int64_t stage_out_slot = chunk * target_width;  // elements
+
+  // Pointer tables to the device once per call (the stream orders them before every kernel).
+  const int64_t pointer_bytes = Align(2 * source_layers * sizeof(void*)) +
+                                Align(2 * source_layers * sizeof(int)) +
+                                Align(2 * target_layers * sizeof(void*)) +
+                                Align(2 * target_layers * sizeof(int));
+  if (absl::Status s = context->pointer_tables.Reserve(pointer_bytes); !s.ok()) return s;
+  if (absl::Status s = context->pinned_pointers.Reserve(pointer_bytes); !s.ok()) return s;
+  // The previous call on this context ended with a stream synchronize: the pinned table is free.
+  char* pinned = context->pinned_pointers.data();
+  char* tables = context->pointer_tables.data();
+  int64_t at = 0;
+  const auto put = [&](const void* data, int64_t bytes) -> char* {
+    std::memcpy(pinned + at, data, bytes);
+    char* device = tables + at;
+    at += Align(bytes);
+    return device;
+  };
+  const auto* source_pointer_table = reinterpret_cast<const void* const*>(
+      put(source_pointers.data(), source_pointers.size() * sizeof(void*)));
+  const auto* source_slot_table =
+      reinterpret_cast<const int*>(put(source_slots.data(), source_slots.size() * sizeof(int)));
+  const auto* target_pointer_table = reinterpret_cast<const void* const*>(
+      put(target_pointers.data(), target_pointers.size() * sizeof(void*)));
+  const auto* target_slot_table =
+      reinterpret_cast<const int*>(put(target_slots.data(), target_slots.size() * sizeof(int)));
+  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
+                           cudaMemcpyAsync(tables, pinned, at, cudaMemcpyHostToDevice,
+                                           context->stream));
+
+  ki::GatherParams gather;
+  gather.source.pointers = source_pointer_table;
+  gather.source.stage_slot = source_slot_table;
+  gather.source.stage = workspace + stage_in_offset;
+  gather.source.stage_slot_elements = stage_in_slot;
+  gather.num_source_layers = source_layers;
+  gather.source_type = static_cast<int>(source.dtype);
+  gather.source_layout = source.layout == Layout::kHND ? ki::kHND : ki::kNHD;
+  gather.heads = ns;
+  gather.head_dim = ds;
+  gather.num_tokens = num_tokens;
+  gather.sigma = reinterpret_cast<const int*>(mapper.sigma_.data());
+  gather.max_blocks = mapper.max_blocks_;
+  gather.x = workspace + x_offset;
+  gather.x_type = static_cast<int>(gemm_dtype);
+  gather.strip.half = strip_half;
+  gather.strip.neox = strip.style() == RopeStyle::kNeox ? 1 : 0;
+  gather.strip.scale =
+      static_cast<float>(1.0 / (strip.attention_factor() * strip.attention_factor()));
+
+  ki::EpilogueParams epilogue;
+  epilogue.y = reinterpret_cast<const float*>(workspace + y_offset);
+  epilogue.bias = reinterpret_cast<const float*>(mapper.bias_.data());
+  epilogue.target.pointers = target_pointer_table;
+  epilogue.target.stage_slot = target_slot_table;
+  epilogue.target.stage = workspace + stage_out_offset;
+  epilogue.target.stage_slot_elements = stage_out_slot;
+  epilogue.num_target_layers = target_layers;
+  epilogue.target_type = static_cast<int>(target->dtype);
+  epilogue.target_layout = target->layout == Layout::kHND ? ki::kHND : ki::kNHD;
+  epilogue.heads = nt;
+  epilogue.head_dim = dt;
+  epilogue.num_tokens = num_tokens;
+  epilogue.apply.half = apply_half;
+  epilogue.apply.neox = apply.style() == RopeStyle::kNeox ? 1 : 0;
+
+  float* device_tables = reinterpret_cast<float*>(workspace + table_offset);
+  const int64_t table_floats = chunk * 2 * (strip_half + apply_half);
+  for (PinnedBuffer& buffer : context->pinned_tables) {
+    if (absl::Status s = buffer.Reserve(table_floats * sizeof(float)); !s.ok()) return s;
+  }
+  if (!staged_sources.empty()) {
+    for (PinnedBuffer& buffer : context->pinned_input) {
+      if (absl::Status s = buffer.Reserve(plan.staged_source_bytes); !s.ok()) return s;
+    }
+  }
+  if (any_staged_target) {
+    for (PinnedBuffer& buffer : context->pinned_output) {
+      if (absl::Status s = buffer.Reserve(plan.staged_target_bytes); !s.ok()) return s;
+    }
+  }
+  context->table_used[0] = context->table_used[1] = false;
+  context->input_used[0] = context->input_used[1] = false;
+
+  // A staged step's output waits in pinned slot `slot` until the host copies it out; that copy
+  // happens after the next step is queued, so the GPU is never idle waiting for the host.
+  struct PendingOutput {
+    bool valid = false;
+    int64_t chunk_begin = 0, chunk_tokens = 0;
+    int layer_begin = 0, num_layers = 0;
+  };
+  PendingOutput pending[2];
+  const auto finish_output = [&](int slot) -> absl::Status {
+    PendingOutput& out = pending[slot];
+    if (!out.valid) return absl::OkStatus();
+    out.valid = false;
+    KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
+                             cudaEventSynchronize(context->output_copied[slot]));
+    const char* base = context->pinned_output[slot].data();
+    for (int g = 0; g < out.num_layers; ++g) {
+      const int l = out.layer_begin + g;
+      for (int kind = 0; kind < 2; ++kind) {
+        if (target_slots[kind * target_layers + l] < 0) continue;
+        const char* from = base + (static_cast<int64_t>(g) * 2 + kind) * stage_out_slot *
+                                      static_cast<int64_t>(out_element);
+        char* to = static_cast<char*>(target_pointers[kind * target_layers + l]);
+        if (target->layout == Layout::kNHD) {
+          std::memcpy(to + out.chunk_begin * target_width * out_element, from,
+                      out.chunk_tokens * target_width * out_element);
+        } else {
+          for (int h = 0; h < nt; ++h) {
+            std::memcpy(to + (h * num_tokens + out.chunk_begin) * dt * out_element,
+                        from + h * out.chunk_tokens * dt * out_element,
+                        out.chunk_tokens * dt * out_element);
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  };
+
+  const float alpha = 1.0f, beta = 0.0f;
+  const size_t weight_element = DTypeSize(mapper.weight_dtype_);
+  const int64_t matrix_elements = mapper.input_width_ * target_width;
+  int step = 0;
+  for (int c = 0; c < plan.num_chunks; ++c) {
+    const int64_t t0 = c * chunk;
+    const int64_t tokens = std::min(chunk, num_tokens - t0);
+    if (tokens <= 0) break;
+    const int slot = c % 2;
+
+    // RoPE of both models for these positions, from kernels/rope (double-precision angles).
+    if (context->table_used[slot]) {
+      KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
+                               cudaEventSynchronize(context->table_copied[slot]));
+    }
+    float* host_tables = reinterpret_cast<float*>(context->pinned_tables[slot].data());
+    float* strip_cos = host_tables;
+    float* strip_sin = strip_cos + tokens * strip_half;
+    float* apply_cos = strip_sin + tokens * strip_half;
+    float* apply_sin = apply_cos + tokens * apply_half;
+    if (positions.explicit_positions == nullptr) {
+      strip.CosSinRange(positions.at(t0), tokens, strip_cos, strip_sin);
+      apply.CosSinRange(positions.at(t0), tokens, apply_cos, apply_sin);
+    } else {
+      for (int64_t i = 0; i < tokens; ++i) {
+        strip.CosSin(positions.at(t0 + i), strip_cos + i * strip_half, strip_sin + i * strip_half);
+        apply.CosSin(positions.at(t0 + i), apply_cos + i * apply_half, apply_sin + i * apply_half);
+      }
+    }
+    const int64_t used_floats = tokens * 2 * (strip_half + apply_half);
+    KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
+                             cudaMemcpyAsync(device_tables, host_tables, used_floats * sizeof(float),
+                                             cudaMemcpyHostToDevice, context->stream));
+    KVT_CUDA_RETURN_IF_ERROR("cudaEventRecord",
+                             cudaEventRecord(context->table_copied[slot], context->stream));
+    context->table_used[slot] = true;
+    gather.strip.cos = device_tables;
+    gather.strip.sin = device_tables + tokens * strip_half;
+    epilogue.apply.cos = device_tables + tokens * 2 * strip_half;
+    epilogue.apply.sin = epilogue.apply.cos + tokens * apply_half;
+
+    // Host-memory source layers: this chunk's tokens through pinned memory to the stage.
+    if (!staged_sources.empty()) {
+      if (context->input_used[slot]) {
+        KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
+                                 cudaEventSynchronize(context->input_copied[slot]));
+      }
+      char* host = context->pinned_input[slot].data();
+      for (size_t s = 0; s < staged_sources.size(); ++s) {
+        const auto [kind, j] = staged_sources[s];
+        const char* from = static_cast<const char*>(kind == 0 ? source.k[j] : source.v[j]);
+        char* to = host + s * stage_in_slot * in_element;
+        if (source.layout == Layout::kNHD) {
+          std::memcpy(to, from + t0 * source_width * in_element, tokens * source_width * in_element);
+        } else {
+          for (int h = 0; h < ns; ++h) {
+            std::memcpy(to + h * tokens * ds * in_element,
+                        from + (h * num_tokens + t0) * ds * in_element, tokens * ds * in_element);
+          }
+        }
+      }
+      KVT_CUDA_RETURN_IF_ERROR(
+          "cudaMemcpyAsync",
+          cudaMemcpyAsync(workspace + stage_in_offset, host,
+                          staged_sources.size() * stage_in_slot * in_element,
+                          cudaMemcpyHostToDevice, context->stream));
+      KVT_CUDA_RETURN_IF_ERROR("cudaEventRecord",
+                               cudaEventRecord(context->input_copied[slot], context->stream));
+      context->input_used[slot] = true;
+    }
+
+    gather.chunk_begin = epilogue.chunk_begin = t0;
+    gather.chunk_tokens = epilogue.chunk_tokens = tokens;
+    for (int l0 = layer_begin; l0 < layer_end; l0 += plan.layers_per_group, ++step) {
+      const int group = std::min(plan.layers_per_group, layer_end - l0);
+      const int out_slot = step % 2;
+      const char* weights = mapper.weights_.data() + static_cast<int64_t>(l0) * 2 *
+                                                         matrix_elements * weight_element;
+      if (convert_weights) {
+        float* w32 = reinterpret_cast<float*>(workspace + w32_offset);
+        KVT_CUDA_RETURN_IF_ERROR(
+            "ToFloat<<<>>>",
+            ki::LaunchToFloat(weights, static_cast<int>(mapper.weight_dtype_), w32,
+                              static_cast<int64_t>(group) * 2 * matrix_elements, context->stream));
+        weights = reinterpret_cast<const char*>(w32);
+      }
+      gather.layer_begin = epilogue.layer_begin = l0;
+      gather.num_layers = epilogue.num_layers = group;
+      KVT_CUDA_RETURN_IF_ERROR("Gather<<<>>>", ki::LaunchGather(gather, context->stream));
+      // Row-major Y[T, n_t d_t] = X[T, K] W[K, n_t d_t] is column-major Y^T = W^T X^T: cuBLAS
+      // sees W as an (n_t d_t) x K matrix and X as K x T. One batch entry per (layer, kind).
+      KVT_CUBLAS_RETURN_IF_ERROR(
+          "cublasGemmStridedBatchedEx",
+          cublasGemmStridedBatchedEx(
+              context->cublas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(target_width),
+              static_cast<int>(tokens), static_cast<int>(mapper.input_width_), &alpha, weights,
+              CudaType(gemm_dtype), static_cast<int>(target_width), matrix_elements,
+              workspace + x_offset, CudaType(gemm_dtype), static_cast<int>(mapper.input_width_),
+              tokens * mapper.input_width_, &beta, workspace + y_offset, CUDA_R_32F,
+              static_cast<int>(target_width), tokens * target_width, 2 * group,
+              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      if (any_staged_target) {
+        // The slot's previous output must be out of pinned memory before it is overwritten.
+        if (absl::Status s = finish_output(out_slot); !s.ok()) return s;
+      }
+      KVT_CUDA_RETURN_IF_ERROR("Epilogue<<<>>>", ki::LaunchEpilogue(epilogue, context->stream));
+      if (any_staged_target) {
+        KVT_CUDA_RETURN_IF_ERROR(
+            "cudaMemcpyAsync",
+            cudaMemcpyAsync(context->pinned_output[out_slot].data(), workspace + stage_out_offset,
+                            static_cast<int64_t>(group) * 2 * stage_out_slot * out_element,
+                            cudaMemcpyDeviceToHost, context->stream));
+        KVT_CUDA_RETURN_IF_ERROR(
+            "cudaEventRecord", cudaEventRecord(context->output_copied[out_slot], context->stream));
+        pending[out_slot] = {true, t0, tokens, l0, group};
+        if (absl::Status s = finish_output(1 - out_slot); !s.ok()) return s;
+      }
+    }
+  }
+  KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(context->stream));
+  for (int s = 0; s < 2; ++s) {
+    if (absl::Status status = finish_output(s); !status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions& options) {
+  absl::StatusOr<int> devices = cuda::DeviceCount();
+  if (!devices.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("backend cuda: no usable CUDA device (", devices.status().message(), ")"));
+  }
+  if (options.device < 0 || options.device >= *devices) {
+    return absl::InvalidArgumentError(absl::StrCat("backend cuda: device ", options.device,
+                                                   " out of range [0, ", *devices, ")"));
+  }
+  if (options.workspace_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "backend cuda: workspace_bytes=", options.workspace_bytes, " must be positive"));
+  }
+  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options.device));
+  // The first runtime call creates the context: fail here, at startup, not in a request.
+  KVT_CUDA_RETURN_IF_ERROR("cudaFree", cudaFree(nullptr));
+  return std::unique_ptr<Backend>(new CudaBackend(options));
+}
+
+#endif  // KVT_HAVE_CUDA
+
+}  // namespace kvt

@@ -1,0 +1,260 @@
+// Device kernels of the CUDA backend: the fused gather + source-RoPE strip before the GEMMs and
+// the fused epilogue (bias + target RoPE + dtype + layout) after them. Launched by
+// cuda_backend.cc; the GEMMs themselves are cuBLAS.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace kvt {
+namespace cuda {
+namespace internal {
+namespace {
+
+constexpr int kThreads = 256;
+// Grid-stride loops: enough blocks to fill any current GPU several times over.
+constexpr int64_t kMaxBlocks = 132 * 32;
+
+__device__ __forceinline__ float Load(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ float Load(const __half* p, int64_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ float Load(const float* p, int64_t i) { return p[i]; }
+
+// Round to nearest even, as kernels/dtype does on the CPU.
+__device__ __forceinline__ void Store(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16_rn(v);
+}
+__device__ __forceinline__ void Store(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ void Store(float* p, int64_t i, float v) { p[i] = v; }
+
+// The two dimensions element pair `q` of a head covers: a rotary pair (neox: q, q + r/2; gptj:
+// 2q, 2q + 1) for q < r/2, two neighbouring pass-through dimensions after that. d1 may equal
+// head_dim for an odd head_dim's last pair (then it is skipped).
+__device__ __forceinline__ void PairDims(int q, int half, int neox, bool rotary, int* d0,
+                                         int* d1) {
+  if (rotary && q < half && neox) {
+    *d0 = q;
+    *d1 = q + half;
+  } else {
+    *d0 = 2 * q;
+    *d1 = 2 * q + 1;
+  }
+}
+
+// Element offset of (head, token, dim 0) in a layer of `tokens` tokens.
+__device__ __forceinline__ int64_t HeadOffset(int layout, int heads, int64_t tokens, int head_dim,
+                                              int head, int64_t token) {
+  return layout == kHND ? (static_cast<int64_t>(head) * tokens + token) * head_dim
+                        : (token * heads + head) * static_cast<int64_t>(head_dim);
+}
+
+template <typename In, typename X>
+__global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams p) {
+  const int pairs = (p.head_dim + 1) / 2;
+  const int64_t width = static_cast<int64_t>(p.max_blocks) * p.heads * p.head_dim;
+  const int64_t total =
+      static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens * p.max_blocks * p.heads * pairs;
+  X* x = static_cast<X*>(p.x);
+  for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < total;
+       item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    // item = ((((g * 2 + kind) * chunk_tokens + i) * max_blocks + b) * heads + h) * pairs + q:
+    // neighbouring threads write neighbouring X elements.
+    int64_t rest = item;
+    const int q = static_cast<int>(rest % pairs);
+    rest /= pairs;
+    const int h = static_cast<int>(rest % p.heads);
+    rest /= p.heads;
+    const int b = static_cast<int>(rest % p.max_blocks);
+    rest /= p.max_blocks;
+    const int64_t i = rest % p.chunk_tokens;
+    rest /= p.chunk_tokens;
+    const int kind = static_cast<int>(rest % 2);
+    const int g = static_cast<int>(rest / 2);
+    const int layer = p.layer_begin + g;
+
+    const bool rotary = kind == 0 && q < p.strip.half;
+    int d0, d1;
+    PairDims(q, p.strip.half, p.strip.neox, kind == 0, &d0, &d1);
+    const bool second = d1 < p.head_dim;
+    X* out = x + ((static_cast<int64_t>(g) * 2 + kind) * p.chunk_tokens + i) * width +
+             (static_cast<int64_t>(b) * p.heads + h) * p.head_dim;
+
+    const int j = p.sigma[(static_cast<int64_t>(layer) * 2 + kind) * p.max_blocks + b];
+    if (j < 0) {  // padding block of a shorter sigma list
+      Store(out, d0, 0.0f);
+      if (second) Store(out, d1, 0.0f);
+      continue;
+    }
+    const int table = kind * p.num_source_layers + j;
+    const int slot = p.source.stage_slot[table];
+    const In* src;
+    int64_t tokens, token;
+    if (slot >= 0) {
+      src = static_cast<const In*>(p.source.stage) + slot * p.source.stage_slot_elements;
+      tokens = p.chunk_tokens;
+      token = i;
+    } else {
+      src = static_cast<const In*>(p.source.pointers[table]);
+      tokens = p.num_tokens;
+      token = p.chunk_begin + i;
+    }
+    src += HeadOffset(p.source_layout, p.heads, tokens, p.head_dim, h, token);
+    const float a = Load(src, d0);
+    const float c = second ? Load(src, d1) : 0.0f;
+    if (rotary) {
+      // R(p)^-1 of a cache written as A R(p) x: the table's cos/sin carry A, so divide by A^2.
+      const float cs = p.strip.cos[i * p.strip.half + q];
+      const float sn = p.strip.sin[i * p.strip.half + q];
+      Store(out, d0, (a * cs + c * sn) * p.strip.scale);
+      Store(out, d1, (c * cs - a * sn) * p.strip.scale);
+    } else {
+      Store(out, d0, a);
+      if (second) Store(out, d1, c);
+    }
+  }
+}
+
+template <typename Out>
+__global__ void __launch_bounds__(kThreads) EpilogueKernel(EpilogueParams p) {
+  const int pairs = (p.head_dim + 1) / 2;
+  const int64_t width = static_cast<int64_t>(p.heads) * p.head_dim;
+  const int64_t total = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens * p.heads * pairs;
+  for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < total;
+       item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t rest = item;
+    const int q = static_cast<int>(rest % pairs);
+    rest /= pairs;
+    const int h = static_cast<int>(rest % p.heads);
+    rest /= p.heads;
+    const int64_t i = rest % p.chunk_tokens;
+    rest /= p.chunk_tokens;
+    const int kind = static_cast<int>(rest % 2);
+    const int g = static_cast<int>(rest / 2);
+    const int layer = p.layer_begin + g;
+
+    const bool rotary = kind == 0 && q < p.apply.half;
+    int d0, d1;
+    PairDims(q, p.apply.half, p.apply.neox, kind == 0, &d0, &d1);
+    const bool second = d1 < p.head_dim;
+    const int64_t column = static_cast<int64_t>(h) * p.head_dim;
+    const float* y = p.y + ((static_cast<int64_t>(g) * 2 + kind) * p.chunk_tokens + i) * width +
+                     column;
+    const float* bias = p.bias + (static_cast<int64_t>(layer) * 2 + kind) * width + column;
+    float a = y[d0] + bias[d0];
+    float c = second ? y[d1] + bias[d1] : 0.0f;
+    if (rotary) {
+      const float cs = p.apply.cos[i * p.apply.half + q];
+      const float sn = p.apply.sin[i * p.apply.half + q];
+      const float ra = a * cs - c * sn;
+      c = c * cs + a * sn;
+      a = ra;
+    }
+    const int table = kind * p.num_target_layers + layer;
+    Out* dst;
+    int64_t tokens, token;
+    if (p.target.stage_slot[table] >= 0) {
+      dst = static_cast<Out*>(p.target.stage) +
+            (static_cast<int64_t>(g) * 2 + kind) * p.target.stage_slot_elements;
+      tokens = p.chunk_tokens;
+      token = i;
+    } else {
+      dst = static_cast<Out*>(const_cast<void*>(p.target.pointers[table]));
+      tokens = p.num_tokens;
+      token = p.chunk_begin + i;
+    }
+    dst += HeadOffset(p.target_layout, p.heads, tokens, p.head_dim, h, token);
+    Store(dst, d0, a);
+    if (second) Store(dst, d1, c);
+  }
+}
+
+template <typename In>
+__global__ void __launch_bounds__(kThreads) ToFloatKernel(const In* src, float* dst,
+                                                          int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = Load(src, i);
+  }
+}
+
+int Blocks(int64_t items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (items + kThreads - 1) / kThreads)));
+}
+
+template <typename In>
+cudaError_t LaunchGatherFrom(const GatherParams& p, int64_t items, cudaStream_t stream) {
+  switch (p.x_type) {
+    case kFP32:
+      GatherKernel<In, float><<<Blocks(items), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    case kBF16:
+      GatherKernel<In, __nv_bfloat16><<<Blocks(items), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    case kFP16:
+      GatherKernel<In, __half><<<Blocks(items), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchGather(const GatherParams& p, cudaStream_t stream) {
+  // X keeps the cache's dtype or is fp32 (cuda_plan.h GemmDType); no other pairing is built.
+  if (p.x_type != kFP32 && p.x_type != p.source_type) return cudaErrorInvalidValue;
+  const int64_t items = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens * p.max_blocks *
+                        p.heads * ((p.head_dim + 1) / 2);
+  if (items == 0) return cudaSuccess;
+  switch (p.source_type) {
+    case kBF16:
+      return LaunchGatherFrom<__nv_bfloat16>(p, items, stream);
+    case kFP16:
+      return LaunchGatherFrom<__half>(p, items, stream);
+    case kFP32:
+      return LaunchGatherFrom<float>(p, items, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchEpilogue(const EpilogueParams& p, cudaStream_t stream) {
+  const int64_t items =
+      static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens * p.heads * ((p.head_dim + 1) / 2);
+  if (items == 0) return cudaSuccess;
+  switch (p.target_type) {
+    case kBF16:
+      EpilogueKernel<__nv_bfloat16><<<Blocks(items), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    case kFP16:
+      EpilogueKernel<__half><<<Blocks(items), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    case kFP32:
+      EpilogueKernel<float><<<Blocks(items), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchToFloat(const void* src, int src_type, float* dst, int64_t count,
+                          cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  switch (src_type) {
+    case kBF16:
+      ToFloatKernel<<<Blocks(count), kThreads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(src), dst, count);
+      return cudaGetLastError();
+    case kFP16:
+      ToFloatKernel<<<Blocks(count), kThreads, 0, stream>>>(static_cast<const __half*>(src), dst,
+                                                            count);
+      return cudaGetLastError();
+    case kFP32:
+      return cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace internal
+}  // namespace cuda
+}  // namespace kvt
