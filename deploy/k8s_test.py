@@ -14,8 +14,9 @@
   exists, and its health check and entrypoint name real binaries and commands.
 
 Runs with the project venv's Python (scripts/bootstrap.sh --python installs deploy/
-requirements.txt there); scripts/test.sh passes its path in KVT_VENV. Missing dependencies fail
-the test: they are never a skip.
+requirements.txt there): scripts/test.sh puts the venv first on PATH; run on its own, the test
+re-executes itself with $KVT_VENV or the workspace's .venv. Missing dependencies (the venv's
+packages, kubectl) fail the test: they are never a skip.
 """
 
 import json
