@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cstdio>
 
 #include <algorithm>
 #include <chrono>
@@ -187,6 +188,21 @@ absl::StatusOr<std::vector<std::string>> ListFiles(const std::string& dir) {
   return names;
 }
 
+// The data section of a safetensors file (what LoadedMapper::weight_bytes() will be): the file
+// less its 8-byte length prefix and JSON header. `file_size` when the prefix cannot be read
+// (the loader then reports what is wrong).
+uint64_t SafetensorsDataSize(const std::string& path, uint64_t file_size) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) return file_size;
+  unsigned char prefix[8];
+  const bool read = std::fread(prefix, 1, 8, file) == 8;
+  std::fclose(file);
+  if (!read) return file_size;
+  uint64_t header = 0;
+  for (int i = 7; i >= 0; --i) header = (header << 8) | prefix[i];  // little-endian
+  return file_size >= 8 && header <= file_size - 8 ? file_size - 8 - header : file_size;
+}
+
 std::string Bytes(uint64_t bytes) {
   return absl::StrCat(bytes, " bytes (", absl::StrFormat("%.1f", bytes / 1048576.0), " MiB)");
 }
@@ -260,16 +276,36 @@ absl::StatusOr<std::unique_ptr<MapperStore>> MapperStore::Open(const std::string
 }
 
 MapperStore::MapperStore(std::string root, StoreOptions options)
-    : root_(std::move(root)), options_(std::move(options)) {
-  for (const StoreDevice& spec : options_.devices) {
-    auto device = std::make_unique<Device>();
-    device->backend = spec.backend;
-    device->name = spec.backend->device();
-    device->budget = spec.budget_bytes;
-    Device* raw = device.get();
-    device->worker = std::thread([raw] { raw->Run(); });
-    devices_.push_back(std::move(device));
+    : root_(std::move(root)), options_(std::move(options)), events_(options_.events) {
+  for (const StoreDevice& spec : options_.devices) AddDevice(spec).IgnoreError();
+}
+
+absl::Status MapperStore::AddDevice(const StoreDevice& spec) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int n = num_devices();
+  const std::string name = spec.backend->device();
+  for (int d = 0; d < n; ++d) {
+    if (devices_[d]->name == name) {
+      return absl::AlreadyExistsError(absl::StrCat("device '", name, "' is already in the store"));
+    }
   }
+  if (n == kMaxDevices) {
+    return absl::ResourceExhaustedError(absl::StrCat("at most ", kMaxDevices, " devices"));
+  }
+  auto device = std::make_unique<Device>();
+  device->backend = spec.backend;
+  device->name = name;
+  device->budget = spec.budget_bytes;
+  Device* raw = device.get();
+  device->worker = std::thread([raw] { raw->Run(); });
+  devices_[n] = std::move(device);
+  num_devices_.store(n + 1, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+void MapperStore::SetEvents(StoreEvents events) {
+  std::lock_guard<std::mutex> lock(events_mu_);
+  events_ = std::move(events);
 }
 
 MapperStore::~MapperStore() {
@@ -279,25 +315,28 @@ MapperStore::~MapperStore() {
   }
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
-  for (auto& device : devices_) device->Stop();
+  for (int d = 0; d < num_devices(); ++d) devices_[d]->Stop();
 }
 
 std::vector<std::string> MapperStore::DeviceNames() const {
   std::vector<std::string> names;
-  for (const auto& device : devices_) names.push_back(device->name);
+  for (int d = 0; d < num_devices(); ++d) names.push_back(devices_[d]->name);
   return names;
 }
 
 void MapperStore::Fire(Aftermath& after) {
-  const StoreEvents& events = options_.events;
-  if (events.page_in) {
-    for (const auto& e : after.page_ins) events.page_in(*e.mapper, e.place, e.seconds);
-  }
-  if (events.eviction) {
-    for (const auto& e : after.evictions) events.eviction(*e.mapper, e.place);
-  }
-  if (events.access) {
-    for (const auto& e : after.accesses) events.access(*e.mapper, e.place, e.hit);
+  {
+    std::lock_guard<std::mutex> lock(events_mu_);
+    const StoreEvents& events = events_;
+    if (events.page_in) {
+      for (const auto& e : after.page_ins) events.page_in(*e.mapper, e.place, e.seconds);
+    }
+    if (events.eviction) {
+      for (const auto& e : after.evictions) events.eviction(*e.mapper, e.place);
+    }
+    if (events.access) {
+      for (const auto& e : after.accesses) events.access(*e.mapper, e.place, e.hit);
+    }
   }
   after = Aftermath();
 }
@@ -412,7 +451,9 @@ absl::Status MapperStore::Scan() {
       entry.info.state_reason.clear();
       if (manifest.ok()) {
         FillFromManifest(*manifest, &entry.info);
-        entry.expected_bytes = entry.fingerprint.FileSize(manifest->weights_file);
+        entry.expected_bytes =
+            SafetensorsDataSize(JoinPath(dir, manifest->weights_file),
+                                entry.fingerprint.FileSize(manifest->weights_file));
       } else {
         entry.expected_bytes = entry.fingerprint.TotalSize();
         if (!load) {
@@ -818,14 +859,14 @@ absl::Status MapperStore::PinOnDevice(MapperHandle* handle, const AcquireOptions
     return absl::InvalidArgumentError("PinOnDevice needs a handle from Acquire");
   }
   if (handle->copy_) return absl::OkStatus();
-  if (devices_.empty()) {
+  if (num_devices() == 0) {
     return absl::FailedPreconditionError("this mapper store has no devices to page onto");
   }
   std::vector<int> candidates;
   if (options.device.empty() || options.device == "any") {
-    for (int d = 0; d < static_cast<int>(devices_.size()); ++d) candidates.push_back(d);
+    for (int d = 0; d < num_devices(); ++d) candidates.push_back(d);
   } else {
-    for (int d = 0; d < static_cast<int>(devices_.size()); ++d) {
+    for (int d = 0; d < num_devices(); ++d) {
       if (devices_[d]->name == options.device) candidates.push_back(d);
     }
     if (candidates.empty()) {
@@ -1028,7 +1069,7 @@ MapperInfo MapperStore::InfoLocked(const Entry& entry) const {
   info.placements.push_back({"host", version.bytes, version.pins, true});
   for (const auto& [device, copy] : version.copies) {
     if (!copy->started) continue;
-    const bool ready = !copy->paging && copy->error.ok();
+    const bool ready = copy->layers_ready == copy->num_layers && copy->error.ok();
     info.placements.push_back({devices_[device]->name, copy->bytes, copy->pins, ready});
     if (ready) {
       info.devices.push_back(devices_[device]->name);
@@ -1071,7 +1112,7 @@ std::vector<TierUsage> MapperStore::Usage() const {
   }
   host.pinned_bytes = host_used_ - unpinned;  // retired versions still held are pinned too
   usage.push_back(host);
-  for (int d = 0; d < static_cast<int>(devices_.size()); ++d) {
+  for (int d = 0; d < num_devices(); ++d) {
     const Device& dev = *devices_[d];
     TierUsage tier;
     tier.place = dev.name;
@@ -1123,13 +1164,13 @@ absl::StatusOr<MapperInfo> MapperStore::Unload(const std::string& mapper_id,
     }
   } else {
     int index = -1;
-    for (int d = 0; d < static_cast<int>(devices_.size()); ++d) {
+    for (int d = 0; d < num_devices(); ++d) {
       if (devices_[d]->name == device) index = d;
     }
     if (index < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("device='", device, "' is not a device of this server (devices: host",
-                       devices_.empty() ? "" : ", ", absl::StrJoin(DeviceNames(), ", "), ")"));
+                       num_devices() == 0 ? "" : ", ", absl::StrJoin(DeviceNames(), ", "), ")"));
     }
     place = device;
     if (entry.current) {

@@ -3,6 +3,8 @@
 // RAII handles that pin what a request uses, hot reload and model control (load / unload).
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -203,8 +205,14 @@ class MapperStore {
   absl::StatusOr<MapperInfo> Info(const std::string& mapper_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Budgets and usage, host first, then the devices in StoreOptions order.
   std::vector<TierUsage> Usage() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Device names in StoreOptions order.
+  // Device names in StoreOptions / AddDevice order.
   std::vector<std::string> DeviceNames() const;
+  // Adds a device after construction (a server whose store was opened without one).
+  // ALREADY_EXISTS if one of that name is there; at most kMaxDevices.
+  static constexpr int kMaxDevices = 64;
+  absl::Status AddDevice(const StoreDevice& device) ABSL_LOCKS_EXCLUDED(mu_);
+  // Replaces StoreOptions::events (e.g. once the metrics exist); {} stops reporting.
+  void SetEvents(StoreEvents events) ABSL_LOCKS_EXCLUDED(events_mu_);
 
   // Pins mapper `mapper_id` in host memory, loading it first if needed (evicting unpinned
   // least-recently-used mappers to make room). NOT_FOUND "no mapper with id 'x'";
@@ -317,7 +325,13 @@ class MapperStore {
   // Signalled on every change a waiter could be waiting for (load done, unpin, layer ready).
   mutable std::condition_variable changed_;
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<Device>> devices_;  // the vector is fixed; Device fields: mu_
+  // Slots [0, num_devices_) are set and never change again, so handles read them without the
+  // lock; a Device's accounting fields are guarded by mu_.
+  std::array<std::unique_ptr<Device>, kMaxDevices> devices_;
+  std::atomic<int> num_devices_{0};
+  int num_devices() const { return num_devices_.load(std::memory_order_acquire); }
+  mutable std::mutex events_mu_;
+  StoreEvents events_ ABSL_GUARDED_BY(events_mu_);
   uint64_t host_used_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t host_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;  // LRU clock

@@ -164,7 +164,33 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
         {"unix_socket", str(&config.server.unix_socket)},
         {"max_message_bytes", i64(&config.server.max_message_bytes)},
         {"max_sync_threads", i64(&config.server.max_sync_threads)}}},
-      {"mapper_store", {{"path", str(&config.mapper_store.path)}}},
+      {"mapper_store",
+       {{"path", str(&config.mapper_store.path)},
+        {"host_budget_bytes", i64(&config.mapper_store.host_budget_bytes)},
+        {"device_budget_bytes", i64(&config.mapper_store.device_budget_bytes)},
+        {"reload_interval_seconds", f64(&config.mapper_store.reload_interval_seconds)},
+        {"acquire_timeout_seconds", f64(&config.mapper_store.acquire_timeout_seconds)},
+        {"load_on_scan",
+         [src, &config](const std::string& key, const YAML::Node& node) {
+           return ReadScalar(src, key, node, "true or false", &config.mapper_store.load_on_scan);
+         }},
+        {"preload",
+         [src, &config](const std::string& key, const YAML::Node& node) -> absl::Status {
+           if (!node.IsSequence()) {
+             return absl::InvalidArgumentError(absl::StrCat(
+                 Where(src, node), ": key '", key, "' must be a list of mapper ids"));
+           }
+           config.mapper_store.preload.clear();
+           for (const YAML::Node& item : node) {
+             std::string id;
+             if (absl::Status s = ReadScalar(src, key, item, "a list of mapper ids", &id);
+                 !s.ok()) {
+               return s;
+             }
+             config.mapper_store.preload.push_back(id);
+           }
+           return absl::OkStatus();
+         }}}},
       {"backend",
        {{"type", str(&config.backend.type)},
         {"cpu_threads", i64(&config.backend.cpu_threads)},
@@ -272,6 +298,28 @@ absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
   }
   if (config.server.max_sync_threads < 4) {
     return bad("server.max_sync_threads", config.server.max_sync_threads, "must be >= 4");
+  }
+  if (config.mapper_store.host_budget_bytes < 0) {
+    return bad("mapper_store.host_budget_bytes", config.mapper_store.host_budget_bytes,
+               "must be >= 0 (0: 80% of physical memory)");
+  }
+  if (config.mapper_store.device_budget_bytes < 0) {
+    return bad("mapper_store.device_budget_bytes", config.mapper_store.device_budget_bytes,
+               "must be >= 0 (0: automatic)");
+  }
+  if (config.mapper_store.reload_interval_seconds < 0) {
+    return bad("mapper_store.reload_interval_seconds",
+               config.mapper_store.reload_interval_seconds, "must be >= 0 (0: off)");
+  }
+  if (config.mapper_store.acquire_timeout_seconds < 0) {
+    return bad("mapper_store.acquire_timeout_seconds",
+               config.mapper_store.acquire_timeout_seconds, "must be >= 0");
+  }
+  for (const std::string& id : config.mapper_store.preload) {
+    if (id.empty() || id.find('/') != std::string::npos || id[0] == '.') {
+      return bad("mapper_store.preload", absl::StrCat("'", id, "'"),
+                 "entries are mapper ids (directory names in mapper_store.path)");
+    }
   }
   if (config.backend.type != "auto" && config.backend.type != "cpu" &&
       config.backend.type != "cuda") {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -22,6 +23,12 @@ struct KvtdConfig {
   } server;
   struct MapperStoreConfig {
     std::string path = "/var/lib/kvt/mappers";
+    int64_t host_budget_bytes = 0;    // host memory for mapper weights; 0 = 80% of RAM
+    int64_t device_budget_bytes = 0;  // per device, for prepared copies; 0 = automatic
+    double reload_interval_seconds = 10;  // hot-reload polling; 0 = off
+    double acquire_timeout_seconds = 30;  // longest wait for room / a load, within deadlines
+    bool load_on_scan = true;             // load new mappers that fit at once (else on use)
+    std::vector<std::string> preload;     // mapper ids paged onto a device at startup
   } mapper_store;
   struct Backend {
     std::string type = "auto";  // auto | cpu | cuda

@@ -53,6 +53,43 @@ logging:
   EXPECT_EQ(config->logging.level, LogLevel::kDebug);
 }
 
+TEST(ConfigTest, MapperStoreKeys) {
+  absl::StatusOr<KvtdConfig> config = ParseKvtdConfig(R"(
+mapper_store:
+  path: /m
+  host_budget_bytes: 1000000
+  device_budget_bytes: 2000
+  reload_interval_seconds: 0.5
+  acquire_timeout_seconds: 0
+  load_on_scan: false
+  preload: [a-to-b, c-to-d]
+)", "m.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->mapper_store.host_budget_bytes, 1000000);
+  EXPECT_EQ(config->mapper_store.device_budget_bytes, 2000);
+  EXPECT_EQ(config->mapper_store.reload_interval_seconds, 0.5);
+  EXPECT_EQ(config->mapper_store.acquire_timeout_seconds, 0);
+  EXPECT_FALSE(config->mapper_store.load_on_scan);
+  EXPECT_EQ(config->mapper_store.preload, (std::vector<std::string>{"a-to-b", "c-to-d"}));
+  const KvtdConfig defaults;
+  EXPECT_EQ(defaults.mapper_store.reload_interval_seconds, 10);
+  EXPECT_TRUE(defaults.mapper_store.preload.empty());
+
+  for (const auto& [yaml, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"mapper_store:\n  host_budget_bytes: -1\n", "mapper_store.host_budget_bytes"},
+           {"mapper_store:\n  preload: a\n", "'mapper_store.preload' must be a list"},
+           {"mapper_store:\n  preload: [\"../x\"]\n", "mapper_store.preload"},
+           {"mapper_store:\n  reload_interval_seconds: -2\n",
+            "mapper_store.reload_interval_seconds"},
+           {"mapper_store:\n  load_on_scan: maybe\n", "mapper_store.load_on_scan"},
+       }) {
+    absl::StatusOr<KvtdConfig> bad = ParseKvtdConfig(yaml, "b.yaml");
+    ASSERT_FALSE(bad.ok()) << yaml;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(bad.status().message()), HasSubstr(needle)) << yaml;
+  }
+}
+
 TEST(ConfigTest, BadYamlNamesTheLine) {
   absl::StatusOr<KvtdConfig> config = ParseKvtdConfig("server:\n  listen_address: [1, 2\n", "bad.yaml");
   ASSERT_FALSE(config.ok());
