@@ -20,6 +20,7 @@
 #include "server/grpc_status.h"
 #include "server/request_checks.h"
 #include "transport/kv_chunks.h"
+#include "transport/paged.h"
 #include "transport/proto_convert.h"
 
 namespace kvt {
@@ -206,6 +207,10 @@ grpc::Status TranslatorService::TranslateKVImpl(
   }
   const bool input_in_region = header.input().has_region();
   const bool output_in_region = header.output().has_region();
+  // A paged region side is staged through whole-layer buffers: the backends read and write
+  // contiguous layers.
+  const bool input_paged = input_in_region && header.input().region().has_paged();
+  const bool output_paged = output_in_region && header.output().region().has_paged();
   if ((input_in_region || output_in_region) && !config_.shared_memory.allow_client_regions) {
     return fail(absl::FailedPreconditionError(absl::StrCat(
         input_in_region ? "header.input.region" : "header.output.region",
@@ -240,9 +245,36 @@ grpc::Status TranslatorService::TranslateKVImpl(
 
   // --- Shared-memory regions: leased for the whole request (an unregister waits for it). ---
   SystemMemoryRegistry::Lease input_region, output_region;
+  PagedLayout input_pages, output_pages;
+  // A paged side: its block table checked and `*pages` set; the bytes its region must hold.
+  auto paged_bytes = [&](const v1::RegionRef& ref, const std::string& field, const ModelSpec& model,
+                         const LayerGeometry& geometry, bool output,
+                         PagedLayout* pages) -> absl::StatusOr<int64_t> {
+    const v1::PagedBlocks& paged = ref.paged();
+    *pages = PagedLayout{geometry.layout,     paged.num_blocks(), paged.block_size(),
+                         geometry.num_heads, geometry.head_dim,  geometry.element_size};
+    if (absl::Status table = CheckBlockTable(*pages, paged.block_table().data(),
+                                             paged.block_table_size(), plan.num_tokens, output,
+                                             field + ".paged");
+        !table.ok()) {
+      return table;
+    }
+    return model.num_layers * pages->layer_bytes();
+  };
   auto lease = [&](const v1::RegionRef& ref, const char* field, int64_t expected,
                    SystemMemoryRegistry::Lease* out) -> absl::Status {
-    if (ref.byte_size() != static_cast<uint64_t>(expected)) {
+    if (ref.has_paged()) {
+      const bool output = out == &output_region;
+      absl::StatusOr<int64_t> bytes =
+          output ? paged_bytes(ref, field, tgt_model, target_geometry, true, &output_pages)
+                 : paged_bytes(ref, field, src_model, source_geometry, false, &input_pages);
+      if (!bytes.ok()) return bytes.status();
+      if (ref.byte_size() != static_cast<uint64_t>(*bytes)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".byte_size=", ref.byte_size(), " but the paged cache is ", *bytes,
+            " bytes (per layer a (2, num_blocks, block_size, num_kv_heads, head_dim) tensor)"));
+      }
+    } else if (ref.byte_size() != static_cast<uint64_t>(expected)) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".byte_size=", ref.byte_size(), " but the cache is ", expected,
           " bytes (layer-major, K then V per layer, in the request's layout and dtype)"));
@@ -271,8 +303,9 @@ grpc::Status TranslatorService::TranslateKVImpl(
   // --- Admission: the bytes this request makes kvtd hold: the inline source cache and two
   // target layers (double buffering) of inline output. Region bytes live in the client. ---
   absl::StatusOr<AdmissionController::Ticket> ticket =
-      admission_.TryAdmit((input_in_region ? 0 : plan.source_bytes) +
-                          (output_in_region ? 0 : 4 * target_geometry.layer_bytes()));
+      admission_.TryAdmit((input_in_region && !input_paged ? 0 : plan.source_bytes) +
+                          (output_in_region && !output_paged ? 0
+                                                             : 4 * target_geometry.layer_bytes()));
   if (!ticket.ok()) return fail(ticket.status());
   absl::StatusOr<Derived> prepared = Prepared(plan.mapper);
   if (!prepared.ok()) return fail(prepared.status());
@@ -306,12 +339,20 @@ grpc::Status TranslatorService::TranslateKVImpl(
   // --- Stage in: inline chunks into whole-layer buffers, or the cache already sits in the
   // input region (read in place, no copy). ---
   std::vector<LayerBuffer> source_k, source_v;
-  if (!input_in_region) {
+  if (!input_in_region || input_paged) {
     source_k.reserve(src_model.num_layers);
     source_v.reserve(src_model.num_layers);
     for (int l = 0; l < src_model.num_layers; ++l) {
       source_k.emplace_back(source_geometry.layer_bytes());
       source_v.emplace_back(source_geometry.layer_bytes());
+    }
+  }
+  if (input_paged) {
+    const uint32_t* table = header.input().region().paged().block_table().data();
+    for (int l = 0; l < src_model.num_layers; ++l) {
+      const char* layer = input_region.data() + l * input_pages.layer_bytes();
+      GatherPaged(input_pages, table, 0, layer, source_geometry, source_k[l].bytes.get());
+      GatherPaged(input_pages, table, 1, layer, source_geometry, source_v[l].bytes.get());
     }
   }
   CacheView source;
@@ -323,7 +364,7 @@ grpc::Status TranslatorService::TranslateKVImpl(
   const int64_t source_layer_bytes = source_geometry.layer_bytes();
   const int64_t target_layer_bytes = target_geometry.layer_bytes();
   for (int l = 0; l < src_model.num_layers; ++l) {
-    if (input_in_region) {  // layer-major, K then V
+    if (input_in_region && !input_paged) {  // layer-major, K then V
       source.k.push_back(input_region.data() + (2 * l) * source_layer_bytes);
       source.v.push_back(input_region.data() + (2 * l + 1) * source_layer_bytes);
     } else {
@@ -374,7 +415,7 @@ grpc::Status TranslatorService::TranslateKVImpl(
   };
   Slot slots[2];
   for (Slot& slot : slots) {
-    if (!output_in_region) {
+    if (!output_in_region || output_paged) {
       slot.k = std::make_unique<LayerBuffer>(target_layer_bytes);
       slot.v = std::make_unique<LayerBuffer>(target_layer_bytes);
     }
@@ -393,7 +434,7 @@ grpc::Status TranslatorService::TranslateKVImpl(
     Slot& slot = slots[layer % 2];
     std::fill(slot.view.k.begin(), slot.view.k.end(), nullptr);
     std::fill(slot.view.v.begin(), slot.view.v.end(), nullptr);
-    if (output_in_region) {  // computed straight into the client's memory
+    if (output_in_region && !output_paged) {  // computed straight into the client's memory
       slot.view.k[layer] = output_region.data() + (2 * layer) * target_layer_bytes;
       slot.view.v[layer] = output_region.data() + (2 * layer + 1) * target_layer_bytes;
     } else {
@@ -447,7 +488,13 @@ grpc::Status TranslatorService::TranslateKVImpl(
       if (has_next && ready_now(layer + 1)) pending = submit(layer + 1);
 
       if (first_output == absl::InfiniteFuture()) first_output = absl::Now();
-      if (output_in_region) {
+      if (output_paged) {
+        const uint32_t* table = header.output().region().paged().block_table().data();
+        char* paged_layer = output_region.data() + layer * output_pages.layer_bytes();
+        ScatterPaged(output_pages, table, 0, slot.k->bytes.get(), target_geometry, paged_layer);
+        ScatterPaged(output_pages, table, 1, slot.v->bytes.get(), target_geometry, paged_layer);
+        output_bytes += 2 * target_layer_bytes;
+      } else if (output_in_region) {
         output_bytes += 2 * target_layer_bytes;
       } else {
         const absl::Time send_begin = absl::Now();

@@ -5,16 +5,19 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "kernels/types.h"
 #include "mapper_store/synth.h"
 #include "tests/kvtd_process.h"
 
@@ -226,6 +229,110 @@ TEST_F(ShmTransportTest, BadRegionsGetClearErrors) {
   grpc::Status status = stream->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(status.error_message(), HasSubstr("must carry no chunks"));
+}
+
+// vLLM's paged layout on both sides: HND blocks in, NHD blocks out, scattered block tables.
+// The result must equal the inline translation bit for bit, in the request's slots only.
+TEST_F(ShmTransportTest, PagedRegionsEqualInlineTranslation) {
+  auto kvtd = StartKvtd(true);
+  const int port = kvtd->WaitForPort();
+  ASSERT_GT(port, 0);
+  std::unique_ptr<Client> client = Client::Create(absl::StrCat("127.0.0.1:", port));
+  const HostCache source = Source();  // HND
+  v1::TranslateHeader inline_header;
+  inline_header.set_mapper_id("demo-tiny");
+  inline_header.set_position_offset(33);
+  inline_header.set_output_layout(v1::LAYOUT_NHD);
+  absl::StatusOr<TranslateResult> inline_result = client->Translate(inline_header, source);
+  ASSERT_TRUE(inline_result.ok()) << inline_result.status();
+  const HostCache& expected = inline_result->target;
+
+  const std::vector<uint32_t> in_table = {11, 3, 7, 0, 5, 9, 2};  // 100 tokens, blocks of 16
+  const std::vector<uint32_t> out_table = {4, 9, 0, 6, 1, 8, 3, 2};  // one spare entry
+  const PagedLayout in_pages{Layout::kHND, 12, 16, 2, 32, 2};
+  const PagedLayout out_pages{Layout::kNHD, 10, 16, 2, 32, 2};
+  const int64_t in_bytes = 4 * in_pages.layer_bytes();
+  const int64_t out_bytes = 6 * out_pages.layer_bytes();
+  ShmObject in_object(in_bytes), out_object(out_bytes);
+  std::memset(in_object.data(), 0x7f, in_bytes);
+  std::memset(out_object.data(), 0x7f, out_bytes);
+  const int64_t vector_bytes = 32 * 2;
+  for (int l = 0; l < 4; ++l) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const std::vector<char>& layer = (kind == 0 ? source.k : source.v)[l];
+      for (int64_t t = 0; t < kTokens; ++t) {
+        for (int h = 0; h < 2; ++h) {
+          std::memcpy(in_object.data() + l * in_pages.layer_bytes() +
+                          in_pages.HeadOffset(kind, in_table[t / 16], t % 16, h),
+                      layer.data() + CacheOffset(Layout::kHND, 2, kTokens, 32, h, t, 0) * 2,
+                      vector_bytes);
+        }
+      }
+    }
+  }
+  ASSERT_TRUE(client->RegisterSystemMemory("paged-in", in_object.key(), 0, in_bytes).ok());
+  ASSERT_TRUE(client->RegisterSystemMemory("paged-out", out_object.key(), 0, out_bytes).ok());
+  v1::TranslateHeader header = RegionHeader("paged-in", 0, in_bytes, "paged-out");
+  header.set_output_layout(v1::LAYOUT_NHD);
+  header.mutable_output()->mutable_region()->set_byte_size(out_bytes);
+  v1::PagedBlocks* in_paged = header.mutable_input()->mutable_region()->mutable_paged();
+  in_paged->set_num_blocks(12);
+  in_paged->set_block_size(16);
+  for (uint32_t b : in_table) in_paged->add_block_table(b);
+  v1::PagedBlocks* out_paged = header.mutable_output()->mutable_region()->mutable_paged();
+  out_paged->set_num_blocks(10);
+  out_paged->set_block_size(16);
+  for (uint32_t b : out_table) out_paged->add_block_table(b);
+  absl::StatusOr<TranslateResult> paged = client->TranslateRegions(header);
+  ASSERT_TRUE(paged.ok()) << paged.status();
+
+  std::vector<bool> written(static_cast<size_t>(out_bytes), false);
+  for (int l = 0; l < 6; ++l) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const std::vector<char>& layer = (kind == 0 ? expected.k : expected.v)[l];
+      for (int64_t t = 0; t < kTokens; ++t) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = l * out_pages.layer_bytes() +
+                             out_pages.HeadOffset(kind, out_table[t / 16], t % 16, h);
+          ASSERT_EQ(std::memcmp(out_object.data() + at,
+                                layer.data() + CacheOffset(Layout::kNHD, 2, kTokens, 32, h, t, 0) * 2,
+                                vector_bytes),
+                    0)
+              << "layer " << l << " kind " << kind << " token " << t << " head " << h;
+          std::fill_n(written.begin() + at, vector_bytes, true);
+        }
+      }
+    }
+  }
+  // Every other byte (other blocks, the tail of the last block) is as it was.
+  int64_t changed = 0;
+  for (int64_t i = 0; i < out_bytes; ++i) changed += !written[i] && out_object.data()[i] != 0x7f;
+  EXPECT_EQ(changed, 0);
+
+  // Bad block tables name the field and entry.
+  auto expect_error = [&](v1::TranslateHeader bad, const std::string& words) {
+    absl::StatusOr<TranslateResult> result = client->TranslateRegions(bad);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << words;
+    EXPECT_THAT(std::string(result.status().message()), HasSubstr(words));
+  };
+  v1::TranslateHeader outside = header;
+  outside.mutable_input()->mutable_region()->mutable_paged()->set_block_table(2, 12);
+  expect_error(outside, "header.input.region.paged.block_table[2]=12 is outside num_blocks=12");
+  v1::TranslateHeader too_short = header;
+  too_short.mutable_output()->mutable_region()->mutable_paged()->mutable_block_table()->Truncate(6);
+  expect_error(too_short,
+               "header.output.region.paged.block_table has 6 entries; 100 tokens in blocks of 16 "
+               "need 7");
+  v1::TranslateHeader repeated = header;
+  repeated.mutable_output()->mutable_region()->mutable_paged()->set_block_table(5, 4);
+  expect_error(repeated, "header.output.region.paged.block_table[5]=4 repeats block_table[0]");
+  v1::TranslateHeader no_size = header;
+  no_size.mutable_input()->mutable_region()->mutable_paged()->set_block_size(0);
+  expect_error(no_size, "header.input.region.paged.block_size must be > 0");
+  v1::TranslateHeader wrong_bytes = header;
+  wrong_bytes.mutable_input()->mutable_region()->mutable_paged()->set_num_blocks(13);
+  expect_error(wrong_bytes, "header.input.region.byte_size=");
+  EXPECT_TRUE(client->UnregisterSystemMemory("").ok());
 }
 
 TEST_F(ShmTransportTest, DisabledUnlessConfigured) {
