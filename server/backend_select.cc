@@ -1,36 +1,58 @@
 #include "server/backend_select.h"
 
+#include <utility>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
 
 namespace kvt {
 
 absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config) {
+  if (config.type != "auto" && config.type != "cpu" && config.type != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend.type='", config.type, "' is not one of auto, cpu, cuda"));
+  }
   SelectedBackend selected;
   CpuBackendOptions cpu_options;
   cpu_options.num_threads = static_cast<int>(config.cpu_threads);
   cpu_options.token_chunk = config.token_chunk;
-  const absl::StatusOr<int> devices = cuda::DeviceCount();
-  if (config.type == "cuda") {
-    // The CUDA translation backend is not part of this build yet; never pretend.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "backend.type=cuda: this build has no CUDA translation backend (devices: ",
-        devices.ok() ? absl::StrCat(*devices) : std::string(devices.status().message()),
-        "); use backend.type=auto or cpu"));
-  }
-  selected.backend = NewCpuBackend(cpu_options);
   if (config.type == "cpu") {
+    selected.backend = NewCpuBackend(cpu_options);
     selected.reason = "backend.type=cpu";
-  } else if (devices.ok()) {
-    selected.reason = absl::StrCat("auto: ", *devices,
-                                   " CUDA device(s) present but no CUDA translation backend in "
-                                   "this build; using CPU");
+    return selected;
+  }
+  const absl::StatusOr<int> devices = cuda::DeviceCount();
+  CudaBackendOptions cuda_options;  // device 0; token chunk and workspace from the backend
+  if (config.type == "cuda") {
+    // Forced: no silent fallback, the daemon must not start on the wrong engine.
+    absl::StatusOr<std::unique_ptr<Backend>> cuda = NewCudaBackend(cuda_options);
+    if (!cuda.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "backend.type=cuda but the CUDA backend cannot start: ", cuda.status().message(),
+          "; use backend.type=auto or cpu"));
+    }
+    selected.backend = *std::move(cuda);
+    selected.reason = absl::StrCat("backend.type=cuda (", *devices, " CUDA device(s))");
+    return selected;
+  }
+  if (devices.ok()) {
+    absl::StatusOr<std::unique_ptr<Backend>> cuda = NewCudaBackend(cuda_options);
+    if (cuda.ok()) {
+      selected.backend = *std::move(cuda);
+      selected.reason =
+          absl::StrCat("auto: ", *devices, " CUDA device(s); using ", selected.backend->device());
+      return selected;
+    }
+    selected.reason = absl::StrCat("auto: CUDA device(s) present but the CUDA backend failed to "
+                                   "start (", cuda.status().message(), "); using CPU");
   } else {
     selected.reason = absl::StrCat("auto: no usable CUDA device (", devices.status().message(),
                                    "); using CPU");
   }
+  selected.backend = NewCpuBackend(cpu_options);
   return selected;
 }
 

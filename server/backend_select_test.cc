@@ -1,0 +1,63 @@
+#include "server/backend_select.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/device.h"
+
+namespace kvt {
+namespace {
+
+using ::testing::HasSubstr;
+
+KvtdConfig::Backend WithType(const char* type) {
+  KvtdConfig::Backend config;
+  config.type = type;
+  config.cpu_threads = 1;
+  return config;
+}
+
+TEST(BackendSelectTest, CpuIsCpu) {
+  absl::StatusOr<SelectedBackend> selected = SelectBackend(WithType("cpu"));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_EQ(selected->backend->name(), "cpu");
+  EXPECT_EQ(selected->reason, "backend.type=cpu");
+}
+
+// auto picks CUDA exactly when a device is usable; the reason says what was found.
+TEST(BackendSelectTest, AutoFollowsTheDevice) {
+  absl::StatusOr<SelectedBackend> selected = SelectBackend(WithType("auto"));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  if (cuda::DeviceCount().ok()) {
+    EXPECT_EQ(selected->backend->name(), "cuda");
+    EXPECT_EQ(selected->backend->device(), "cuda:0");
+    EXPECT_THAT(selected->reason, HasSubstr("using cuda:0"));
+  } else {
+    EXPECT_EQ(selected->backend->name(), "cpu");
+    EXPECT_THAT(selected->reason, HasSubstr("auto: no usable CUDA device"));
+    EXPECT_THAT(selected->reason, HasSubstr("using CPU"));
+  }
+}
+
+// cuda forced without a device is a startup error that says why, never a CPU fallback.
+TEST(BackendSelectTest, ForcedCudaWithoutDeviceIsAnError) {
+  absl::StatusOr<SelectedBackend> selected = SelectBackend(WithType("cuda"));
+  if (cuda::DeviceCount().ok()) {
+    ASSERT_TRUE(selected.ok()) << selected.status();
+    EXPECT_EQ(selected->backend->name(), "cuda");
+    return;
+  }
+  ASSERT_FALSE(selected.ok());
+  EXPECT_EQ(selected.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(selected.status().message(), HasSubstr("backend.type=cuda"));
+  EXPECT_THAT(selected.status().message(), HasSubstr("use backend.type=auto or cpu"));
+}
+
+TEST(BackendSelectTest, UnknownTypeNamesTheField) {
+  absl::StatusOr<SelectedBackend> selected = SelectBackend(WithType("tpu"));
+  ASSERT_FALSE(selected.ok());
+  EXPECT_EQ(selected.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(selected.status().message(), HasSubstr("backend.type='tpu'"));
+}
+
+}  // namespace
+}  // namespace kvt
