@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "mapper_store/store.h"
+#include "server/mapper_store_setup.h"
 #include "server/backend_select.h"
 #include "server/config.h"
 #include "server/kvtd_server.h"
@@ -124,8 +125,23 @@ int Run() {
       .With("device", backend->backend->device())
       .With("reason", backend->reason);
 
-  absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(config->mapper_store.path);
+  absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(
+      config->mapper_store.path, MakeStoreOptions(*config, backend->backend.get()));
   if (!store.ok()) return Fatal(store.status());
+  if (absl::Status preloaded = PreloadMappers(store->get(), config->mapper_store.preload,
+                                              absl::InfiniteFuture());
+      !preloaded.ok()) {
+    return Fatal(preloaded);
+  }
+  if (config->mapper_store.reload_interval_seconds > 0) {
+    (*store)->StartPolling(absl::Seconds(config->mapper_store.reload_interval_seconds));
+  }
+  for (const TierUsage& tier : (*store)->Usage()) {
+    KVT_LOG(kInfo, "mapper budget")
+        .With("place", tier.place)
+        .With("budget_bytes", tier.budget_bytes)
+        .With("used_bytes", tier.used_bytes);
+  }
   for (const MapperInfo& info : (*store)->List()) {
     const bool failed = info.state == MapperState::kFailed;
     LogLine(failed ? LogLevel::kWarning : LogLevel::kInfo, "mapper")

@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
+#include "server/mapper_store_setup.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -123,6 +124,8 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
       .With("auth", server->auth_->enabled() ? "bearer" : "off");
   TranslatorService* service = server->service_.get();
   server->metrics_->SetScrapeSources(store, [service] { return service->inflight_requests(); });
+  server->store_ = store;
+  store->SetEvents(MetricsEvents(server->metrics_.get()));
   if (!config.metrics.listen_address.empty()) {
     KVT_LOG(kInfo, "metrics listening")
         .With("address", config.metrics.listen_address)
@@ -136,6 +139,8 @@ KvtdServer::~KvtdServer() {
   Shutdown();
   // Scrapes may still arrive until the metrics endpoint goes; they must not reach the service.
   if (metrics_ != nullptr) metrics_->SetScrapeSources(nullptr, nullptr);
+  // The store outlives the server: it must stop reporting into these metrics.
+  if (store_ != nullptr) store_->SetEvents({});
 }
 
 void KvtdServer::Shutdown() {

@@ -41,6 +41,7 @@ class KvtdServer {
   KvtdServer(const KvtdConfig& config) : config_(config) {}
 
   const KvtdConfig config_;
+  MapperStore* store_ = nullptr;  // reports into metrics_ while the server lives
   // Declared before the service, which records into it, so it is destroyed after it.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> auth_;

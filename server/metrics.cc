@@ -104,22 +104,38 @@ class Metrics::ScrapeCollector : public prometheus::Collectable {
         "Bytes of mapper weights held per place (device=\"host\": host memory of the store; "
         "\"cuda:N\": device copies).";
     resident.type = prometheus::MetricType::Gauge;
+    prometheus::MetricFamily tiers;
+    tiers.name = "kvt_mapper_tier_bytes";
+    tiers.help =
+        "Mapper memory per tier (device=\"host\" or a device) by kind: budget (0 = no limit), "
+        "used (resident copies, pinned or not), pinned (held by in-flight requests), reserved "
+        "(loads and page-ins in flight).";
+    tiers.type = prometheus::MetricType::Gauge;
     if (store_ != nullptr) {
       for (const MapperInfo& info : store_->List()) {
-        if (info.state != MapperState::kHostResident &&
-            info.state != MapperState::kDeviceResident) {
-          continue;
-        }
-        for (const std::string& device : info.devices) {
+        for (const Placement& placement : info.placements) {
           prometheus::ClientMetric metric;
-          metric.label = {Label("device", device), Label("mapper", info.id),
+          metric.label = {Label("device", placement.device), Label("mapper", info.id),
                           Label("source", info.source_model), Label("target", info.target_model)};
-          metric.gauge.value = static_cast<double>(info.weight_bytes);
+          metric.gauge.value = static_cast<double>(placement.bytes);
           resident.metric.push_back(std::move(metric));
+        }
+      }
+      for (const TierUsage& tier : store_->Usage()) {
+        for (const auto& [kind, bytes] :
+             {std::pair<const char*, uint64_t>{"budget", tier.budget_bytes},
+              {"used", tier.used_bytes},
+              {"pinned", tier.pinned_bytes},
+              {"reserved", tier.reserved_bytes}}) {
+          prometheus::ClientMetric metric;
+          metric.label = {Label("device", tier.place), Label("kind", kind)};
+          metric.gauge.value = static_cast<double>(bytes);
+          tiers.metric.push_back(std::move(metric));
         }
       }
     }
     families.push_back(std::move(resident));
+    families.push_back(std::move(tiers));
     return families;
   }
 
@@ -319,16 +335,24 @@ Metrics::Metrics(std::string device)
                               .Register(r);
   page_ins_ = &BuildCounter()
                    .Name("kvt_mapper_page_ins_total")
-                   .Help("Mapper copies into a device's memory.")
+                   .Help("Mapper copies into a tier: device=\"host\" loads from disk into "
+                         "host memory, else copies onto that device.")
                    .Register(r);
   evictions_ = &BuildCounter()
                     .Name("kvt_mapper_evictions_total")
-                    .Help("Mappers dropped from a device's memory to make room.")
+                    .Help("Mappers dropped from a tier (host or device) to make room.")
                     .Register(r);
   page_in_duration_ = &BuildHistogram()
                            .Name("kvt_mapper_page_in_duration_seconds")
-                           .Help("Time to copy a mapper into a device's memory.")
+                           .Help("Time of one page-in (host: read and verify from disk; "
+                                 "device: until the last layer has arrived).")
                            .Register(r);
+  acquisitions_ = &BuildCounter()
+                       .Name("kvt_mapper_acquisitions_total")
+                       .Help("Requests acquiring a mapper in a tier; result=\"hit\" when it "
+                             "was resident (or paging in already), \"miss\" when the request "
+                             "caused the load or page-in.")
+                       .Register(r);
 }
 
 Metrics::~Metrics() {
@@ -363,8 +387,14 @@ void Metrics::SetScrapeSources(const MapperStore* store,
     const std::string& target = info.target_model;
     requests_->Add({{"source", source}, {"target", target}, {"code", CodeLabel(absl::StatusCode::kOk)}});
     tokens_->Add({{"source", source}, {"target", target}});
-    page_ins_->Add({{"source", source}, {"target", target}, {"device", device_}});
-    evictions_->Add({{"source", source}, {"target", target}, {"device", device_}});
+    for (const std::string& device : {std::string("host"), device_}) {
+      page_ins_->Add({{"source", source}, {"target", target}, {"device", device}});
+      evictions_->Add({{"source", source}, {"target", target}, {"device", device}});
+      for (const char* result : {"hit", "miss"}) {
+        acquisitions_->Add(
+            {{"source", source}, {"target", target}, {"device", device}, {"result", result}});
+      }
+    }
   }
 }
 
@@ -443,6 +473,15 @@ void Metrics::RecordPageIn(const PairLabels& pair, const std::string& device, do
       ->Add({{"source", pair.source()}, {"target", pair.target()}, {"device", device}},
             LatencyBuckets())
       .Observe(seconds);
+}
+
+void Metrics::RecordMapperAccess(const PairLabels& pair, const std::string& device, bool hit) {
+  acquisitions_
+      ->Add({{"source", pair.source()},
+             {"target", pair.target()},
+             {"device", device},
+             {"result", hit ? "hit" : "miss"}})
+      .Increment();
 }
 
 void Metrics::RecordEviction(const PairLabels& pair, const std::string& device) {

@@ -93,9 +93,11 @@ class Metrics {
 
   void RecordTranslate(const TranslateRecord& record);
   void RecordValidate(const ValidateRecord& record);
-  // For the device pager: a mapper copied to / dropped from `device`.
+  // For the mapper store's pager: a mapper copied into / dropped from a tier ("host": loaded
+  // from disk into host memory; else a device copy), and every acquisition (hit: resident).
   void RecordPageIn(const PairLabels& pair, const std::string& device, double seconds);
   void RecordEviction(const PairLabels& pair, const std::string& device);
+  void RecordMapperAccess(const PairLabels& pair, const std::string& device, bool hit);
 
   // The text exposition (what GET /metrics returns).
   std::string Serialize() const;
@@ -131,6 +133,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* page_ins_;
   prometheus::Family<prometheus::Counter>* evictions_;
   prometheus::Family<prometheus::Histogram>* page_in_duration_;
+  prometheus::Family<prometheus::Counter>* acquisitions_;
 };
 
 }  // namespace kvt

@@ -45,19 +45,20 @@ absl::StatusOr<InputHeader> CheckInputHeader(
   return out;
 }
 
-absl::StatusOr<std::shared_ptr<const LoadedMapper>> ResolveMapper(
-    MapperStore* store, const std::string& mapper_id, const std::string& source_model,
-    const std::string& target_model) {
+absl::StatusOr<MapperHandle> AcquireMapper(MapperStore* store, const std::string& mapper_id,
+                                           const std::string& source_model,
+                                           const std::string& target_model,
+                                           const AcquireOptions& options) {
   if (mapper_id.empty()) {
     if (source_model.empty() || target_model.empty()) {
       return absl::InvalidArgumentError(
           "header.source_model and header.target_model (or header.mapper_id) are required");
     }
-    return store->Find(source_model, target_model);
+    return store->AcquirePair(source_model, target_model, options);
   }
-  absl::StatusOr<std::shared_ptr<const LoadedMapper>> mapper = store->Get(mapper_id);
-  if (!mapper.ok()) return mapper.status();
-  const MapperView& view = (*mapper)->view();
+  absl::StatusOr<MapperHandle> handle = store->Acquire(mapper_id, options);
+  if (!handle.ok()) return handle.status();
+  const MapperView& view = handle->mapper().view();
   if ((!source_model.empty() && source_model != view.source.name) ||
       (!target_model.empty() && target_model != view.target.name)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -65,7 +66,17 @@ absl::StatusOr<std::shared_ptr<const LoadedMapper>> ResolveMapper(
         ", not header.source_model='", source_model, "' -> header.target_model='", target_model,
         "'"));
   }
-  return mapper;
+  return handle;
+}
+
+absl::StatusOr<std::shared_ptr<const LoadedMapper>> ResolveMapper(
+    MapperStore* store, const std::string& mapper_id, const std::string& source_model,
+    const std::string& target_model) {
+  absl::StatusOr<MapperHandle> handle =
+      AcquireMapper(store, mapper_id, source_model, target_model, AcquireOptions());
+  if (!handle.ok()) return handle.status();
+  auto holder = std::make_shared<MapperHandle>(std::move(*handle));
+  return std::shared_ptr<const LoadedMapper>(holder, &holder->mapper());
 }
 
 absl::StatusOr<int> CheckChunk(const v1::KVChunk& chunk, const ChunkExpectation& expect) {

@@ -39,8 +39,21 @@ absl::StatusOr<InputHeader> CheckInputHeader(const Header& header, int64_t max_t
                           header.position_offset(), header.positions(), max_tokens);
 }
 
-// The mapper a header names: header.mapper_id (and, if also set, the pair must agree with it)
-// or header.source_model + header.target_model.
+// The mapper a header names, pinned in host memory (loaded first if it is not resident):
+// header.mapper_id (and, if also set, the pair must agree with it) or header.source_model +
+// header.target_model. `options` bounds the wait for a load or for room.
+absl::StatusOr<MapperHandle> AcquireMapper(MapperStore* store, const std::string& mapper_id,
+                                           const std::string& source_model,
+                                           const std::string& target_model,
+                                           const AcquireOptions& options);
+template <typename Header>
+absl::StatusOr<MapperHandle> AcquireMapper(MapperStore* store, const Header& header,
+                                           const AcquireOptions& options) {
+  return AcquireMapper(store, header.mapper_id(), header.source_model(), header.target_model(),
+                       options);
+}
+
+// The same as a shared pointer that holds the pin while it lives.
 absl::StatusOr<std::shared_ptr<const LoadedMapper>> ResolveMapper(
     MapperStore* store, const std::string& mapper_id, const std::string& source_model,
     const std::string& target_model);

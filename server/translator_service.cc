@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "server/grpc_status.h"
+#include "server/mapper_store_setup.h"
 #include "server/request_checks.h"
 #include "transport/kv_chunks.h"
 #include "transport/paged.h"
@@ -31,6 +32,7 @@ double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
 // Everything a TranslateKV stream needs once its header has been accepted.
 struct TranslatePlan {
   std::string request_id;
+  MapperHandle handle;  // pins the mapper (and its device copy) until the stream ends
   std::shared_ptr<const LoadedMapper> mapper;
   DType input_dtype;
   Layout input_layout;
@@ -102,7 +104,14 @@ TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* stor
       metrics_(metrics),
       auth_(auth),
       admission_(config.limits.max_inflight_requests, config.limits.max_inflight_bytes),
-      compute_(1) {}
+      compute_(1) {
+  // The backend computes on a device of the store; a store opened without one (tests, tools)
+  // gets this backend as its device.
+  const std::vector<std::string> devices = store_->DeviceNames();
+  if (std::find(devices.begin(), devices.end(), backend_->device()) == devices.end()) {
+    store_->AddDevice({backend_, DeviceBudgetBytes(config_, *backend_)}).IgnoreError();
+  }
+}
 
 grpc::Status TranslatorService::SharedMemoryEnabled() const {
   if (config_.shared_memory.allow_client_regions) return grpc::Status::OK;
@@ -118,15 +127,33 @@ grpc::Status TranslatorService::Authorize(const grpc::ServerContext* context, Ro
 
 TranslatorService::~TranslatorService() = default;
 
-absl::StatusOr<TranslatorService::Derived> TranslatorService::Prepared(
-    const std::shared_ptr<const LoadedMapper>& mapper) {
-  std::lock_guard<std::mutex> lock(prepared_mutex_);
-  auto it = prepared_.find(mapper.get());
-  if (it != prepared_.end()) return it->second.second;
-  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend_->Prepare(mapper->view());
-  if (!prepared.ok()) return prepared.status();
+AcquireOptions TranslatorService::MapperWait(const grpc::ServerContext* context) const {
+  AcquireOptions options;
+  options.deadline =
+      std::min(absl::FromChrono(context->deadline()),
+               absl::Now() + absl::Seconds(config_.mapper_store.acquire_timeout_seconds));
+  return options;
+}
+
+absl::StatusOr<TranslatorService::Derived> TranslatorService::Prepared(MapperHandle* handle,
+                                                                       absl::Time deadline) {
+  AcquireOptions options;
+  options.deadline = deadline;
+  options.device = "any";
+  if (absl::Status pinned = store_->PinOnDevice(handle, options); !pinned.ok()) return pinned;
   Derived derived;
-  derived.prepared = *prepared;
+  derived.prepared = handle->prepared();
+  derived.backend = handle->backend();
+  const std::shared_ptr<const LoadedMapper>& mapper = handle->shared_mapper();
+  std::lock_guard<std::mutex> lock(shift_mutex_);
+  auto it = shift_.find(mapper.get());
+  if (it != shift_.end() && it->second.first.lock() == mapper) {
+    derived.shift = it->second.second;
+    return derived;
+  }
+  for (auto old = shift_.begin(); old != shift_.end();) {
+    old = old->second.first.expired() ? shift_.erase(old) : std::next(old);
+  }
   // Malformed statistics cost the mapper its score, not its translations.
   absl::StatusOr<std::optional<InputShiftStats>> shift = InputShiftStats::FromMapper(*mapper);
   if (!shift.ok()) {
@@ -136,7 +163,7 @@ absl::StatusOr<TranslatorService::Derived> TranslatorService::Prepared(
   } else if (shift->has_value()) {
     derived.shift = std::make_shared<const InputShiftStats>(std::move(**shift));
   }
-  prepared_[mapper.get()] = {mapper, derived};
+  shift_[mapper.get()] = {mapper, derived.shift};
   return derived;
 }
 
@@ -220,9 +247,11 @@ grpc::Status TranslatorService::TranslateKVImpl(
   plan.response_chunk_tokens = header.output().inline_().chunk_tokens();
 
   // --- Mapper. ---
-  absl::StatusOr<std::shared_ptr<const LoadedMapper>> mapper = ResolveMapper(store_, header);
+  const AcquireOptions mapper_wait = MapperWait(context);
+  absl::StatusOr<MapperHandle> mapper = AcquireMapper(store_, header, mapper_wait);
   if (!mapper.ok()) return fail(mapper.status());
-  plan.mapper = *mapper;
+  plan.handle = std::move(*mapper);
+  plan.mapper = plan.handle.shared_mapper();
   const MapperView& view = plan.mapper->view();
   record->pair = PairLabels::Of(view);
   const ModelSpec& src_model = view.source;
@@ -307,7 +336,7 @@ grpc::Status TranslatorService::TranslateKVImpl(
                           (output_in_region && !output_paged ? 0
                                                              : 4 * target_geometry.layer_bytes()));
   if (!ticket.ok()) return fail(ticket.status());
-  absl::StatusOr<Derived> prepared = Prepared(plan.mapper);
+  absl::StatusOr<Derived> prepared = Prepared(&plan.handle, mapper_wait.deadline);
   if (!prepared.ok()) return fail(prepared.status());
   const absl::Time admitted = absl::Now();
 
@@ -331,8 +360,8 @@ grpc::Status TranslatorService::TranslateKVImpl(
     out->set_output_dtype(DTypeToProto(plan.output_dtype));
     out->set_output_layout(LayoutToProto(plan.output_layout));
     out->set_num_tokens(plan.num_tokens);
-    out->set_backend(backend_->name());
-    out->set_device(backend_->device());
+    out->set_backend(prepared->backend->name());
+    out->set_device(prepared->backend->device());
     if (!stream->Write(response)) return CancelledOrDeadline(context);
   }
 
@@ -429,7 +458,9 @@ grpc::Status TranslatorService::TranslateKVImpl(
   }
   TranslateOptions options;
   options.token_chunk = config_.backend.token_chunk;
-  PreparedMapper* prepared_mapper = prepared->prepared.get();
+  const PreparedMapper* prepared_mapper = prepared->prepared;
+  Backend* const compute_backend = prepared->backend;
+  const absl::Time compute_deadline = absl::FromChrono(context->deadline());
   auto submit = [&](int layer) {
     Slot& slot = slots[layer % 2];
     std::fill(slot.view.k.begin(), slot.view.k.end(), nullptr);
@@ -441,10 +472,15 @@ grpc::Status TranslatorService::TranslateKVImpl(
       slot.view.k[layer] = slot.k->bytes.get();
       slot.view.v[layer] = slot.v->bytes.get();
     }
-    return compute_.Submit([this, &slot, &source, &plan, &options, prepared_mapper, layer] {
+    return compute_.Submit([&slot, &source, &plan, &options, prepared_mapper, compute_backend,
+                            compute_deadline, layer] {
       const absl::Time begin = absl::Now();
-      absl::Status status = backend_->TranslateLayer(*prepared_mapper, layer, source,
-                                                      plan.positions, options, &slot.view);
+      // A cold page-in streams per layer: this layer's weights may still be arriving.
+      absl::Status status = plan.handle.WaitLayerReady(layer, compute_deadline);
+      if (status.ok()) {
+        status = compute_backend->TranslateLayer(*prepared_mapper, layer, source,
+                                                 plan.positions, options, &slot.view);
+      }
       slot.compute_ms = Ms(absl::Now() - begin);
       return status;
     });

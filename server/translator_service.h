@@ -72,12 +72,16 @@ class TranslatorService final : public v1::KvTranslator::Service {
                                 v1::CudaMemoryStatusResponse* response) override;
 
  private:
-  // What the service derives from a store mapper once and shares between requests.
+  // What a request computes with: the mapper's copy on a compute device, pinned in the
+  // request's handle (paged in first if needed), and the mapper's input-shift statistics.
   struct Derived {
-    std::shared_ptr<PreparedMapper> prepared;     // the backend's copy of the weights
+    const PreparedMapper* prepared = nullptr;      // valid while the handle is held
+    Backend* backend = nullptr;                    // the device's backend
     std::shared_ptr<const InputShiftStats> shift;  // null: the mapper carries no statistics
   };
-  absl::StatusOr<Derived> Prepared(const std::shared_ptr<const LoadedMapper>& mapper);
+  absl::StatusOr<Derived> Prepared(MapperHandle* handle, absl::Time deadline);
+  // How long a request may wait for a mapper load or for room in a budget.
+  AcquireOptions MapperWait(const grpc::ServerContext* context) const;
 
   // The RPC bodies; the public methods record their outcome (every exit path) in metrics_.
   grpc::Status TranslateKVImpl(
@@ -104,10 +108,12 @@ class TranslatorService final : public v1::KvTranslator::Service {
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> next_request_id_{1};
 
-  std::mutex prepared_mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex
-  // Keyed by the loaded mapper; holding it keeps the view's bytes alive.
-  std::map<const LoadedMapper*, std::pair<std::shared_ptr<const LoadedMapper>, Derived>>
-      prepared_ ABSL_GUARDED_BY(prepared_mutex_);
+  std::mutex shift_mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex
+  // Input-shift statistics per loaded mapper version. Weak: the cache never keeps a mapper the
+  // store has evicted alive; dead entries are pruned on insert.
+  std::map<const LoadedMapper*,
+           std::pair<std::weak_ptr<const LoadedMapper>, std::shared_ptr<const InputShiftStats>>>
+      shift_ ABSL_GUARDED_BY(shift_mutex_);
 };
 
 }  // namespace kvt

@@ -98,9 +98,10 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
   }
   absl::StatusOr<InputHeader> input = CheckInputHeader(header, config_.limits.max_tokens);
   if (!input.ok()) return fail(input.status());
-  absl::StatusOr<std::shared_ptr<const LoadedMapper>> mapper = ResolveMapper(store_, header);
+  const AcquireOptions mapper_wait = MapperWait(context);
+  absl::StatusOr<MapperHandle> mapper = AcquireMapper(store_, header, mapper_wait);
   if (!mapper.ok()) return fail(mapper.status());
-  const MapperView& view = (*mapper)->view();
+  const MapperView& view = mapper->mapper().view();
   record->pair = PairLabels::Of(view);
   record->turn = header.turn();
   const ModelSpec& src = view.source;
@@ -133,7 +134,7 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
   }
   absl::StatusOr<AdmissionController::Ticket> ticket = admission_.TryAdmit(bytes);
   if (!ticket.ok()) return fail(ticket.status());
-  absl::StatusOr<Derived> prepared = Prepared(*mapper);
+  absl::StatusOr<Derived> prepared = Prepared(&*mapper, mapper_wait.deadline);
   if (!prepared.ok()) return fail(prepared.status());
 
   // --- Receive: three caches, each chunk checked as TranslateKV checks its chunks. ---
@@ -249,8 +250,13 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
       target.v.assign(tgt.num_layers, nullptr);
       target.k[layer] = mapped.k[0].get();
       target.v[layer] = mapped.v[0].get();
-      absl::Status status = backend_->TranslateLayer(*prepared->prepared, layer, source_view,
-                                                     positions, options, &target);
+      // A cold page-in streams per layer: this layer's weights may still be arriving.
+      absl::Status status =
+          mapper->WaitLayerReady(layer, absl::FromChrono(context->deadline()));
+      if (status.ok()) {
+        status = prepared->backend->TranslateLayer(*prepared->prepared, layer, source_view,
+                                                   positions, options, &target);
+      }
       if (!status.ok()) return status;
       ToTokenMajorFloat(input->dtype, Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
                         mapped.k[0].get(), k_mapped.data());
@@ -285,7 +291,7 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
 
   const QualitySummary summary = SummarizeQuality(layers);
   response->set_request_id(request_id);
-  response->set_mapper_id((*mapper)->id());
+  response->set_mapper_id(mapper->mapper().id());
   for (int layer = 0; layer < tgt.num_layers; ++layer) {
     FillLayerQuality(layer, layers[layer], response->add_layers());
   }
@@ -305,7 +311,7 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
   record->c_v = recorded.c_v;
   LogLine done(LogLevel::kInfo, "validate done");
   done.With("request_id", request_id)
-      .With("mapper", (*mapper)->id())
+      .With("mapper", mapper->mapper().id())
       .With("tokens", T)
       .With("turn", header.turn())
       .With("r2_k", recorded.r2_k)

@@ -1,0 +1,66 @@
+#include "server/mapper_store_setup.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvt {
+
+uint64_t HostBudgetBytes(const KvtdConfig& config) {
+  if (config.mapper_store.host_budget_bytes > 0) {
+    return static_cast<uint64_t>(config.mapper_store.host_budget_bytes);
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return 0;  // unknown: no limit
+  // The rest is for request buffers, the kernel and everything else on the machine.
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) / 10 * 8;
+}
+
+uint64_t DeviceBudgetBytes(const KvtdConfig& config, const Backend& backend) {
+  if (config.mapper_store.device_budget_bytes > 0) {
+    return static_cast<uint64_t>(config.mapper_store.device_budget_bytes);
+  }
+  // A GPU also needs room for request caches and cuBLAS workspaces.
+  if (const uint64_t memory = backend.DeviceMemoryBytes(); memory > 0) return memory / 10 * 9;
+  return HostBudgetBytes(config);
+}
+
+StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend) {
+  StoreOptions options;
+  options.host_budget_bytes = HostBudgetBytes(config);
+  options.load_on_scan = config.mapper_store.load_on_scan;
+  if (backend != nullptr) options.devices = {{backend, DeviceBudgetBytes(config, *backend)}};
+  return options;
+}
+
+absl::Status PreloadMappers(MapperStore* store, const std::vector<std::string>& ids,
+                            absl::Time deadline) {
+  for (const std::string& id : ids) {
+    const bool has_device = !store->DeviceNames().empty();
+    absl::StatusOr<MapperInfo> info = store->Load(id, has_device ? "any" : "host", deadline);
+    if (!info.ok()) {
+      return absl::Status(info.status().code(),
+                          absl::StrCat("mapper_store.preload: '", id, "': ",
+                                       info.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+StoreEvents MetricsEvents(Metrics* metrics) {
+  StoreEvents events;
+  events.page_in = [metrics](const LoadedMapper& mapper, const std::string& place,
+                             double seconds) {
+    metrics->RecordPageIn(PairLabels::Of(mapper.view()), place, seconds);
+  };
+  events.eviction = [metrics](const LoadedMapper& mapper, const std::string& place) {
+    metrics->RecordEviction(PairLabels::Of(mapper.view()), place);
+  };
+  events.access = [metrics](const LoadedMapper& mapper, const std::string& place, bool hit) {
+    metrics->RecordMapperAccess(PairLabels::Of(mapper.view()), place, hit);
+  };
+  return events;
+}
+
+}  // namespace kvt

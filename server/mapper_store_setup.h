@@ -1,0 +1,37 @@
+// How kvtd builds its mapper store from the config: the budgets and their automatic defaults,
+// the compute devices, hot-reload polling, the preload list, and the telemetry hooks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "mapper_store/store.h"
+#include "server/config.h"
+#include "server/metrics.h"
+
+namespace kvt {
+
+// mapper_store.host_budget_bytes, or 80% of physical memory when it is 0.
+uint64_t HostBudgetBytes(const KvtdConfig& config);
+// mapper_store.device_budget_bytes, or when 0: 90% of the backend's device memory if it reports
+// it (Backend::DeviceMemoryBytes), else the host budget (the CPU backend's copies live there).
+uint64_t DeviceBudgetBytes(const KvtdConfig& config, const Backend& backend);
+
+// Store options for kvtd: budgets, `backend` as the one device, load_on_scan.
+StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend);
+
+// Loads every id of mapper_store.preload into host memory and onto a device, in order. Errors
+// name the key and the id (unknown, FAILED, or too large for a budget).
+absl::Status PreloadMappers(MapperStore* store, const std::vector<std::string>& ids,
+                            absl::Time deadline);
+
+// Store events -> kvt_mapper_page_ins_total, kvt_mapper_page_in_duration_seconds,
+// kvt_mapper_evictions_total, kvt_mapper_acquisitions_total. `metrics` must outlive the hooks
+// (reset them with MapperStore::SetEvents({}) first).
+StoreEvents MetricsEvents(Metrics* metrics);
+
+}  // namespace kvt
