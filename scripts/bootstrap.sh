@@ -36,6 +36,7 @@ PACKAGES=(
   python3-grpcio           # the Python client (clients/python)
   python3-protobuf
   python3-yaml             # clients/python tests read mapper manifests
+  python3-mypy             # //clients/python:package_test type-checks the kvt package
   python3-torch            # torch 1.13: client adapters, eval (transformers comes from PyPI)
   python3-matplotlib       # eval/run_eval.py plots for docs/EVAL.md
   python3.11-doc           # eval/tinyfamily corpus: the Python docs' English text

@@ -26,14 +26,14 @@ def _torch() -> Any:
 
 
 def _to_numpy(tensor: "torch.Tensor", what: str) -> np.ndarray:
-    torch = _torch()
+    th = _torch()
     if tensor.dim() != 4 or tensor.shape[0] != 1:
         raise InvalidArgumentError(
             f"{what} has shape {tuple(tensor.shape)}; expected [1, num_kv_heads, tokens, head_dim]")
     tensor = tensor[0].detach().to("cpu")
     # numpy has no bfloat16: widen to float32 (exact), the wire dtype stays bf16.
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.to(torch.float32)
+    if tensor.dtype == th.bfloat16:
+        tensor = tensor.to(th.float32)
     return tensor.contiguous().numpy()
 
 
@@ -60,14 +60,14 @@ def to_torch(cache: KVCache, dtype: Optional["torch.dtype"] = None,
              device: Any = "cpu") -> List[Tuple["torch.Tensor", "torch.Tensor"]]:
     """Per-layer (K, V) tensors [1, num_kv_heads, tokens, head_dim] of `cache` (NHD caches are
     transposed). dtype: default torch.bfloat16 / float16 / float32 after the cache's dtype."""
-    torch = _torch()
+    th = _torch()
     if dtype is None:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
-                 "fp32": torch.float32}[cache.dtype or "fp32"]
+        dtype = {"bf16": th.bfloat16, "fp16": th.float16,
+                 "fp32": th.float32}[cache.dtype or "fp32"]
     hnd = cache.to_layout("HND")
 
     def convert(array: np.ndarray) -> "torch.Tensor":
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)[None]
+        return th.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)[None]
 
     return [(convert(k), convert(v)) for k, v in zip(hnd.k, hnd.v)]
 

@@ -4,7 +4,7 @@ its encoding to the wire (dtype conversion, token-range chunks, the packed regio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -17,7 +17,7 @@ DTYPES = {"bf16": common_pb2.DTYPE_BF16, "fp16": common_pb2.DTYPE_FP16,
           "fp32": common_pb2.DTYPE_FP32}
 DTYPE_NAMES = {value: name for name, value in DTYPES.items()}
 ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-NUMPY_DTYPE = {"bf16": np.dtype(np.float32), "fp16": np.dtype(np.float16),
+NUMPY_DTYPE: Dict[str, "np.dtype[Any]"] = {"bf16": np.dtype(np.float32), "fp16": np.dtype(np.float16),
                "fp32": np.dtype(np.float32)}
 LAYOUTS = {"HND": common_pb2.LAYOUT_HND, "NHD": common_pb2.LAYOUT_NHD}
 LAYOUT_NAMES = {value: name for name, value in LAYOUTS.items()}
@@ -163,12 +163,13 @@ class KVCache:
         return array[start:start + count]
 
     def chunks(self, chunk_bytes: int, keys_only: bool = False
-               ) -> Iterator[Tuple[int, int, int, int, bytes]]:
+               ) -> Iterator[Tuple[int, "common_pb2.CacheKind", int, int, bytes]]:
         """(layer, kind 1=K/2=V, token_start, token_count, data) covering every layer in order,
         K then V, in token ranges of at most `chunk_bytes` (at least one token each)."""
         per_chunk = max(1, chunk_bytes // max(1, self.token_bytes()))
         for layer in range(self.num_layers):
-            parts = [(common_pb2.CACHE_KIND_K, self.k[layer])]
+            parts: List[Tuple["common_pb2.CacheKind", np.ndarray]] = [
+                (common_pb2.CACHE_KIND_K, self.k[layer])]
             if not keys_only:
                 parts.append((common_pb2.CACHE_KIND_V, self.v[layer]))
             for kind, array in parts:

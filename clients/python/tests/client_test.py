@@ -56,26 +56,29 @@ def random_cache(rng: np.random.Generator, tokens: int, dtype: str = "fp32",
 
 
 def check_load_unload(test: unittest.TestCase, client: kvt.Client) -> None:
-    """LoadMapper to host then UnloadMapper: HOST_RESIDENT, then DISCOVERED. Servers built
-    before mapper control landed answer UNIMPLEMENTED, which must surface as UnimplementedError
-    naming the RPC; anything else fails."""
+    """UnloadMapper drops demo-tiny to DISCOVERED, LoadMapper makes it HOST_RESIDENT again.
+    kvtd builds from before the mapper-control RPCs were wired answer UNIMPLEMENTED, which must
+    surface as UnimplementedError naming the RPC; anything else fails."""
     mappers_pb2 = kvt.client.mappers_pb2
     try:
-        loaded = client.load_mapper("demo-tiny")
+        unloaded = client.unload_mapper("demo-tiny")
     except kvt.UnimplementedError as error:
         test.assertEqual(error.code, grpc.StatusCode.UNIMPLEMENTED)
-        test.assertIn("LoadMapper", error.details)
+        test.assertIn("UnloadMapper", error.details)
         with test.assertRaises(kvt.UnimplementedError) as caught:
-            client.unload_mapper("demo-tiny")
-        test.assertIn("UnloadMapper", caught.exception.details)
+            client.load_mapper("demo-tiny")
+        test.assertIn("LoadMapper", caught.exception.details)
         return
-    test.assertEqual(loaded.mapper_id, "demo-tiny")
+    test.assertEqual(unloaded.mapper_id, "demo-tiny")
+    test.assertEqual(unloaded.state, mappers_pb2.MAPPER_STATE_DISCOVERED)
+    test.assertEqual(client.get_mapper("demo-tiny").state, mappers_pb2.MAPPER_STATE_DISCOVERED)
+    loaded = client.load_mapper("demo-tiny")
     test.assertEqual(loaded.state, mappers_pb2.MAPPER_STATE_HOST_RESIDENT)
-    test.assertEqual(client.get_mapper("demo-tiny").state, mappers_pb2.MAPPER_STATE_HOST_RESIDENT)
-    test.assertEqual(client.unload_mapper("demo-tiny").state,
-                     mappers_pb2.MAPPER_STATE_DISCOVERED)
-    with test.assertRaises(kvt.NotFoundError):
+    test.assertIn("host", loaded.devices)
+    test.assertGreater(loaded.weight_bytes, 0)
+    with test.assertRaises(kvt.NotFoundError) as caught:
         client.load_mapper("no-such-mapper")
+    test.assertIn("no-such-mapper", caught.exception.details)
 
 
 class ClientTest(unittest.TestCase):
