@@ -14,6 +14,7 @@ from pkgutil import extend_path
 
 __path__ = extend_path(__path__, __name__)
 
+from kvt._proto.common_pb2 import PagedBlocks  # noqa: E402
 from kvt.cache import KVCache  # noqa: E402
 from kvt.client import Client, TranslateResult  # noqa: E402
 from kvt.errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,  # noqa: E402
@@ -21,6 +22,7 @@ from kvt.errors import (AlreadyExistsError, CancelledError, DeadlineExceededErro
                         NotFoundError, OutOfRangeError, PermissionDeniedError,
                         ResourceExhaustedError, UnauthenticatedError, UnavailableError,
                         UnimplementedError)
+from kvt.session import Session  # noqa: E402
 from kvt.shm import SharedMemoryRegion  # noqa: E402
 
 __version__ = "0.1.0"
@@ -28,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AlreadyExistsError", "CancelledError", "Client", "DeadlineExceededError",
     "FailedPreconditionError", "InternalError", "InvalidArgumentError", "KVCache", "KvtError",
-    "NotFoundError", "OutOfRangeError", "PermissionDeniedError", "ResourceExhaustedError",
-    "SharedMemoryRegion", "TranslateResult", "UnauthenticatedError", "UnavailableError",
+    "NotFoundError", "OutOfRangeError", "PagedBlocks", "PermissionDeniedError", "ResourceExhaustedError",
+    "Session", "SharedMemoryRegion", "TranslateResult", "UnauthenticatedError", "UnavailableError",
     "UnimplementedError",
 ]

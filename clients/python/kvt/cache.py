@@ -245,3 +245,78 @@ def coverage_error(received: Sequence[np.ndarray], num_tokens: int) -> Optional[
         return (f"layer {index // 2} {'K' if index % 2 == 0 else 'V'}: tokens "
                 f"[{begin}, {end}) missing")
     return None
+
+
+def paged_nbytes(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: str) -> int:
+    """Bytes of a vLLM paged cache (RegionRef.paged): per layer (2, num_blocks, block_size,
+    num_kv_heads, head_dim) elements."""
+    _check_dtype(dtype, "dtype")
+    return (num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim *
+            ELEMENT_SIZE[dtype])
+
+
+def _paged_view(buffer: Any, num_layers: int, num_blocks: int, block_size: int,
+                num_kv_heads: int, head_dim: int, dtype: str, block_layout: str) -> np.ndarray:
+    _check_dtype(dtype, "dtype")
+    _check_layout(block_layout, "block_layout")
+    size = paged_nbytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    if len(memoryview(buffer).cast("B")) != size:
+        raise InvalidArgumentError(
+            f"paged cache buffer has {len(memoryview(buffer).cast('B'))} bytes, expected {size}")
+    wire = "<u2" if dtype == "bf16" else ("<f2" if dtype == "fp16" else "<f4")
+    block = ((block_size, num_kv_heads, head_dim) if block_layout == "NHD"
+             else (num_kv_heads, block_size, head_dim))
+    return np.frombuffer(buffer, dtype=wire).reshape((num_layers, 2, num_blocks) + block)
+
+
+def _token_slots(block_table: Sequence[int], num_tokens: int, num_blocks: int,
+                 block_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    table = np.asarray(block_table, dtype=np.int64)
+    needed = -(-num_tokens // block_size)
+    if len(table) < needed or (table[:needed] >= num_blocks).any() or (table < 0).any():
+        raise InvalidArgumentError(
+            f"block_table: need {needed} entries in [0, {num_blocks}), got {list(table)}")
+    tokens = np.arange(num_tokens)
+    return table[tokens // block_size], tokens % block_size
+
+
+def read_paged(buffer: Any, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int,
+               dtype: str, paged: "common_pb2.PagedBlocks", block_layout: str = "NHD",
+               layout: str = "HND") -> KVCache:
+    """The request's tokens gathered out of a paged cache (vLLM layout; `block_layout` orders
+    one block as the header's layout does) into a KVCache in `layout` (a copy)."""
+    view = _paged_view(buffer, num_layers, paged.num_blocks, paged.block_size, num_kv_heads,
+                       head_dim, dtype, block_layout)
+    blocks, slots = _token_slots(paged.block_table, num_tokens, paged.num_blocks,
+                                 paged.block_size)
+    k: List[np.ndarray] = []
+    v: List[np.ndarray] = []
+    for layer in range(num_layers):
+        for kind, out in ((0, k), (1, v)):
+            tensor = view[layer, kind]
+            rows = tensor[blocks, slots] if block_layout == "NHD" else tensor[blocks, :, slots]
+            array = rows.transpose(1, 0, 2) if layout == "HND" else rows  # rows: [T, H, D]
+            out.append(decode(np.ascontiguousarray(array).tobytes(), dtype, array.shape))
+    return KVCache(k=k, v=v, layout=layout, dtype=dtype)
+
+
+def write_paged(cache: KVCache, buffer: Any, paged: "common_pb2.PagedBlocks",
+                block_layout: str = "NHD") -> None:
+    """Scatters `cache`'s tokens into a writable paged-cache buffer (e.g. a region's memoryview
+    slice) at the slots `paged.block_table` names; other slots are left as they were."""
+    dtype = cache.dtype or "fp32"
+    view = _paged_view(buffer, cache.num_layers, paged.num_blocks, paged.block_size,
+                       cache.num_kv_heads, cache.head_dim, dtype, block_layout)
+    blocks, slots = _token_slots(paged.block_table, cache.num_tokens, paged.num_blocks,
+                                 paged.block_size)
+    nhd = cache.to_layout("NHD")
+    wire = "<u2" if dtype == "bf16" else ("<f2" if dtype == "fp16" else "<f4")
+    for layer in range(cache.num_layers):
+        for kind, arrays in ((0, nhd.k), (1, nhd.v)):
+            rows = np.frombuffer(encode(arrays[layer], dtype), dtype=wire).reshape(
+                nhd.num_tokens, cache.num_kv_heads, cache.head_dim)
+            if block_layout == "NHD":
+                view[layer, kind][blocks, slots] = rows
+            else:
+                view[layer, kind][blocks, :, slots] = rows

@@ -237,10 +237,15 @@ class Client:
                           position_offset: int = 0, positions: Optional[Sequence[int]] = None,
                           output_dtype: Optional[str] = None, output_layout: Optional[str] = None,
                           request_id: str = "", session_id: str = "", turn: int = 0,
-                          reprefill_estimate_ms: float = 0.0, timeout: Optional[float] = None
-                          ) -> TranslateResult:
-        """A translation whose source cache lies packed in a registered region and whose result
-        is written packed into another (or the same) registered region; see SharedMemoryRegion.
+                          reprefill_estimate_ms: float = 0.0,
+                          input_paged: Optional[common_pb2.PagedBlocks] = None,
+                          output_paged: Optional[common_pb2.PagedBlocks] = None,
+                          timeout: Optional[float] = None) -> TranslateResult:
+        """A translation whose source cache lies in a registered region and whose result is
+        written into another (or the same) registered region; see SharedMemoryRegion. Packed
+        layer-major by default; `input_paged` / `output_paged` (kvt.PagedBlocks: num_blocks,
+        block_size, block_table) declare vLLM's paged layout on that side instead, blocks
+        ordered by `layout` / `output_layout` (kvt.cache.read_paged / write_paged convert).
         The returned result's `target` is None: the bytes are in the output region."""
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype: unknown dtype {dtype!r}")
@@ -254,6 +259,10 @@ class Client:
             region=input_region, offset=input_offset, byte_size=input_byte_size))
         header.output.region.CopyFrom(common_pb2.RegionRef(
             region=output_region, offset=output_offset, byte_size=output_byte_size))
+        if input_paged is not None:
+            header.input.region.paged.CopyFrom(input_paged)
+        if output_paged is not None:
+            header.output.region.paged.CopyFrom(output_paged)
         call = self._stub.TranslateKV(iter([translate_pb2.TranslateKVRequest(header=header)]),
                                       timeout=self._timeout(timeout), metadata=self._metadata)
         return _Reassembler(call, expect_chunks=False).run()

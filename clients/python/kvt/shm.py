@@ -106,6 +106,34 @@ class SharedMemoryRegion:
         return KVCache.unpack(self.read(offset, size), num_layers, num_kv_heads, head_dim,
                               num_tokens, dtype, layout)
 
+    def write_paged(self, cache: KVCache, offset: int, paged: common_pb2.PagedBlocks,
+                    block_layout: str = "NHD") -> int:
+        """Scatters `cache` into the vLLM paged cache at `offset` (RegionRef.paged: per layer
+        (2, num_blocks, block_size, heads, head_dim), blocks ordered by `block_layout`) at the
+        slots of paged.block_table; returns the paged cache's byte size."""
+        from kvt.cache import paged_nbytes, write_paged
+
+        size = paged_nbytes(cache.num_layers, paged.num_blocks, paged.block_size,
+                            cache.num_kv_heads, cache.head_dim, cache.dtype or "fp32")
+        view = self._range(offset, size)
+        try:
+            write_paged(cache, view, paged, block_layout)
+        finally:
+            view.release()
+        return size
+
+    def read_paged(self, offset: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                   num_tokens: int, dtype: str, paged: common_pb2.PagedBlocks,
+                   block_layout: str = "NHD", layout: str = "HND") -> KVCache:
+        """A copy of the request's tokens gathered out of the paged cache at `offset`."""
+        from kvt.cache import paged_nbytes, read_paged
+
+        size = paged_nbytes(num_layers, paged.num_blocks, paged.block_size, num_kv_heads,
+                            head_dim, dtype)
+        data = self.read(offset, size)
+        return read_paged(data, num_layers, num_kv_heads, head_dim, num_tokens, dtype, paged,
+                          block_layout, layout)
+
     def _release(self) -> None:
         if self._shm is not None:
             shm, self._shm = self._shm, None

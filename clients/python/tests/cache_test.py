@@ -105,6 +105,27 @@ class CacheTest(unittest.TestCase):
         with self.assertRaises(kvt.InvalidArgumentError):
             kvt.KVCache.unpack(data[:-2], 2, 2, 8, 7, "fp16", "NHD")
 
+    def test_paged_round_trip_in_both_block_layouts(self) -> None:
+        cache = kvt.KVCache(k=[self.rng.standard_normal((2, 13, 4)).astype(np.float32)] * 3,
+                            v=[self.rng.standard_normal((2, 13, 4)).astype(np.float32)] * 3)
+        paged = kvt.PagedBlocks(num_blocks=6, block_size=4, block_table=[5, 0, 3, 1, 2])
+        for block_layout in ("NHD", "HND"):
+            buffer = bytearray(kvt.cache.paged_nbytes(3, 6, 4, 2, 4, "fp32"))
+            kvt.cache.write_paged(cache, buffer, paged, block_layout)
+            tensor = np.frombuffer(bytes(buffer), np.float32).reshape(
+                (3, 2, 6) + ((4, 2, 4) if block_layout == "NHD" else (2, 4, 4)))
+            # Token 9 of layer 2's V sits in block_table[2] = 3, slot 1.
+            slot = tensor[2, 1, 3, 1] if block_layout == "NHD" else tensor[2, 1, 3, :, 1]
+            np.testing.assert_array_equal(slot, cache.v[2][:, 9])
+            back = kvt.cache.read_paged(bytes(buffer), 3, 2, 4, 13, "fp32", paged, block_layout)
+            for layer in range(3):
+                np.testing.assert_array_equal(back.k[layer], cache.k[layer])
+                np.testing.assert_array_equal(back.v[layer], cache.v[layer])
+        short = kvt.PagedBlocks(num_blocks=6, block_size=4, block_table=[5, 0, 3])
+        with self.assertRaises(kvt.InvalidArgumentError) as caught:
+            kvt.cache.read_paged(bytes(buffer), 3, 2, 4, 13, "fp32", short)
+        self.assertIn("block_table", str(caught.exception))
+
     def test_shape_errors_name_the_layer(self) -> None:
         good = np.zeros((2, 4, 8), np.float32)
         cases = [

@@ -208,6 +208,56 @@ class ClientTest(unittest.TestCase):
             np.testing.assert_allclose(np.concatenate([a.v[layer], b.v[layer]], 1),
                                        whole.v[layer], rtol=1e-5, atol=1e-5)
 
+    def test_session_turns_equal_one_translation(self) -> None:
+        source = random_cache(self.rng, 90)
+        session = kvt.Session(self.client, source_model=SOURCE, target_model=TARGET,
+                              start_position=5, session_id="conv-1")
+        for start, end in ((0, 40), (40, 41), (41, 90)):
+            piece = kvt.KVCache(k=[a[:, start:end] for a in source.k],
+                                v=[a[:, start:end] for a in source.v])
+            result = session.extend(piece)
+            self.assertEqual(result.target.num_tokens, end - start)
+        self.assertEqual((session.tokens, session.turns), (90, 3))
+        whole = kvt.TranslateResult(header=None, trailer=None, target=session.target)
+        self.check_against_reference(source, whole, 5 + np.arange(90), 1e-5)
+        with self.assertRaises(kvt.InvalidArgumentError) as caught:
+            session.extend(random_cache(self.rng, 4, dtype="fp16"))
+        self.assertIn("turn 4", str(caught.exception))
+
+    def test_paged_regions_equal_inline(self) -> None:
+        tokens, block_size, num_blocks = 37, 8, 9  # 5 blocks used of 9
+        source = random_cache(self.rng, tokens, dtype="bf16")
+        inline = self.client.translate(source, mapper_id="demo-tiny", position_offset=11).target
+        in_paged = kvt.PagedBlocks(num_blocks=num_blocks, block_size=block_size,
+                                   block_table=[int(b) for b in self.rng.permutation(9)[:5]])
+        used = [int(b) for b in self.rng.permutation(9)[:5]]
+        out_paged = kvt.PagedBlocks(num_blocks=num_blocks, block_size=block_size,
+                                    block_table=used)
+        in_bytes = kvt.cache.paged_nbytes(4, num_blocks, block_size, 2, 32, "bf16")
+        out_bytes = kvt.cache.paged_nbytes(6, num_blocks, block_size, 2, 32, "bf16")
+        with self.client.create_region(in_bytes + out_bytes) as region:
+            region.write(in_bytes, b"\xff" * out_bytes)
+            # Input blocks ordered HND (FlashInfer), output blocks NHD (vLLM).
+            region.write_paged(source, 0, in_paged, block_layout="HND")
+            result = self.client.translate_regions(
+                input_region=region.name, input_byte_size=in_bytes, input_paged=in_paged,
+                output_region=region.name, output_offset=in_bytes, output_byte_size=out_bytes,
+                output_paged=out_paged, num_tokens=tokens, dtype="bf16", layout="HND",
+                output_layout="NHD", mapper_id="demo-tiny", position_offset=11)
+            self.assertIsNone(result.target)
+            target = region.read_paged(in_bytes, 6, 2, 32, tokens, "bf16", out_paged,
+                                       block_layout="NHD", layout="HND")
+            raw = np.frombuffer(region.read(in_bytes, out_bytes), dtype=np.uint8).reshape(
+                6, 2, num_blocks, -1)
+        for layer in range(6):
+            np.testing.assert_array_equal(target.k[layer], inline.k[layer])
+            np.testing.assert_array_equal(target.v[layer], inline.v[layer])
+        # Blocks outside the table, and the unused tail of the last block, stay untouched.
+        unused = [b for b in range(num_blocks) if b not in used]
+        self.assertTrue((raw[:, :, unused] == 0xFF).all())
+        tail = raw[:, :, used[-1]].reshape(6, 2, block_size, -1)[:, :, tokens % block_size:]
+        self.assertTrue((tail == 0xFF).all())
+
     # -- validate ------------------------------------------------------------------------------
 
     def test_validate(self) -> None:
