@@ -410,6 +410,39 @@ absl::Status Client::UnregisterSystemMemory(const std::string& name) {
   return FromGrpcStatus(stub_->UnregisterSystemMemory(&context, request, &response));
 }
 
+absl::Status Client::RegisterCudaMemory(const std::string& name, const std::string& raw_handle,
+                                        int device_id, uint64_t byte_size) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::RegisterCudaMemoryRequest request;
+  request.set_name(name);
+  request.set_raw_handle(raw_handle);
+  request.set_device_id(device_id);
+  request.set_byte_size(byte_size);
+  v1::RegisterCudaMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterCudaMemory(&context, request, &response));
+}
+
+absl::Status Client::UnregisterCudaMemory(const std::string& name) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::UnregisterCudaMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterCudaMemoryResponse response;
+  return FromGrpcStatus(stub_->UnregisterCudaMemory(&context, request, &response));
+}
+
+absl::StatusOr<v1::CudaMemoryStatusResponse> Client::CudaMemoryStatus(const std::string& name) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::CudaMemoryStatusRequest request;
+  request.set_name(name);
+  v1::CudaMemoryStatusResponse response;
+  grpc::Status status = stub_->CudaMemoryStatus(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 absl::StatusOr<TranslateResult> Client::TranslateRegions(const v1::TranslateHeader& header) {
   if (!header.input().has_region() || !header.output().has_region()) {
     return absl::InvalidArgumentError(

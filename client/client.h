@@ -135,6 +135,14 @@ class Client {
   absl::Status RegisterSystemMemory(const std::string& name, const std::string& key,
                                     uint64_t offset, uint64_t byte_size);
   absl::Status UnregisterSystemMemory(const std::string& name);
+  // CUDA IPC regions: `raw_handle` is the 64-byte cudaIpcMemHandle_t of a device allocation
+  // this process exported (cuda::ExportIpcHandle); kvtd opens it on `device_id` (its own
+  // numbering) and checks `byte_size` against the real allocation. Same switch and role as
+  // system memory; FAILED_PRECONDITION / UNAVAILABLE when kvtd has no CUDA.
+  absl::Status RegisterCudaMemory(const std::string& name, const std::string& raw_handle,
+                                  int device_id, uint64_t byte_size);
+  absl::Status UnregisterCudaMemory(const std::string& name);
+  absl::StatusOr<v1::CudaMemoryStatusResponse> CudaMemoryStatus(const std::string& name = "");
   // A translation whose input and/or output live in registered regions (header.input.region /
   // header.output.region set by the caller); inline sides are not supported here. The result's
   // target cache is empty: the bytes are in the output region.

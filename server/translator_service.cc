@@ -20,6 +20,7 @@
 #include "server/grpc_status.h"
 #include "server/mapper_store_setup.h"
 #include "server/request_checks.h"
+#include "kernels/cuda/ipc.h"
 #include "transport/kv_chunks.h"
 #include "transport/paged.h"
 #include "transport/proto_convert.h"
@@ -308,8 +309,16 @@ grpc::Status TranslatorService::TranslateKVImpl(
           field, ".byte_size=", ref.byte_size(), " but the cache is ", expected,
           " bytes (layer-major, K then V per layer, in the request's layout and dtype)"));
     }
+    // Names are unique across both registries (the Register RPCs refuse duplicates).
+    const bool cuda = cuda_memory_.Contains(ref.region());
+    if (cuda && ref.has_paged()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".paged: region '", ref.region(),
+          "' is CUDA memory; the paged layout is read and written in system-memory regions only"));
+    }
     absl::StatusOr<SystemMemoryRegistry::Lease> leased =
-        system_memory_.Acquire(ref.region(), ref.offset(), ref.byte_size(), field);
+        cuda ? cuda_memory_.Acquire(ref.region(), ref.offset(), ref.byte_size(), field)
+             : system_memory_.Acquire(ref.region(), ref.offset(), ref.byte_size(), field);
     if (!leased.ok()) return leased.status();
     *out = std::move(*leased);
     return absl::OkStatus();
@@ -329,16 +338,40 @@ grpc::Status TranslatorService::TranslateKVImpl(
     }
   }
 
+  // A CUDA region is staged through host memory, one copy each way: the engine here reads and
+  // writes host memory.
+  const bool input_cuda = input_region.device_id() >= 0;
+  const bool output_cuda = output_region.device_id() >= 0;
+
   // --- Admission: the bytes this request makes kvtd hold: the inline source cache and two
-  // target layers (double buffering) of inline output. Region bytes live in the client. ---
+  // target layers (double buffering) of inline output, host copies of CUDA regions. Other
+  // region bytes live in the client. ---
   absl::StatusOr<AdmissionController::Ticket> ticket =
       admission_.TryAdmit((input_in_region && !input_paged ? 0 : plan.source_bytes) +
                           (output_in_region && !output_paged ? 0
-                                                             : 4 * target_geometry.layer_bytes()));
+                                                             : 4 * target_geometry.layer_bytes()) +
+                          (input_cuda ? plan.source_bytes : 0) +
+                          (output_cuda ? plan.target_bytes : 0));
   if (!ticket.ok()) return fail(ticket.status());
   absl::StatusOr<Derived> prepared = Prepared(&plan.handle, mapper_wait.deadline);
   if (!prepared.ok()) return fail(prepared.status());
   const absl::Time admitted = absl::Now();
+  const char* input_base = input_region.data();
+  char* output_base = output_region.data();
+  std::unique_ptr<LayerBuffer> input_host, output_host;
+  if (input_cuda) {
+    input_host = std::make_unique<LayerBuffer>(plan.source_bytes);
+    if (absl::Status copied = cuda::CopyToHost(input_region.device_id(), input_region.data(),
+                                               input_host->bytes.get(), plan.source_bytes);
+        !copied.ok()) {
+      return fail(copied);
+    }
+    input_base = input_host->bytes.get();
+  }
+  if (output_cuda) {
+    output_host = std::make_unique<LayerBuffer>(plan.target_bytes);
+    output_base = output_host->bytes.get();
+  }
 
   KVT_LOG(kInfo, "translate start")
       .With("request_id", plan.request_id)
@@ -379,7 +412,7 @@ grpc::Status TranslatorService::TranslateKVImpl(
   if (input_paged) {
     const uint32_t* table = header.input().region().paged().block_table().data();
     for (int l = 0; l < src_model.num_layers; ++l) {
-      const char* layer = input_region.data() + l * input_pages.layer_bytes();
+      const char* layer = input_base + l * input_pages.layer_bytes();
       GatherPaged(input_pages, table, 0, layer, source_geometry, source_k[l].bytes.get());
       GatherPaged(input_pages, table, 1, layer, source_geometry, source_v[l].bytes.get());
     }
@@ -394,8 +427,8 @@ grpc::Status TranslatorService::TranslateKVImpl(
   const int64_t target_layer_bytes = target_geometry.layer_bytes();
   for (int l = 0; l < src_model.num_layers; ++l) {
     if (input_in_region && !input_paged) {  // layer-major, K then V
-      source.k.push_back(input_region.data() + (2 * l) * source_layer_bytes);
-      source.v.push_back(input_region.data() + (2 * l + 1) * source_layer_bytes);
+      source.k.push_back(input_base + (2 * l) * source_layer_bytes);
+      source.v.push_back(input_base + (2 * l + 1) * source_layer_bytes);
     } else {
       source.k.push_back(source_k[l].bytes.get());
       source.v.push_back(source_v[l].bytes.get());
@@ -466,8 +499,8 @@ grpc::Status TranslatorService::TranslateKVImpl(
     std::fill(slot.view.k.begin(), slot.view.k.end(), nullptr);
     std::fill(slot.view.v.begin(), slot.view.v.end(), nullptr);
     if (output_in_region && !output_paged) {  // computed straight into the client's memory
-      slot.view.k[layer] = output_region.data() + (2 * layer) * target_layer_bytes;
-      slot.view.v[layer] = output_region.data() + (2 * layer + 1) * target_layer_bytes;
+      slot.view.k[layer] = output_base + (2 * layer) * target_layer_bytes;
+      slot.view.v[layer] = output_base + (2 * layer + 1) * target_layer_bytes;
     } else {
       slot.view.k[layer] = slot.k->bytes.get();
       slot.view.v[layer] = slot.v->bytes.get();
@@ -526,11 +559,20 @@ grpc::Status TranslatorService::TranslateKVImpl(
       if (first_output == absl::InfiniteFuture()) first_output = absl::Now();
       if (output_paged) {
         const uint32_t* table = header.output().region().paged().block_table().data();
-        char* paged_layer = output_region.data() + layer * output_pages.layer_bytes();
+        char* paged_layer = output_base + layer * output_pages.layer_bytes();
         ScatterPaged(output_pages, table, 0, slot.k->bytes.get(), target_geometry, paged_layer);
         ScatterPaged(output_pages, table, 1, slot.v->bytes.get(), target_geometry, paged_layer);
         output_bytes += 2 * target_layer_bytes;
       } else if (output_in_region) {
+        if (output_cuda) {
+          const int64_t at = 2 * layer * target_layer_bytes;
+          if (absl::Status copied =
+                  cuda::CopyToDevice(output_region.device_id(), output_base + at,
+                                     output_region.data() + at, 2 * target_layer_bytes);
+              !copied.ok()) {
+            return fail(copied);
+          }
+        }
         output_bytes += 2 * target_layer_bytes;
       } else {
         const absl::Time send_begin = absl::Now();
@@ -741,19 +783,16 @@ grpc::Status TranslatorService::UnloadMapper(grpc::ServerContext* context,
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "UnloadMapper is not available yet");
 }
 
-namespace {
-grpc::Status CudaMemoryUnimplemented(const char* rpc) {
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      absl::StrCat(rpc, ": CUDA IPC regions are not available in this build "
-                                        "yet; use system shared memory or inline KV"));
-}
-}  // namespace
-
 grpc::Status TranslatorService::RegisterSystemMemory(grpc::ServerContext* context,
                                                      const v1::RegisterSystemMemoryRequest* request,
                                                      v1::RegisterSystemMemoryResponse* response) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
   if (grpc::Status enabled = SharedMemoryEnabled(); !enabled.ok()) return enabled;
+  if (cuda_memory_.Contains(request->name())) {
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        absl::StrCat("name: a CUDA memory region named '", request->name(),
+                                     "' is registered (names are shared by both kinds)"));
+  }
   absl::Status status = system_memory_.Register(request->name(), request->key(),
                                                 request->offset(), request->byte_size());
   if (status.ok()) {
@@ -793,22 +832,51 @@ grpc::Status TranslatorService::SystemMemoryStatus(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 grpc::Status TranslatorService::RegisterCudaMemory(grpc::ServerContext* context,
-                                                   const v1::RegisterCudaMemoryRequest*,
+                                                   const v1::RegisterCudaMemoryRequest* request,
                                                    v1::RegisterCudaMemoryResponse*) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return CudaMemoryUnimplemented("RegisterCudaMemory");
+  if (grpc::Status enabled = SharedMemoryEnabled(); !enabled.ok()) return enabled;
+  if (system_memory_.Contains(request->name())) {
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        absl::StrCat("name: a system memory region named '", request->name(),
+                                     "' is registered (names are shared by both kinds)"));
+  }
+  absl::Status status = cuda_memory_.Register(request->name(), request->raw_handle(),
+                                              request->device_id(), request->byte_size());
+  if (status.ok()) {
+    KVT_LOG(kInfo, "CUDA memory registered")
+        .With("name", request->name())
+        .With("device_id", request->device_id())
+        .With("bytes", request->byte_size());
+  }
+  return ToGrpcStatus(status);
 }
 grpc::Status TranslatorService::UnregisterCudaMemory(grpc::ServerContext* context,
-                                                     const v1::UnregisterCudaMemoryRequest*,
+                                                     const v1::UnregisterCudaMemoryRequest* request,
                                                      v1::UnregisterCudaMemoryResponse*) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return CudaMemoryUnimplemented("UnregisterCudaMemory");
+  if (grpc::Status enabled = SharedMemoryEnabled(); !enabled.ok()) return enabled;
+  // Waits for the requests using the region, within the caller's deadline.
+  const absl::Time deadline = std::min(absl::FromChrono(context->deadline()),
+                                       absl::Now() + absl::Seconds(config_.shutdown.deadline_seconds));
+  return ToGrpcStatus(cuda_memory_.Unregister(request->name(), deadline));
 }
 grpc::Status TranslatorService::CudaMemoryStatus(grpc::ServerContext* context,
-                                                 const v1::CudaMemoryStatusRequest*,
-                                                 v1::CudaMemoryStatusResponse*) {
+                                                 const v1::CudaMemoryStatusRequest* request,
+                                                 v1::CudaMemoryStatusResponse* response) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return CudaMemoryUnimplemented("CudaMemoryStatus");
+  if (grpc::Status enabled = SharedMemoryEnabled(); !enabled.ok()) return enabled;
+  absl::StatusOr<std::vector<CudaMemoryRegistry::RegionInfo>> regions =
+      cuda_memory_.Status(request->name());
+  if (!regions.ok()) return ToGrpcStatus(regions.status());
+  for (const CudaMemoryRegistry::RegionInfo& info : *regions) {
+    v1::CudaMemoryStatusResponse::Region* region = response->add_regions();
+    region->set_name(info.name);
+    region->set_device_id(info.device_id);
+    region->set_byte_size(info.byte_size);
+    region->set_in_use(info.in_use);
+  }
+  return grpc::Status::OK;
 }
 
 }  // namespace kvt

@@ -20,6 +20,7 @@
 #include "server/compute_executor.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "transport/cuda_registry.h"
 #include "transport/shm_registry.h"
 #include "server/metrics.h"
 
@@ -103,6 +104,7 @@ class TranslatorService final : public v1::KvTranslator::Service {
   Metrics* const metrics_;
   const Authenticator* const auth_;
   SystemMemoryRegistry system_memory_;
+  CudaMemoryRegistry cuda_memory_;
   AdmissionController admission_;
   ComputeExecutor compute_;
   std::atomic<bool> draining_{false};

@@ -20,6 +20,7 @@
 #include "kernels/types.h"
 #include "mapper_store/synth.h"
 #include "tests/kvtd_process.h"
+#include "tests/shm_object.h"
 
 namespace kvt {
 namespace {
@@ -31,28 +32,7 @@ constexpr int64_t kTokens = 100;
 constexpr int64_t kSourceBytes = 2 * 4 * (2 * kTokens * 32) * 2;  // bf16
 constexpr int64_t kTargetBytes = 2 * 6 * (2 * kTokens * 32) * 2;
 
-class ShmObject {
- public:
-  explicit ShmObject(size_t size)
-      : key_(absl::StrCat("/kvt-shm-test-", getpid(), "-", std::random_device{}())), size_(size) {
-    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    EXPECT_GE(fd, 0);
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
-    data_ = static_cast<char*>(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-    close(fd);
-  }
-  ~ShmObject() {
-    munmap(data_, size_);
-    shm_unlink(key_.c_str());
-  }
-  const std::string& key() const { return key_; }
-  char* data() { return data_; }
-
- private:
-  std::string key_;
-  size_t size_;
-  char* data_;
-};
+using test::ShmObject;
 
 class ShmTransportTest : public ::testing::Test {
  protected:

@@ -5,49 +5,21 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
-#include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "transport/region_registry.h"
 
 namespace kvt {
 
 class SystemMemoryRegistry {
  public:
-  struct RegionInfo {
-    std::string name;
-    std::string key;
-    uint64_t offset = 0;
-    uint64_t byte_size = 0;
-    int in_use = 0;  // leases held by requests
-  };
-
-  // A byte range of a region held by one request; the region stays mapped while it lives.
-  class Lease {
-   public:
-    Lease() = default;
-    Lease(Lease&& other) noexcept;
-    Lease& operator=(Lease&& other) noexcept;
-    ~Lease();
-    char* data() const { return data_; }
-    uint64_t size() const { return size_; }
-
-   private:
-    friend class SystemMemoryRegistry;
-    struct Region;
-    Lease(std::shared_ptr<Region> region, char* data, uint64_t size);
-    std::shared_ptr<Region> region_;
-    char* data_ = nullptr;
-    uint64_t size_ = 0;
-  };
+  using RegionInfo = RegionRegistry::RegionInfo;
+  using Lease = RegionRegistry::Lease;
 
   SystemMemoryRegistry() = default;
-  ~SystemMemoryRegistry();
 
   // Maps [offset, offset + byte_size) of the shm object `key`. Errors: ALREADY_EXISTS (name
   // taken), NOT_FOUND (no such object), INVALID_ARGUMENT (empty name or key, zero size, range
@@ -58,19 +30,26 @@ class SystemMemoryRegistry {
   // Removes `name` ("" = every region): new requests can no longer use it at once; waits until
   // the requests holding it finish (DEADLINE_EXCEEDED, region kept unusable, if they outlast
   // `deadline`), then unmaps. NOT_FOUND for an unknown name.
-  absl::Status Unregister(const std::string& name, absl::Time deadline);
+  absl::Status Unregister(const std::string& name, absl::Time deadline) {
+    return regions_.Unregister(name, deadline);
+  }
 
   // Regions by name ("" = all); NOT_FOUND for an unknown name.
-  absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const;
+  absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const {
+    return regions_.Status(name);
+  }
+
+  bool Contains(const std::string& name) const { return regions_.Contains(name); }
 
   // [offset, offset + byte_size) of region `name`, overflow- and bounds-checked; `field` names
   // the request field in errors (e.g. "header.input.region").
   absl::StatusOr<Lease> Acquire(const std::string& name, uint64_t offset, uint64_t byte_size,
-                                const std::string& field);
+                                const std::string& field) {
+    return regions_.Acquire(name, offset, byte_size, field);
+  }
 
  private:
-  mutable absl::Mutex mutex_;
-  std::map<std::string, std::shared_ptr<Lease::Region>> regions_ ABSL_GUARDED_BY(mutex_);
+  RegionRegistry regions_{"system memory"};
 };
 
 }  // namespace kvt

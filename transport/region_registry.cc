@@ -1,0 +1,153 @@
+#include "transport/region_registry.h"
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvt {
+
+struct RegionRegistry::Lease::Entry {
+  Region region;
+  std::mutex mutex;
+  std::condition_variable idle;
+  int in_use ABSL_GUARDED_BY(mutex) = 0;
+  bool retired ABSL_GUARDED_BY(mutex) = false;
+
+  ~Entry() {
+    if (region.release) region.release();
+  }
+};
+
+RegionRegistry::Lease::Lease(std::shared_ptr<Entry> entry, char* data, uint64_t size)
+    : entry_(std::move(entry)), data_(data), size_(size) {}
+
+void RegionRegistry::Lease::Release() {
+  if (entry_ == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(entry_->mutex);
+    --entry_->in_use;
+  }
+  entry_->idle.notify_all();
+  entry_.reset();
+}
+
+RegionRegistry::Lease& RegionRegistry::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    entry_ = std::move(other.entry_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+RegionRegistry::Lease::~Lease() { Release(); }
+
+int RegionRegistry::Lease::device_id() const {
+  return entry_ == nullptr ? -1 : entry_->region.device_id;
+}
+
+RegionRegistry::RegionRegistry(std::string kind) : kind_(std::move(kind)) {}
+
+RegionRegistry::~RegionRegistry() = default;
+
+bool RegionRegistry::Contains(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return regions_.count(name) > 0;
+}
+
+absl::Status RegionRegistry::Add(Region region) {
+  auto entry = std::make_shared<Lease::Entry>();
+  const std::string name = region.name;
+  entry->region = std::move(region);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!regions_.emplace(name, entry).second) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("a ", kind_, " region named '", name, "' is registered"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RegionRegistry::Unregister(const std::string& name, absl::Time deadline) {
+  std::vector<std::shared_ptr<Lease::Entry>> retiring;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (name.empty()) {
+      for (auto& [region_name, entry] : regions_) retiring.push_back(entry);
+    } else {
+      auto it = regions_.find(name);
+      if (it == regions_.end()) {
+        return absl::NotFoundError(absl::StrCat("no ", kind_, " region named '", name, "'"));
+      }
+      retiring.push_back(it->second);
+    }
+    for (const auto& entry : retiring) {
+      std::lock_guard<std::mutex> entry_lock(entry->mutex);
+      entry->retired = true;  // no new leases from here on
+    }
+  }
+  for (const auto& entry : retiring) {
+    std::unique_lock<std::mutex> entry_lock(entry->mutex);
+    if (!entry->idle.wait_until(entry_lock, absl::ToChronoTime(deadline),
+                                [&entry] { return entry->in_use == 0; })) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          kind_, " region '", entry->region.name, "' is still used by ", entry->in_use,
+          " request(s); it accepts no new ones and is released when they finish"));
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& entry : retiring) {
+    auto it = regions_.find(entry->region.name);
+    if (it != regions_.end() && it->second == entry) regions_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<RegionRegistry::RegionInfo>> RegionRegistry::Status(
+    const std::string& name) const {
+  std::vector<RegionInfo> infos;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [region_name, entry] : regions_) {
+    if (!name.empty() && region_name != name) continue;
+    std::lock_guard<std::mutex> entry_lock(entry->mutex);
+    const Region& r = entry->region;
+    infos.push_back({r.name, r.key, r.offset, r.byte_size, r.device_id, entry->in_use});
+  }
+  if (!name.empty() && infos.empty()) {
+    return absl::NotFoundError(absl::StrCat("no ", kind_, " region named '", name, "'"));
+  }
+  return infos;
+}
+
+absl::StatusOr<RegionRegistry::Lease> RegionRegistry::Acquire(const std::string& name,
+                                                              uint64_t offset,
+                                                              uint64_t byte_size,
+                                                              const std::string& field) {
+  std::shared_ptr<Lease::Entry> entry;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = regions_.find(name);
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat(field, ": no ", kind_, " region named '", name,
+                                              "'"));
+    }
+    entry = it->second;
+  }
+  const uint64_t region_size = entry->region.byte_size;
+  if (offset > region_size || byte_size > region_size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": offset=", offset, " + byte_size=", byte_size, " lies outside region '", name,
+        "' of ", region_size, " bytes"));
+  }
+  std::lock_guard<std::mutex> entry_lock(entry->mutex);
+  if (entry->retired) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": region '", name, "' is being unregistered"));
+  }
+  ++entry->in_use;
+  char* data = entry->region.base + offset;
+  return Lease(std::move(entry), data, byte_size);
+}
+
+}  // namespace kvt
