@@ -695,8 +695,20 @@ absl::StatusOr<MapperHandle> MapperStore::AcquireLocked(std::unique_lock<std::mu
   }
 }
 
+absl::Status MapperStore::CheckDevice(const std::string& device) const {
+  if (device.empty() || device == "any") return absl::OkStatus();
+  for (int d = 0; d < num_devices(); ++d) {
+    if (devices_[d]->name == device) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("device='", device, "' is not a device of this server (devices: ",
+                   num_devices() == 0 ? "none" : absl::StrJoin(DeviceNames(), ", "), ")"));
+}
+
 absl::StatusOr<MapperHandle> MapperStore::Acquire(const std::string& mapper_id,
                                                   const AcquireOptions& options) {
+  // Before anything is loaded for a request that cannot be served.
+  if (absl::Status s = CheckDevice(options.device); !s.ok()) return s;
   Aftermath after;
   std::unique_lock<std::mutex> lock(mu_);
   absl::StatusOr<MapperHandle> handle = AcquireLocked(lock, mapper_id, options, after);
@@ -711,6 +723,7 @@ absl::StatusOr<MapperHandle> MapperStore::Acquire(const std::string& mapper_id,
 absl::StatusOr<MapperHandle> MapperStore::AcquirePair(const std::string& source_model,
                                                       const std::string& target_model,
                                                       const AcquireOptions& options) {
+  if (absl::Status s = CheckDevice(options.device); !s.ok()) return s;
   Aftermath after;
   std::unique_lock<std::mutex> lock(mu_);
   std::vector<const Entry*> serving;
@@ -869,11 +882,7 @@ absl::Status MapperStore::PinOnDevice(MapperHandle* handle, const AcquireOptions
     for (int d = 0; d < num_devices(); ++d) {
       if (devices_[d]->name == options.device) candidates.push_back(d);
     }
-    if (candidates.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device='", options.device, "' is not a device of this server (devices: ",
-                       absl::StrJoin(DeviceNames(), ", "), ")"));
-    }
+    if (candidates.empty()) return CheckDevice(options.device);
   }
   Aftermath after;
   std::unique_lock<std::mutex> lock(mu_);

@@ -309,6 +309,8 @@ class MapperStore {
   absl::Status WaitLayer(const DeviceCopy& copy, int layer, absl::Time deadline) const
       ABSL_LOCKS_EXCLUDED(mu_);
   MapperInfo InfoLocked(const Entry& entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT naming `device` unless it is "", "any" or one of the devices.
+  absl::Status CheckDevice(const std::string& device) const;
   void Fire(Aftermath& after) ABSL_LOCKS_EXCLUDED(mu_);
   void PollLoop();
 

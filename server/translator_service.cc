@@ -92,6 +92,16 @@ void FillMapperInfo(const MapperInfo& info, v1::MapperInfo* out) {
   out->set_page_ins(info.page_ins);
   out->set_synthetic(info.synthetic);
   out->set_path(info.path);
+  for (const Placement& placement : info.placements) {
+    v1::Residency* residency = out->add_residency();
+    residency->set_device(placement.device);
+    residency->set_bytes(placement.bytes);
+    residency->set_pins(static_cast<uint32_t>(placement.pins));
+    residency->set_ready(placement.ready);
+  }
+  out->set_loads(info.loads);
+  out->set_evictions(info.evictions);
+  out->set_generation(info.generation);
 }
 
 }  // namespace
@@ -769,18 +779,42 @@ grpc::Status TranslatorService::GetMapper(grpc::ServerContext* context,
 }
 
 grpc::Status TranslatorService::LoadMapper(grpc::ServerContext* context,
-                                           const v1::LoadMapperRequest*, v1::LoadMapperResponse*) {
+                                           const v1::LoadMapperRequest* request,
+                                           v1::LoadMapperResponse* response) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      "LoadMapper is not available yet: every valid mapper in the store "
-                      "directory is loaded into host memory at startup");
+  if (request->mapper_id().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "mapper_id is required");
+  }
+  absl::StatusOr<MapperInfo> info = store_->Load(request->mapper_id(), request->device(),
+                                                 absl::FromChrono(context->deadline()));
+  if (!info.ok()) return ToGrpcStatus(info.status());
+  KVT_LOG(kInfo, "mapper loaded")
+      .With("mapper", info->id)
+      .With("device", request->device().empty() ? "host" : request->device())
+      .With("state", MapperStateName(info->state));
+  FillMapperInfo(*info, response->mutable_mapper());
+  return grpc::Status::OK;
 }
 
 grpc::Status TranslatorService::UnloadMapper(grpc::ServerContext* context,
-                                             const v1::UnloadMapperRequest*,
-                                             v1::UnloadMapperResponse*) {
+                                             const v1::UnloadMapperRequest* request,
+                                             v1::UnloadMapperResponse* response) {
   if (grpc::Status allowed = Authorize(context, Role::kAdmin); !allowed.ok()) return allowed;
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "UnloadMapper is not available yet");
+  if (request->mapper_id().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "mapper_id is required");
+  }
+  // Waits for the requests holding the copy, within the caller's deadline.
+  const absl::Time deadline =
+      std::min(absl::FromChrono(context->deadline()),
+               absl::Now() + absl::Seconds(config_.shutdown.deadline_seconds));
+  absl::StatusOr<MapperInfo> info =
+      store_->Unload(request->mapper_id(), request->device(), deadline);
+  if (!info.ok()) return ToGrpcStatus(info.status());
+  KVT_LOG(kInfo, "mapper unloaded")
+      .With("mapper", info->id)
+      .With("device", request->device().empty() ? "host" : request->device());
+  FillMapperInfo(*info, response->mutable_mapper());
+  return grpc::Status::OK;
 }
 
 grpc::Status TranslatorService::RegisterSystemMemory(grpc::ServerContext* context,
