@@ -220,12 +220,18 @@ class KvtdManifestTest(unittest.TestCase):
         self.assertGreater(spec["terminationGracePeriodSeconds"],
                            config["drain_grace_seconds"] + config["deadline_seconds"])
 
-        # Memory: request = limit, room for every admitted cache plus >= 4 GiB for the host
-        # copies of the mappers and the workspace (docs/OPERATIONS.md, "Sizing").
+        # Memory (docs/OPERATIONS.md, "Sizing"): request = limit >= every admitted cache + the
+        # host budget of the mappers (explicit: its default is a share of the node's memory) +,
+        # on the CPU backend, its fp32 copies (device budget; 0 = the host budget) + 2 GiB of
+        # workspace and process.
         resources = container["resources"]
         memory = bytes_of(resources["limits"]["memory"])
         self.assertEqual(bytes_of(resources["requests"]["memory"]), memory)
-        self.assertGreaterEqual(memory, config["max_inflight_bytes"] + 4 * 2**30)
+        self.assertGreater(config["host_budget_bytes"], 0)
+        needed = config["max_inflight_bytes"] + config["host_budget_bytes"] + 2 * 2**30
+        if overlay == "cpu":
+            needed += config["device_budget_bytes"] or config["host_budget_bytes"]
+        self.assertGreaterEqual(memory, needed)
         self.assertGreaterEqual(config["max_inflight_bytes"], config["max_request_bytes"])
 
         # The mapper store: the PVC, read-only, where kvtd looks.
