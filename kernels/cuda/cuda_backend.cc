@@ -252,7 +252,16 @@ class CudaBackend : public Backend {
   std::string name() const override { return "cuda"; }
   std::string device() const override { return absl::StrCat("cuda:", options_.device); }
 
+  // BeginPrepare + every PrepareLayer.
   absl::StatusOr<std::shared_ptr<PreparedMapper>> Prepare(const MapperView& mapper) override;
+
+  // Streamed page-in (kernels/backend.h): BeginPrepare checks the mapper, allocates all device
+  // memory (bytes() final) and uploads the biases and sigma lists; PrepareLayer(l) uploads
+  // layer l's weights, converted to the common weight dtype where they differ.
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> BeginPrepare(const MapperView& mapper) override;
+  absl::Status PrepareLayer(PreparedMapper& prepared, int target_layer) override;
+  uint64_t PreparedBytesEstimate(const MapperView& mapper) const override;
+  uint64_t DeviceMemoryBytes() const override;
 
   absl::Status TranslateLayer(const PreparedMapper& mapper, int target_layer,
                               const CacheView& source, const Positions& positions,
@@ -277,7 +286,69 @@ class CudaBackend : public Backend {
   std::vector<std::unique_ptr<Context>> idle_ ABSL_GUARDED_BY(mu_);
 };
 
+// What the device copy of a mapper looks like: one weight dtype for all layers (a batched GEMM
+// has one type), the stored one when every layer agrees, else fp32; every (layer, kind) padded
+// to the longest sigma list so all GEMMs of a step share one shape.
+struct DeviceLayout {
+  DType weight_dtype = DType::kFP32;
+  int max_blocks = 0;
+  int64_t input_width = 0;
+  int64_t target_width = 0;
+  bool padded = false;
+  int64_t matrix_elements() const { return input_width * target_width; }
+  uint64_t weight_bytes(int layers) const {
+    return static_cast<uint64_t>(layers) * 2 * matrix_elements() * DTypeSize(weight_dtype);
+  }
+};
+
+DeviceLayout LayoutOf(const MapperView& mapper) {
+  DeviceLayout layout;
+  layout.weight_dtype = mapper.layers.empty() ? DType::kFP32 : mapper.layers[0].w_k.dtype;
+  for (const LayerMapView& layer : mapper.layers) {
+    if (layer.w_k.dtype != layout.weight_dtype || layer.w_v.dtype != layout.weight_dtype) {
+      layout.weight_dtype = DType::kFP32;
+    }
+    layout.max_blocks = std::max<int>(
+        layout.max_blocks, static_cast<int>(std::max(layer.sigma_k.size(), layer.sigma_v.size())));
+  }
+  for (const LayerMapView& layer : mapper.layers) {
+    if (static_cast<int>(layer.sigma_k.size()) != layout.max_blocks ||
+        static_cast<int>(layer.sigma_v.size()) != layout.max_blocks) {
+      layout.padded = true;
+    }
+  }
+  layout.input_width = static_cast<int64_t>(layout.max_blocks) * mapper.source.num_kv_heads *
+                       mapper.source.head_dim;
+  layout.target_width = static_cast<int64_t>(mapper.target.num_kv_heads) * mapper.target.head_dim;
+  return layout;
+}
+
+uint64_t CudaBackend::PreparedBytesEstimate(const MapperView& mapper) const {
+  const DeviceLayout layout = LayoutOf(mapper);
+  const uint64_t layers = mapper.layers.size();
+  return layout.weight_bytes(static_cast<int>(layers)) +
+         layers * 2 * layout.target_width * sizeof(float) +
+         layers * 2 * layout.max_blocks * sizeof(int);
+}
+
+uint64_t CudaBackend::DeviceMemoryBytes() const {
+  if (cudaSetDevice(options_.device) != cudaSuccess) return 0;
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0;
+  return total_bytes;
+}
+
 absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::Prepare(const MapperView& mapper) {
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = BeginPrepare(mapper);
+  if (!prepared.ok()) return prepared.status();
+  for (int l = 0; l < mapper.target.num_layers; ++l) {
+    if (absl::Status s = PrepareLayer(**prepared, l); !s.ok()) return s;
+  }
+  return prepared;
+}
+
+absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::BeginPrepare(
+    const MapperView& mapper) {
   if (absl::Status s = CheckMapperView(mapper); !s.ok()) return s;
   KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
   auto prepared = std::make_shared<CudaPreparedMapper>();
@@ -290,65 +361,31 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::Prepare(const Mappe
   prepared->source_rope_ = *std::move(source_rope);
   prepared->target_rope_ = *std::move(target_rope);
 
+  const DeviceLayout layout = LayoutOf(mapper);
   const int layers = mapper.target.num_layers;
-  const int64_t source_width =
-      static_cast<int64_t>(mapper.source.num_kv_heads) * mapper.source.head_dim;
-  const int64_t target_width =
-      static_cast<int64_t>(mapper.target.num_kv_heads) * mapper.target.head_dim;
-  // One device dtype for all weights (a batched GEMM has one type): the stored one when every
-  // layer agrees, else fp32.
-  DType weight_dtype = mapper.layers[0].w_k.dtype;
-  int max_blocks = 0;
-  for (const LayerMapView& layer : mapper.layers) {
-    if (layer.w_k.dtype != weight_dtype || layer.w_v.dtype != weight_dtype) {
-      weight_dtype = DType::kFP32;
-    }
-    max_blocks = std::max<int>(max_blocks, std::max(layer.sigma_k.size(), layer.sigma_v.size()));
-  }
-  prepared->weight_dtype_ = weight_dtype;
-  prepared->max_blocks_ = max_blocks;
-  prepared->input_width_ = max_blocks * source_width;
-
-  const size_t element = DTypeSize(weight_dtype);
-  const int64_t matrix_elements = prepared->input_width_ * target_width;
-  const int64_t weight_bytes = static_cast<int64_t>(layers) * 2 * matrix_elements * element;
+  prepared->weight_dtype_ = layout.weight_dtype;
+  prepared->max_blocks_ = layout.max_blocks;
+  prepared->input_width_ = layout.input_width;
+  const int64_t weight_bytes = layout.weight_bytes(layers);
   if (absl::Status s = prepared->weights_.Reserve(weight_bytes); !s.ok()) return s;
-  const bool padded = std::any_of(mapper.layers.begin(), mapper.layers.end(),
-                                  [&](const LayerMapView& layer) {
-                                    return static_cast<int>(layer.sigma_k.size()) != max_blocks ||
-                                           static_cast<int>(layer.sigma_v.size()) != max_blocks;
-                                  });
-  if (padded) {
+  if (layout.padded) {
     // Rows of the padding blocks multiply zeros in X, but NaN * 0 is NaN: they must be zero.
     KVT_CUDA_RETURN_IF_ERROR("cudaMemset", cudaMemset(prepared->weights_.data(), 0, weight_bytes));
   }
-  std::vector<float> converted;
+  const int64_t target_width = layout.target_width;
   std::vector<float> bias(static_cast<size_t>(layers) * 2 * target_width, 0.0f);
-  std::vector<int> sigma(static_cast<size_t>(layers) * 2 * max_blocks, -1);
+  std::vector<int> sigma(static_cast<size_t>(layers) * 2 * layout.max_blocks, -1);
   for (int l = 0; l < layers; ++l) {
     const LayerMapView& layer = mapper.layers[l];
-    const WeightView* weights[2] = {&layer.w_k, &layer.w_v};
     const WeightView* biases[2] = {&layer.b_k, &layer.b_v};
     const std::vector<int>* sigmas[2] = {&layer.sigma_k, &layer.sigma_v};
     for (int kind = 0; kind < 2; ++kind) {
-      const WeightView& w = *weights[kind];
-      const int64_t count = w.rows * w.cols;
-      const void* host = w.data;
-      if (w.dtype != weight_dtype) {
-        converted.resize(count);
-        ToFloat(w.dtype, w.data, converted.data(), count);
-        host = converted.data();
-      }
-      char* device = prepared->weights_.data() + (static_cast<int64_t>(l) * 2 + kind) *
-                                                     matrix_elements * element;
-      KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
-                               cudaMemcpy(device, host, count * element, cudaMemcpyHostToDevice));
       if (biases[kind]->data != nullptr) {
         ToFloat(biases[kind]->dtype, biases[kind]->data,
                 bias.data() + (static_cast<size_t>(l) * 2 + kind) * target_width, target_width);
       }
       std::copy(sigmas[kind]->begin(), sigmas[kind]->end(),
-                sigma.begin() + (static_cast<size_t>(l) * 2 + kind) * max_blocks);
+                sigma.begin() + (static_cast<size_t>(l) * 2 + kind) * layout.max_blocks);
     }
   }
   if (absl::Status s = prepared->bias_.Reserve(bias.size() * sizeof(float)); !s.ok()) return s;
@@ -362,6 +399,41 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::Prepare(const Mappe
   prepared->bytes_ = static_cast<uint64_t>(weight_bytes + bias.size() * sizeof(float) +
                                            sigma.size() * sizeof(int));
   return std::shared_ptr<PreparedMapper>(std::move(prepared));
+}
+
+absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int target_layer) {
+  auto* prepared = dynamic_cast<CudaPreparedMapper*>(&prepared_mapper);
+  if (prepared == nullptr) {
+    return absl::InvalidArgumentError("mapper was not prepared by the cuda backend");
+  }
+  const MapperView& mapper = prepared->view();
+  if (target_layer < 0 || target_layer >= mapper.target.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("target_layer=", target_layer,
+                                                   " out of range [0, ",
+                                                   mapper.target.num_layers, ")"));
+  }
+  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(prepared->device_));
+  const LayerMapView& layer = mapper.layers[target_layer];
+  const size_t element = DTypeSize(prepared->weight_dtype_);
+  const int64_t matrix_elements = prepared->input_width_ * mapper.target.num_kv_heads *
+                                  static_cast<int64_t>(mapper.target.head_dim);
+  std::vector<float> converted;
+  const WeightView* weights[2] = {&layer.w_k, &layer.w_v};
+  for (int kind = 0; kind < 2; ++kind) {
+    const WeightView& w = *weights[kind];
+    const int64_t count = w.rows * w.cols;
+    const void* host = w.data;
+    if (w.dtype != prepared->weight_dtype_) {
+      converted.resize(count);
+      ToFloat(w.dtype, w.data, converted.data(), count);
+      host = converted.data();
+    }
+    char* device = prepared->weights_.data() +
+                   (static_cast<int64_t>(target_layer) * 2 + kind) * matrix_elements * element;
+    KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
+                             cudaMemcpy(device, host, count * element, cudaMemcpyHostToDevice));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<const CudaPreparedMapper*> CudaBackend::Cast(const PreparedMapper& mapper) const {
@@ -386,6 +458,8 @@ absl::StatusOr<std::unique_ptr<Context>> CudaBackend::AcquireContext() {
       return context;
     }
   }
+  // Streams and cuBLAS handles belong to the calling thread's current device.
+  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
   auto context = std::make_unique<Context>();
   if (absl::Status s = context->Init(); !s.ok()) return s;
   return context;

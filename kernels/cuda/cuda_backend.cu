@@ -51,107 +51,88 @@ __device__ __forceinline__ int64_t HeadOffset(int layout, int heads, int64_t tok
                         : (token * heads + head) * static_cast<int64_t>(head_dim);
 }
 
+// One block per row of X (a (target layer, kind, token) triple, 64-bit index arithmetic once),
+// its threads over the row's (block, head, pair) items with 32-bit index arithmetic:
+// neighbouring threads read and write neighbouring elements.
 template <typename In, typename X>
 __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams p) {
   const int pairs = (p.head_dim + 1) / 2;
+  const int row_items = p.max_blocks * p.heads * pairs;
   const int64_t width = static_cast<int64_t>(p.max_blocks) * p.heads * p.head_dim;
-  const int64_t total =
-      static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens * p.max_blocks * p.heads * pairs;
-  X* x = static_cast<X*>(p.x);
-  for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < total;
-       item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    // item = ((((g * 2 + kind) * chunk_tokens + i) * max_blocks + b) * heads + h) * pairs + q:
-    // neighbouring threads write neighbouring X elements.
-    int64_t rest = item;
-    const int q = static_cast<int>(rest % pairs);
-    rest /= pairs;
-    const int h = static_cast<int>(rest % p.heads);
-    rest /= p.heads;
-    const int b = static_cast<int>(rest % p.max_blocks);
-    rest /= p.max_blocks;
-    const int64_t i = rest % p.chunk_tokens;
-    rest /= p.chunk_tokens;
-    const int kind = static_cast<int>(rest % 2);
-    const int g = static_cast<int>(rest / 2);
+  const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    // row = (g * 2 + kind) * chunk_tokens + i
+    const int64_t i = row % p.chunk_tokens;
+    const int kind = static_cast<int>((row / p.chunk_tokens) % 2);
+    const int g = static_cast<int>(row / p.chunk_tokens / 2);
     const int layer = p.layer_begin + g;
-
-    const bool rotary = kind == 0 && q < p.strip.half;
-    int d0, d1;
-    PairDims(q, p.strip.half, p.strip.neox, kind == 0, &d0, &d1);
-    const bool second = d1 < p.head_dim;
-    X* out = x + ((static_cast<int64_t>(g) * 2 + kind) * p.chunk_tokens + i) * width +
-             (static_cast<int64_t>(b) * p.heads + h) * p.head_dim;
-
-    const int j = p.sigma[(static_cast<int64_t>(layer) * 2 + kind) * p.max_blocks + b];
-    if (j < 0) {  // padding block of a shorter sigma list
-      Store(out, d0, 0.0f);
-      if (second) Store(out, d1, 0.0f);
-      continue;
-    }
-    const int table = kind * p.num_source_layers + j;
-    const int slot = p.source.stage_slot[table];
-    const In* src;
-    int64_t tokens, token;
-    if (slot >= 0) {
-      src = static_cast<const In*>(p.source.stage) + slot * p.source.stage_slot_elements;
-      tokens = p.chunk_tokens;
-      token = i;
-    } else {
-      src = static_cast<const In*>(p.source.pointers[table]);
-      tokens = p.num_tokens;
-      token = p.chunk_begin + i;
-    }
-    src += HeadOffset(p.source_layout, p.heads, tokens, p.head_dim, h, token);
-    const float a = Load(src, d0);
-    const float c = second ? Load(src, d1) : 0.0f;
-    if (rotary) {
-      // R(p)^-1 of a cache written as A R(p) x: the table's cos/sin carry A, so divide by A^2.
-      const float cs = p.strip.cos[i * p.strip.half + q];
-      const float sn = p.strip.sin[i * p.strip.half + q];
-      Store(out, d0, (a * cs + c * sn) * p.strip.scale);
-      Store(out, d1, (c * cs - a * sn) * p.strip.scale);
-    } else {
-      Store(out, d0, a);
-      if (second) Store(out, d1, c);
+    const int* sigma = p.sigma + (static_cast<int64_t>(layer) * 2 + kind) * p.max_blocks;
+    X* out_row = static_cast<X*>(p.x) + row * width;
+    const float* cos_row = p.strip.cos + i * p.strip.half;
+    const float* sin_row = p.strip.sin + i * p.strip.half;
+    for (int item = threadIdx.x; item < row_items; item += blockDim.x) {
+      // item = (b * heads + h) * pairs + q
+      const int q = item % pairs;
+      const int bh = item / pairs;
+      const int h = bh % p.heads;
+      const int b = bh / p.heads;
+      const bool rotary = kind == 0 && q < p.strip.half;
+      int d0, d1;
+      PairDims(q, p.strip.half, p.strip.neox, kind == 0, &d0, &d1);
+      const bool second = d1 < p.head_dim;
+      X* out = out_row + static_cast<int64_t>(bh) * p.head_dim;
+      const int j = sigma[b];
+      if (j < 0) {  // padding block of a shorter sigma list
+        Store(out, d0, 0.0f);
+        if (second) Store(out, d1, 0.0f);
+        continue;
+      }
+      const int table = kind * p.num_source_layers + j;
+      const int slot = p.source.stage_slot[table];
+      const In* src;
+      int64_t tokens, token;
+      if (slot >= 0) {
+        src = static_cast<const In*>(p.source.stage) + slot * p.source.stage_slot_elements;
+        tokens = p.chunk_tokens;
+        token = i;
+      } else {
+        src = static_cast<const In*>(p.source.pointers[table]);
+        tokens = p.num_tokens;
+        token = p.chunk_begin + i;
+      }
+      src += HeadOffset(p.source_layout, p.heads, tokens, p.head_dim, h, token);
+      const float a = Load(src, d0);
+      const float c = second ? Load(src, d1) : 0.0f;
+      if (rotary) {
+        // R(p)^-1 of a cache written as A R(p) x: the table's cos/sin carry A, so divide by A^2.
+        const float cs = cos_row[q];
+        const float sn = sin_row[q];
+        Store(out, d0, (a * cs + c * sn) * p.strip.scale);
+        Store(out, d1, (c * cs - a * sn) * p.strip.scale);
+      } else {
+        Store(out, d0, a);
+        if (second) Store(out, d1, c);
+      }
     }
   }
 }
 
+// Same shape as the gather: one block per (target layer, kind, token) row of Y.
 template <typename Out>
 __global__ void __launch_bounds__(kThreads) EpilogueKernel(EpilogueParams p) {
   const int pairs = (p.head_dim + 1) / 2;
+  const int row_items = p.heads * pairs;
   const int64_t width = static_cast<int64_t>(p.heads) * p.head_dim;
-  const int64_t total = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens * p.heads * pairs;
-  for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < total;
-       item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t rest = item;
-    const int q = static_cast<int>(rest % pairs);
-    rest /= pairs;
-    const int h = static_cast<int>(rest % p.heads);
-    rest /= p.heads;
-    const int64_t i = rest % p.chunk_tokens;
-    rest /= p.chunk_tokens;
-    const int kind = static_cast<int>(rest % 2);
-    const int g = static_cast<int>(rest / 2);
+  const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t i = row % p.chunk_tokens;
+    const int kind = static_cast<int>((row / p.chunk_tokens) % 2);
+    const int g = static_cast<int>(row / p.chunk_tokens / 2);
     const int layer = p.layer_begin + g;
-
-    const bool rotary = kind == 0 && q < p.apply.half;
-    int d0, d1;
-    PairDims(q, p.apply.half, p.apply.neox, kind == 0, &d0, &d1);
-    const bool second = d1 < p.head_dim;
-    const int64_t column = static_cast<int64_t>(h) * p.head_dim;
-    const float* y = p.y + ((static_cast<int64_t>(g) * 2 + kind) * p.chunk_tokens + i) * width +
-                     column;
-    const float* bias = p.bias + (static_cast<int64_t>(layer) * 2 + kind) * width + column;
-    float a = y[d0] + bias[d0];
-    float c = second ? y[d1] + bias[d1] : 0.0f;
-    if (rotary) {
-      const float cs = p.apply.cos[i * p.apply.half + q];
-      const float sn = p.apply.sin[i * p.apply.half + q];
-      const float ra = a * cs - c * sn;
-      c = c * cs + a * sn;
-      a = ra;
-    }
+    const float* y_row = p.y + row * width;
+    const float* bias_row = p.bias + (static_cast<int64_t>(layer) * 2 + kind) * width;
+    const float* cos_row = p.apply.cos + i * p.apply.half;
+    const float* sin_row = p.apply.sin + i * p.apply.half;
     const int table = kind * p.num_target_layers + layer;
     Out* dst;
     int64_t tokens, token;
@@ -165,9 +146,27 @@ __global__ void __launch_bounds__(kThreads) EpilogueKernel(EpilogueParams p) {
       tokens = p.num_tokens;
       token = p.chunk_begin + i;
     }
-    dst += HeadOffset(p.target_layout, p.heads, tokens, p.head_dim, h, token);
-    Store(dst, d0, a);
-    if (second) Store(dst, d1, c);
+    for (int item = threadIdx.x; item < row_items; item += blockDim.x) {
+      const int q = item % pairs;
+      const int h = item / pairs;
+      const bool rotary = kind == 0 && q < p.apply.half;
+      int d0, d1;
+      PairDims(q, p.apply.half, p.apply.neox, kind == 0, &d0, &d1);
+      const bool second = d1 < p.head_dim;
+      const int64_t column = static_cast<int64_t>(h) * p.head_dim;
+      float a = y_row[column + d0] + bias_row[column + d0];
+      float c = second ? y_row[column + d1] + bias_row[column + d1] : 0.0f;
+      if (rotary) {
+        const float cs = cos_row[q];
+        const float sn = sin_row[q];
+        const float ra = a * cs - c * sn;
+        c = c * cs + a * sn;
+        a = ra;
+      }
+      Out* out = dst + HeadOffset(p.target_layout, p.heads, tokens, p.head_dim, h, token);
+      Store(out, d0, a);
+      if (second) Store(out, d1, c);
+    }
   }
 }
 
@@ -180,58 +179,57 @@ __global__ void __launch_bounds__(kThreads) ToFloatKernel(const In* src, float* 
   }
 }
 
+// Blocks for `items` elements, one per thread.
 int Blocks(int64_t items) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (items + kThreads - 1) / kThreads)));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min(kMaxBlocks, (items + kThreads - 1) / kThreads)));
 }
 
+// One block per row, up to the grid's limit (the kernels stride over the rest).
+int RowBlocks(int64_t rows) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{1} << 30)));
+}
+
+// X is the cache's dtype or fp32 (cuda_plan.h GemmDType): only those pairs are built.
 template <typename In>
-cudaError_t LaunchGatherFrom(const GatherParams& p, int64_t items, cudaStream_t stream) {
-  switch (p.x_type) {
-    case kFP32:
-      GatherKernel<In, float><<<Blocks(items), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    case kBF16:
-      GatherKernel<In, __nv_bfloat16><<<Blocks(items), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    case kFP16:
-      GatherKernel<In, __half><<<Blocks(items), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
+cudaError_t LaunchGatherFrom(const GatherParams& p, int64_t rows, cudaStream_t stream) {
+  if (p.x_type == kFP32) {
+    GatherKernel<In, float><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
+  } else {
+    GatherKernel<In, In><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
   }
-  return cudaErrorInvalidValue;
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t LaunchGather(const GatherParams& p, cudaStream_t stream) {
-  // X keeps the cache's dtype or is fp32 (cuda_plan.h GemmDType); no other pairing is built.
   if (p.x_type != kFP32 && p.x_type != p.source_type) return cudaErrorInvalidValue;
-  const int64_t items = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens * p.max_blocks *
-                        p.heads * ((p.head_dim + 1) / 2);
-  if (items == 0) return cudaSuccess;
+  const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
+  if (rows == 0 || p.max_blocks == 0 || p.heads == 0 || p.head_dim == 0) return cudaSuccess;
   switch (p.source_type) {
     case kBF16:
-      return LaunchGatherFrom<__nv_bfloat16>(p, items, stream);
+      return LaunchGatherFrom<__nv_bfloat16>(p, rows, stream);
     case kFP16:
-      return LaunchGatherFrom<__half>(p, items, stream);
+      return LaunchGatherFrom<__half>(p, rows, stream);
     case kFP32:
-      return LaunchGatherFrom<float>(p, items, stream);
+      return LaunchGatherFrom<float>(p, rows, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t LaunchEpilogue(const EpilogueParams& p, cudaStream_t stream) {
-  const int64_t items =
-      static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens * p.heads * ((p.head_dim + 1) / 2);
-  if (items == 0) return cudaSuccess;
+  const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
+  if (rows == 0 || p.heads == 0 || p.head_dim == 0) return cudaSuccess;
   switch (p.target_type) {
     case kBF16:
-      EpilogueKernel<__nv_bfloat16><<<Blocks(items), kThreads, 0, stream>>>(p);
+      EpilogueKernel<__nv_bfloat16><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
       return cudaGetLastError();
     case kFP16:
-      EpilogueKernel<__half><<<Blocks(items), kThreads, 0, stream>>>(p);
+      EpilogueKernel<__half><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
       return cudaGetLastError();
     case kFP32:
-      EpilogueKernel<float><<<Blocks(items), kThreads, 0, stream>>>(p);
+      EpilogueKernel<float><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
       return cudaGetLastError();
   }
   return cudaErrorInvalidValue;

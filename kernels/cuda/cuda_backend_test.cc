@@ -546,6 +546,47 @@ TEST_F(CudaBackendTest, ConcurrentCalls) {
   }
 }
 
+// Streamed page-in: layer l translates right after PrepareLayer(l), before later layers have
+// their weights; the estimate the pager reserves by is exact.
+TEST_F(CudaBackendTest, StreamedPrepareTranslatesLayerByLayer) {
+  const uint64_t seed = FreshSeed("StreamedPrepareTranslatesLayerByLayer");
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  std::mt19937_64 rng(seed);
+  RandomMapperSpec spec;
+  spec.source_layers = 4;
+  spec.target_layers = 5;
+  spec.k = 2;
+  spec.k_v = 3;
+  spec.weight_dtype = DType::kBF16;
+  spec.source_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
+  spec.target_rope = MakeTestRope(RopeScalingType::kYarn, RopeStyle::kGptj);
+  const RandomMapper mapper = MakeRandomMapper(spec, rng());
+  const OwnedCache source = MakeRandomCache(4, 2, 16, 50, DType::kBF16, Layout::kNHD, rng());
+  OwnedCache target = MakeOutputCache(5, 2, 16, 50, DType::kBF16, Layout::kHND);
+  std::unique_ptr<Backend> backend = MakeCuda();
+  ASSERT_NE(backend, nullptr);
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->BeginPrepare(mapper.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ((*prepared)->bytes(), backend->PreparedBytesEstimate(mapper.view));
+  EXPECT_GT(backend->DeviceMemoryBytes(), (*prepared)->bytes());
+  Positions positions;
+  positions.offset = 77;
+  for (int l = 0; l < 5; ++l) {
+    ASSERT_TRUE(backend->PrepareLayer(**prepared, l).ok());
+    ASSERT_TRUE(backend
+                    ->TranslateLayer(**prepared, l, source.view, positions, TranslateOptions(),
+                                     &target.mutable_view)
+                    .ok());
+    for (Kind kind : {Kind::kK, Kind::kV}) {
+      EXPECT_LE(MaxRelError(ReadLayer(target.mutable_view, l, kind),
+                            ReferenceTranslate(mapper.view, l, kind, source.view, positions)),
+                TranslationTolerance(DType::kBF16))
+          << "layer " << l;
+    }
+  }
+  EXPECT_EQ(backend->PrepareLayer(**prepared, 5).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CudaBackendTest, BadInputsNameTheField) {
   RandomMapperSpec spec;
   const RandomMapper mapper = MakeRandomMapper(spec, 1);

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU binaries (manual / not run in CI) link and load here, the parity test lists every
+# dtype/layout/RoPE suite, the benchmark refuses cleanly without a device, run.sh parses.
+set -euo pipefail
+cd "${TEST_SRCDIR}/${TEST_WORKSPACE}"
+bash -n tests/gpu/run.sh
+
+tests=$(kernels/cuda/cuda_backend_test --gtest_list_tests)
+for name in EveryRopeTypeAndStyle EveryDtypeLayoutAndWeightDtype UnmatchedShapesAndOddHeadDim \
+            SeparateSigmaLengths LargeAndExplicitPositions ChunksAndLayerGroups \
+            RealHeadShapesBf16 ConcurrentCalls StreamedPrepareTranslatesLayerByLayer BadInputsNameTheField; do
+  if ! grep -q "^  $name\$" <<<"$tests"; then
+    echo "cuda_backend_test does not list $name:"
+    echo "$tests"
+    exit 1
+  fi
+done
+
+set +e
+out=$(kernels/cuda/cuda_backend_benchmark --tokens=64 2>&1)
+rc=$?
+set -e
+if [ "$rc" -eq 0 ]; then
+  echo "$out"
+  echo "benchmark ran: this machine has a GPU, nothing to check here"
+  exit 0
+fi
+if ! grep -q "no CUDA device\|built without the CUDA toolkit" <<<"$out"; then
+  echo "benchmark failed without saying there is no device (rc=$rc):"
+  echo "$out"
+  exit 1
+fi
+echo "ok"

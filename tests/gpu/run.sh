@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The CUDA backend's GPU checks in one script that fits the lent GPU machine's 10 minutes:
+# parity tests (CUDA vs CPU vs float64 reference), then the benchmark of the paper's shapes.
+#
+#   bash tests/gpu/run.sh --bundle   # here (Bazel, CUDA toolkit, no GPU needed): build the GPU
+#                                    # binaries and pack them with their shared libraries into
+#                                    # bazel-gpu-bundle/ (ignored by git, small enough to carry)
+#   bash tests/gpu/run.sh            # on the GPU machine, with bazel-gpu-bundle carried:
+#                                    #   run(command="bash tests/gpu/run.sh",
+#                                    #       carry=["bazel-gpu-bundle"], timeout_s=600)
+#
+# The GPU machine has no Bazel and none of Debian's libraries, so the binaries travel with
+# every library they need except glibc, libstdc++ and cuBLAS, which that machine has (newer).
+# Results go to $OUT (the device tool's folder; /tmp/kvt-gpu-out elsewhere): per-step logs,
+# gtest XML, benchmark.tsv, device.txt. The last lines printed are a short table.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BUNDLE=bazel-gpu-bundle
+GPU_TARGETS=(
+  //kernels/cuda:device_test
+  //kernels/cuda:cuda_backend_startup_test
+  //kernels/cuda:cuda_backend_test
+  //kernels/cuda:cuda_backend_benchmark
+  //server:backend_select_test
+  # --- CUDA IPC (issue 7): round trip through exported handles; kvtd is its second process.
+  //tests:cuda_ipc_gpu_test
+  //server:kvtd
+)
+
+bundle() {
+  bazel build -c opt "${GPU_TARGETS[@]}" || return 1
+  local bin
+  bin=$(bazel info -c opt bazel-bin 2>/dev/null) || return 1
+  rm -rf "$BUNDLE"
+  mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
+  for target in "${GPU_TARGETS[@]}"; do
+    local path=${target#//}
+    path=${path/://}
+    cp "$bin/$path" "$BUNDLE/bin/" || return 1
+  done
+  # Every shared library the binaries load, except the C/C++ runtime and cuBLAS (large, and
+  # the GPU machine's own matches its driver). The kvt libraries come from bazel-bin/_solib.
+  ldd "$BUNDLE"/bin/* | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+    case "$(basename "$lib")" in
+      ld-linux*|libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|libstdc++*|libgcc_s*|\
+      libcuda.so*|libcublas*) ;;
+      *) cp -L "$lib" "$BUNDLE/lib/" ;;
+    esac
+  done
+  strip --strip-unneeded "$BUNDLE"/bin/* "$BUNDLE"/lib/* 2>/dev/null
+  # --- CUDA IPC (issue 7): cuda_ipc_gpu_test finds kvtd at $RUNFILES_DIR/kvt/server/kvtd.
+  mkdir -p "$BUNDLE/runfiles/kvt/server" && mv "$BUNDLE/bin/kvtd" "$BUNDLE/runfiles/kvt/server/"
+  if ! grep -q cublasGemmStridedBatchedEx "$BUNDLE"/bin/* "$BUNDLE"/lib/*; then
+    echo "bundle: the CUDA backend was built without CUDA (no toolkit, or --config=nocuda)" >&2
+    return 1
+  fi
+  {
+    echo "commit $(git rev-parse HEAD)$(git diff --quiet HEAD -- kernels server || echo ' (+ local changes)')"
+    echo "built $(date -u +%FT%TZ) on $(. /etc/os-release; echo "$PRETTY_NAME"), $(/usr/local/cuda/bin/nvcc --version | tail -1)"
+  } > "$BUNDLE/BUILD_INFO"
+  local size
+  size=$(du -sm "$BUNDLE" | cut -f1)
+  echo "bundle: $BUNDLE, ${size} MiB (the device tool carries at most 64 MiB with the tree)"
+  [ "$size" -le 56 ] || { echo "bundle: too large to carry" >&2; return 1; }
+}
+
+if [ "${1:-}" = "--bundle" ]; then
+  bundle
+  exit $?
+fi
+
+OUT=${OUT:-/tmp/kvt-gpu-out}
+mkdir -p "$OUT"
+if [ ! -d "$BUNDLE/bin" ]; then
+  if command -v bazel >/dev/null; then
+    bundle || exit 1
+  else
+    echo "no $BUNDLE/ and no bazel here: run 'bash tests/gpu/run.sh --bundle' on the build" \
+         "machine and carry $BUNDLE" >&2
+    exit 1
+  fi
+fi
+cat "$BUNDLE/BUILD_INFO"
+
+# cuBLAS from the machine: the toolkit, or the pip wheel PyTorch uses.
+cuda_libs=""
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$dir" ] && cuda_libs="$cuda_libs:$dir"
+done
+wheel_cublas=$(python3 -c 'import nvidia.cublas as c, os; print(os.path.join(list(c.__path__)[0], "lib"))' 2>/dev/null)
+[ -n "$wheel_cublas" ] && cuda_libs="$cuda_libs:$wheel_cublas"
+export LD_LIBRARY_PATH="$PWD/$BUNDLE/lib$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+missing=$(ldd "$BUNDLE"/bin/* | grep "not found" | sort -u)
+if [ -n "$missing" ]; then
+  echo "missing libraries on this machine:" >&2
+  echo "$missing" >&2
+  exit 1
+fi
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1
+  uname -a
+} | tee "$OUT/device.txt"
+
+declare -A result
+run_step() {  # name timeout_s command...
+  local name=$1 limit=$2
+  shift 2
+  local begin=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  result[$name]="rc=$rc $((SECONDS - begin))s"
+  echo "== $name: ${result[$name]}"
+  tail -5 "$OUT/$name.log"
+}
+
+run_step unit 60 bash -c "for t in device_test cuda_backend_startup_test backend_select_test; do
+  $BUNDLE/bin/\$t || exit 1; done"
+run_step parity 240 "$BUNDLE/bin/cuda_backend_test" --gtest_output="xml:$OUT/cuda_backend_test.xml"
+run_step benchmark 300 "$BUNDLE/bin/cuda_backend_benchmark" --out="$OUT/benchmark.tsv"
+# --- CUDA IPC (issue 7): this process exports cudaMalloc'd buffers, kvtd (a second process)
+# opens the handles and translates through them; compared with the inline result.
+mkdir -p "$OUT/cuda_ipc_tmp"
+run_step cuda_ipc 120 env RUNFILES_DIR="$PWD/$BUNDLE/runfiles" TEST_TMPDIR="$OUT/cuda_ipc_tmp" \
+  "$BUNDLE/bin/cuda_ipc_gpu_test" --gtest_output="xml:$OUT/cuda_ipc_gpu_test.xml"
+
+echo
+echo "== parity failures (first 20 lines)"
+grep -E "Failure|FAILED|error" "$OUT/parity.log" | head -20
+echo
+echo "== summary: $(sed -n 3p "$OUT/device.txt" | cut -d, -f1-2), $(head -1 "$OUT/device.txt")"
+for step in unit parity benchmark cuda_ipc; do echo "$step: ${result[$step]}"; done
+grep -E "^\[  (PASSED|FAILED)" "$OUT/parity.log"
+if [ -f "$OUT/benchmark.tsv" ]; then
+  column -t -s $'\t' "$OUT/benchmark.tsv" 2>/dev/null || cat "$OUT/benchmark.tsv"
+fi
+for step in unit parity benchmark cuda_ipc; do
+  case "${result[$step]}" in rc=0*) ;; *) exit 1 ;; esac
+done
