@@ -246,17 +246,21 @@ class KvtdManifestTest(unittest.TestCase):
         self.assertTrue(container["securityContext"]["readOnlyRootFilesystem"])
         self.assertFalse(container["securityContext"]["allowPrivilegeEscalation"])
 
-        # Backend and GPU per overlay; hostIPC (with shared memory on) only in gpu-ipc.
+        # Backend and GPUs per overlay: gpu takes one from the device plugin; gpu-ipc sees the
+        # node's GPUs (those of the inference pods, for CUDA IPC) with a capped device budget.
+        # hostIPC + hostPID (with shared memory on) only in gpu-ipc.
         backend = [a for a in container["args"] if a.startswith("--backend=")]
         gpus = resources["limits"].get("nvidia.com/gpu")
-        if overlay == "cpu":
-            self.assertEqual(backend, ["--backend=cpu"])
-            self.assertIsNone(gpus)
-        else:
-            self.assertEqual(backend, ["--backend=cuda"])
-            self.assertEqual(gpus, 1)
-            self.assertEqual(resources["requests"].get("nvidia.com/gpu"), 1)
+        visible = {e["name"]: e.get("value") for e in container.get("env", [])}.get(
+            "NVIDIA_VISIBLE_DEVICES")
+        self.assertEqual(backend, ["--backend=cpu" if overlay == "cpu" else "--backend=cuda"])
+        self.assertEqual(gpus, 1 if overlay == "gpu" else None)
+        self.assertEqual(resources["requests"].get("nvidia.com/gpu"), gpus)
+        self.assertEqual(visible, "all" if overlay == "gpu-ipc" else None)
+        if overlay == "gpu-ipc":
+            self.assertGreater(config["device_budget_bytes"], 0)
         self.assertEqual(spec.get("hostIPC", False), overlay == "gpu-ipc")
+        self.assertEqual(spec.get("hostPID", False), overlay == "gpu-ipc")
         self.assertEqual(config["allow_client_regions"], overlay == "gpu-ipc")
         affinity = spec["affinity"]["podAffinity"]
         preferred = [t["podAffinityTerm"]["labelSelector"]["matchLabels"]
@@ -293,11 +297,12 @@ class KvtdManifestTest(unittest.TestCase):
     def test_gpu(self):
         self.check_overlay("gpu")
 
-    def test_gpu_ipc_differs_from_gpu_in_shared_memory_only(self):
+    def test_gpu_ipc_differs_from_gpu_in_shared_memory_and_device_budget_only(self):
         ipc = self.check_overlay("gpu-ipc")
         gpu = self.check_overlay("gpu")
-        self.assertEqual({k: v for k, v in ipc.items() if k != "allow_client_regions"},
-                         {k: v for k, v in gpu.items() if k != "allow_client_regions"})
+        differ = ("allow_client_regions", "device_budget_bytes")
+        self.assertEqual({k: v for k, v in ipc.items() if k not in differ},
+                         {k: v for k, v in gpu.items() if k not in differ})
 
 
 class FitJobTest(unittest.TestCase):
