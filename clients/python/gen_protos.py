@@ -40,7 +40,9 @@ def generate(repo_root: str, health_root: str, out: str, protoc: str, plugin: st
         for rel in sources + [health]:
             base = os.path.splitext(rel)[0]
             name = os.path.basename(base)
-            suffixes = ["_pb2.py", "_pb2.pyi"] + (["_pb2_grpc.py"] if name in SERVICE_MODULES else [])
+            suffixes = ["_pb2.py", "_pb2.pyi"]
+            if name in SERVICE_MODULES:
+                suffixes.append("_pb2_grpc.py")
             for suffix in suffixes:
                 with open(os.path.join(tmp, base + suffix), encoding="utf-8") as f:
                     text = _IMPORT.sub(r"from . import \2", f.read())

@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AlreadyExistsError", "CancelledError", "Client", "DeadlineExceededError",
     "FailedPreconditionError", "InternalError", "InvalidArgumentError", "KVCache", "KvtError",
-    "NotFoundError", "OutOfRangeError", "PagedBlocks", "PermissionDeniedError", "ResourceExhaustedError",
+    "NotFoundError", "OutOfRangeError", "PagedBlocks", "PermissionDeniedError",
+    "ResourceExhaustedError",
     "Session", "SharedMemoryRegion", "TranslateResult", "UnauthenticatedError", "UnavailableError",
     "UnimplementedError",
 ]

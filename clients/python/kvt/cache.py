@@ -17,8 +17,8 @@ DTYPES = {"bf16": common_pb2.DTYPE_BF16, "fp16": common_pb2.DTYPE_FP16,
           "fp32": common_pb2.DTYPE_FP32}
 DTYPE_NAMES = {value: name for name, value in DTYPES.items()}
 ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-NUMPY_DTYPE: Dict[str, "np.dtype[Any]"] = {"bf16": np.dtype(np.float32), "fp16": np.dtype(np.float16),
-               "fp32": np.dtype(np.float32)}
+NUMPY_DTYPE: Dict[str, "np.dtype[Any]"] = {
+    "bf16": np.dtype(np.float32), "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
 LAYOUTS = {"HND": common_pb2.LAYOUT_HND, "NHD": common_pb2.LAYOUT_NHD}
 LAYOUT_NAMES = {value: name for name, value in LAYOUTS.items()}
 
@@ -109,9 +109,10 @@ class KVCache:
         _check_dtype(self.dtype, "cache dtype")
         first = self.k[0]
         if first.ndim != 3:
+            axes = ("[heads, tokens, head_dim]" if self.layout == "HND"
+                    else "[tokens, heads, head_dim]")
             raise InvalidArgumentError(
-                f"cache layer 0 K has shape {first.shape}; expected 3 axes "
-                f"({'[heads, tokens, head_dim]' if self.layout == 'HND' else '[tokens, heads, head_dim]'})")
+                f"cache layer 0 K has shape {first.shape}; expected 3 axes {axes}")
         for name, arrays in (("K", self.k), ("V", self.v)):
             for layer, array in enumerate(arrays):
                 if array.shape != first.shape:
@@ -223,6 +224,33 @@ class KVCache:
             k.append(decode(view[base:base + layer_bytes], dtype, shape))
             v.append(decode(view[base + layer_bytes:base + 2 * layer_bytes], dtype, shape))
         return KVCache(k=k, v=v, layout=layout, dtype=dtype)
+
+    def slice_tokens(self, start: int, end: int) -> "KVCache":
+        """Tokens [start, end) of every layer (views, no copy)."""
+        if not 0 <= start < end <= self.num_tokens:
+            raise InvalidArgumentError(
+                f"token range [{start}, {end}) outside the cache's {self.num_tokens} tokens")
+        return KVCache(k=[self.token_range(a, start, end - start) for a in self.k],
+                       v=[self.token_range(a, start, end - start) for a in self.v],
+                       layout=self.layout, dtype=self.dtype)
+
+    @staticmethod
+    def concat(caches: Sequence["KVCache"]) -> "KVCache":
+        """The caches' tokens one after another (same layers, heads, dtype and layout)."""
+        first = caches[0]
+        form = (first.dtype, first.layout, first.num_layers, first.num_kv_heads, first.head_dim)
+        for cache in caches[1:]:
+            other = (cache.dtype, cache.layout, cache.num_layers, cache.num_kv_heads,
+                     cache.head_dim)
+            if other != form:
+                raise InvalidArgumentError(f"concat: cache of form {other} after {form}")
+        if len(caches) == 1:
+            return first
+        axis = 1 if first.layout == "HND" else 0
+        return KVCache(
+            k=[np.concatenate([c.k[l] for c in caches], axis) for l in range(first.num_layers)],
+            v=[np.concatenate([c.v[l] for c in caches], axis) for l in range(first.num_layers)],
+            layout=first.layout, dtype=first.dtype)
 
     def to_layout(self, layout: str) -> "KVCache":
         """The same cache in the other layout (a view-free copy), or self."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -39,6 +39,9 @@ class TranslateResult:
     header: translate_pb2.TranslateResponseHeader
     trailer: translate_pb2.TranslateTrailer
     target: Optional[KVCache]
+    # The requests a translation was split into (Client.max_request_tokens); empty when one.
+    # header and trailer then describe the whole: token and byte counts and stage times summed.
+    parts: List["TranslateResult"] = field(default_factory=list)
 
 
 def _pem(value: Optional[Pem]) -> Optional[bytes]:
@@ -60,18 +63,24 @@ class Client:
     tls_client_cert / tls_client_key: PEM client certificate and key for mTLS.
     tls_server_name: overrides the name checked against the server certificate.
     bearer_token: sent as "authorization: Bearer <token>" on every call.
+    max_request_tokens: split translate() calls with more tokens into consecutive requests of
+        at most this many (the map is token-wise, so the result is the same); set it to the
+        server's limits.max_tokens to stay under it. None: never split.
     """
 
     def __init__(self, target: str, *, timeout: Optional[float] = 300.0,
                  max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20,
                  tls_root_ca: Optional[Pem] = None, tls_client_cert: Optional[Pem] = None,
                  tls_client_key: Optional[Pem] = None, tls_server_name: Optional[str] = None,
-                 bearer_token: Optional[str] = None,
+                 bearer_token: Optional[str] = None, max_request_tokens: Optional[int] = None,
                  channel_options: Sequence[Tuple[str, Any]] = ()) -> None:
         if max_message_bytes <= _MESSAGE_OVERHEAD:
             raise InvalidArgumentError(f"max_message_bytes {max_message_bytes} is too small")
         if chunk_bytes <= 0:
             raise InvalidArgumentError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if max_request_tokens is not None and max_request_tokens <= 0:
+            raise InvalidArgumentError(f"max_request_tokens must be > 0: {max_request_tokens}")
+        self.max_request_tokens = max_request_tokens
         if (tls_client_cert is None) != (tls_client_key is None):
             raise InvalidArgumentError("tls_client_cert and tls_client_key go together")
         if tls_client_cert is not None and tls_root_ca is None:
@@ -211,8 +220,28 @@ class Client:
 
         Name the pair (source_model and target_model) or a mapper_id. Token i sits at absolute
         position position_offset + i unless `positions` lists all of them. The result is in
-        output_dtype / output_layout (default: the source's).
+        output_dtype / output_layout (default: the source's). With max_request_tokens set, a
+        longer cache goes as several consecutive requests whose results are concatenated.
         """
+        limit = self.max_request_tokens
+        if limit is not None and source.num_tokens > limit:
+            if positions is not None and len(positions) != source.num_tokens:
+                raise InvalidArgumentError(
+                    f"positions: need {source.num_tokens} entries, got {len(positions)}")
+            parts: List[TranslateResult] = []
+            for start in range(0, source.num_tokens, limit):
+                end = min(start + limit, source.num_tokens)
+                parts.append(self.translate(
+                    source.slice_tokens(start, end), mapper_id=mapper_id,
+                    source_model=source_model, target_model=target_model,
+                    position_offset=position_offset + start,
+                    positions=None if positions is None else list(positions)[start:end],
+                    output_dtype=output_dtype, output_layout=output_layout,
+                    request_id=f"{request_id}/{len(parts)}" if request_id else "",
+                    session_id=session_id, turn=turn,
+                    reprefill_estimate_ms=reprefill_estimate_ms,
+                    response_chunk_tokens=response_chunk_tokens, timeout=timeout))
+            return _combine(parts)
         header = self._translate_header(
             source.num_tokens, source.dtype or "fp32", source.layout, mapper_id, source_model,
             target_model, position_offset, positions, output_dtype, output_layout, request_id,
@@ -383,6 +412,30 @@ class Client:
 
 def unique_region_name() -> str:
     return f"kvt-py-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:12]}"
+
+
+def _combine(parts: List[TranslateResult]) -> TranslateResult:
+    """One result of consecutive token ranges translated as separate requests."""
+    header = translate_pb2.TranslateResponseHeader()
+    header.CopyFrom(parts[0].header)
+    header.num_tokens = sum(p.header.num_tokens for p in parts)
+    trailer = translate_pb2.TranslateTrailer()
+    trailer.CopyFrom(parts[-1].trailer)
+    trailer.request_id = parts[0].trailer.request_id
+    for name in ("num_tokens", "input_bytes", "output_bytes"):
+        setattr(trailer, name, sum(getattr(p.trailer, name) for p in parts))
+    for name in ("queue_ms", "stage_in_ms", "compute_ms", "stage_out_ms", "total_ms"):
+        setattr(trailer.timings, name, sum(getattr(p.trailer.timings, name) for p in parts))
+    trailer.timings.first_output_ms = parts[0].trailer.timings.first_output_ms
+    # Per-request figures that do not add up: no speedup estimate, the worst input shift.
+    trailer.speedup_estimate = 0.0
+    shifts = [p.trailer.input_shift_score for p in parts
+              if p.trailer.HasField("input_shift_score")]
+    if shifts:
+        trailer.input_shift_score = max(shifts)
+    targets = [p.target for p in parts if p.target is not None]
+    return TranslateResult(header=header, trailer=trailer, target=KVCache.concat(targets),
+                           parts=parts)
 
 
 class _Reassembler:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
-import numpy as np
-
 from kvt.cache import KVCache
 from kvt.errors import InvalidArgumentError
 
@@ -62,14 +60,7 @@ class Session:
             target_model=self._target_model, **header_fields)
         piece = result.target
         assert piece is not None
-        if self.target is None:
-            self.target = piece
-        else:
-            axis = 1 if piece.layout == "HND" else 0
-            self.target = KVCache(
-                k=[np.concatenate([a, b], axis) for a, b in zip(self.target.k, piece.k)],
-                v=[np.concatenate([a, b], axis) for a, b in zip(self.target.v, piece.v)],
-                layout=piece.layout, dtype=piece.dtype)
+        self.target = piece if self.target is None else KVCache.concat([self.target, piece])
         self._source_form = form
         self.tokens += added.num_tokens
         self.turns += 1

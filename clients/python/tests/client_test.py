@@ -9,7 +9,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
+from typing import List
 
 import grpc
 import numpy as np
@@ -26,8 +28,9 @@ CLIENT_TOKEN = "router-token-0123456789"
 SOURCE, TARGET = "kvt-demo/tiny-4l", "kvt-demo/tiny-6l"
 
 
-def make_store() -> str:
-    store = os.path.join(test_tmpdir(), "store")
+def make_store(name: str) -> str:
+    """A mapper store directory of its own holding a copy of the bundled demo-tiny."""
+    store = os.path.join(test_tmpdir(), name)
     shutil.rmtree(store, ignore_errors=True)
     os.makedirs(store)
     source = os.path.dirname(runfile("demo/mappers/demo-tiny/manifest.yaml"))
@@ -88,12 +91,16 @@ class ClientTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls) -> None:
-        cls.store = make_store()
+        cls.store = make_store("store")
+        # Unix socket paths are limited to 107 characters: $TEST_TMPDIR is too deep.
+        cls.socket_dir = tempfile.mkdtemp(prefix="kvt-py-", dir="/tmp")
+        cls.socket = os.path.join(cls.socket_dir, "kvtd.sock")
         config = write(os.path.join(test_tmpdir(), "kvtd.yaml"),
                        "shared_memory:\n  allow_client_regions: true\n")
         cls.kvtd = Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={cls.store}",
                          "--backend=cpu", "--cpu_threads=1", "--drain_grace_seconds=0",
-                         "--max_tokens=4096", f"--config={config}"]).__enter__()
+                         "--max_tokens=4096", f"--config={config}",
+                         f"--unix_socket={cls.socket}"]).__enter__()
         cls.client = kvt.Client(cls.kvtd.address, timeout=60)
         cls.mapper = RidgeMapper(os.path.join(cls.store, "demo-tiny"))
         cls.rng = np.random.default_rng(SEED)
@@ -102,6 +109,7 @@ class ClientTest(unittest.TestCase):
     def tearDownClass(cls) -> None:
         cls.client.close()
         cls.kvtd.__exit__()
+        shutil.rmtree(cls.socket_dir, ignore_errors=True)
 
     def check_against_reference(self, source: kvt.KVCache, result: kvt.TranslateResult,
                                 positions: np.ndarray, tolerance: float) -> None:
@@ -207,6 +215,25 @@ class ClientTest(unittest.TestCase):
                                        whole.k[layer], rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(np.concatenate([a.v[layer], b.v[layer]], 1),
                                        whole.v[layer], rtol=1e-5, atol=1e-5)
+
+    def test_split_into_requests_under_max_tokens(self) -> None:
+        # 4100 tokens exceed this kvtd's limits.max_tokens (4096): max_request_tokens splits.
+        source = random_cache(self.rng, 4100)
+        with kvt.Client(self.kvtd.address, max_request_tokens=4096) as client:
+            result = client.translate(source, mapper_id="demo-tiny", position_offset=9,
+                                      request_id="long")
+        self.assertEqual([p.header.num_tokens for p in result.parts], [4096, 4])
+        self.assertEqual([p.trailer.request_id for p in result.parts], ["long/0", "long/1"])
+        self.assertEqual((result.header.num_tokens, result.trailer.num_tokens), (4100, 4100))
+        self.assertEqual(result.trailer.input_bytes, source.nbytes)
+        self.check_against_reference(source, result, 9 + np.arange(4100), 1e-5)
+
+    def test_unix_socket(self) -> None:
+        with kvt.Client("unix:" + self.socket, timeout=30) as client:
+            self.assertEqual(client.health(), "SERVING")
+            source = random_cache(self.rng, 8)
+            result = client.translate(source, mapper_id="demo-tiny")
+            self.check_against_reference(source, result, np.arange(8), 1e-5)
 
     def test_session_turns_equal_one_translation(self) -> None:
         source = random_cache(self.rng, 90)
@@ -397,27 +424,44 @@ class ClientTest(unittest.TestCase):
                 self.assertEqual(set(os.listdir("/dev/shm")), before)
 
 
+_PKI: List[str] = []
+
+
+def make_pki() -> str:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (openssl),
+    made once per test process."""
+    if _PKI:
+        return _PKI[0]
+    directory = os.path.join(test_tmpdir(), "pki")
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    script = (
+        "set -e\n"
+        "ossl() { openssl \"$@\" 2>/dev/null; }\n"
+        "ossl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=ca -keyout ca.key -out ca.pem\n"
+        "ossl req -newkey rsa:2048 -nodes -subj /CN=server -keyout server.key -out server.csr\n"
+        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext\n"
+        "ossl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
+        "-extfile server.ext -out server.pem\n"
+        "ossl req -newkey rsa:2048 -nodes -subj /CN=router -keyout client.key -out client.csr\n"
+        "ossl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
+        "-out client.pem\n")
+    subprocess.run(["bash", "-c", script], cwd=directory, check=True)
+    _PKI.append(directory)
+    return directory
+
+
 class SecurityTest(unittest.TestCase):
     """Bearer tokens with roles and TLS against a kvtd started with both."""
 
     @classmethod
     def setUpClass(cls) -> None:
-        cls.dir = os.path.join(test_tmpdir(), "security")
-        shutil.rmtree(cls.dir, ignore_errors=True)
-        os.makedirs(cls.dir)
-        script = (
-            "set -e\n"
-            "ossl() { openssl \"$@\" 2>/dev/null; }\n"
-            "ossl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=ca -keyout ca.key -out ca.pem\n"
-            "ossl req -newkey rsa:2048 -nodes -subj /CN=server -keyout server.key -out server.csr\n"
-            "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > server.ext\n"
-            "ossl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
-            "-extfile server.ext -out server.pem\n")
-        subprocess.run(["bash", "-c", script], cwd=cls.dir, check=True)
+        cls.dir = make_pki()
         tokens = write(os.path.join(cls.dir, "tokens"),
                        f"{CLIENT_TOKEN} client\n{ADMIN_TOKEN} admin\n")
-        cls.kvtd = Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={make_store()}",
-                         "--backend=cpu", "--drain_grace_seconds=0",
+        cls.kvtd = Kvtd(["--listen_address=127.0.0.1:0",
+                         f"--mapper_store={make_store('secure-store')}", "--backend=cpu",
+                         "--drain_grace_seconds=0",
                          f"--tls_cert_file={cls.dir}/server.pem",
                          f"--tls_key_file={cls.dir}/server.key",
                          f"--auth_token_file={tokens}"], "secure").__enter__()
@@ -456,6 +500,25 @@ class SecurityTest(unittest.TestCase):
         with self.connect(CLIENT_TOKEN, tls=False) as plaintext:
             with self.assertRaises(kvt.UnavailableError):
                 plaintext.list_mappers()
+
+
+class MutualTlsTest(unittest.TestCase):
+    def test_client_certificate_required(self) -> None:
+        pki = make_pki()
+        with Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={make_store('mtls-store')}",
+                   "--backend=cpu", "--drain_grace_seconds=0",
+                   f"--tls_cert_file={pki}/server.pem", f"--tls_key_file={pki}/server.key",
+                   f"--tls_client_ca_file={pki}/ca.pem"], "mtls") as server:
+            read = lambda name: open(os.path.join(pki, name), "rb").read()  # noqa: E731
+            with kvt.Client(server.address, timeout=30, tls_root_ca=read("ca.pem"),
+                            tls_client_cert=read("client.pem"),
+                            tls_client_key=read("client.key")) as client:
+                self.assertEqual([m.mapper_id for m in client.list_mappers()], ["demo-tiny"])
+            with kvt.Client(server.address, timeout=30, tls_root_ca=read("ca.pem")) as nocert:
+                with self.assertRaises(kvt.UnavailableError):
+                    nocert.list_mappers()
+        with self.assertRaises(kvt.InvalidArgumentError):
+            kvt.Client("127.0.0.1:1", tls_client_cert=read("client.pem"))
 
 
 if __name__ == "__main__":
