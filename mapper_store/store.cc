@@ -88,6 +88,7 @@ struct MapperStore::Device {
   uint64_t used = 0;      // guarded by the store's mu_
   uint64_t reserved = 0;  // guarded by the store's mu_
   int pins = 0;           // guarded by the store's mu_: the load a device choice balances
+  std::atomic<bool> removed{false};  // RemoveDevice: skipped everywhere, slot kept
 
   // The page-in worker: streams layers so the requester can compute meanwhile.
   std::mutex queue_mu;
@@ -285,7 +286,7 @@ absl::Status MapperStore::AddDevice(const StoreDevice& spec) {
   const int n = num_devices();
   const std::string name = spec.backend->device();
   for (int d = 0; d < n; ++d) {
-    if (devices_[d]->name == name) {
+    if (!devices_[d]->removed && devices_[d]->name == name) {
       return absl::AlreadyExistsError(absl::StrCat("device '", name, "' is already in the store"));
     }
   }
@@ -303,6 +304,34 @@ absl::Status MapperStore::AddDevice(const StoreDevice& spec) {
   return absl::OkStatus();
 }
 
+absl::Status MapperStore::RemoveDevice(const std::string& name, absl::Time deadline) {
+  Aftermath after;
+  Device* removed = nullptr;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    int index = -1;
+    for (int d = 0; d < num_devices(); ++d) {
+      if (!devices_[d]->removed && devices_[d]->name == name) index = d;
+    }
+    if (index < 0) return absl::NotFoundError(absl::StrCat("no device '", name, "'"));
+    Device& dev = *devices_[index];
+    // Requests and page-ins still using it (a page-in's worker holds a pin until it ends).
+    if (!WaitUntil(changed_, lock, deadline, [&] { return dev.pins == 0; })) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "device '", name, "' is still used by ", dev.pins, " request(s) or page-ins"));
+    }
+    for (auto& [id, entry] : entries_) {
+      if (entry.current) DetachCopy(*entry.current, index, after);
+    }
+    dev.removed = true;
+    removed = &dev;
+    changed_.notify_all();
+  }
+  Fire(after);
+  removed->Stop();
+  return absl::OkStatus();
+}
+
 void MapperStore::SetEvents(StoreEvents events) {
   std::lock_guard<std::mutex> lock(events_mu_);
   events_ = std::move(events);
@@ -315,12 +344,16 @@ MapperStore::~MapperStore() {
   }
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
-  for (int d = 0; d < num_devices(); ++d) devices_[d]->Stop();
+  for (int d = 0; d < num_devices(); ++d) {
+    if (!devices_[d]->removed) devices_[d]->Stop();
+  }
 }
 
 std::vector<std::string> MapperStore::DeviceNames() const {
   std::vector<std::string> names;
-  for (int d = 0; d < num_devices(); ++d) names.push_back(devices_[d]->name);
+  for (int d = 0; d < num_devices(); ++d) {
+    if (!devices_[d]->removed) names.push_back(devices_[d]->name);
+  }
   return names;
 }
 
@@ -698,11 +731,11 @@ absl::StatusOr<MapperHandle> MapperStore::AcquireLocked(std::unique_lock<std::mu
 absl::Status MapperStore::CheckDevice(const std::string& device) const {
   if (device.empty() || device == "any") return absl::OkStatus();
   for (int d = 0; d < num_devices(); ++d) {
-    if (devices_[d]->name == device) return absl::OkStatus();
+    if (!devices_[d]->removed && devices_[d]->name == device) return absl::OkStatus();
   }
   return absl::InvalidArgumentError(
       absl::StrCat("device='", device, "' is not a device of this server (devices: ",
-                   num_devices() == 0 ? "none" : absl::StrJoin(DeviceNames(), ", "), ")"));
+                   DeviceNames().empty() ? "none" : absl::StrJoin(DeviceNames(), ", "), ")"));
 }
 
 absl::StatusOr<MapperHandle> MapperStore::Acquire(const std::string& mapper_id,
@@ -872,15 +905,17 @@ absl::Status MapperStore::PinOnDevice(MapperHandle* handle, const AcquireOptions
     return absl::InvalidArgumentError("PinOnDevice needs a handle from Acquire");
   }
   if (handle->copy_) return absl::OkStatus();
-  if (num_devices() == 0) {
+  if (DeviceNames().empty()) {
     return absl::FailedPreconditionError("this mapper store has no devices to page onto");
   }
   std::vector<int> candidates;
   if (options.device.empty() || options.device == "any") {
-    for (int d = 0; d < num_devices(); ++d) candidates.push_back(d);
+    for (int d = 0; d < num_devices(); ++d) {
+      if (!devices_[d]->removed) candidates.push_back(d);
+    }
   } else {
     for (int d = 0; d < num_devices(); ++d) {
-      if (devices_[d]->name == options.device) candidates.push_back(d);
+      if (!devices_[d]->removed && devices_[d]->name == options.device) candidates.push_back(d);
     }
     if (candidates.empty()) return CheckDevice(options.device);
   }
@@ -1123,6 +1158,7 @@ std::vector<TierUsage> MapperStore::Usage() const {
   usage.push_back(host);
   for (int d = 0; d < num_devices(); ++d) {
     const Device& dev = *devices_[d];
+    if (dev.removed) continue;
     TierUsage tier;
     tier.place = dev.name;
     tier.budget_bytes = dev.budget;
@@ -1174,12 +1210,13 @@ absl::StatusOr<MapperInfo> MapperStore::Unload(const std::string& mapper_id,
   } else {
     int index = -1;
     for (int d = 0; d < num_devices(); ++d) {
-      if (devices_[d]->name == device) index = d;
+      if (!devices_[d]->removed && devices_[d]->name == device) index = d;
     }
     if (index < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("device='", device, "' is not a device of this server (devices: host",
-                       num_devices() == 0 ? "" : ", ", absl::StrJoin(DeviceNames(), ", "), ")"));
+                       DeviceNames().empty() ? "" : ", ", absl::StrJoin(DeviceNames(), ", "),
+                       ")"));
     }
     place = device;
     if (entry.current) {

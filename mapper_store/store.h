@@ -211,6 +211,10 @@ class MapperStore {
   // ALREADY_EXISTS if one of that name is there; at most kMaxDevices.
   static constexpr int kMaxDevices = 64;
   absl::Status AddDevice(const StoreDevice& device) ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops every copy on device `name` and stops using it (its backend may then be destroyed),
+  // after waiting until `deadline` for requests and page-ins still using it.
+  absl::Status RemoveDevice(const std::string& name, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Replaces StoreOptions::events (e.g. once the metrics exist); {} stops reporting.
   void SetEvents(StoreEvents events) ABSL_LOCKS_EXCLUDED(events_mu_);
 

@@ -537,5 +537,31 @@ TEST_F(StorePagingTest, LoadAndUnloadModelControl) {
   ExpectAccountingMatches(*store);
 }
 
+TEST_F(StorePagingTest, RemovedDevicesDropTheirCopiesAndCanBeAddedAgain) {
+  Write("m", Pair("a", "b", 2));
+  std::unique_ptr<MapperStore> store = Open(StoreOptions());
+  KVT_ASSERT_OK(store->AddDevice({cpu_.get(), 0}));
+  KVT_EXPECT_ERROR(store->AddDevice({cpu_.get(), 0}), StatusCode::kAlreadyExists, "'cpu'");
+  ASSERT_TRUE(store->Load("m", "cpu", Later()).ok());
+  EXPECT_EQ(Used(*store, "cpu"), PreparedBytes("m"));
+  {
+    AcquireOptions dev;
+    dev.device = "cpu";
+    absl::StatusOr<MapperHandle> held = store->Acquire("m", dev);
+    ASSERT_TRUE(held.ok());
+    KVT_EXPECT_ERROR(store->RemoveDevice("cpu", Soon()), StatusCode::kDeadlineExceeded,
+                     "still used by 1");
+  }
+  KVT_ASSERT_OK(store->RemoveDevice("cpu", Later()));
+  EXPECT_TRUE(store->DeviceNames().empty());
+  EXPECT_EQ(State(*store, "m"), MapperState::kHostResident);
+  AcquireOptions any;
+  any.device = "any";
+  KVT_EXPECT_ERROR(store->Acquire("m", any), StatusCode::kFailedPrecondition, "no devices");
+  KVT_ASSERT_OK(store->AddDevice({cpu_.get(), 0}));
+  ASSERT_TRUE(store->Acquire("m", any).ok());
+  ExpectAccountingMatches(*store);
+}
+
 }  // namespace
 }  // namespace kvt

@@ -120,7 +120,8 @@ TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* stor
   // gets this backend as its device.
   const std::vector<std::string> devices = store_->DeviceNames();
   if (std::find(devices.begin(), devices.end(), backend_->device()) == devices.end()) {
-    store_->AddDevice({backend_, DeviceBudgetBytes(config_, *backend_)}).IgnoreError();
+    added_device_ =
+        store_->AddDevice({backend_, DeviceBudgetBytes(config_, *backend_)}).ok();
   }
 }
 
@@ -136,7 +137,16 @@ grpc::Status TranslatorService::Authorize(const grpc::ServerContext* context, Ro
   return auth_->Authorize(*context, role);
 }
 
-TranslatorService::~TranslatorService() = default;
+TranslatorService::~TranslatorService() {
+  // The store may outlive this service and its backend: take back the device lent to it.
+  if (added_device_) {
+    absl::Status removed = store_->RemoveDevice(
+        backend_->device(), absl::Now() + absl::Seconds(config_.shutdown.deadline_seconds));
+    if (!removed.ok()) {
+      KVT_LOG(kWarning, "mapper store device not removed").With("error", removed.message());
+    }
+  }
+}
 
 AcquireOptions TranslatorService::MapperWait(const grpc::ServerContext* context) const {
   AcquireOptions options;

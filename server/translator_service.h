@@ -109,6 +109,7 @@ class TranslatorService final : public v1::KvTranslator::Service {
   ComputeExecutor compute_;
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> next_request_id_{1};
+  bool added_device_ = false;  // the store had no device for backend_: this service added it
 
   std::mutex shift_mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex
   // Input-shift statistics per loaded mapper version. Weak: the cache never keeps a mapper the
