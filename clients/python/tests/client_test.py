@@ -59,19 +59,9 @@ def random_cache(rng: np.random.Generator, tokens: int, dtype: str = "fp32",
 
 
 def check_load_unload(test: unittest.TestCase, client: kvt.Client) -> None:
-    """UnloadMapper drops demo-tiny to DISCOVERED, LoadMapper makes it HOST_RESIDENT again.
-    kvtd builds from before the mapper-control RPCs were wired answer UNIMPLEMENTED, which must
-    surface as UnimplementedError naming the RPC; anything else fails."""
+    """UnloadMapper drops demo-tiny to DISCOVERED, LoadMapper makes it HOST_RESIDENT again."""
     mappers_pb2 = kvt.client.mappers_pb2
-    try:
-        unloaded = client.unload_mapper("demo-tiny")
-    except kvt.UnimplementedError as error:
-        test.assertEqual(error.code, grpc.StatusCode.UNIMPLEMENTED)
-        test.assertIn("UnloadMapper", error.details)
-        with test.assertRaises(kvt.UnimplementedError) as caught:
-            client.load_mapper("demo-tiny")
-        test.assertIn("LoadMapper", caught.exception.details)
-        return
+    unloaded = client.unload_mapper("demo-tiny")
     test.assertEqual(unloaded.mapper_id, "demo-tiny")
     test.assertEqual(unloaded.state, mappers_pb2.MAPPER_STATE_DISCOVERED)
     test.assertEqual(client.get_mapper("demo-tiny").state, mappers_pb2.MAPPER_STATE_DISCOVERED)
