@@ -479,17 +479,27 @@ grpc::Status TranslatorService::TranslateKVImpl(
     }
     return true;
   };
-  auto ready_now = [&](int layer) {
-    std::lock_guard<std::mutex> lock(arrivals.mutex);
-    return sources_arrived(layer);
+  // Target layers go in the order their sources complete (lowest index first among the
+  // ready ones), not strictly 0, 1, ...: a mapper's sigma lists need not grow with depth.
+  std::vector<char> submitted(tgt_model.num_layers, 0);  // output thread only
+  auto first_ready = [&]() {  // under arrivals.mutex; -1: none yet
+    for (int layer = 0; layer < tgt_model.num_layers; ++layer) {
+      if (!submitted[layer] && sources_arrived(layer)) return layer;
+    }
+    return -1;
   };
-  auto wait_ready = [&](int layer) {  // false: the request is being abandoned
+  auto ready_now = [&]() {
+    std::lock_guard<std::mutex> lock(arrivals.mutex);
+    return first_ready();
+  };
+  auto wait_ready = [&]() {  // -1: the request is being abandoned
     std::unique_lock<std::mutex> lock(arrivals.mutex);
-    arrivals.changed.wait(lock, [&] { return arrivals.abort || sources_arrived(layer); });
-    return !arrivals.abort;
+    int layer = -1;
+    arrivals.changed.wait(lock, [&] { return arrivals.abort || (layer = first_ready()) >= 0; });
+    return arrivals.abort ? -1 : layer;
   };
 
-  // --- Compute layer l+1 on the compute executor while layer l streams out. ---
+  // --- Compute the next layer on the compute executor while this one streams out. ---
   struct Slot {
     std::unique_ptr<LayerBuffer> k, v;
     MutableCacheView view;
@@ -514,8 +524,9 @@ grpc::Status TranslatorService::TranslateKVImpl(
   const PreparedMapper* prepared_mapper = prepared->prepared;
   Backend* const compute_backend = prepared->backend;
   const absl::Time compute_deadline = absl::FromChrono(context->deadline());
-  auto submit = [&](int layer) {
-    Slot& slot = slots[layer % 2];
+  auto submit = [&](int layer, int slot_index) {
+    submitted[layer] = 1;
+    Slot& slot = slots[slot_index];
     std::fill(slot.view.k.begin(), slot.view.k.end(), nullptr);
     std::fill(slot.view.v.begin(), slot.view.v.end(), nullptr);
     if (output_in_region && !output_paged) {  // computed straight into the client's memory
@@ -557,24 +568,27 @@ grpc::Status TranslatorService::TranslateKVImpl(
         if (pending->has_value() && (*pending)->valid()) (*pending)->wait();
       }
     } wait_pending{&pending};
-    if (!wait_ready(0)) return grpc::Status::CANCELLED;
-    pending = submit(0);
+    int layer = wait_ready();
+    if (layer < 0) return grpc::Status::CANCELLED;
+    int slot_index = 0;
+    pending = submit(layer, slot_index);
     // A pass over (a sample of) the source features: cheap next to the GEMMs, and it runs here
     // while layer 0 computes. Pipelined, the reading thread takes it once every layer is in.
     if (!pipelined && prepared->shift != nullptr) {
       input_shift = prepared->shift->Score(source, plan.positions);
     }
     v1::TranslateKVResponse response;
-    for (int layer = 0; layer < tgt_model.num_layers; ++layer) {
+    for (int done = 0; done < tgt_model.num_layers; ++done) {
       absl::Status computed = pending->get();
       pending.reset();
       if (!computed.ok()) return fail(computed);
-      Slot& slot = slots[layer % 2];
+      Slot& slot = slots[slot_index];
       compute_ms += slot.compute_ms;
       if (context->IsCancelled()) return CancelledOrDeadline(context);
-      const bool has_next = layer + 1 < tgt_model.num_layers;
+      const bool has_next = done + 1 < tgt_model.num_layers;
       // The next layer's sources may still be on the wire: then this one goes out first.
-      if (has_next && ready_now(layer + 1)) pending = submit(layer + 1);
+      int next = has_next ? ready_now() : -1;
+      if (next >= 0) pending = submit(next, 1 - slot_index);
 
       if (first_output == absl::InfiniteFuture()) first_output = absl::Now();
       if (output_paged) {
@@ -614,10 +628,13 @@ grpc::Status TranslatorService::TranslateKVImpl(
         }
         stage_out_ms += Ms(absl::Now() - send_begin);
       }
-      if (has_next && !pending.has_value()) {
-        if (!wait_ready(layer + 1)) return grpc::Status::CANCELLED;
-        pending = submit(layer + 1);
+      if (has_next && next < 0) {
+        next = wait_ready();
+        if (next < 0) return grpc::Status::CANCELLED;
+        pending = submit(next, 1 - slot_index);
       }
+      layer = next;
+      slot_index = 1 - slot_index;
     }
     return grpc::Status::OK;
   };

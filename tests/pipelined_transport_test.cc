@@ -153,7 +153,14 @@ TEST(PipelinedTranslateTest, TargetLayerComesBackBeforeTheUnreadSourceLayersAreS
     ASSERT_TRUE(arrived.wait_for(lock, std::chrono::seconds(60),
                                  [&] { return !layers_back.empty(); }))
         << "no target layer came back while source layers were still missing";
-    EXPECT_EQ(layers_back[0], 0);
+    // Only target layers whose sources have all been sent can be back yet (layer 0 at least
+    // qualifies; the server takes ready layers in any order).
+    for (int layer : layers_back) {
+      for (const std::vector<int>* sigma :
+           {&view.layers[layer].sigma_k, &view.layers[layer].sigma_v}) {
+        for (int s : *sigma) EXPECT_EQ(needed.count(s), 1u) << "target layer " << layer;
+      }
+    }
   }
   for (int layer = 0; layer < kSourceLayers; ++layer) {
     if (needed.count(layer) > 0) continue;

@@ -493,7 +493,7 @@ TEST_F(TranslateServiceTest, ShutdownDrainsInFlightStreamsAndRefusesNewOnes) {
   stopper.join();
 }
 
-TEST_F(TranslateServiceTest, SharedMemoryIsOffByDefaultAndCudaIpcUnimplemented) {
+TEST_F(TranslateServiceTest, SharedMemoryAndCudaIpcAreOffByDefault) {
   Kvtd kvtd(*store_dir_);
   grpc::ClientContext context;
   v1::RegisterSystemMemoryResponse response;
@@ -508,7 +508,7 @@ TEST_F(TranslateServiceTest, SharedMemoryIsOffByDefaultAndCudaIpcUnimplemented) 
                 ->RegisterCudaMemory(&cuda_context, v1::RegisterCudaMemoryRequest(),
                                      &cuda_response)
                 .error_code(),
-            grpc::StatusCode::UNIMPLEMENTED);
+            grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 // --- ValidateKV and telemetry. ---
