@@ -402,6 +402,25 @@ class Client:
         return list(self._unary(self._stub.SystemMemoryStatus,
                                 memory_pb2.SystemMemoryStatusRequest(name=name), timeout).regions)
 
+    def register_cuda_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int,
+                             timeout: Optional[float] = None) -> None:
+        """Registers a CUDA allocation of another process by its cudaIpcMemHandle_t (64 bytes)
+        on `device_id` as the server sees it; RegionRefs then name it like a system region.
+        Needs a kvtd with CUDA on the same node (FAILED_PRECONDITION without CUDA, UNAVAILABLE
+        without a device) and shared memory allowed; admin role under auth."""
+        self._unary(self._stub.RegisterCudaMemory, memory_pb2.RegisterCudaMemoryRequest(
+            name=name, raw_handle=raw_handle, device_id=device_id, byte_size=byte_size), timeout)
+
+    def unregister_cuda_memory(self, name: str = "", timeout: Optional[float] = None) -> None:
+        """Unregisters `name` ("" = every CUDA region)."""
+        self._unary(self._stub.UnregisterCudaMemory,
+                    memory_pb2.UnregisterCudaMemoryRequest(name=name), timeout)
+
+    def cuda_memory_status(self, name: str = "", timeout: Optional[float] = None
+                           ) -> List[memory_pb2.CudaMemoryStatusResponse.Region]:
+        return list(self._unary(self._stub.CudaMemoryStatus,
+                                memory_pb2.CudaMemoryStatusRequest(name=name), timeout).regions)
+
     def create_region(self, byte_size: int, name: Optional[str] = None,
                       timeout: Optional[float] = None) -> "Any":
         """A new SharedMemoryRegion of `byte_size` bytes registered with this server."""

@@ -403,6 +403,18 @@ class ClientTest(unittest.TestCase):
             self.assertEqual(set(os.listdir("/dev/shm")), before)
             self.assertTrue(os.path.exists("/dev/shm" + taken.key))
 
+    def test_cuda_memory_calls_reach_the_server(self) -> None:
+        # No usable CUDA device here: kvtd says why with the code of its registry.
+        with self.assertRaises(kvt.KvtError) as caught:
+            self.client.register_cuda_memory("gpu-region", b"\0" * 64, 0, 1 << 20)
+        self.assertIn(caught.exception.code, (grpc.StatusCode.FAILED_PRECONDITION,
+                                              grpc.StatusCode.UNAVAILABLE))
+        self.assertEqual(self.client.cuda_memory_status(), [])
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, "64",
+                         lambda: self.client.register_cuda_memory("bad", b"short", 0, 1 << 20))
+        with self.assertRaises(kvt.NotFoundError):
+            self.client.unregister_cuda_memory("gpu-region")
+
     def test_shared_memory_refused_when_disabled(self) -> None:
         with Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={self.store}",
                    "--backend=cpu", "--drain_grace_seconds=0"], "noshm") as plain:
