@@ -5,6 +5,7 @@ kind of bad input raising the exception of its gRPC code with a message naming t
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -205,6 +206,15 @@ class ClientTest(unittest.TestCase):
                                        whole.k[layer], rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(np.concatenate([a.v[layer], b.v[layer]], 1),
                                        whole.v[layer], rtol=1e-5, atol=1e-5)
+
+    def test_concurrent_translations_from_threads(self) -> None:
+        sources = [random_cache(self.rng, int(self.rng.integers(10, 200))) for _ in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(
+                lambda s: self.client.translate(s, mapper_id="demo-tiny", position_offset=2),
+                sources))
+        for source, result in zip(sources, results):
+            self.check_against_reference(source, result, 2 + np.arange(source.num_tokens), 1e-5)
 
     def test_split_into_requests_under_max_tokens(self) -> None:
         # 4100 tokens exceed this kvtd's limits.max_tokens (4096): max_request_tokens splits.
