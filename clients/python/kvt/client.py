@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -42,6 +43,9 @@ class TranslateResult:
     # The requests a translation was split into (Client.max_request_tokens); empty when one.
     # header and trailer then describe the whole: token and byte counts and stage times summed.
     parts: List["TranslateResult"] = field(default_factory=list)
+    # time.monotonic() when the first target chunk arrived (None without inline output): with a
+    # pipelining server it comes before the upload ends.
+    first_chunk_at: Optional[float] = None
 
 
 def _pem(value: Optional[Pem]) -> Optional[bytes]:
@@ -259,6 +263,82 @@ class Client:
                                       metadata=self._metadata)
         return _Reassembler(call).run()
 
+    def translate_layers(self, layers: Iterable[Tuple[np.ndarray, np.ndarray]], *,
+                         num_layers: int, num_tokens: int, dtype: str = "fp32",
+                         layout: str = "HND", mapper_id: str = "", source_model: str = "",
+                         target_model: str = "", position_offset: int = 0,
+                         positions: Optional[Sequence[int]] = None,
+                         output_dtype: Optional[str] = None, output_layout: Optional[str] = None,
+                         request_id: str = "", session_id: str = "", turn: int = 0,
+                         reprefill_estimate_ms: float = 0.0, response_chunk_tokens: int = 0,
+                         timeout: Optional[float] = None) -> TranslateResult:
+        """translate() of a source cache produced layer by layer: `layers` yields (K, V) of
+        layer 0, 1, ... (arrays as in KVCache) and is consumed while the stream is open, so a
+        pipelining kvtd computes and returns target layers whose source layers have arrived
+        while later ones are still being produced (e.g. by a running prefill). A layer of the
+        wrong shape, or too few or too many layers, ends the call with InvalidArgumentError; an
+        exception raised by `layers` itself ends it and is re-raised here."""
+        if dtype not in DTYPES or layout not in LAYOUTS:
+            raise InvalidArgumentError(f"dtype/layout: unknown {dtype!r}/{layout!r}")
+        header = self._translate_header(
+            num_tokens, dtype, layout, mapper_id, source_model, target_model, position_offset,
+            positions, output_dtype, output_layout, request_id, session_id, turn,
+            reprefill_estimate_ms)
+        if response_chunk_tokens:
+            header.output.inline.chunk_tokens = response_chunk_tokens
+        # Errors of the layer producer (or of its layers) end the upload early; they are raised
+        # instead of the server's "tokens missing" that follows.
+        problems: List[Exception] = []
+        chunk_bytes = self.chunk_bytes
+        shape: List[Tuple[int, ...]] = []
+
+        def requests() -> Iterator[translate_pb2.TranslateKVRequest]:
+            yield translate_pb2.TranslateKVRequest(header=header)
+            count = 0
+            produced = iter(layers)
+            while True:
+                try:
+                    k, v = next(produced)
+                except StopIteration:
+                    break
+                except Exception as error:  # the caller's producer failed: report it as is
+                    problems.append(error)
+                    return
+                if count == num_layers:
+                    problems.append(InvalidArgumentError(
+                        f"layers: more than num_layers={num_layers} layers"))
+                    return
+                try:
+                    one = KVCache(k=[k], v=[v], layout=layout, dtype=dtype)
+                    if one.num_tokens != num_tokens or (shape and one.k[0].shape != shape[0]):
+                        raise InvalidArgumentError(
+                            f"layer {count} has shape {one.k[0].shape}; expected "
+                            f"{shape[0] if shape else f'{num_tokens} tokens'}")
+                except KvtError as error:
+                    problems.append(InvalidArgumentError(f"layers: layer {count}: {error.details}"))
+                    return
+                shape[:] = [one.k[0].shape]
+                for _, kind, start, tokens, data in one.chunks(chunk_bytes):
+                    yield translate_pb2.TranslateKVRequest(chunk=common_pb2.KVChunk(
+                        layer=count, kind=kind, token_start=start, token_count=tokens,
+                        data=data))
+                count += 1
+            if count < num_layers:
+                problems.append(InvalidArgumentError(
+                    f"layers: {count} layers produced, num_layers={num_layers}"))
+
+        call = self._stub.TranslateKV(requests(), timeout=self._timeout(timeout),
+                                      metadata=self._metadata)
+        try:
+            result = _Reassembler(call).run()
+        except KvtError:
+            if problems:  # the server only saw a short stream; say what was wrong with it
+                raise problems[0]
+            raise
+        if problems:
+            raise problems[0]
+        return result
+
     def translate_regions(self, *, input_region: str, output_region: str, num_tokens: int,
                           dtype: str, input_byte_size: int, output_byte_size: int,
                           input_offset: int = 0, output_offset: int = 0, layout: str = "HND",
@@ -467,6 +547,7 @@ class _Reassembler:
         self._trailer: Optional[translate_pb2.TranslateTrailer] = None
         self._target: Optional[KVCache] = None
         self._received: List[np.ndarray] = []
+        self._first_chunk_at: Optional[float] = None
 
     def _fail(self, message: str) -> KvtError:
         self._call.cancel()
@@ -491,7 +572,8 @@ class _Reassembler:
             gap = coverage_error(self._received, self._target.num_tokens)
             if gap is not None:
                 raise InternalError(f"server ended the stream without a complete result: {gap}")
-        return TranslateResult(header=self._header, trailer=self._trailer, target=self._target)
+        return TranslateResult(header=self._header, trailer=self._trailer, target=self._target,
+                               first_chunk_at=self._first_chunk_at)
 
     def _on_header(self, header: translate_pb2.TranslateResponseHeader) -> None:
         if self._header is not None:
@@ -511,6 +593,8 @@ class _Reassembler:
                           for _ in range(2 * shape.num_layers)]
 
     def _on_chunk(self, chunk: common_pb2.KVChunk) -> None:
+        if self._first_chunk_at is None:
+            self._first_chunk_at = time.monotonic()
         target = self._target
         if target is None:
             raise self._fail("a target chunk before the header (or into a region request)")

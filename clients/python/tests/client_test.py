@@ -11,8 +11,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
-from typing import List
+from typing import Iterator, List, Tuple
 
 import grpc
 import numpy as np
@@ -215,6 +216,47 @@ class ClientTest(unittest.TestCase):
                 sources))
         for source, result in zip(sources, results):
             self.check_against_reference(source, result, 2 + np.arange(source.num_tokens), 1e-5)
+
+    def test_layers_streamed_while_produced_are_pipelined(self) -> None:
+        # demo-tiny's target layer 4 needs source layers 0-2 only (its sigma lists), so kvtd can
+        # return it while layer 3 is still being "computed" (the pause below).
+        tokens = 1500  # >= kvtd's transport.pipeline_min_tokens (1024)
+        source = random_cache(self.rng, tokens, dtype="bf16")
+        last_layer_sent: List[float] = []
+
+        def produce() -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+            for layer in range(4):
+                if layer == 3:
+                    time.sleep(1.0)
+                    last_layer_sent.append(time.monotonic())
+                yield source.k[layer], source.v[layer]
+
+        result = self.client.translate_layers(produce(), num_layers=4, num_tokens=tokens,
+                                              dtype="bf16", mapper_id="demo-tiny",
+                                              position_offset=4)
+        self.assertTrue(result.trailer.pipelined)
+        self.assertLess(result.first_chunk_at, last_layer_sent[0])
+        self.check_against_reference(source, result, 4 + np.arange(tokens), 1e-2)
+
+    def test_layer_producer_errors(self) -> None:
+        good = random_cache(self.rng, 6)
+        pairs = list(zip(good.k, good.v))
+        stream = lambda layers, n=4: self.client.translate_layers(  # noqa: E731
+            iter(layers), num_layers=n, num_tokens=6, mapper_id="demo-tiny")
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT,
+                         "3 layers produced", lambda: stream(pairs[:3]))
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT,
+                         "more than num_layers", lambda: stream(pairs + pairs[:1]))
+        bad = pairs[:2] + [(np.zeros((2, 7, 32), np.float32),) * 2] + pairs[3:]
+        self.assert_code(kvt.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT,
+                         "layer 2", lambda: stream(bad))
+
+        def failing() -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+            yield pairs[0]
+            raise RuntimeError("prefill crashed")
+
+        with self.assertRaisesRegex(RuntimeError, "prefill crashed"):
+            stream(failing())
 
     def test_split_into_requests_under_max_tokens(self) -> None:
         # 4100 tokens exceed this kvtd's limits.max_tokens (4096): max_request_tokens splits.
