@@ -398,6 +398,9 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::BeginPrepare(
                                                     cudaMemcpyHostToDevice));
   prepared->bytes_ = static_cast<uint64_t>(weight_bytes + bias.size() * sizeof(float) +
                                            sigma.size() * sizeof(int));
+  // A pageable cudaMemcpy may return before its DMA lands, and translations run on
+  // non-blocking streams that do not wait for the legacy stream: wait here.
+  KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(cudaStreamLegacy));
   return std::shared_ptr<PreparedMapper>(std::move(prepared));
 }
 
@@ -433,6 +436,8 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
     KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
                              cudaMemcpy(device, host, count * element, cudaMemcpyHostToDevice));
   }
+  // As in BeginPrepare: the layer is usable once its copies have landed.
+  KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(cudaStreamLegacy));
   return absl::OkStatus();
 }
 

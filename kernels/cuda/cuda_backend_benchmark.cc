@@ -92,6 +92,8 @@ class DeviceArray {
       CHECK_CUDA(cudaMemcpy(static_cast<char*>(data_) + at, pattern.data(),
                             std::min(block, bytes - at), cudaMemcpyHostToDevice));
     }
+    // Pageable copies may return before the DMA lands; the backend's streams do not wait.
+    CHECK_CUDA(cudaDeviceSynchronize());
   }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;

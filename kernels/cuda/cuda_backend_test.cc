@@ -73,6 +73,8 @@ class DeviceCache {
       CUDA_CHECK(cudaMemcpy(cache->mutable_view.v[l], host.v[l], cache->layer_bytes_,
                             cudaMemcpyHostToDevice));
     }
+    // Pageable copies may return before the DMA lands; the backend's streams do not wait.
+    CUDA_CHECK(cudaDeviceSynchronize());
     return cache;
   }
 
