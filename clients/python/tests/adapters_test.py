@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import unittest
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -78,6 +79,10 @@ class TorchAdapterTest(unittest.TestCase):
         # The legacy tuple form reads the same.
         legacy = tuple((k, v) for k, v in layers)
         np.testing.assert_array_equal(adapters.from_dynamic_cache(legacy).v[2], layers[2][1][0])
+        # transformers >= 4.54 keeps a list of layer objects with .keys / .values instead of
+        # key_cache / value_cache; the installed 4.44 has the lists, so that shape is built here.
+        newer = SimpleNamespace(layers=[SimpleNamespace(keys=k, values=v) for k, v in layers])
+        np.testing.assert_array_equal(adapters.from_dynamic_cache(newer).k[1], layers[1][0][0])
 
 
 class HandoffTest(unittest.TestCase):
