@@ -37,6 +37,7 @@ PACKAGES=(
   python3-protobuf
   python3-yaml             # clients/python tests read mapper manifests
   python3-mypy             # //clients/python:package_test type-checks the kvt package
+  python3-xmlrunner        # per-case JUnit XML of the Python unittest suites
   python3-torch            # torch 1.13: client adapters, eval (transformers comes from PyPI)
   python3-matplotlib       # eval/run_eval.py plots for docs/EVAL.md
   python3.11-doc           # eval/tinyfamily corpus: the Python docs' English text

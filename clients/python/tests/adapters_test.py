@@ -19,6 +19,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvt
 from kvt import adapters
+import junit_main
 from kvtd_process import Kvtd, runfile, test_tmpdir
 from reference import RidgeMapper, max_rel_error
 
@@ -135,4 +136,4 @@ class HandoffTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    junit_main.main()

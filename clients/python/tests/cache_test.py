@@ -18,6 +18,7 @@ import kvt
 from kvt._proto import common_pb2, translate_pb2
 from kvt.cache import (bf16_bits_to_float32, decode, encode, float32_to_bf16_bits)
 from kvt.client import _Reassembler
+import junit_main
 
 SEED = int.from_bytes(os.urandom(4), "little")
 print(f"cache_test: seed {SEED}", file=sys.stderr)
@@ -205,4 +206,4 @@ class ReassemblyTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    junit_main.main()

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 import kvt
+import junit_main
 from kvtd_process import Kvtd, runfile, test_tmpdir
 from reference import RidgeMapper, max_rel_error
 
@@ -576,4 +577,4 @@ class MutualTlsTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    junit_main.main()

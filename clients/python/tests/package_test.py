@@ -12,6 +12,7 @@ import sys
 import tempfile
 import unittest
 
+import junit_main
 from kvtd_process import runfile, test_tmpdir
 
 
@@ -66,4 +67,4 @@ class PackageTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    junit_main.main()
