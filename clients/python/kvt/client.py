@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -26,6 +26,9 @@ from kvt.cache import (DTYPE_NAMES, DTYPES, ELEMENT_SIZE, LAYOUT_NAMES, LAYOUTS,
                        coverage_error, decode)
 from kvt.errors import (InternalError, InvalidArgumentError, KvtError, NotFoundError,
                         from_rpc_error)
+
+if TYPE_CHECKING:
+    from kvt.shm import SharedMemoryRegion
 
 Pem = Union[str, bytes]
 
@@ -502,7 +505,7 @@ class Client:
                                 memory_pb2.CudaMemoryStatusRequest(name=name), timeout).regions)
 
     def create_region(self, byte_size: int, name: Optional[str] = None,
-                      timeout: Optional[float] = None) -> "Any":
+                      timeout: Optional[float] = None) -> "SharedMemoryRegion":
         """A new SharedMemoryRegion of `byte_size` bytes registered with this server."""
         from kvt.shm import SharedMemoryRegion
 
