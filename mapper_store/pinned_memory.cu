@@ -4,7 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "mapper_store/pinned_copy.h"
+#include "mapper_store/pinned_memory.h"
 
 namespace kvt {
 namespace {
@@ -15,6 +15,22 @@ absl::Status CudaError(const char* call, cudaError_t error) {
 }
 
 }  // namespace
+
+bool PinnedMemoryAvailable() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+absl::StatusOr<HostBuffer> AllocatePinnedHostBuffer(size_t size) {
+  void* data = nullptr;
+  if (cudaError_t e = cudaHostAlloc(&data, size == 0 ? 1 : size, cudaHostAllocDefault);
+      e != cudaSuccess) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cudaHostAlloc of ", size, " bytes of pinned host memory failed: ", cudaGetErrorName(e),
+        ": ", cudaGetErrorString(e)));
+  }
+  return HostBuffer(data, size, [](void* p) { cudaFreeHost(p); });
+}
 
 absl::StatusOr<double> PinnedHostToDeviceSeconds(size_t bytes, int repeats) {
   void* host = nullptr;

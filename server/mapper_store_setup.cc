@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "mapper_store/pinned_memory.h"
 
 namespace kvt {
 
@@ -31,6 +32,10 @@ StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend) {
   options.host_budget_bytes = HostBudgetBytes(config);
   options.load_on_scan = config.mapper_store.load_on_scan;
   if (backend != nullptr) options.devices = {{backend, DeviceBudgetBytes(config, *backend)}};
+  // Page-ins onto a GPU copy from page-locked memory at full bus speed (and asynchronously).
+  if (backend != nullptr && backend->name() == "cuda" && PinnedMemoryAvailable()) {
+    options.load.allocator = AllocatePinnedHostBuffer;
+  }
   return options;
 }
 

@@ -21,7 +21,8 @@ uint64_t HostBudgetBytes(const KvtdConfig& config);
 // it (Backend::DeviceMemoryBytes), else the host budget (the CPU backend's copies live there).
 uint64_t DeviceBudgetBytes(const KvtdConfig& config, const Backend& backend);
 
-// Store options for kvtd: budgets, `backend` as the one device, load_on_scan.
+// Store options for kvtd: budgets, `backend` as the one device, load_on_scan, and pinned host
+// memory for the weights when `backend` is CUDA.
 StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend);
 
 // Loads every id of mapper_store.preload into host memory and onto a device, in order. Errors

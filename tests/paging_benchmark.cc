@@ -26,7 +26,7 @@
 #include "kernels/backend.h"
 #include "kernels/dtype.h"
 #include "mapper_store/file_util.h"
-#include "mapper_store/pinned_copy.h"
+#include "mapper_store/pinned_memory.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "server/backend_select.h"
