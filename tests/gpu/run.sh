@@ -35,14 +35,24 @@ bundle() {
   [ -d "$bin" ] || bin=$(bazel info -c opt bazel-bin 2>/dev/null) || return 1
   rm -rf "$BUNDLE"
   mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
+  local originals=()
   for target in "${GPU_TARGETS[@]}"; do
     local path=${target#//}
     path=${path/://}
     cp "$bin/$path" "$BUNDLE/bin/" || return 1
+    originals+=("$bin/$path")
   done
   # Every shared library the binaries load, except the C/C++ runtime and cuBLAS (large, and
-  # the GPU machine's own matches its driver). The kvt libraries come from bazel-bin/_solib.
-  ldd "$BUNDLE"/bin/* | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
+  # the GPU machine's own matches its driver). The kvt libraries are in bazel-bin/_solib_k8,
+  # found through the binaries' $ORIGIN-relative RUNPATH: ldd the originals, not the copies.
+  local listed
+  listed=$(ldd "${originals[@]}") || return 1
+  if grep -q "not found" <<<"$listed"; then
+    echo "bundle: unresolved libraries:" >&2
+    grep "not found" <<<"$listed" | sort -u >&2
+    return 1
+  fi
+  awk '/=> \// {print $3}' <<<"$listed" | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
       ld-linux*|libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|libstdc++*|libgcc_s*|\
       libcuda.so*|libcublas*) ;;
