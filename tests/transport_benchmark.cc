@@ -11,7 +11,7 @@
 // bandwidth (from the trailer's stage times), and the ratios the goals are stated in.
 //
 //   bazel build -c opt //tests:transport_benchmark
-//   bazel-bin/tests/transport_benchmark --tokens=1024,8192,32768 --layers=4 --k=2 --reps=3
+//   bazel-bin/tests/transport_benchmark --tokens=1024,8192,32768 --layers=8 --k=1 --reps=3
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -36,8 +36,9 @@
 #include "tests/shm_object.h"
 
 ABSL_FLAG(std::string, tokens, "1024,8192,32768", "token counts T, comma-separated");
-ABSL_FLAG(int, layers, 4, "layers of both models (the real pair has 40 -> 64)");
-ABSL_FLAG(int, k, 2, "source layers per target layer (the preset's is 8)");
+ABSL_FLAG(int, layers, 8, "layers of both models (the real pair has 40 -> 64)");
+ABSL_FLAG(int, k, 1, "source layers per target layer (the preset's is 8)");
+ABSL_FLAG(bool, shared_sigma, true, "one sigma list for K and V, as the paper fits them");
 ABSL_FLAG(int, reps, 3, "repetitions; the best (least disturbed) one is reported");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "inline chunk size, both directions");
 ABSL_FLAG(std::string, work_dir, "/tmp/kvt_transport_benchmark", "where the mapper is written");
@@ -75,6 +76,7 @@ int Run() {
   synth->source.num_layers = layers;
   synth->target.num_layers = layers;
   synth->k = absl::GetFlag(FLAGS_k);
+  synth->shared_sigma = absl::GetFlag(FLAGS_shared_sigma);
   const std::string dir = absl::GetFlag(FLAGS_work_dir);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
@@ -248,7 +250,7 @@ int Run() {
   }
 
   std::printf(
-      "Layers %d -> %d, k=%d, 8 KV heads x 128 (Qwen3-14B -> Qwen3-32B shapes), bf16, NHD, "
+      "Layers %d -> %d, k=%d (sigma drawn at random by the synth preset), 8 KV heads x 128 (Qwen3-14B -> Qwen3-32B shapes), bf16, NHD, "
       "chunk %lld bytes, best of %d.\n\n",
       layers, layers, absl::GetFlag(FLAGS_k),
       static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes)), absl::GetFlag(FLAGS_reps));
