@@ -26,12 +26,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
     p.add_argument("--members", default="S,M,L,U")
-    p.add_argument("--pairs", default="S:L,L:S,M:L,L:M,S:M,M:S,U:L,L:U")
-    p.add_argument("--ks", default="1,2,4")
+    p.add_argument("--pairs", default="S:L,L:S,M:L,L:M,U:L,L:U")
+    p.add_argument("--ks", default="1,2,3")
     p.add_argument("--main_k", default="2")
     p.add_argument("--calib_windows", type=int, default=64)
     p.add_argument("--calib_tokens", type=int, default=512)
-    p.add_argument("--windows", type=int, default=24)
+    p.add_argument("--windows", type=int, default=16)
     p.add_argument("--context", type=int, default=384)
     p.add_argument("--continuation", type=int, default=96)
     p.add_argument("--drift_pair", default="S:L")
@@ -72,6 +72,11 @@ def main():
                   os.path.join(store, f"{a}-to-{b}-k{k}"))
         R.fit(dumps[a + "0"], dumps[b], untrained[a].name, members[b].name, args.main_k,
               os.path.join(store, f"{a}0-to-{b}-k{args.main_k}"))
+    da, db = args.drift_pair.split(":")
+    for a, b in ((da, db), (db, da)):
+        if (a, b) not in pairs:
+            R.fit(dumps[a], dumps[b], members[a].name, members[b].name, args.main_k,
+                  os.path.join(store, f"{a}-to-{b}-k{args.main_k}"))
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
 
     calib_windows = [w for w, _ in zip(R.dump_kv.windows(R.token_stream("calib"),
@@ -96,7 +101,6 @@ def main():
                 results["pairs"][f"{a}->{b} k={k}"] = r
                 print(f"eval: {a}->{b} k={k}: benefit {r['benefit']['mapped']['all']:.3f} "
                       f"({time.time() - start:.0f} s)", flush=True)
-        da, db = args.drift_pair.split(":")
         drift_windows = R.heldout_windows(args.segment * (args.turns + 1) + 1,
                                           args.drift_windows)
         results["drift"] = R.multi_turn(client, members[da], members[db],
