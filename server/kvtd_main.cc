@@ -4,7 +4,9 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -125,8 +127,16 @@ int Run() {
       .With("device", backend->backend->device())
       .With("reason", backend->reason);
 
-  absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(
-      config->mapper_store.path, MakeStoreOptions(*config, backend->backend.get()));
+  // Every further GPU is one more device of the mapper store: a mapper is paged onto the one
+  // with room and the least load, and requests compute where their mapper is.
+  std::vector<std::unique_ptr<Backend>> more_gpus = MoreGpuBackends(*backend->backend);
+  std::vector<Backend*> devices = {backend->backend.get()};
+  for (const auto& gpu : more_gpus) {
+    devices.push_back(gpu.get());
+    KVT_LOG(kInfo, "backend").With("backend", gpu->name()).With("device", gpu->device());
+  }
+  absl::StatusOr<std::unique_ptr<MapperStore>> store =
+      MapperStore::Open(config->mapper_store.path, MakeStoreOptions(*config, devices));
   if (!store.ok()) return Fatal(store.status());
   if (absl::Status preloaded = PreloadMappers(store->get(), config->mapper_store.preload,
                                               absl::InfiniteFuture());

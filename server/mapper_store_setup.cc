@@ -3,6 +3,9 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/device.h"
 #include "mapper_store/pinned_memory.h"
 
 namespace kvt {
@@ -27,16 +30,42 @@ uint64_t DeviceBudgetBytes(const KvtdConfig& config, const Backend& backend) {
   return HostBudgetBytes(config);
 }
 
-StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend) {
+StoreOptions MakeStoreOptions(const KvtdConfig& config, const std::vector<Backend*>& devices) {
   StoreOptions options;
   options.host_budget_bytes = HostBudgetBytes(config);
   options.load_on_scan = config.mapper_store.load_on_scan;
-  if (backend != nullptr) options.devices = {{backend, DeviceBudgetBytes(config, *backend)}};
+  for (Backend* backend : devices) {
+    options.devices.push_back({backend, DeviceBudgetBytes(config, *backend)});
+  }
   // Page-ins onto a GPU copy from page-locked memory at full bus speed (and asynchronously).
-  if (backend != nullptr && backend->name() == "cuda" && PinnedMemoryAvailable()) {
+  if (!devices.empty() && devices[0]->name() == "cuda" && PinnedMemoryAvailable()) {
     options.load.allocator = AllocatePinnedHostBuffer;
   }
   return options;
+}
+
+StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend) {
+  return MakeStoreOptions(config,
+                          backend == nullptr ? std::vector<Backend*>() : std::vector<Backend*>{backend});
+}
+
+std::vector<std::unique_ptr<Backend>> MoreGpuBackends(const Backend& first) {
+  std::vector<std::unique_ptr<Backend>> gpus;
+  if (first.name() != "cuda") return gpus;
+  const absl::StatusOr<int> count = cuda::DeviceCount();
+  for (int device = 1; count.ok() && device < *count; ++device) {
+    CudaBackendOptions options;
+    options.device = device;
+    absl::StatusOr<std::unique_ptr<Backend>> gpu = NewCudaBackend(options);
+    if (!gpu.ok()) {
+      KVT_LOG(kWarning, "GPU not used for mappers")
+          .With("device", device)
+          .With("error", gpu.status().message());
+      continue;
+    }
+    gpus.push_back(*std::move(gpu));
+  }
+  return gpus;
 }
 
 absl::Status PreloadMappers(MapperStore* store, const std::vector<std::string>& ids,

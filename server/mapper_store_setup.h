@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,12 @@ uint64_t DeviceBudgetBytes(const KvtdConfig& config, const Backend& backend);
 // Store options for kvtd: budgets, `backend` as the one device, load_on_scan, and pinned host
 // memory for the weights when `backend` is CUDA.
 StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend);
+// The same with several devices (the first one decides pinned memory).
+StoreOptions MakeStoreOptions(const KvtdConfig& config, const std::vector<Backend*>& devices);
+
+// With a CUDA `first` backend on GPU 0: a CUDA backend for each further visible GPU (each a
+// device of the store). Empty otherwise, or for GPUs whose backend cannot start (logged).
+std::vector<std::unique_ptr<Backend>> MoreGpuBackends(const Backend& first);
 
 // Loads every id of mapper_store.preload into host memory and onto a device, in order. Errors
 // name the key and the id (unknown, FAILED, or too large for a budget).
