@@ -44,7 +44,9 @@ __device__ __forceinline__ void PairDims(int q, int half, int neox, bool rotary,
   }
 }
 
-// Element offset of (head, token, dim 0) in a layer of `tokens` tokens.
+// Element offset of (head, token, dim 0) in a layer of `tokens` tokens: kernels/types.h
+// CacheOffset on the device (that one is a host function; making it constexpr would let nvcc
+// call it here, at the price of recompiling every file that includes types.h).
 __device__ __forceinline__ int64_t HeadOffset(int layout, int heads, int64_t tokens, int head_dim,
                                               int head, int64_t token) {
   return layout == kHND ? (static_cast<int64_t>(head) * tokens + token) * head_dim
