@@ -23,6 +23,12 @@ struct Positions {
   }
 };
 
+// `rope`'s cos/sin rows for tokens first_token .. first_token + count - 1 of a request (row i,
+// rotary_dim/2 floats, at cos + i * rotary_dim/2): by angle addition when the positions are
+// consecutive, one exact row per token otherwise. Every backend fills its tables this way.
+void RopeTablesFor(const Rope& rope, const Positions& positions, int64_t first_token,
+                   int64_t count, float* cos, float* sin);
+
 // One model's cache for a request: per layer, K and V each contiguous in `layout`.
 struct CacheView {
   DType dtype = DType::kFP32;

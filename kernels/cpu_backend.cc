@@ -171,15 +171,8 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
     float* apply_cos = ws->apply_cos.Get(rows * apply_half);
     float* apply_sin = ws->apply_sin.Get(rows * apply_half);
     // Both models' rotations for these positions, once per piece.
-    if (positions.explicit_positions == nullptr) {
-      strip.CosSinRange(positions.at(t0), rows, strip_cos, strip_sin);
-      apply.CosSinRange(positions.at(t0), rows, apply_cos, apply_sin);
-    } else {
-      for (int64_t i = 0; i < rows; ++i) {
-        strip.CosSin(positions.at(t0 + i), strip_cos + i * strip_half, strip_sin + i * strip_half);
-        apply.CosSin(positions.at(t0 + i), apply_cos + i * apply_half, apply_sin + i * apply_half);
-      }
-    }
+    RopeTablesFor(strip, positions, t0, rows, strip_cos, strip_sin);
+    RopeTablesFor(apply, positions, t0, rows, apply_cos, apply_sin);
 
     for (const Kind& kind : kinds) {
       const int64_t inputs = static_cast<int64_t>(kind.sigma->size()) * source_width;

@@ -744,15 +744,8 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
     float* strip_sin = strip_cos + tokens * strip_half;
     float* apply_cos = strip_sin + tokens * strip_half;
     float* apply_sin = apply_cos + tokens * apply_half;
-    if (positions.explicit_positions == nullptr) {
-      strip.CosSinRange(positions.at(t0), tokens, strip_cos, strip_sin);
-      apply.CosSinRange(positions.at(t0), tokens, apply_cos, apply_sin);
-    } else {
-      for (int64_t i = 0; i < tokens; ++i) {
-        strip.CosSin(positions.at(t0 + i), strip_cos + i * strip_half, strip_sin + i * strip_half);
-        apply.CosSin(positions.at(t0 + i), apply_cos + i * apply_half, apply_sin + i * apply_half);
-      }
-    }
+    RopeTablesFor(strip, positions, t0, tokens, strip_cos, strip_sin);
+    RopeTablesFor(apply, positions, t0, tokens, apply_cos, apply_sin);
     const int64_t used_floats = tokens * 2 * (strip_half + apply_half);
     KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
                              cudaMemcpyAsync(device_tables, host_tables, used_floats * sizeof(float),
