@@ -1,7 +1,7 @@
 """The committed family: each member loads with transformers' LlamaForCausalLM (HF key names and
 config.json), and its logits and KV cache equal those of model.py (the training code) on fresh
 random bytes; the matched members share num_key_value_heads and head_dim, the unmatched one does
-not; every member is past the unigram level on held-out text (summary.json)."""
+not; every member beats the unigram level on held-out text (summary.json)."""
 
 import json
 import os
@@ -66,8 +66,9 @@ class FamilyTest(unittest.TestCase):
         for name in MATCHED + UNMATCHED:
             with open(os.path.join(MODELS, name, "summary.json")) as f:
                 s = json.load(f)
-            # A unigram byte model of English prose is ~4.5-5 bits per byte.
-            self.assertLess(s["heldout_bits_per_byte"], 3.5, name)
+            # Byte frequencies of the training split score 4.89 bits per byte on the held-out
+            # split (bigram: 3.83); every member must at least beat the unigram model.
+            self.assertLess(s["heldout_bits_per_byte"], 4.5, name)
             if name != "L":
                 self.assertTrue(s["teacher"].endswith("/L"), name)
 
