@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Runs the full retention evaluation on the bundled family and writes docs/EVAL.md.
 
-    bazel run //eval:run_eval -- --out_md=docs/EVAL.md --work=/tmp/kvt-eval
+    bazel build //eval:run_eval
+    PATH=$PWD/.venv/bin:$PATH bazel-bin/eval/run_eval --work=/tmp/kvt-eval --out_md=docs/EVAL.md
+
+(the venv only on the program's PATH: on Bazel's, it would change every action's environment).
 
 Dumps, fits (every ordered matched pair, several k, plus the untrained-source controls), one
 kvtd for all mappers, then the measures of eval/retention.py; results.json and the SVG plots go
@@ -85,7 +88,7 @@ def main():
     identity = {}
     windows = R.heldout_windows(args.context + args.continuation + 1, args.windows)
     settings = dict(vars(args))
-    settings["command"] = "bazel run //eval:run_eval -- " + " ".join(sys.argv[1:])
+    settings["command"] = "bazel-bin/eval/run_eval " + " ".join(sys.argv[1:])
     results = {"pairs": {}, "settings": settings}
     with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
         for a, b in pairs:
