@@ -17,9 +17,11 @@ and on the first 16 after the cache boundary; the perplexity ratio exp(CE_x - CE
 secondary figure (EVAL-NOTES 3: it overstates retention).
 """
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -144,10 +146,23 @@ def heldout_windows(length, count):
 # -- pipeline: dumps, fits, kvtd ---------------------------------------------------------------
 
 def dump(member_dir, calib_jsonl, out, tokens, sequences):
-    if not os.path.exists(os.path.join(out, "config.json")):
+    """Dumps reused from an earlier run in the same work directory only when they were made from
+    the same weights and settings (a retrained member must not be fitted on its old caches)."""
+    h = hashlib.sha256()
+    with open(os.path.join(member_dir, "model.safetensors"), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    h.update(f"{tokens} {sequences} {calib_jsonl}".encode())
+    stamp = out.rstrip("/") + ".made_from.sha256"  # beside the dump: kvt fit reads the folder
+    fresh = (os.path.exists(os.path.join(out, "config.json")) and os.path.exists(stamp)
+             and open(stamp).read().strip() == h.hexdigest())
+    if not fresh:
+        shutil.rmtree(out, ignore_errors=True)
         dump_kv.main(["--model", member_dir, "--corpus", calib_jsonl, "--out", out,
                       "--tokens", str(tokens), "--sequences", str(sequences), "--dtype", "fp32",
                       "--tokenizer", "bytes", "--corpus_name", corpus.PACKAGE])
+        with open(stamp, "w") as f:
+            f.write(h.hexdigest() + "\n")
     return out
 
 
