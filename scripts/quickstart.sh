@@ -2,7 +2,8 @@
 # The main job on the embedded default: installs what is missing, builds, starts kvtd on the
 # bundled demo mapper store (CPU backend, a free port), performs a real handoff through gRPC
 # (`kvt demo`: prints tokens, per-stage latency and the max error against a float64 reference),
-# then stops kvtd with SIGTERM (graceful drain). Extra arguments go to `kvt demo`.
+# then stops kvtd with SIGTERM (graceful drain); then a handoff between two trained members of
+# the bundled model family (below). Extra arguments go to `kvt demo`.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -37,3 +38,14 @@ kill -TERM $kvtd_pid
 wait $kvtd_pid
 trap - EXIT
 echo "kvtd drained and exited cleanly"
+
+# Then a handoff between two trained members of the bundled family (eval/tinyfamily): dumps
+# their caches through transformers, fits the mapper with `kvt fit`, serves it from a fresh kvtd
+# and prints latency, the speedup over the target's own prefill and the context benefit
+# recovered. KVT_QUICKSTART_FAMILY=0 skips it (it needs the Python venv: torch, transformers).
+if [ "${KVT_QUICKSTART_FAMILY:-1}" != 0 ]; then
+  echo
+  bash scripts/bootstrap.sh --python
+  bazel build --noshow_progress //eval:handoff_demo
+  PATH="$root/.venv/bin:$PATH" "$bin/eval/handoff_demo"
+fi
