@@ -44,6 +44,19 @@ struct WeightView {
   int64_t cols = 0;
 };
 
+enum class MapKind { kRidge, kMlp };
+
+// One K or V chain of an MLP mapper, relu(relu(x A1 + c1) A2 + c2) A3 + c3 (SPEC 3), on the same
+// gathered, RoPE-stripped x as ridge. per_head: `heads` = n_t and each matrix stacks the heads
+// along rows (a1: rows = heads*in, cols = H; a2: heads*H x H; a3: heads*H x d_t; c1, c2: heads x H;
+// c3: heads x d_t); head h writes output columns [h d_t, (h+1) d_t). per_layer: heads = 1, a3
+// cols = n_t d_t.
+struct MlpView {
+  int heads = 1;
+  int64_t hidden = 0;
+  WeightView a1, c1, a2, c2, a3, c3;
+};
+
 // One target layer of a ridge ("linear") mapper:
 //   x_K = concat_{j in sigma_k} strip_S(K_s^j) head-major  -> k_K * n_s * d_s
 //   K_t = apply_T(x_K W_K + b_K)      W_K: (|sigma_k| n_s d_s) x (n_t d_t)
@@ -51,10 +64,12 @@ struct WeightView {
 struct LayerMapView {
   std::vector<int> sigma_k;
   std::vector<int> sigma_v;
-  WeightView w_k, b_k, w_v, b_v;
+  WeightView w_k, b_k, w_v, b_v;  // empty for MLP mappers
+  MlpView mlp_k, mlp_v;           // set for MLP mappers only
 };
 
 struct MapperView {
+  MapKind kind = MapKind::kRidge;
   ModelSpec source;
   ModelSpec target;
   std::vector<LayerMapView> layers;  // target.num_layers entries
