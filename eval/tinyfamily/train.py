@@ -64,11 +64,22 @@ def heldout_bpb(model, data, seq, max_windows=None):
 class Student:
     """One model being trained: its weights, optimizer, log and output directory."""
 
-    def __init__(self, out, name, layers, hidden, heads, kv_heads, head_dim, ffn, seed, lr):
+    def __init__(self, out, name, layers, hidden, heads, kv_heads, head_dim, ffn, seed, lr,
+                 init=""):
         self.out, self.name = out, name
         self.model = tiny.Llama(tiny.hf_config(layers, hidden, heads, kv_heads, head_dim, ffn,
                                                name))
         self.model.init_weights(seed)
+        # Continued training: start from a trained member's weights (same shape) and keep its
+        # summary, so the new summary can report the cumulative bytes honestly.
+        self.previous = None
+        if init:
+            previous = tiny.load(init)
+            if previous.config != self.model.config:
+                raise SystemExit(f"--init {init}: its config.json does not match {name}'s shape")
+            self.model.load_state_dict(previous.state_dict())
+            with open(os.path.join(init, "summary.json")) as f:
+                self.previous = json.load(f)
         self.params = sum(q.numel() for q in self.model.parameters())
         decay = [q for q in self.model.parameters() if q.dim() >= 2]
         no_decay = [q for q in self.model.parameters() if q.dim() < 2]
@@ -83,12 +94,13 @@ class Student:
 
 
 def parse_student(spec, seed, lr):
-    """OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN"""
+    """OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN[:INIT_DIR]"""
     parts = spec.split(":")
-    if len(parts) != 8:
-        raise SystemExit(f"--also: expected OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN, "
-                         f"got {spec!r}")
-    return Student(parts[0], parts[1], *map(int, parts[2:]), seed=seed, lr=lr)
+    if len(parts) not in (8, 9):
+        raise SystemExit(f"--also: expected OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN"
+                         f"[:INIT_DIR], got {spec!r}")
+    return Student(parts[0], parts[1], *map(int, parts[2:8]), seed=seed, lr=lr,
+                   init=parts[8] if len(parts) == 9 else "")
 
 
 def main():
@@ -110,6 +122,12 @@ def main():
                    help="default 1 from scratch, 0.1 when distilling")
     p.add_argument("--minutes", type=float, required=True, help="wall-clock training budget")
     p.add_argument("--max_steps", type=int, default=0, help="stop after N steps (smoke tests)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="train for N steps, the schedule running over steps; --minutes is then "
+                        "only a safety cap (a loaded machine cannot shorten the training)")
+    p.add_argument("--init", default="",
+                   help="continue from this member's weights (same shape); summary.json then "
+                        "reports the bytes of both runs")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -130,7 +148,7 @@ def main():
     heldout = byte_stream(splits["heldout"])
 
     students = [Student(args.out, args.name, args.layers, args.hidden, args.heads, args.kv_heads,
-                        args.head_dim, args.ffn, args.seed, args.lr)]
+                        args.head_dim, args.ffn, args.seed, args.lr, init=args.init)]
     students += [parse_student(spec, args.seed, args.lr) for spec in args.also]
     teacher = None
     if args.teacher:
@@ -147,9 +165,10 @@ def main():
     step = tokens = 0
     while True:
         elapsed = time.time() - start
-        if elapsed >= budget or (args.max_steps and step >= args.max_steps):
+        if elapsed >= budget or (args.max_steps and step >= args.max_steps) or \
+                (args.steps and step >= args.steps):
             break
-        frac = elapsed / budget
+        frac = step / args.steps if args.steps else elapsed / budget
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * \
             (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         starts = rng.integers(0, len(train) - args.seq - 1, size=args.batch)
@@ -201,6 +220,10 @@ def main():
                    "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
                    "trained_with": [o.name for o in students if o is not st],
                    "command": " ".join(sys.argv)}
+        if st.previous is not None:
+            summary["continued_from"] = st.previous
+            summary["tokens_total"] = tokens + st.previous.get("tokens_total",
+                                                               st.previous["tokens"])
         with open(os.path.join(st.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
             f.write("\n")
