@@ -1,6 +1,9 @@
 #include "kernels/backend.h"
 
 #include <algorithm>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -119,7 +122,49 @@ absl::Status CheckBias(int layer, const char* name, const WeightView& b, int64_t
   return CheckWeight(layer, name, b, 1, cols, "one row of target n_t * d_t");
 }
 
+// One MLP chain (mlp_k or mlp_v): shapes from MlpView's stacking rules, every tensor present
+// (MLP biases are part of the format, not optional).
+absl::Status CheckMlp(int layer, const char* name, const MlpView& mlp, int64_t in,
+                      const ModelSpec& target) {
+  const int64_t heads = mlp.heads;
+  const int64_t hidden = mlp.hidden;
+  if (heads != 1 && heads != target.num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers[", layer, "].", name, ".heads=", heads, " must be 1 (per_layer) or target n=",
+        target.num_kv_heads, " (per_head)"));
+  }
+  if (hidden < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layers[", layer, "].", name, ".hidden=", hidden, " must be >= 1"));
+  }
+  const int64_t out = heads == 1 ? static_cast<int64_t>(target.num_kv_heads) * target.head_dim
+                                 : target.head_dim;
+  const std::string why = absl::StrCat(heads, " head chain(s), in=", in, ", hidden=", hidden,
+                                       ", out=", out);
+  const std::string prefix = std::string(name) + ".";
+  const std::pair<const char*, std::tuple<const WeightView*, int64_t, int64_t>> parts[] = {
+      {"a1", {&mlp.a1, heads * in, hidden}},   {"c1", {&mlp.c1, heads, hidden}},
+      {"a2", {&mlp.a2, heads * hidden, hidden}}, {"c2", {&mlp.c2, heads, hidden}},
+      {"a3", {&mlp.a3, heads * hidden, out}},  {"c3", {&mlp.c3, heads, out}}};
+  for (const auto& [part, shape] : parts) {
+    const auto& [w, rows, cols] = shape;
+    if (absl::Status s = CheckWeight(layer, (prefix + part).c_str(), *w, rows, cols, why);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+uint64_t MlpParams(const MlpView& mlp) {
+  uint64_t elements = 0;
+  for (const WeightView* w : {&mlp.a1, &mlp.c1, &mlp.a2, &mlp.c2, &mlp.a3, &mlp.c3}) {
+    elements += static_cast<uint64_t>(w->rows) * static_cast<uint64_t>(w->cols);
+  }
+  return elements;
+}
 
 absl::Status CheckMapperView(const MapperView& mapper) {
   if (absl::Status s = CheckModel("source", mapper.source); !s.ok()) return s;
@@ -148,6 +193,19 @@ absl::Status CheckMapperView(const MapperView& mapper) {
                           " x d=", mapper.source.head_dim, " rows, target n=",
                           mapper.target.num_kv_heads, " x d=", mapper.target.head_dim, " cols");
     };
+    if (mapper.kind == MapKind::kMlp) {
+      if (absl::Status s = CheckMlp(l, "mlp_k", layer.mlp_k,
+                                    layer.sigma_k.size() * source_width, mapper.target);
+          !s.ok()) {
+        return s;
+      }
+      if (absl::Status s = CheckMlp(l, "mlp_v", layer.mlp_v,
+                                    layer.sigma_v.size() * source_width, mapper.target);
+          !s.ok()) {
+        return s;
+      }
+      continue;
+    }
     if (absl::Status s = CheckWeight(l, "w_k", layer.w_k, layer.sigma_k.size() * source_width,
                                      target_width, why("sigma_k", layer.sigma_k.size()));
         !s.ok()) {
@@ -241,6 +299,7 @@ uint64_t Backend::PreparedBytesEstimate(const MapperView& mapper) const {
     for (const WeightView* w : {&layer.w_k, &layer.b_k, &layer.w_v, &layer.b_v}) {
       elements += static_cast<uint64_t>(w->rows) * static_cast<uint64_t>(w->cols);
     }
+    elements += MlpParams(layer.mlp_k) + MlpParams(layer.mlp_v);  // 0 for ridge
   }
   return elements * sizeof(float);
 }

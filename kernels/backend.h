@@ -113,9 +113,13 @@ class Backend {
 };
 
 // Checks a mapper before a backend prepares it: both models' shapes and RoPE, one entry per
-// target layer, sigma lists within the source model, weight and bias shapes. Errors name the
-// field (e.g. "layers[3].w_k is 4096x1024 but expected ..."). Shared by every backend.
+// target layer, sigma lists within the source model, weight and bias shapes (ridge W / b, or
+// both MLP chains by MlpView's stacking rules). Errors name the field (e.g. "layers[3].w_k is
+// 4096x1024 but expected ...", "layers[0].mlp_v.a2 is ..."). Shared by every backend.
 absl::Status CheckMapperView(const MapperView& mapper);
+
+// Elements of one MLP chain's six tensors (0 for an empty view, i.e. a ridge mapper's).
+uint64_t MlpParams(const MlpView& mlp);
 
 // Checks that `source` / `target` match the mapper's models (layers, heads, head_dim, token
 // counts, non-null pointers). Shared by every backend.

@@ -17,13 +17,58 @@ namespace {
 // Tokens per piece below which another thread costs more than it saves.
 constexpr int64_t kMinTokensPerThread = 16;
 
+// One MLP chain in fp32, stacked per head as in MlpView.
+struct Fp32Mlp {
+  int64_t heads = 1;
+  int64_t hidden = 0;
+  const float *a1 = nullptr, *c1 = nullptr, *a2 = nullptr, *c2 = nullptr, *a3 = nullptr;
+};
+
 // One target layer's weights in fp32: owned conversions, or the store's bytes when already fp32.
+// An MLP layer's c3 sits in b_k / b_v: with the heads' d_t blocks side by side it is a bias over
+// the n_t d_t output columns in both granularities, so the shared epilogue adds it like ridge's.
 struct Fp32Layer {
   const float* w_k = nullptr;
   const float* b_k = nullptr;  // null: no bias
   const float* w_v = nullptr;
   const float* b_v = nullptr;
+  Fp32Mlp mlp_k, mlp_v;  // MLP mappers only
 };
+
+// h = relu(h + c) over a rows x cols block (leading dimension ld), in the one pass over the GEMM
+// output that follows it.
+void BiasRelu(const float* c, int64_t rows, int64_t cols, int64_t ld, float* h) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = h + i * ld;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = row[j] + c[j];
+      row[j] = v > 0.0f ? v : 0.0f;
+    }
+  }
+}
+
+void Sgemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+           int64_t ldb, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b,
+              static_cast<int>(ldb), 0.0f, c, static_cast<int>(ldc));
+}
+
+// y (rows x n_t d_t, before c3) = relu(relu(x A1 + c1) A2 + c2) A3 for one chain; per_head runs
+// head h's chain on the full x and writes its d_t columns of y.
+void MlpForward(const Fp32Mlp& mlp, const float* x, int64_t rows, int64_t inputs,
+                int64_t target_width, float* h1, float* h2, float* y) {
+  const int64_t hidden = mlp.hidden;
+  const int64_t out = target_width / mlp.heads;
+  for (int64_t h = 0; h < mlp.heads; ++h) {
+    Sgemm(rows, hidden, inputs, x, inputs, mlp.a1 + h * inputs * hidden, hidden, h1, hidden);
+    BiasRelu(mlp.c1 + h * hidden, rows, hidden, hidden, h1);
+    Sgemm(rows, hidden, hidden, h1, hidden, mlp.a2 + h * hidden * hidden, hidden, h2, hidden);
+    BiasRelu(mlp.c2 + h * hidden, rows, hidden, hidden, h2);
+    Sgemm(rows, out, hidden, h2, hidden, mlp.a3 + h * hidden * out, out, y + h * out,
+          target_width);
+  }
+}
 
 // A float buffer that only grows and is never zero-filled: every element is written before
 // it is read.
@@ -46,6 +91,7 @@ class Scratch {
 struct Workspace {
   Scratch x;                     // gathered, stripped inputs: rows x (|sigma| n_s d_s)
   Scratch y;                     // GEMM output: rows x (n_t d_t)
+  Scratch h1, h2;                // MLP hidden activations: rows x H each
   Scratch strip_cos, strip_sin;  // source RoPE per row
   Scratch apply_cos, apply_sin;  // target RoPE per row
 };
@@ -105,12 +151,27 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CpuBackend::Prepare(const Mapper
     prepared->bytes_ += static_cast<uint64_t>(count) * sizeof(float);
     return copy;
   };
+  const auto mlp_to_fp32 = [&](const MlpView& mlp, Fp32Mlp* out, const float** c3) {
+    out->heads = mlp.heads;
+    out->hidden = mlp.hidden;
+    out->a1 = to_fp32(mlp.a1);
+    out->c1 = to_fp32(mlp.c1);
+    out->a2 = to_fp32(mlp.a2);
+    out->c2 = to_fp32(mlp.c2);
+    out->a3 = to_fp32(mlp.a3);
+    *c3 = to_fp32(mlp.c3);
+  };
   for (const LayerMapView& layer : mapper.layers) {
     Fp32Layer fp32;
-    fp32.w_k = to_fp32(layer.w_k);
-    fp32.b_k = to_fp32(layer.b_k);
-    fp32.w_v = to_fp32(layer.w_v);
-    fp32.b_v = to_fp32(layer.b_v);
+    if (mapper.kind == MapKind::kMlp) {
+      mlp_to_fp32(layer.mlp_k, &fp32.mlp_k, &fp32.b_k);
+      mlp_to_fp32(layer.mlp_v, &fp32.mlp_v, &fp32.b_v);
+    } else {
+      fp32.w_k = to_fp32(layer.w_k);
+      fp32.b_k = to_fp32(layer.b_k);
+      fp32.w_v = to_fp32(layer.w_v);
+      fp32.b_v = to_fp32(layer.b_v);
+    }
     prepared->layers_.push_back(fp32);
   }
   return std::shared_ptr<PreparedMapper>(std::move(prepared));
@@ -146,16 +207,21 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
     const std::vector<int>* sigma;
     const std::vector<const void*>* source;
     void* target;
-    const float* w;
-    const float* b;
+    const float* w;      // ridge
+    const Fp32Mlp* mlp;  // MLP mappers: the chain instead of w
+    const float* b;      // ridge b or MLP c3, added in the epilogue
     bool rope;  // keys only: values carry no position
   };
+  const bool is_mlp = view.kind == MapKind::kMlp;
   const Kind kinds[2] = {
-      {&layer.sigma_k, &source.k, target->k[target_layer], weights.w_k, weights.b_k, true},
-      {&layer.sigma_v, &source.v, target->v[target_layer], weights.w_v, weights.b_v, false},
+      {&layer.sigma_k, &source.k, target->k[target_layer], weights.w_k,
+       is_mlp ? &weights.mlp_k : nullptr, weights.b_k, true},
+      {&layer.sigma_v, &source.v, target->v[target_layer], weights.w_v,
+       is_mlp ? &weights.mlp_v : nullptr, weights.b_v, false},
   };
   const int64_t max_inputs =
       static_cast<int64_t>(std::max(layer.sigma_k.size(), layer.sigma_v.size())) * source_width;
+  const int64_t max_hidden = is_mlp ? std::max(weights.mlp_k.hidden, weights.mlp_v.hidden) : 0;
 
   // Tokens [t0, t0 + rows) through gather -> sgemm -> epilogue, for K then V, on one thread
   // with its own workspace.
@@ -166,6 +232,8 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
     const int apply_half = apply.rotary_dim() / 2;
     float* x = ws->x.Get(rows * max_inputs);
     float* y = ws->y.Get(rows * target_width);
+    float* h1 = is_mlp ? ws->h1.Get(rows * max_hidden) : nullptr;
+    float* h2 = is_mlp ? ws->h2.Get(rows * max_hidden) : nullptr;
     float* strip_cos = ws->strip_cos.Get(rows * strip_half);
     float* strip_sin = ws->strip_sin.Get(rows * strip_half);
     float* apply_cos = ws->apply_cos.Get(rows * apply_half);
@@ -201,10 +269,13 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
         }
       }
 
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
-                  static_cast<int>(target_width), static_cast<int>(inputs), 1.0f, x,
-                  static_cast<int>(inputs), kind.w, static_cast<int>(target_width), 0.0f, y,
-                  static_cast<int>(target_width));
+      // The map in content space: one sgemm for ridge, the GEMM chain for an MLP. Everything
+      // around it (gather, RoPE strip, bias, target RoPE, conversion) is shared.
+      if (kind.mlp != nullptr) {
+        MlpForward(*kind.mlp, x, rows, inputs, target_width, h1, h2, y);
+      } else {
+        Sgemm(rows, target_width, inputs, x, inputs, kind.w, target_width, y, target_width);
+      }
 
       // Epilogue: bias, target RoPE, conversion, scatter into the target layout.
       char* base = static_cast<char*>(kind.target);

@@ -1,5 +1,6 @@
 // The CPU translation engine: per token chunk, gather the source layers of sigma with source RoPE
-// stripped, one OpenBLAS sgemm per kind, then bias + target RoPE + dtype/layout conversion.
+// stripped, one OpenBLAS sgemm per kind (ridge) or the MLP's sgemm chain with fused bias + ReLU,
+// then bias + target RoPE + dtype/layout conversion.
 #pragma once
 
 #include <cstdint>
@@ -21,8 +22,9 @@ namespace kvt {
 struct CpuBackendOptions {
   // Threads of the pool (the calling thread included). 0: every core.
   int num_threads = 0;
-  // Tokens per step when TranslateOptions::token_chunk is 0. Working memory per call is about
-  // token_chunk * (k n_s d_s + n_t d_t) floats.
+  // Tokens per step when TranslateOptions::token_chunk is 0. Working memory per thread is about
+  // token_chunk * (k n_s d_s + n_t d_t) floats, plus token_chunk * 2 H for an MLP mapper's
+  // hidden activations (H = mlp.hidden).
   int64_t token_chunk = 512;
 };
 

@@ -257,11 +257,10 @@ TEST_F(CpuBackendTest, TokenCountsAcrossChunks) {
 }
 
 // The map is token-wise: [0, T) in one call equals [0, a) then [a, T) with positions carried.
-TEST_F(CpuBackendTest, SplitTranslationEqualsWhole) {
-  const uint64_t seed = FreshSeed("SplitTranslationEqualsWhole");
-  SCOPED_TRACE(absl::StrCat("seed=", seed));
+void CheckSplitEqualsWhole(RandomMapperSpec spec, const char* name) {
+  const uint64_t seed = FreshSeed(name);
+  SCOPED_TRACE(absl::StrCat(name, " seed=", seed));
   std::mt19937_64 rng(seed);
-  RandomMapperSpec spec;
   spec.source_layers = 3;
   spec.k = 2;
   spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
@@ -270,7 +269,9 @@ TEST_F(CpuBackendTest, SplitTranslationEqualsWhole) {
   const int64_t tokens = 150;
   const OwnedCache source =
       MakeRandomCache(3, 2, 16, tokens, DType::kBF16, Layout::kHND, rng());
-  auto backend = MakeBackend();
+  CpuBackendOptions backend_options;
+  backend_options.num_threads = 2;
+  auto backend = NewCpuBackend(backend_options);
   auto prepared = backend->Prepare(mapper.view);
   ASSERT_TRUE(prepared.ok()) << prepared.status();
   std::vector<uint64_t> explicit_positions(tokens);
@@ -309,10 +310,19 @@ TEST_F(CpuBackendTest, SplitTranslationEqualsWhole) {
           joined.insert(joined.end(), tail.begin(), tail.end());
           // Same fp32 arithmetic per token; BLAS may block rows differently, hence not ==.
           EXPECT_LE(MaxRelError(joined, ReadLayer(whole.mutable_view, l, kind)), 1e-6);
+          // And both against the float64 reference.
+          EXPECT_LE(MaxRelError(ReadLayer(whole.mutable_view, l, kind),
+                                ReferenceTranslate(mapper.view, l, kind, source.view,
+                                                   whole_positions)),
+                    TranslationTolerance(DType::kFP32));
         }
       }
     }
   }
+}
+
+TEST_F(CpuBackendTest, SplitTranslationEqualsWhole) {
+  CheckSplitEqualsWhole(RandomMapperSpec(), "SplitTranslationEqualsWhole");
 }
 
 // Dropping the target RoPE is the paper's catastrophic ablation: the output must match the
@@ -409,6 +419,162 @@ TEST_F(CpuBackendTest, PreparedBytesCountConversionsOnly) {
   EXPECT_EQ((*prepared)->view().layers.size(), 2u);
 }
 
+void ExpectInvalid(const absl::Status& status, const std::string& text) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(text));
+}
+
+// ---- MLP mappers (kind: mlp): the same gather / strip / RoPE / epilogue around a GEMM chain.
+
+RandomMapperSpec MlpSpec(bool per_head, int hidden) {
+  RandomMapperSpec spec;
+  spec.kind = MapKind::kMlp;
+  spec.mlp_per_head = per_head;
+  spec.mlp_hidden = hidden;
+  return spec;
+}
+
+TEST_F(CpuBackendTest, MlpBothGranularitiesEveryK) {
+  for (bool per_head : {false, true}) {
+    for (int hidden : {1, 8, 37}) {
+      for (int k : {1, 2, 3}) {
+        Case c;
+        c.spec = MlpSpec(per_head, hidden);
+        c.spec.source_layers = 3;
+        c.spec.target_layers = 2;
+        c.spec.target_heads = 3;
+        c.spec.target_head_dim = 8;
+        c.spec.k = k;
+        c.spec.k_v = 4 - k;  // different sigma lengths for K and V
+        c.spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
+        c.spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kGptj);
+        c.offset = 40;
+        SCOPED_TRACE(absl::StrCat(per_head ? "per_head" : "per_layer", " H=", hidden));
+        CheckCase(c);
+      }
+    }
+  }
+}
+
+TEST_F(CpuBackendTest, MlpDtypesLayoutsAndChunks) {
+  for (bool per_head : {false, true}) {
+    for (DType weights : {DType::kFP32, DType::kBF16}) {
+      for (DType io : {DType::kFP32, DType::kBF16, DType::kFP16}) {
+        Case c;
+        c.spec = MlpSpec(per_head, 24);
+        c.spec.weight_dtype = weights;
+        c.spec.k = 2;
+        c.spec.source_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj);
+        c.spec.target_rope = MakeTestRope(RopeScalingType::kLinear, RopeStyle::kNeox, 8);
+        c.in_dtype = io;
+        c.out_dtype = io;
+        c.in_layout = Layout::kNHD;
+        c.out_layout = io == DType::kBF16 ? Layout::kNHD : Layout::kHND;
+        c.tokens = 101;
+        c.chunk = io == DType::kFP32 ? 7 : 0;
+        c.explicit_positions = io == DType::kFP16;
+        SCOPED_TRACE(absl::StrCat(per_head ? "per_head" : "per_layer"));
+        CheckCase(c);
+      }
+    }
+  }
+}
+
+TEST_F(CpuBackendTest, MlpSplitTranslationEqualsWhole) {
+  CheckSplitEqualsWhole(MlpSpec(false, 32), "MlpSplitTranslationEqualsWhole per_layer");
+  CheckSplitEqualsWhole(MlpSpec(true, 16), "MlpSplitTranslationEqualsWhole per_head");
+}
+
+// The ReLUs matter: with them the output is not affine in x, so a backend that skipped them
+// (or applied them after the last layer) would fail the reference. Checked directly: the
+// reference of x1 + x2 - x3 differs from ref(x1) + ref(x2) - ref(x3) for an MLP, not for ridge.
+TEST_F(CpuBackendTest, MlpReferenceIsNotAffine) {
+  for (MapKind kind : {MapKind::kRidge, MapKind::kMlp}) {
+    RandomMapperSpec spec = MlpSpec(false, 16);
+    spec.kind = kind;
+    spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+    spec.target_rope = MakeTestRope(RopeScalingType::kNone);
+    const RandomMapper mapper = MakeRandomMapper(spec, 11);
+    std::vector<OwnedCache> caches;
+    for (uint64_t seed : {1, 2, 3}) {
+      caches.push_back(MakeRandomCache(2, 2, 16, 4, DType::kFP32, Layout::kHND, seed));
+    }
+    OwnedCache mixed = MakeRandomCache(2, 2, 16, 4, DType::kFP32, Layout::kHND, 4);
+    for (int l = 0; l < 2; ++l) {
+      for (size_t i = 0; i < mixed.v[l].size() / 4; ++i) {
+        float* out = reinterpret_cast<float*>(mixed.v[l].data()) + i;
+        const auto at = [&](int c) { return reinterpret_cast<const float*>(caches[c].v[l].data())[i]; };
+        *out = at(0) + at(1) - at(2);
+      }
+    }
+    std::vector<double> combined(4 * 32, 0.0);
+    for (int c = 0; c < 3; ++c) {
+      const std::vector<double> y =
+          ReferenceTranslate(mapper.view, 0, Kind::kV, caches[c].view, Positions());
+      for (size_t i = 0; i < y.size(); ++i) combined[i] += c == 2 ? -y[i] : y[i];
+    }
+    const double error = MaxRelError(
+        combined, ReferenceTranslate(mapper.view, 0, Kind::kV, mixed.view, Positions()));
+    if (kind == MapKind::kRidge) {
+      // x W + b is affine: the biases of +1 +1 -1 combine to one b.
+      EXPECT_LE(error, 1e-6);  // only the float rounding of x1 + x2 - x3
+    } else {
+      EXPECT_GT(error, 1e-2);
+    }
+  }
+}
+
+TEST_F(CpuBackendTest, MlpPreparedBytesAndEstimate) {
+  auto backend = MakeBackend();
+  RandomMapperSpec spec = MlpSpec(true, 8);
+  spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.weight_dtype = DType::kFP32;
+  const RandomMapper fp32 = MakeRandomMapper(spec, 1);
+  auto prepared = backend->Prepare(fp32.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ((*prepared)->bytes(), 0u);  // used in place
+  spec.weight_dtype = DType::kBF16;
+  const RandomMapper bf16 = MakeRandomMapper(spec, 1);
+  prepared = backend->Prepare(bf16.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  // per_head, 2 heads, in = 32, H = 8, d_t = 16, per chain: a1 2x32x8, c1 2x8, a2 2x8x8,
+  // c2 2x8, a3 2x8x16, c3 2x16; 2 layers x (K, V) chains, as floats.
+  const uint64_t chain = 2 * 32 * 8 + 2 * 8 + 2 * 8 * 8 + 2 * 8 + 2 * 8 * 16 + 2 * 16;
+  EXPECT_EQ((*prepared)->bytes(), 2u * 2 * chain * 4);
+  EXPECT_EQ(backend->PreparedBytesEstimate(bf16.view), (*prepared)->bytes());
+}
+
+TEST_F(CpuBackendTest, MlpMapperShapeErrors) {
+  RandomMapperSpec spec = MlpSpec(false, 8);
+  spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.k = 1;
+  const RandomMapper mapper = MakeRandomMapper(spec, 3);
+  auto backend = MakeBackend();
+  ASSERT_TRUE(backend->Prepare(mapper.view).ok());
+  const auto prepare_with = [&](const std::function<void(MapperView*)>& edit) {
+    MapperView view = mapper.view;
+    edit(&view);
+    return backend->Prepare(view).status();
+  };
+  ExpectInvalid(prepare_with([](MapperView* v) { v->layers[1].mlp_k.a2.rows = 7; }),
+                "layers[1].mlp_k.a2 is 7x8 but expected 8x8");
+  ExpectInvalid(prepare_with([](MapperView* v) { v->layers[0].mlp_v.c1.data = nullptr; }),
+                "layers[0].mlp_v.c1 is null");
+  ExpectInvalid(prepare_with([](MapperView* v) { v->layers[0].mlp_v.a3.cols = 16; }),
+                "layers[0].mlp_v.a3 is 8x16 but expected 8x32");
+  ExpectInvalid(prepare_with([](MapperView* v) { v->layers[0].mlp_k.heads = 3; }),
+                "layers[0].mlp_k.heads=3 must be 1 (per_layer) or target n=2");
+  ExpectInvalid(prepare_with([](MapperView* v) { v->layers[0].mlp_k.hidden = 0; }),
+                "layers[0].mlp_k.hidden=0 must be >= 1");
+  ExpectInvalid(prepare_with([](MapperView* v) { v->layers[1].sigma_k.push_back(1 - v->layers[1].sigma_k[0]); }),
+                "layers[1].mlp_k.a1 is 32x8 but expected 64x8");
+  // A ridge view's weights are not an MLP's.
+  ExpectInvalid(prepare_with([](MapperView* v) { v->kind = MapKind::kRidge; }),
+                "layers[0].w_k is 0x0 but expected 32x32");
+}
+
 // Shape errors: InvalidArgument naming the field, never a crash.
 class CpuBackendErrorTest : public CpuBackendTest {
  protected:
@@ -446,11 +612,6 @@ class CpuBackendErrorTest : public CpuBackendTest {
   std::unique_ptr<Backend> backend_;
   std::shared_ptr<PreparedMapper> prepared_;
 };
-
-void ExpectInvalid(const absl::Status& status, const std::string& text) {
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_THAT(std::string(status.message()), HasSubstr(text));
-}
 
 TEST_F(CpuBackendErrorTest, CacheShapes) {
   ASSERT_TRUE(Translate().ok());

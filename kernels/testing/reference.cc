@@ -107,11 +107,18 @@ std::vector<double> ReferenceTranslate(const MapperView& mapper, int layer, Kind
                                        const ReferenceOptions& options) {
   const LayerMapView& map = mapper.layers[layer];
   const bool keys = kind == Kind::kK;
+  const bool mlp = mapper.kind == MapKind::kMlp;
   const std::vector<int>& sigma = keys ? map.sigma_k : map.sigma_v;
-  const std::vector<double> w = LoadAll(keys ? map.w_k : map.w_v);
+  const std::vector<double> w = mlp ? std::vector<double>() : LoadAll(keys ? map.w_k : map.w_v);
   const WeightView& bias_view = keys ? map.b_k : map.b_v;
   const std::vector<double> bias =
-      bias_view.data ? LoadAll(bias_view) : std::vector<double>();
+      !mlp && bias_view.data ? LoadAll(bias_view) : std::vector<double>();
+  const MlpView& chain = keys ? map.mlp_k : map.mlp_v;
+  std::vector<double> a1, c1, a2, c2, a3, c3;
+  if (mlp) {
+    a1 = LoadAll(chain.a1), c1 = LoadAll(chain.c1), a2 = LoadAll(chain.a2);
+    c2 = LoadAll(chain.c2), a3 = LoadAll(chain.a3), c3 = LoadAll(chain.c3);
+  }
   const Rope source_rope = MustCreateRope(mapper.source.rope, mapper.source.head_dim);
   const Rope target_rope = MustCreateRope(mapper.target.rope, mapper.target.head_dim);
 
@@ -136,10 +143,36 @@ std::vector<double> ReferenceTranslate(const MapperView& mapper, int layer, Kind
       }
     }
     double* y = &out[t * outputs];
-    for (int64_t c = 0; c < outputs; ++c) {
-      double sum = bias.empty() ? 0.0 : bias[c];
-      for (int64_t i = 0; i < inputs; ++i) sum += x[i] * w[i * outputs + c];
-      y[c] = sum;
+    if (mlp) {
+      // SPEC 3: y = relu(relu(x A1 + c1) A2 + c2) A3 + c3, one chain per head when per_head
+      // (head h sees the full x and writes columns [h d_t, (h+1) d_t)).
+      const int64_t hidden = chain.hidden;
+      const int64_t heads = chain.heads;
+      const int64_t head_out = outputs / heads;
+      std::vector<double> h1(hidden), h2(hidden);
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t j = 0; j < hidden; ++j) {
+          double sum = c1[h * hidden + j];
+          for (int64_t i = 0; i < inputs; ++i) sum += x[i] * a1[(h * inputs + i) * hidden + j];
+          h1[j] = std::max(sum, 0.0);
+        }
+        for (int64_t j = 0; j < hidden; ++j) {
+          double sum = c2[h * hidden + j];
+          for (int64_t i = 0; i < hidden; ++i) sum += h1[i] * a2[(h * hidden + i) * hidden + j];
+          h2[j] = std::max(sum, 0.0);
+        }
+        for (int64_t c = 0; c < head_out; ++c) {
+          double sum = c3[h * head_out + c];
+          for (int64_t i = 0; i < hidden; ++i) sum += h2[i] * a3[(h * hidden + i) * head_out + c];
+          y[h * head_out + c] = sum;
+        }
+      }
+    } else {
+      for (int64_t c = 0; c < outputs; ++c) {
+        double sum = bias.empty() ? 0.0 : bias[c];
+        for (int64_t i = 0; i < inputs; ++i) sum += x[i] * w[i * outputs + c];
+        y[c] = sum;
+      }
     }
     if (keys && options.apply_target_rope) {
       for (int h = 0; h < nt; ++h) RotateDouble(target_rope, p, false, y + h * dt);
@@ -221,6 +254,37 @@ RandomMapper MakeRandomMapper(const RandomMapperSpec& spec, uint64_t seed) {
     layers.resize(k);
     return layers;
   };
+  if (spec.kind == MapKind::kMlp) {
+    mapper.view.kind = MapKind::kMlp;
+    const int64_t heads = spec.mlp_per_head ? spec.target_heads : 1;
+    const int64_t hidden = spec.mlp_hidden;
+    const int64_t out = cols / heads;
+    mapper.storage.assign(12 * spec.target_layers, {});
+    // He-style scales: x has unit-variance entries, each ReLU halves the second moment and the
+    // sqrt(2 / fan_in) of the next layer restores it, so every stage stays O(1); biases
+    // N(0, 0.25) shift enough units across the ReLU kink to exercise both sides.
+    const auto chain = [&](size_t slot, int64_t in) {
+      MlpView m;
+      m.heads = static_cast<int>(heads);
+      m.hidden = hidden;
+      m.a1 = weight(slot, heads * in, hidden, 1.0 / std::sqrt(static_cast<double>(in)));
+      m.c1 = weight(slot + 1, heads, hidden, 0.5);
+      m.a2 = weight(slot + 2, heads * hidden, hidden, std::sqrt(2.0 / hidden));
+      m.c2 = weight(slot + 3, heads, hidden, 0.5);
+      m.a3 = weight(slot + 4, heads * hidden, out, std::sqrt(2.0 / hidden));
+      m.c3 = weight(slot + 5, heads, out, 0.5);
+      return m;
+    };
+    for (int l = 0; l < spec.target_layers; ++l) {
+      LayerMapView layer;
+      layer.sigma_k = sigma(spec.k);
+      layer.sigma_v = sigma(k_v);
+      layer.mlp_k = chain(12 * l, rows_k);
+      layer.mlp_v = chain(12 * l + 6, rows_v);
+      mapper.view.layers.push_back(layer);
+    }
+    return mapper;
+  }
   for (int l = 0; l < spec.target_layers; ++l) {
     LayerMapView layer;
     layer.sigma_k = sigma(spec.k);

@@ -28,7 +28,9 @@ struct ReferenceOptions {
 // well past the 10^6 positions the backends must handle.
 void RotateDouble(const Rope& rope, uint64_t position, bool inverse, double* x);
 
-// Target layer `layer`'s K or V for every source token, in [token][head][dim] order.
+// Target layer `layer`'s K or V for every source token, in [token][head][dim] order: the ridge
+// map x W + b, or for an MLP mapper (mapper.kind) the chain relu(relu(x A1 + c1) A2 + c2) A3 + c3
+// per layer or per target head, on the same gathered, RoPE-stripped x.
 std::vector<double> ReferenceTranslate(const MapperView& mapper, int layer, Kind kind,
                                        const CacheView& source, const Positions& positions,
                                        const ReferenceOptions& options = ReferenceOptions());
@@ -69,6 +71,11 @@ struct RandomMapperSpec {
   bool with_bias = true;
   RopeConfig source_rope;  // rotary_dim 0: the full head_dim
   RopeConfig target_rope;
+  // kMlp: both chains random with hidden width mlp_hidden (biases always present), one per
+  // target head when mlp_per_head.
+  MapKind kind = MapKind::kRidge;
+  int mlp_hidden = 8;
+  bool mlp_per_head = false;
 };
 
 // A random mapper whose view points into `storage`. Movable, not copyable.
@@ -83,7 +90,7 @@ struct RandomMapper {
   std::vector<std::vector<uint8_t>> storage;
 };
 
-// Weights ~ N(0, 1/rows) so outputs stay O(1); bias ~ N(0, 0.25).
+// Ridge weights ~ N(0, 1/rows) so outputs stay O(1); bias ~ N(0, 0.25). MLP: see the spec.
 RandomMapper MakeRandomMapper(const RandomMapperSpec& spec, uint64_t seed);
 
 // A cache (every layer's K and V) owning its bytes, with a read-only and a mutable view.
