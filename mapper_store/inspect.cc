@@ -101,6 +101,14 @@ std::string InspectManifest(const Manifest& m, const std::string& id) {
   absl::StrAppend(&out, "mapper        ", id, "\n");
   absl::StrAppend(&out, "kind          ", MapperKindName(m.kind),
                   m.synthetic ? " (SYNTHETIC: random weights, not a fitted mapper)" : "", "\n");
+  if (m.mlp.has_value()) {
+    absl::StrAppend(&out, "mlp           hidden ", m.mlp->hidden, ", ",
+                    MlpGranularityName(m.mlp->granularity),
+                    m.mlp->granularity == MlpGranularity::kPerHead
+                        ? absl::StrCat(" (", m.target.num_kv_heads, " chains per target layer and K|V)")
+                        : " (one chain per target layer and K|V)",
+                    ", relu\n");
+  }
   absl::StrAppend(&out, "format        version ", m.format_version,
                   m.created_by.empty() ? "" : absl::StrCat(", created by ", m.created_by), "\n");
   absl::StrAppend(&out, "source        ", DescribeModel(m.source), "\n");
@@ -114,8 +122,22 @@ std::string InspectManifest(const Manifest& m, const std::string& id) {
                   bytes, " bytes)\n");
   const int64_t out_cols = static_cast<int64_t>(m.target.num_kv_heads) * m.target.head_dim;
   const int64_t in_per_layer = static_cast<int64_t>(m.source.num_kv_heads) * m.source.head_dim;
-  absl::StrAppend(&out, "per layer     W_K, W_V [len(sigma) x ", in_per_layer, ", ", out_cols,
-                  "], b_K, b_V [", out_cols, "]\n");
+  if (m.mlp.has_value()) {
+    const int64_t hidden = m.mlp->hidden;
+    if (m.mlp->granularity == MlpGranularity::kPerHead) {
+      absl::StrAppend(&out, "per layer     K, V: fc1 [", m.target.num_kv_heads, ", len(sigma) x ",
+                      in_per_layer, ", ", hidden, "], fc2 [", m.target.num_kv_heads, ", ", hidden,
+                      ", ", hidden, "], fc3 [", m.target.num_kv_heads, ", ", hidden, ", ",
+                      m.target.head_dim, "] + biases\n");
+    } else {
+      absl::StrAppend(&out, "per layer     K, V: fc1 [len(sigma) x ", in_per_layer, ", ", hidden,
+                      "], fc2 [", hidden, ", ", hidden, "], fc3 [", hidden, ", ", out_cols,
+                      "] + biases\n");
+    }
+  } else {
+    absl::StrAppend(&out, "per layer     W_K, W_V [len(sigma) x ", in_per_layer, ", ", out_cols,
+                    "], b_K, b_V [", out_cols, "]\n");
+  }
   if (!m.calibration_yaml.empty()) {
     absl::StrAppend(&out, "calibration\n");
     for (absl::string_view line :

@@ -3,6 +3,7 @@
 #include <iostream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "mapper_store/file_util.h"
 #include "mapper_store/synth.h"
@@ -80,6 +81,36 @@ TEST(InspectTest, SyntheticMapperIsFlaggedAndHasNoR2Columns) {
   EXPECT_TRUE(Contains(*report, "  seed: 0\n")) << *report;
   EXPECT_FALSE(Contains(*report, "R^2")) << *report;
   EXPECT_TRUE(Contains(*report, "layer  sigma_k  sigma_v\n")) << *report;
+}
+
+TEST(InspectTest, MlpMapperShowsKindHiddenGranularityAndParameters) {
+  SynthOptions options = *SynthPreset("demo-tiny");
+  for (MlpGranularity granularity : {MlpGranularity::kPerLayer, MlpGranularity::kPerHead}) {
+    options.mlp = MlpConfig{16, granularity};
+    const std::string dir =
+        JoinPath(testing::MakeTempDir("inspect_mlp"), MlpGranularityName(granularity));
+    KVT_ASSERT_OK(WriteSynthMapper(dir, options));
+    absl::StatusOr<std::string> report = InspectMapperDir(dir);
+    ASSERT_TRUE(report.ok()) << report.status();
+    std::cout << *report;
+    const std::string& r = *report;
+    EXPECT_TRUE(Contains(r, "kind          mlp (SYNTHETIC")) << r;
+    // demo-tiny: 6 target layers of 2 heads x 32, k = 2 of 2 heads x 32 -> in = 128, out = 64.
+    int64_t params;
+    if (granularity == MlpGranularity::kPerLayer) {
+      EXPECT_TRUE(Contains(r, "mlp           hidden 16, per_layer (one chain per target layer"))
+          << r;
+      EXPECT_TRUE(Contains(r, "fc1 [len(sigma) x 64, 16], fc2 [16, 16], fc3 [16, 64]")) << r;
+      params = 6 * 2 * (128 * 16 + 16 + 16 * 16 + 16 + 16 * 64 + 64);
+    } else {
+      EXPECT_TRUE(Contains(r, "mlp           hidden 16, per_head (2 chains per target layer"))
+          << r;
+      EXPECT_TRUE(Contains(r, "fc1 [2, len(sigma) x 64, 16], fc2 [2, 16, 16], fc3 [2, 16, 32]"))
+          << r;
+      params = 6 * 2 * 2 * (128 * 16 + 16 + 16 * 16 + 16 + 16 * 32 + 32);
+    }
+    EXPECT_TRUE(Contains(r, absl::StrCat(" parameters (", params, "), "))) << r;
+  }
 }
 
 TEST(InspectTest, BrokenDirectoryGivesTheLoaderError) {

@@ -21,7 +21,7 @@ namespace {
 // 1-based source lines of the nodes validation may complain about; 0 = unknown (struct built in
 // code). Lets one validation routine serve parsed and hand-built manifests alike.
 struct ManifestLines {
-  int root = 0, kind = 0, source = 0, target = 0, source_rope = 0, target_rope = 0, k = 0,
+  int root = 0, kind = 0, mlp = 0, source = 0, target = 0, source_rope = 0, target_rope = 0, k = 0,
       lambda = 0, weights = 0, layers = 0;
   std::vector<int> layer, sigma_k, sigma_v;
 };
@@ -102,11 +102,16 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
                                           " (this build reads format_version ",
                                           kManifestFormatVersion, ")"));
   }
-  if (m.kind != MapperKind::kRidge) {
-    return error(lines.kind,
-                 absl::StrCat("unsupported kind '", MapperKindName(m.kind),
-                              "': this build serves only kind: ridge (MLP mappers come later)"),
-                 absl::StatusCode::kUnimplemented);
+  if (m.kind == MapperKind::kMlp && !m.mlp.has_value()) {
+    return error(lines.kind, "kind: mlp needs the 'mlp' map ({hidden: H, granularity: "
+                             "per_layer|per_head})");
+  }
+  if (m.kind != MapperKind::kMlp && m.mlp.has_value()) {
+    return error(lines.mlp, absl::StrCat("key 'mlp' is only valid with kind: mlp, but kind is ",
+                                         MapperKindName(m.kind)));
+  }
+  if (m.mlp.has_value() && m.mlp->hidden < 1) {
+    return error(lines.mlp, absl::StrCat("mlp.hidden must be >= 1, got ", m.mlp->hidden));
   }
   if (absl::Status s = ValidateModel(m.source, "source", lines.source, lines.source_rope, error);
       !s.ok()) {
@@ -355,6 +360,46 @@ class Parser {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<MlpConfig> ParseMlp(const YAML::Node& node) {
+    if (absl::Status s = CheckMap(node, "mlp", {"hidden", "granularity", "activation"}); !s.ok()) {
+      return s;
+    }
+    MlpConfig config;
+    if (absl::Status s = RequiredScalar(node, "mlp", "hidden", "an integer", &config.hidden);
+        !s.ok()) {
+      return s;
+    }
+    if (config.hidden < 1) {
+      return error_(LineOf(node["hidden"]),
+                    absl::StrCat("mlp.hidden must be >= 1, got ", config.hidden));
+    }
+    std::string granularity;
+    if (absl::Status s =
+            RequiredScalar(node, "mlp", "granularity", "a string", &granularity);
+        !s.ok()) {
+      return s;
+    }
+    if (granularity == "per_layer") {
+      config.granularity = MlpGranularity::kPerLayer;
+    } else if (granularity == "per_head") {
+      config.granularity = MlpGranularity::kPerHead;
+    } else {
+      return error_(LineOf(node["granularity"]),
+                    absl::StrCat("mlp.granularity '", granularity,
+                                 "' must be per_layer or per_head"));
+    }
+    std::string activation = "relu";
+    if (absl::Status s = OptionalScalar(node, "mlp", "activation", "a string", &activation);
+        !s.ok()) {
+      return s;
+    }
+    if (activation != "relu") {
+      return error_(LineOf(node["activation"]),
+                    absl::StrCat("mlp.activation '", activation, "' is not supported (only relu)"));
+    }
+    return config;
+  }
+
   absl::Status ParseModel(const YAML::Node& node, const std::string& where, ModelSpec* model,
                           int* rope_line) {
     if (absl::Status s =
@@ -433,7 +478,7 @@ class Parser {
     }
     m.format_version = *v;
     if (absl::Status s = CheckMap(root, "",
-                                  {"format_version", "kind", "synthetic", "source", "target", "k",
+                                  {"format_version", "kind", "mlp", "synthetic", "source", "target", "k",
                                    "lambda", "lambda_scale", "weights", "layers", "calibration",
                                    "created_by"});
         !s.ok()) {
@@ -446,12 +491,23 @@ class Parser {
     if (kind == "ridge") {
       m.kind = MapperKind::kRidge;
     } else if (kind == "mlp") {
-      return error_(lines_.kind,
-                    "unsupported kind 'mlp': this build serves only kind: ridge (MLP mappers "
-                    "come later)",
-                    absl::StatusCode::kUnimplemented);
+      m.kind = MapperKind::kMlp;
     } else {
       return error_(lines_.kind, absl::StrCat("unknown kind '", kind, "' (expected ridge or mlp)"));
+    }
+    const YAML::Node mlp = root["mlp"];
+    if (mlp.IsDefined()) {
+      lines_.mlp = LineOf(mlp);
+      if (m.kind != MapperKind::kMlp) {
+        return error_(lines_.mlp, absl::StrCat("key 'mlp' is only valid with kind: mlp, but kind "
+                                               "is ", kind));
+      }
+      absl::StatusOr<MlpConfig> config = ParseMlp(mlp);
+      if (!config.ok()) return config.status();
+      m.mlp = *config;
+    } else if (m.kind == MapperKind::kMlp) {
+      return error_(lines_.kind, "missing required key 'mlp' (kind: mlp needs {hidden: H, "
+                                 "granularity: per_layer|per_head})");
     }
     if (absl::Status s = OptionalScalar(root, "", "synthetic", "true or false", &m.synthetic);
         !s.ok()) {
@@ -591,6 +647,10 @@ const char* MapperKindName(MapperKind kind) {
   return kind == MapperKind::kRidge ? "ridge" : "mlp";
 }
 
+const char* MlpGranularityName(MlpGranularity granularity) {
+  return granularity == MlpGranularity::kPerLayer ? "per_layer" : "per_head";
+}
+
 const char* LambdaScaleName(LambdaScale scale) {
   return scale == LambdaScale::kCovariance ? "covariance" : "sum";
 }
@@ -644,6 +704,13 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
   out << YAML::BeginMap;
   out << YAML::Key << "format_version" << YAML::Value << m.format_version;
   out << YAML::Key << "kind" << YAML::Value << MapperKindName(m.kind);
+  if (m.mlp.has_value()) {
+    out << YAML::Key << "mlp" << YAML::Value << YAML::Flow << YAML::BeginMap;
+    out << YAML::Key << "hidden" << YAML::Value << m.mlp->hidden;
+    out << YAML::Key << "granularity" << YAML::Value << MlpGranularityName(m.mlp->granularity);
+    out << YAML::Key << "activation" << YAML::Value << "relu";
+    out << YAML::EndMap;
+  }
   out << YAML::Key << "synthetic" << YAML::Value << m.synthetic;
   out << YAML::Key << "source" << YAML::Value;
   EmitModel(out, m.source);

@@ -22,9 +22,20 @@ inline constexpr char kChecksumFileName[] = "SHA256SUMS";
 
 enum class MapperKind {
   kRidge,  // x W + b per target layer and K|V (SPEC 3)
-  kMlp,    // reserved: parsed by name but refused until the MLP kind lands
+  kMlp,    // relu(relu(x A1 + c1) A2 + c2) A3 + c3 per target layer and K|V (SPEC 3)
 };
 const char* MapperKindName(MapperKind kind);
+
+// Whether an MLP mapper has one chain per target layer (head outputs stacked in fc3's columns)
+// or one per target head (the paper), each seeing the full x and writing its head's d_t columns.
+enum class MlpGranularity { kPerLayer, kPerHead };
+const char* MlpGranularityName(MlpGranularity granularity);
+
+// The `mlp:` map of a kind: mlp manifest. Only ReLU exists, so the activation is implied.
+struct MlpConfig {
+  int64_t hidden = 1024;  // H, the width of both hidden layers
+  MlpGranularity granularity = MlpGranularity::kPerLayer;
+};
 
 // Where the ridge penalty lambda was added (SPEC 4.1).
 enum class LambdaScale {
@@ -45,6 +56,7 @@ struct LayerEntry {
 struct Manifest {
   int format_version = kManifestFormatVersion;
   MapperKind kind = MapperKind::kRidge;
+  std::optional<MlpConfig> mlp;  // set iff kind == kMlp
   bool synthetic = false;  // random weights from `kvt synth`
   ModelSpec source;
   ModelSpec target;
@@ -59,7 +71,7 @@ struct Manifest {
   std::string created_by;  // free-form
 };
 
-// Parses manifest.yaml text. Errors are INVALID_ARGUMENT (UNIMPLEMENTED for kind: mlp) and read
+// Parses manifest.yaml text. Errors are INVALID_ARGUMENT and read
 // "<label> line N: ..." naming the offending key: YAML syntax, unknown or duplicate keys, missing
 // required keys, wrong scalar types, unsupported format_version, sigma entries out of range, RoPE
 // settings kvt::ValidateRopeConfig refuses. `label` is how messages name the file.

@@ -155,11 +155,92 @@ TEST(ManifestTest, UnsupportedFormatVersion) {
                    "line 2: unsupported format_version 2 (this build reads format_version 1)");
 }
 
-TEST(ManifestTest, MlpKindIsRefusedClearly) {
-  KVT_EXPECT_ERROR(ParseManifest(WithLine(3, "kind: mlp")), StatusCode::kUnimplemented,
-                   "line 3: unsupported kind 'mlp'");
+TEST(ManifestTest, MlpKindParsesAndRoundTrips) {
+  // Line 4 (synthetic) becomes the mlp map; every other line stays the ridge example's.
+  std::vector<std::string> lines = ExampleLines();
+  lines[2] = "kind: mlp";
+  lines[3] = "mlp: {hidden: 64, granularity: per_head, activation: relu}";
+  absl::StatusOr<Manifest> m = ParseManifest(Join(lines));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->kind, MapperKind::kMlp);
+  ASSERT_TRUE(m->mlp.has_value());
+  EXPECT_EQ(m->mlp->hidden, 64);
+  EXPECT_EQ(m->mlp->granularity, MlpGranularity::kPerHead);
+  absl::StatusOr<std::string> text = EmitManifest(*m);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_NE(text->find("kind: mlp\nmlp: {hidden: 64, granularity: per_head, activation: relu}"),
+            std::string::npos)
+      << *text;
+  absl::StatusOr<Manifest> back = ParseManifest(*text);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << *text;
+  EXPECT_EQ(back->kind, MapperKind::kMlp);
+  EXPECT_EQ(back->mlp->hidden, 64);
+  EXPECT_EQ(back->mlp->granularity, MlpGranularity::kPerHead);
+  EXPECT_EQ(*EmitManifest(*back), *text);
+
+  // activation is optional (relu is the only one); per_layer.
+  lines[3] = "mlp: {granularity: per_layer, hidden: 1}";
+  m = ParseManifest(Join(lines));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->mlp->hidden, 1);
+  EXPECT_EQ(m->mlp->granularity, MlpGranularity::kPerLayer);
+  // Ridge manifests carry no mlp map and emit none.
+  m = ParseManifest(Join(ExampleLines()));
+  ASSERT_TRUE(m.ok());
+  EXPECT_FALSE(m->mlp.has_value());
+  EXPECT_EQ(EmitManifest(*m)->find("mlp"), std::string::npos);
+}
+
+TEST(ManifestTest, MlpErrorsNameTheKey) {
+  std::vector<std::string> lines = ExampleLines();
+  lines[2] = "kind: mlp";
+  const auto with_mlp = [&](const std::string& line4) {
+    std::vector<std::string> edited = lines;
+    edited[3] = line4;
+    return ParseManifest(Join(edited));
+  };
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "line 3: missing required key 'mlp' (kind: mlp needs");
+  KVT_EXPECT_ERROR(with_mlp("mlp: {hidden: 0, granularity: per_layer}"),
+                   StatusCode::kInvalidArgument, "line 4: mlp.hidden must be >= 1, got 0");
+  KVT_EXPECT_ERROR(with_mlp("mlp: {hidden: -3, granularity: per_layer}"),
+                   StatusCode::kInvalidArgument, "mlp.hidden must be >= 1, got -3");
+  KVT_EXPECT_ERROR(with_mlp("mlp: {hidden: wide, granularity: per_layer}"),
+                   StatusCode::kInvalidArgument, "line 4: mlp.hidden must be an integer, got 'wide'");
+  KVT_EXPECT_ERROR(with_mlp("mlp: {hidden: 8, granularity: per_token}"),
+                   StatusCode::kInvalidArgument,
+                   "line 4: mlp.granularity 'per_token' must be per_layer or per_head");
+  KVT_EXPECT_ERROR(with_mlp("mlp: {hidden: 8}"), StatusCode::kInvalidArgument,
+                   "missing required key 'granularity' in mlp");
+  KVT_EXPECT_ERROR(with_mlp("mlp: {granularity: per_head}"), StatusCode::kInvalidArgument,
+                   "missing required key 'hidden' in mlp");
+  KVT_EXPECT_ERROR(with_mlp("mlp: {hidden: 8, granularity: per_head, depth: 3}"),
+                   StatusCode::kInvalidArgument,
+                   "line 4: unknown key 'depth' in mlp (allowed: hidden, granularity, activation)");
+  KVT_EXPECT_ERROR(with_mlp("mlp: {hidden: 8, granularity: per_head, activation: gelu}"),
+                   StatusCode::kInvalidArgument, "mlp.activation 'gelu' is not supported");
+  KVT_EXPECT_ERROR(with_mlp("mlp: 1024"), StatusCode::kInvalidArgument,
+                   "line 4: mlp must be a YAML map");
+  // mlp with kind: ridge names the key.
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "mlp: {hidden: 8, granularity: per_layer}")),
+                   StatusCode::kInvalidArgument,
+                   "line 4: key 'mlp' is only valid with kind: mlp, but kind is ridge");
   KVT_EXPECT_ERROR(ParseManifest(WithLine(3, "kind: lasso")), StatusCode::kInvalidArgument,
-                   "unknown kind 'lasso'");
+                   "unknown kind 'lasso' (expected ridge or mlp)");
+
+  // The same rules for manifests built in code.
+  absl::StatusOr<Manifest> m = ParseManifest(Join(ExampleLines()));
+  ASSERT_TRUE(m.ok());
+  m->kind = MapperKind::kMlp;
+  KVT_EXPECT_ERROR(ValidateManifest(*m), StatusCode::kInvalidArgument,
+                   "manifest: kind: mlp needs the 'mlp' map");
+  m->mlp = MlpConfig{0, MlpGranularity::kPerLayer};
+  KVT_EXPECT_ERROR(EmitManifest(*m), StatusCode::kInvalidArgument, "mlp.hidden must be >= 1");
+  m->mlp->hidden = 16;
+  EXPECT_TRUE(ValidateManifest(*m).ok());
+  m->kind = MapperKind::kRidge;
+  KVT_EXPECT_ERROR(ValidateManifest(*m), StatusCode::kInvalidArgument,
+                   "key 'mlp' is only valid with kind: mlp");
 }
 
 TEST(ManifestTest, SigmaOutOfRangeNamesTheLayer) {

@@ -44,10 +44,42 @@ std::string MapperTensorName(int target_layer, char kv, bool bias) {
   return absl::StrCat("layers.", target_layer, ".", std::string(1, kv), bias ? ".bias" : ".weight");
 }
 
+std::string MlpTensorName(int target_layer, char kv, int fc, bool bias) {
+  return absl::StrCat("layers.", target_layer, ".", std::string(1, kv), ".fc", fc,
+                      bias ? ".bias" : ".weight");
+}
+
 std::vector<TensorSpec> MapperTensorSpecs(const Manifest& m) {
   std::vector<TensorSpec> specs;
   const int64_t in_per_layer = static_cast<int64_t>(m.source.num_kv_heads) * m.source.head_dim;
   const int64_t out = static_cast<int64_t>(m.target.num_kv_heads) * m.target.head_dim;
+  if (m.kind == MapperKind::kMlp) {
+    const MlpConfig config = m.mlp.value_or(MlpConfig());
+    const int64_t hidden = config.hidden;
+    const bool per_head = config.granularity == MlpGranularity::kPerHead;
+    const int64_t heads = m.target.num_kv_heads;
+    // per_head stacks one chain per target head in a leading dimension; head h's fc3 has d_t
+    // columns instead of the layer's n_t d_t.
+    const auto shape = [&](std::vector<int64_t> dims) {
+      if (per_head) dims.insert(dims.begin(), heads);
+      return dims;
+    };
+    const int64_t fc3_cols = per_head ? m.target.head_dim : out;
+    for (const LayerEntry& layer : m.layers) {
+      const int l = layer.target_layer;
+      for (const auto& [kv, sigma] :
+           {std::pair<char, const std::vector<int>*>{'k', &layer.sigma_k}, {'v', &layer.sigma_v}}) {
+        const int64_t in = static_cast<int64_t>(sigma->size()) * in_per_layer;
+        specs.push_back({MlpTensorName(l, kv, 1, false), m.weights_dtype, shape({in, hidden})});
+        specs.push_back({MlpTensorName(l, kv, 1, true), m.weights_dtype, shape({hidden})});
+        specs.push_back({MlpTensorName(l, kv, 2, false), m.weights_dtype, shape({hidden, hidden})});
+        specs.push_back({MlpTensorName(l, kv, 2, true), m.weights_dtype, shape({hidden})});
+        specs.push_back({MlpTensorName(l, kv, 3, false), m.weights_dtype, shape({hidden, fc3_cols})});
+        specs.push_back({MlpTensorName(l, kv, 3, true), m.weights_dtype, shape({fc3_cols})});
+      }
+    }
+    return specs;
+  }
   for (const LayerEntry& layer : m.layers) {
     const int l = layer.target_layer;
     const int64_t in_k = static_cast<int64_t>(layer.sigma_k.size()) * in_per_layer;
@@ -97,12 +129,30 @@ absl::Status ValidateMapperTensors(const Manifest& manifest, const std::vector<T
           SafetensorsDTypeName(e.dtype), ")"));
     }
     if (t.shape != e.shape) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", t.name, "' has shape ", FormatShape(t.shape), " but the manifest requires ",
-          FormatShape(e.shape), " (rows = len(sigma) x source.num_kv_heads ",
-          manifest.source.num_kv_heads, " x source.head_dim ", manifest.source.head_dim,
-          ", cols = target.num_kv_heads ", manifest.target.num_kv_heads, " x target.head_dim ",
-          manifest.target.head_dim, ")"));
+      std::string why;
+      if (manifest.kind == MapperKind::kMlp) {
+        const MlpConfig config = manifest.mlp.value_or(MlpConfig());
+        why = absl::StrCat(
+            "mlp.granularity ", MlpGranularityName(config.granularity), ", mlp.hidden H = ",
+            config.hidden, ", in = len(sigma) x source.num_kv_heads ",
+            manifest.source.num_kv_heads, " x source.head_dim ", manifest.source.head_dim,
+            config.granularity == MlpGranularity::kPerHead
+                ? absl::StrCat(", leading dim target.num_kv_heads ",
+                               manifest.target.num_kv_heads, ", fc3 cols target.head_dim ",
+                               manifest.target.head_dim)
+                : absl::StrCat(", fc3 cols target.num_kv_heads ", manifest.target.num_kv_heads,
+                               " x target.head_dim ", manifest.target.head_dim));
+      } else {
+        why = absl::StrCat("rows = len(sigma) x source.num_kv_heads ",
+                           manifest.source.num_kv_heads, " x source.head_dim ",
+                           manifest.source.head_dim, ", cols = target.num_kv_heads ",
+                           manifest.target.num_kv_heads, " x target.head_dim ",
+                           manifest.target.head_dim);
+      }
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has shape ",
+                                                     FormatShape(t.shape),
+                                                     " but the manifest requires ",
+                                                     FormatShape(e.shape), " (", why, ")"));
     }
   }
   if (!missing.empty()) {
@@ -116,7 +166,9 @@ absl::Status ValidateMapperTensors(const Manifest& manifest, const std::vector<T
   if (!extra.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "extra tensor ", extra[0], extra.size() > 1 ? absl::StrCat(" (and ", extra.size() - 1, " more)") : "",
-        ": a ridge mapper holds only layers.{l}.{k,v}.{weight,bias} and optional '",
+        manifest.kind == MapperKind::kMlp
+            ? ": an mlp mapper holds only layers.{l}.{k,v}.fc{1,2,3}.{weight,bias} and optional '"
+            : ": a ridge mapper holds only layers.{l}.{k,v}.{weight,bias} and optional '",
         kStatsTensorPrefix, "' tensors"));
   }
   return absl::OkStatus();
@@ -221,16 +273,20 @@ absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string& d
   mapper->weights_ = *std::move(weights);
   const Manifest& m = mapper->manifest_;
   const SafetensorsFile& file = *mapper->weights_;
+  // Every dimension but the last folds into rows: an MLP's per_head [n_t, a, b] tensor is the
+  // (n_t a) x b stack MlpView describes, its [n_t, b] bias n_t x b.
   auto view_of = [&file](const std::string& name) {
     const TensorInfo* info = file.Find(name);  // present: validated above
     WeightView view;
     view.data = file.data(*info).data();
     view.dtype = info->spec.dtype;
-    view.rows = info->spec.shape.size() == 2 ? info->spec.shape[0] : 1;
     view.cols = info->spec.shape.back();
+    view.rows = 1;
+    for (size_t d = 0; d + 1 < info->spec.shape.size(); ++d) view.rows *= info->spec.shape[d];
     return view;
   };
   MapperView& view = mapper->view_;
+  view.kind = m.kind == MapperKind::kMlp ? MapKind::kMlp : MapKind::kRidge;
   view.source = m.source;
   view.target = m.target;
   view.layers.reserve(m.layers.size());
@@ -238,10 +294,26 @@ absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string& d
     LayerMapView layer;
     layer.sigma_k = entry.sigma_k;
     layer.sigma_v = entry.sigma_v;
-    layer.w_k = view_of(MapperTensorName(entry.target_layer, 'k', false));
-    layer.b_k = view_of(MapperTensorName(entry.target_layer, 'k', true));
-    layer.w_v = view_of(MapperTensorName(entry.target_layer, 'v', false));
-    layer.b_v = view_of(MapperTensorName(entry.target_layer, 'v', true));
+    const int l = entry.target_layer;
+    if (m.kind == MapperKind::kMlp) {
+      for (const auto& [kv, mlp] :
+           {std::pair<char, MlpView*>{'k', &layer.mlp_k}, {'v', &layer.mlp_v}}) {
+        mlp->heads =
+            m.mlp->granularity == MlpGranularity::kPerHead ? m.target.num_kv_heads : 1;
+        mlp->hidden = m.mlp->hidden;
+        mlp->a1 = view_of(MlpTensorName(l, kv, 1, false));
+        mlp->c1 = view_of(MlpTensorName(l, kv, 1, true));
+        mlp->a2 = view_of(MlpTensorName(l, kv, 2, false));
+        mlp->c2 = view_of(MlpTensorName(l, kv, 2, true));
+        mlp->a3 = view_of(MlpTensorName(l, kv, 3, false));
+        mlp->c3 = view_of(MlpTensorName(l, kv, 3, true));
+      }
+    } else {
+      layer.w_k = view_of(MapperTensorName(l, 'k', false));
+      layer.b_k = view_of(MapperTensorName(l, 'k', true));
+      layer.w_v = view_of(MapperTensorName(l, 'v', false));
+      layer.b_v = view_of(MapperTensorName(l, 'v', true));
+    }
     view.layers.push_back(std::move(layer));
   }
   return mapper;

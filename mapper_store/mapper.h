@@ -23,10 +23,18 @@ inline constexpr char kStatsTensorPrefix[] = "stats.";
 // "layers.{l}.k.weight" and friends.
 std::string MapperTensorName(int target_layer, char kv /* 'k' or 'v' */, bool bias);
 
-// The tensors a ridge manifest requires, in canonical file order (per target layer: k.weight,
-// k.bias, v.weight, v.bias), with their shapes and the manifest's dtype:
+// "layers.{l}.k.fc2.bias" and friends: layer `fc` (1, 2 or 3) of an MLP mapper's K or V chain.
+std::string MlpTensorName(int target_layer, char kv /* 'k' or 'v' */, int fc, bool bias);
+
+// The tensors a manifest requires, in canonical file order, with their shapes and the
+// manifest's dtype. Ridge (per target layer: k.weight, k.bias, v.weight, v.bias):
 //   layers.{l}.k.weight [len(sigma_k) * n_s * d_s, n_t * d_t]   layers.{l}.k.bias [n_t * d_t]
 //   layers.{l}.v.weight [len(sigma_v) * n_s * d_s, n_t * d_t]   layers.{l}.v.bias [n_t * d_t]
+// MLP (per target layer, k then v, fc1.weight, fc1.bias, fc2..., fc3...; in = len(sigma) n_s d_s,
+// H = mlp.hidden, out = n_t d_t):
+//   per_layer: fc1 [in, H] + [H], fc2 [H, H] + [H], fc3 [H, out] + [out]
+//   per_head:  fc1 [n_t, in, H] + [n_t, H], fc2 [n_t, H, H] + [n_t, H],
+//              fc3 [n_t, H, d_t] + [n_t, d_t]
 std::vector<TensorSpec> MapperTensorSpecs(const Manifest& manifest);
 // Total bytes and parameters of those tensors.
 uint64_t MapperWeightBytes(const Manifest& manifest);
@@ -57,7 +65,7 @@ class LoadedMapper {
   const SafetensorsFile& weights() const { return *weights_; }
   // Host bytes held: the whole data section of the weights file (mapping tensors and extras).
   uint64_t weight_bytes() const { return weights_->data_size(); }
-  // Parameters of the mapping tensors (W and b, K and V, every target layer).
+  // Parameters of the mapping tensors (W and b, or the MLP chains; K and V, every target layer).
   int64_t num_params() const { return MapperNumParams(manifest_); }
   // False when loaded with verify_checksums = false.
   bool checksums_verified() const { return checksums_verified_; }

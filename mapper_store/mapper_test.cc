@@ -300,10 +300,141 @@ TEST_F(MapperTest, MissingOrIncompleteChecksumFile) {
                    "not a mapper directory");
 }
 
-TEST_F(MapperTest, MlpKindIsRefused) {
-  const std::string dir = WriteGood();
-  EditManifest(dir, "kind: ridge", "kind: mlp");
-  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kUnimplemented, "unsupported kind 'mlp'");
+// ---- MLP mappers ----
+
+// SmallManifest as kind: mlp, with 2 target heads x 4 so per_head has more than one chain.
+Manifest SmallMlpManifest(DType dtype, MlpGranularity granularity, int64_t hidden = 5) {
+  Manifest m = SmallManifest(dtype);
+  m.kind = MapperKind::kMlp;
+  m.mlp = MlpConfig{hidden, granularity};
+  m.target = NeoxModelSpec("test/tgt", 2, 2, 4);
+  return m;
+}
+
+TEST_F(MapperTest, MlpWriteThenLoadBothGranularities) {
+  for (MlpGranularity granularity : {MlpGranularity::kPerLayer, MlpGranularity::kPerHead}) {
+    const bool per_head = granularity == MlpGranularity::kPerHead;
+    SCOPED_TRACE(MlpGranularityName(granularity));
+    const Manifest m = SmallMlpManifest(DType::kBF16, granularity);
+    const std::vector<TensorSpec> specs = MapperTensorSpecs(m);
+    // Canonical order: layer by layer, k then v, fc1.weight, fc1.bias, fc2..., fc3...
+    ASSERT_EQ(specs.size(), 2u * 2 * 6);
+    EXPECT_EQ(specs[0].name, "layers.0.k.fc1.weight");
+    EXPECT_EQ(specs[1].name, "layers.0.k.fc1.bias");
+    EXPECT_EQ(specs[5].name, "layers.0.k.fc3.bias");
+    EXPECT_EQ(specs[6].name, "layers.0.v.fc1.weight");
+    EXPECT_EQ(specs[12].name, "layers.1.k.fc1.weight");
+    // layer 0: sigma_k has 2 source layers of 2 heads x 4 -> in 16; sigma_v 1 -> in 8.
+    using Shape = std::vector<int64_t>;
+    if (per_head) {
+      EXPECT_EQ(specs[0].shape, (Shape{2, 16, 5}));
+      EXPECT_EQ(specs[1].shape, (Shape{2, 5}));
+      EXPECT_EQ(specs[2].shape, (Shape{2, 5, 5}));
+      EXPECT_EQ(specs[4].shape, (Shape{2, 5, 4}));
+      EXPECT_EQ(specs[5].shape, (Shape{2, 4}));
+      EXPECT_EQ(specs[6].shape, (Shape{2, 8, 5}));
+    } else {
+      EXPECT_EQ(specs[0].shape, (Shape{16, 5}));
+      EXPECT_EQ(specs[1].shape, (Shape{5}));
+      EXPECT_EQ(specs[2].shape, (Shape{5, 5}));
+      EXPECT_EQ(specs[4].shape, (Shape{5, 8}));
+      EXPECT_EQ(specs[5].shape, (Shape{8}));
+      EXPECT_EQ(specs[6].shape, (Shape{8, 5}));
+    }
+    // Per chain: in*H + H + H*H + H + H*out + out, out = 8 (per_layer) or 2 heads x (.. 4).
+    const auto chain = [&](int64_t in) {
+      return per_head ? 2 * (in * 5 + 5 + 25 + 5 + 5 * 4 + 4) : in * 5 + 5 + 25 + 5 + 5 * 8 + 8;
+    };
+    const int64_t params = chain(16) + chain(8) + chain(8) + chain(16);
+    EXPECT_EQ(MapperNumParams(m), params);
+    EXPECT_EQ(MapperWeightBytes(m), static_cast<uint64_t>(params) * 2);
+
+    Tensors t = MakeTensors(specs);
+    const std::string dir = JoinPath(root_, absl::StrCat("mlp_", MlpGranularityName(granularity)));
+    KVT_ASSERT_OK(WriteMapperDir(dir, m, t.refs));
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> loaded = LoadMapperDir(dir);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    EXPECT_EQ((*loaded)->num_params(), params);
+    EXPECT_EQ((*loaded)->weight_bytes(), static_cast<uint64_t>(params) * 2);
+    EXPECT_EQ((*loaded)->manifest().mlp->granularity, granularity);
+    const MapperView& view = (*loaded)->view();
+    EXPECT_EQ(view.kind, MapKind::kMlp);
+    const MlpView& k0 = view.layers[0].mlp_k;
+    EXPECT_EQ(k0.heads, per_head ? 2 : 1);
+    EXPECT_EQ(k0.hidden, 5);
+    // Stacked per head along rows, as MlpView documents.
+    EXPECT_EQ(k0.a1.rows, per_head ? 32 : 16);
+    EXPECT_EQ(k0.a1.cols, 5);
+    EXPECT_EQ(k0.c1.rows, per_head ? 2 : 1);
+    EXPECT_EQ(k0.a2.rows, per_head ? 10 : 5);
+    EXPECT_EQ(k0.a3.rows, per_head ? 10 : 5);
+    EXPECT_EQ(k0.a3.cols, per_head ? 4 : 8);
+    EXPECT_EQ(k0.c3.rows, per_head ? 2 : 1);
+    EXPECT_EQ(k0.c3.cols, per_head ? 4 : 8);
+    EXPECT_EQ(k0.a1.dtype, DType::kBF16);
+    EXPECT_EQ(view.layers[1].mlp_v.a1.rows, per_head ? 32 : 16);
+    EXPECT_EQ(view.layers[0].w_k.data, nullptr);  // no ridge weights in an MLP view
+    EXPECT_EQ(0, std::memcmp(k0.a1.data, t.storage[0].data(), t.storage[0].size()));
+    EXPECT_EQ(0, std::memcmp(view.layers[1].mlp_v.c3.data, t.storage[23].data(),
+                             t.storage[23].size()));
+
+    // The streaming writer produces the same bytes.
+    const std::string streamed = dir + "_streamed";
+    KVT_ASSERT_OK(WriteMapperDir(streamed, m, specs, [&](size_t i, absl::Span<uint8_t> dst) {
+      std::memcpy(dst.data(), t.storage[i].data(), dst.size());
+      return absl::OkStatus();
+    }));
+    EXPECT_EQ(*ReadFileToString(JoinPath(streamed, kDefaultWeightsFileName)),
+              *ReadFileToString(JoinPath(dir, kDefaultWeightsFileName)));
+  }
+}
+
+TEST_F(MapperTest, MlpTensorErrorsNameTensorAndShape) {
+  const Manifest m = SmallMlpManifest(DType::kFP32, MlpGranularity::kPerHead);
+  const std::string dir = JoinPath(root_, "mlp_bad");
+  Tensors t = MakeTensors(MapperTensorSpecs(m));
+  KVT_ASSERT_OK(WriteMapperDir(dir, m, t.refs));
+  ASSERT_TRUE(LoadMapperDir(dir).ok());
+
+  std::vector<TensorSpec> specs = MapperTensorSpecs(m);
+  specs[8].shape = {5, 5};  // layers.0.v.fc2.weight without its head dimension
+  ReplaceWeights(dir, specs);
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "tensor 'layers.0.v.fc2.weight' has shape [5, 5] but the manifest requires "
+                   "[2, 5, 5] (mlp.granularity per_head, mlp.hidden H = 5");
+
+  specs = MapperTensorSpecs(m);
+  specs.erase(specs.begin() + 17);  // layers.1.k.fc3.bias
+  ReplaceWeights(dir, specs);
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "missing tensor 'layers.1.k.fc3.bias'");
+
+  // A ridge weights file under an mlp manifest: missing MLP tensors, the ridge ones unexpected.
+  ReplaceWeights(dir, MapperTensorSpecs(SmallManifest(DType::kFP32)));
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "missing tensor 'layers.0.k.fc1.weight' (and 23 more); the file has "
+                   "unexpected tensors 'layers.0.k.");
+
+  // Every tensor present plus one more.
+  specs = MapperTensorSpecs(m);
+  specs.push_back({"layers.0.k.fc4.weight", DType::kFP32, {5, 5}});
+  ReplaceWeights(dir, specs);
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "extra tensor 'layers.0.k.fc4.weight': an mlp mapper holds only");
+
+  // The manifest's hidden and granularity decide the shapes.
+  ReplaceWeights(dir, MapperTensorSpecs(m));
+  EditManifest(dir, "hidden: 5", "hidden: 6");
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "tensor 'layers.0.k.fc1.weight' has shape [2, 16, 5] but the manifest "
+                   "requires [2, 16, 6]");
+  EditManifest(dir, "hidden: 6, granularity: per_head", "hidden: 5, granularity: per_layer");
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "tensor 'layers.0.k.fc1.weight' has shape [2, 16, 5] but the manifest "
+                   "requires [16, 5] (mlp.granularity per_layer");
+  EditManifest(dir, "kind: mlp", "kind: ridge");
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "key 'mlp' is only valid with kind: mlp");
 }
 
 // ---- Writer ----

@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/dtype.h"
@@ -178,8 +179,13 @@ absl::StatusOr<Manifest> SynthManifest(const SynthOptions& options) {
                                                    " must be between 1 and source.num_layers (",
                                                    options.source.num_layers, "), or 0 for all"));
   }
+  if (options.mlp.has_value() && options.mlp->hidden < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mlp hidden must be >= 1, got ", options.mlp->hidden));
+  }
   Manifest m;
-  m.kind = MapperKind::kRidge;
+  m.kind = options.mlp.has_value() ? MapperKind::kMlp : MapperKind::kRidge;
+  m.mlp = options.mlp;
   m.synthetic = true;
   m.lambda = 0;  // nothing was fitted, so no regularisation to report
   m.source = options.source;
@@ -197,9 +203,10 @@ absl::StatusOr<Manifest> SynthManifest(const SynthOptions& options) {
     m.layers.push_back(std::move(entry));
   }
   // Not a calibration: the generator settings, so `kvt inspect` shows how to reproduce it.
-  m.calibration_yaml = absl::StrCat("generator: random normal\nseed: ", options.seed,
-                                    "\nweight_scale: ", FormatDouble(options.weight_scale),
-                                    "\nbias_scale: ", FormatDouble(options.bias_scale), "\n");
+  m.calibration_yaml =
+      absl::StrCat("generator: random normal", options.mlp ? " (He-scaled MLP)" : "",
+                   "\nseed: ", options.seed, "\nweight_scale: ", FormatDouble(options.weight_scale),
+                   "\nbias_scale: ", FormatDouble(options.bias_scale), "\n");
   if (absl::Status s = ValidateManifest(m); !s.ok()) return s;
   return m;
 }
@@ -215,9 +222,16 @@ absl::Status FillSynthTensor(const SynthOptions& options, const Manifest& manife
     return absl::InvalidArgumentError(absl::StrCat("tensor '", spec.name, "' needs ",
                                                    spec.num_bytes(), " bytes, got ", dst.size()));
   }
-  const bool bias = spec.shape.size() == 1;
-  const double stddev = bias ? options.bias_scale
-                             : options.weight_scale / std::sqrt(static_cast<double>(spec.shape[0]));
+  // Ridge: W [in, out], b [out]. MLP: the last dimension is the output, the one before it the
+  // fan-in, a leading one (per_head) counts heads; a bias has no fan-in dimension.
+  const bool mlp = manifest.kind == MapperKind::kMlp;
+  const bool bias = absl::EndsWith(spec.name, ".bias");
+  const double fan_in =
+      bias ? 1.0 : static_cast<double>(spec.shape[spec.shape.size() - 2]);
+  // Behind a ReLU only half the second moment survives: sqrt(2) restores it (He init).
+  const double relu_gain = mlp && !absl::StrContains(spec.name, ".fc1.") ? std::sqrt(2.0) : 1.0;
+  const double stddev =
+      bias ? options.bias_scale : options.weight_scale * relu_gain / std::sqrt(fan_in);
   const uint64_t key = StreamKey(options.seed, index);
   const int64_t count = spec.num_elements();
   const size_t element_size = DTypeSize(spec.dtype);

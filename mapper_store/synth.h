@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,11 @@ struct SynthOptions {
   double weight_scale = 1.0;
   // Biases are N(0, bias_scale^2): small, but not zero, so bias handling is exercised.
   double bias_scale = 0.01;
+  // Set: an MLP mapper (kind: mlp) with this hidden width and granularity instead of ridge.
+  // fc1 weights are N(0, (weight_scale / sqrt(fan_in))^2) like ridge's W; fc2 and fc3 get
+  // sqrt(2) times that (fan_in = H), which makes up for the half of the second moment each ReLU
+  // removes, so hidden activations and outputs stay O(1) for unit-variance inputs.
+  std::optional<MlpConfig> mlp;
   // Use one list for K and V (as the paper does) instead of independent draws.
   bool shared_sigma = false;
   std::string created_by = "kvt synth 0.1";

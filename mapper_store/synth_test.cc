@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "kernels/testing/reference.h"
 #include "mapper_store/file_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/test_util.h"
@@ -186,6 +187,54 @@ TEST(SynthTest, DemoTinyWritesAndLoads) {
   EXPECT_EQ((*mapper)->view().layers.size(), 6u);
   EXPECT_EQ((*mapper)->view().layers[0].w_k.rows, 2 * 2 * 32);
   EXPECT_EQ((*mapper)->view().layers[0].w_k.cols, 2 * 32);
+}
+
+// kind: mlp from the same generator: both granularities load, and the He scaling keeps the
+// hidden activations and the outputs O(1) for unit-variance inputs (checked through the float64
+// reference on a random cache: E[y^2] is 1 in expectation).
+TEST(SynthTest, MlpMappersLoadAndKeepTheScale) {
+  for (MlpGranularity granularity : {MlpGranularity::kPerLayer, MlpGranularity::kPerHead}) {
+    SCOPED_TRACE(MlpGranularityName(granularity));
+    SynthOptions o = Small(9);
+    o.dtype = DType::kFP32;
+    o.mlp = MlpConfig{128, granularity};
+    const std::string dir = JoinPath(testing::MakeTempDir("synth_mlp"), "m");
+    KVT_ASSERT_OK(WriteSynthMapper(dir, o));
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> loaded = LoadMapperDir(dir);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    const Manifest& m = (*loaded)->manifest();
+    EXPECT_EQ(m.kind, MapperKind::kMlp);
+    EXPECT_EQ(m.mlp->hidden, 128);
+    EXPECT_EQ(m.mlp->granularity, granularity);
+    EXPECT_TRUE(m.synthetic);
+    EXPECT_EQ((*loaded)->view().kind, MapKind::kMlp);
+    EXPECT_EQ((*loaded)->view().layers[2].mlp_v.heads,
+              granularity == MlpGranularity::kPerHead ? 2 : 1);
+
+    const kvt::testing::OwnedCache cache =
+        kvt::testing::MakeRandomCache(5, 2, 16, 64, DType::kFP32, Layout::kHND, 3);
+    for (int layer = 0; layer < 3; ++layer) {
+      for (kvt::testing::Kind kind : {kvt::testing::Kind::kK, kvt::testing::Kind::kV}) {
+        const std::vector<double> y = kvt::testing::ReferenceTranslate(
+            (*loaded)->view(), layer, kind, cache.view, Positions());
+        double sum_sq = 0;
+        for (double v : y) sum_sq += v * v;
+        const double mean_sq = sum_sq / y.size();
+        EXPECT_GT(mean_sq, 0.4) << "layer " << layer;
+        EXPECT_LT(mean_sq, 2.5) << "layer " << layer;
+      }
+    }
+  }
+  // Same seed, same bytes; and an MLP is not the ridge mapper of the same seed.
+  SynthOptions o = Small(4);
+  o.mlp = MlpConfig{8, MlpGranularity::kPerLayer};
+  const std::string root = testing::MakeTempDir("synth_mlp_det");
+  KVT_ASSERT_OK(WriteSynthMapper(JoinPath(root, "a"), o));
+  KVT_ASSERT_OK(WriteSynthMapper(JoinPath(root, "b"), o));
+  EXPECT_EQ(*ReadFileToString(JoinPath(root, "a/weights.safetensors")),
+            *ReadFileToString(JoinPath(root, "b/weights.safetensors")));
+  o.mlp->hidden = 0;
+  KVT_EXPECT_ERROR(SynthManifest(o), StatusCode::kInvalidArgument, "mlp hidden must be >= 1");
 }
 
 TEST(SynthTest, BadOptionsAreNamed) {
