@@ -35,6 +35,18 @@ void GatherChunk(const LayerGeometry& g, int64_t start, int64_t count, const voi
   }
 }
 
+std::vector<std::pair<int64_t, int64_t>> ChunkRanges(const LayerGeometry& g, int64_t start,
+                                                     int64_t count) {
+  const int64_t row = g.head_dim * g.element_size;
+  if (g.layout == Layout::kNHD) return {{start * g.num_heads * row, count * g.num_heads * row}};
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  ranges.reserve(static_cast<size_t>(g.num_heads));
+  for (int64_t h = 0; h < g.num_heads; ++h) {
+    ranges.emplace_back((h * g.num_tokens + start) * row, count * row);
+  }
+  return ranges;
+}
+
 int64_t TokensPerChunk(const LayerGeometry& g, int64_t max_chunk_bytes) {
   const int64_t per_token = std::max<int64_t>(1, g.chunk_bytes(1));
   return std::max<int64_t>(1, max_chunk_bytes / per_token);

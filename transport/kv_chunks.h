@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -33,6 +34,11 @@ void ScatterChunk(const LayerGeometry& geometry, int64_t start, int64_t count, c
 // The inverse: extracts tokens [start, start + count) of the layer into chunk form.
 void GatherChunk(const LayerGeometry& geometry, int64_t start, int64_t count, const void* layer,
                  void* chunk);
+
+// Where tokens [start, start + count) of a layer lie, as (byte offset in the layer, length)
+// ranges in chunk order: one range for NHD, one per head for HND.
+std::vector<std::pair<int64_t, int64_t>> ChunkRanges(const LayerGeometry& geometry, int64_t start,
+                                                     int64_t count);
 
 // Tokens per chunk so that one chunk holds at most `max_chunk_bytes` (at least 1 token).
 int64_t TokensPerChunk(const LayerGeometry& geometry, int64_t max_chunk_bytes);
