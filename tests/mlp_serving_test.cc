@@ -1,0 +1,352 @@
+// MLP mappers (kind: mlp) served end to end, in process: a real kvtd on port 0 over a store of
+// `kvt synth --kind mlp` directories, the CPU backend as its device, requests through the real
+// client inline and through POSIX shared memory, every result checked against the float64
+// reference; host and device paging account the MLP's bytes.
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_backend.h"
+#include "kernels/dtype.h"
+#include "kernels/testing/reference.h"
+#include "mapper_store/file_util.h"
+#include "mapper_store/mapper.h"
+#include "mapper_store/store.h"
+#include "mapper_store/synth.h"
+#include "mapper_store/test_util.h"
+#include "server/kvtd_server.h"
+#include "server/mapper_store_setup.h"
+#include "tests/shm_object.h"
+#include "transport/proto_convert.h"
+
+namespace kvt {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kAdmin[] = "admin-token-abcdefghijk";
+
+// Three mappers of three pairs: an MLP per layer (bf16 weights, unmatched shapes and RoPE), an
+// MLP per head (fp32) and the ridge mapper of the first pair's shapes, for contrast.
+SynthOptions PerLayer() {
+  SynthOptions o;
+  o.source = NeoxModelSpec("mlp/src", 3, 2, 16, 10000);
+  o.target = NeoxModelSpec("mlp/dst", 4, 4, 8, 500000);
+  o.target.rope.rotary_dim = 4;  // partial rotary on the target
+  o.k = 2;
+  o.dtype = DType::kBF16;
+  o.seed = 21;
+  o.mlp = MlpConfig{48, MlpGranularity::kPerLayer};
+  return o;
+}
+
+SynthOptions PerHead() {
+  SynthOptions o;
+  o.source = NeoxModelSpec("head/src", 2, 2, 16, 10000);
+  o.target = NeoxModelSpec("head/dst", 3, 2, 16, 10000);
+  o.k = 0;  // all
+  o.dtype = DType::kFP32;
+  o.seed = 22;
+  o.mlp = MlpConfig{24, MlpGranularity::kPerHead};
+  return o;
+}
+
+SynthOptions Ridge() {
+  SynthOptions o = PerLayer();
+  o.source.name = "ridge/src";
+  o.target.name = "ridge/dst";
+  o.mlp.reset();
+  return o;
+}
+
+HostCache RandomCache(const ModelSpec& model, int64_t tokens, DType dtype, Layout layout,
+                      uint64_t seed) {
+  HostCache cache;
+  cache.dtype = dtype;
+  cache.layout = layout;
+  cache.num_layers = model.num_layers;
+  cache.num_kv_heads = model.num_kv_heads;
+  cache.head_dim = model.head_dim;
+  cache.num_tokens = tokens;
+  cache.Allocate();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  const int64_t elements = cache.layer_bytes() / static_cast<int64_t>(DTypeSize(dtype));
+  for (int layer = 0; layer < cache.num_layers; ++layer) {
+    for (int64_t i = 0; i < elements; ++i) {
+      StoreFromDouble(dtype, cache.k[layer].data(), i, normal(rng));
+      StoreFromDouble(dtype, cache.v[layer].data(), i, normal(rng));
+    }
+  }
+  return cache;
+}
+
+class MlpServingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::MakeTempDir("mlp_serving");
+    store_dir_ = JoinPath(dir_, "store");
+    KVT_ASSERT_OK(WriteSynthMapper(JoinPath(store_dir_, "per-layer"), PerLayer()));
+    KVT_ASSERT_OK(WriteSynthMapper(JoinPath(store_dir_, "per-head"), PerHead()));
+    KVT_ASSERT_OK(WriteSynthMapper(JoinPath(store_dir_, "ridge"), Ridge()));
+    KVT_ASSERT_OK(WriteStringToFile(JoinPath(dir_, "tokens"), absl::StrCat(kAdmin, " admin\n")));
+  }
+
+  // Starts kvtd the way kvtd_main does (store options from the config, the CPU backend as its
+  // device), with client shm regions allowed.
+  void Start(KvtdConfig config = KvtdConfig()) {
+    config.server.listen_address = "127.0.0.1:0";
+    config.mapper_store.path = store_dir_;
+    config.mapper_store.reload_interval_seconds = 0;
+    config.security.auth_token_file = JoinPath(dir_, "tokens");
+    config.shutdown.drain_grace_seconds = 0;
+    config.shared_memory.allow_client_regions = true;
+    config.limits.response_chunk_bytes = 4096;  // several response chunks per layer
+    backend_ = NewCpuBackend(CpuBackendOptions{2, 32});  // pieces of 32 tokens: chunked
+    absl::StatusOr<std::unique_ptr<MapperStore>> store =
+        MapperStore::Open(store_dir_, MakeStoreOptions(config, backend_.get()));
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    absl::StatusOr<std::unique_ptr<KvtdServer>> server =
+        KvtdServer::Start(config, store_.get(), backend_.get());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    ClientOptions admin;
+    admin.bearer_token = kAdmin;
+    client_ = Client::Create(absl::StrCat("127.0.0.1:", server_->port()), admin);
+  }
+
+  std::unique_ptr<LoadedMapper> Local(const std::string& id) {
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(JoinPath(store_dir_, id));
+    EXPECT_TRUE(mapper.ok()) << mapper.status();
+    return mapper.ok() ? std::move(*mapper) : nullptr;
+  }
+
+  // Max relative error of `target` against the float64 reference, every layer, K and V.
+  static double ErrorAgainstReference(const MapperView& mapper, const HostCache& source,
+                                      const CacheView& target, const Positions& positions) {
+    double worst = 0;
+    for (int l = 0; l < mapper.target.num_layers; ++l) {
+      for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
+        worst = std::max(worst, testing::MaxRelError(
+                                    testing::ReadLayer(target, l, kind),
+                                    testing::ReferenceTranslate(mapper, l, kind, source.view(),
+                                                                positions)));
+      }
+    }
+    return worst;
+  }
+
+  grpc::Status Load(const std::string& id, const std::string& device, v1::MapperInfo* info) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kAdmin));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::LoadMapperRequest request;
+    request.set_mapper_id(id);
+    request.set_device(device);
+    v1::LoadMapperResponse response;
+    grpc::Status status = client_->stub()->LoadMapper(&context, request, &response);
+    *info = response.mapper();
+    return status;
+  }
+
+  std::string dir_, store_dir_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<MapperStore> store_;
+  std::unique_ptr<KvtdServer> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(MlpServingTest, InlineTranslationsMatchTheFloat64Reference) {
+  Start();
+  struct Case {
+    std::string mapper;
+    DType dtype;
+    Layout layout;
+    DType output_dtype;
+    Layout output_layout;
+    int64_t tokens;
+    uint64_t offset;
+    bool explicit_positions;
+  };
+  const std::vector<Case> cases = {
+      {"per-layer", DType::kFP32, Layout::kHND, DType::kFP32, Layout::kHND, 70, 0, false},
+      {"per-layer", DType::kBF16, Layout::kNHD, DType::kBF16, Layout::kHND, 129, 1000, false},
+      {"per-layer", DType::kFP16, Layout::kHND, DType::kFP32, Layout::kNHD, 33, 5, true},
+      {"per-head", DType::kFP32, Layout::kNHD, DType::kFP32, Layout::kNHD, 97, 123456, false},
+      {"per-head", DType::kBF16, Layout::kHND, DType::kFP16, Layout::kHND, 17, 0, true},
+      {"ridge", DType::kFP32, Layout::kHND, DType::kFP32, Layout::kHND, 40, 7, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(c.mapper, " ", DTypeName(c.dtype), " ", LayoutName(c.layout),
+                              " -> ", DTypeName(c.output_dtype), " ", LayoutName(c.output_layout),
+                              " T=", c.tokens));
+    std::unique_ptr<LoadedMapper> mapper = Local(c.mapper);
+    ASSERT_NE(mapper, nullptr);
+    EXPECT_EQ(mapper->view().kind, c.mapper == "ridge" ? MapKind::kRidge : MapKind::kMlp);
+    const uint64_t seed = testing::FreshSeed("mlp serving inline");
+    const HostCache source =
+        RandomCache(mapper->view().source, c.tokens, c.dtype, c.layout, seed);
+    v1::TranslateHeader header;
+    header.set_source_model(mapper->view().source.name);  // found by pair, like any mapper
+    header.set_target_model(mapper->view().target.name);
+    header.set_output_dtype(DTypeToProto(c.output_dtype));
+    header.set_output_layout(LayoutToProto(c.output_layout));
+    std::vector<uint64_t> explicit_positions;
+    Positions positions;
+    if (c.explicit_positions) {
+      std::mt19937_64 rng(seed);
+      for (int64_t i = 0; i < c.tokens; ++i) {
+        explicit_positions.push_back(rng() % 100000);
+        header.add_positions(explicit_positions.back());
+      }
+      positions.explicit_positions = explicit_positions.data();
+    } else {
+      header.set_position_offset(c.offset);
+      positions.offset = c.offset;
+    }
+    absl::StatusOr<TranslateResult> result = client_->Translate(header, source);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->header.mapper_id(), c.mapper);
+    EXPECT_EQ(result->target.dtype, c.output_dtype);
+    EXPECT_EQ(result->target.layout, c.output_layout);
+    EXPECT_EQ(result->trailer.num_tokens(), static_cast<uint64_t>(c.tokens));
+    // The reference reads the same rounded inputs and weights: what remains is fp32 arithmetic
+    // and the output's rounding (SPEC 3).
+    EXPECT_LE(ErrorAgainstReference(mapper->view(), source, result->target.view(), positions),
+              testing::TranslationTolerance(c.output_dtype));
+  }
+  // The MLP is really served as one: GetMapper reports the kind.
+  absl::StatusOr<v1::MapperInfo> info = client_->GetMapper("per-head");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->kind(), "mlp");
+}
+
+TEST_F(MlpServingTest, SharedMemoryEqualsInlineAndTheReference) {
+  Start();
+  const std::unique_ptr<LoadedMapper> mapper = Local("per-layer");
+  ASSERT_NE(mapper, nullptr);
+  const ModelSpec& src = mapper->view().source;
+  const ModelSpec& dst = mapper->view().target;
+  const int64_t tokens = 75;
+  const HostCache source = RandomCache(src, tokens, DType::kBF16, Layout::kHND,
+                                       testing::FreshSeed("mlp serving shm"));
+  v1::TranslateHeader inline_header;
+  inline_header.set_mapper_id("per-layer");
+  inline_header.set_position_offset(33);
+  absl::StatusOr<TranslateResult> inline_result = client_->Translate(inline_header, source);
+  ASSERT_TRUE(inline_result.ok()) << inline_result.status();
+
+  // Regions laid out [layer][K, V], each layer contiguous, as the transport defines them.
+  const int64_t in_bytes = 2 * src.num_layers * source.layer_bytes();
+  const int64_t out_layer = tokens * dst.num_kv_heads * dst.head_dim * 2;  // bf16
+  const int64_t out_bytes = 2 * dst.num_layers * out_layer;
+  test::ShmObject in_object(in_bytes), out_object(out_bytes);
+  for (int l = 0; l < src.num_layers; ++l) {
+    std::memcpy(in_object.data() + (2 * l) * source.layer_bytes(), source.k[l].data(),
+                source.layer_bytes());
+    std::memcpy(in_object.data() + (2 * l + 1) * source.layer_bytes(), source.v[l].data(),
+                source.layer_bytes());
+  }
+  std::memset(out_object.data(), 0xff, out_bytes);  // NaN wherever nothing is written
+  KVT_ASSERT_OK(client_->RegisterSystemMemory("in", in_object.key(), 0, in_bytes));
+  KVT_ASSERT_OK(client_->RegisterSystemMemory("out", out_object.key(), 0, out_bytes));
+  v1::TranslateHeader header;
+  header.set_mapper_id("per-layer");
+  header.set_dtype(v1::DTYPE_BF16);
+  header.set_layout(v1::LAYOUT_HND);
+  header.set_num_tokens(tokens);
+  header.set_position_offset(33);
+  header.mutable_input()->mutable_region()->set_region("in");
+  header.mutable_input()->mutable_region()->set_byte_size(in_bytes);
+  header.mutable_output()->mutable_region()->set_region("out");
+  header.mutable_output()->mutable_region()->set_byte_size(out_bytes);
+  absl::StatusOr<TranslateResult> shm_result = client_->TranslateRegions(header);
+  ASSERT_TRUE(shm_result.ok()) << shm_result.status();
+  EXPECT_EQ(shm_result->trailer.output_bytes(), static_cast<uint64_t>(out_bytes));
+
+  const HostCache& expected = inline_result->target;
+  ASSERT_EQ(expected.layer_bytes(), out_layer);
+  CacheView shm_view;
+  shm_view.dtype = DType::kBF16;
+  shm_view.layout = Layout::kHND;
+  shm_view.num_kv_heads = dst.num_kv_heads;
+  shm_view.head_dim = dst.head_dim;
+  shm_view.num_tokens = tokens;
+  for (int l = 0; l < dst.num_layers; ++l) {
+    const char* k = out_object.data() + (2 * l) * out_layer;
+    const char* v = out_object.data() + (2 * l + 1) * out_layer;
+    EXPECT_EQ(std::memcmp(k, expected.k[l].data(), out_layer), 0) << "layer " << l << " K";
+    EXPECT_EQ(std::memcmp(v, expected.v[l].data(), out_layer), 0) << "layer " << l << " V";
+    shm_view.k.push_back(k);
+    shm_view.v.push_back(v);
+  }
+  Positions positions;
+  positions.offset = 33;
+  EXPECT_LE(ErrorAgainstReference(mapper->view(), source, shm_view, positions),
+            testing::TranslationTolerance(DType::kBF16));
+  KVT_EXPECT_OK(client_->UnregisterSystemMemory(""));
+}
+
+// Paging accounts an MLP by its real size: the host copy is the weights file's data, the CPU
+// device copy the fp32 conversion of all six tensors of every chain. A budget one byte short
+// of either refuses the mapper with the budget's name; the exact size serves it.
+TEST_F(MlpServingTest, PagingCountsTheMlpBytes) {
+  const std::unique_ptr<LoadedMapper> mapper = Local("per-layer");
+  ASSERT_NE(mapper, nullptr);
+  const int64_t params = mapper->num_params();
+  const uint64_t host_bytes = MapperWeightBytes(mapper->manifest());
+  EXPECT_EQ(host_bytes, static_cast<uint64_t>(params) * 2);  // bf16
+  EXPECT_EQ(mapper->weight_bytes(), host_bytes);
+  const uint64_t device_bytes = NewCpuBackend()->PreparedBytesEstimate(mapper->view());
+  EXPECT_EQ(device_bytes, static_cast<uint64_t>(params) * 4);  // every tensor as fp32
+
+  {
+    KvtdConfig config;
+    config.mapper_store.load_on_scan = false;
+    config.mapper_store.host_budget_bytes = static_cast<int64_t>(host_bytes);
+    config.mapper_store.device_budget_bytes = static_cast<int64_t>(device_bytes);
+    Start(config);
+    v1::MapperInfo info;
+    ASSERT_TRUE(Load("per-layer", "host", &info).ok());
+    EXPECT_EQ(info.kind(), "mlp");
+    EXPECT_EQ(info.weight_bytes(), host_bytes);
+    ASSERT_EQ(info.residency_size(), 1);
+    EXPECT_EQ(info.residency(0).bytes(), host_bytes);
+    ASSERT_TRUE(Load("per-layer", "cpu", &info).ok());
+    ASSERT_EQ(info.residency_size(), 2);
+    EXPECT_EQ(info.residency(1).device(), "cpu");
+    EXPECT_EQ(info.residency(1).bytes(), device_bytes);
+    server_.reset();
+    store_.reset();
+  }
+  for (const bool host_short : {true, false}) {
+    SCOPED_TRACE(host_short ? "host budget short" : "device budget short");
+    KvtdConfig config;
+    config.mapper_store.load_on_scan = false;
+    config.mapper_store.host_budget_bytes = static_cast<int64_t>(host_bytes) - host_short;
+    config.mapper_store.device_budget_bytes = static_cast<int64_t>(device_bytes) - !host_short;
+    config.mapper_store.acquire_timeout_seconds = 0.1;
+    Start(config);
+    const HostCache source =
+        RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 1);
+    v1::TranslateHeader header;
+    header.set_mapper_id("per-layer");
+    absl::StatusOr<TranslateResult> refused = client_->Translate(header, source);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr(host_short ? "mapper_store.host_budget_bytes"
+                                     : "mapper_store.device_budget_bytes"));
+    server_.reset();
+    store_.reset();
+  }
+}
+
+}  // namespace
+}  // namespace kvt
