@@ -1,7 +1,9 @@
 #include "client/client.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -11,6 +13,9 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "server/grpc_status.h"
+#include "absl/base/thread_annotations.h"
+#include "grpcpp/support/sync_stream.h"
+#include "transport/chunk_wire.h"
 #include "transport/kv_chunks.h"
 #include "transport/proto_convert.h"
 
@@ -87,7 +92,11 @@ std::unique_ptr<Client> Client::Create(const std::string& target, const ClientOp
 }
 
 Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-    : options_(options), channel_(std::move(channel)), stub_(v1::KvTranslator::NewStub(channel_)) {}
+    : options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::KvTranslator::NewStub(channel_)),
+      translate_method_("/kvt.v1.KvTranslator/TranslateKV",
+                        grpc::internal::RpcMethod::BIDI_STREAMING, channel_) {}
 
 void Client::Prepare(grpc::ClientContext* context) const {
   if (options_.timeout.count() > 0) {
@@ -130,10 +139,25 @@ absl::StatusOr<v1::MapperInfo> Client::GetMapper(const std::string& mapper_id) {
   return response;
 }
 
+// Signals when gRPC has dropped the last slice pointing into the caller's source buffers.
+struct SendRelease {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool released ABSL_GUARDED_BY(mutex) = false;
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [this] { return released; });
+  }
+};
+
 struct TranslateStream::State {
   grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::TranslateKVRequest, v1::TranslateKVResponse>>
+  std::unique_ptr<grpc::ClientReaderWriter<TranslateRequestMessage, TranslateResponseMessage>>
       stream;
+  // Held by every slice of the caller's source memory that gRPC may still read; when the last
+  // reference goes, `release` is signalled. Chunks are sent without copying them.
+  std::shared_ptr<SendRelease> release = std::make_shared<SendRelease>();
+  std::shared_ptr<const void> source_lease;
   TranslateStreamOptions options;
   HostCache shape;  // source shape, no buffers
   LayerGeometry source_geometry;
@@ -141,7 +165,7 @@ struct TranslateStream::State {
   std::vector<bool> pushed;
   bool sending = true;   // false once a Write failed: the server ended the stream
   bool finished = false;
-  v1::TranslateKVRequest request;
+  TranslateRequestMessage request;
   std::chrono::steady_clock::time_point start;
 
   // Written by the reading thread, read by Finish() after joining it.
@@ -156,13 +180,26 @@ struct TranslateStream::State {
         .count();
   }
   void Read();
+  // Ends the call (the stream must be finished or cancelled) and waits until gRPC no longer
+  // reads the caller's source buffers.
+  void ReleaseSource() {
+    stream.reset();
+    source_lease.reset();
+    release->Wait();
+  }
 };
 
 void TranslateStream::State::Read() {
-  v1::TranslateKVResponse response;
+  TranslateResponseMessage message;
+  const v1::TranslateKVResponse& response = message.proto;
   LayerGeometry target_geometry;
-  while (stream->Read(&response)) {
+  while (stream->Read(&message)) {
     if (!protocol_error.ok()) continue;  // drain, then report
+    if (!message.error.ok()) {
+      protocol_error = absl::InternalError(
+          absl::StrCat("server sent a malformed message: ", message.error.message()));
+      continue;
+    }
     if (response.has_header()) {
       result.header = response.header();
       HostCache& target = result.target;
@@ -190,7 +227,7 @@ void TranslateStream::State::Read() {
       const int64_t end = static_cast<int64_t>(chunk.token_start()) + chunk.token_count();
       if (!have_header || chunk.layer() >= static_cast<uint32_t>(result.target.num_layers) ||
           end > result.target.num_tokens || chunk.token_count() == 0 ||
-          static_cast<int64_t>(chunk.data().size()) !=
+          static_cast<int64_t>(message.data.size()) !=
               target_geometry.chunk_bytes(chunk.token_count())) {
         protocol_error = absl::InternalError(
             absl::StrCat("server sent a malformed target chunk (layer ", chunk.layer(), ")"));
@@ -203,9 +240,8 @@ void TranslateStream::State::Read() {
         protocol_error = absl::InternalError(absl::StrCat("server: ", added.message()));
         continue;
       }
-      ScatterChunk(target_geometry, chunk.token_start(), chunk.token_count(),
-                   chunk.data().data(),
-                   (kind == 0 ? result.target.k : result.target.v)[chunk.layer()].data());
+      ScatterChunkBytes(target_geometry, chunk.token_start(), chunk.token_count(), message.data,
+                        (kind == 0 ? result.target.k : result.target.v)[chunk.layer()].data());
       if (coverage->LayerComplete(chunk.layer())) {
         if (result.first_layer_ms == 0) result.first_layer_ms = MsSinceStart();
         result.last_byte_ms = MsSinceStart();
@@ -227,6 +263,7 @@ TranslateStream::~TranslateStream() {
   state_->context.TryCancel();
   if (state_->reader.joinable()) state_->reader.join();
   state_->stream->Finish().ok();
+  state_->ReleaseSource();
 }
 
 absl::Status TranslateStream::PushLayer(int layer, const void* k, const void* v) {
@@ -241,7 +278,7 @@ absl::Status TranslateStream::PushLayer(int layer, const void* k, const void* v)
     return absl::InvalidArgumentError(absl::StrCat("PushLayer: layer ", layer, " pushed twice"));
   }
   s.pushed[layer] = true;
-  v1::KVChunk* chunk = s.request.mutable_chunk();
+  v1::KVChunk* chunk = s.request.proto.mutable_chunk();
   for (int kind = 0; kind < 2 && s.sending; ++kind) {
     const void* buffer = kind == 0 ? k : v;
     for (int64_t first = 0; first < s.shape.num_tokens && s.sending;
@@ -251,13 +288,13 @@ absl::Status TranslateStream::PushLayer(int layer, const void* k, const void* v)
       chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
       chunk->set_token_start(static_cast<uint32_t>(first));
       chunk->set_token_count(static_cast<uint32_t>(count));
-      std::string* data = chunk->mutable_data();
-      data->resize(static_cast<size_t>(s.source_geometry.chunk_bytes(count)));
-      GatherChunk(s.source_geometry, first, count, buffer, data->data());
+      s.request.data = ChunkBytesOfLayer(s.source_geometry, first, count,
+                                         static_cast<const char*>(buffer), s.source_lease);
       // A failed write means the server already ended the stream; Finish() says why.
       s.sending = s.stream->Write(s.request);
     }
   }
+  s.request.data = ChunkBytes();
   return absl::OkStatus();
 }
 
@@ -268,6 +305,7 @@ absl::StatusOr<TranslateResult> TranslateStream::Finish() {
   s.stream->WritesDone();
   s.reader.join();
   grpc::Status status = s.stream->Finish();
+  s.ReleaseSource();
   if (!status.ok()) return FromGrpcStatus(status);
   if (!s.protocol_error.ok()) return s.protocol_error;
   if (!s.have_header || !s.have_trailer || !s.coverage->Complete()) {
@@ -305,9 +343,22 @@ absl::StatusOr<std::unique_ptr<TranslateStream>> Client::StartTranslate(
   header.set_layout(LayoutToProto(state->shape.layout));
   header.set_num_tokens(static_cast<uint32_t>(state->shape.num_tokens));
 
+  std::shared_ptr<SendRelease> release = state->release;
+  state->source_lease = std::shared_ptr<const void>(new char(0), [release](const void* token) {
+    delete static_cast<const char*>(token);
+    {
+      std::lock_guard<std::mutex> lock(release->mutex);
+      release->released = true;
+    }
+    release->changed.notify_all();
+  });
+
   Prepare(&state->context);
-  state->stream = stub_->TranslateKV(&state->context);
-  *state->request.mutable_header() = header;
+  state->stream.reset(
+      grpc::internal::ClientReaderWriterFactory<TranslateRequestMessage,
+                                                TranslateResponseMessage>::
+          Create(channel_.get(), translate_method_, &state->context));
+  *state->request.proto.mutable_header() = header;
   state->sending = state->stream->Write(state->request);
   state->reader = std::thread([s = state.get()] { s->Read(); });
   return std::unique_ptr<TranslateStream>(new TranslateStream(std::move(state)));

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/impl/rpc_method.h"
 #include "kernels/backend.h"
 #include "kernels/types.h"
 #include "proto/kvt/v1/service.grpc.pb.h"
@@ -83,7 +84,8 @@ class TranslateStream {
   TranslateStream& operator=(const TranslateStream&) = delete;
 
   // Sends source layer `layer`: `k` and `v` each hold the layer in the stream's layout and
-  // dtype (source.layer_bytes() bytes). Each layer once; in order 0, 1, ... lets the server
+  // dtype (source.layer_bytes() bytes). They are sent without copying, so they must stay valid
+  // and unchanged until Finish() returns or the stream is destroyed. Each layer once; in order 0, 1, ... lets the server
   // start soonest. INVALID_ARGUMENT for a bad layer index or a repeated layer; a server that
   // has ended the stream is reported by Finish(), not here.
   absl::Status PushLayer(int layer, const void* k, const void* v);
@@ -159,6 +161,8 @@ class Client {
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvTranslator::Stub> stub_;
+  // TranslateKV with transport/chunk_wire.h's messages (zero-copy chunk data).
+  const grpc::internal::RpcMethod translate_method_;
 };
 
 }  // namespace kvt

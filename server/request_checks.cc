@@ -80,6 +80,11 @@ absl::StatusOr<std::shared_ptr<const LoadedMapper>> ResolveMapper(
 }
 
 absl::StatusOr<int> CheckChunk(const v1::KVChunk& chunk, const ChunkExpectation& expect) {
+  return CheckChunk(chunk, static_cast<int64_t>(chunk.data().size()), expect);
+}
+
+absl::StatusOr<int> CheckChunk(const v1::KVChunk& chunk, int64_t data_size,
+                               const ChunkExpectation& expect) {
   const std::string& f = expect.field;
   if (chunk.layer() >= static_cast<uint32_t>(expect.num_layers)) {
     return absl::InvalidArgumentError(absl::StrCat(f, ".layer=", chunk.layer(),
@@ -105,9 +110,9 @@ absl::StatusOr<int> CheckChunk(const v1::KVChunk& chunk, const ChunkExpectation&
   }
   const int kind = chunk.kind() == v1::CACHE_KIND_K ? 0 : 1;
   const int64_t expected = expect.geometry.chunk_bytes(chunk.token_count());
-  if (static_cast<int64_t>(chunk.data().size()) != expected) {
+  if (data_size != expected) {
     return absl::InvalidArgumentError(absl::StrCat(
-        f, ".data has ", chunk.data().size(), " bytes, expected ", expected, " (layer ",
+        f, ".data has ", data_size, " bytes, expected ", expected, " (layer ",
         chunk.layer(), " ", kind == 0 ? "K" : "V", ", ", expect.geometry.num_heads, " heads x ",
         chunk.token_count(), " tokens x ", expect.geometry.head_dim, " dims x ",
         DTypeSize(expect.dtype), " bytes of ", DTypeName(expect.dtype), ")"));

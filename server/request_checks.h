@@ -76,5 +76,8 @@ struct ChunkExpectation {
 // Layer in range, kind K or V (K only if keys_only), token_count > 0, tokens within
 // header.num_tokens, data size exact. Returns the kind index: 0 = K, 1 = V.
 absl::StatusOr<int> CheckChunk(const v1::KVChunk& chunk, const ChunkExpectation& expect);
+// The same for a chunk whose data travels outside the proto (transport/chunk_wire.h).
+absl::StatusOr<int> CheckChunk(const v1::KVChunk& chunk, int64_t data_size,
+                               const ChunkExpectation& expect);
 
 }  // namespace kvt

@@ -17,10 +17,12 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
+#include "grpcpp/support/method_handler.h"
 #include "server/grpc_status.h"
 #include "server/mapper_store_setup.h"
 #include "server/request_checks.h"
 #include "kernels/cuda/ipc.h"
+#include "transport/chunk_wire.h"
 #include "transport/kv_chunks.h"
 #include "transport/paged.h"
 #include "transport/proto_convert.h"
@@ -116,6 +118,15 @@ TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* stor
       auth_(auth),
       admission_(config.limits.max_inflight_requests, config.limits.max_inflight_bytes),
       compute_(1) {
+  // Method 0 of kvt.v1.KvTranslator is TranslateKV (service.proto lists it first).
+  MarkMethodStreamed(
+      0, new grpc::internal::BidiStreamingHandler<TranslatorService, TranslateRequestMessage,
+                                                  TranslateResponseMessage>(
+             [](TranslatorService* service, grpc::ServerContext* context,
+                TranslateKVStreamType* stream) {
+               return service->TranslateKVStream(context, stream);
+             },
+             this));
   // The backend computes on a device of the store; a store opened without one (tests, tools)
   // gets this backend as its device.
   const std::vector<std::string> devices = store_->DeviceNames();
@@ -192,9 +203,8 @@ std::string TranslatorService::RequestId(const std::string& from_header) {
   return from_header.empty() ? absl::StrCat("kvt-", next_request_id_.fetch_add(1)) : from_header;
 }
 
-grpc::Status TranslatorService::TranslateKV(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream) {
+grpc::Status TranslatorService::TranslateKVStream(grpc::ServerContext* context,
+                                                 TranslateKVStreamType* stream) {
   TranslateRecord record;
   grpc::Status status = Authorize(context, Role::kClient);
   if (status.ok()) status = TranslateKVImpl(context, stream, &record);
@@ -203,16 +213,17 @@ grpc::Status TranslatorService::TranslateKV(
   return status;
 }
 
-grpc::Status TranslatorService::TranslateKVImpl(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream,
-    TranslateRecord* record) {
+grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
+                                               TranslateKVStreamType* stream,
+                                               TranslateRecord* record) {
   const absl::Time start = absl::Now();
-  v1::TranslateKVRequest request;
-  if (!stream->Read(&request)) {
+  TranslateRequestMessage message;
+  if (!stream->Read(&message)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "stream ended before its header: send a TranslateHeader first");
   }
+  if (!message.error.ok()) return ToGrpcStatus(message.error);
+  const v1::TranslateKVRequest& request = message.proto;
   if (!request.has_header()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "first message must be a header (TranslateKVRequest.header)");
@@ -401,8 +412,8 @@ grpc::Status TranslatorService::TranslateKVImpl(
       .With("turn", header.turn());
 
   {
-    v1::TranslateKVResponse response;
-    v1::TranslateResponseHeader* out = response.mutable_header();
+    TranslateResponseMessage response;
+    v1::TranslateResponseHeader* out = response.proto.mutable_header();
     out->set_request_id(plan.request_id);
     out->set_mapper_id(plan.mapper->id());
     out->set_source_model(src_model.name);
@@ -501,15 +512,15 @@ grpc::Status TranslatorService::TranslateKVImpl(
 
   // --- Compute the next layer on the compute executor while this one streams out. ---
   struct Slot {
-    std::unique_ptr<LayerBuffer> k, v;
+    std::shared_ptr<LayerBuffer> k, v;  // shared with the gRPC slices sending them
     MutableCacheView view;
     double compute_ms = 0;
   };
   Slot slots[2];
   for (Slot& slot : slots) {
     if (!output_in_region || output_paged) {
-      slot.k = std::make_unique<LayerBuffer>(target_layer_bytes);
-      slot.v = std::make_unique<LayerBuffer>(target_layer_bytes);
+      slot.k = std::make_shared<LayerBuffer>(target_layer_bytes);
+      slot.v = std::make_shared<LayerBuffer>(target_layer_bytes);
     }
     slot.view.dtype = plan.output_dtype;
     slot.view.layout = plan.output_layout;
@@ -533,6 +544,12 @@ grpc::Status TranslatorService::TranslateKVImpl(
       slot.view.k[layer] = output_base + (2 * layer) * target_layer_bytes;
       slot.view.v[layer] = output_base + (2 * layer + 1) * target_layer_bytes;
     } else {
+      // gRPC may still be sending the layer this slot held two layers ago: then that buffer
+      // stays with its slices and the slot takes a fresh one. (A count of 1 is exact: only
+      // this thread adds references.)
+      for (std::shared_ptr<LayerBuffer>* buffer : {&slot.k, &slot.v}) {
+        if (buffer->use_count() > 1) *buffer = std::make_shared<LayerBuffer>(target_layer_bytes);
+      }
       slot.view.k[layer] = slot.k->bytes.get();
       slot.view.v[layer] = slot.v->bytes.get();
     }
@@ -577,7 +594,7 @@ grpc::Status TranslatorService::TranslateKVImpl(
     if (!pipelined && prepared->shift != nullptr) {
       input_shift = prepared->shift->Score(source, plan.positions);
     }
-    v1::TranslateKVResponse response;
+    TranslateResponseMessage response;
     for (int done = 0; done < tgt_model.num_layers; ++done) {
       absl::Status computed = pending->get();
       pending.reset();
@@ -611,21 +628,23 @@ grpc::Status TranslatorService::TranslateKVImpl(
       } else {
         const absl::Time send_begin = absl::Now();
         for (int kind = 0; kind < 2; ++kind) {
-          const char* layer_bytes = (kind == 0 ? slot.k : slot.v)->bytes.get();
+          // Zero-copy: the chunk's slices point into the layer buffer, which they keep alive
+          // until gRPC has sent them (submit() never reuses a buffer gRPC still holds).
+          const std::shared_ptr<LayerBuffer>& buffer = kind == 0 ? slot.k : slot.v;
           for (int64_t first = 0; first < plan.num_tokens; first += tokens_per_chunk) {
             const int64_t count = std::min(tokens_per_chunk, plan.num_tokens - first);
-            v1::KVChunk* chunk = response.mutable_chunk();
+            v1::KVChunk* chunk = response.proto.mutable_chunk();
             chunk->set_layer(layer);
             chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
             chunk->set_token_start(static_cast<uint32_t>(first));
             chunk->set_token_count(static_cast<uint32_t>(count));
-            std::string* data = chunk->mutable_data();
-            data->resize(static_cast<size_t>(target_geometry.chunk_bytes(count)));
-            GatherChunk(target_geometry, first, count, layer_bytes, data->data());
-            output_bytes += static_cast<int64_t>(data->size());
+            response.data =
+                ChunkBytesOfLayer(target_geometry, first, count, buffer->bytes.get(), buffer);
+            output_bytes += static_cast<int64_t>(response.data.size());
             if (!stream->Write(response)) return CancelledOrDeadline(context);
           }
         }
+        response.data = ChunkBytes();
         stage_out_ms += Ms(absl::Now() - send_begin);
       }
       if (has_next && next < 0) {
@@ -658,7 +677,7 @@ grpc::Status TranslatorService::TranslateKVImpl(
       arrivals.abort = true;
     }
     arrivals.changed.notify_all();
-    v1::TranslateKVRequest discard;
+    TranslateRequestMessage discard;
     while (!output_done.load() && stream->Read(&discard)) {
     }
     output_thread->join();
@@ -674,7 +693,8 @@ grpc::Status TranslatorService::TranslateKVImpl(
                                            src_model.num_layers, source_geometry,
                                            plan.input_dtype, /*keys_only=*/false};
   auto read_chunks = [&]() -> absl::Status {
-    while (!output_failed.load() && stream->Read(&request)) {
+    while (!output_failed.load() && stream->Read(&message)) {
+      if (!message.error.ok()) return message.error;
       if (request.has_header()) {
         return absl::InvalidArgumentError(
             "second header in the stream: a TranslateKV stream carries exactly one header");
@@ -688,7 +708,8 @@ grpc::Status TranslatorService::TranslateKVImpl(
             "stream must carry no chunks");
       }
       const v1::KVChunk& chunk = request.chunk();
-      absl::StatusOr<int> checked = CheckChunk(chunk, chunk_expectation);
+      absl::StatusOr<int> checked =
+          CheckChunk(chunk, static_cast<int64_t>(message.data.size()), chunk_expectation);
       if (!checked.ok()) return checked.status();
       const int kind = *checked;
       if (absl::Status added =
@@ -696,9 +717,9 @@ grpc::Status TranslatorService::TranslateKVImpl(
           !added.ok()) {
         return added;
       }
-      ScatterChunk(source_geometry, chunk.token_start(), chunk.token_count(),
-                   chunk.data().data(),
-                   (kind == 0 ? source_k : source_v)[chunk.layer()].bytes.get());
+      // The one copy a received byte makes: from gRPC's slices into the layer buffer.
+      ScatterChunkBytes(source_geometry, chunk.token_start(), chunk.token_count(), message.data,
+                        (kind == 0 ? source_k : source_v)[chunk.layer()].bytes.get());
       if (pipelined && coverage.KindComplete(chunk.layer(), kind)) {
         {
           std::lock_guard<std::mutex> lock(arrivals.mutex);
@@ -736,8 +757,8 @@ grpc::Status TranslatorService::TranslateKVImpl(
   if (!output_status.ok()) return output_status;
 
   const absl::Time end = absl::Now();
-  v1::TranslateKVResponse trailer_message;
-  v1::TranslateTrailer* trailer = trailer_message.mutable_trailer();
+  TranslateResponseMessage trailer_message;
+  v1::TranslateTrailer* trailer = trailer_message.proto.mutable_trailer();
   trailer->set_request_id(plan.request_id);
   v1::StageTimings* timings = trailer->mutable_timings();
   timings->set_queue_ms(Ms(admitted - start));

@@ -20,6 +20,7 @@
 #include "server/compute_executor.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "transport/chunk_wire.h"
 #include "transport/cuda_registry.h"
 #include "transport/shm_registry.h"
 #include "server/metrics.h"
@@ -39,9 +40,12 @@ class TranslatorService final : public v1::KvTranslator::Service {
   bool draining() const { return draining_.load(); }
   int64_t inflight_requests() const { return admission_.inflight_requests(); }
 
-  grpc::Status TranslateKV(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream) override;
+  // TranslateKV, registered in place of the generated handler: its messages are
+  // transport/chunk_wire.h's, whose chunk data moves as gRPC slices (no protobuf copies); the
+  // bytes on the wire are the same protobuf.
+  using TranslateKVStreamType =
+      grpc::ServerReaderWriter<TranslateResponseMessage, TranslateRequestMessage>;
+  grpc::Status TranslateKVStream(grpc::ServerContext* context, TranslateKVStreamType* stream);
   grpc::Status ValidateKV(grpc::ServerContext* context,
                           grpc::ServerReader<v1::ValidateKVRequest>* reader,
                           v1::ValidateKVResponse* response) override;
@@ -85,10 +89,8 @@ class TranslatorService final : public v1::KvTranslator::Service {
   AcquireOptions MapperWait(const grpc::ServerContext* context) const;
 
   // The RPC bodies; the public methods record their outcome (every exit path) in metrics_.
-  grpc::Status TranslateKVImpl(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::TranslateKVResponse, v1::TranslateKVRequest>* stream,
-      TranslateRecord* record);
+  grpc::Status TranslateKVImpl(grpc::ServerContext* context, TranslateKVStreamType* stream,
+                               TranslateRecord* record);
   grpc::Status ValidateKVImpl(grpc::ServerContext* context,
                               grpc::ServerReader<v1::ValidateKVRequest>* reader,
                               v1::ValidateKVResponse* response, ValidateRecord* record);
