@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <mutex>
 #include <utility>
@@ -169,13 +170,18 @@ class CudaPreparedMapper : public PreparedMapper {
   int device_ = 0;
   Rope source_rope_;
   Rope target_rope_;
+  cuda::DeviceLayout layout_;  // cuda_plan.h: what each buffer below holds
   DType weight_dtype_ = DType::kFP32;
   int max_blocks_ = 0;       // max |sigma| over layers and kinds
   int64_t input_width_ = 0;  // max_blocks * n_s * d_s
-  // [target layer][kind][input_width][n_t d_t] in weight_dtype_, rows past |sigma| zero.
+  // Ridge W or MLP A1, [target layer][kind][input_width][...] in weight_dtype_, rows past
+  // |sigma| zero.
   DeviceBuffer weights_;
-  DeviceBuffer bias_;   // [target layer][kind][n_t d_t] fp32
-  DeviceBuffer sigma_;  // [target layer][kind][max_blocks] int, -1 padded
+  DeviceBuffer a2_;           // MLP only: [target layer][kind][heads][H][H]
+  DeviceBuffer a3_;           // MLP only: [target layer][kind][heads][H][head_out]
+  DeviceBuffer bias_;         // ridge b or MLP c3: [target layer][kind][n_t d_t] fp32
+  DeviceBuffer hidden_bias_;  // MLP only: c1 then c2, each [target layer][kind][heads H] fp32
+  DeviceBuffer sigma_;        // [target layer][kind][max_blocks] int, -1 padded
   uint64_t bytes_ = 0;
 };
 
@@ -286,49 +292,11 @@ class CudaBackend : public Backend {
   std::vector<std::unique_ptr<Context>> idle_ ABSL_GUARDED_BY(mu_);
 };
 
-// What the device copy of a mapper looks like: one weight dtype for all layers (a batched GEMM
-// has one type), the stored one when every layer agrees, else fp32; every (layer, kind) padded
-// to the longest sigma list so all GEMMs of a step share one shape.
-struct DeviceLayout {
-  DType weight_dtype = DType::kFP32;
-  int max_blocks = 0;
-  int64_t input_width = 0;
-  int64_t target_width = 0;
-  bool padded = false;
-  int64_t matrix_elements() const { return input_width * target_width; }
-  uint64_t weight_bytes(int layers) const {
-    return static_cast<uint64_t>(layers) * 2 * matrix_elements() * DTypeSize(weight_dtype);
-  }
-};
-
-DeviceLayout LayoutOf(const MapperView& mapper) {
-  DeviceLayout layout;
-  layout.weight_dtype = mapper.layers.empty() ? DType::kFP32 : mapper.layers[0].w_k.dtype;
-  for (const LayerMapView& layer : mapper.layers) {
-    if (layer.w_k.dtype != layout.weight_dtype || layer.w_v.dtype != layout.weight_dtype) {
-      layout.weight_dtype = DType::kFP32;
-    }
-    layout.max_blocks = std::max<int>(
-        layout.max_blocks, static_cast<int>(std::max(layer.sigma_k.size(), layer.sigma_v.size())));
-  }
-  for (const LayerMapView& layer : mapper.layers) {
-    if (static_cast<int>(layer.sigma_k.size()) != layout.max_blocks ||
-        static_cast<int>(layer.sigma_v.size()) != layout.max_blocks) {
-      layout.padded = true;
-    }
-  }
-  layout.input_width = static_cast<int64_t>(layout.max_blocks) * mapper.source.num_kv_heads *
-                       mapper.source.head_dim;
-  layout.target_width = static_cast<int64_t>(mapper.target.num_kv_heads) * mapper.target.head_dim;
-  return layout;
-}
-
 uint64_t CudaBackend::PreparedBytesEstimate(const MapperView& mapper) const {
-  const DeviceLayout layout = LayoutOf(mapper);
-  const uint64_t layers = mapper.layers.size();
-  return layout.weight_bytes(static_cast<int>(layers)) +
-         layers * 2 * layout.target_width * sizeof(float) +
-         layers * 2 * layout.max_blocks * sizeof(int);
+  absl::StatusOr<cuda::DeviceLayout> layout = cuda::DeviceLayoutOf(mapper);
+  // A mapper the device copy cannot hold fails in BeginPrepare; the default sizes its attempt.
+  if (!layout.ok()) return Backend::PreparedBytesEstimate(mapper);
+  return layout->prepared_bytes(static_cast<int>(mapper.layers.size()));
 }
 
 uint64_t CudaBackend::DeviceMemoryBytes() const {
@@ -350,6 +318,10 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::Prepare(const Mappe
 absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::BeginPrepare(
     const MapperView& mapper) {
   if (absl::Status s = CheckMapperView(mapper); !s.ok()) return s;
+  absl::StatusOr<cuda::DeviceLayout> layout_or = cuda::DeviceLayoutOf(mapper);
+  if (!layout_or.ok()) return layout_or.status();
+  const cuda::DeviceLayout& layout = *layout_or;
+  const bool mlp = layout.kind == MapKind::kMlp;
   KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
   auto prepared = std::make_shared<CudaPreparedMapper>();
   prepared->view_ = mapper;
@@ -361,43 +333,80 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::BeginPrepare(
   prepared->source_rope_ = *std::move(source_rope);
   prepared->target_rope_ = *std::move(target_rope);
 
-  const DeviceLayout layout = LayoutOf(mapper);
   const int layers = mapper.target.num_layers;
+  prepared->layout_ = layout;
   prepared->weight_dtype_ = layout.weight_dtype;
   prepared->max_blocks_ = layout.max_blocks;
   prepared->input_width_ = layout.input_width;
-  const int64_t weight_bytes = layout.weight_bytes(layers);
-  if (absl::Status s = prepared->weights_.Reserve(weight_bytes); !s.ok()) return s;
+  const int64_t element = static_cast<int64_t>(DTypeSize(layout.weight_dtype));
+  // Ridge W or MLP A1: the matrices whose rows follow the (padded) sigma blocks.
+  const int64_t first_bytes =
+      static_cast<int64_t>(layers) * 2 *
+      (mlp ? layout.a1_elements() : layout.matrix_elements()) * element;
+  if (absl::Status s = prepared->weights_.Reserve(first_bytes); !s.ok()) return s;
   if (layout.padded) {
     // Rows of the padding blocks multiply zeros in X, but NaN * 0 is NaN: they must be zero.
-    KVT_CUDA_RETURN_IF_ERROR("cudaMemset", cudaMemset(prepared->weights_.data(), 0, weight_bytes));
+    KVT_CUDA_RETURN_IF_ERROR("cudaMemset", cudaMemset(prepared->weights_.data(), 0, first_bytes));
+  }
+  const int64_t a2_bytes = static_cast<int64_t>(layers) * 2 * layout.a2_elements() * element;
+  const int64_t a3_bytes = static_cast<int64_t>(layers) * 2 * layout.a3_elements() * element;
+  if (mlp) {
+    if (absl::Status s = prepared->a2_.Reserve(a2_bytes); !s.ok()) return s;
+    if (absl::Status s = prepared->a3_.Reserve(a3_bytes); !s.ok()) return s;
   }
   const int64_t target_width = layout.target_width;
+  const int64_t hidden_width = layout.hidden_width();
   std::vector<float> bias(static_cast<size_t>(layers) * 2 * target_width, 0.0f);
+  // c1 for every (layer, kind), then c2 for every (layer, kind).
+  std::vector<float> hidden_bias(static_cast<size_t>(layers) * 2 * 2 * hidden_width, 0.0f);
+  const size_t c2_offset = static_cast<size_t>(layers) * 2 * hidden_width;
   std::vector<int> sigma(static_cast<size_t>(layers) * 2 * layout.max_blocks, -1);
   for (int l = 0; l < layers; ++l) {
     const LayerMapView& layer = mapper.layers[l];
-    const WeightView* biases[2] = {&layer.b_k, &layer.b_v};
+    // MLP c3 [heads][head_out] is the n_t d_t output columns in order, like ridge's b.
+    const WeightView* biases[2] = {mlp ? &layer.mlp_k.c3 : &layer.b_k,
+                                   mlp ? &layer.mlp_v.c3 : &layer.b_v};
+    const MlpView* chains[2] = {&layer.mlp_k, &layer.mlp_v};
     const std::vector<int>* sigmas[2] = {&layer.sigma_k, &layer.sigma_v};
     for (int kind = 0; kind < 2; ++kind) {
+      const size_t lk = static_cast<size_t>(l) * 2 + kind;
       if (biases[kind]->data != nullptr) {
-        ToFloat(biases[kind]->dtype, biases[kind]->data,
-                bias.data() + (static_cast<size_t>(l) * 2 + kind) * target_width, target_width);
+        ToFloat(biases[kind]->dtype, biases[kind]->data, bias.data() + lk * target_width,
+                target_width);
+      }
+      if (mlp) {
+        // c1, c2 [heads][H]: head h's units at [h H, (h+1) H), as in the stacked activations.
+        ToFloat(chains[kind]->c1.dtype, chains[kind]->c1.data,
+                hidden_bias.data() + lk * hidden_width, hidden_width);
+        ToFloat(chains[kind]->c2.dtype, chains[kind]->c2.data,
+                hidden_bias.data() + c2_offset + lk * hidden_width, hidden_width);
       }
       std::copy(sigmas[kind]->begin(), sigmas[kind]->end(),
-                sigma.begin() + (static_cast<size_t>(l) * 2 + kind) * layout.max_blocks);
+                sigma.begin() + lk * layout.max_blocks);
     }
   }
   if (absl::Status s = prepared->bias_.Reserve(bias.size() * sizeof(float)); !s.ok()) return s;
   KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy", cudaMemcpy(prepared->bias_.data(), bias.data(),
                                                     bias.size() * sizeof(float),
                                                     cudaMemcpyHostToDevice));
+  if (mlp) {
+    if (absl::Status s = prepared->hidden_bias_.Reserve(hidden_bias.size() * sizeof(float));
+        !s.ok()) {
+      return s;
+    }
+    KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
+                             cudaMemcpy(prepared->hidden_bias_.data(), hidden_bias.data(),
+                                        hidden_bias.size() * sizeof(float),
+                                        cudaMemcpyHostToDevice));
+  }
   if (absl::Status s = prepared->sigma_.Reserve(sigma.size() * sizeof(int)); !s.ok()) return s;
   KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy", cudaMemcpy(prepared->sigma_.data(), sigma.data(),
                                                     sigma.size() * sizeof(int),
                                                     cudaMemcpyHostToDevice));
-  prepared->bytes_ = static_cast<uint64_t>(weight_bytes + bias.size() * sizeof(float) +
-                                           sigma.size() * sizeof(int));
+  // The same sum PreparedBytesEstimate reserves by (DeviceLayout::prepared_bytes).
+  prepared->bytes_ = static_cast<uint64_t>(first_bytes + (mlp ? a2_bytes + a3_bytes : 0)) +
+                     bias.size() * sizeof(float) + (mlp ? hidden_bias.size() * sizeof(float) : 0) +
+                     sigma.size() * sizeof(int);
   // A pageable cudaMemcpy may return before its DMA lands, and translations run on
   // non-blocking streams that do not wait for the legacy stream: wait here.
   KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(cudaStreamLegacy));
@@ -417,13 +426,13 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
   }
   KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(prepared->device_));
   const LayerMapView& layer = mapper.layers[target_layer];
+  const cuda::DeviceLayout& layout = prepared->layout_;
   const size_t element = DTypeSize(prepared->weight_dtype_);
-  const int64_t matrix_elements = prepared->input_width_ * mapper.target.num_kv_heads *
-                                  static_cast<int64_t>(mapper.target.head_dim);
   std::vector<float> converted;
-  const WeightView* weights[2] = {&layer.w_k, &layer.w_v};
-  for (int kind = 0; kind < 2; ++kind) {
-    const WeightView& w = *weights[kind];
+  std::vector<char> interleaved;
+  // `w` into device memory at `device`, converted to the device copy's dtype (fp32 when the
+  // stored dtypes differ); per_head A1 (`heads` > 1) interleaved by head (cuda_plan.h).
+  const auto upload = [&](const WeightView& w, char* device, int heads) -> absl::Status {
     const int64_t count = w.rows * w.cols;
     const void* host = w.data;
     if (w.dtype != prepared->weight_dtype_) {
@@ -431,10 +440,44 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
       ToFloat(w.dtype, w.data, converted.data(), count);
       host = converted.data();
     }
-    char* device = prepared->weights_.data() +
-                   (static_cast<int64_t>(target_layer) * 2 + kind) * matrix_elements * element;
+    if (heads > 1) {
+      interleaved.resize(count * element);
+      cuda::InterleaveHeads(host, element, heads, w.rows / heads, w.cols, interleaved.data());
+      host = interleaved.data();
+    }
     KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
                              cudaMemcpy(device, host, count * element, cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  };
+  for (int kind = 0; kind < 2; ++kind) {
+    const int64_t lk = static_cast<int64_t>(target_layer) * 2 + kind;
+    if (layout.kind != MapKind::kMlp) {
+      const WeightView& w = kind == 0 ? layer.w_k : layer.w_v;
+      if (absl::Status s = upload(w, prepared->weights_.data() +
+                                         lk * layout.matrix_elements() * element, 1);
+          !s.ok()) {
+        return s;
+      }
+      continue;
+    }
+    // A2 [heads H][H] and A3 [heads H][head_out] are stored head by head already.
+    const MlpView& chain = kind == 0 ? layer.mlp_k : layer.mlp_v;
+    if (absl::Status s = upload(chain.a1,
+                                prepared->weights_.data() + lk * layout.a1_elements() * element,
+                                layout.heads);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            upload(chain.a2, prepared->a2_.data() + lk * layout.a2_elements() * element, 1);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            upload(chain.a3, prepared->a3_.data() + lk * layout.a3_elements() * element, 1);
+        !s.ok()) {
+      return s;
+    }
   }
   // As in BeginPrepare: the layer is usable once its copies have landed.
   KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(cudaStreamLegacy));
@@ -576,6 +619,10 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
   shape.num_layers = layer_end - layer_begin;
   shape.input_width = mapper.input_width_;
   shape.target_width = target_width;
+  const cuda::DeviceLayout& layout = mapper.layout_;
+  const bool mlp = layout.kind == MapKind::kMlp;
+  shape.hidden_width = layout.hidden_width();
+  shape.weight_elements = layout.matrix_elements();
   shape.gemm_dtype = gemm_dtype;
   shape.convert_weights = convert_weights;
   shape.rope_half_source = strip_half;
@@ -594,7 +641,8 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
   // Workspace carve-up.
   const int64_t x_offset = 0;
   const int64_t y_offset = x_offset + Align(plan.x_bytes);
-  const int64_t w32_offset = y_offset + Align(plan.y_bytes);
+  const int64_t hidden_offset = y_offset + Align(plan.y_bytes);
+  const int64_t w32_offset = hidden_offset + Align(plan.hidden_bytes);
   const int64_t table_offset = w32_offset + Align(plan.weights32_bytes);
   const int64_t stage_in_offset = table_offset + Align(plan.table_bytes);
   const int64_t stage_out_offset = stage_in_offset + Align(plan.staged_source_bytes);
@@ -668,6 +716,17 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
   epilogue.num_tokens = num_tokens;
   epilogue.apply.half = apply_half;
   epilogue.apply.neox = apply.style() == RopeStyle::kNeox ? 1 : 0;
+  // Per-head MLP outputs come out of their batched GEMM head by head.
+  epilogue.y_head_major = mlp && layout.heads > 1 ? 1 : 0;
+
+  // Bias + ReLU between the MLP's GEMMs: c1 after the first, c2 after the second.
+  ki::BiasReluParams relu;
+  relu.out = workspace + hidden_offset;
+  relu.out_type = static_cast<int>(gemm_dtype);
+  relu.heads = layout.heads;
+  relu.hidden = static_cast<int>(layout.hidden);
+  const float* c1 = reinterpret_cast<const float*>(mapper.hidden_bias_.data());
+  const float* c2 = c1 + static_cast<int64_t>(target_layers) * 2 * layout.hidden_width();
 
   float* device_tables = reinterpret_cast<float*>(workspace + table_offset);
   const int64_t table_floats = chunk * 2 * (strip_half + apply_half);
@@ -726,7 +785,12 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
 
   const float alpha = 1.0f, beta = 0.0f;
   const size_t weight_element = DTypeSize(mapper.weight_dtype_);
-  const int64_t matrix_elements = mapper.input_width_ * target_width;
+  // Elements per (layer, kind) of the weights_ buffer: ridge W or MLP A1.
+  const int64_t matrix_elements = mlp ? layout.a1_elements() : layout.matrix_elements();
+  const int64_t a2_elements = layout.a2_elements(), a3_elements = layout.a3_elements();
+  const int64_t hidden_width = layout.hidden_width();
+  char* y = workspace + y_offset;
+  char* activations = workspace + hidden_offset;
   int step = 0;
   for (int c = 0; c < plan.num_chunks; ++c) {
     const int64_t t0 = c * chunk;
@@ -793,31 +857,77 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
     for (int l0 = layer_begin; l0 < layer_end; l0 += plan.layers_per_group, ++step) {
       const int group = std::min(plan.layers_per_group, layer_end - l0);
       const int out_slot = step % 2;
-      const char* weights = mapper.weights_.data() + static_cast<int64_t>(l0) * 2 *
-                                                         matrix_elements * weight_element;
+      const int64_t lk0 = static_cast<int64_t>(l0) * 2;  // first (layer, kind) of the group
+      const int64_t group_kinds = static_cast<int64_t>(group) * 2;
+      const char* weights = mapper.weights_.data() + lk0 * matrix_elements * weight_element;
+      const char* a2 = mlp ? mapper.a2_.data() + lk0 * a2_elements * weight_element : nullptr;
+      const char* a3 = mlp ? mapper.a3_.data() + lk0 * a3_elements * weight_element : nullptr;
       if (convert_weights) {
         float* w32 = reinterpret_cast<float*>(workspace + w32_offset);
+        const int type = static_cast<int>(mapper.weight_dtype_);
         KVT_CUDA_RETURN_IF_ERROR(
-            "ToFloat<<<>>>",
-            ki::LaunchToFloat(weights, static_cast<int>(mapper.weight_dtype_), w32,
-                              static_cast<int64_t>(group) * 2 * matrix_elements, context->stream));
+            "ToFloat<<<>>>", ki::LaunchToFloat(weights, type, w32, group_kinds * matrix_elements,
+                                               context->stream));
         weights = reinterpret_cast<const char*>(w32);
+        if (mlp) {
+          float* a2_32 = w32 + group_kinds * matrix_elements;
+          float* a3_32 = a2_32 + group_kinds * a2_elements;
+          KVT_CUDA_RETURN_IF_ERROR(
+              "ToFloat<<<>>>",
+              ki::LaunchToFloat(a2, type, a2_32, group_kinds * a2_elements, context->stream));
+          KVT_CUDA_RETURN_IF_ERROR(
+              "ToFloat<<<>>>",
+              ki::LaunchToFloat(a3, type, a3_32, group_kinds * a3_elements, context->stream));
+          a2 = reinterpret_cast<const char*>(a2_32);
+          a3 = reinterpret_cast<const char*>(a3_32);
+        }
       }
       gather.layer_begin = epilogue.layer_begin = l0;
       gather.num_layers = epilogue.num_layers = group;
       KVT_CUDA_RETURN_IF_ERROR("Gather<<<>>>", ki::LaunchGather(gather, context->stream));
-      // Row-major Y[T, n_t d_t] = X[T, K] W[K, n_t d_t] is column-major Y^T = W^T X^T: cuBLAS
-      // sees W as an (n_t d_t) x K matrix and X as K x T. One batch entry per (layer, kind).
-      KVT_CUBLAS_RETURN_IF_ERROR(
-          "cublasGemmStridedBatchedEx",
-          cublasGemmStridedBatchedEx(
-              context->cublas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(target_width),
-              static_cast<int>(tokens), static_cast<int>(mapper.input_width_), &alpha, weights,
-              CudaType(gemm_dtype), static_cast<int>(target_width), matrix_elements,
-              workspace + x_offset, CudaType(gemm_dtype), static_cast<int>(mapper.input_width_),
-              tokens * mapper.input_width_, &beta, workspace + y_offset, CUDA_R_32F,
-              static_cast<int>(target_width), tokens * target_width, 2 * group,
-              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      if (mlp) {
+        // cuda_plan.h MlpGemms: A1 for every (layer, kind) (per_head: every head from the
+        // shared x in one GEMM, A1 interleaved by head), then A2 and A3 per (layer, kind, head),
+        // with bias + ReLU into the next GEMM's input dtype between them.
+        const std::array<cuda::StridedGemm, 3> gemms =
+            cuda::MlpGemms(layout, tokens, group_kinds);
+        const char* a_operands[3] = {weights, a2, a3};
+        const char* b_operands[3] = {workspace + x_offset, activations, activations};
+        const float* hidden_biases[2] = {c1 + lk0 * hidden_width, c2 + lk0 * hidden_width};
+        for (int stage = 0; stage < 3; ++stage) {
+          const cuda::StridedGemm& gemm = gemms[stage];
+          KVT_CUBLAS_RETURN_IF_ERROR(
+              "cublasGemmStridedBatchedEx",
+              cublasGemmStridedBatchedEx(
+                  context->cublas, CUBLAS_OP_N, CUBLAS_OP_N, gemm.m, gemm.n, gemm.k, &alpha,
+                  a_operands[stage], CudaType(gemm_dtype), gemm.lda, gemm.stride_a,
+                  b_operands[stage], CudaType(gemm_dtype), gemm.ldb, gemm.stride_b, &beta, y,
+                  CUDA_R_32F, gemm.ldc, gemm.stride_c, gemm.batch, CUBLAS_COMPUTE_32F,
+                  CUBLAS_GEMM_DEFAULT));
+          if (stage == 2) break;
+          // relu(Y + c) -> activations [layer, kind][head][T][H] in the gemm dtype; the first
+          // GEMM's Y has the heads side by side per token.
+          relu.y = reinterpret_cast<const float*>(y);
+          relu.y_interleaved = stage == 0 ? 1 : 0;
+          relu.bias = hidden_biases[stage];
+          relu.rows = group_kinds;
+          relu.chunk_tokens = tokens;
+          KVT_CUDA_RETURN_IF_ERROR("BiasRelu<<<>>>", ki::LaunchBiasRelu(relu, context->stream));
+        }
+      } else {
+        // Row-major Y[T, n_t d_t] = X[T, K] W[K, n_t d_t] is column-major Y^T = W^T X^T: cuBLAS
+        // sees W as an (n_t d_t) x K matrix and X as K x T. One batch entry per (layer, kind).
+        KVT_CUBLAS_RETURN_IF_ERROR(
+            "cublasGemmStridedBatchedEx",
+            cublasGemmStridedBatchedEx(
+                context->cublas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(target_width),
+                static_cast<int>(tokens), static_cast<int>(mapper.input_width_), &alpha, weights,
+                CudaType(gemm_dtype), static_cast<int>(target_width), matrix_elements,
+                workspace + x_offset, CudaType(gemm_dtype), static_cast<int>(mapper.input_width_),
+                tokens * mapper.input_width_, &beta, workspace + y_offset, CUDA_R_32F,
+                static_cast<int>(target_width), tokens * target_width, 2 * group,
+                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      }
       if (any_staged_target) {
         // The slot's previous output must be out of pinned memory before it is overwritten.
         if (absl::Status s = finish_output(out_slot); !s.ok()) return s;

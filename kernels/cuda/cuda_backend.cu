@@ -1,6 +1,6 @@
-// Device kernels of the CUDA backend: the fused gather + source-RoPE strip before the GEMMs and
-// the fused epilogue (bias + target RoPE + dtype + layout) after them. Launched by
-// cuda_backend.cc; the GEMMs themselves are cuBLAS.
+// Device kernels of the CUDA backend: the fused gather + source-RoPE strip before the GEMMs, the
+// MLP's bias + ReLU between its GEMMs and the fused epilogue (bias + target RoPE + dtype +
+// layout) after them. Launched by cuda_backend.cc; the GEMMs themselves are cuBLAS.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -156,8 +156,14 @@ __global__ void __launch_bounds__(kThreads) EpilogueKernel(EpilogueParams p) {
       PairDims(q, p.apply.half, p.apply.neox, kind == 0, &d0, &d1);
       const bool second = d1 < p.head_dim;
       const int64_t column = static_cast<int64_t>(h) * p.head_dim;
-      float a = y_row[column + d0] + bias_row[column + d0];
-      float c = second ? y_row[column + d1] + bias_row[column + d1] : 0.0f;
+      // row / chunk_tokens is the (layer, kind) pair g * 2 + kind.
+      const float* y_head =
+          p.y_head_major
+              ? p.y + ((row / p.chunk_tokens) * p.heads + h) * p.chunk_tokens * p.head_dim +
+                    i * p.head_dim
+              : y_row + column;
+      float a = y_head[d0] + bias_row[column + d0];
+      float c = second ? y_head[d1] + bias_row[column + d1] : 0.0f;
       if (rotary) {
         const float cs = cos_row[q];
         const float sn = sin_row[q];
@@ -168,6 +174,28 @@ __global__ void __launch_bounds__(kThreads) EpilogueKernel(EpilogueParams p) {
       Out* out = dst + HeadOffset(p.target_layout, p.heads, tokens, p.head_dim, h, token);
       Store(out, d0, a);
       if (second) Store(out, d1, c);
+    }
+  }
+}
+
+// One block per (layer, kind, token) row: its threads over the hidden units of each head, so
+// reads and writes of neighbouring threads are neighbouring elements in both layouts.
+template <typename Out>
+__global__ void __launch_bounds__(kThreads) BiasReluKernel(BiasReluParams p) {
+  const int64_t width = static_cast<int64_t>(p.heads) * p.hidden;
+  const int64_t rows = p.rows * p.chunk_tokens;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t pair = row / p.chunk_tokens;
+    const int64_t i = row % p.chunk_tokens;
+    const float* bias_row = p.bias + pair * width;
+    for (int h = 0; h < p.heads; ++h) {
+      const int64_t out_row = ((pair * p.heads + h) * p.chunk_tokens + i) * p.hidden;
+      const float* y_row = p.y + (p.y_interleaved ? row * width + h * p.hidden : out_row);
+      Out* out = static_cast<Out*>(p.out) + out_row;
+      for (int j = threadIdx.x; j < p.hidden; j += blockDim.x) {
+        const float v = y_row[j] + bias_row[h * p.hidden + j];
+        Store(out, j, v < 0.0f ? 0.0f : v);
+      }
     }
   }
 }
@@ -232,6 +260,23 @@ cudaError_t LaunchEpilogue(const EpilogueParams& p, cudaStream_t stream) {
       return cudaGetLastError();
     case kFP32:
       EpilogueKernel<float><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchBiasRelu(const BiasReluParams& p, cudaStream_t stream) {
+  const int64_t rows = p.rows * p.chunk_tokens;
+  if (rows == 0 || p.heads == 0 || p.hidden == 0) return cudaSuccess;
+  switch (p.out_type) {
+    case kBF16:
+      BiasReluKernel<__nv_bfloat16><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    case kFP16:
+      BiasReluKernel<__half><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    case kFP32:
+      BiasReluKernel<float><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
       return cudaGetLastError();
   }
   return cudaErrorInvalidValue;

@@ -11,6 +11,12 @@
 // fp32 accumulation, one batch entry per (target layer, K|V) of m = n_t d_t, n = T,
 // k = |sigma| n_s d_s (X shared across the batch so its memory stays small), timed with events
 // on its stream. ratio = gemm ms / translate ms (1.0: translation as fast as its GEMMs alone).
+//
+// MLP mappers (issue 11): each preset in --mlp_presets is also timed as an MLP mapper of the
+// same pair (kind: mlp, --mlp_hidden, --mlp_granularity; synthetic He-scaled weights) in the same
+// run, right after its ridge rows. Its "gemm" is the chain's three strided-batched bf16 GEMMs
+// alone (x A1, h A2, h A3: the same FLOPs, no bias / ReLU / gather / epilogue). The last block
+// printed compares the two: mlp ms / ridge ms per T (also --mlp_out as TSV).
 #include "kernels/cuda/cuda_backend.h"
 
 #if KVT_HAVE_CUDA
@@ -22,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -46,6 +53,11 @@ ABSL_FLAG(int, warmup, 3, "untimed runs first");
 ABSL_FLAG(int, repeats, 10, "timed runs (the median is reported)");
 ABSL_FLAG(int64_t, workspace_mib, 2048, "CUDA backend workspace, MiB");
 ABSL_FLAG(std::string, out, "", "also write the rows as TSV to this file");
+ABSL_FLAG(std::string, mlp_presets, "qwen3-14b-to-32b",
+          "presets also timed as an MLP mapper of the same pair (empty: none)");
+ABSL_FLAG(int64_t, mlp_hidden, 1024, "MLP hidden width H");
+ABSL_FLAG(std::string, mlp_granularity, "per_layer", "MLP granularity: per_layer or per_head");
+ABSL_FLAG(std::string, mlp_out, "", "also write the MLP vs ridge comparison as TSV to this file");
 
 namespace kvt {
 namespace {
@@ -107,37 +119,69 @@ class DeviceArray {
 
 struct Row {
   std::string preset;
+  std::string kind;  // "ridge", "mlp-per_layer-1024", ...
   int64_t tokens;
   double translate_ms, translate_min_ms, gemm_ms, tflop;
 };
 
-void RunPreset(const std::string& preset, const std::vector<int64_t>& token_counts,
-               const std::vector<uint16_t>& pattern, std::vector<Row>* rows) {
+// One strided-batched GEMM of the baseline: m x k weights per batch entry, X (k x T) shared.
+struct BaselineGemm {
+  int64_t m, k, batch;
+};
+
+void RunPreset(const std::string& preset, const std::optional<MlpConfig>& mlp,
+               const std::vector<int64_t>& token_counts, const std::vector<uint16_t>& pattern,
+               std::vector<Row>* rows) {
   absl::StatusOr<SynthOptions> options = SynthPreset(preset);
   CHECK_OK(options.status());
+  options->mlp = mlp;
   absl::StatusOr<Manifest> manifest = SynthManifest(*options);
   CHECK_OK(manifest.status());
+  const std::string kind =
+      mlp ? absl::StrCat("mlp-", MlpGranularityName(mlp->granularity), "-", mlp->hidden)
+          : "ridge";
   // One target layer's tensors, generated once; every layer's view points at them (each
-  // layer still gets its own device copy and its own sigma lists).
+  // layer still gets its own device copy and its own sigma lists; every preset has |sigma| = k
+  // for all layers, so the shapes agree). Ridge: k.weight, k.bias, v.weight, v.bias; MLP: for
+  // k then v, fc1.weight, fc1.bias, fc2.weight, fc2.bias, fc3.weight, fc3.bias.
   const std::vector<TensorSpec> specs = MapperTensorSpecs(*manifest);
-  std::vector<std::vector<uint8_t>> layer0(4);
-  for (size_t i = 0; i < 4; ++i) {
+  const size_t per_layer = mlp ? 12 : 4;
+  std::vector<std::vector<uint8_t>> layer0(per_layer);
+  std::vector<WeightView> tensors(per_layer);
+  for (size_t i = 0; i < per_layer; ++i) {
     layer0[i].resize(specs[i].num_bytes());
     CHECK_OK(FillSynthTensor(*options, *manifest, i, absl::MakeSpan(layer0[i])));
+    // Every dimension but the last folds into rows (per_head [n_t, a, b] is (n_t a) x b).
+    tensors[i].data = layer0[i].data();
+    tensors[i].dtype = specs[i].dtype;
+    tensors[i].cols = specs[i].shape.back();
+    tensors[i].rows = 1;
+    for (size_t d = 0; d + 1 < specs[i].shape.size(); ++d) tensors[i].rows *= specs[i].shape[d];
   }
   MapperView view;
+  view.kind = mlp ? MapKind::kMlp : MapKind::kRidge;
   view.source = manifest->source;
   view.target = manifest->target;
+  const int heads =
+      mlp && mlp->granularity == MlpGranularity::kPerHead ? view.target.num_kv_heads : 1;
   for (const LayerEntry& entry : manifest->layers) {
     LayerMapView layer;
     layer.sigma_k = entry.sigma_k;
     layer.sigma_v = entry.sigma_v;
-    WeightView* weights[4] = {&layer.w_k, &layer.b_k, &layer.w_v, &layer.b_v};
-    for (size_t i = 0; i < 4; ++i) {
-      weights[i]->data = layer0[i].data();
-      weights[i]->dtype = specs[i].dtype;
-      weights[i]->rows = specs[i].shape.size() == 2 ? specs[i].shape[0] : 1;
-      weights[i]->cols = specs[i].shape.back();
+    if (mlp) {
+      MlpView* chains[2] = {&layer.mlp_k, &layer.mlp_v};
+      for (int c = 0; c < 2; ++c) {
+        MlpView& chain = *chains[c];
+        chain.heads = heads;
+        chain.hidden = mlp->hidden;
+        WeightView* parts[6] = {&chain.a1, &chain.c1, &chain.a2, &chain.c2, &chain.a3, &chain.c3};
+        for (int i = 0; i < 6; ++i) *parts[i] = tensors[6 * c + i];
+      }
+    } else {
+      layer.w_k = tensors[0];
+      layer.b_k = tensors[1];
+      layer.w_v = tensors[2];
+      layer.b_v = tensors[3];
     }
     view.layers.push_back(std::move(layer));
   }
@@ -158,11 +202,12 @@ void RunPreset(const std::string& preset, const std::vector<int64_t>& token_coun
   const int64_t target_width = static_cast<int64_t>(t.num_kv_heads) * t.head_dim;
   const int64_t k_width = static_cast<int64_t>(manifest->k) * source_width;
   const int64_t max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
-  std::printf("# %s: %s (%d layers) -> %s (%d layers), k=%d, K=%lld, N=%lld, weights %.2f GB "
+  std::printf("# %s %s: %s (%d layers) -> %s (%d layers), k=%d, K=%lld, N=%lld, weights %.2f GB "
               "bf16, device copy %.2f GB, Prepare %.2f s\n",
-              preset.c_str(), s.name.c_str(), s.num_layers, t.name.c_str(), t.num_layers,
-              manifest->k, static_cast<long long>(k_width), static_cast<long long>(target_width),
-              MapperWeightBytes(*manifest) / 1e9, (*prepared)->bytes() / 1e9, prepare_s);
+              preset.c_str(), kind.c_str(), s.name.c_str(), s.num_layers, t.name.c_str(),
+              t.num_layers, manifest->k, static_cast<long long>(k_width),
+              static_cast<long long>(target_width), MapperWeightBytes(*manifest) / 1e9,
+              (*prepared)->bytes() / 1e9, prepare_s);
   std::fflush(stdout);
 
   // Caches sized for the longest T; a view of T tokens uses the front of each layer buffer.
@@ -170,11 +215,37 @@ void RunPreset(const std::string& preset, const std::vector<int64_t>& token_coun
   const size_t target_layer_bytes = max_tokens * target_width * 2;
   DeviceArray source(2 * s.num_layers * source_layer_bytes, pattern);
   DeviceArray target(2 * t.num_layers * target_layer_bytes, pattern);
-  // Baseline operands: per (layer, kind) weights, one shared X, per (layer, kind) outputs.
-  const int batch = 2 * t.num_layers;
-  DeviceArray gemm_a(static_cast<size_t>(batch) * k_width * target_width * 2, pattern);
-  DeviceArray gemm_b(static_cast<size_t>(max_tokens) * k_width * 2, pattern);
-  DeviceArray gemm_c(static_cast<size_t>(batch) * max_tokens * target_width * 2, pattern);
+  // Baseline GEMMs of the same shapes: ridge one per (layer, kind) of N x K; MLP x A1 per
+  // (layer, kind), then h A2 and h A3 per (layer, kind, head). Operands: per entry weights, one
+  // shared X (its memory stays small), per entry outputs.
+  const int64_t pairs = 2 * t.num_layers;
+  std::vector<BaselineGemm> baseline;
+  if (mlp) {
+    const int64_t h = mlp->hidden;
+    baseline.push_back({heads * h, k_width, pairs});
+    baseline.push_back({h, h, pairs * heads});
+    baseline.push_back({target_width / heads, h, pairs * heads});
+  } else {
+    baseline.push_back({target_width, k_width, pairs});
+  }
+  int64_t a_elements = 0, b_elements = 0, c_elements = 0;
+  double flop_per_token = 0;
+  for (const BaselineGemm& g : baseline) {
+    a_elements = std::max(a_elements, g.batch * g.m * g.k);
+    b_elements = std::max(b_elements, max_tokens * g.k);
+    c_elements = std::max(c_elements, g.batch * max_tokens * g.m);
+    flop_per_token += 2.0 * g.batch * static_cast<double>(g.m) * g.k;
+  }
+  // Outputs past 16 GiB (per_head MLPs at 32K tokens) share one entry's space: the timing is
+  // the same, the values are not needed.
+  const bool shared_c = c_elements * 2 > (int64_t{16} << 30);
+  if (shared_c) {
+    c_elements = 0;
+    for (const BaselineGemm& g : baseline) c_elements = std::max(c_elements, max_tokens * g.m);
+  }
+  DeviceArray gemm_a(static_cast<size_t>(a_elements) * 2, pattern);
+  DeviceArray gemm_b(static_cast<size_t>(b_elements) * 2, pattern);
+  DeviceArray gemm_c(static_cast<size_t>(c_elements) * 2, pattern);
 
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -227,13 +298,14 @@ void RunPreset(const std::string& preset, const std::vector<int64_t>& token_coun
     std::vector<double> gemm_ms;
     for (int r = 0; r < warmup + repeats; ++r) {
       CHECK_CUDA(cudaEventRecord(start, stream));
-      CHECK_CUBLAS(cublasGemmStridedBatchedEx(
-          cublas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(target_width),
-          static_cast<int>(tokens), static_cast<int>(k_width), &alpha, gemm_a.data(), CUDA_R_16BF,
-          static_cast<int>(target_width), k_width * target_width, gemm_b.data(), CUDA_R_16BF,
-          static_cast<int>(k_width), 0, &beta, gemm_c.data(), CUDA_R_16BF,
-          static_cast<int>(target_width), tokens * target_width, batch, CUBLAS_COMPUTE_32F,
-          CUBLAS_GEMM_DEFAULT));
+      for (const BaselineGemm& g : baseline) {
+        CHECK_CUBLAS(cublasGemmStridedBatchedEx(
+            cublas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(g.m), static_cast<int>(tokens),
+            static_cast<int>(g.k), &alpha, gemm_a.data(), CUDA_R_16BF, static_cast<int>(g.m),
+            g.m * g.k, gemm_b.data(), CUDA_R_16BF, static_cast<int>(g.k), 0, &beta,
+            gemm_c.data(), CUDA_R_16BF, static_cast<int>(g.m), shared_c ? 0 : tokens * g.m,
+            static_cast<int>(g.batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      }
       CHECK_CUDA(cudaEventRecord(stop, stream));
       CHECK_CUDA(cudaEventSynchronize(stop));
       float ms = 0;
@@ -241,13 +313,13 @@ void RunPreset(const std::string& preset, const std::vector<int64_t>& token_coun
       if (r >= warmup) gemm_ms.push_back(ms);
     }
     // Every preset has |sigma| = k for K and V of every layer.
-    const double flop = 2.0 * batch * tokens * static_cast<double>(k_width) * target_width;
-    Row row{preset, tokens, Median(translate_ms),
+    const double flop = flop_per_token * tokens;
+    Row row{preset, kind, tokens, Median(translate_ms),
             *std::min_element(translate_ms.begin(), translate_ms.end()), Median(gemm_ms),
             flop / 1e12};
-    std::printf("%-20s T=%-6lld translate %9.3f ms (min %9.3f) %7.1f TFLOP/s | gemm %9.3f ms "
-                "%7.1f TFLOP/s | ratio %.3f\n",
-                preset.c_str(), static_cast<long long>(tokens), row.translate_ms,
+    std::printf("%-20s %-18s T=%-6lld translate %9.3f ms (min %9.3f) %7.1f TFLOP/s | gemm %9.3f "
+                "ms %7.1f TFLOP/s | ratio %.3f\n",
+                preset.c_str(), kind.c_str(), static_cast<long long>(tokens), row.translate_ms,
                 row.translate_min_ms, row.tflop / (row.translate_ms * 1e-3), row.gemm_ms,
                 row.tflop / (row.gemm_ms * 1e-3), row.gemm_ms / row.translate_ms);
     std::fflush(stdout);
@@ -284,21 +356,62 @@ int Main() {
   std::vector<uint16_t> pattern(size_t{1} << 24);  // 32 MiB of N(0, 1) bf16
   for (uint16_t& x : pattern) x = FloatToBF16(normal(rng));
 
+  MlpConfig mlp;
+  mlp.hidden = absl::GetFlag(FLAGS_mlp_hidden);
+  const std::string granularity = absl::GetFlag(FLAGS_mlp_granularity);
+  if (granularity == "per_head") {
+    mlp.granularity = MlpGranularity::kPerHead;
+  } else if (granularity != "per_layer") {
+    std::fprintf(stderr, "--mlp_granularity: '%s' is not per_layer or per_head\n",
+                 granularity.c_str());
+    return 1;
+  }
+  if (mlp.hidden < 1) {
+    std::fprintf(stderr, "--mlp_hidden: %lld must be >= 1\n", static_cast<long long>(mlp.hidden));
+    return 1;
+  }
+  std::vector<std::string> mlp_presets;
+  for (absl::string_view preset :
+       absl::StrSplit(absl::GetFlag(FLAGS_mlp_presets), ',', absl::SkipEmpty())) {
+    mlp_presets.emplace_back(preset);
+  }
+
   std::vector<Row> rows;
   for (absl::string_view preset : absl::StrSplit(absl::GetFlag(FLAGS_presets), ',')) {
-    RunPreset(std::string(preset), token_counts, pattern, &rows);
+    RunPreset(std::string(preset), std::nullopt, token_counts, pattern, &rows);
+    if (std::find(mlp_presets.begin(), mlp_presets.end(), preset) != mlp_presets.end()) {
+      RunPreset(std::string(preset), mlp, token_counts, pattern, &rows);
+    }
   }
-  std::string tsv = "preset\ttokens\ttranslate_ms\ttranslate_min_ms\ttranslate_tflops\tgemm_ms\t"
-                    "gemm_tflops\tratio\n";
+  std::string tsv = "preset\tkind\ttokens\ttranslate_ms\ttranslate_min_ms\ttranslate_tflops\t"
+                    "gemm_ms\tgemm_tflops\tratio\n";
   for (const Row& r : rows) {
-    absl::StrAppendFormat(&tsv, "%s\t%d\t%.4f\t%.4f\t%.1f\t%.4f\t%.1f\t%.3f\n", r.preset,
-                          r.tokens, r.translate_ms, r.translate_min_ms,
+    absl::StrAppendFormat(&tsv, "%s\t%s\t%d\t%.4f\t%.4f\t%.1f\t%.4f\t%.1f\t%.3f\n", r.preset,
+                          r.kind, r.tokens, r.translate_ms, r.translate_min_ms,
                           r.tflop / (r.translate_ms * 1e-3), r.gemm_ms,
                           r.tflop / (r.gemm_ms * 1e-3), r.gemm_ms / r.translate_ms);
   }
   const std::string out = absl::GetFlag(FLAGS_out);
   if (!out.empty()) std::ofstream(out) << tsv;
   std::printf("\n%s", tsv.c_str());
+
+  // MLP vs ridge of the same pair, from the same run.
+  std::string compare = "preset\tmlp\ttokens\tridge_ms\tmlp_ms\tmlp_over_ridge\n";
+  for (const Row& m : rows) {
+    if (m.kind == "ridge") continue;
+    for (const Row& r : rows) {
+      if (r.kind == "ridge" && r.preset == m.preset && r.tokens == m.tokens) {
+        absl::StrAppendFormat(&compare, "%s\t%s\t%d\t%.4f\t%.4f\t%.3f\n", m.preset, m.kind,
+                              m.tokens, r.translate_ms, m.translate_ms,
+                              m.translate_ms / r.translate_ms);
+      }
+    }
+  }
+  if (!mlp_presets.empty()) {
+    const std::string mlp_out = absl::GetFlag(FLAGS_mlp_out);
+    if (!mlp_out.empty()) std::ofstream(mlp_out) << compare;
+    std::printf("\n%s", compare.c_str());
+  }
   return 0;
 }
 

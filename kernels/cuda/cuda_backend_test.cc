@@ -1,7 +1,7 @@
 // GPU parity of the CUDA backend: CUDA vs the CPU backend vs the float64 reference on fresh
-// random inputs, every dtype, layout and RoPE type, device- and host-resident caches, outputs
-// poisoned (NaN) before every run so an element the kernels do not write fails. Needs a GPU:
-// tagged manual, run by tests/gpu/run.sh.
+// random inputs, ridge and MLP mappers (per_layer and per_head), every dtype, layout and RoPE
+// type, device- and host-resident caches, outputs poisoned (NaN) before every run so an element
+// the kernels do not write fails. Needs a GPU: tagged manual, run by tests/gpu/run.sh.
 #include "kernels/cuda/cuda_backend.h"
 
 #include <cstring>
@@ -587,6 +587,245 @@ TEST_F(CudaBackendTest, StreamedPrepareTranslatesLayerByLayer) {
     }
   }
   EXPECT_EQ(backend->PrepareLayer(**prepared, 5).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- MLP mappers (kind: mlp): the ridge gather / strip and epilogue (c3 as its bias) around
+// three cuBLAS GEMMs with bias + ReLU kernels between them.
+
+RandomMapperSpec MlpSpec(bool per_head, int hidden) {
+  RandomMapperSpec spec;
+  spec.kind = MapKind::kMlp;
+  spec.mlp_per_head = per_head;
+  spec.mlp_hidden = hidden;
+  return spec;
+}
+
+// Both granularities, |sigma_k| != |sigma_v| (A1 rows zero-padded on the device), hidden widths
+// below and above a warp, fp32 and bf16 (X and the hidden activations in bf16 on the tensor
+// cores), through the device, host-staged and mixed paths.
+TEST_F(CudaBackendTest, MlpBothGranularitiesFp32AndBf16) {
+  for (bool per_head : {false, true}) {
+    for (int hidden : {1, 8, 37}) {
+      for (DType dtype : {DType::kFP32, DType::kBF16}) {
+        Case c;
+        c.spec = MlpSpec(per_head, hidden);
+        c.spec.source_layers = 3;
+        c.spec.target_layers = 2;
+        c.spec.target_heads = 3;
+        c.spec.target_head_dim = 8;
+        c.spec.k = hidden == 8 ? 3 : 1;
+        c.spec.k_v = 4 - c.spec.k;
+        c.spec.weight_dtype = dtype;
+        c.spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
+        c.spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kGptj);
+        c.in_dtype = c.out_dtype = dtype;
+        c.in_layout = per_head ? Layout::kNHD : Layout::kHND;
+        c.out_layout = hidden == 37 ? Layout::kNHD : Layout::kHND;
+        c.offset = 40;
+        c.tokens = 45;
+        SCOPED_TRACE(absl::StrCat(per_head ? "per_head" : "per_layer", " H=", hidden));
+        CheckCase(c);
+      }
+    }
+  }
+}
+
+// Weights of another dtype than the cache (converted to fp32 on the device per step, A1, A2 and
+// A3), fp16, and an fp32 output of a bf16 cache.
+TEST_F(CudaBackendTest, MlpMixedDtypesConvertWeights) {
+  struct Dtypes {
+    DType weights, in, out;
+  };
+  for (bool per_head : {false, true}) {
+    for (const Dtypes& d : {Dtypes{DType::kBF16, DType::kFP32, DType::kFP32},
+                            Dtypes{DType::kFP16, DType::kFP16, DType::kFP16},
+                            Dtypes{DType::kBF16, DType::kBF16, DType::kFP32},
+                            Dtypes{DType::kFP32, DType::kBF16, DType::kBF16}}) {
+      Case c;
+      c.spec = MlpSpec(per_head, 24);
+      c.spec.source_heads = 2;
+      c.spec.target_heads = 2;
+      c.spec.weight_dtype = d.weights;
+      c.spec.source_rope = MakeTestRope(RopeScalingType::kLinear);
+      c.spec.target_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj, 4);
+      c.in_dtype = d.in;
+      c.out_dtype = d.out;
+      c.tokens = 19;
+      SCOPED_TRACE(per_head ? "per_head" : "per_layer");
+      CheckCase(c);
+    }
+  }
+}
+
+// Small workspaces and token caps: the hidden activations force token chunks and layer groups.
+TEST_F(CudaBackendTest, MlpChunksAndLayerGroups) {
+  for (bool per_head : {false, true}) {
+    for (int64_t tokens : {1, 65, 300}) {
+      for (int64_t chunk : {0, 7}) {
+        for (int64_t workspace : {int64_t{0}, int64_t{96} << 10}) {
+          Case c;
+          c.spec = MlpSpec(per_head, 40);
+          c.spec.source_layers = 4;
+          c.spec.target_layers = 5;
+          c.spec.k = 3;
+          c.spec.k_v = 2;
+          c.spec.source_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj);
+          c.spec.target_rope = MakeTestRope(RopeScalingType::kNone);
+          c.tokens = tokens;
+          c.chunk = chunk;
+          c.workspace_bytes = workspace;
+          c.offset = 5;
+          c.in_layout = Layout::kNHD;
+          c.in_dtype = DType::kFP32;
+          c.out_dtype = DType::kFP32;
+          SCOPED_TRACE(per_head ? "per_head" : "per_layer");
+          CheckCase(c);
+        }
+      }
+    }
+  }
+}
+
+// Real head shapes (8 x 128), bf16, the format's default hidden width per_layer and a smaller
+// one per_head: CUDA vs CPU on every token, the float64 reference on a slice of 16 tokens.
+TEST_F(CudaBackendTest, MlpRealHeadShapesBf16) {
+  for (bool per_head : {false, true}) {
+    const uint64_t seed = FreshSeed(per_head ? "MlpRealHeadShapesBf16 per_head"
+                                             : "MlpRealHeadShapesBf16 per_layer");
+    SCOPED_TRACE(absl::StrCat(per_head ? "per_head" : "per_layer", " seed=", seed));
+    std::mt19937_64 rng(seed);
+    RandomMapperSpec spec = MlpSpec(per_head, per_head ? 256 : 1024);
+    spec.source_layers = 6;
+    spec.source_heads = 8;
+    spec.source_head_dim = 128;
+    spec.target_layers = 3;
+    spec.target_heads = 8;
+    spec.target_head_dim = 128;
+    spec.k = 3;
+    spec.weight_dtype = DType::kBF16;
+    spec.source_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kNeox, 0, 1000000);
+    spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
+    const RandomMapper mapper = MakeRandomMapper(spec, rng());
+    const int64_t tokens = 700;
+    const OwnedCache source =
+        MakeRandomCache(6, 8, 128, tokens, DType::kBF16, Layout::kHND, rng());
+    Positions positions;
+    positions.offset = 321;
+    TranslateOptions options;
+
+    std::unique_ptr<Backend> cpu = NewCpuBackend();
+    auto cpu_prepared = cpu->Prepare(mapper.view);
+    ASSERT_TRUE(cpu_prepared.ok()) << cpu_prepared.status();
+    OwnedCache cpu_target = MakeOutputCache(3, 8, 128, tokens, DType::kBF16, Layout::kNHD);
+    ASSERT_TRUE(cpu->Translate(**cpu_prepared, source.view, positions, options,
+                               &cpu_target.mutable_view)
+                    .ok());
+
+    std::unique_ptr<Backend> backend = MakeCuda();
+    ASSERT_NE(backend, nullptr);
+    auto prepared = backend->Prepare(mapper.view);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    auto device_source = DeviceCache::Upload(source.view);
+    auto device_target = DeviceCache::Poisoned(3, 8, 128, tokens, DType::kBF16, Layout::kNHD);
+    absl::Status status = backend->Translate(**prepared, device_source->view, positions, options,
+                                             &device_target->mutable_view);
+    ASSERT_TRUE(status.ok()) << status;
+    const OwnedCache result = device_target->Download();
+
+    const int64_t begin = 500, end = 516;
+    const OwnedCache slice = SliceTokens(source.view, begin, end);
+    const OwnedCache result_slice = SliceTokens(
+        CacheView{result.view.dtype, result.view.layout, result.view.num_kv_heads,
+                  result.view.head_dim, result.view.num_tokens, result.view.k, result.view.v},
+        begin, end);
+    Positions slice_positions;
+    slice_positions.offset = positions.offset + begin;
+    for (int l = 0; l < 3; ++l) {
+      for (Kind kind : {Kind::kK, Kind::kV}) {
+        EXPECT_LE(MaxRelError(ReadLayer(result.mutable_view, l, kind),
+                              ReadLayer(cpu_target.mutable_view, l, kind)),
+                  2 * TranslationTolerance(DType::kBF16))
+            << "vs cpu, layer " << l;
+        EXPECT_LE(
+            MaxRelError(ReadLayer(result_slice.view, l, kind),
+                        ReferenceTranslate(mapper.view, l, kind, slice.view, slice_positions)),
+            TranslationTolerance(DType::kBF16))
+            << "vs reference, layer " << l;
+      }
+    }
+  }
+}
+
+// Streamed page-in of an MLP mapper: the estimate the pager reserves by equals bytes() (every
+// MLP weight and bias counted), and layer l translates right after PrepareLayer(l).
+TEST_F(CudaBackendTest, MlpStreamedPrepareCountsEveryWeight) {
+  for (bool per_head : {false, true}) {
+    const uint64_t seed = FreshSeed("MlpStreamedPrepareCountsEveryWeight");
+    SCOPED_TRACE(absl::StrCat(per_head ? "per_head" : "per_layer", " seed=", seed));
+    std::mt19937_64 rng(seed);
+    RandomMapperSpec spec = MlpSpec(per_head, 16);
+    spec.source_layers = 4;
+    spec.target_layers = 3;
+    spec.k = 2;
+    spec.k_v = 3;
+    spec.weight_dtype = DType::kBF16;
+    spec.source_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
+    spec.target_rope = MakeTestRope(RopeScalingType::kYarn, RopeStyle::kGptj);
+    const RandomMapper mapper = MakeRandomMapper(spec, rng());
+    const OwnedCache source = MakeRandomCache(4, 2, 16, 50, DType::kBF16, Layout::kNHD, rng());
+    OwnedCache target = MakeOutputCache(3, 2, 16, 50, DType::kBF16, Layout::kHND);
+    std::unique_ptr<Backend> backend = MakeCuda();
+    ASSERT_NE(backend, nullptr);
+    absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared =
+        backend->BeginPrepare(mapper.view);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    EXPECT_EQ((*prepared)->bytes(), backend->PreparedBytesEstimate(mapper.view));
+    // At least every weight in bf16 and every bias in fp32.
+    uint64_t weights = 0;
+    for (const LayerMapView& layer : mapper.view.layers) {
+      for (const MlpView* c : {&layer.mlp_k, &layer.mlp_v}) {
+        weights += 2 * (c->a1.rows * c->a1.cols + c->a2.rows * c->a2.cols +
+                        c->a3.rows * c->a3.cols) +
+                   4 * (c->c1.cols * c->c1.rows + c->c2.rows * c->c2.cols +
+                        c->c3.rows * c->c3.cols);
+      }
+    }
+    EXPECT_GE((*prepared)->bytes(), weights);
+    Positions positions;
+    positions.offset = 77;
+    for (int l = 0; l < 3; ++l) {
+      ASSERT_TRUE(backend->PrepareLayer(**prepared, l).ok());
+      absl::Status status = backend->TranslateLayer(**prepared, l, source.view, positions,
+                                                    TranslateOptions(), &target.mutable_view);
+      ASSERT_TRUE(status.ok()) << status;
+      for (Kind kind : {Kind::kK, Kind::kV}) {
+        EXPECT_LE(MaxRelError(ReadLayer(target.mutable_view, l, kind),
+                              ReferenceTranslate(mapper.view, l, kind, source.view, positions)),
+                  TranslationTolerance(DType::kBF16))
+            << "layer " << l;
+      }
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, MlpBadMappersNameTheField) {
+  const RandomMapper mapper = MakeRandomMapper(MlpSpec(false, 8), 3);
+  std::unique_ptr<Backend> backend = MakeCuda();
+  ASSERT_NE(backend, nullptr);
+  MapperView bad = mapper.view;
+  bad.layers[1].mlp_k.a2.rows = 7;
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> refused = backend->Prepare(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("layers[1].mlp_k.a2"));
+  // Valid chains of two hidden widths: fine for the CPU, one GEMM shape for the GPU.
+  const RandomMapper narrow = MakeRandomMapper(MlpSpec(false, 4), 4);
+  MapperView mixed = mapper.view;
+  mixed.layers[1].mlp_v = narrow.view.layers[1].mlp_v;
+  refused = backend->Prepare(mixed);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("layers[1].mlp_v has heads=1 hidden=4"));
 }
 
 TEST_F(CudaBackendTest, BadInputsNameTheField) {

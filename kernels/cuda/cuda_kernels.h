@@ -62,8 +62,10 @@ struct GatherParams {
 };
 
 struct EpilogueParams {
-  // GEMM output Y: [num_layers][2][chunk_tokens][heads * head_dim] fp32.
+  // GEMM output Y: [num_layers][2][chunk_tokens][heads * head_dim] fp32, or with y_head_major
+  // [num_layers][2][heads][chunk_tokens][head_dim] (per-head MLP chains, one GEMM entry each).
   const float* y = nullptr;
+  int y_head_major = 0;
   // Bias: device [target layer][kind][heads * head_dim] fp32 (zeros where the mapper has none).
   const float* bias = nullptr;
   LayerTable target;
@@ -80,12 +82,31 @@ struct EpilogueParams {
   RopeTable apply;
 };
 
+// Between the MLP's GEMMs: out = relu(y + bias), converted to out_type (the next GEMM's input
+// type). Rows are the step's (target layer, kind) pairs.
+struct BiasReluParams {
+  // fp32 GEMM output: y_interleaved 1: [rows][chunk_tokens][heads * hidden] (the first GEMM,
+  // every head from the shared x); 0: [rows][heads][chunk_tokens][hidden], out's layout.
+  const float* y = nullptr;
+  int y_interleaved = 1;
+  const float* bias = nullptr;  // [rows][heads * hidden] fp32: c1 or c2 of the step's layers
+  void* out = nullptr;          // [rows][heads][chunk_tokens][hidden] in out_type
+  int out_type = kBF16;
+  int heads = 1;
+  int hidden = 0;
+  int64_t rows = 0;
+  int64_t chunk_tokens = 0;
+};
+
 // Gathers sigma's source layers of the step's target layers (K and V) into X, stripping the
 // source RoPE from K on the way.
 cudaError_t LaunchGather(const GatherParams& params, cudaStream_t stream);
 
 // Y + bias, target RoPE on K, conversion to the target dtype, written in the target layout.
 cudaError_t LaunchEpilogue(const EpilogueParams& params, cudaStream_t stream);
+
+// relu(y + bias) of the MLP's hidden units, NaN kept (a NaN must not turn into a zero).
+cudaError_t LaunchBiasRelu(const BiasReluParams& params, cudaStream_t stream);
 
 // dst[i] = float(src[i]) for `count` elements of `src_type`.
 cudaError_t LaunchToFloat(const void* src, int src_type, float* dst, int64_t count,

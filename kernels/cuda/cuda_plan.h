@@ -1,13 +1,17 @@
-// Host-side decisions of the CUDA backend that need no GPU: the GEMM element type for a request,
-// how many tokens and target layers one step may take within the workspace budget, and how a
-// failed CUDA or cuBLAS call becomes an absl::Status. Kept apart so CI tests them without a GPU.
+// Host-side decisions of the CUDA backend that need no GPU: the device copy's layout of a mapper
+// (ridge or MLP), the GEMM element type for a request, how many tokens and target layers one step
+// may take within the workspace budget, and how a failed CUDA or cuBLAS call becomes an
+// absl::Status. Kept apart so CI tests them without a GPU.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/mapper_view.h"
 #include "kernels/types.h"
 
 namespace kvt {
@@ -20,12 +24,93 @@ namespace cuda {
 // SPEC 3's 1e-5 whatever the input and weight dtypes.
 DType GemmDType(DType input, DType weights, DType output);
 
+// What the device copy of a mapper looks like. One weight dtype for all layers (a batched GEMM
+// has one type): the stored one when every weight matrix agrees, else fp32. Every (layer, kind)
+// is padded to the longest sigma list (zero rows) so all GEMMs of a step share one shape.
+// Ridge: W [layer][kind][input_width][target_width]. MLP, per (layer, kind), `heads` chains
+// (1 per_layer, n_t per_head) stored as three arrays so each is one strided batch:
+//   A1 [layer][kind][input_width][heads * hidden]  (per_head: head h in columns [h H, (h+1) H),
+//                                                   so one GEMM feeds every head from the shared x)
+//   A2 [layer][kind][heads][hidden][hidden]
+//   A3 [layer][kind][heads][hidden][head_out]      (head_out: n_t d_t per_layer, d_t per_head)
+// Biases are fp32: the output bias (ridge b, MLP c3) [layer][kind][target_width], and for MLP
+// c1 and c2 [layer][kind][heads * hidden] each. sigma: [layer][kind][max_blocks] ints.
+struct DeviceLayout {
+  MapKind kind = MapKind::kRidge;
+  DType weight_dtype = DType::kFP32;
+  int max_blocks = 0;
+  int64_t input_width = 0;   // max_blocks * n_s * d_s
+  int64_t target_width = 0;  // n_t * d_t
+  bool padded = false;       // some sigma list is shorter than max_blocks
+  int heads = 0;             // MLP chains per (layer, kind); 0 for ridge
+  int64_t hidden = 0;        // MLP hidden width H
+  int64_t head_out = 0;      // MLP output columns of one chain
+
+  int64_t hidden_width() const { return heads * hidden; }  // 0 for ridge
+  int64_t a1_elements() const { return input_width * heads * hidden; }
+  int64_t a2_elements() const { return static_cast<int64_t>(heads) * hidden * hidden; }
+  int64_t a3_elements() const { return static_cast<int64_t>(heads) * hidden * head_out; }
+  // Weight elements of one (layer, kind): W, or A1 + A2 + A3.
+  int64_t matrix_elements() const {
+    return kind == MapKind::kMlp ? a1_elements() + a2_elements() + a3_elements()
+                                 : input_width * target_width;
+  }
+  uint64_t weight_bytes(int layers) const {
+    return static_cast<uint64_t>(layers) * 2 * matrix_elements() * DTypeSize(weight_dtype);
+  }
+  // Everything a prepared mapper holds on the device: weights, fp32 biases, sigma lists.
+  uint64_t prepared_bytes(int layers) const {
+    const uint64_t bias_floats = static_cast<uint64_t>(target_width) + 2 * hidden_width();
+    return weight_bytes(layers) + static_cast<uint64_t>(layers) * 2 * bias_floats * sizeof(float) +
+           static_cast<uint64_t>(layers) * 2 * max_blocks * sizeof(int);
+  }
+};
+
+// The device layout of a mapper that CheckMapperView accepted. MLP: INVALID_ARGUMENT, naming
+// the chain, when the chains do not all share one granularity and hidden width (the format has
+// one `mlp:` block per mapper; the batched GEMMs need one shape), or when a GEMM dimension
+// exceeds cuBLAS's int range.
+absl::StatusOr<DeviceLayout> DeviceLayoutOf(const MapperView& mapper);
+
+// A per_head A1 as stored, [heads][rows][cols] row-major, into the device's [rows][heads * cols]
+// (head h in columns [h cols, (h+1) cols)); elements of `element_bytes` bytes are moved as they
+// are. `dst` must not overlap `src`.
+void InterleaveHeads(const void* src, size_t element_bytes, int heads, int64_t rows, int64_t cols,
+                     void* dst);
+
+// One cublasGemmStridedBatchedEx call as cuBLAS sees it (column-major, no transposes): for
+// b < batch, C_b (m x n, ldc) = A_b (m x k, lda) B_b (k x n, ldb), each operand's entry b at
+// its base + b * stride elements. A row-major product R[T, N] = L[T, K] M[K, N] is the
+// column-major R^T = M^T L^T: m = N, n = T, k = K, A = M (lda N), B = L (ldb K), C = R (ldc N).
+struct StridedGemm {
+  int m = 0, n = 0, k = 0;
+  int lda = 0, ldb = 0, ldc = 0;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  int batch = 0;
+};
+
+// The MLP chain of `pairs` (target layer, kind) pairs over `tokens` tokens, on the device
+// layout's arrays offset to the step's first pair:
+//   [0] A = A1, B = X [pair][T][input_width]      -> C = Y [pair][T][heads H]
+//   (bias + ReLU: Y -> activations [pair][head][T][H])
+//   [1] A = A2, B = activations                    -> C = Y [pair][head][T][H]
+//   (bias + ReLU: Y -> activations)
+//   [2] A = A3, B = activations                    -> C = Y [pair][head][T][head_out]
+std::array<StridedGemm, 3> MlpGemms(const DeviceLayout& layout, int64_t tokens, int64_t pairs);
+
 // What one translation call needs per token and per layer; bytes are device bytes.
 struct StepShape {
   int64_t num_tokens = 0;
   int num_layers = 0;            // target layers in the call
   int64_t input_width = 0;       // K: the widest |sigma| * n_s * d_s over the call's layers
   int64_t target_width = 0;      // n_t * d_t
+  // MLP: hidden activations per token of one (layer, kind), heads * H (0 for ridge). They take
+  // an fp32 GEMM output (sharing the output buffer, max(target, hidden) wide) plus a copy in the
+  // gemm dtype after bias + ReLU that the next GEMM reads.
+  int64_t hidden_width = 0;
+  // Weight elements of one (layer, kind) (DeviceLayout::matrix_elements); 0: input_width *
+  // target_width, the ridge W. Only counted when convert_weights.
+  int64_t weight_elements = 0;
   DType gemm_dtype = DType::kFP32;
   bool convert_weights = false;  // weights converted to fp32 per step (mixed dtypes)
   int rope_half_source = 0;      // r_s / 2
@@ -42,14 +127,15 @@ struct StepPlan {
   int num_groups = 0;
   // Device workspace, in bytes, for one step of chunk_tokens x layers_per_group.
   int64_t x_bytes = 0;          // gathered inputs, gemm dtype
-  int64_t y_bytes = 0;          // GEMM outputs, fp32
+  int64_t y_bytes = 0;          // GEMM outputs, fp32 (MLP: every GEMM of the chain in turn)
+  int64_t hidden_bytes = 0;     // MLP hidden activations after bias + ReLU, gemm dtype
   int64_t weights32_bytes = 0;  // fp32 copies of the group's weights (mixed dtypes only)
   int64_t table_bytes = 0;      // RoPE cos/sin of both models for the chunk
   int64_t staged_source_bytes = 0;
   int64_t staged_target_bytes = 0;
   int64_t total_bytes() const {
-    return x_bytes + y_bytes + weights32_bytes + table_bytes + staged_source_bytes +
-           staged_target_bytes;
+    return x_bytes + y_bytes + hidden_bytes + weights32_bytes + table_bytes +
+           staged_source_bytes + staged_target_bytes;
   }
 };
 

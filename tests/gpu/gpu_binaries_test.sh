@@ -8,7 +8,9 @@ bash -n tests/gpu/run.sh
 tests=$(kernels/cuda/cuda_backend_test --gtest_list_tests)
 for name in EveryRopeTypeAndStyle EveryDtypeLayoutAndWeightDtype UnmatchedShapesAndOddHeadDim \
             SeparateSigmaLengths LargeAndExplicitPositions ChunksAndLayerGroups \
-            RealHeadShapesBf16 ConcurrentCalls StreamedPrepareTranslatesLayerByLayer BadInputsNameTheField; do
+            RealHeadShapesBf16 ConcurrentCalls StreamedPrepareTranslatesLayerByLayer BadInputsNameTheField \
+            MlpBothGranularitiesFp32AndBf16 MlpMixedDtypesConvertWeights MlpChunksAndLayerGroups \
+            MlpRealHeadShapesBf16 MlpStreamedPrepareCountsEveryWeight MlpBadMappersNameTheField; do
   if ! grep -q "^  $name\$" <<<"$tests"; then
     echo "cuda_backend_test does not list $name:"
     echo "$tests"
@@ -17,7 +19,7 @@ for name in EveryRopeTypeAndStyle EveryDtypeLayoutAndWeightDtype UnmatchedShapes
 done
 
 set +e
-out=$(kernels/cuda/cuda_backend_benchmark --tokens=64 2>&1)
+out=$(kernels/cuda/cuda_backend_benchmark --tokens=64 --mlp_presets=qwen3-14b-to-32b 2>&1)
 rc=$?
 set -e
 if [ "$rc" -eq 0 ]; then
