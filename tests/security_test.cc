@@ -3,8 +3,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
@@ -173,6 +176,98 @@ TEST_F(SecurityTest, BearerTokensAndAdminRole) {
             grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_NE(admin_call("admin-token-abcdefghijk").error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
+}
+
+// Every kvt.v1 RPC checks its caller: without a token UNAUTHENTICATED, and each admin RPC
+// refuses a client token with PERMISSION_DENIED but lets an admin token through to its own
+// validation (empty requests then fail with some other code, never an auth one).
+TEST_F(SecurityTest, EveryRpcChecksTheCallersRole) {
+  StartServer(/*mtls=*/false, /*tokens=*/true);
+  const std::string kClientToken = "router-token-0123456789";
+  const std::string kAdminToken = "admin-token-abcdefghijk";
+  std::unique_ptr<Client> client = Connect("", "");
+  v1::KvTranslator::Stub* stub = client->stub();
+  // One call of an RPC with an empty request; the token is sent only when not empty.
+  using Call = std::function<grpc::Status(grpc::ClientContext*)>;
+  auto unary = [stub](auto method, auto request, auto response) -> Call {
+    return [=](grpc::ClientContext* context) mutable {
+      return (stub->*method)(context, request, &response);
+    };
+  };
+  const std::vector<std::pair<std::string, Call>> admin_rpcs = {
+      {"LoadMapper", unary(&v1::KvTranslator::Stub::LoadMapper, v1::LoadMapperRequest(),
+                           v1::LoadMapperResponse())},
+      {"UnloadMapper", unary(&v1::KvTranslator::Stub::UnloadMapper, v1::UnloadMapperRequest(),
+                             v1::UnloadMapperResponse())},
+      {"RegisterSystemMemory",
+       unary(&v1::KvTranslator::Stub::RegisterSystemMemory, v1::RegisterSystemMemoryRequest(),
+             v1::RegisterSystemMemoryResponse())},
+      {"UnregisterSystemMemory",
+       unary(&v1::KvTranslator::Stub::UnregisterSystemMemory,
+             v1::UnregisterSystemMemoryRequest(), v1::UnregisterSystemMemoryResponse())},
+      {"SystemMemoryStatus",
+       unary(&v1::KvTranslator::Stub::SystemMemoryStatus, v1::SystemMemoryStatusRequest(),
+             v1::SystemMemoryStatusResponse())},
+      {"RegisterCudaMemory",
+       unary(&v1::KvTranslator::Stub::RegisterCudaMemory, v1::RegisterCudaMemoryRequest(),
+             v1::RegisterCudaMemoryResponse())},
+      {"UnregisterCudaMemory",
+       unary(&v1::KvTranslator::Stub::UnregisterCudaMemory, v1::UnregisterCudaMemoryRequest(),
+             v1::UnregisterCudaMemoryResponse())},
+      {"CudaMemoryStatus",
+       unary(&v1::KvTranslator::Stub::CudaMemoryStatus, v1::CudaMemoryStatusRequest(),
+             v1::CudaMemoryStatusResponse())},
+  };
+  const std::vector<std::pair<std::string, Call>> client_rpcs = {
+      {"ListMappers", unary(&v1::KvTranslator::Stub::ListMappers, v1::ListMappersRequest(),
+                            v1::ListMappersResponse())},
+      {"GetMapper",
+       unary(&v1::KvTranslator::Stub::GetMapper, v1::GetMapperRequest(), v1::MapperInfo())},
+      {"TranslateKV",
+       [stub](grpc::ClientContext* context) {
+         auto stream = stub->TranslateKV(context);
+         stream->WritesDone();
+         v1::TranslateKVResponse response;
+         while (stream->Read(&response)) {
+         }
+         return stream->Finish();
+       }},
+      {"ValidateKV",
+       [stub](grpc::ClientContext* context) {
+         v1::ValidateKVResponse response;
+         auto stream = stub->ValidateKV(context, &response);
+         stream->WritesDone();
+         return stream->Finish();
+       }},
+  };
+  auto call = [](const Call& rpc, const std::string& token) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+    return rpc(&context);
+  };
+  for (const auto& [name, rpc] : admin_rpcs) {
+    EXPECT_EQ(call(rpc, "").error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
+    grpc::Status as_client = call(rpc, kClientToken);
+    EXPECT_EQ(as_client.error_code(), grpc::StatusCode::PERMISSION_DENIED) << name;
+    EXPECT_THAT(as_client.error_message(), HasSubstr("admin role")) << name;
+    grpc::Status as_admin = call(rpc, kAdminToken);
+    EXPECT_NE(as_admin.error_code(), grpc::StatusCode::PERMISSION_DENIED) << name;
+    EXPECT_NE(as_admin.error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
+  }
+  for (const auto& [name, rpc] : client_rpcs) {
+    grpc::Status anonymous = call(rpc, "");
+    EXPECT_EQ(anonymous.error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
+    // A wrong token never comes back in the error (nothing to replay or to learn from).
+    grpc::Status wrong = call(rpc, "not-a-token-0000000000");
+    EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
+    EXPECT_THAT(wrong.error_message(), ::testing::Not(HasSubstr("not-a-token"))) << name;
+    for (const std::string& token : {kClientToken, kAdminToken}) {
+      grpc::Status allowed = call(rpc, token);
+      EXPECT_NE(allowed.error_code(), grpc::StatusCode::PERMISSION_DENIED) << name;
+      EXPECT_NE(allowed.error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
+    }
+  }
 }
 
 TEST_F(SecurityTest, MissingOrBadSecurityFilesStopTheServer) {
