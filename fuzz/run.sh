@@ -26,9 +26,6 @@ for target in "${targets[@]}"; do
   rm -rf "$work" && mkdir -p "$work" "$out/artifacts" "$out/logs"
   opts=(-max_total_time="$seconds" -timeout=60 -rss_limit_mb=4096 -print_final_stats=1
         -artifact_prefix="$out/artifacts/$target-")
-  # gRPC's own threads allocate between inputs, which turns libFuzzer's per-input leak check into
-  # a full heap scan each time (~100x slower); the ASan Bazel test run checks leaks instead.
-  [ "$target" = translate_kv_fuzzer ] && opts+=(-detect_leaks=0)
   dirs=("$work" "fuzz/corpus/$target")
   [ -d "fuzz/regressions/$target" ] && dirs+=("fuzz/regressions/$target")
   log="$out/logs/$target.log"
