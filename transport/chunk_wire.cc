@@ -1,7 +1,10 @@
 #include "transport/chunk_wire.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -255,7 +258,23 @@ void ScatterChunkBytes(const LayerGeometry& geometry, int64_t start, int64_t cou
 namespace chunk_wire {
 namespace {
 
-void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
+// What a zero-copy slice holds: a reference to the tensor memory it points into. gRPC drops the
+// slice on one of its own threads; `handed_over` makes that hand-off (synchronized inside gRPC,
+// which ThreadSanitizer cannot see: Debian's gRPC is not instrumented) visible to TSan as a
+// release/acquire pair, so the memory's owner and its freeing are not reported as a race.
+struct SliceOwner {
+  explicit SliceOwner(std::shared_ptr<const void> memory) : memory(std::move(memory)) {
+    handed_over.store(true, std::memory_order_release);
+  }
+  std::shared_ptr<const void> memory;
+  std::atomic<bool> handed_over{false};
+};
+
+void ReleaseOwner(void* owner) {
+  auto* slice_owner = static_cast<SliceOwner*>(owner);
+  (void)slice_owner->handed_over.load(std::memory_order_acquire);
+  delete slice_owner;
+}
 
 }  // namespace
 
@@ -291,7 +310,7 @@ grpc::Status Serialize(const ChunkMessage<Proto>& message, grpc::ByteBuffer* buf
       if (span.empty()) continue;
       // gRPC reads the memory in place until it drops the slice, which drops this reference.
       slices.emplace_back(const_cast<char*>(span.data()), span.size(), &ReleaseOwner,
-                          new std::shared_ptr<const void>(message.data.owner()));
+                          new SliceOwner(message.data.owner()));
     }
   }
   grpc::ByteBuffer encoded(slices.data(), slices.size());
