@@ -9,6 +9,13 @@
 // T x (k n d) x (n d) in fp32 on already-converted operands (one weight matrix per GEMM), with
 // OpenBLAS on every core, no gather and no epilogue. The table printed at the end is translate
 // FLOP/s over sgemm FLOP/s, from the best repetition of each. Results: docs/BENCHMARKS.md.
+//
+// MLP vs ridge of the same pair: BM_TranslateMlp/T/k/L/H/per_head runs the same shapes, caches
+// and sigma as BM_Translate/T/k/L/0 with kind: mlp chains of hidden width H (per_layer or
+// per_head), and a second table prints tokens/s of each MLP next to its ridge twin:
+//
+//   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark
+//       --benchmark_filter='BM_Translate(Mlp)?/512/[24]/2/' --benchmark_repetitions=3
 #include <cblas.h>
 
 #include <algorithm>
@@ -59,48 +66,85 @@ double Flops(int64_t tokens, int64_t k, int64_t target_layers) {
   return 2.0 * tokens * (k * kWidth) * kWidth * 2 * target_layers;
 }
 
-void BM_Translate(benchmark::State& state) {
-  const int64_t tokens = state.range(0);
-  const int k = static_cast<int>(state.range(1));
-  const int target_layers = static_cast<int>(state.range(2));
-  const int source_layers = k;
+// FLOPs of one MLP translation: per token, target layer and K|V, `heads` chains of
+// in x H, H x H and H x out GEMMs (2 FLOPs per multiply-add).
+double MlpFlops(int64_t tokens, int64_t k, int64_t target_layers, int64_t hidden, bool per_head) {
+  const int64_t heads = per_head ? kHeads : 1;
+  const int64_t out = per_head ? kHeadDim : kWidth;
+  const double per_chain = static_cast<double>(k * kWidth) * hidden +
+                           static_cast<double>(hidden) * hidden +
+                           static_cast<double>(hidden) * out;
+  return 2.0 * tokens * heads * per_chain * 2 * target_layers;
+}
 
+// A mapper with its weights, and bf16 HND caches, for one benchmark shape. hidden == 0: ridge;
+// else kind: mlp with that hidden width. Ridge and MLP of one shape share sigma and caches.
+struct Fixture {
   MapperView mapper;
+  CacheView source{DType::kBF16, Layout::kHND, kHeads, kHeadDim, 0, {}, {}};
+  MutableCacheView target{DType::kBF16, Layout::kHND, kHeads, kHeadDim, 0, {}, {}};
+  std::vector<std::vector<uint16_t>> weights, source_bytes, target_bytes;
+};
+
+std::unique_ptr<Fixture> MakeFixture(int64_t tokens, int k, int target_layers, int64_t hidden,
+                                     bool per_head) {
+  auto f = std::make_unique<Fixture>();
+  const int source_layers = k;
+  MapperView& mapper = f->mapper;
+  mapper.kind = hidden > 0 ? MapKind::kMlp : MapKind::kRidge;
   mapper.source = {"source", source_layers, kHeads, kHeadDim, Qwen3Rope()};
   mapper.target = {"target", target_layers, kHeads, kHeadDim, Qwen3Rope()};
-  std::vector<std::vector<uint16_t>> weights;
-  weights.reserve(4 * target_layers);
+  f->weights.reserve(12 * target_layers);
   const auto weight = [&](int64_t rows, int64_t cols) {
-    std::vector<uint16_t>& w = weights.emplace_back(rows * cols);
-    Fill(DType::kBF16, w.data(), rows * cols, weights.size());
+    std::vector<uint16_t>& w = f->weights.emplace_back(rows * cols);
+    Fill(DType::kBF16, w.data(), rows * cols, f->weights.size());
     return WeightView{w.data(), DType::kBF16, rows, cols};
+  };
+  const auto chain = [&](int64_t in) {
+    MlpView m;
+    m.heads = per_head ? kHeads : 1;
+    m.hidden = hidden;
+    const int64_t out = per_head ? kHeadDim : kWidth;
+    m.a1 = weight(m.heads * in, hidden);
+    m.c1 = weight(m.heads, hidden);
+    m.a2 = weight(m.heads * hidden, hidden);
+    m.c2 = weight(m.heads, hidden);
+    m.a3 = weight(m.heads * hidden, out);
+    m.c3 = weight(m.heads, out);
+    return m;
   };
   for (int l = 0; l < target_layers; ++l) {
     LayerMapView layer;
     for (int j = 0; j < k; ++j) layer.sigma_k.push_back((j + l) % source_layers);
     layer.sigma_v = layer.sigma_k;
-    layer.w_k = weight(k * kWidth, kWidth);
-    layer.w_v = weight(k * kWidth, kWidth);
-    layer.b_k = weight(1, kWidth);
-    layer.b_v = weight(1, kWidth);
+    if (hidden > 0) {
+      layer.mlp_k = chain(k * kWidth);
+      layer.mlp_v = chain(k * kWidth);
+    } else {
+      layer.w_k = weight(k * kWidth, kWidth);
+      layer.w_v = weight(k * kWidth, kWidth);
+      layer.b_k = weight(1, kWidth);
+      layer.b_v = weight(1, kWidth);
+    }
     mapper.layers.push_back(layer);
   }
 
-  std::vector<std::vector<uint16_t>> source_bytes, target_bytes;
-  CacheView source{DType::kBF16, Layout::kHND, kHeads, kHeadDim, tokens, {}, {}};
-  MutableCacheView target{DType::kBF16, Layout::kHND, kHeads, kHeadDim, tokens, {}, {}};
+  f->source.num_tokens = f->target.num_tokens = tokens;
   for (int j = 0; j < 2 * source_layers; ++j) {
-    std::vector<uint16_t>& bytes = source_bytes.emplace_back(tokens * kWidth);
+    std::vector<uint16_t>& bytes = f->source_bytes.emplace_back(tokens * kWidth);
     Fill(DType::kBF16, bytes.data(), bytes.size(), 1000 + j);
-    (j % 2 ? source.v : source.k).push_back(bytes.data());
+    (j % 2 ? f->source.v : f->source.k).push_back(bytes.data());
   }
   for (int l = 0; l < 2 * target_layers; ++l) {
-    std::vector<uint16_t>& bytes = target_bytes.emplace_back(tokens * kWidth);
-    (l % 2 ? target.v : target.k).push_back(bytes.data());
+    std::vector<uint16_t>& bytes = f->target_bytes.emplace_back(tokens * kWidth);
+    (l % 2 ? f->target.v : f->target.k).push_back(bytes.data());
   }
+  return f;
+}
 
+void RunTranslate(benchmark::State& state, Fixture& f, int64_t chunk, double flops) {
   std::unique_ptr<Backend> backend = NewCpuBackend(CpuBackendOptions());
-  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->Prepare(mapper);
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->Prepare(f.mapper);
   if (!prepared.ok()) {
     state.SkipWithError(std::string(prepared.status().message()).c_str());
     return;
@@ -108,18 +152,37 @@ void BM_Translate(benchmark::State& state) {
   Positions positions;
   positions.offset = 100;
   TranslateOptions options;
-  options.token_chunk = state.range(3);
+  options.token_chunk = chunk;
   for (auto _ : state) {
-    absl::Status status = backend->Translate(**prepared, source, positions, options, &target);
+    absl::Status status = backend->Translate(**prepared, f.source, positions, options, &f.target);
     if (!status.ok()) {
       state.SkipWithError(std::string(status.message()).c_str());
       return;
     }
-    benchmark::DoNotOptimize(target.k[0]);
+    benchmark::DoNotOptimize(f.target.k[0]);
   }
-  state.counters["FLOP/s"] = benchmark::Counter(Flops(tokens, k, target_layers),
-                                                benchmark::Counter::kIsIterationInvariantRate);
-  state.SetItemsProcessed(state.iterations() * tokens);
+  state.counters["FLOP/s"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetItemsProcessed(state.iterations() * f.source.num_tokens);
+}
+
+void BM_Translate(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, 0, false);
+  RunTranslate(state, *f, state.range(3), Flops(tokens, k, target_layers));
+}
+
+// Args: tokens, k, target layers, hidden H, per_head (0 / 1); the backend's default chunk.
+void BM_TranslateMlp(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  const int64_t hidden = state.range(3);
+  const bool per_head = state.range(4) != 0;
+  std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, hidden, per_head);
+  RunTranslate(state, *f, 0, MlpFlops(tokens, k, target_layers, hidden, per_head));
 }
 
 void BM_SgemmSameFlops(benchmark::State& state) {
@@ -159,15 +222,27 @@ void RegisterShapes() {
   for (int64_t chunk : {128, 256, 1024, 2048}) shapes.push_back({4096, 4, 2, chunk});
   shapes.push_back({32768, 2, 1, 0});
   shapes.push_back({32768, 8, 1, 0});
+  // With --benchmark_repetitions, "max" of FLOP/s is the least disturbed repetition on a
+  // shared machine; the ratio tables prefer it.
+  const auto setup = [](benchmark::internal::Benchmark* b, const std::vector<int64_t>& args) {
+    b->Args(args)->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
+    b->ComputeStatistics("max", [](const std::vector<double>& v) {
+      return *std::max_element(v.begin(), v.end());
+    });
+  };
   for (const std::vector<int64_t>& shape : shapes) {
-    for (auto* b : {benchmark::RegisterBenchmark("BM_Translate", BM_Translate),
-                    benchmark::RegisterBenchmark("BM_SgemmSameFlops", BM_SgemmSameFlops)}) {
-      b->Args(shape)->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
-      // With --benchmark_repetitions, "max" of FLOP/s is the least disturbed repetition on a
-      // shared machine; the ratio table prefers it.
-      b->ComputeStatistics("max", [](const std::vector<double>& v) {
-        return *std::max_element(v.begin(), v.end());
-      });
+    setup(benchmark::RegisterBenchmark("BM_Translate", BM_Translate), shape);
+    setup(benchmark::RegisterBenchmark("BM_SgemmSameFlops", BM_SgemmSameFlops), shape);
+  }
+  // MLP vs ridge of the same pair: each ridge shape, then its MLPs (H 1024 and 256, both
+  // granularities), back to back.
+  for (int k : {2, 4}) {
+    setup(benchmark::RegisterBenchmark("BM_Translate", BM_Translate), {512, k, 2, 0});
+    for (int64_t hidden : {1024, 256}) {
+      for (int64_t per_head : {0, 1}) {
+        setup(benchmark::RegisterBenchmark("BM_TranslateMlp", BM_TranslateMlp),
+              {512, k, 2, hidden, per_head});
+      }
     }
   }
 }
@@ -184,11 +259,15 @@ class RatioReporter : public benchmark::ConsoleReporter {
       const auto it = run.counters.find("FLOP/s");
       if (it == run.counters.end()) continue;
       const std::string& name = run.run_name.function_name;
-      auto& table = name == "BM_Translate" ? translate_ : sgemm_;
+      auto& table = name == "BM_Translate" ? translate_
+                    : name == "BM_TranslateMlp" ? mlp_
+                                                : sgemm_;
       // Counters arrive already divided by the (real) time. The best-of-repetitions aggregate
       // replaces single repetitions; without repetitions the one run stands.
       if (best || !best_seen_.count(name + run.run_name.args)) {
         table[run.run_name.args] = it->second.value;
+        const auto items = run.counters.find("items_per_second");
+        if (items != run.counters.end()) tokens_per_s_[name + run.run_name.args] = items->second;
       }
       if (best) best_seen_.insert(name + run.run_name.args);
     }
@@ -204,10 +283,27 @@ class RatioReporter : public benchmark::ConsoleReporter {
       std::printf("%-22s %14.1f %14.1f %8.3f\n", args.c_str(), translate / 1e9, it->second / 1e9,
                   translate / it->second);
     }
+    if (mlp_.empty()) return;
+    // MLP args "T/k/L/H/per_head" against the ridge "T/k/L/0" of the same pair.
+    std::printf("\n%-24s %12s %12s %12s %10s %10s\n", "MLP T/k/L/H/per_head", "MLP tok/s",
+                "ridge tok/s", "MLP/ridge", "MLP GF/s", "ridge GF/s");
+    for (const auto& [args, mlp_flops] : mlp_) {
+      const std::string ridge_args = args.substr(0, args.rfind('/', args.rfind('/') - 1)) + "/0";
+      const auto ridge = translate_.find(ridge_args);
+      const auto mlp_tokens = tokens_per_s_.find("BM_TranslateMlp" + args);
+      const auto ridge_tokens = tokens_per_s_.find("BM_Translate" + ridge_args);
+      if (ridge == translate_.end() || mlp_tokens == tokens_per_s_.end() ||
+          ridge_tokens == tokens_per_s_.end()) {
+        continue;
+      }
+      std::printf("%-24s %12.0f %12.0f %12.3f %10.1f %10.1f\n", args.c_str(), mlp_tokens->second,
+                  ridge_tokens->second, mlp_tokens->second / ridge_tokens->second,
+                  mlp_flops / 1e9, ridge->second / 1e9);
+    }
   }
 
  private:
-  std::map<std::string, double> translate_, sgemm_;
+  std::map<std::string, double> translate_, sgemm_, mlp_, tokens_per_s_;
   std::set<std::string> best_seen_;
 };
 
