@@ -44,6 +44,19 @@ ABSL_FLAG(std::string, plan, "",
           "kvt fit: a plan from `kvt fit merge` of probe shards: skip the probe pass.");
 ABSL_FLAG(int32_t, threads, 0, "kvt fit / merge: OpenBLAS threads (0: every core).");
 ABSL_FLAG(int32_t, chunk_mb, 256, "kvt fit: MiB of feature rows buffered per BLAS round.");
+ABSL_FLAG(std::string, kind, "ridge",
+          "kvt fit: ridge (closed form), mlp (trained chains), or both (fits both into "
+          "--out/ridge and --out/mlp and recommends one from the held-out attention-output "
+          "cosine; needs target dumps with queries: tools/dump_kv.py --queries).");
+ABSL_FLAG(int64_t, mlp_hidden, 1024, "kvt fit --kind mlp|both: hidden width H of both layers.");
+ABSL_FLAG(int32_t, mlp_epochs, 20, "kvt fit --kind mlp|both: Adam epochs over the training rows.");
+ABSL_FLAG(int64_t, mlp_batch, 4096, "kvt fit --kind mlp|both: rows per Adam step.");
+ABSL_FLAG(double, mlp_lr, 1e-3, "kvt fit --kind mlp|both: Adam learning rate.");
+ABSL_FLAG(std::string, mlp_granularity, "per_layer",
+          "kvt fit --kind mlp|both: per_layer (one chain per target layer and K|V) or per_head "
+          "(one per target head, the paper).");
+ABSL_FLAG(int64_t, mlp_max_observations, 200000,
+          "kvt fit --kind mlp|both: training rows per chain (a seeded subsample beyond; 0: all).");
 ABSL_FLAG(bool, overwrite, false,
           "kvt fit / merge / import: replace an existing mapper directory.");
 
@@ -64,6 +77,9 @@ constexpr char kUsage[] =
     "               [--top_k=8|all] [--stride=4] [--lambda=0.01] [--lambda_scale=covariance|sum]\n"
     "               [--heldout_fraction=0.1] [--seed=1] [--weight_dtype=bf16] [--corpus=TEXT]\n"
     "               [--partial [--shard=i/n] [--plan=PLAN] --out=SHARD_FILE]\n"
+    "               [--kind=ridge|mlp|both [--mlp_hidden=1024] [--mlp_epochs=20]\n"
+    "                [--mlp_batch=4096] [--mlp_lr=1e-3] [--mlp_granularity=per_layer|per_head]\n"
+    "                [--mlp_max_observations=200000]]\n"
     "       kvt fit merge --out=PLAN_FILE|MAPPER_DIR SHARD_FILE...\n";
 
 int Fail(const std::string& message, int code = 2) {
@@ -177,6 +193,37 @@ int RunFit(const std::vector<std::string>& args) {
     return Fail("--heldout_fraction must be in [0, 1)", 1);
   }
   options.seed = absl::GetFlag(FLAGS_seed);
+  const std::string kind = absl::GetFlag(FLAGS_kind);
+  if (kind == "ridge") {
+    options.kind = fit::FitKind::kRidge;
+  } else if (kind == "mlp") {
+    options.kind = fit::FitKind::kMlp;
+  } else if (kind == "both") {
+    options.kind = fit::FitKind::kBoth;
+  } else {
+    return Fail(absl::StrCat("--kind must be ridge, mlp or both, got '", kind, "'"), 1);
+  }
+  options.mlp.train.hidden = absl::GetFlag(FLAGS_mlp_hidden);
+  options.mlp.train.epochs = absl::GetFlag(FLAGS_mlp_epochs);
+  options.mlp.train.batch = absl::GetFlag(FLAGS_mlp_batch);
+  options.mlp.train.learning_rate = absl::GetFlag(FLAGS_mlp_lr);
+  options.mlp.train.seed = options.seed;
+  options.mlp.train.max_observations = absl::GetFlag(FLAGS_mlp_max_observations);
+  if (options.mlp.train.max_observations < 0) {
+    return Fail("--mlp_max_observations must be >= 0 (0: all)", 1);
+  }
+  const std::string granularity = absl::GetFlag(FLAGS_mlp_granularity);
+  if (granularity == "per_layer") {
+    options.mlp.granularity = MlpGranularity::kPerLayer;
+  } else if (granularity == "per_head") {
+    options.mlp.granularity = MlpGranularity::kPerHead;
+  } else {
+    return Fail(absl::StrCat("--mlp_granularity must be per_layer or per_head, got '",
+                             granularity, "'"), 1);
+  }
+  if (absl::Status valid = fit::ValidateMlpOptions(options.mlp.train); !valid.ok()) {
+    return Fail(std::string(valid.message()), 1);
+  }
   options.corpus = absl::GetFlag(FLAGS_corpus);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.chunk_bytes = int64_t{std::max(1, absl::GetFlag(FLAGS_chunk_mb))} << 20;
@@ -221,6 +268,10 @@ int RunFit(const std::vector<std::string>& args) {
     plan = std::make_unique<fit::StatSet>(std::move(*read));
   }
 
+  if (absl::GetFlag(FLAGS_partial) && options.kind != fit::FitKind::kRidge) {
+    return Fail("--partial shards the ridge statistics only; --kind mlp|both trains on the rows "
+                "of one run", 1);
+  }
   if (absl::GetFlag(FLAGS_partial)) {
     absl::StatusOr<fit::StatSet> stats =
         plan ? fit::AccumulateFinal(options, *plan) : fit::AccumulateProbe(options);
@@ -233,6 +284,27 @@ int RunFit(const std::vector<std::string>& args) {
     return 0;
   }
   if (!shard.empty()) return Fail("--shard only makes sense with --partial", 1);
+  if (options.kind == fit::FitKind::kBoth) {
+    absl::StatusOr<fit::BothResult> both = fit::RunFitBoth(options, out, plan.get());
+    if (!both.ok()) return Fail(both.status().ToString());
+    PrintSummary(both->ridge);
+    PrintSummary(both->mlp);
+    std::printf("held-out (%d sequences, %lld tokens)   attention-output cosine (without layer 0)"
+                "   c_K     c_V\n",
+                both->ridge_quality.sequences,
+                static_cast<long long>(both->ridge_quality.tokens));
+    for (const auto& [name, q] : {std::pair<const char*, const fit::HeldoutQuality*>{
+                                      "ridge", &both->ridge_quality},
+                                  {"mlp", &both->mlp_quality}}) {
+      std::printf("  %-5s %.4f (%.4f)   %.3f   %.3f\n", name, q->attention_cosine,
+                  q->attention_cosine_without_layer0, q->c_k, q->c_v);
+    }
+    std::printf("recommended: %s (%s): higher held-out attention-output cosine\n",
+                both->recommended.c_str(),
+                (both->recommended == "mlp" ? both->mlp : both->ridge).mapper_dir.c_str());
+    std::printf("comparison: %s\n", both->report_json_path.c_str());
+    return 0;
+  }
   absl::StatusOr<fit::FitResult> result = fit::RunFit(options, out, plan.get());
   if (!result.ok()) return Fail(result.status().ToString());
   PrintSummary(*result);

@@ -34,7 +34,7 @@ absl::StatusOr<HostCache> ReadCacheFile(const std::string& path,
   }
   size_t expected_tensors = 2 * static_cast<size_t>(cache.num_layers);
   for (const TensorInfo& tensor : (*file)->tensors()) {
-    if (tensor.spec.name.rfind("layers.", 0) != 0) --expected_tensors;  // tolerated extras
+    if (tensor.spec.name.rfind("layers.", 0) != 0) ++expected_tensors;  // tolerated extras
   }
   for (int layer = 0; layer < cache.num_layers; ++layer) {
     for (const char* kind : {"k", "v"}) {

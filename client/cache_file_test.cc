@@ -5,6 +5,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
+#include "mapper_store/safetensors.h"
 
 namespace kvt {
 namespace {
@@ -46,6 +47,29 @@ TEST(CacheFileTest, WriteThenReadRoundTripsBothLayouts) {
     EXPECT_EQ(back.k, cache.k);
     EXPECT_EQ(back.v, cache.v);
   }
+}
+
+// Tensors outside layers.* (dump_kv.py --queries writes queries.{j}) are tolerated; a layer
+// tensor beyond the numbered run is not.
+TEST(CacheFileTest, ExtraTensorsAreToleratedGapsAreNot) {
+  const std::vector<uint8_t> bytes(2 * 5 * 4 * 2, 0);
+  const std::vector<uint8_t> query_bytes(4 * 5 * 4 * 2, 0);
+  std::vector<TensorRef> tensors;
+  for (const char* name : {"layers.0.k", "layers.0.v", "layers.1.k", "layers.1.v"}) {
+    tensors.push_back({{name, DType::kBF16, {2, 5, 4}}, absl::MakeConstSpan(bytes)});
+  }
+  tensors.push_back({{"queries.0", DType::kBF16, {4, 5, 4}}, absl::MakeConstSpan(query_bytes)});
+  tensors.push_back({{"queries.1", DType::kBF16, {4, 5, 4}}, absl::MakeConstSpan(query_bytes)});
+  const std::string path = TempPath("extras.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, tensors).ok());
+  absl::StatusOr<HostCache> read = ReadCacheFile(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->num_layers, 2);
+  tensors.push_back({{"layers.3.k", DType::kBF16, {2, 5, 4}}, absl::MakeConstSpan(bytes)});
+  ASSERT_TRUE(WriteSafetensors(path, tensors).ok());
+  read = ReadCacheFile(path);
+  ASSERT_FALSE(read.ok());
+  EXPECT_NE(read.status().message().find("without gaps"), std::string::npos) << read.status();
 }
 
 TEST(CacheFileTest, NotADumpIsNamed) {

@@ -14,6 +14,7 @@
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
 #include "mapper_store/file_util.h"
+#include "mapper_store/safetensors.h"
 
 namespace kvt {
 namespace fit {
@@ -283,6 +284,56 @@ absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec
   Extract(*target_cache, *target_rope, *target_post, *target_place, stride, first,
           rows->target_cols, rows->target_k.data(), rows->target_v.data());
   return source_cache->num_tokens;
+}
+
+absl::StatusOr<DumpQueries> ReadDumpQueries(const std::string& path, const ModelSpec& target) {
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
+  if (!file.ok()) return file.status();
+  const TensorInfo* k0 = (*file)->Find("layers.0.k");
+  const TensorInfo* q0 = (*file)->Find("queries.0");
+  if (q0 == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        path, ": no tensor 'queries.0' (dump the target with tools/dump_kv.py --queries)"));
+  }
+  if (k0 == nullptr || k0->spec.shape.size() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no well-shaped 'layers.0.k'"));
+  }
+  absl::StatusOr<Placement> placement = PlacementOf((*file)->metadata(), path);
+  if (!placement.ok()) return placement.status();
+  DumpQueries queries;
+  queries.num_tokens = k0->spec.shape[1];
+  const int d = target.head_dim;
+  for (int j = 0; j < target.num_layers; ++j) {
+    const std::string name = absl::StrCat("queries.", j);
+    const TensorInfo* q = (*file)->Find(name);
+    if (q == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": missing tensor '", name, "'"));
+    }
+    const std::vector<int64_t>& shape = q->spec.shape;
+    if (shape.size() != 3 || shape[1] != queries.num_tokens || shape[2] != d || shape[0] < 1 ||
+        shape[0] % target.num_kv_heads != 0 || (j > 0 && shape[0] != queries.num_query_heads)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": tensor '", name, "' has shape ", FormatShape(shape), ", expected [H_q, ",
+          queries.num_tokens, ", ", d, "] with H_q a multiple of the ", target.num_kv_heads,
+          " KV heads (the same for every layer)"));
+    }
+    queries.num_query_heads = static_cast<int>(shape[0]);
+    const int64_t count = shape[0] * shape[1] * shape[2];
+    std::vector<float> hnd(count);
+    ToFloat(q->spec.dtype, (*file)->data(*q).data(), hnd.data(), count);
+    std::vector<float> token_major(count);
+    for (int64_t h = 0; h < shape[0]; ++h) {
+      for (int64_t t = 0; t < shape[1]; ++t) {
+        std::copy(&hnd[(h * shape[1] + t) * d], &hnd[(h * shape[1] + t) * d] + d,
+                  &token_major[(t * shape[0] + h) * d]);
+      }
+    }
+    queries.layers.push_back(std::move(token_major));
+  }
+  for (int64_t t = 0; t < queries.num_tokens; ++t) {
+    queries.positions.push_back(placement->offset + static_cast<uint64_t>(t) * placement->step);
+  }
+  return queries;
 }
 
 }  // namespace fit

@@ -66,5 +66,21 @@ inline int64_t KeptTokens(int64_t tokens, int stride) { return (tokens + stride 
 absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec& source,
                             const ModelSpec& target, int stride, FeatureRows* rows);
 
+// The target's post-RoPE queries of one dump (tools/dump_kv.py --queries): tensors
+// `queries.{j}` [num_query_heads, T, head_dim] beside the K/V (the name keeps them out of the
+// `layers.*` a cache reader checks), for the held-out attention-output cosine of `kvt fit --kind
+// both`. `layers[j]` is token-major float [token][query head][dim]; `positions` are the tokens'
+// positions (position_offset + t * position_stride).
+struct DumpQueries {
+  int num_query_heads = 0;
+  int64_t num_tokens = 0;
+  std::vector<std::vector<float>> layers;
+  std::vector<uint64_t> positions;
+};
+// NOT_FOUND when the dump has no `queries.0`; INVALID_ARGUMENT naming file and tensor for a
+// missing layer, a shape that disagrees with `target` (head_dim, a multiple of its KV heads,
+// the dump's token count) or a dtype kvt does not read.
+absl::StatusOr<DumpQueries> ReadDumpQueries(const std::string& path, const ModelSpec& target);
+
 }  // namespace fit
 }  // namespace kvt

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "fit/fit_internal.h"
 #include "fit/hf_config.h"
 #include "fit/progress.h"
 #include "fit/report.h"
@@ -78,6 +79,8 @@ absl::Status NeedMetadata(const StatSet& stats, const std::vector<std::string>& 
   return absl::OkStatus();
 }
 
+}  // namespace
+
 // Reads `sequences` in order into feature-row buffers (one for training, one for held-out
 // sequences unless `training_only`), handing a buffer to `consume` whenever it holds
 // `chunk_rows` rows, and once more at the end. Records each sequence in `log`.
@@ -119,6 +122,8 @@ absl::Status StreamSequences(const FitOptions& options, const FitShape& shape,
   return absl::OkStatus();
 }
 
+namespace {
+
 std::string UtcNow() {
   char buffer[32];
   const std::time_t now = std::time(nullptr);
@@ -128,6 +133,8 @@ std::string UtcNow() {
   return buffer;
 }
 
+}  // namespace
+
 // Converts a row-major float64 array to `dtype` bytes.
 std::vector<uint8_t> ToBytes(const std::vector<double>& values, DType dtype) {
   std::vector<float> floats(values.begin(), values.end());
@@ -136,7 +143,6 @@ std::vector<uint8_t> ToBytes(const std::vector<double>& values, DType dtype) {
   return bytes;
 }
 
-}  // namespace
 
 absl::StatusOr<FitModel> FitModelFromJson(const std::string& json_text, const std::string& name,
                                           const std::string& label) {
@@ -246,9 +252,7 @@ absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet
   return stats;
 }
 
-absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions& options,
-                                        const std::string& out_dir,
-                                        std::vector<std::string> warnings) {
+absl::StatusOr<ParsedFinal> ParseFinal(const StatSet& stats) {
   absl::Status need = NeedMetadata(
       stats, {"sigma", "k", "sequences", "stride", "heldout_fraction", "seed"}, "final");
   if (!need.ok()) return need;
@@ -261,17 +265,40 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
       sigma_json.size() != static_cast<size_t>(shape->target.num_layers)) {
     return absl::InvalidArgumentError("statistics metadata 'sigma' is malformed");
   }
-  const std::vector<std::vector<int>> sigma = sigma_json.get<std::vector<std::vector<int>>>();
+  ParsedFinal parsed{*shape, *tables, sigma_json.get<std::vector<std::vector<int>>>()};
+  return parsed;
+}
 
+Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, MapperKind kind) {
   Manifest manifest;
-  manifest.kind = MapperKind::kRidge;
-  manifest.source = shape->source;
-  manifest.target = shape->target;
-  manifest.lambda = options.ridge.lambda;
-  manifest.lambda_scale = options.ridge.scale;
+  manifest.kind = kind;
+  manifest.source = parsed.shape.source;
+  manifest.target = parsed.shape.target;
+  if (kind == MapperKind::kRidge) {
+    manifest.lambda = options.ridge.lambda;
+    manifest.lambda_scale = options.ridge.scale;
+  }
   manifest.weights_dtype = options.weight_dtype;
   manifest.created_by = kFitToolVersion;
-  for (const auto& s : sigma) manifest.k = std::max<int>(manifest.k, s.size());
+  for (const auto& s : parsed.sigma) manifest.k = std::max<int>(manifest.k, s.size());
+  return manifest;
+}
+
+std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype) {
+  const std::vector<uint8_t> bytes = ToBytes(values, dtype);
+  std::vector<float> floats(values.size());
+  ToFloat(dtype, bytes.data(), floats.data(), floats.size());
+  return floats;
+}
+
+absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions& options,
+                                        const std::string& out_dir,
+                                        std::vector<std::string> warnings) {
+  absl::StatusOr<ParsedFinal> parsed = ParseFinal(stats);
+  if (!parsed.ok()) return parsed.status();
+  const FitShape* shape = &parsed->shape;
+  const std::vector<std::vector<int>>& sigma = parsed->sigma;
+  Manifest manifest = BaseManifest(*parsed, options, MapperKind::kRidge);
 
   for (std::string& w : DegenerateInputWarnings(*shape, stats, sigma)) {
     if (options.show_progress) std::fprintf(options.log, "kvt fit: warning: %s\n", w.c_str());
@@ -279,7 +306,10 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   }
   // Solve every layer first: the manifest (written first) carries each layer's R^2.
   std::vector<std::vector<uint8_t>> storage;
-  std::vector<TensorRef> tensors;
+  FittedMaps maps;
+  maps.kind = MapperKind::kRidge;
+  maps.sigma = sigma;
+  maps.out = shape->dt();
   {
     std::unique_ptr<Progress> progress;
     if (options.show_progress) {
@@ -301,9 +331,30 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
       for (const std::vector<double>* values : {&fit->w_k, &fit->b_k, &fit->w_v, &fit->b_v}) {
         storage.push_back(ToBytes(*values, options.weight_dtype));
       }
+      maps.w.push_back({RoundTrip(fit->w_k, options.weight_dtype),
+                        RoundTrip(fit->w_v, options.weight_dtype)});
+      maps.b.push_back({RoundTrip(fit->b_k, options.weight_dtype),
+                        RoundTrip(fit->b_v, options.weight_dtype)});
       if (progress) progress->Advance(1, 0);
     }
   }
+  absl::StatusOr<FitResult> result =
+      WriteFitted(stats, *parsed, std::move(manifest), std::move(storage), options, out_dir,
+                  std::move(warnings), {});
+  if (result.ok()) result->maps = std::move(maps);
+  return result;
+}
+
+absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& parsed,
+                                      Manifest manifest,
+                                      std::vector<std::vector<uint8_t>> storage,
+                                      const SolveOptions& options, const std::string& out_dir,
+                                      std::vector<std::string> warnings,
+                                      const std::vector<std::pair<std::string, std::string>>&
+                                          kind_facts) {
+  const FitShape* shape = &parsed.shape;
+  const ProbeTables* tables = &parsed.tables;
+  std::vector<TensorRef> tensors;
   std::vector<TensorSpec> specs = MapperTensorSpecs(manifest);
   for (size_t i = 0; i < specs.size(); ++i) {
     tensors.push_back({specs[i], absl::Span<const uint8_t>(storage[i].data(), storage[i].size())});
@@ -393,8 +444,11 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   fact("probe", shape->matched() ? "head h on head h (matched KV shapes)"
                                  : "each target head on the whole source layer (unmatched)");
   fact("k", stats.metadata.at("k"));
-  fact("lambda", absl::StrCat(FormatDouble(options.ridge.lambda), " (",
-                              LambdaScaleName(options.ridge.scale), " scale)"));
+  if (manifest.kind == MapperKind::kRidge) {
+    fact("lambda", absl::StrCat(FormatDouble(options.ridge.lambda), " (",
+                                LambdaScaleName(options.ridge.scale), " scale)"));
+  }
+  for (const auto& [key, value] : kind_facts) fact(key, value);
   fact("date", UtcNow());
   fact("tool", kFitToolVersion);
 
@@ -474,8 +528,18 @@ absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& o
     plan = std::move(*made);
     plan_in = &plan;
   }
+  if (options.kind == FitKind::kBoth) {
+    return absl::InvalidArgumentError("RunFit fits one kind; --kind both is RunFitBoth");
+  }
+  if (options.kind == FitKind::kMlp) {
+    absl::Status valid = ValidateMlpOptions(options.mlp.train);
+    if (!valid.ok()) return valid;
+  }
   absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan_in);
   if (!final_stats.ok()) return final_stats.status();
+  if (options.kind == FitKind::kMlp) {
+    return TrainAndWriteMlp(options, *final_stats, out_dir, std::move(warnings));
+  }
   return SolveAndWrite(*final_stats, options.solve, out_dir, std::move(warnings));
 }
 

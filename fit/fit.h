@@ -1,15 +1,20 @@
 // `kvt fit` end to end: calibration dumps -> probe statistics -> plan (probe R^2, top-k sigma) ->
 // Gram / cross-covariance statistics -> ridge solve -> mapper directory + HTML report. Every
-// phase's statistics can be written as a shard and summed (`--partial`, `merge`).
+// phase's statistics can be written as a shard and summed (`--partial`, `merge`). `--kind mlp`
+// trains the MLP chains on the same features and sigma; `--kind both` fits both and recommends one
+// from the held-out attention-output cosine.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
+#include <array>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "fit/calibration.h"
+#include "fit/mlp.h"
 #include "fit/solve.h"
 #include "fit/stats.h"
 #include "kernels/mapper_view.h"
@@ -43,8 +48,18 @@ struct SolveOptions {
   FILE* log = stderr;
 };
 
+enum class FitKind { kRidge, kMlp, kBoth };
+
+// `kvt fit --kind mlp|both`: the chain's training and its layout.
+struct MlpFitOptions {
+  MlpOptions train;  // hidden, epochs, batch, lr, seed, max observations
+  MlpGranularity granularity = MlpGranularity::kPerLayer;
+};
+
 struct FitOptions {
   FitModel source, target;
+  FitKind kind = FitKind::kRidge;
+  MlpFitOptions mlp;
   // The calibration set (of this shard, for --partial), held-out marks already assigned.
   std::vector<SequencePair> sequences;
   int stride = 4;
@@ -60,7 +75,23 @@ struct FitOptions {
   int64_t chunk_bytes = int64_t{256} << 20;
 };
 
+// A fitted mapper's maps in memory, float32 after rounding to the written weight dtype (what kvtd
+// serves), for the held-out comparison of `--kind both`.
+struct FittedMaps {
+  MapperKind kind = MapperKind::kRidge;
+  std::vector<std::vector<int>> sigma;  // per target layer (K and V alike)
+  int64_t out = 0;                      // n_t d_t
+  // ridge, per target layer, [0] K and [1] V: w [in, out], b [out].
+  std::vector<std::array<std::vector<float>, 2>> w, b;
+  // mlp, per target layer, K and V: one chain (per_layer) or n_t chains writing d_t columns each.
+  std::vector<std::array<std::vector<MlpWeights>, 2>> mlp;
+  // y [rows, n_t d_t] = the map of target layer `layer`, kind 0 (K, content space) or 1 (V), of
+  // x [rows, len(sigma) n_s d_s].
+  void Apply(int layer, int kind, const float* x, int64_t rows, float* y) const;
+};
+
 struct FitResult {
+  FittedMaps maps;
   std::string mapper_dir;
   std::string report_path;
   Manifest manifest;
@@ -87,6 +118,31 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& final_stats, const SolveO
 // The single run: probe, plan, final, solve. `plan` (optional) skips the probe pass.
 absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& out_dir,
                                  const StatSet* plan = nullptr);
+
+// Held-out quality of one kind (means over held-out sequences of the per-sequence layer means;
+// attention-output cosine and c_K / c_V from the target queries of the dumps, SPEC 5).
+struct HeldoutQuality {
+  int sequences = 0;
+  int64_t tokens = 0;
+  double attention_cosine = 0, attention_cosine_without_layer0 = 0;
+  double c_k = 0, c_v = 0;
+  double r2_k = 0, r2_v = 0;  // SPEC 5 R^2 of the same tokens (content-space K)
+};
+absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options, const FittedMaps& maps);
+
+// `--kind both`: `out_dir`/ridge and `out_dir`/mlp, and `out_dir`/fit_report.json with both
+// kinds' held-out figures and the choice (higher held-out attention-output cosine; ridge on a
+// tie within 1e-4, as the cheaper map). Needs target queries (dump_kv.py --queries) in at least
+// one held-out sequence: checked before any training (FAILED_PRECONDITION naming the fix).
+struct BothResult {
+  FitResult ridge, mlp;
+  HeldoutQuality ridge_quality, mlp_quality;
+  std::string recommended;  // "ridge" or "mlp"
+  std::string report_json_path;
+};
+absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::string& out_dir,
+                                      const StatSet* plan = nullptr);
+inline constexpr char kCompareFileName[] = "fit_report.json";
 
 // Sums shard files (every one the same phase, models, stride and split; disjoint sequences).
 absl::StatusOr<StatSet> MergeStatFiles(const std::vector<std::string>& paths);

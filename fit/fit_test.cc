@@ -238,6 +238,91 @@ TEST_F(FitFamilyTest, MatchedPairRecoversLayersWeightsAndR2) {
   EXPECT_THAT(result->manifest.calibration_yaml, HasSubstr("synthetic"));
 }
 
+// --kind mlp on the linear family: the same sigma and split as ridge, a loadable kind: mlp mapper
+// in the fixed tensor layout, held-out R^2 near the noise ceiling, and the same bytes per seed.
+TEST_F(FitFamilyTest, MlpKindFitsTheFamilyDeterministically) {
+  FitOptions options = Options(*matched_, *matched_dir_, 2);
+  options.kind = FitKind::kMlp;
+  options.mlp.train.hidden = 96;
+  options.mlp.train.epochs = 30;
+  options.mlp.train.batch = 64;
+  options.mlp.train.seed = 3;
+  const std::string dir = TempDir("mlp");
+  absl::StatusOr<FitResult> a = RunFit(options, JoinPath(dir, "a"));
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->manifest.kind, MapperKind::kMlp);
+  ASSERT_TRUE(a->manifest.mlp.has_value());
+  EXPECT_EQ(a->manifest.mlp->hidden, 96);
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(a->mapper_dir);
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  const TensorInfo* fc1 = (*mapper)->weights().Find("layers.1.k.fc1.weight");
+  ASSERT_NE(fc1, nullptr);
+  EXPECT_EQ(fc1->spec.shape, (std::vector<int64_t>{2 * 16, 96}));
+  const double nu = matched_->options.noise_share;
+  for (size_t l = 0; l < a->manifest.layers.size(); ++l) {
+    const LayerEntry& layer = a->manifest.layers[l];
+    SCOPED_TRACE(absl::StrCat("target layer ", l));
+    EXPECT_EQ(layer.sigma_k, matched_->options.true_sigma[l]);
+    ASSERT_TRUE(layer.r2_k_heldout && layer.r2_v_heldout);
+    EXPECT_GT(*layer.r2_k_heldout, 1 - nu - 0.1);
+    EXPECT_GT(*layer.r2_v_heldout, 1 - nu - 0.1);
+    EXPECT_LE(*layer.r2_k_heldout, 1 - nu + 0.03);
+  }
+  EXPECT_EQ(Tensor(**mapper, "layers.0.v.fc3.bias").size(), 16u);  // n_t d_t: heads stacked
+
+  absl::StatusOr<FitResult> b = RunFit(options, JoinPath(dir, "b"));
+  ASSERT_TRUE(b.ok()) << b.status();
+  absl::StatusOr<std::string> wa = ReadFileToString(JoinPath(a->mapper_dir, "weights.safetensors"));
+  absl::StatusOr<std::string> wb = ReadFileToString(JoinPath(b->mapper_dir, "weights.safetensors"));
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  EXPECT_TRUE(*wa == *wb) << "same seed, different weights";
+  options.mlp.train.seed = 4;
+  absl::StatusOr<FitResult> c = RunFit(options, JoinPath(dir, "c"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<std::string> wc = ReadFileToString(JoinPath(c->mapper_dir, "weights.safetensors"));
+  ASSERT_TRUE(wc.ok());
+  EXPECT_FALSE(*wa == *wc) << "another seed, the same weights";
+}
+
+// per_head on the unmatched family: one chain per target head, stacked along the first axis.
+TEST_F(FitFamilyTest, MlpPerHeadStacksHeadChains) {
+  FitOptions options = Options(*unmatched_, *unmatched_dir_, 1);
+  options.kind = FitKind::kMlp;
+  options.mlp.granularity = MlpGranularity::kPerHead;
+  options.mlp.train.hidden = 32;
+  options.mlp.train.epochs = 30;
+  options.mlp.train.batch = 64;
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("mlp_per_head"), "m"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(result->mapper_dir);
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  const TensorInfo* fc1 = (*mapper)->weights().Find("layers.2.v.fc1.weight");
+  const TensorInfo* fc3 = (*mapper)->weights().Find("layers.2.v.fc3.weight");
+  ASSERT_NE(fc1, nullptr);
+  ASSERT_NE(fc3, nullptr);
+  EXPECT_EQ(fc1->spec.shape, (std::vector<int64_t>{3, 16, 32}));
+  EXPECT_EQ(fc3->spec.shape, (std::vector<int64_t>{3, 32, 4}));
+  for (const LayerEntry& layer : result->manifest.layers) {
+    ASSERT_TRUE(layer.r2_v_heldout.has_value());
+    EXPECT_GT(*layer.r2_v_heldout, 1 - unmatched_->options.noise_share - 0.1);
+  }
+}
+
+TEST_F(FitFamilyTest, MlpBadOptionsAreNamed) {
+  FitOptions options = Options(*matched_, *matched_dir_, 2);
+  options.kind = FitKind::kMlp;
+  options.mlp.train.epochs = 0;
+  absl::StatusOr<FitResult> result = RunFit(options, TempDir("mlp_bad"));
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(result.status().message(), HasSubstr("--mlp_epochs"));
+  // --kind both refuses up front without target queries in the held-out dumps.
+  options = Options(*matched_, *matched_dir_, 2);
+  options.kind = FitKind::kBoth;
+  absl::StatusOr<BothResult> both = RunFitBoth(options, TempDir("both_no_queries"));
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(both.status().message(), HasSubstr("--queries"));
+}
+
 TEST_F(FitFamilyTest, UnmatchedPairUsesFullLayerProbe) {
   FitOptions options = Options(*unmatched_, *unmatched_dir_, 1);
   const std::string out = JoinPath(TempDir("unmatched_out"), "fitted");

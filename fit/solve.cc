@@ -58,6 +58,8 @@ std::vector<double> ResidualPerColumn(int64_t d, int64_t e, const std::vector<do
   return sse;
 }
 
+}  // namespace
+
 // Head-averaged R^2 (SPEC 4.3) of one target layer: columns [h d, (h+1) d) are head h. Heads
 // whose total sum of squares is zero (a constant head) have no R^2 and are left out.
 std::optional<double> HeadAveragedR2(const std::vector<double>& sse, const std::vector<double>& sst,
@@ -77,6 +79,8 @@ std::optional<double> HeadAveragedR2(const std::vector<double>& sse, const std::
   if (counted == 0) return std::nullopt;
   return std::min(1.0, total / counted);
 }
+
+namespace {
 
 // Solves (A + lambda I) W = B in place (B becomes W) by Cholesky. `a` [d x d] is consumed.
 // Returns false with `why` when A + lambda I is not numerically positive definite.

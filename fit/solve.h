@@ -25,6 +25,12 @@ struct ProbeTables {
   }
 };
 
+// Head-averaged R^2 (SPEC 4.3) from per-column residual and total sums of squares: columns
+// [offset + h d, offset + (h+1) d) are head h; heads with a zero total are left out (nullopt if
+// all are). Shared by ridge and the MLP's held-out R^2.
+std::optional<double> HeadAveragedR2(const std::vector<double>& sse, const std::vector<double>& sst,
+                                     int64_t offset, int heads, int d);
+
 // Probe ridge uses lambda = kProbeRidge x the mean diagonal of S_xx (SPEC 4.2: "tiny, for
 // stability"). Warnings (constant target heads, ...) are appended to `warnings`.
 inline constexpr double kProbeRidge = 1e-6;

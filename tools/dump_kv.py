@@ -22,6 +22,11 @@ Options worth knowing:
   --keep_every N   store only positions 0, N, 2N, ... (N times less disk; metadata
                    position_stride tells kvt fit the true positions, so stripping RoPE stays
                    exact). `kvt fit --stride` then subsamples further; use one or the other.
+  --queries        also store the model's post-RoPE queries, `queries.{j}` [num_heads, T,
+                   head_dim] (the input of kvt fit --kind both's held-out attention-output
+                   cosine, SPEC 5; `kvt fit` ignores them otherwise). Captured by wrapping the
+                   modeling module's apply_rotary_pos_emb, so any q normalisation (Qwen3's
+                   q_norm) is included; T x num_heads x head_dim more values per layer.
   --tokenizer bytes  a built-in byte-level tokenizer (token = UTF-8 byte), for tiny test
                    models without tokenizer files; otherwise the model's own AutoTokenizer.
   corpus: a .txt file (documents separated by blank lines) or .jsonl (--text_field, default
@@ -168,6 +173,41 @@ def legacy_cache(past_key_values):
     return past_key_values
 
 
+class QueryCapture:
+    """Records the rotated queries of every attention layer during a forward pass by wrapping the
+    modeling module's apply_rotary_pos_emb(q, k, cos, sin, ...) -> (q_embed, k_embed), which
+    Llama, Mistral, Qwen2/3 and their relatives call once per layer, in layer order."""
+
+    def __init__(self, model):
+        import importlib
+
+        self.module = importlib.import_module(type(model).__module__)
+        self.original = getattr(self.module, "apply_rotary_pos_emb", None)
+        if self.original is None:
+            raise SystemExit(f"--queries: {self.module.__name__} has no apply_rotary_pos_emb to "
+                             "capture queries from")
+        self.captured = []
+
+        def hooked(q, k, *args, **kwargs):
+            q_embed, k_embed = self.original(q, k, *args, **kwargs)
+            self.captured.append(q_embed.detach())
+            return q_embed, k_embed
+
+        self.module.apply_rotary_pos_emb = hooked
+
+    def close(self):
+        self.module.apply_rotary_pos_emb = self.original
+
+    def take(self, num_layers):
+        """The queries of the last forward pass, [batch, heads, T, d] per layer."""
+        got, self.captured = self.captured, []
+        if len(got) != num_layers:
+            raise SystemExit(f"--queries: captured {len(got)} query tensors for {num_layers} "
+                             "layers (this architecture does not call apply_rotary_pos_emb once "
+                             "per layer)")
+        return got
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="HF model id or local directory")
@@ -182,6 +222,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokenizer", default="",
                         help="tokenizer id/dir (default: the model's), or 'bytes'")
+    parser.add_argument("--queries", action="store_true",
+                        help="also store post-RoPE queries, queries.{j} [heads, T, head_dim]")
     parser.add_argument("--corpus_name", default="",
                         help="recorded as metadata 'corpus' (default: the file name)")
     args = parser.parse_args(argv)
@@ -195,6 +237,7 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch_dtype)
     model.to(args.device).eval()
     tokenizer = load_tokenizer(args.tokenizer, args.model)
+    capture = QueryCapture(model) if args.queries else None
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         f.write(model.config.to_json_string())
@@ -214,6 +257,10 @@ def main(argv=None):
             # [batch, n_kv, T, d] -> [n_kv, T', d] of the kept positions.
             tensors[f"layers.{j}.k"] = k[0, :, ::args.keep_every, :].to(torch_dtype)
             tensors[f"layers.{j}.v"] = v[0, :, ::args.keep_every, :].to(torch_dtype)
+        if capture is not None:
+            # Named outside layers.* so KV readers (kvt's ReadCacheFile) tolerate them.
+            for j, q in enumerate(capture.take(len(tensors) // 2)):
+                tensors[f"queries.{j}"] = q[0, :, ::args.keep_every, :].to(torch_dtype)
         metadata = {
             "rope": "post",
             "position_offset": 0,
@@ -226,6 +273,8 @@ def main(argv=None):
         write_safetensors(os.path.join(args.out, f"seq{index:05d}.safetensors"), tensors, metadata)
         written += 1
         print(f"dump_kv: {written}/{args.sequences} windows", file=sys.stderr, end="\r")
+    if capture is not None:
+        capture.close()
     print(f"dump_kv: wrote {written} windows of {args.tokens} tokens to {args.out}",
           file=sys.stderr)
     if written < args.sequences:

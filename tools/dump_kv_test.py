@@ -99,7 +99,7 @@ class TinyLlamaTest(unittest.TestCase):
         argv = ["--model", model_path, "--corpus", self.corpus, "--out", out, "--tokens", "32",
                 "--sequences", "6", "--dtype", "fp32", "--tokenizer", "bytes"]
         for key, value in flags.items():
-            argv += [f"--{key}", str(value)]
+            argv += [f"--{key}", str(value)] if value != "" else [f"--{key}"]
         self.assertEqual(dump_kv.main(argv), 0)
 
     def test_read_safetensors_inverts_write(self):
@@ -143,6 +143,64 @@ class TinyLlamaTest(unittest.TestCase):
         self.assertFalse(torch.allclose(dumped[:, 5], raw[:, 5], atol=1e-3))
         self.assertTrue(torch.allclose(dumped[:, 5].norm(dim=-1), raw[:, 5].norm(dim=-1),
                                        atol=1e-4))
+
+    def test_queries_are_the_rotated_queries(self):
+        from transformers.models.llama.modeling_llama import (LlamaRotaryEmbedding,
+                                                              apply_rotary_pos_emb)
+        path, model = self.make_model("small", 2, 2, 16, 10000.0, 1)
+        out = os.path.join(self.dir, "dumps_q")
+        self.dump(path, out, keep_every=2, queries="")
+        files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+        tensors = dump_kv.read_safetensors(os.path.join(out, files[0]))
+        self.assertEqual(list(tensors["queries.1"].shape), [4, 16, 16])  # 4 heads, 32 / 2 kept
+        # Layer 0: RoPE(q_proj(input_layernorm(embedding))) at positions 0, 2, 4, ...
+        ids = dump_kv.ByteTokenizer().encode(dump_kv.read_documents(self.corpus, "").__next__())
+        ids = ids[:32]
+        layer = model.model.layers[0]
+        with torch.no_grad():
+            hidden = layer.input_layernorm(model.model.embed_tokens(torch.tensor([ids])))
+            q = layer.self_attn.q_proj(hidden).view(1, 32, 4, 16).transpose(1, 2)
+            cos, sin = LlamaRotaryEmbedding(config=model.config)(q, torch.arange(32)[None])
+            rotated, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        self.assertTrue(torch.allclose(tensors["queries.0"], rotated[0, :, ::2], atol=1e-5))
+        # The hook is per run and KV readers ignore the extra tensors: kvt fit still reads them.
+        self.assertEqual(list(tensors["layers.0.k"].shape), [2, 16, 16])
+
+    def test_kvt_fit_kind_both_recommends_from_heldout_queries(self):
+        binary = kvt_binary()
+        self.assertIsNotNone(binary, "the kvt binary is not in the runfiles nor in bazel-bin")
+        small, _ = self.make_model("small", 2, 2, 16, 10000.0, 1)
+        large, _ = self.make_model("large", 3, 2, 16, 500000.0, 2)
+        self.dump(small, os.path.join(self.dir, "d_small"))
+        self.dump(large, os.path.join(self.dir, "d_large"), queries="")
+        out = os.path.join(self.dir, "both")
+        flags = [binary, "fit", f"--source_config={small}", f"--target_config={large}",
+                 f"--source_dumps={os.path.join(self.dir, 'd_small')}",
+                 f"--target_dumps={os.path.join(self.dir, 'd_large')}", f"--out={out}",
+                 "--top_k=all", "--stride=1", "--lambda=0.1", "--heldout_fraction=0.4",
+                 "--source_model=tiny/small", "--target_model=tiny/large", "--kind=both",
+                 "--mlp_hidden=32", "--mlp_epochs=3", "--mlp_batch=64"]
+        result = subprocess.run(flags, capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("recommended:", result.stdout)
+        with open(os.path.join(out, "fit_report.json")) as f:
+            report = json.load(f)
+        self.assertIn(report["recommended"], ("ridge", "mlp"))
+        for kind in ("ridge", "mlp"):
+            self.assertTrue(os.path.exists(os.path.join(out, kind, "manifest.yaml")))
+            self.assertTrue(-1.0 <= report[kind]["attention_cosine"] <= 1.0)
+        better = max(("ridge", "mlp"), key=lambda k: report[k]["attention_cosine"])
+        if abs(report["mlp"]["attention_cosine"] - report["ridge"]["attention_cosine"]) > 1e-4:
+            self.assertEqual(report["recommended"], better)
+        with open(os.path.join(out, "mlp", "manifest.yaml")) as f:
+            self.assertIn("kind: mlp", f.read())
+        # Without queries in the target dumps the comparison cannot be made: a named refusal.
+        result = subprocess.run(
+            [a.replace("d_large", "d_small").replace("target_config=" + large,
+                                                      "target_config=" + small)
+             for a in flags] + ["--overwrite"], capture_output=True, text=True)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("--queries", result.stderr)
 
     def test_kvt_fit_reads_the_dumps(self):
         binary = kvt_binary()

@@ -1,0 +1,57 @@
+// Internals of fit.cc that the MLP and comparison paths (fit_mlp.cc) share; not the fit API.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "fit/fit.h"
+#include "nlohmann/json.hpp"
+
+namespace kvt {
+namespace fit {
+
+// Reads the sequences in order into feature-row buffers (training, held-out unless
+// `training_only`), handing a buffer to `consume` every chunk and at the end; logs each sequence.
+absl::Status StreamSequences(const FitOptions& options, const FitShape& shape,
+                             const std::string& what, bool training_only,
+                             const std::function<void(const FeatureRows&, bool)>& consume,
+                             nlohmann::json* log);
+
+// Final statistics, read back: shapes, the probe tables and sigma.
+struct ParsedFinal {
+  FitShape shape;
+  ProbeTables tables;
+  std::vector<std::vector<int>> sigma;
+};
+absl::StatusOr<ParsedFinal> ParseFinal(const StatSet& stats);
+
+// The manifest fields every kind shares (models, k, dtype, tool); ridge also gets lambda.
+Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, MapperKind kind);
+
+// float64 -> `dtype` bytes, and -> the float32 values those bytes hold (what kvtd serves).
+std::vector<uint8_t> ToBytes(const std::vector<double>& values, DType dtype);
+std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype);
+
+// Writes `out_dir` from a manifest whose layers are filled and the mapping tensors' bytes in
+// MapperTensorSpecs order: adds the stats.source.* tensors and the calibration map from `stats`,
+// writes the mapper and report.html. `kind_facts` extend the report's calibration facts.
+absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& parsed,
+                                      Manifest manifest,
+                                      std::vector<std::vector<uint8_t>> storage,
+                                      const SolveOptions& options, const std::string& out_dir,
+                                      std::vector<std::string> warnings,
+                                      const std::vector<std::pair<std::string, std::string>>&
+                                          kind_facts);
+
+// The MLP mapper from final statistics (sigma, split, calibration facts) and a third pass over
+// the sequences that keeps the feature rows in memory for training.
+absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const StatSet& final_stats,
+                                           const std::string& out_dir,
+                                           std::vector<std::string> warnings);
+
+}  // namespace fit
+}  // namespace kvt

@@ -1,0 +1,462 @@
+// `kvt fit --kind mlp` (MLP chains on the ridge path's features, sigma and split) and `--kind
+// both` (both mappers, compared on the held-out attention-output cosine).
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "fit/fit.h"
+#include "fit/fit_internal.h"
+#include "fit/progress.h"
+#include "fit/report.h"
+#include "kernels/backend.h"
+#include "kernels/rope.h"
+#include "mapper_store/file_util.h"
+#include "nlohmann/json.hpp"
+#include "quality/kv_quality.h"
+
+namespace kvt {
+namespace fit {
+namespace {
+
+using nlohmann::json;
+
+// One split's feature rows as float32 (the MLP trains in fp32; half the memory of FeatureRows).
+struct FloatRows {
+  int64_t rows = 0, source_cols = 0, target_cols = 0;
+  std::vector<float> source[2], target[2];  // [kind]
+  void Append(const FeatureRows& in) {
+    source_cols = in.source_cols;
+    target_cols = in.target_cols;
+    rows += in.rows;
+    for (int c = 0; c < 2; ++c) {
+      const std::vector<double>& s = c == 0 ? in.source_k : in.source_v;
+      const std::vector<double>& t = c == 0 ? in.target_k : in.target_v;
+      source[c].insert(source[c].end(), s.begin(), s.begin() + in.rows * in.source_cols);
+      target[c].insert(target[c].end(), t.begin(), t.begin() + in.rows * in.target_cols);
+    }
+  }
+};
+
+// x [rows, len(sigma) ds]: the sigma source layers' columns, in sigma's order (the mapper layout).
+template <typename T>
+std::vector<float> GatherSource(const T* source, int64_t rows, int64_t source_cols, int64_t ds,
+                                const std::vector<int>& sigma) {
+  const int64_t in = static_cast<int64_t>(sigma.size()) * ds;
+  std::vector<float> x(rows * in);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (size_t i = 0; i < sigma.size(); ++i) {
+      const T* src = source + r * source_cols + sigma[i] * ds;
+      std::copy(src, src + ds, &x[r * in + i * ds]);
+    }
+  }
+  return x;
+}
+
+// Columns [first, first + count) of a [rows, cols] matrix.
+template <typename T>
+std::vector<float> Columns(const T* m, int64_t rows, int64_t cols, int64_t first, int64_t count) {
+  std::vector<float> out(rows * count);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(m + r * cols + first, m + r * cols + first + count, &out[r * count]);
+  }
+  return out;
+}
+
+uint64_t MixSeed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t x = seed;
+  for (uint64_t v : {a, b, c}) {
+    x ^= v + 0x9e3779b97f4a7c15ull + (x << 6) + (x >> 2);
+    x = (x ^ (x >> 31)) * 0xbf58476d1ce4e5b9ull;
+  }
+  return x;
+}
+
+// The chain as the written dtype holds it.
+MlpWeights Rounded(const MlpWeights& w, DType dtype) {
+  MlpWeights r = w;
+  for (std::vector<float>* v : {&r.a1, &r.c1, &r.a2, &r.c2, &r.a3, &r.c3}) {
+    *v = RoundTrip(std::vector<double>(v->begin(), v->end()), dtype);
+  }
+  return r;
+}
+
+// Head-averaged R^2 of predictions against truth [rows, heads * d], around the truth's own
+// column means (as the ridge path's R^2).
+std::optional<double> R2Of(const std::vector<float>& pred, const std::vector<float>& truth,
+                           int64_t rows, int heads, int d) {
+  const int64_t cols = static_cast<int64_t>(heads) * d;
+  std::vector<double> sse(cols, 0.0), sst(cols, 0.0), mean(cols, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) mean[c] += truth[r * cols + c];
+  }
+  for (double& m : mean) m /= rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const double e = static_cast<double>(pred[r * cols + c]) - truth[r * cols + c];
+      const double t = truth[r * cols + c] - mean[c];
+      sse[c] += e * e;
+      sst[c] += t * t;
+    }
+  }
+  return HeadAveragedR2(sse, sst, 0, heads, d);
+}
+
+void AppendFloats(const std::vector<float>& values, DType dtype,
+                  std::vector<std::vector<uint8_t>>* storage) {
+  storage->push_back(ToBytes(std::vector<double>(values.begin(), values.end()), dtype));
+}
+
+json QualityJson(const HeldoutQuality& q, const FitResult& fit) {
+  auto round = [](double x) { return std::round(x * 1e6) / 1e6; };
+  json j{{"mapper", fit.mapper_dir},
+         {"attention_cosine", round(q.attention_cosine)},
+         {"attention_cosine_without_layer0", round(q.attention_cosine_without_layer0)},
+         {"c_k", round(q.c_k)},
+         {"c_v", round(q.c_v)},
+         {"r2_k", round(q.r2_k)},
+         {"r2_v", round(q.r2_v)}};
+  for (auto [name, field] : {std::pair<const char*, R2Field>{"r2_k_heldout_mean", R2Field::kKHeldout},
+                             {"r2_v_heldout_mean", R2Field::kVHeldout}}) {
+    std::optional<double> mean = MeanR2(fit.manifest, field, /*skip_layer0=*/false);
+    if (mean.has_value()) j[name] = round(*mean);
+  }
+  return j;
+}
+
+}  // namespace
+
+void FittedMaps::Apply(int layer, int kind, const float* x, int64_t rows, float* y) const {
+  if (this->kind == MapperKind::kRidge) {
+    const std::vector<float>& w_l = w[layer][kind];
+    const std::vector<float>& b_l = b[layer][kind];
+    const int64_t in = static_cast<int64_t>(w_l.size()) / out;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy(b_l.begin(), b_l.end(), y + r * out);
+      for (int64_t i = 0; i < in; ++i) {
+        const float xi = x[r * in + i];
+        for (int64_t c = 0; c < out; ++c) y[r * out + c] += xi * w_l[i * out + c];
+      }
+    }
+    return;
+  }
+  const std::vector<MlpWeights>& chains = mlp[layer][kind];
+  const int64_t per = chains[0].out;
+  std::vector<float> part(rows * per);
+  for (size_t h = 0; h < chains.size(); ++h) {
+    MlpForward(chains[h], x, rows, part.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy(&part[r * per], &part[r * per] + per, y + r * out + h * per);
+    }
+  }
+}
+
+absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const StatSet& final_stats,
+                                           const std::string& out_dir,
+                                           std::vector<std::string> warnings) {
+  absl::Status valid = ValidateMlpOptions(options.mlp.train);
+  if (!valid.ok()) return valid;
+  absl::StatusOr<ParsedFinal> parsed = ParseFinal(final_stats);
+  if (!parsed.ok()) return parsed.status();
+  const FitShape& shape = parsed->shape;
+  SetBlasThreads(options.num_threads);
+
+  // Third pass: the feature rows themselves (the MLP is not a function of sums).
+  FloatRows split[2];
+  json log = json::array();
+  absl::Status streamed = StreamSequences(
+      options, shape, "mlp rows", /*training_only=*/false,
+      [&](const FeatureRows& rows, bool heldout) { split[heldout ? 1 : 0].Append(rows); }, &log);
+  if (!streamed.ok()) return streamed;
+  if (split[0].rows == 0) {
+    return absl::FailedPreconditionError("kvt fit --kind mlp: no training tokens");
+  }
+
+  const bool per_head = options.mlp.granularity == MlpGranularity::kPerHead;
+  const int n_t = shape.target.num_kv_heads, d_t = shape.target.head_dim;
+  const int heads = per_head ? n_t : 1;
+  const int64_t dt = shape.dt(), ds = shape.ds(), out_h = per_head ? d_t : dt;
+  const int64_t H = options.mlp.train.hidden;
+  const DType dtype = options.solve.weight_dtype;
+  Manifest manifest = BaseManifest(*parsed, options.solve, MapperKind::kMlp);
+  manifest.mlp = MlpConfig{H, options.mlp.granularity};
+  FittedMaps maps;
+  maps.kind = MapperKind::kMlp;
+  maps.sigma = parsed->sigma;
+  maps.out = dt;
+  std::vector<std::vector<uint8_t>> storage;
+  std::vector<double> first_loss, last_loss;
+  std::unique_ptr<Progress> progress;
+  if (options.solve.show_progress) {
+    progress = std::make_unique<Progress>("mlp", int64_t{shape.target.num_layers} * 2 * heads,
+                                          "chains", options.solve.log);
+  }
+  for (int l = 0; l < shape.target.num_layers; ++l) {
+    const std::vector<int>& sigma = parsed->sigma[l];
+    const int64_t in = static_cast<int64_t>(sigma.size()) * ds;
+    LayerEntry entry;
+    entry.target_layer = l;
+    entry.sigma_k = sigma;
+    entry.sigma_v = sigma;
+    std::array<std::vector<MlpWeights>, 2> layer_chains;
+    for (int c = 0; c < 2; ++c) {
+      std::vector<float> x[2], y[2], pred[2];
+      for (int s = 0; s < 2; ++s) {
+        x[s] = GatherSource(split[s].source[c].data(), split[s].rows, split[s].source_cols, ds,
+                            sigma);
+        y[s] = Columns(split[s].target[c].data(), split[s].rows, split[s].target_cols,
+                       int64_t{l} * dt, dt);
+        pred[s].assign(split[s].rows * dt, 0.0f);
+      }
+      for (int h = 0; h < heads; ++h) {
+        MlpOptions train = options.mlp.train;
+        train.seed = MixSeed(options.mlp.train.seed, l, c, h);
+        const std::vector<float> yh =
+            per_head ? Columns(y[0].data(), split[0].rows, dt, int64_t{h} * d_t, d_t) : y[0];
+        MlpTrainLog train_log;
+        absl::StatusOr<MlpWeights> chain =
+            TrainMlp(x[0], yh, split[0].rows, in, out_h, train, &train_log);
+        if (!chain.ok()) {
+          return absl::Status(chain.status().code(),
+                              absl::StrCat("target layer ", l, " ", KindName(c),
+                                           per_head ? absl::StrCat(" head ", h) : "", ": ",
+                                           chain.status().message()));
+        }
+        first_loss.push_back(train_log.epoch_loss.front());
+        last_loss.push_back(train_log.epoch_loss.back());
+        MlpWeights rounded = Rounded(*chain, dtype);
+        for (int s = 0; s < 2; ++s) {
+          if (split[s].rows == 0) continue;
+          std::vector<float> part(split[s].rows * out_h);
+          MlpForward(rounded, x[s].data(), split[s].rows, part.data());
+          for (int64_t r = 0; r < split[s].rows; ++r) {
+            std::copy(&part[r * out_h], &part[r * out_h] + out_h,
+                      &pred[s][r * dt + int64_t{h} * out_h]);
+          }
+        }
+        layer_chains[c].push_back(std::move(rounded));
+        if (progress) progress->Advance(1, train_log.rows_used);
+      }
+      (c == 0 ? entry.r2_k : entry.r2_v) = R2Of(pred[0], y[0], split[0].rows, n_t, d_t);
+      if (split[1].rows > 0) {
+        (c == 0 ? entry.r2_k_heldout : entry.r2_v_heldout) =
+            R2Of(pred[1], y[1], split[1].rows, n_t, d_t);
+      }
+      // Canonical order: fc1.weight, fc1.bias, fc2..., fc3...; per_head stacks the heads.
+      for (int fc = 0; fc < 3; ++fc) {
+        for (int bias = 0; bias < 2; ++bias) {
+          std::vector<float> values;
+          for (const MlpWeights& w : layer_chains[c]) {
+            const std::vector<float>* part[3][2] = {
+                {&w.a1, &w.c1}, {&w.a2, &w.c2}, {&w.a3, &w.c3}};
+            values.insert(values.end(), part[fc][bias]->begin(), part[fc][bias]->end());
+          }
+          AppendFloats(values, dtype, &storage);
+        }
+      }
+    }
+    manifest.layers.push_back(entry);
+    maps.mlp.push_back(std::move(layer_chains));
+  }
+  if (progress) progress->Finish();
+  double mean_first = 0, mean_last = 0;
+  for (size_t i = 0; i < first_loss.size(); ++i) {
+    mean_first += first_loss[i] / first_loss.size();
+    mean_last += last_loss[i] / last_loss.size();
+  }
+  const MlpOptions& t = options.mlp.train;
+  std::vector<std::pair<std::string, std::string>> facts = {
+      {"kind", absl::StrCat("mlp: relu(relu(x A1 + c1) A2 + c2) A3 + c3, hidden ", H, ", ",
+                            MlpGranularityName(options.mlp.granularity))},
+      {"training", absl::StrCat("Adam on MSE, lr ", t.learning_rate, ", ", t.epochs,
+                                " epochs, batch ", t.batch, ", seed ", t.seed,
+                                ", max observations ",
+                                t.max_observations > 0 ? absl::StrCat(t.max_observations)
+                                                       : std::string("all"),
+                                "; standardised inputs/outputs folded into fc1/fc3")},
+      {"training loss", absl::StrFormat("first epoch %.4f, last epoch %.4f (mean over chains, "
+                                        "standardised scale)",
+                                        mean_first, mean_last)},
+  };
+  absl::StatusOr<FitResult> result =
+      WriteFitted(final_stats, *parsed, std::move(manifest), std::move(storage), options.solve,
+                  out_dir, std::move(warnings), facts);
+  if (result.ok()) result->maps = std::move(maps);
+  return result;
+}
+
+absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options, const FittedMaps& maps) {
+  const ModelSpec& source = options.source.spec;
+  const ModelSpec& target = options.target.spec;
+  const FitShape shape{source, target};
+  absl::StatusOr<Rope> rope = Rope::Create(target.rope, target.head_dim);
+  if (!rope.ok()) return rope.status();
+  const int n_t = target.num_kv_heads, d = target.head_dim, half = rope->rotary_dim() / 2;
+  const int64_t dt = shape.dt(), ds = shape.ds();
+  HeldoutQuality total;
+  for (const SequencePair& pair : options.sequences) {
+    if (!pair.heldout) continue;
+    absl::StatusOr<DumpQueries> queries = ReadDumpQueries(pair.target_path, target);
+    if (absl::IsNotFound(queries.status())) continue;
+    if (!queries.ok()) return queries.status();
+    FeatureRows rows;
+    rows.Reset(source.num_layers * ds, target.num_layers * dt);
+    absl::StatusOr<int64_t> tokens = AppendSequence(pair, source, target, /*stride=*/1, &rows);
+    if (!tokens.ok()) return tokens.status();
+    const int64_t T = rows.rows;
+    if (T != queries->num_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(pair.target_path, ": ", queries->num_tokens,
+                                                     " query tokens but ", T, " KV tokens"));
+    }
+    std::vector<float> cos(T * half), sin(T * half);
+    for (int64_t t = 0; t < T; ++t) {
+      rope->CosSin(queries->positions[t], &cos[t * half], &sin[t * half]);
+    }
+    const Positions positions{0, queries->positions.data()};
+    std::vector<LayerQuality> layers;
+    for (int l = 0; l < target.num_layers; ++l) {
+      std::vector<float> mapped[2], truth[2];
+      for (int c = 0; c < 2; ++c) {
+        const std::vector<double>& src = c == 0 ? rows.source_k : rows.source_v;
+        const std::vector<double>& tgt = c == 0 ? rows.target_k : rows.target_v;
+        const std::vector<float> x =
+            GatherSource(src.data(), T, rows.source_cols, ds, maps.sigma[l]);
+        mapped[c].assign(T * dt, 0.0f);
+        maps.Apply(l, c, x.data(), T, mapped[c].data());
+        truth[c] = Columns(tgt.data(), T, rows.target_cols, int64_t{l} * dt, dt);
+      }
+      // Keys back to post-RoPE, as a cache holds them (the feature rows are content space).
+      for (std::vector<float>* k : {&mapped[0], &truth[0]}) {
+        for (int64_t t = 0; t < T; ++t) {
+          for (int h = 0; h < n_t; ++h) {
+            rope->ApplyHead(&cos[t * half], &sin[t * half], &(*k)[(t * n_t + h) * d]);
+          }
+        }
+      }
+      LayerQualityInputs inputs;
+      inputs.num_tokens = T;
+      inputs.num_kv_heads = n_t;
+      inputs.head_dim = d;
+      inputs.num_query_heads = queries->num_query_heads;
+      inputs.k_mapped = mapped[0].data();
+      inputs.v_mapped = mapped[1].data();
+      inputs.k_true = truth[0].data();
+      inputs.v_true = truth[1].data();
+      inputs.queries = queries->layers[l].data();
+      absl::StatusOr<LayerQuality> quality = ComputeLayerQuality(inputs, *rope, positions);
+      if (!quality.ok()) {
+        return absl::Status(quality.status().code(),
+                            absl::StrCat(pair.target_path, " layer ", l, ": ",
+                                         quality.status().message()));
+      }
+      layers.push_back(*quality);
+    }
+    const QualitySummary summary = SummarizeQuality(layers);
+    total.sequences += 1;
+    total.tokens += T;
+    total.attention_cosine += summary.all.attention_cosine.value_or(0);
+    total.attention_cosine_without_layer0 +=
+        (target.num_layers > 1 ? summary.without_layer0 : summary.all)
+            .attention_cosine.value_or(0);
+    total.c_k += summary.all.c_k.value_or(0);
+    total.c_v += summary.all.c_v.value_or(0);
+    total.r2_k += summary.all.r2_k;
+    total.r2_v += summary.all.r2_v;
+  }
+  if (total.sequences == 0) {
+    return absl::FailedPreconditionError(
+        "no held-out sequence has target queries: dump the target with tools/dump_kv.py "
+        "--queries and keep --heldout_fraction > 0");
+  }
+  for (double* v : {&total.attention_cosine, &total.attention_cosine_without_layer0, &total.c_k,
+                    &total.c_v, &total.r2_k, &total.r2_v}) {
+    *v /= total.sequences;
+  }
+  return total;
+}
+
+absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::string& out_dir,
+                                      const StatSet* plan_in) {
+  // Before hours of work: the comparison needs held-out sequences with target queries.
+  bool have_queries = false, have_heldout = false;
+  for (const SequencePair& pair : options.sequences) {
+    if (!pair.heldout) continue;
+    have_heldout = true;
+    absl::StatusOr<DumpQueries> q = ReadDumpQueries(pair.target_path, options.target.spec);
+    if (q.ok()) {
+      have_queries = true;
+      break;
+    }
+    if (!absl::IsNotFound(q.status())) return q.status();
+  }
+  if (!have_heldout) {
+    return absl::FailedPreconditionError(
+        "kvt fit --kind both compares the kinds on held-out sequences, and none is held out "
+        "(raise --heldout_fraction or add sequences)");
+  }
+  if (!have_queries) {
+    return absl::FailedPreconditionError(
+        "kvt fit --kind both recommends from the held-out attention-output cosine, which needs "
+        "the target's queries: no held-out target dump has 'queries.0' (dump the target with "
+        "tools/dump_kv.py --queries)");
+  }
+  if (IsDirectory(out_dir) && !options.solve.overwrite) {
+    // The two mapper directories below refuse on their own; say it once, up front.
+    for (const char* sub : {"ridge", "mlp"}) {
+      if (IsDirectory(JoinPath(out_dir, sub))) {
+        return absl::AlreadyExistsError(
+            absl::StrCat(JoinPath(out_dir, sub), " exists (use --overwrite)"));
+      }
+    }
+  }
+  absl::Status made = MakeDirs(out_dir);
+  if (!made.ok()) return made;
+  std::vector<std::string> warnings;
+  StatSet plan;
+  if (plan_in == nullptr) {
+    absl::StatusOr<StatSet> probe = AccumulateProbe(options);
+    if (!probe.ok()) return probe.status();
+    absl::StatusOr<StatSet> made_plan = MakePlan(*probe, &warnings);
+    if (!made_plan.ok()) return made_plan.status();
+    plan = std::move(*made_plan);
+    plan_in = &plan;
+  }
+  absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan_in);
+  if (!final_stats.ok()) return final_stats.status();
+  BothResult both;
+  absl::StatusOr<FitResult> ridge =
+      SolveAndWrite(*final_stats, options.solve, JoinPath(out_dir, "ridge"), warnings);
+  if (!ridge.ok()) return ridge.status();
+  both.ridge = std::move(*ridge);
+  absl::StatusOr<FitResult> mlp =
+      TrainAndWriteMlp(options, *final_stats, JoinPath(out_dir, "mlp"), warnings);
+  if (!mlp.ok()) return mlp.status();
+  both.mlp = std::move(*mlp);
+  absl::StatusOr<HeldoutQuality> rq = MeasureHeldout(options, both.ridge.maps);
+  if (!rq.ok()) return rq.status();
+  absl::StatusOr<HeldoutQuality> mq = MeasureHeldout(options, both.mlp.maps);
+  if (!mq.ok()) return mq.status();
+  both.ridge_quality = *rq;
+  both.mlp_quality = *mq;
+  both.recommended =
+      mq->attention_cosine > rq->attention_cosine + 1e-4 ? "mlp" : "ridge";
+  json report{
+      {"recommended", both.recommended},
+      {"recommended_mapper", both.recommended == "mlp" ? both.mlp.mapper_dir
+                                                       : both.ridge.mapper_dir},
+      {"criterion",
+       "held-out attention-output cosine, mean over target layers and held-out sequences "
+       "(higher wins; ridge on a tie within 1e-4)"},
+      {"heldout_sequences", rq->sequences},
+      {"heldout_tokens", rq->tokens},
+      {"ridge", QualityJson(*rq, both.ridge)},
+      {"mlp", QualityJson(*mq, both.mlp)}};
+  both.report_json_path = JoinPath(out_dir, kCompareFileName);
+  absl::Status written = WriteStringToFile(both.report_json_path, report.dump(1) + "\n");
+  if (!written.ok()) return written;
+  return both;
+}
+
+}  // namespace fit
+}  // namespace kvt

@@ -1,0 +1,68 @@
+// Training of the MLP mapper chain relu(relu(x A1 + c1) A2 + c2) A3 + c3 (SPEC 3, kind: mlp) for
+// `kvt fit --kind mlp`: Adam on the mean squared error, forward and backward through OpenBLAS
+// sgemm, seeded and deterministic.
+//
+// Hand-written rather than PyTorch on purpose: the dumps reader, the RoPE strip, the top-k
+// selection from the ridge probe and the held-out split then have one home (fit/), shared with
+// ridge, and the fit path needs no Python. The network is three GEMMs each way; sgemm does the work.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvt {
+namespace fit {
+
+struct MlpOptions {
+  int64_t hidden = 1024;
+  int epochs = 20;
+  int64_t batch = 4096;
+  double learning_rate = 1e-3;
+  uint64_t seed = 1;
+  // Training rows kept (a seeded subsample when there are more); <= 0: all.
+  int64_t max_observations = 200000;
+  // Trains on standardised inputs (per column) and outputs (per-column mean, one common scale,
+  // so the loss still weighs output columns as the raw MSE does); the affine maps are folded
+  // into fc1 and fc3 afterwards, so the written weights are the plain format.
+  bool standardize = true;
+};
+
+// Checks every field, naming the offending one (as its `kvt fit` flag).
+absl::Status ValidateMlpOptions(const MlpOptions& options);
+
+// One chain, float32 row-major in the `x A + c` orientation of the mapper format.
+struct MlpWeights {
+  int64_t in = 0, hidden = 0, out = 0;
+  std::vector<float> a1, c1, a2, c2, a3, c3;  // [in,H] [H] [H,H] [H] [H,out] [out]
+  void Resize(int64_t in, int64_t hidden, int64_t out);  // zero-filled
+};
+
+// y[rows, out] = chain(x[rows, in]) through sgemm.
+void MlpForward(const MlpWeights& w, const float* x, int64_t rows, float* y);
+
+// Loss = mean over rows and output columns of (chain(x) - y)^2, and its gradient with respect to
+// every parameter (into `grad`, resized). Exposed for the gradient check.
+double MlpLossAndGradient(const MlpWeights& w, const float* x, const float* y, int64_t rows,
+                          MlpWeights* grad);
+
+// Initial weights: He-uniform fc1/fc2 (ReLU), Glorot-uniform fc3, zero biases, from `seed` by a
+// generator whose stream is fixed by this code (not by the C++ library).
+MlpWeights InitMlp(int64_t in, int64_t hidden, int64_t out, uint64_t seed);
+
+struct MlpTrainLog {
+  std::vector<double> epoch_loss;  // mean training loss per epoch (standardised scale)
+  int64_t rows_used = 0;
+};
+
+// Trains one chain on x[rows, in] -> y[rows, out] (float32 row-major). The same inputs, options
+// and OpenBLAS thread count give bit-identical weights.
+absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x, const std::vector<float>& y,
+                                    int64_t rows, int64_t in, int64_t out,
+                                    const MlpOptions& options, MlpTrainLog* log = nullptr);
+
+}  // namespace fit
+}  // namespace kvt
