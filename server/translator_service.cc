@@ -48,10 +48,14 @@ struct TranslatePlan {
   int64_t target_bytes = 0;
 };
 
-// A whole-layer byte buffer, uninitialised (GBs of zeroing would be wasted work).
+// A whole-layer byte buffer, uninitialised (GBs of zeroing would be wasted work), from the
+// service's pool: fresh memory costs a page fault and kernel zeroing per page on first touch.
 struct LayerBuffer {
-  std::unique_ptr<char[]> bytes;
-  explicit LayerBuffer(int64_t size) : bytes(new char[static_cast<size_t>(size)]) {}
+  struct Bytes {
+    std::shared_ptr<BufferPool::Buffer> buffer;
+    char* get() const { return buffer->data(); }
+  } bytes;
+  LayerBuffer(BufferPool* pool, int64_t size) : bytes{pool->Get(size)} {}
 };
 
 v1::MapperState StateToProto(MapperState state) {
@@ -117,7 +121,10 @@ TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* stor
       metrics_(metrics),
       auth_(auth),
       admission_(config.limits.max_inflight_requests, config.limits.max_inflight_bytes),
-      compute_(1) {
+      compute_(1),
+      // Idle layer buffers kept for the next request: a quarter of what admitted requests may
+      // hold, so an idle kvtd keeps at most that much.
+      buffers_(BufferPool::Create(config.limits.max_inflight_bytes / 4)) {
   // Method 0 of kvt.v1.KvTranslator is TranslateKV (service.proto lists it first).
   MarkMethodStreamed(
       0, new grpc::internal::BidiStreamingHandler<TranslatorService, TranslateRequestMessage,
@@ -391,7 +398,7 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   char* output_base = output_region.data();
   std::unique_ptr<LayerBuffer> input_host, output_host;
   if (input_cuda) {
-    input_host = std::make_unique<LayerBuffer>(plan.source_bytes);
+    input_host = std::make_unique<LayerBuffer>(buffers_.get(), plan.source_bytes);
     if (absl::Status copied = cuda::CopyToHost(input_region.device_id(), input_region.data(),
                                                input_host->bytes.get(), plan.source_bytes);
         !copied.ok()) {
@@ -400,7 +407,7 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
     input_base = input_host->bytes.get();
   }
   if (output_cuda) {
-    output_host = std::make_unique<LayerBuffer>(plan.target_bytes);
+    output_host = std::make_unique<LayerBuffer>(buffers_.get(), plan.target_bytes);
     output_base = output_host->bytes.get();
   }
 
@@ -436,8 +443,8 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
     source_k.reserve(src_model.num_layers);
     source_v.reserve(src_model.num_layers);
     for (int l = 0; l < src_model.num_layers; ++l) {
-      source_k.emplace_back(source_geometry.layer_bytes());
-      source_v.emplace_back(source_geometry.layer_bytes());
+      source_k.emplace_back(buffers_.get(), source_geometry.layer_bytes());
+      source_v.emplace_back(buffers_.get(), source_geometry.layer_bytes());
     }
   }
   if (input_paged) {
@@ -519,8 +526,8 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   Slot slots[2];
   for (Slot& slot : slots) {
     if (!output_in_region || output_paged) {
-      slot.k = std::make_shared<LayerBuffer>(target_layer_bytes);
-      slot.v = std::make_shared<LayerBuffer>(target_layer_bytes);
+      slot.k = std::make_shared<LayerBuffer>(buffers_.get(), target_layer_bytes);
+      slot.v = std::make_shared<LayerBuffer>(buffers_.get(), target_layer_bytes);
     }
     slot.view.dtype = plan.output_dtype;
     slot.view.layout = plan.output_layout;
@@ -548,7 +555,9 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
       // stays with its slices and the slot takes a fresh one. (A count of 1 is exact: only
       // this thread adds references.)
       for (std::shared_ptr<LayerBuffer>* buffer : {&slot.k, &slot.v}) {
-        if (buffer->use_count() > 1) *buffer = std::make_shared<LayerBuffer>(target_layer_bytes);
+        if (buffer->use_count() > 1) {
+          *buffer = std::make_shared<LayerBuffer>(buffers_.get(), target_layer_bytes);
+        }
       }
       slot.view.k[layer] = slot.k->bytes.get();
       slot.view.v[layer] = slot.v->bytes.get();

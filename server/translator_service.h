@@ -20,6 +20,7 @@
 #include "server/compute_executor.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "transport/buffer_pool.h"
 #include "transport/chunk_wire.h"
 #include "transport/cuda_registry.h"
 #include "transport/shm_registry.h"
@@ -109,6 +110,7 @@ class TranslatorService final : public v1::KvTranslator::Service {
   CudaMemoryRegistry cuda_memory_;
   AdmissionController admission_;
   ComputeExecutor compute_;
+  std::shared_ptr<BufferPool> buffers_;  // layer buffers reused across requests
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> next_request_id_{1};
   bool added_device_ = false;  // the store had no device for backend_: this service added it
