@@ -22,7 +22,8 @@ const std::map<std::string, Command>& Commands() {
   static const auto* commands = new std::map<std::string, Command>{
       {"health", {kvt::cli::RunHealth, "check a kvtd's gRPC health (--server)"}},
       {"mappers", {kvt::cli::RunMappers, "list the mappers a kvtd serves, or `mappers ID`"}},
-      {"synth", {kvt::cli::RunSynth, "write a deterministic random mapper (--preset or shapes)"}},
+      {"synth", {kvt::cli::RunSynth,
+                 "write a deterministic random mapper (--preset or shapes; --kind=mlp)"}},
       {"inspect", {kvt::cli::RunInspect, "summarise a mapper directory: `inspect DIR`"}},
       {"translate",
        {kvt::cli::RunTranslate, "translate a safetensors cache through a kvtd (--in, --out)"}},

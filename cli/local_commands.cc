@@ -1,6 +1,7 @@
 // `kvt synth` and `kvt inspect`: mapper directories on local disk, no server involved.
 #include <cstdio>
 
+#include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -28,6 +29,10 @@ ABSL_FLAG(int32_t, target_layers, 6, "kvt synth custom: target layers.");
 ABSL_FLAG(int32_t, target_heads, 2, "kvt synth custom: target KV heads.");
 ABSL_FLAG(int32_t, target_head_dim, 32, "kvt synth custom: target head_dim.");
 ABSL_FLAG(double, rope_theta, 10000.0, "kvt synth custom: RoPE theta of both models (neox).");
+// Shared with `kvt fit` (defined in fit_commands.cc): synth --kind=mlp writes a random MLP.
+ABSL_DECLARE_FLAG(std::string, kind);
+ABSL_DECLARE_FLAG(int64_t, mlp_hidden);
+ABSL_DECLARE_FLAG(std::string, mlp_granularity);
 
 namespace kvt {
 namespace cli {
@@ -74,6 +79,28 @@ int RunSynth(const std::vector<std::string>& args) {
     options.dtype = *dtype;
   }
   options.seed = absl::GetFlag(FLAGS_seed);
+  const std::string kind = absl::GetFlag(FLAGS_kind);
+  if (kind == "mlp") {
+    MlpConfig mlp;
+    mlp.hidden = absl::GetFlag(FLAGS_mlp_hidden);
+    const std::string granularity = absl::GetFlag(FLAGS_mlp_granularity);
+    if (granularity == "per_head") {
+      mlp.granularity = MlpGranularity::kPerHead;
+    } else if (granularity != "per_layer") {
+      std::fprintf(stderr, "kvt synth: --mlp_granularity='%s' must be per_layer or per_head\n",
+                   granularity.c_str());
+      return 1;
+    }
+    if (mlp.hidden < 1) {
+      std::fprintf(stderr, "kvt synth: --mlp_hidden=%lld must be >= 1\n",
+                   static_cast<long long>(mlp.hidden));
+      return 1;
+    }
+    options.mlp = mlp;
+  } else if (kind != "ridge") {
+    std::fprintf(stderr, "kvt synth: --kind='%s' must be ridge or mlp\n", kind.c_str());
+    return 1;
+  }
   absl::Status written = WriteSynthMapper(out, options);
   if (!written.ok()) {
     std::fprintf(stderr, "kvt synth: %s\n", written.ToString().c_str());

@@ -135,6 +135,36 @@ TEST(KvtCliTest, SynthInspectAndTranslateThroughARealServer) {
   (*server)->Shutdown();
 }
 
+TEST(KvtCliTest, SynthKindMlpWritesAnMlpMapperThatInspectDescribes) {
+  const std::string store = TempDir() + "/mlp_store";
+  ASSERT_EQ(std::system(("rm -rf " + store + " && mkdir -p " + store).c_str()), 0);
+  CommandResult synth = RunKvt(absl::StrCat("synth --preset=demo-tiny --kind=mlp --mlp_hidden=24 "
+                                            "--mlp_granularity=per_head --out=",
+                                            store, "/mlp"));
+  ASSERT_EQ(synth.exit_code, 0) << synth.output;
+  EXPECT_THAT(synth.output, HasSubstr("kind          mlp (SYNTHETIC"));
+  CommandResult inspect = RunKvt(absl::StrCat("inspect ", store, "/mlp"));
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_THAT(inspect.output, HasSubstr("mlp           hidden 24, per_head (2 chains"));
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(store + "/mlp");
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  EXPECT_EQ((*mapper)->view().kind, MapKind::kMlp);
+  EXPECT_EQ((*mapper)->view().layers[0].mlp_k.hidden, 24);
+  EXPECT_THAT(inspect.output, HasSubstr(absl::StrCat("(", (*mapper)->num_params(), ")")));
+
+  CommandResult bad = RunKvt(absl::StrCat("synth --preset=demo-tiny --kind=mlp --mlp_hidden=0 --out=",
+                                          store, "/bad"));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("--mlp_hidden=0 must be >= 1"));
+  bad = RunKvt(absl::StrCat("synth --preset=demo-tiny --kind=mlp --mlp_granularity=per_token "
+                            "--out=", store, "/bad"));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("--mlp_granularity='per_token' must be per_layer or per_head"));
+  bad = RunKvt(absl::StrCat("synth --preset=demo-tiny --kind=lasso --out=", store, "/bad"));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output, HasSubstr("--kind='lasso' must be ridge or mlp"));
+}
+
 TEST(KvtCliTest, UnknownCommandAndMissingFlagsAreUsageErrors) {
   CommandResult unknown = RunKvt("frobnicate");
   EXPECT_EQ(unknown.exit_code, 1);
