@@ -27,7 +27,8 @@ bazel test "${py_env[@]}" //... "$@"
 bazel_rc=$?
 
 # Count only the test targets that exist now (bazel-testlogs may hold results of deleted ones)
-# and that `bazel test //...` runs (manual ones, e.g. the soak, are run by hand).
+# and that `bazel test //...` runs (manual ones, e.g. the GPU tests and the TSan canary, are run
+# by hand).
 targets=$(bazel query 'tests(//...) except attr(tags, manual, tests(//...))' 2>/dev/null)
 python3 scripts/junit_summary.py "$(bazel info bazel-testlogs 2>/dev/null)" $targets \
   "${asan_summary[@]}"

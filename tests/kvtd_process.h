@@ -185,22 +185,32 @@ class KvtdProcess {
 
   // The port of the "listening" log line; 0 (with a test failure) if kvtd exits or never logs it.
   int WaitForPort(milliseconds timeout = milliseconds(15000)) {
+    std::optional<nlohmann::json> line = WaitForLogLine("listening", timeout);
+    return line ? line->value("port", 0) : 0;
+  }
+
+  // The first log line with this msg, waiting for kvtd to write it (lines logged one after the
+  // other are not all there at once, above all under a sanitizer); nullopt (with a test failure)
+  // if kvtd exits or never logs it.
+  std::optional<nlohmann::json> WaitForLogLine(const std::string& msg,
+                                               milliseconds timeout = milliseconds(15000)) {
     const Clock::time_point end = Clock::now() + timeout;
     while (Clock::now() < end) {
-      if (std::optional<nlohmann::json> line = FindLogLine(Stderr(), "listening")) {
-        return line->value("port", 0);
-      }
+      if (std::optional<nlohmann::json> line = FindLogLine(Stderr(), msg)) return line;
       if (!Running()) {
-        ADD_FAILURE() << "kvtd exited before listening ("
+        // It may have logged the line just before exiting.
+        if (std::optional<nlohmann::json> line = FindLogLine(Stderr(), msg)) return line;
+        ADD_FAILURE() << "kvtd exited before logging '" << msg << "' ("
                       << DescribeWaitStatus(exit_status_.value_or(-1)) << "); stderr:\n"
                       << Stderr();
-        return 0;
+        return std::nullopt;
       }
       std::this_thread::sleep_for(milliseconds(10));
     }
-    ADD_FAILURE() << "kvtd did not log 'listening' within " << timeout.count() << " ms; stderr:\n"
+    ADD_FAILURE() << "kvtd did not log '" << msg << "' within " << timeout.count()
+                  << " ms; stderr:\n"
                   << Stderr();
-    return 0;
+    return std::nullopt;
   }
 
  private:

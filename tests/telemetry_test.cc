@@ -109,8 +109,8 @@ TEST(TelemetryTest, PrometheusScrapesKvtdAndReadsBackWhatTheTrafficDid) {
                             "--cpu_threads=2", "--drain_grace_seconds=0"});
   const int port = kvtd.WaitForPort();
   ASSERT_GT(port, 0);
-  const std::optional<nlohmann::json> metrics_line =
-      test::FindLogLine(kvtd.Stderr(), "metrics listening");
+  // Logged just after "listening": wait for it too.
+  const std::optional<nlohmann::json> metrics_line = kvtd.WaitForLogLine("metrics listening");
   ASSERT_TRUE(metrics_line.has_value()) << kvtd.Stderr();
   const int metrics_port = metrics_line->value("port", 0);
   ASSERT_GT(metrics_port, 0);
