@@ -153,6 +153,14 @@ void SetUp() {
   if (!env->server || port == 0) Die("BuildAndStart on 127.0.0.1:0");
   env->stub = kvt::v1::KvTranslator::NewStub(grpc::CreateChannel(
       "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  // Runs before LSan's exit-time check (registered earlier, atexit is LIFO): shutting the server
+  // down lets gRPC's sync-server thread manager join and free the worker threads it started under
+  // load, which it otherwise still holds at exit (a 176-byte "leak" inside libgrpc++ after 1M runs).
+  std::atexit([] {
+    env->stub.reset();
+    env->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    env->server->Wait();
+  });
 }
 
 // proto3 strings must be UTF-8 (protobuf refuses anything else before the service sees it).
