@@ -145,14 +145,16 @@ def heldout_windows(length, count):
 
 # -- pipeline: dumps, fits, kvtd ---------------------------------------------------------------
 
-def dump(member_dir, calib_jsonl, out, tokens, sequences):
+def dump(member_dir, calib_jsonl, out, tokens, sequences, queries=False):
     """Dumps reused from an earlier run in the same work directory only when they were made from
-    the same weights and settings (a retrained member must not be fitted on its old caches)."""
+    the same weights and settings (a retrained member must not be fitted on its old caches).
+    queries: also the post-RoPE queries (dump_kv.py --queries), which `kvt fit --kind both` needs
+    on the target side."""
     h = hashlib.sha256()
     with open(os.path.join(member_dir, "model.safetensors"), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    h.update(f"{tokens} {sequences} {calib_jsonl}".encode())
+    h.update(f"{tokens} {sequences} {calib_jsonl}{' queries' if queries else ''}".encode())
     stamp = out.rstrip("/") + ".made_from.sha256"  # beside the dump: kvt fit reads the folder
     fresh = (os.path.exists(os.path.join(out, "config.json")) and os.path.exists(stamp)
              and open(stamp).read().strip() == h.hexdigest())
@@ -160,23 +162,39 @@ def dump(member_dir, calib_jsonl, out, tokens, sequences):
         shutil.rmtree(out, ignore_errors=True)
         dump_kv.main(["--model", member_dir, "--corpus", calib_jsonl, "--out", out,
                       "--tokens", str(tokens), "--sequences", str(sequences), "--dtype", "fp32",
-                      "--tokenizer", "bytes", "--corpus_name", corpus.PACKAGE])
+                      "--tokenizer", "bytes", "--corpus_name", corpus.PACKAGE] +
+                     (["--queries"] if queries else []))
         with open(stamp, "w") as f:
             f.write(h.hexdigest() + "\n")
     return out
 
 
-def fit(source_dump, target_dump, source_name, target_name, k, out, stride=1):
-    """`kvt fit` of one ordered pair; returns the mapper manifest's held-out R^2 summary."""
+# MLP training for the evaluation (docs/EVAL.md): small enough that every ordered pair of the
+# family trains in minutes on one core. The calibration set is ~30K tokens, so the paper's batch
+# of 4096 would give a handful of Adam steps per epoch; 256 gives ~100.
+MLP_FLAGS = {"mlp_hidden": 256, "mlp_epochs": 10, "mlp_batch": 256, "mlp_lr": 1e-3,
+             "mlp_max_observations": 16384}
+
+
+def fit(source_dump, target_dump, source_name, target_name, k, out, stride=1, kind="ridge",
+        mlp_flags=None):
+    """`kvt fit` of one ordered pair into `out` (kind both: out/ridge, out/mlp and
+    out/fit_report.json, whose dict this returns; else the mapper directory)."""
     cmd = [runfile("cli/kvt"), "fit", f"--source_config={source_dump}",
            f"--target_config={target_dump}", f"--source_model={source_name}",
            f"--target_model={target_name}", f"--source_dumps={source_dump}",
            f"--target_dumps={target_dump}", f"--top_k={k}", f"--stride={stride}",
-           f"--corpus={corpus.PACKAGE}", "--threads=1", "--overwrite", f"--out={out}"]
+           f"--corpus={corpus.PACKAGE}", "--threads=1", "--overwrite", f"--out={out}",
+           f"--kind={kind}"]
+    if kind != "ridge":
+        cmd += [f"--{key}={value}" for key, value in (mlp_flags or MLP_FLAGS).items()]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"kvt fit failed ({done.returncode}): {' '.join(cmd)}\n"
                            f"{done.stdout}\n{done.stderr}")
+    if kind == "both":
+        with open(os.path.join(out, "fit_report.json")) as f:
+            return json.load(f)
     return out
 
 
@@ -315,6 +333,42 @@ def evaluate_pair(client, source, target, mapper_id, windows, context, extra):
          "r2_v": float(np.mean([r.layers[i].r2_v for r in quality]))}
         for i, l in enumerate(quality[0].layers)]
     return result
+
+
+def evaluate_kinds(client, source, target, mapper_ids, windows, context):
+    """Side by side for several mappers of one pair ({label: mapper_id}, e.g. ridge and mlp):
+    per label the context benefit recovered (all, first 16), the perplexity ratio and kvtd's
+    ValidateKV figures (attention-output cosine, c_K, c_V, R^2) on the same held-out windows."""
+    nll = {}
+    quality = {label: [] for label in mapper_ids}
+
+    def add(key, values):
+        nll.setdefault(key, []).append(values)
+
+    for ids in windows:
+        ctx, cont, tgt = ids[:context], ids[context:-1], ids[context + 1:]
+        own, queries = target.prefill(ctx, queries=True)
+        src = source.prefill(ctx)
+        add("own", target.continuation_nll(own, cont, tgt))
+        add("none", target.continuation_nll(None, cont, tgt))
+        q = adapters.from_torch([(qq, qq) for qq in queries])
+        for label, mid in mapper_ids.items():
+            add(label, target.continuation_nll(translate(client, mid, src), cont, tgt))
+            quality[label].append(client.validate(adapters.from_torch(src),
+                                                  adapters.from_torch(own), q, mapper_id=mid))
+    ce = summarize(nll)
+    out = {}
+    for label in mapper_ids:
+        rs = quality[label]
+        v = {f: float(np.mean([getattr(r.overall, f) for r in rs]))
+             for f in ("r2_k", "r2_v", "attention_cosine", "c_k", "c_v")}
+        v["attention_cosine_without_layer0"] = float(np.mean(
+            [r.overall_without_layer0.attention_cosine for r in rs]))
+        out[label] = {"ce": ce[label]["all"], "benefit": benefit(ce, label),
+                      "benefit_first": benefit(ce, label, "first"),
+                      "ppl_ratio": math.exp(ce[label]["all"] - ce["own"]["all"]), "validate": v}
+    out["ce"] = {"own": ce["own"]["all"], "none": ce["none"]["all"]}
+    return out
 
 
 def multi_turn(client, a, b, mapper_ab, mapper_ba, windows, segment, turns):

@@ -37,6 +37,14 @@ def main():
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--context", type=int, default=384)
     p.add_argument("--continuation", type=int, default=96)
+    p.add_argument("--kind_pairs", default="all",
+                   help="pairs fitted with kvt fit --kind both (ridge vs MLP): 'all' ordered "
+                        "pairs of --members, '' none, or A:B,...")
+    p.add_argument("--mlp_hidden", type=int, default=R.MLP_FLAGS["mlp_hidden"])
+    p.add_argument("--mlp_epochs", type=int, default=R.MLP_FLAGS["mlp_epochs"])
+    p.add_argument("--mlp_batch", type=int, default=R.MLP_FLAGS["mlp_batch"])
+    p.add_argument("--mlp_max_observations", type=int,
+                   default=R.MLP_FLAGS["mlp_max_observations"])
     p.add_argument("--drift_pair", default="S:L")
     p.add_argument("--drift_windows", type=int, default=8)
     p.add_argument("--segment", type=int, default=40)
@@ -55,11 +63,17 @@ def main():
     calib = R.write_split("calib", os.path.join(args.work, "calib.jsonl"))
     members = {}
     dumps = {}
-    for m in args.members.split(","):
+    names = args.members.split(",")
+    if args.kind_pairs == "all":
+        kind_pairs = [(a, b) for a in names for b in names if a != b]
+    else:
+        kind_pairs = [tuple(x.split(":")) for x in args.kind_pairs.split(",") if x]
+    for m in names:
         d = os.path.join(args.family, m)
         members[m] = R.Member(d)
+        # Target-side queries for kvt fit --kind both's held-out attention-output cosine.
         dumps[m] = R.dump(d, calib, os.path.join(args.work, "dumps", m), args.calib_tokens,
-                          args.calib_windows)
+                          args.calib_windows, queries=any(b == m for _, b in kind_pairs))
     pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
     store = os.path.join(args.work, "store")
     untrained = {}
@@ -80,6 +94,27 @@ def main():
         if (a, b) not in pairs:
             R.fit(dumps[a], dumps[b], members[a].name, members[b].name, args.main_k,
                   os.path.join(store, f"{a}-to-{b}-k{args.main_k}"))
+    print(f"eval: dumps and ridge fits done in {time.time() - start:.0f} s", flush=True)
+    # Ridge vs MLP: kvt fit --kind both per pair (its ridge half is the k = main_k ridge mapper
+    # above, refitted identically); both go into the store under their own ids.
+    mlp_flags = {"mlp_hidden": args.mlp_hidden, "mlp_epochs": args.mlp_epochs,
+                 "mlp_batch": args.mlp_batch, "mlp_lr": R.MLP_FLAGS["mlp_lr"],
+                 "mlp_max_observations": args.mlp_max_observations}
+    fit_reports = {}
+    mlp_start = time.time()
+    for a, b in kind_pairs:
+        t0 = time.time()
+        both = os.path.join(args.work, "both", f"{a}-to-{b}")
+        fit_reports[(a, b)] = R.fit(dumps[a], dumps[b], members[a].name, members[b].name,
+                                    args.main_k, both, kind="both", mlp_flags=mlp_flags)
+        fit_reports[(a, b)]["seconds"] = round(time.time() - t0, 1)
+        for kind, suffix in (("ridge", ""), ("mlp", "-mlp")):
+            dest = os.path.join(store, f"{a}-to-{b}-k{args.main_k}{suffix}")
+            R.shutil.rmtree(dest, ignore_errors=True)
+            R.shutil.copytree(os.path.join(both, kind), dest)
+        print(f"eval: kvt fit --kind both {a}->{b}: recommends {fit_reports[(a, b)]['recommended']}"
+              f" ({fit_reports[(a, b)]['seconds']:.0f} s)", flush=True)
+    kind_fit_seconds = round(time.time() - mlp_start)
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
 
     calib_windows = [w for w, _ in zip(R.dump_kv.windows(R.token_stream("calib"),
@@ -104,6 +139,18 @@ def main():
                 results["pairs"][f"{a}->{b} k={k}"] = r
                 print(f"eval: {a}->{b} k={k}: benefit {r['benefit']['mapped']['all']:.3f} "
                       f"({time.time() - start:.0f} s)", flush=True)
+        results["kinds"] = {}
+        for a, b in kind_pairs:
+            r = R.evaluate_kinds(client, members[a], members[b],
+                                 {"ridge": f"{a}-to-{b}-k{args.main_k}",
+                                  "mlp": f"{a}-to-{b}-k{args.main_k}-mlp"},
+                                 windows, args.context)
+            r["fit_report"] = fit_reports[(a, b)]
+            results["kinds"][f"{a}->{b}"] = r
+            print(f"eval: {a}->{b} ridge vs mlp: benefit {r['ridge']['benefit']:.3f} / "
+                  f"{r['mlp']['benefit']:.3f}, recommended {r['fit_report']['recommended']} "
+                  f"({time.time() - start:.0f} s)", flush=True)
+        results["kind_fit_seconds"] = kind_fit_seconds
         drift_windows = R.heldout_windows(args.segment * (args.turns + 1) + 1,
                                           args.drift_windows)
         results["drift"] = R.multi_turn(client, members[da], members[db],

@@ -63,6 +63,41 @@ def tables(r):
                    f"({f(p['benefit']['mapped']['first'])}) | {f(p['ppl_ratio']['mapped'], 4)} | "
                    f"{f(v['r2_k'])} / {f(v['r2_v'])} | {f(v0['r2_k'])} / {f(v0['r2_v'])} | "
                    f"{f(v['attention_cosine'], 4)} | {f(v['c_k'])} | {f(v['c_v'])} |")
+    if r.get("kinds"):
+        out.append(f"\n### Ridge vs MLP (k = {k})\n")
+        out.append(
+            f"`kvt fit --kind both` per ordered pair: ridge and an MLP mapper (per layer, hidden "
+            f"{st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch {st.get('mlp_batch')}, "
+            f"at most {st.get('mlp_max_observations')} training rows per chain; "
+            f"{r.get('kind_fit_seconds', 'n/a')} s for all pairs' fits, one core), both served "
+            f"by kvtd and measured on the same held-out windows as above. \"fit cos\" is the "
+            f"held-out attention-output cosine `kvt fit` measures on held-out *calibration* "
+            f"sequences and recommends from; the other columns are on held-out documents. "
+            f"Each cell: ridge / MLP; **bold**: the better of the two.\n")
+        out.append("| pair | benefit recovered | (first 16) | ppl ratio | attention-output cosine | "
+                   "c_K | fit cos (held-out calib.) | recommended | better benefit |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+
+        def pair_cell(a, b, d=3, higher=True):
+            if a is None or b is None or a != a or b != b:
+                return f"{f(a, d)} / {f(b, d)}"
+            if abs(a - b) < 10 ** -d:
+                return f"{f(a, d)} / {f(b, d)}"
+            if (a > b) == higher:
+                return f"**{f(a, d)}** / {f(b, d)}"
+            return f"{f(a, d)} / **{f(b, d)}**"
+        for name, p in r["kinds"].items():
+            rr, mm, fr = p["ridge"], p["mlp"], p["fit_report"]
+            winner = "mlp" if mm["benefit"] > rr["benefit"] else "ridge"
+            agree = "yes" if winner == fr["recommended"] else "no"
+            out.append(
+                f"| {name} | {pair_cell(rr['benefit'], mm['benefit'])} | "
+                f"{pair_cell(rr['benefit_first'], mm['benefit_first'])} | "
+                f"{pair_cell(rr['ppl_ratio'], mm['ppl_ratio'], 4, higher=False)} | "
+                f"{pair_cell(rr['validate']['attention_cosine'], mm['validate']['attention_cosine'], 4)} | "
+                f"{f(rr['validate']['c_k'])} / {f(mm['validate']['c_k'])} | "
+                f"{pair_cell(fr['ridge']['attention_cosine'], fr['mlp']['attention_cosine'], 4)} | "
+                f"{fr['recommended']} | {winner} (recommendation {'agrees' if agree == 'yes' else 'differs'}) |")
     d = r["drift"]
     out.append(f"\n### Multi-turn drift ({st['drift_pair'].replace(':', ' <-> ')}, "
                f"{st['turns']} alternating handoffs, {st['segment']}-byte segments, "
