@@ -9,8 +9,15 @@ namespace kvt {
 namespace {
 
 constexpr int64_t kHugePage = 2 << 20;
+// Below this, plain malloc: a huge page would make a small buffer cost 2 MiB of resident memory.
+constexpr int64_t kHugePageMinBytes = 4 << 20;
 
 char* Allocate(int64_t size) {
+  if (size < kHugePageMinBytes) {
+    void* data = std::malloc(static_cast<size_t>(size == 0 ? 1 : size));
+    if (data == nullptr) throw std::bad_alloc();
+    return static_cast<char*>(data);
+  }
   const size_t rounded = static_cast<size_t>((size + kHugePage - 1) / kHugePage * kHugePage);
   void* data = std::aligned_alloc(kHugePage, rounded == 0 ? kHugePage : rounded);
   if (data == nullptr) throw std::bad_alloc();

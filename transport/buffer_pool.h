@@ -1,6 +1,7 @@
 // Reuse of large host buffers (whole KV layers) across requests: a fresh multi-MB allocation is
 // paid for in page faults and kernel page zeroing on first touch, which on a VM costs more than
-// the copies the buffer is for. Buffers are 2 MiB aligned and advised for transparent huge pages.
+// the copies the buffer is for. Buffers of 4 MiB and more are 2 MiB aligned and advised for
+// transparent huge pages.
 #pragma once
 
 #include <cstdint>
