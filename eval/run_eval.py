@@ -45,6 +45,9 @@ def main():
     p.add_argument("--mlp_batch", type=int, default=R.MLP_FLAGS["mlp_batch"])
     p.add_argument("--mlp_max_observations", type=int,
                    default=R.MLP_FLAGS["mlp_max_observations"])
+    p.add_argument("--mlp_control_targets", default="L",
+                   help="for kind pairs into these members also fit an MLP from the untrained "
+                        "source (the untrained-source control of the MLP); '' none")
     p.add_argument("--drift_pair", default="S:L")
     p.add_argument("--drift_windows", type=int, default=8)
     p.add_argument("--segment", type=int, default=40)
@@ -77,7 +80,8 @@ def main():
     pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
     store = os.path.join(args.work, "store")
     untrained = {}
-    for s in sorted({a for a, _ in pairs}):
+    controls = [(a, b) for a, b in kind_pairs if b in args.mlp_control_targets.split(",")]
+    for s in sorted({a for a, _ in pairs} | {a for a, _ in controls}):
         udir = R.make_untrained(members[s].dir, os.path.join(args.work, "untrained", s))
         untrained[s] = R.Member(udir)
         dumps[s + "0"] = R.dump(udir, calib, os.path.join(args.work, "dumps", s + "0"),
@@ -114,6 +118,10 @@ def main():
             R.shutil.copytree(os.path.join(both, kind), dest)
         print(f"eval: kvt fit --kind both {a}->{b}: recommends {fit_reports[(a, b)]['recommended']}"
               f" ({fit_reports[(a, b)]['seconds']:.0f} s)", flush=True)
+    for a, b in controls:
+        R.fit(dumps[a + "0"], dumps[b], untrained[a].name, members[b].name, args.main_k,
+              os.path.join(store, f"{a}0-to-{b}-k{args.main_k}-mlp"), kind="mlp",
+              mlp_flags=mlp_flags)
     kind_fit_seconds = round(time.time() - mlp_start)
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
 
@@ -146,6 +154,11 @@ def main():
                                   "mlp": f"{a}-to-{b}-k{args.main_k}-mlp"},
                                  windows, args.context)
             r["fit_report"] = fit_reports[(a, b)]
+            if (a, b) in controls:
+                label = "mlp_untrained"
+                r[label] = R.evaluate_kinds(client, untrained[a], members[b],
+                                            {label: f"{a}0-to-{b}-k{args.main_k}-mlp"}, windows,
+                                            args.context)[label]
             results["kinds"][f"{a}->{b}"] = r
             print(f"eval: {a}->{b} ridge vs mlp: benefit {r['ridge']['benefit']:.3f} / "
                   f"{r['mlp']['benefit']:.3f}, recommended {r['fit_report']['recommended']} "

@@ -98,6 +98,20 @@ def tables(r):
                 f"{f(rr['validate']['c_k'])} / {f(mm['validate']['c_k'])} | "
                 f"{pair_cell(fr['ridge']['attention_cosine'], fr['mlp']['attention_cosine'], 4)} | "
                 f"{fr['recommended']} | {winner} (recommendation {'agrees' if agree == 'yes' else 'differs'}) |")
+        controls = {n: p["mlp_untrained"] for n, p in r["kinds"].items() if "mlp_untrained" in p}
+        if controls:
+            out.append("\nThe MLP's untrained-source control: the same MLP fit from an untrained "
+                       "model of the source's shape (random weights); a trained source's MLP must "
+                       "beat it to be transferring more than token identity.\n")
+            out.append("| pair | MLP benefit (first 16) | untrained-source MLP benefit (first 16) | "
+                       "token identity (ridge table) |")
+            out.append("|---|---|---|---|")
+            for n, c in controls.items():
+                m = r["kinds"][n]["mlp"]
+                ident = r["pairs"].get(f"{n} k={k}", {}).get("benefit", {}).get("identity")
+                out.append(f"| {n} | {f(m['benefit'])} ({f(m['benefit_first'])}) | "
+                           f"{f(c['benefit'])} ({f(c['benefit_first'])}) | "
+                           f"{f(ident['all']) if ident else 'n/a'} |")
     d = r["drift"]
     out.append(f"\n### Multi-turn drift ({st['drift_pair'].replace(':', ' <-> ')}, "
                f"{st['turns']} alternating handoffs, {st['segment']}-byte segments, "
