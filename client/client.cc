@@ -151,7 +151,9 @@ struct SendRelease {
 };
 
 struct TranslateStream::State {
-  grpc::ClientContext context;
+  // Owned separately so that ReleaseSource can destroy it: the context owns the grpc_call, and
+  // gRPC keeps the slices of a write the server never took until that call is destroyed.
+  std::unique_ptr<grpc::ClientContext> context = std::make_unique<grpc::ClientContext>();
   std::unique_ptr<grpc::ClientReaderWriter<TranslateRequestMessage, TranslateResponseMessage>>
       stream;
   // Held by every slice of the caller's source memory that gRPC may still read; when the last
@@ -184,6 +186,7 @@ struct TranslateStream::State {
   // reads the caller's source buffers.
   void ReleaseSource() {
     stream.reset();
+    context.reset();
     source_lease.reset();
     release->Wait();
   }
@@ -260,7 +263,7 @@ TranslateStream::TranslateStream(std::unique_ptr<State> state) : state_(std::mov
 
 TranslateStream::~TranslateStream() {
   if (state_ == nullptr || state_->finished) return;
-  state_->context.TryCancel();
+  state_->context->TryCancel();
   if (state_->reader.joinable()) state_->reader.join();
   state_->stream->Finish().ok();
   state_->ReleaseSource();
@@ -353,11 +356,11 @@ absl::StatusOr<std::unique_ptr<TranslateStream>> Client::StartTranslate(
     release->changed.notify_all();
   });
 
-  Prepare(&state->context);
+  Prepare(state->context.get());
   state->stream.reset(
       grpc::internal::ClientReaderWriterFactory<TranslateRequestMessage,
                                                 TranslateResponseMessage>::
-          Create(channel_.get(), translate_method_, &state->context));
+          Create(channel_.get(), translate_method_, state->context.get()));
   *state->request.proto.mutable_header() = header;
   state->sending = state->stream->Write(state->request);
   state->reader = std::thread([s = state.get()] { s->Read(); });
