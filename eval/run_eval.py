@@ -178,7 +178,9 @@ def main():
         results["family"][m] = {"name": member.name, "layers": c.num_hidden_layers,
                                 "hidden": c.hidden_size, "heads": c.num_attention_heads,
                                 "kv_heads": c.num_key_value_heads, "head_dim": member.head_dim,
-                                "parameters": s["parameters"], "tokens": s["tokens"],
+                                "parameters": s["parameters"],
+                                # Both runs when a member was trained further (--init).
+                                "tokens": s.get("tokens_total", s["tokens"]),
                                 "teacher": os.path.basename(s["teacher"]) or "-",
                                 "bpb": s["heldout_bits_per_byte"]}
     results["seconds"] = round(time.time() - start)
