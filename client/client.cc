@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "common/allocator.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -61,6 +62,13 @@ void HostCache::Allocate() {
   v.assign(num_layers, std::vector<char>(static_cast<size_t>(layer_bytes()), 0));
 }
 
+void HostCache::Resize() {
+  for (std::vector<std::vector<char>>* buffers : {&k, &v}) {
+    buffers->resize(static_cast<size_t>(num_layers));
+    for (std::vector<char>& buffer : *buffers) buffer.resize(static_cast<size_t>(layer_bytes()));
+  }
+}
+
 CacheView HostCache::view() const {
   CacheView view;
   view.dtype = dtype;
@@ -77,6 +85,9 @@ CacheView HostCache::view() const {
 
 std::unique_ptr<Client> Client::Create(const std::string& target, const ClientOptions& options) {
   grpc::ChannelArguments arguments;
+  // Read buffers stay below kvtd's mmap threshold (common/allocator.h), reused warm when the
+  // host process tunes its allocator the same way.
+  arguments.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, static_cast<int>(kGrpcMaxReadChunkBytes));
   arguments.SetMaxReceiveMessageSize(options.max_message_bytes);
   arguments.SetMaxSendMessageSize(options.max_message_bytes);
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
@@ -206,6 +217,7 @@ void TranslateStream::State::Read() {
     if (response.has_header()) {
       result.header = response.header();
       HostCache& target = result.target;
+      target = std::move(options.recycled_target);
       absl::StatusOr<DType> dtype = DTypeFromProto(result.header.output_dtype(), "output_dtype");
       absl::StatusOr<Layout> layout =
           LayoutFromProto(result.header.output_layout(), "output_layout");
@@ -219,7 +231,7 @@ void TranslateStream::State::Read() {
       target.num_kv_heads = static_cast<int>(result.header.target_shape().num_kv_heads());
       target.head_dim = static_cast<int>(result.header.target_shape().head_dim());
       target.num_tokens = result.header.num_tokens();
-      target.Allocate();
+      target.Resize();
       target_geometry = LayerGeometry{target.layout, target.num_kv_heads, target.num_tokens,
                                       target.head_dim,
                                       static_cast<int64_t>(DTypeSize(target.dtype))};
@@ -368,7 +380,8 @@ absl::StatusOr<std::unique_ptr<TranslateStream>> Client::StartTranslate(
 }
 
 absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
-                                                  const HostCache& source) {
+                                                  const HostCache& source,
+                                                  TranslateStreamOptions stream_options) {
   if (static_cast<int>(source.k.size()) != source.num_layers ||
       static_cast<int>(source.v.size()) != source.num_layers) {
     return absl::InvalidArgumentError("source cache: k/v buffers do not match num_layers");
@@ -383,7 +396,7 @@ absl::StatusOr<TranslateResult> Client::Translate(v1::TranslateHeader header,
     }
   }
   absl::StatusOr<std::unique_ptr<TranslateStream>> stream =
-      StartTranslate(std::move(header), source);
+      StartTranslate(std::move(header), source, std::move(stream_options));
   if (!stream.ok()) return stream.status();
   for (int layer = 0; layer < source.num_layers; ++layer) {
     absl::Status pushed =

@@ -36,6 +36,9 @@ struct HostCache {
   }
   // Allocates zeroed buffers for the shape already set.
   void Allocate();
+  // Sizes the buffers for the shape already set, keeping those that already have the size
+  // (their old bytes stay: for a result about to be overwritten) and zeroing new ones.
+  void Resize();
   // A read-only engine view of the buffers (valid while they are neither resized nor freed).
   CacheView view() const;
 };
@@ -71,6 +74,10 @@ struct TranslateStreamOptions {
   // Called on the stream's reading thread as soon as target layer `layer` (K and V) is complete
   // in `target` (that layer's buffers may be read; others may still be filling). Optional.
   std::function<void(int layer, const HostCache& target)> on_target_layer;
+  // Buffers to write the target into, typically the previous result's target moved in: kept
+  // where they already have the size. Fresh memory costs a page fault per 4 KiB on first touch
+  // (on a VM slower than the transfer itself), so a caller translating repeatedly recycles.
+  HostCache recycled_target;
 };
 
 // One TranslateKV call fed layer by layer while the source model produces them (prefill runs
@@ -115,7 +122,9 @@ class Client {
 
   // Sends `source` (its dtype, layout and token count override the header's) and returns the
   // target cache in the header's output dtype/layout. The header names the pair or mapper.
-  absl::StatusOr<TranslateResult> Translate(v1::TranslateHeader header, const HostCache& source);
+  absl::StatusOr<TranslateResult> Translate(
+      v1::TranslateHeader header, const HostCache& source,
+      TranslateStreamOptions stream_options = TranslateStreamOptions());
 
   // Starts a TranslateKV call whose source layers the caller pushes as they are produced. Only
   // the shape fields of `source_shape` are read (dtype, layout, layers, heads, head_dim,

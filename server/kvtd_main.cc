@@ -1,6 +1,5 @@
 // kvtd: the KV translation daemon. Loads kvtd.yaml, applies flag overrides, loads the mapper
 // store, serves kvt.v1.KvTranslator until SIGTERM/SIGINT, then drains and exits 0.
-#include <malloc.h>
 #include <signal.h>
 
 #include <cstdio>
@@ -12,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/allocator.h"
 #include "common/logging.h"
 #include "mapper_store/store.h"
 #include "server/mapper_store_setup.h"
@@ -97,17 +97,8 @@ absl::StatusOr<KvtdConfig> BuildConfig() {
   return config;
 }
 
-// Each request allocates and frees multi-MB cache buffers. glibc's default raises its mmap
-// threshold after the first such free, so later buffers come from the heap arenas (one per
-// thread, up to 8 per core) and fragment there: RSS creeps up under steady load. A fixed
-// threshold keeps every buffer >= 1 MiB in its own mapping, returned to the OS on free.
-void TuneAllocator() {
-  mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  mallopt(M_ARENA_MAX, 4);
-}
-
 int Run() {
-  TuneAllocator();
+  TuneAllocatorForCacheTraffic();
   absl::StatusOr<KvtdConfig> config = BuildConfig();
   if (!config.ok()) return Fatal(config.status());
   SetMinLogLevel(config->logging.level);

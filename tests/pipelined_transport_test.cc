@@ -252,6 +252,42 @@ TEST(PipelinedTranslateTest, WriteAllThenReadCallersStillWork) {
   }
 }
 
+// A recycled target (the previous result moved back in) is written in place when its buffers
+// have the size, reshaped when they do not, and never leaks the old bytes into the result.
+TEST(PipelinedTranslateTest, RecycledTargetIsReusedInPlaceAndFullyOverwritten) {
+  Kvtd kvtd(/*pipeline_min_tokens=*/0, /*response_chunk_bytes=*/64 << 10);
+  const MapperView& view = kvtd.view();
+  v1::TranslateHeader header = Header();
+  HostCache recycled;
+  for (int64_t tokens : {777, 777, 300}) {
+    const HostCache source =
+        RandomSource(tokens, DType::kBF16, Layout::kNHD, "recycled-target source");
+    std::vector<const char*> old_buffers;
+    for (std::vector<char>& buffer : recycled.k) {
+      std::memset(buffer.data(), 0x7f, buffer.size());  // would show if any survived
+      old_buffers.push_back(buffer.data());
+    }
+    TranslateStreamOptions options;
+    options.recycled_target = std::move(recycled);
+    absl::StatusOr<TranslateResult> result =
+        kvtd.client->Translate(header, source, std::move(options));
+    ASSERT_TRUE(result.ok()) << result.status();
+    const HostCache& target = result->target;
+    ASSERT_EQ(target.num_tokens, tokens);
+    ASSERT_EQ(target.k.size(), 6u);
+    for (int layer = 0; layer < 6; ++layer) {
+      EXPECT_EQ(static_cast<int64_t>(target.k[layer].size()), target.layer_bytes());
+      EXPECT_EQ(static_cast<int64_t>(target.v[layer].size()), target.layer_bytes());
+    }
+    // Same shape as the previous call: the same memory, written in place.
+    if (!old_buffers.empty() && tokens == 777) {
+      for (int layer = 0; layer < 6; ++layer) EXPECT_EQ(target.k[layer].data(), old_buffers[layer]);
+    }
+    EXPECT_LE(ErrorAgainstReference(view, source, target, Positions{}), 1e-5) << tokens;
+    recycled = std::move(result->target);
+  }
+}
+
 TEST(TranslateSessionTest, TurnByTurnEqualsAllAtOnce) {
   Kvtd kvtd(/*pipeline_min_tokens=*/64);
   const MapperView& view = kvtd.view();

@@ -3,6 +3,9 @@
 // x 128, bf16; layer count reduced so 2 cores finish) translated by the qwen3-14b-to-32b
 // synthetic preset:
 //   memcpy        plain memcpy of the source cache bytes (the floor any transport compares to)
+//   raw tcp       the same bytes through a bare loopback TCP socket (write / read in
+//                 --chunk_bytes pieces into warm memory): what any socket transport, gRPC
+//                 included, can reach on this kernel
 //   compute       Backend::Translate in process, no server (the floor a request compares to)
 //   inline        TranslateKV with inline chunks, everything received before compute
 //   pipelined     the same with layer pipelining (target layers stream back during the upload)
@@ -12,6 +15,11 @@
 //
 //   bazel build -c opt //tests:transport_benchmark
 //   bazel-bin/tests/transport_benchmark --tokens=1024,8192,32768 --layers=8 --k=1 --reps=3
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -28,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "common/allocator.h"
 #include "common/logging.h"
 #include "kernels/cpu_backend.h"
 #include "mapper_store/store.h"
@@ -41,6 +50,11 @@ ABSL_FLAG(int, k, 1, "source layers per target layer (the preset's is 8)");
 ABSL_FLAG(bool, shared_sigma, true, "one sigma list for K and V, as the paper fits them");
 ABSL_FLAG(int, reps, 3, "repetitions; the best (least disturbed) one is reported");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "inline chunk size, both directions");
+ABSL_FLAG(bool, tune_allocator, true,
+          "apply kvtd's malloc settings (common/allocator.h); false: glibc's defaults");
+ABSL_FLAG(bool, recycle_target, true,
+          "the client writes each result into the previous one's buffers "
+          "(TranslateStreamOptions::recycled_target); false: fresh buffers per call");
 ABSL_FLAG(std::string, work_dir, "/tmp/kvt_transport_benchmark", "where the mapper is written");
 
 namespace kvt {
@@ -53,10 +67,66 @@ double MsSince(Clock::time_point start) {
 
 using test::ShmObject;
 
+// Sends `layers` (K then V, layer by layer) over a fresh loopback TCP connection from a second
+// thread and reads them into `into`; returns the ms from the first write to the last byte read,
+// or a negative number when the socket calls fail.
+double RawTcpLoopbackMs(const HostCache& cache, char* into, int64_t chunk_bytes) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) != 0 ||
+      listen(listener, 1) != 0) {
+    if (listener >= 0) close(listener);
+    return -1;
+  }
+  const int sender_socket = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(sender_socket, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    close(sender_socket);
+    close(listener);
+    return -1;
+  }
+  const int receiver_socket = accept(listener, nullptr, nullptr);
+  close(listener);
+  const Clock::time_point start = Clock::now();
+  bool send_failed = false;
+  std::thread sender([&] {
+    for (int l = 0; l < cache.num_layers && !send_failed; ++l) {
+      for (const std::vector<char>* layer : {&cache.k[l], &cache.v[l]}) {
+        for (size_t sent = 0; sent < layer->size();) {
+          const ssize_t n = write(sender_socket, layer->data() + sent,
+                                  std::min<size_t>(chunk_bytes, layer->size() - sent));
+          if (n <= 0) {
+            send_failed = true;
+            break;
+          }
+          sent += static_cast<size_t>(n);
+        }
+      }
+    }
+    shutdown(sender_socket, SHUT_WR);
+  });
+  const int64_t total = 2 * cache.num_layers * cache.layer_bytes();
+  int64_t received = 0;
+  while (received < total) {
+    const ssize_t n = read(receiver_socket, into + received,
+                           static_cast<size_t>(std::min<int64_t>(chunk_bytes, total - received)));
+    if (n <= 0) break;
+    received += n;
+  }
+  const double ms = MsSince(start);
+  sender.join();
+  close(sender_socket);
+  close(receiver_socket);
+  return received == total && !send_failed ? ms : -1;
+}
+
 struct Row {
   int64_t tokens = 0;
   double source_mb = 0;
-  double memcpy_ms = 1e30, compute_ms = 1e30, inline_ms = 1e30, pipelined_ms = 1e30,
+  double memcpy_ms = 1e30, raw_tcp_ms = 1e30, compute_ms = 1e30, inline_ms = 1e30, pipelined_ms = 1e30,
          shm_ms = 1e30;
   double shm_copy_in_ms = 1e30;       // client memcpy of the cache into the region
   double inline_in_ms = 1e30;         // trailer stage_in of the inline run (receive + scatter)
@@ -142,6 +212,13 @@ int Run() {
     std::memset(copy.data(), 1, copy.size());
     HostCache target = source;  // output buffers for the in-process compute
 
+    // Per client: the last result's target, recycled into the next call's when asked to.
+    HostCache plain_recycled, piped_recycled;
+    auto recycling = [](HostCache* recycled) {
+      TranslateStreamOptions options;
+      if (absl::GetFlag(FLAGS_recycle_target)) options.recycled_target = std::move(*recycled);
+      return options;
+    };
     v1::TranslateHeader header;
     header.set_mapper_id("bench");
     header.set_position_offset(100);
@@ -167,6 +244,13 @@ int Run() {
       }
       row.memcpy_ms = std::min(row.memcpy_ms, MsSince(start));
 
+      const double raw_tcp = RawTcpLoopbackMs(source, copy.data(), absl::GetFlag(FLAGS_chunk_bytes));
+      if (raw_tcp < 0) {
+        std::fprintf(stderr, "raw tcp loopback failed\n");
+        return 12;
+      }
+      row.raw_tcp_ms = std::min(row.raw_tcp_ms, raw_tcp);
+
       CacheView in = source.view();
       MutableCacheView out;
       out.dtype = target.dtype;
@@ -185,7 +269,8 @@ int Run() {
       row.compute_ms = std::min(row.compute_ms, MsSince(start));
 
       start = Clock::now();
-      absl::StatusOr<TranslateResult> inline_result = plain_client->Translate(header, source);
+      absl::StatusOr<TranslateResult> inline_result =
+          plain_client->Translate(header, source, recycling(&plain_recycled));
       if (!inline_result.ok()) {
         std::fprintf(stderr, "inline: %s\n", inline_result.status().ToString().c_str());
         return 5;
@@ -195,14 +280,15 @@ int Run() {
       row.inline_in_ms = std::min(row.inline_in_ms, timings.stage_in_ms());
       row.inline_out_ms = std::min(row.inline_out_ms, timings.stage_out_ms());
       row.inline_compute_ms = std::min(row.inline_compute_ms, timings.compute_ms());
-      inline_result = absl::InternalError("freed");  // the next run's memory
+      plain_recycled = std::move(inline_result->target);
 
       start = Clock::now();
-      absl::StatusOr<TranslateResult> piped_result = piped_client->Translate(header, source);
+      absl::StatusOr<TranslateResult> piped_result =
+          piped_client->Translate(header, source, recycling(&piped_recycled));
       if (!piped_result.ok() || !piped_result->trailer.pipelined()) return 6;
       row.pipelined_ms = std::min(row.pipelined_ms, MsSince(start));
       row.pipelined_first_ms = std::min(row.pipelined_first_ms, piped_result->first_layer_ms);
-      piped_result = absl::InternalError("freed");
+      piped_recycled = std::move(piped_result->target);
 
       // The client's one copy (its cache into the region) counts; the result is read in place.
       start = Clock::now();
@@ -229,9 +315,10 @@ int Run() {
     const auto per_layer = std::chrono::duration<double, std::milli>(row.prefill_ms / layers);
     for (int rep = 0; rep < absl::GetFlag(FLAGS_reps); ++rep) {
       for (Client* client : {plain_client.get(), piped_client.get()}) {
+        HostCache* recycled = client == plain_client.get() ? &plain_recycled : &piped_recycled;
         const Clock::time_point start = Clock::now();
         absl::StatusOr<std::unique_ptr<TranslateStream>> stream =
-            client->StartTranslate(header, source);
+            client->StartTranslate(header, source, recycling(recycled));
         if (!stream.ok()) return 9;
         for (int l = 0; l < layers; ++l) {
           std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
@@ -240,6 +327,7 @@ int Run() {
         }
         absl::StatusOr<TranslateResult> result = (*stream)->Finish();
         if (!result.ok()) return 11;
+        *recycled = std::move(result->target);
         double& best = client == plain_client.get() ? row.paced_inline_ms : row.paced_pipelined_ms;
         best = std::min(best, MsSince(start));
       }
@@ -266,16 +354,19 @@ int Run() {
                 r.pipelined_ms / r.inline_ms);
   }
   std::printf(
-      "\n| T | memcpy GB/s | inline receive GB/s (stage_in) | inline send GB/s (stage_out) | "
-      "inline receive / memcpy | shm copy-in GB/s | inline stage_in + compute + stage_out ms | "
-      "pipelined ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "\n| T | memcpy GB/s | raw TCP loopback GB/s | inline receive GB/s (stage_in) | inline send "
+      "GB/s (stage_out) | raw TCP / memcpy | inline receive / memcpy | inline receive / raw TCP | "
+      "shm copy-in GB/s | inline stage_in + compute + stage_out ms | pipelined ms |\n"
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Row& r : rows) {
     const double memcpy_gbs = r.source_mb / 1e3 / (r.memcpy_ms / 1e3);
+    const double tcp_gbs = r.source_mb / 1e3 / (r.raw_tcp_ms / 1e3);
     const double in_gbs = r.source_mb / 1e3 / (r.inline_in_ms / 1e3);
     const double out_gbs = r.source_mb / 1e3 / (r.inline_out_ms / 1e3);
-    std::printf("| %lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
-                static_cast<long long>(r.tokens), memcpy_gbs, in_gbs, out_gbs,
-                in_gbs / memcpy_gbs, r.source_mb / 1e3 / (r.shm_copy_in_ms / 1e3),
+    std::printf("| %lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
+                static_cast<long long>(r.tokens), memcpy_gbs, tcp_gbs, in_gbs, out_gbs,
+                tcp_gbs / memcpy_gbs, in_gbs / memcpy_gbs, in_gbs / tcp_gbs,
+                r.source_mb / 1e3 / (r.shm_copy_in_ms / 1e3),
                 r.inline_in_ms + r.inline_compute_ms + r.inline_out_ms, r.pipelined_ms);
   }
   std::printf(
@@ -296,6 +387,8 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  // As kvtd does, before any thread starts.
+  if (absl::GetFlag(FLAGS_tune_allocator)) kvt::TuneAllocatorForCacheTraffic();
   kvt::SetMinLogLevel(kvt::LogLevel::kWarning);  // one line per request would drown the table
   return kvt::Run();
 }

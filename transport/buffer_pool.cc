@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 
@@ -12,18 +13,38 @@ constexpr int64_t kHugePage = 2 << 20;
 // Below this, plain malloc: a huge page would make a small buffer cost 2 MiB of resident memory.
 constexpr int64_t kHugePageMinBytes = 4 << 20;
 
+size_t MappingBytes(int64_t size) {
+  return static_cast<size_t>((size + kHugePage - 1) / kHugePage * kHugePage);
+}
+
+// Large buffers get their own mapping rather than malloc's: whatever malloc's thresholds, they
+// never sit in (and fragment) the heap arenas, and a freed one goes straight back to the OS.
 char* Allocate(int64_t size) {
   if (size < kHugePageMinBytes) {
     void* data = std::malloc(static_cast<size_t>(size == 0 ? 1 : size));
     if (data == nullptr) throw std::bad_alloc();
     return static_cast<char*>(data);
   }
-  const size_t rounded = static_cast<size_t>((size + kHugePage - 1) / kHugePage * kHugePage);
-  void* data = std::aligned_alloc(kHugePage, rounded == 0 ? kHugePage : rounded);
-  if (data == nullptr) throw std::bad_alloc();
+  // Over-map by a huge page so the buffer can start on a 2 MiB boundary.
+  const size_t mapped = MappingBytes(size) + kHugePage;
+  void* mapping = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapping == MAP_FAILED) throw std::bad_alloc();
+  const uintptr_t start = reinterpret_cast<uintptr_t>(mapping);
+  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  if (aligned > start) munmap(mapping, aligned - start);
+  const uintptr_t end = start + mapped, aligned_end = aligned + MappingBytes(size);
+  if (end > aligned_end) munmap(reinterpret_cast<void*>(aligned_end), end - aligned_end);
   // Fewer, larger faults on first touch; advisory, so a failure changes nothing.
-  madvise(data, rounded, MADV_HUGEPAGE);
-  return static_cast<char*>(data);
+  madvise(reinterpret_cast<void*>(aligned), MappingBytes(size), MADV_HUGEPAGE);
+  return reinterpret_cast<char*>(aligned);
+}
+
+void Release(char* data, int64_t size) {
+  if (size < kHugePageMinBytes) {
+    std::free(data);
+  } else {
+    munmap(data, MappingBytes(size));
+  }
 }
 
 }  // namespace
@@ -32,7 +53,7 @@ BufferPool::Buffer::~Buffer() {
   if (std::shared_ptr<BufferPool> pool = pool_.lock()) {
     pool->Return(data_, size_);
   } else {
-    std::free(data_);
+    Release(data_, size_);
   }
 }
 
@@ -41,7 +62,7 @@ std::shared_ptr<BufferPool> BufferPool::Create(int64_t max_idle_bytes) {
 }
 
 BufferPool::~BufferPool() {
-  for (auto& [size, data] : idle_) std::free(data);
+  for (auto& [size, data] : idle_) Release(data, size);
 }
 
 std::shared_ptr<BufferPool::Buffer> BufferPool::Get(int64_t size) {
@@ -68,7 +89,7 @@ void BufferPool::Return(char* data, int64_t size) {
       return;
     }
   }
-  std::free(data);
+  Release(data, size);
 }
 
 int64_t BufferPool::idle_bytes() const {

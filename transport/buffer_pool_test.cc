@@ -46,9 +46,12 @@ TEST(BufferPool, BuffersOutliveThePoolAndReturnFromOtherThreads) {
   }
   for (std::thread& thread : threads) thread.join();
   std::shared_ptr<BufferPool::Buffer> survivor = pool->Get(1 << 20);
+  std::shared_ptr<BufferPool::Buffer> mapped_survivor = pool->Get(9 << 20);  // its own mapping
   pool.reset();
   survivor->data()[0] = 1;  // still valid; freed when dropped (ASan checks both)
+  mapped_survivor->data()[(9 << 20) - 1] = 1;
   survivor.reset();
+  mapped_survivor.reset();
 }
 
 }  // namespace
