@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -213,10 +214,8 @@ int RunFit(const std::vector<std::string>& args) {
     return Fail("--mlp_max_observations must be >= 0 (0: all)", 1);
   }
   const std::string granularity = absl::GetFlag(FLAGS_mlp_granularity);
-  if (granularity == "per_layer") {
-    options.mlp.granularity = MlpGranularity::kPerLayer;
-  } else if (granularity == "per_head") {
-    options.mlp.granularity = MlpGranularity::kPerHead;
+  if (std::optional<MlpGranularity> parsed = ParseMlpGranularity(granularity)) {
+    options.mlp.granularity = *parsed;
   } else {
     return Fail(absl::StrCat("--mlp_granularity must be per_layer or per_head, got '",
                              granularity, "'"), 1);

@@ -1,5 +1,6 @@
 // `kvt synth` and `kvt inspect`: mapper directories on local disk, no server involved.
 #include <cstdio>
+#include <optional>
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
@@ -84,9 +85,9 @@ int RunSynth(const std::vector<std::string>& args) {
     MlpConfig mlp;
     mlp.hidden = absl::GetFlag(FLAGS_mlp_hidden);
     const std::string granularity = absl::GetFlag(FLAGS_mlp_granularity);
-    if (granularity == "per_head") {
-      mlp.granularity = MlpGranularity::kPerHead;
-    } else if (granularity != "per_layer") {
+    if (std::optional<MlpGranularity> parsed = ParseMlpGranularity(granularity)) {
+      mlp.granularity = *parsed;
+    } else {
       std::fprintf(stderr, "kvt synth: --mlp_granularity='%s' must be per_layer or per_head\n",
                    granularity.c_str());
       return 1;

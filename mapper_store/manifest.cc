@@ -379,10 +379,8 @@ class Parser {
         !s.ok()) {
       return s;
     }
-    if (granularity == "per_layer") {
-      config.granularity = MlpGranularity::kPerLayer;
-    } else if (granularity == "per_head") {
-      config.granularity = MlpGranularity::kPerHead;
+    if (std::optional<MlpGranularity> parsed = ParseMlpGranularity(granularity)) {
+      config.granularity = *parsed;
     } else {
       return error_(LineOf(node["granularity"]),
                     absl::StrCat("mlp.granularity '", granularity,
@@ -649,6 +647,13 @@ const char* MapperKindName(MapperKind kind) {
 
 const char* MlpGranularityName(MlpGranularity granularity) {
   return granularity == MlpGranularity::kPerLayer ? "per_layer" : "per_head";
+}
+
+std::optional<MlpGranularity> ParseMlpGranularity(absl::string_view name) {
+  for (MlpGranularity granularity : {MlpGranularity::kPerLayer, MlpGranularity::kPerHead}) {
+    if (name == MlpGranularityName(granularity)) return granularity;
+  }
+  return std::nullopt;
 }
 
 const char* LambdaScaleName(LambdaScale scale) {

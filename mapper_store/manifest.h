@@ -30,6 +30,8 @@ const char* MapperKindName(MapperKind kind);
 // or one per target head (the paper), each seeing the full x and writing its head's d_t columns.
 enum class MlpGranularity { kPerLayer, kPerHead };
 const char* MlpGranularityName(MlpGranularity granularity);
+// The inverse of MlpGranularityName ("per_layer", "per_head"); nullopt for anything else.
+std::optional<MlpGranularity> ParseMlpGranularity(absl::string_view name);
 
 // The `mlp:` map of a kind: mlp manifest. Only ReLU exists, so the activation is implied.
 struct MlpConfig {

@@ -89,6 +89,14 @@ TEST(ManifestTest, ParsesTheExample) {
   EXPECT_EQ(m->created_by, "kvt fit 0.1");
 }
 
+TEST(ManifestTest, MlpGranularityNamesRoundTrip) {
+  for (MlpGranularity granularity : {MlpGranularity::kPerLayer, MlpGranularity::kPerHead}) {
+    EXPECT_EQ(ParseMlpGranularity(MlpGranularityName(granularity)), granularity);
+  }
+  EXPECT_EQ(ParseMlpGranularity("per-head"), std::nullopt);
+  EXPECT_EQ(ParseMlpGranularity(""), std::nullopt);
+}
+
 TEST(ManifestTest, EmitThenParseIsIdentity) {
   absl::StatusOr<Manifest> m = ParseManifest(Join(ExampleLines()));
   ASSERT_TRUE(m.ok()) << m.status();

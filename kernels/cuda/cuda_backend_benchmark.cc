@@ -359,9 +359,9 @@ int Main() {
   MlpConfig mlp;
   mlp.hidden = absl::GetFlag(FLAGS_mlp_hidden);
   const std::string granularity = absl::GetFlag(FLAGS_mlp_granularity);
-  if (granularity == "per_head") {
-    mlp.granularity = MlpGranularity::kPerHead;
-  } else if (granularity != "per_layer") {
+  if (std::optional<MlpGranularity> parsed = ParseMlpGranularity(granularity)) {
+    mlp.granularity = *parsed;
+  } else {
     std::fprintf(stderr, "--mlp_granularity: '%s' is not per_layer or per_head\n",
                  granularity.c_str());
     return 1;

@@ -137,26 +137,28 @@ run_step() {  # name timeout_s command...
   tail -5 "$OUT/$name.log"
 }
 
-run_step unit 60 bash -c "for t in device_test cuda_backend_startup_test backend_select_test; do
+# Step limits sum to 535 s, under the device tool's 600 s per command, so a slow step cannot
+# take the summary with it. Short checks first: a tight budget still gets their verdict.
+run_step unit 45 bash -c "for t in device_test cuda_backend_startup_test backend_select_test; do
   $BUNDLE/bin/\$t || exit 1; done"
-run_step parity 270 "$BUNDLE/bin/cuda_backend_test" --gtest_output="xml:$OUT/cuda_backend_test.xml"
-# Ridge on the paper's pairs, and Qwen3 14B->32B also as an MLP mapper (hidden 1024,
-# per_layer; issue 11) in the same run: mlp_vs_ridge.tsv has the ratio.
-run_step benchmark 300 "$BUNDLE/bin/cuda_backend_benchmark" --out="$OUT/benchmark.tsv" \
-  --mlp_presets=qwen3-14b-to-32b --mlp_hidden=1024 --mlp_granularity=per_layer \
-  --mlp_out="$OUT/mlp_vs_ridge.tsv"
 # --- CUDA IPC (issue 7): this process exports cudaMalloc'd buffers, kvtd (a second process)
 # opens the handles and translates through them; compared with the inline result.
 mkdir -p "$OUT/cuda_ipc_tmp"
-run_step cuda_ipc 120 env RUNFILES_DIR="$PWD/$BUNDLE/runfiles" TEST_TMPDIR="$OUT/cuda_ipc_tmp" \
+run_step cuda_ipc 90 env RUNFILES_DIR="$PWD/$BUNDLE/runfiles" TEST_TMPDIR="$OUT/cuda_ipc_tmp" \
   "$BUNDLE/bin/cuda_ipc_gpu_test" --gtest_output="xml:$OUT/cuda_ipc_gpu_test.xml"
+run_step parity 200 "$BUNDLE/bin/cuda_backend_test" --gtest_output="xml:$OUT/cuda_backend_test.xml"
+# Ridge on the paper's pairs, and Qwen3 14B->32B also as an MLP mapper (hidden 1024,
+# per_layer; issue 11) in the same run: mlp_vs_ridge.tsv has the ratio.
+run_step benchmark 200 "$BUNDLE/bin/cuda_backend_benchmark" --out="$OUT/benchmark.tsv" \
+  --mlp_presets=qwen3-14b-to-32b --mlp_hidden=1024 --mlp_granularity=per_layer \
+  --mlp_out="$OUT/mlp_vs_ridge.tsv"
 
 echo
 echo "== parity failures (first 20 lines)"
 grep -E "Failure|FAILED|error" "$OUT/parity.log" | head -20
 echo
 echo "== summary: $(sed -n 3p "$OUT/device.txt" | cut -d, -f1-2), $(head -1 "$OUT/device.txt")"
-for step in unit parity benchmark cuda_ipc; do echo "$step: ${result[$step]}"; done
+for step in unit cuda_ipc parity benchmark; do echo "$step: ${result[$step]}"; done
 grep -E "^\[  (PASSED|FAILED)" "$OUT/parity.log"
 if [ -f "$OUT/benchmark.tsv" ]; then
   column -t -s $'\t' "$OUT/benchmark.tsv" 2>/dev/null || cat "$OUT/benchmark.tsv"
@@ -165,6 +167,6 @@ if [ -f "$OUT/mlp_vs_ridge.tsv" ]; then
   echo "== MLP vs ridge, same pair, same run (mlp_over_ridge = MLP ms / ridge ms)"
   column -t -s $'\t' "$OUT/mlp_vs_ridge.tsv" 2>/dev/null || cat "$OUT/mlp_vs_ridge.tsv"
 fi
-for step in unit parity benchmark cuda_ipc; do
+for step in unit cuda_ipc parity benchmark; do
   case "${result[$step]}" in rc=0*) ;; *) exit 1 ;; esac
 done
