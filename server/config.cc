@@ -223,7 +223,9 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
            return ReadScalar(src, key, node, "true or false",
                              &config.shared_memory.allow_client_regions);
          }}}},
-      {"transport", {{"pipeline_min_tokens", i64(&config.transport.pipeline_min_tokens)}}},
+      {"transport",
+       {{"pipeline_min_tokens", i64(&config.transport.pipeline_min_tokens)},
+        {"async_scatter_min_bytes", i64(&config.transport.async_scatter_min_bytes)}}},
       {"security",
        {{"tls_cert_file", str(&config.security.tls_cert_file)},
         {"tls_key_file", str(&config.security.tls_key_file)},
@@ -352,6 +354,10 @@ absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
   }
   if (config.transport.pipeline_min_tokens < 0) {
     return bad("transport.pipeline_min_tokens", config.transport.pipeline_min_tokens,
+               "must be >= 0");
+  }
+  if (config.transport.async_scatter_min_bytes < 0) {
+    return bad("transport.async_scatter_min_bytes", config.transport.async_scatter_min_bytes,
                "must be >= 0");
   }
   if (config.security.tls_cert_file.empty() != config.security.tls_key_file.empty()) {

@@ -26,6 +26,7 @@
 #include "transport/kv_chunks.h"
 #include "transport/paged.h"
 #include "transport/proto_convert.h"
+#include "transport/scatter_worker.h"
 
 namespace kvt {
 namespace {
@@ -47,6 +48,9 @@ struct TranslatePlan {
   int64_t source_bytes = 0;
   int64_t target_bytes = 0;
 };
+
+// Most received chunk bytes waiting for a request's ScatterWorker.
+constexpr int64_t kAsyncScatterQueueBytes = 64ll << 20;
 
 // A whole-layer byte buffer, uninitialised (GBs of zeroing would be wasted work), from the
 // service's pool: fresh memory costs a page fault and kernel zeroing per page on first touch.
@@ -697,6 +701,13 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
     ~StopOutput() { stop(); }
   } stop_output_on_exit{stop_output};
 
+  // Large inline uploads copy chunks out of gRPC's slices on a thread of their own, so this
+  // one goes straight back to the socket (transport.async_scatter_min_bytes). Declared after
+  // the layer buffers, so destroyed (drained) before them.
+  std::optional<ScatterWorker> scatter_worker;
+  if (!input_in_region && plan.source_bytes >= config_.transport.async_scatter_min_bytes) {
+    scatter_worker.emplace(kAsyncScatterQueueBytes);
+  }
   CoverageTracker coverage(input_in_region ? 0 : src_model.num_layers, plan.num_tokens);
   const ChunkExpectation chunk_expectation{"chunk", absl::StrCat("source model ", src_model.name),
                                            src_model.num_layers, source_geometry,
@@ -726,20 +737,34 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
           !added.ok()) {
         return added;
       }
-      // The one copy a received byte makes: from gRPC's slices into the layer buffer.
-      ScatterChunkBytes(source_geometry, chunk.token_start(), chunk.token_count(), message.data,
-                        (kind == 0 ? source_k : source_v)[chunk.layer()].bytes.get());
+      // The one copy a received byte makes: from gRPC's slices into the layer buffer. A
+      // source layer counts as arrived for the pipeline once its last copy is done.
+      std::function<void()> arrived;
       if (pipelined && coverage.KindComplete(chunk.layer(), kind)) {
-        {
-          std::lock_guard<std::mutex> lock(arrivals.mutex);
-          arrivals.complete[2 * chunk.layer() + kind] = 1;
-        }
-        arrivals.changed.notify_all();
+        arrived = [&arrivals, index = 2 * chunk.layer() + kind] {
+          {
+            std::lock_guard<std::mutex> lock(arrivals.mutex);
+            arrivals.complete[index] = 1;
+          }
+          arrivals.changed.notify_all();
+        };
+      }
+      char* layer = (kind == 0 ? source_k : source_v)[chunk.layer()].bytes.get();
+      if (scatter_worker.has_value()) {
+        scatter_worker->Submit(source_geometry, chunk.token_start(), chunk.token_count(),
+                               std::move(message.data), layer, std::move(arrived));
+      } else {
+        ScatterChunkBytes(source_geometry, chunk.token_start(), chunk.token_count(),
+                          message.data, layer);
+        if (arrived) arrived();
       }
     }
     return absl::OkStatus();
   };
-  if (absl::Status read = read_chunks(); !read.ok()) {
+  absl::Status read = read_chunks();
+  // Every copy lands before anything reads the source or the buffers go (also on errors).
+  if (scatter_worker.has_value()) scatter_worker->Drain();
+  if (!read.ok()) {
     stop_output();
     return fail(read);
   }
