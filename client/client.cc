@@ -58,8 +58,9 @@ absl::Status SendChunks(const HostCache& cache, bool keys_only, int64_t chunk_by
 }  // namespace
 
 void HostCache::Allocate() {
-  k.assign(num_layers, std::vector<char>(static_cast<size_t>(layer_bytes()), 0));
-  v.assign(num_layers, std::vector<char>(static_cast<size_t>(layer_bytes()), 0));
+  k.clear();
+  v.clear();
+  Resize();
 }
 
 void HostCache::Resize() {

@@ -59,9 +59,10 @@ struct KvtdConfig {
     // requests read everything first (the handoffs cost more than the overlap saves). 0: all.
     int64_t pipeline_min_tokens = 1024;
     // TranslateKV with inline input of at least this many bytes copies received chunks into
-    // their layers on a thread of its own while the request's thread reads on (about +12%
-    // receive bandwidth on 2 cores, more where the copy gets a core to itself). 0: all.
-    int64_t async_scatter_min_bytes = 16ll << 20;
+    // their layers on a thread of its own while the request's thread reads on. 0: never (the
+    // default: on 2 cores it measured slower, docs/BENCHMARKS.md; meant for hosts where the
+    // copy gets a core of its own, to be measured there).
+    int64_t async_scatter_min_bytes = 0;
   } transport;
   struct Security {
     std::string tls_cert_file;       // PEM certificate chain; set with tls_key_file for TLS

@@ -705,7 +705,9 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   // one goes straight back to the socket (transport.async_scatter_min_bytes). Declared after
   // the layer buffers, so destroyed (drained) before them.
   std::optional<ScatterWorker> scatter_worker;
-  if (!input_in_region && plan.source_bytes >= config_.transport.async_scatter_min_bytes) {
+  const int64_t async_scatter_min_bytes = config_.transport.async_scatter_min_bytes;
+  if (!input_in_region && async_scatter_min_bytes > 0 &&
+      plan.source_bytes >= async_scatter_min_bytes) {
     scatter_worker.emplace(kAsyncScatterQueueBytes);
   }
   CoverageTracker coverage(input_in_region ? 0 : src_model.num_layers, plan.num_tokens);

@@ -41,6 +41,7 @@
 #include "kernels/cpu_backend.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
+#include "server/config.h"
 #include "server/kvtd_server.h"
 #include "tests/shm_object.h"
 
@@ -55,6 +56,9 @@ ABSL_FLAG(bool, tune_allocator, true,
 ABSL_FLAG(bool, recycle_target, true,
           "the client writes each result into the previous one's buffers "
           "(TranslateStreamOptions::recycled_target); false: fresh buffers per call");
+ABSL_FLAG(int64_t, async_scatter_min_bytes, kvt::KvtdConfig().transport.async_scatter_min_bytes,
+          "kvtd's transport.async_scatter_min_bytes (0: off, kvtd's default; 1: every upload "
+          "scatters on a ScatterWorker)");
 ABSL_FLAG(std::string, work_dir, "/tmp/kvt_transport_benchmark", "where the mapper is written");
 
 namespace kvt {
@@ -117,6 +121,7 @@ double RawTcpLoopbackMs(const HostCache& cache, char* into, int64_t chunk_bytes)
     received += n;
   }
   const double ms = MsSince(start);
+  shutdown(receiver_socket, SHUT_RDWR);  // a sender blocked in write after a failed read ends
   sender.join();
   close(sender_socket);
   close(receiver_socket);
@@ -126,8 +131,8 @@ double RawTcpLoopbackMs(const HostCache& cache, char* into, int64_t chunk_bytes)
 struct Row {
   int64_t tokens = 0;
   double source_mb = 0;
-  double memcpy_ms = 1e30, raw_tcp_ms = 1e30, compute_ms = 1e30, inline_ms = 1e30, pipelined_ms = 1e30,
-         shm_ms = 1e30;
+  double memcpy_ms = 1e30, raw_tcp_ms = 1e30, compute_ms = 1e30, inline_ms = 1e30,
+         pipelined_ms = 1e30, shm_ms = 1e30;
   double shm_copy_in_ms = 1e30;       // client memcpy of the cache into the region
   double inline_in_ms = 1e30;         // trailer stage_in of the inline run (receive + scatter)
   double inline_out_ms = 1e30;        // trailer stage_out (gather + send)
@@ -166,6 +171,7 @@ int Run() {
     config.shutdown.drain_grace_seconds = 0;
     config.shared_memory.allow_client_regions = true;
     config.transport.pipeline_min_tokens = pipeline_min_tokens;
+    config.transport.async_scatter_min_bytes = absl::GetFlag(FLAGS_async_scatter_min_bytes);
     config.limits.response_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
     absl::StatusOr<std::unique_ptr<KvtdServer>> server =
         KvtdServer::Start(config, store->get(), backend.get());
@@ -244,7 +250,8 @@ int Run() {
       }
       row.memcpy_ms = std::min(row.memcpy_ms, MsSince(start));
 
-      const double raw_tcp = RawTcpLoopbackMs(source, copy.data(), absl::GetFlag(FLAGS_chunk_bytes));
+      const double raw_tcp =
+          RawTcpLoopbackMs(source, copy.data(), absl::GetFlag(FLAGS_chunk_bytes));
       if (raw_tcp < 0) {
         std::fprintf(stderr, "raw tcp loopback failed\n");
         return 12;

@@ -49,7 +49,7 @@ class ZeroCopyTransportTest : public ::testing::Test {
     config.mapper_store.path = StoreDir();
     config.shutdown.drain_grace_seconds = 0;
     config.transport.pipeline_min_tokens = 0;
-    config.transport.async_scatter_min_bytes = 0;  // every upload through the ScatterWorker
+    config.transport.async_scatter_min_bytes = 1;  // every upload through the ScatterWorker
     config.limits.response_chunk_bytes = 3000;  // many response chunks per layer
     absl::StatusOr<std::unique_ptr<MapperStore>> opened = MapperStore::Open(StoreDir());
     ASSERT_TRUE(opened.ok()) << opened.status();
