@@ -19,10 +19,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KVT_PROTOS = ["common", "mappers", "memory", "service", "translate", "validate"]
+KVT_PROTOS = ["common", "mappers", "memory", "prefix_cache", "service", "translate", "validate"]
 # Modules that define services and so get a *_pb2_grpc.py; protoc's plugin also writes empty
 # ones for the other files, which are left out.
-SERVICE_MODULES = {"service", "health"}
+SERVICE_MODULES = {"service", "health", "prefix_cache"}
 _IMPORT = re.compile(r"^from (proto\.kvt\.v1|grpc\.health\.v1) import (\w+)", re.MULTILINE)
 
 
