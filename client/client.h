@@ -159,6 +159,10 @@ class Client {
   // target cache is empty: the bytes are in the output region.
   absl::StatusOr<TranslateResult> TranslateRegions(const v1::TranslateHeader& header);
 
+  // A translation of a stored prefix (header.input.cached: the lease of a
+  // KvPrefixCache.LookupPrefix) with inline output, reassembled into the result's target.
+  absl::StatusOr<TranslateResult> TranslateCached(const v1::TranslateHeader& header);
+
   v1::KvTranslator::Stub* stub() { return stub_.get(); }
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
 

@@ -124,6 +124,36 @@ absl::Status ReadPrefillCosts(absl::string_view source, const std::string& key,
   return absl::OkStatus();
 }
 
+// prefix_cache.pair_min_quality: a map from "source->target" to a quality floor.
+absl::Status ReadPairFloors(absl::string_view source, const std::string& key,
+                            const YAML::Node& node, std::map<std::string, double>* out) {
+  if (!node.IsMap()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(source, node), ": key '", key,
+        "' must be a map from \"source->target\" (model names) to a quality floor"));
+  }
+  for (const auto& pair : node) {
+    std::string name;
+    if (absl::Status status = ReadKey(source, pair.first, &name); !status.ok()) return status;
+    const std::string pair_key = absl::StrCat(key, ".", name);
+    if (name.find("->") == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(source, pair.first), ": key '", pair_key,
+          "' must name a pair as \"source->target\" (model names as in mapper manifests)"));
+    }
+    if (out->count(name) > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(source, pair.first), ": duplicate key '", pair_key, "'"));
+    }
+    double floor = 0;
+    if (absl::Status s = ReadScalar(source, pair_key, pair.second, "a number", &floor); !s.ok()) {
+      return s;
+    }
+    (*out)[name] = floor;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
@@ -226,6 +256,20 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
       {"transport",
        {{"pipeline_min_tokens", i64(&config.transport.pipeline_min_tokens)},
         {"async_scatter_min_bytes", i64(&config.transport.async_scatter_min_bytes)}}},
+      {"prefix_cache",
+       {{"enabled",
+         [src, &config](const std::string& key, const YAML::Node& node) {
+           return ReadScalar(src, key, node, "true or false", &config.prefix_cache.enabled);
+         }},
+        {"max_bytes", i64(&config.prefix_cache.max_bytes)},
+        {"ttl_seconds", f64(&config.prefix_cache.ttl_seconds)},
+        {"block_tokens", i64(&config.prefix_cache.block_tokens)},
+        {"lease_seconds", f64(&config.prefix_cache.lease_seconds)},
+        {"min_mapper_quality", f64(&config.prefix_cache.min_mapper_quality)},
+        {"max_input_shift", f64(&config.prefix_cache.max_input_shift)},
+        {"pair_min_quality", [src, &config](const std::string& key, const YAML::Node& node) {
+           return ReadPairFloors(src, key, node, &config.prefix_cache.pair_min_quality);
+         }}}},
       {"security",
        {{"tls_cert_file", str(&config.security.tls_cert_file)},
         {"tls_key_file", str(&config.security.tls_key_file)},
@@ -359,6 +403,23 @@ absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
   if (config.transport.async_scatter_min_bytes < 0) {
     return bad("transport.async_scatter_min_bytes", config.transport.async_scatter_min_bytes,
                "must be >= 0");
+  }
+  const KvtdConfig::PrefixCache& prefix = config.prefix_cache;
+  if (prefix.max_bytes < 0) {
+    return bad("prefix_cache.max_bytes", prefix.max_bytes, "must be >= 0");
+  }
+  if (prefix.ttl_seconds <= 0) {
+    return bad("prefix_cache.ttl_seconds", prefix.ttl_seconds, "must be > 0");
+  }
+  if (prefix.block_tokens < 1 || prefix.block_tokens > 4096) {
+    return bad("prefix_cache.block_tokens", prefix.block_tokens, "must be in [1, 4096]");
+  }
+  if (prefix.lease_seconds <= 0) {
+    return bad("prefix_cache.lease_seconds", prefix.lease_seconds, "must be > 0");
+  }
+  if (prefix.max_input_shift < 0) {
+    return bad("prefix_cache.max_input_shift", prefix.max_input_shift,
+               "must be >= 0 (0: not checked)");
   }
   if (config.security.tls_cert_file.empty() != config.security.tls_key_file.empty()) {
     return absl::InvalidArgumentError(

@@ -64,6 +64,22 @@ struct KvtdConfig {
     // copy gets a core of its own, to be measured there).
     int64_t async_scatter_min_bytes = 0;
   } transport;
+  struct PrefixCache {
+    // The source-cache tier (kvt.v1.KvPrefixCache): engines publish their caches under (model,
+    // token ids); LookupPrefix finds the longest prefix another model can be translated from.
+    bool enabled = false;
+    int64_t max_bytes = 1ll << 30;  // host memory for stored caches (LRU beyond it)
+    double ttl_seconds = 600;       // default and longest lifetime of a stored cache
+    int64_t block_tokens = 16;      // chain-hash block: only whole blocks are stored and matched
+    double lease_seconds = 30;      // a lookup's lease must be used by TranslateKV within this
+    // Quality gate: a pair is offered only when its mapper's recorded held-out quality reaches
+    // the floor (per pair when listed, "source->target", else min_mapper_quality) and, when
+    // max_input_shift > 0 and the mapper has statistics, the prefix's input-shift score is at
+    // most max_input_shift.
+    double min_mapper_quality = 0.0;
+    std::map<std::string, double> pair_min_quality;
+    double max_input_shift = 0;  // 0 = not checked
+  } prefix_cache;
   struct Security {
     std::string tls_cert_file;       // PEM certificate chain; set with tls_key_file for TLS
     std::string tls_key_file;        // PEM private key

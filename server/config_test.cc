@@ -25,6 +25,51 @@ TEST(ConfigTest, ExampleFileParsesToTheDefaults) {
   EXPECT_EQ(config->logging.level, defaults.logging.level);
 }
 
+TEST(ConfigTest, PrefixCacheKeys) {
+  absl::StatusOr<KvtdConfig> config = ParseKvtdConfig(R"(
+prefix_cache:
+  enabled: true
+  max_bytes: 1048576
+  ttl_seconds: 60
+  block_tokens: 32
+  lease_seconds: 5
+  min_mapper_quality: 0.4
+  pair_min_quality: {"a->b": 0.7}
+  max_input_shift: 3.5
+)", "x.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  const KvtdConfig::PrefixCache& prefix = config->prefix_cache;
+  EXPECT_TRUE(prefix.enabled);
+  EXPECT_EQ(prefix.max_bytes, 1048576);
+  EXPECT_EQ(prefix.ttl_seconds, 60);
+  EXPECT_EQ(prefix.block_tokens, 32);
+  EXPECT_EQ(prefix.lease_seconds, 5);
+  EXPECT_EQ(prefix.min_mapper_quality, 0.4);
+  EXPECT_EQ(prefix.pair_min_quality.at("a->b"), 0.7);
+  EXPECT_EQ(prefix.max_input_shift, 3.5);
+  // The shipped file documents the defaults: off.
+  absl::StatusOr<KvtdConfig> shipped = LoadKvtdConfigFile("server/kvtd.yaml");
+  ASSERT_TRUE(shipped.ok()) << shipped.status();
+  EXPECT_FALSE(shipped->prefix_cache.enabled);
+  EXPECT_EQ(shipped->prefix_cache.max_bytes, KvtdConfig().prefix_cache.max_bytes);
+  EXPECT_EQ(shipped->prefix_cache.block_tokens, KvtdConfig().prefix_cache.block_tokens);
+}
+
+TEST(ConfigTest, PrefixCacheErrorsNameTheKey) {
+  absl::StatusOr<KvtdConfig> bad_pair =
+      ParseKvtdConfig("prefix_cache:\n  pair_min_quality: {ab: 0.5}\n", "x.yaml");
+  ASSERT_FALSE(bad_pair.ok());
+  EXPECT_THAT(bad_pair.status().message(), HasSubstr("prefix_cache.pair_min_quality.ab"));
+  absl::StatusOr<KvtdConfig> bad_block =
+      ParseKvtdConfig("prefix_cache:\n  block_tokens: 0\n", "x.yaml");
+  ASSERT_FALSE(bad_block.ok());
+  EXPECT_THAT(bad_block.status().message(), HasSubstr("prefix_cache.block_tokens"));
+  absl::StatusOr<KvtdConfig> bad_ttl =
+      ParseKvtdConfig("prefix_cache:\n  ttl_seconds: -1\n", "x.yaml");
+  ASSERT_FALSE(bad_ttl.ok());
+  EXPECT_THAT(bad_ttl.status().message(), HasSubstr("prefix_cache.ttl_seconds"));
+}
+
 TEST(ConfigTest, EmptyFileMeansDefaults) {
   absl::StatusOr<KvtdConfig> config = ParseKvtdConfig("", "empty.yaml");
   ASSERT_TRUE(config.ok()) << config.status();

@@ -23,6 +23,7 @@ namespace kvt {
 
 namespace {
 constexpr char kServiceName[] = "kvt.v1.KvTranslator";
+constexpr char kPrefixServiceName[] = "kvt.v1.KvPrefixCache";
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* key) {
   std::ifstream in(path);
@@ -79,9 +80,26 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
     if (!auth.ok()) return auth.status();
     server->auth_ = std::move(*auth);
   }
-  server->service_ = std::make_unique<TranslatorService>(config, store, backend,
-                                                         server->metrics_.get(),
-                                                         server->auth_.get());
+  if (config.prefix_cache.enabled) {
+    PrefixCacheOptions options;
+    options.max_bytes = config.prefix_cache.max_bytes;
+    options.ttl = absl::Seconds(config.prefix_cache.ttl_seconds);
+    options.block_tokens = static_cast<int>(config.prefix_cache.block_tokens);
+    options.lease_duration = absl::Seconds(config.prefix_cache.lease_seconds);
+    Metrics* metrics = server->metrics_.get();
+    options.on_evict = [metrics](absl::string_view, absl::string_view reason, int64_t bytes) {
+      metrics->RecordPrefixEviction(std::string(reason), bytes);
+    };
+    absl::StatusOr<std::unique_ptr<PrefixCache>> cache = PrefixCache::Create(std::move(options));
+    if (!cache.ok()) return cache.status();
+    server->prefix_cache_ = std::move(*cache);
+  }
+  server->service_ = std::make_unique<TranslatorService>(
+      config, store, backend, server->metrics_.get(), server->auth_.get(),
+      server->prefix_cache_.get());
+  server->prefix_service_ = std::make_unique<PrefixCacheService>(
+      config, store, server->prefix_cache_.get(), server->service_->system_memory(),
+      server->service_->shift_stats(), server->metrics_.get(), server->auth_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -103,6 +121,7 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
     builder.AddListeningPort(absl::StrCat("unix:", config.server.unix_socket), *credentials);
   }
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->prefix_service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr ||
       (!config.server.listen_address.empty() && server->port_ == 0)) {
@@ -115,6 +134,7 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
   }
   grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(kPrefixServiceName, config.prefix_cache.enabled);
   health->SetServingStatus(true);
   KVT_LOG(kInfo, "listening")
       .With("address", config.server.listen_address)
@@ -125,7 +145,10 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
       .With("tls", config.security.tls_cert_file.empty()
                        ? "off"
                        : (config.security.tls_client_ca_file.empty() ? "tls" : "mtls"))
-      .With("auth", server->auth_->enabled() ? "bearer" : "off");
+      .With("auth", server->auth_->enabled() ? "bearer" : "off")
+      .With("prefix_cache", config.prefix_cache.enabled
+                                ? absl::StrCat(config.prefix_cache.max_bytes, " bytes")
+                                : std::string("off"));
   TranslatorService* service = server->service_.get();
   server->metrics_->SetScrapeSources(store, [service] { return service->inflight_requests(); });
   server->store_ = store;

@@ -13,7 +13,9 @@
 #include "mapper_store/store.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "prefix_cache/prefix_cache.h"
 #include "server/metrics.h"
+#include "server/prefix_cache_service.h"
 #include "server/translator_service.h"
 
 namespace kvt {
@@ -28,6 +30,8 @@ class KvtdServer {
   // The bound TCP port (the OS's choice when the config asked for port 0); 0 without TCP.
   int port() const { return port_; }
   TranslatorService* service() { return service_.get(); }
+  // Null unless prefix_cache.enabled.
+  PrefixCache* prefix_cache() { return prefix_cache_.get(); }
   Metrics* metrics() { return metrics_.get(); }
   // The bound port of the Prometheus endpoint (metrics.listen_address); 0 when it is off.
   int metrics_port() const { return metrics_->port(); }
@@ -45,7 +49,10 @@ class KvtdServer {
   // Declared before the service, which records into it, so it is destroyed after it.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> auth_;
+  // Declared before both services, which read it.
+  std::unique_ptr<PrefixCache> prefix_cache_;
   std::unique_ptr<TranslatorService> service_;
+  std::unique_ptr<PrefixCacheService> prefix_service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::mutex shutdown_mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex

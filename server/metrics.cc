@@ -353,6 +353,43 @@ Metrics::Metrics(std::string device)
                              "was resident (or paging in already), \"miss\" when the request "
                              "caused the load or page-in.")
                        .Register(r);
+  prefix_lookups_ = &BuildCounter()
+                         .Name("kvt_prefix_lookups_total")
+                         .Help("LookupPrefix calls by target model and result (\"hit\" or the "
+                               "miss reason: no_prefix, no_mapper, gate, forbidden, too_short).")
+                         .Register(r);
+  prefix_reused_tokens_ = &BuildCounter()
+                               .Name("kvt_prefix_reused_tokens_total")
+                               .Help("Tokens of stored source prefixes leased for translation, "
+                                     "by pair.")
+                               .Register(r);
+  prefix_publishes_ = &BuildCounter()
+                           .Name("kvt_prefix_publishes_total")
+                           .Help("Publish calls by model and result (stored, empty, or the "
+                                 "error code).")
+                           .Register(r);
+  prefix_published_tokens_ = &BuildCounter()
+                                  .Name("kvt_prefix_published_tokens_total")
+                                  .Help("Tokens stored by Publish (whole blocks), by model.")
+                                  .Register(r);
+  prefix_evictions_ = &BuildCounter()
+                           .Name("kvt_prefix_evictions_total")
+                           .Help("Stored source caches dropped, by reason (lru, ttl, subsumed, "
+                                 "admin).")
+                           .Register(r);
+  prefix_evicted_bytes_ = &BuildCounter()
+                               .Name("kvt_prefix_evicted_bytes_total")
+                               .Help("Bytes of stored source caches dropped, by reason.")
+                               .Register(r);
+  prefix_bytes_ = &BuildGauge()
+                       .Name("kvt_prefix_cache_bytes")
+                       .Help("Prefix cache host memory: kind=\"held\" (stored and reserved) "
+                             "and kind=\"budget\" (prefix_cache.max_bytes).")
+                       .Register(r);
+  prefix_entries_ = &BuildGauge()
+                         .Name("kvt_prefix_cache_entries")
+                         .Help("Stored source caches (one per published sequence).")
+                         .Register(r);
 }
 
 Metrics::~Metrics() {
@@ -482,6 +519,34 @@ void Metrics::RecordMapperAccess(const PairLabels& pair, const std::string& devi
              {"device", device},
              {"result", hit ? "hit" : "miss"}})
       .Increment();
+}
+
+void Metrics::RecordPrefixLookup(const std::string& target, const std::string& result) {
+  prefix_lookups_->Add({{"target", target}, {"result", result}}).Increment();
+}
+
+void Metrics::RecordPrefixReuse(const PairLabels& pair, int64_t tokens) {
+  prefix_reused_tokens_->Add({{"source", pair.source()}, {"target", pair.target()}})
+      .Increment(static_cast<double>(tokens));
+}
+
+void Metrics::RecordPrefixPublish(const std::string& model, const std::string& result,
+                                  int64_t tokens) {
+  prefix_publishes_->Add({{"model", model}, {"result", result}}).Increment();
+  if (tokens > 0) {
+    prefix_published_tokens_->Add({{"model", model}}).Increment(static_cast<double>(tokens));
+  }
+}
+
+void Metrics::RecordPrefixEviction(const std::string& reason, int64_t bytes) {
+  prefix_evictions_->Add({{"reason", reason}}).Increment();
+  prefix_evicted_bytes_->Add({{"reason", reason}}).Increment(static_cast<double>(bytes));
+}
+
+void Metrics::SetPrefixCacheUsage(int64_t bytes_held, int64_t max_bytes, int64_t entries) {
+  prefix_bytes_->Add({{"kind", "held"}}).Set(static_cast<double>(bytes_held));
+  prefix_bytes_->Add({{"kind", "budget"}}).Set(static_cast<double>(max_bytes));
+  prefix_entries_->Add({}).Set(static_cast<double>(entries));
 }
 
 void Metrics::RecordEviction(const PairLabels& pair, const std::string& device) {

@@ -99,6 +99,18 @@ class Metrics {
   void RecordEviction(const PairLabels& pair, const std::string& device);
   void RecordMapperAccess(const PairLabels& pair, const std::string& device, bool hit);
 
+  // The prefix cache (kvt.v1.KvPrefixCache). Model labels come from the mapper store (a publish
+  // or lookup for a model no mapper names is refused before it is recorded, as "unknown").
+  // result: "hit", or the miss reason of LookupPrefixResponse ("no_prefix", "gate", ...).
+  void RecordPrefixLookup(const std::string& target, const std::string& result);
+  // Tokens of a prefix of `pair.source` leased for translation into `pair.target`.
+  void RecordPrefixReuse(const PairLabels& pair, int64_t tokens);
+  // result: "stored", "empty" (shorter than a block) or the error code.
+  void RecordPrefixPublish(const std::string& model, const std::string& result, int64_t tokens);
+  // reason: "lru", "ttl", "subsumed", "admin".
+  void RecordPrefixEviction(const std::string& reason, int64_t bytes);
+  void SetPrefixCacheUsage(int64_t bytes_held, int64_t max_bytes, int64_t entries);
+
   // The text exposition (what GET /metrics returns).
   std::string Serialize() const;
 
@@ -134,6 +146,14 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* evictions_;
   prometheus::Family<prometheus::Histogram>* page_in_duration_;
   prometheus::Family<prometheus::Counter>* acquisitions_;
+  prometheus::Family<prometheus::Counter>* prefix_lookups_;
+  prometheus::Family<prometheus::Counter>* prefix_reused_tokens_;
+  prometheus::Family<prometheus::Counter>* prefix_publishes_;
+  prometheus::Family<prometheus::Counter>* prefix_published_tokens_;
+  prometheus::Family<prometheus::Counter>* prefix_evictions_;
+  prometheus::Family<prometheus::Counter>* prefix_evicted_bytes_;
+  prometheus::Family<prometheus::Gauge>* prefix_bytes_;
+  prometheus::Family<prometheus::Gauge>* prefix_entries_;
 };
 
 }  // namespace kvt

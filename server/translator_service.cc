@@ -118,7 +118,7 @@ void FillMapperInfo(const MapperInfo& info, v1::MapperInfo* out) {
 
 TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* store,
                                      Backend* backend, Metrics* metrics,
-                                     const Authenticator* auth)
+                                     const Authenticator* auth, PrefixCache* prefix_cache)
     : config_(config),
       store_(store),
       backend_(backend),
@@ -128,7 +128,8 @@ TranslatorService::TranslatorService(const KvtdConfig& config, MapperStore* stor
       compute_(1),
       // Idle layer buffers kept for the next request: a quarter of what admitted requests may
       // hold, so an idle kvtd keeps at most that much.
-      buffers_(BufferPool::Create(config.limits.max_inflight_bytes / 4)) {
+      buffers_(BufferPool::Create(config.limits.max_inflight_bytes / 4)),
+      prefix_cache_(prefix_cache) {
   // Method 0 of kvt.v1.KvTranslator is TranslateKV (service.proto lists it first).
   MarkMethodStreamed(
       0, new grpc::internal::BidiStreamingHandler<TranslatorService, TranslateRequestMessage,
@@ -187,27 +188,65 @@ absl::StatusOr<TranslatorService::Derived> TranslatorService::Prepared(MapperHan
   Derived derived;
   derived.prepared = handle->prepared();
   derived.backend = handle->backend();
-  const std::shared_ptr<const LoadedMapper>& mapper = handle->shared_mapper();
-  std::lock_guard<std::mutex> lock(shift_mutex_);
-  auto it = shift_.find(mapper.get());
-  if (it != shift_.end() && it->second.first.lock() == mapper) {
-    derived.shift = it->second.second;
-    return derived;
-  }
-  for (auto old = shift_.begin(); old != shift_.end();) {
-    old = old->second.first.expired() ? shift_.erase(old) : std::next(old);
-  }
-  // Malformed statistics cost the mapper its score, not its translations.
-  absl::StatusOr<std::optional<InputShiftStats>> shift = InputShiftStats::FromMapper(*mapper);
-  if (!shift.ok()) {
-    KVT_LOG(kWarning, "mapper statistics unusable: no input-shift score")
-        .With("mapper", mapper->id())
-        .With("error", shift.status().message());
-  } else if (shift->has_value()) {
-    derived.shift = std::make_shared<const InputShiftStats>(std::move(**shift));
-  }
-  shift_[mapper.get()] = {mapper, derived.shift};
+  derived.shift = shift_stats_.Get(handle->shared_mapper());
   return derived;
+}
+
+absl::StatusOr<PrefixLease> TranslatorService::TakePrefixLease(
+    const v1::TranslateHeader& header) {
+  if (prefix_cache_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "header.input.cached: the prefix cache is disabled on this server "
+        "(prefix_cache.enabled); send the source cache inline");
+  }
+  absl::StatusOr<PrefixLease> lease =
+      prefix_cache_->Take(header.input().cached().lease_id());
+  if (!lease.ok()) {
+    return absl::Status(lease.status().code(),
+                        absl::StrCat("header.input.cached.lease_id: ", lease.status().message()));
+  }
+  const PrefixEntry& entry = *lease->match().entry;
+  if (header.num_tokens() != static_cast<uint64_t>(lease->match().tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.num_tokens=", header.num_tokens(), " but the leased prefix holds ",
+        lease->match().tokens, " tokens (LookupPrefixResponse.matched_tokens)"));
+  }
+  if (header.position_offset() != 0 || header.positions_size() > 0) {
+    return absl::InvalidArgumentError(
+        "header.position_offset / header.positions: a stored prefix starts at position 0");
+  }
+  if (header.dtype() != DTypeToProto(entry.shape().dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.dtype=", v1::DType_Name(header.dtype()), " but the stored prefix is ",
+        v1::DType_Name(DTypeToProto(entry.shape().dtype)), " (LookupPrefixResponse.dtype)"));
+  }
+  if (header.layout() != v1::LAYOUT_NHD) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.layout=", v1::Layout_Name(header.layout()),
+        " but a stored prefix is LAYOUT_NHD (LookupPrefixResponse.layout)"));
+  }
+  return lease;
+}
+
+absl::Status TranslatorService::CheckLeaseFitsMapper(const PrefixLease& lease,
+                                                     const MapperView& view) {
+  const PrefixEntry& entry = *lease.match().entry;
+  if (entry.model() != view.source.name) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.input.cached: the leased prefix is of model '", entry.model(),
+        "' but mapper reads '", view.source.name,
+        "'; use LookupPrefixResponse.mapper_id"));
+  }
+  const EntryShape& shape = entry.shape();
+  if (shape.num_layers != view.source.num_layers || shape.num_kv_heads != view.source.num_kv_heads ||
+      shape.head_dim != view.source.head_dim) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header.input.cached: the stored prefix has ", shape.num_layers, " layers x ",
+        shape.num_kv_heads, " heads x ", shape.head_dim, " but the mapper's source '",
+        view.source.name, "' has ", view.source.num_layers, " x ", view.source.num_kv_heads,
+        " x ", view.source.head_dim));
+  }
+  return absl::OkStatus();
 }
 
 std::string TranslatorService::RequestId(const std::string& from_header) {
@@ -277,6 +316,20 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   }
   const bool input_in_region = header.input().has_region();
   const bool output_in_region = header.output().has_region();
+  // A leased stored prefix is read in place, like a packed region: no chunks, no staging.
+  const bool input_cached = header.input().has_cached();
+  const bool input_in_place = input_in_region || input_cached;
+  if (header.output().has_cached()) {
+    return fail(absl::InvalidArgumentError(
+        "header.output.cached: a stored prefix is an input only; set header.output.inline or "
+        "header.output.region"));
+  }
+  PrefixLease prefix_lease;
+  if (input_cached) {
+    absl::StatusOr<PrefixLease> taken = TakePrefixLease(header);
+    if (!taken.ok()) return fail(taken.status());
+    prefix_lease = std::move(*taken);
+  }
   // A paged region side is staged through whole-layer buffers: the backends read and write
   // contiguous layers.
   const bool input_paged = input_in_region && header.input().region().has_paged();
@@ -299,6 +352,11 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   record->pair = PairLabels::Of(view);
   const ModelSpec& src_model = view.source;
   const ModelSpec& tgt_model = view.target;
+  if (input_cached) {
+    if (absl::Status matches = CheckLeaseFitsMapper(prefix_lease, view); !matches.ok()) {
+      return fail(matches);
+    }
+  }
 
   const LayerGeometry source_geometry{plan.input_layout, src_model.num_kv_heads, plan.num_tokens,
                                       src_model.head_dim,
@@ -389,7 +447,7 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   // target layers (double buffering) of inline output, host copies of CUDA regions. Other
   // region bytes live in the client. ---
   absl::StatusOr<AdmissionController::Ticket> ticket =
-      admission_.TryAdmit((input_in_region && !input_paged ? 0 : plan.source_bytes) +
+      admission_.TryAdmit((input_in_place && !input_paged ? 0 : plan.source_bytes) +
                           (output_in_region && !output_paged ? 0
                                                              : 4 * target_geometry.layer_bytes()) +
                           (input_cuda ? plan.source_bytes : 0) +
@@ -443,7 +501,7 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   // --- Stage in: inline chunks into whole-layer buffers, or the cache already sits in the
   // input region (read in place, no copy). ---
   std::vector<LayerBuffer> source_k, source_v;
-  if (!input_in_region || input_paged) {
+  if (!input_in_place || input_paged) {
     source_k.reserve(src_model.num_layers);
     source_v.reserve(src_model.num_layers);
     for (int l = 0; l < src_model.num_layers; ++l) {
@@ -467,8 +525,13 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   source.num_tokens = plan.num_tokens;
   const int64_t source_layer_bytes = source_geometry.layer_bytes();
   const int64_t target_layer_bytes = target_geometry.layer_bytes();
+  const CacheView cached_view =
+      input_cached ? prefix_lease.View() : CacheView{};
   for (int l = 0; l < src_model.num_layers; ++l) {
-    if (input_in_region && !input_paged) {  // layer-major, K then V
+    if (input_cached) {
+      source.k.push_back(cached_view.k[l]);
+      source.v.push_back(cached_view.v[l]);
+    } else if (input_in_region && !input_paged) {  // layer-major, K then V
       source.k.push_back(input_base + (2 * l) * source_layer_bytes);
       source.v.push_back(input_base + (2 * l + 1) * source_layer_bytes);
     } else {
@@ -482,14 +545,14 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   // arrived and streams it back while this thread still reads the rest. Below the threshold the
   // extra thread and handoffs cost more than the overlap gains, so everything arrives first.
   const bool pipelined =
-      !input_in_region && plan.num_tokens >= config_.transport.pipeline_min_tokens;
+      !input_in_place && plan.num_tokens >= config_.transport.pipeline_min_tokens;
   struct Arrivals {
     std::mutex mutex;
     std::condition_variable changed;
     std::vector<char> complete ABSL_GUARDED_BY(mutex);  // [layer * 2 + kind]
     bool abort ABSL_GUARDED_BY(mutex) = false;
   } arrivals;
-  arrivals.complete.assign(2 * src_model.num_layers, input_in_region ? 1 : 0);
+  arrivals.complete.assign(2 * src_model.num_layers, input_in_place ? 1 : 0);
   const std::vector<LayerMapView>& layer_maps = view.layers;
   // Under arrivals.mutex: every source layer that target `layer` reads has arrived.
   auto sources_arrived = [&](int layer) {
@@ -706,11 +769,11 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
   // the layer buffers, so destroyed (drained) before them.
   std::optional<ScatterWorker> scatter_worker;
   const int64_t async_scatter_min_bytes = config_.transport.async_scatter_min_bytes;
-  if (!input_in_region && async_scatter_min_bytes > 0 &&
+  if (!input_in_place && async_scatter_min_bytes > 0 &&
       plan.source_bytes >= async_scatter_min_bytes) {
     scatter_worker.emplace(kAsyncScatterQueueBytes);
   }
-  CoverageTracker coverage(input_in_region ? 0 : src_model.num_layers, plan.num_tokens);
+  CoverageTracker coverage(input_in_place ? 0 : src_model.num_layers, plan.num_tokens);
   const ChunkExpectation chunk_expectation{"chunk", absl::StrCat("source model ", src_model.name),
                                            src_model.num_layers, source_geometry,
                                            plan.input_dtype, /*keys_only=*/false};
@@ -724,10 +787,11 @@ grpc::Status TranslatorService::TranslateKVImpl(grpc::ServerContext* context,
       if (!request.has_chunk()) {
         return absl::InvalidArgumentError("empty TranslateKVRequest: set header or chunk");
       }
-      if (input_in_region) {
-        return absl::InvalidArgumentError(
-            "header.input.region is set: the source cache is read from the region, so the "
-            "stream must carry no chunks");
+      if (input_in_place) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            input_cached ? "header.input.cached is set: the source cache is the stored prefix"
+                         : "header.input.region is set: the source cache is read from the region",
+            ", so the stream must carry no chunks"));
       }
       const v1::KVChunk& chunk = request.chunk();
       absl::StatusOr<int> checked =

@@ -15,7 +15,9 @@
 #include "kernels/backend.h"
 #include "mapper_store/store.h"
 #include "proto/kvt/v1/service.grpc.pb.h"
+#include "prefix_cache/prefix_cache.h"
 #include "quality/input_shift.h"
+#include "quality/input_shift_cache.h"
 #include "server/admission.h"
 #include "server/compute_executor.h"
 #include "server/auth.h"
@@ -32,14 +34,20 @@ class TranslatorService final : public v1::KvTranslator::Service {
  public:
   // `store`, `backend`, `metrics` (optional: null records nothing) and `auth` (optional: null
   // allows every call) must outlive the service.
+  // `prefix_cache` (optional) resolves TranslateKV inputs that name a leased stored prefix
+  // (header.input.cached); null refuses them.
   TranslatorService(const KvtdConfig& config, MapperStore* store, Backend* backend,
-                    Metrics* metrics = nullptr, const Authenticator* auth = nullptr);
+                    Metrics* metrics = nullptr, const Authenticator* auth = nullptr,
+                    PrefixCache* prefix_cache = nullptr);
   ~TranslatorService() override;
 
   // After this, new translations are refused with UNAVAILABLE; in-flight ones continue.
   void StartDraining() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
   int64_t inflight_requests() const { return admission_.inflight_requests(); }
+  // Shared with KvPrefixCache: the regions a Publish reads, the mappers' shift statistics.
+  SystemMemoryRegistry* system_memory() { return &system_memory_; }
+  InputShiftCache* shift_stats() { return &shift_stats_; }
 
   // TranslateKV, registered in place of the generated handler: its messages are
   // transport/chunk_wire.h's, whose chunk data moves as gRPC slices (no protobuf copies); the
@@ -96,6 +104,10 @@ class TranslatorService final : public v1::KvTranslator::Service {
                               grpc::ServerReader<v1::ValidateKVRequest>* reader,
                               v1::ValidateKVResponse* response, ValidateRecord* record);
   std::string RequestId(const std::string& from_header);
+  // header.input.cached: the lease taken (single use) and checked against the header.
+  absl::StatusOr<PrefixLease> TakePrefixLease(const v1::TranslateHeader& header);
+  static absl::Status CheckLeaseFitsMapper(const PrefixLease& lease,
+                                           const MapperView& view);
   // OK, or UNAUTHENTICATED / PERMISSION_DENIED when `auth_` is set and the call lacks `role`.
   grpc::Status Authorize(const grpc::ServerContext* context, Role role) const;
   // FAILED_PRECONDITION unless shared_memory.allow_client_regions.
@@ -114,13 +126,9 @@ class TranslatorService final : public v1::KvTranslator::Service {
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> next_request_id_{1};
   bool added_device_ = false;  // the store had no device for backend_: this service added it
+  PrefixCache* const prefix_cache_;
+  InputShiftCache shift_stats_;
 
-  std::mutex shift_mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex
-  // Input-shift statistics per loaded mapper version. Weak: the cache never keeps a mapper the
-  // store has evicted alive; dead entries are pruned on insert.
-  std::map<const LoadedMapper*,
-           std::pair<std::weak_ptr<const LoadedMapper>, std::shared_ptr<const InputShiftStats>>>
-      shift_ ABSL_GUARDED_BY(shift_mutex_);
 };
 
 }  // namespace kvt

@@ -1,0 +1,393 @@
+// kvt.v1.KvPrefixCache against a real kvtd on port 0: a published cache comes back through
+// LookupPrefix + TranslateKV(header.input.cached) bit-identical to translating the same prefix
+// inline; leases are single use; every miss reason, the quality gate, the byte budget, bad
+// publishes, listing and eviction.
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu_backend.h"
+#include "mapper_store/store.h"
+#include "mapper_store/synth.h"
+#include "proto/kvt/v1/prefix_cache.grpc.pb.h"
+#include "server/kvtd_server.h"
+#include "transport/kv_chunks.h"
+
+namespace kvt {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kSourceLayers = 3;
+constexpr int kSourceHeads = 2;
+constexpr int kSourceDim = 32;
+
+std::string StoreDir() {
+  const char* root = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(root ? root : "/tmp", "/prefix_cache_store");
+  static const bool written = [&] {
+    SynthOptions options;
+    options.source = NeoxModelSpec("test/src", kSourceLayers, kSourceHeads, kSourceDim, 10000);
+    options.target = NeoxModelSpec("test/dst", 4, 3, 16, 500000);
+    options.k = 2;
+    options.dtype = DType::kFP32;
+    options.seed = 5;
+    return WriteSynthMapper(dir + "/m", options).ok();
+  }();
+  EXPECT_TRUE(written);
+  return dir;
+}
+
+std::vector<uint32_t> Tokens(int n, uint32_t seed) {
+  std::vector<uint32_t> tokens(n);
+  std::mt19937 rng(seed);
+  for (uint32_t& t : tokens) t = rng() % 256;
+  return tokens;
+}
+
+class PrefixCacheServiceTest : public ::testing::Test {
+ protected:
+  void Start(KvtdConfig config) {
+    config.server.listen_address = "127.0.0.1:0";
+    config.mapper_store.path = StoreDir();
+    config.shutdown.drain_grace_seconds = 0;
+    absl::StatusOr<std::unique_ptr<MapperStore>> opened = MapperStore::Open(StoreDir());
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    store_ = std::move(*opened);
+    backend_ = NewCpuBackend();
+    absl::StatusOr<std::unique_ptr<KvtdServer>> started =
+        KvtdServer::Start(config, store_.get(), backend_.get());
+    ASSERT_TRUE(started.ok()) << started.status();
+    server_ = std::move(*started);
+    const std::string address = absl::StrCat("127.0.0.1:", server_->port());
+    client_ = Client::Create(address);
+    prefix_ = v1::KvPrefixCache::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  }
+  void SetUp() override {
+    KvtdConfig config;
+    config.prefix_cache.enabled = true;
+    config.prefix_cache.block_tokens = 16;
+    Start(config);
+  }
+
+  static HostCache Source(int64_t tokens, Layout layout, uint32_t seed) {
+    HostCache cache;
+    cache.dtype = DType::kFP32;
+    cache.layout = layout;
+    cache.num_layers = kSourceLayers;
+    cache.num_kv_heads = kSourceHeads;
+    cache.head_dim = kSourceDim;
+    cache.num_tokens = tokens;
+    cache.Allocate();
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (int l = 0; l < cache.num_layers; ++l) {
+      for (std::vector<char>* buffer : {&cache.k[l], &cache.v[l]}) {
+        float* x = reinterpret_cast<float*>(buffer->data());
+        for (size_t i = 0; i < buffer->size() / sizeof(float); ++i) x[i] = normal(rng);
+      }
+    }
+    return cache;
+  }
+
+  // The first `tokens` tokens of `cache` as a cache of its own (same layout).
+  static HostCache Prefix(const HostCache& cache, int64_t tokens) {
+    HostCache prefix = cache;
+    prefix.num_tokens = tokens;
+    prefix.Allocate();
+    const LayerGeometry full{cache.layout, cache.num_kv_heads, cache.num_tokens, cache.head_dim,
+                             4};
+    for (int l = 0; l < cache.num_layers; ++l) {
+      GatherChunk(full, 0, tokens, cache.k[l].data(), prefix.k[l].data());
+      GatherChunk(full, 0, tokens, cache.v[l].data(), prefix.v[l].data());
+    }
+    return prefix;
+  }
+
+  grpc::Status Publish(const std::string& model, const std::vector<uint32_t>& tokens,
+                       const HostCache& cache, v1::PublishResponse* response,
+                       int skip_layer = -1, int shape_layers = kSourceLayers) {
+    grpc::ClientContext context;
+    auto stream = prefix_->Publish(&context, response);
+    v1::PublishRequest request;
+    v1::PublishHeader* header = request.mutable_header();
+    header->set_model(model);
+    for (uint32_t t : tokens) header->add_token_ids(t);
+    header->set_dtype(v1::DTYPE_FP32);
+    header->set_layout(cache.layout == Layout::kHND ? v1::LAYOUT_HND : v1::LAYOUT_NHD);
+    header->mutable_shape()->set_num_layers(shape_layers);
+    header->mutable_shape()->set_num_kv_heads(cache.num_kv_heads);
+    header->mutable_shape()->set_head_dim(cache.head_dim);
+    stream->Write(request);
+    const LayerGeometry geometry{cache.layout, cache.num_kv_heads, cache.num_tokens,
+                                 cache.head_dim, 4};
+    for (int l = 0; l < cache.num_layers; ++l) {
+      if (l == skip_layer) continue;
+      for (int kind = 0; kind < 2; ++kind) {
+        for (int64_t start = 0; start < cache.num_tokens; start += 23) {
+          const int64_t count = std::min<int64_t>(23, cache.num_tokens - start);
+          v1::KVChunk* chunk = request.mutable_chunk();
+          chunk->set_layer(l);
+          chunk->set_kind(kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
+          chunk->set_token_start(static_cast<uint32_t>(start));
+          chunk->set_token_count(static_cast<uint32_t>(count));
+          chunk->mutable_data()->resize(static_cast<size_t>(geometry.chunk_bytes(count)));
+          GatherChunk(geometry, start, count, (kind == 0 ? cache.k : cache.v)[l].data(),
+                      chunk->mutable_data()->data());
+          if (!stream->Write(request)) break;
+        }
+      }
+    }
+    stream->WritesDone();
+    return stream->Finish();
+  }
+
+  v1::LookupPrefixResponse Lookup(const std::vector<uint32_t>& tokens,
+                                  const std::string& target = "test/dst",
+                                  v1::ReusePolicy policy = v1::REUSE_POLICY_AUTO) {
+    grpc::ClientContext context;
+    v1::LookupPrefixRequest request;
+    request.set_target_model(target);
+    for (uint32_t t : tokens) request.add_token_ids(t);
+    request.set_policy(policy);
+    v1::LookupPrefixResponse response;
+    grpc::Status status = prefix_->LookupPrefix(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response;
+  }
+
+  static v1::TranslateHeader CachedHeader(const v1::LookupPrefixResponse& hit) {
+    v1::TranslateHeader header;
+    header.set_mapper_id(hit.mapper_id());
+    header.set_dtype(hit.dtype());
+    header.set_layout(hit.layout());
+    header.set_num_tokens(hit.matched_tokens());
+    header.mutable_input()->mutable_cached()->set_lease_id(hit.lease_id());
+    return header;
+  }
+
+  std::unique_ptr<MapperStore> store_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<KvtdServer> server_;
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<v1::KvPrefixCache::Stub> prefix_;
+};
+
+// The whole point: what LookupPrefix leases translates exactly as the same tokens sent inline.
+TEST_F(PrefixCacheServiceTest, CachedTranslationEqualsInlineTranslationOfThePrefix) {
+  for (Layout layout : {Layout::kNHD, Layout::kHND}) {
+    SCOPED_TRACE(layout == Layout::kNHD ? "NHD" : "HND");
+    const std::vector<uint32_t> tokens = Tokens(100, 1);
+    const HostCache source = Source(100, layout, 2);
+    v1::PublishResponse published;
+    grpc::Status status = Publish("test/src", tokens, source, &published);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(published.stored_tokens(), 96u);  // whole blocks of 16
+    EXPECT_EQ(published.block_tokens(), 16u);
+
+    // The new request shares the first 100 tokens and goes on.
+    std::vector<uint32_t> prompt = tokens;
+    for (uint32_t t : Tokens(40, 3)) prompt.push_back(t);
+    const v1::LookupPrefixResponse hit = Lookup(prompt);
+    ASSERT_TRUE(hit.hit()) << hit.miss_reason() << ": " << hit.detail();
+    EXPECT_EQ(hit.source_model(), "test/src");
+    EXPECT_EQ(hit.mapper_id(), "m");
+    EXPECT_EQ(hit.matched_tokens(), 96u);
+    EXPECT_EQ(hit.layout(), v1::LAYOUT_NHD);
+    EXPECT_TRUE(hit.gate().passed());
+
+    v1::TranslateHeader header = CachedHeader(hit);
+    header.set_output_layout(v1::LAYOUT_NHD);
+    absl::StatusOr<TranslateResult> cached = client_->TranslateCached(header);
+    ASSERT_TRUE(cached.ok()) << cached.status();
+
+    HostCache inline_source = Prefix(source, 96);
+    v1::TranslateHeader inline_header;
+    inline_header.set_mapper_id("m");
+    inline_header.set_dtype(v1::DTYPE_FP32);
+    inline_header.set_layout(layout == Layout::kHND ? v1::LAYOUT_HND : v1::LAYOUT_NHD);
+    inline_header.set_output_layout(v1::LAYOUT_NHD);
+    inline_header.set_num_tokens(96);
+    absl::StatusOr<TranslateResult> direct = client_->Translate(inline_header, inline_source);
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    ASSERT_EQ(cached->target.num_layers, direct->target.num_layers);
+    for (int l = 0; l < direct->target.num_layers; ++l) {
+      EXPECT_EQ(cached->target.k[l], direct->target.k[l]) << "layer " << l;
+      EXPECT_EQ(cached->target.v[l], direct->target.v[l]) << "layer " << l;
+    }
+    EXPECT_EQ(cached->trailer.num_tokens(), 96u);
+
+    // Single use.
+    absl::StatusOr<TranslateResult> again = client_->TranslateCached(header);
+    ASSERT_FALSE(again.ok());
+    EXPECT_EQ(again.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(again.status().message(), HasSubstr("header.input.cached.lease_id"));
+    v1::EvictPrefixesRequest evict;
+    v1::EvictPrefixesResponse evicted;
+    grpc::ClientContext context;
+    ASSERT_TRUE(prefix_->EvictPrefixes(&context, evict, &evicted).ok());
+    EXPECT_EQ(evicted.evicted_entries(), 1u);
+  }
+}
+
+TEST_F(PrefixCacheServiceTest, MissReasons) {
+  const std::vector<uint32_t> tokens = Tokens(64, 4);
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", tokens, Source(64, Layout::kNHD, 5), &published).ok());
+
+  EXPECT_EQ(Lookup(Tokens(64, 99)).miss_reason(), "no_prefix");
+  EXPECT_EQ(Lookup(tokens, "test/dst", v1::REUSE_POLICY_FORBID).miss_reason(), "forbidden");
+  const v1::LookupPrefixResponse no_mapper = Lookup(tokens, "test/elsewhere");
+  EXPECT_FALSE(no_mapper.hit());
+  EXPECT_EQ(no_mapper.miss_reason(), "no_mapper");
+  ASSERT_EQ(no_mapper.candidates_size(), 1);
+  EXPECT_EQ(no_mapper.candidates(0).matched_tokens(), 64u);
+  // A prompt shorter than one block can never match.
+  EXPECT_EQ(Lookup(std::vector<uint32_t>(tokens.begin(), tokens.begin() + 10)).miss_reason(),
+            "no_prefix");
+  // The source model itself is never its own source.
+  EXPECT_EQ(Lookup(tokens, "test/src").miss_reason(), "no_prefix");
+}
+
+TEST_F(PrefixCacheServiceTest, GateRefusesUnlessForced) {
+  KvtdConfig config;
+  config.prefix_cache.enabled = true;
+  config.prefix_cache.pair_min_quality["test/src->test/dst"] = 0.9;  // synth mappers record none
+  server_.reset();
+  Start(config);
+  const std::vector<uint32_t> tokens = Tokens(48, 6);
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 7), &published).ok());
+  const v1::LookupPrefixResponse refused = Lookup(tokens);
+  EXPECT_FALSE(refused.hit());
+  EXPECT_EQ(refused.miss_reason(), "gate");
+  EXPECT_FALSE(refused.gate().passed());
+  EXPECT_EQ(refused.gate().min_mapper_quality(), 0.9);
+  EXPECT_THAT(refused.gate().reason(), HasSubstr("no held-out quality"));
+  const v1::LookupPrefixResponse forced = Lookup(tokens, "test/dst", v1::REUSE_POLICY_FORCE);
+  EXPECT_TRUE(forced.hit());
+  EXPECT_FALSE(forced.gate().passed());
+  EXPECT_THAT(forced.detail(), HasSubstr("REUSE_POLICY_FORCE"));
+}
+
+TEST_F(PrefixCacheServiceTest, BadPublishesNameTheField) {
+  const std::vector<uint32_t> tokens = Tokens(40, 8);
+  const HostCache source = Source(40, Layout::kNHD, 9);
+  v1::PublishResponse response;
+  grpc::Status unknown = Publish("test/nobody", tokens, source, &response);
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(unknown.error_message(), HasSubstr("header.model"));
+  grpc::Status shape = Publish("test/src", tokens, source, &response, -1, kSourceLayers + 1);
+  EXPECT_EQ(shape.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(shape.error_message(), HasSubstr("header.shape"));
+  grpc::Status gap = Publish("test/src", tokens, source, &response, /*skip_layer=*/1);
+  EXPECT_EQ(gap.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(gap.error_message(), HasSubstr("layer 1"));
+  // Nothing half-stored: the failed publishes left no entry.
+  EXPECT_EQ(Lookup(tokens).miss_reason(), "no_prefix");
+  // Shorter than a block: accepted, nothing stored.
+  v1::PublishResponse tiny;
+  ASSERT_TRUE(Publish("test/src", Tokens(10, 10), Source(10, Layout::kNHD, 11), &tiny).ok());
+  EXPECT_EQ(tiny.stored_tokens(), 0u);
+}
+
+TEST_F(PrefixCacheServiceTest, FullBudgetRefusesThePublishAndLeasedPrefixesSurvive) {
+  KvtdConfig config;
+  config.prefix_cache.enabled = true;
+  // One 64-token entry of the source: 3 layers x 2 x 64 x 2 x 32 x 4 bytes = 98304.
+  config.prefix_cache.max_bytes = 100000;
+  server_.reset();
+  Start(config);
+  const std::vector<uint32_t> first = Tokens(64, 12);
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", first, Source(64, Layout::kNHD, 13), &published).ok());
+  const v1::LookupPrefixResponse hit = Lookup(first);  // leased: may not be evicted
+  ASSERT_TRUE(hit.hit());
+  grpc::Status full = Publish("test/src", Tokens(64, 14), Source(64, Layout::kNHD, 15),
+                              &published);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(full.error_message(), HasSubstr("prefix_cache.max_bytes"));
+  // The leased prefix still translates.
+  absl::StatusOr<TranslateResult> cached = client_->TranslateCached(CachedHeader(hit));
+  EXPECT_TRUE(cached.ok()) << cached.status();
+  // Unleased now: the next publish evicts it (LRU) and fits.
+  ASSERT_TRUE(Publish("test/src", Tokens(64, 14), Source(64, Layout::kNHD, 15), &published).ok());
+  EXPECT_EQ(published.evicted_entries(), 1u);
+  EXPECT_EQ(Lookup(first).miss_reason(), "no_prefix");
+}
+
+TEST_F(PrefixCacheServiceTest, CachedInputChecksTheHeader) {
+  const std::vector<uint32_t> tokens = Tokens(32, 16);
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", tokens, Source(32, Layout::kNHD, 17), &published).ok());
+  v1::TranslateHeader header = CachedHeader(Lookup(tokens));
+  header.set_num_tokens(16);
+  absl::StatusOr<TranslateResult> wrong = client_->TranslateCached(header);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(wrong.status().message(), HasSubstr("header.num_tokens"));
+  v1::TranslateHeader unknown = CachedHeader(Lookup(tokens));
+  unknown.mutable_input()->mutable_cached()->set_lease_id("not-a-lease");
+  absl::StatusOr<TranslateResult> missing = client_->TranslateCached(unknown);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(PrefixCacheServiceTest, ListShowsEntries) {
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", Tokens(50, 18), Source(50, Layout::kNHD, 19), &published).ok());
+  grpc::ClientContext context;
+  v1::ListPrefixesResponse listed;
+  ASSERT_TRUE(prefix_->ListPrefixes(&context, v1::ListPrefixesRequest(), &listed).ok());
+  ASSERT_EQ(listed.entries_size(), 1);
+  EXPECT_EQ(listed.entries(0).model(), "test/src");
+  EXPECT_EQ(listed.entries(0).num_tokens(), 48u);
+  EXPECT_EQ(listed.entries(0).bytes(), listed.bytes_held());
+  EXPECT_EQ(listed.block_tokens(), 16u);
+  EXPECT_FALSE(listed.entries(0).first_block_hash().empty());
+}
+
+TEST(PrefixCacheDisabledTest, LookupMissesAndCachedInputIsRefused) {
+  KvtdConfig config;
+  config.server.listen_address = "127.0.0.1:0";
+  config.mapper_store.path = StoreDir();
+  config.shutdown.drain_grace_seconds = 0;
+  absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(StoreDir());
+  ASSERT_TRUE(store.ok());
+  std::unique_ptr<Backend> backend = NewCpuBackend();
+  absl::StatusOr<std::unique_ptr<KvtdServer>> server =
+      KvtdServer::Start(config, store->get(), backend.get());
+  ASSERT_TRUE(server.ok());
+  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+  auto stub = v1::KvPrefixCache::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::LookupPrefixRequest request;
+  request.set_target_model("test/dst");
+  request.add_token_ids(1);
+  v1::LookupPrefixResponse response;
+  ASSERT_TRUE(stub->LookupPrefix(&context, request, &response).ok());
+  EXPECT_EQ(response.miss_reason(), "disabled");
+  std::unique_ptr<Client> client = Client::Create(address);
+  v1::TranslateHeader header;
+  header.set_mapper_id("m");
+  header.set_dtype(v1::DTYPE_FP32);
+  header.set_layout(v1::LAYOUT_NHD);
+  header.set_num_tokens(16);
+  header.mutable_input()->mutable_cached()->set_lease_id("x");
+  absl::StatusOr<TranslateResult> refused = client->TranslateCached(header);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("prefix_cache.enabled"));
+}
+
+}  // namespace
+}  // namespace kvt
