@@ -411,6 +411,24 @@ class Client:
                 source.num_tokens, dtype, layout)
         return result
 
+    def translate_cached(self, lease_id: str, mapper_id: str, num_tokens: int, *,
+                         dtype: str = "fp32", output_dtype: Optional[str] = None,
+                         output_layout: str = "NHD", request_id: str = "",
+                         response_chunk_tokens: int = 0, timeout: Optional[float] = None
+                         ) -> TranslateResult:
+        """TranslateKV of a prefix the server's source-cache tier holds, leased by
+        kvt.prefix.PrefixCache.lookup (`dtype` = the lookup's dtype, num_tokens = its
+        matched_tokens): only the header is sent; the target cache comes back inline."""
+        from kvt.prefix import cached_translate_header
+
+        header = cached_translate_header(lease_id, mapper_id, num_tokens, dtype=dtype,
+                                         output_dtype=output_dtype, output_layout=output_layout,
+                                         request_id=request_id,
+                                         response_chunk_tokens=response_chunk_tokens)
+        call = self._stub.TranslateKV(iter([translate_pb2.TranslateKVRequest(header=header)]),
+                                      timeout=self._timeout(timeout), metadata=self._metadata)
+        return _Reassembler(call).run()
+
     # -- ValidateKV ----------------------------------------------------------------------------
 
     def validate(self, source: KVCache, target_true: KVCache, queries: Optional[KVCache] = None,
