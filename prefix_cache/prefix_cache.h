@@ -208,7 +208,8 @@ struct PrefixCacheStats {
 
 class PrefixCache {
  public:
-  // options.block_tokens must be > 0 and max_bytes >= 0 (checked by Create).
+  // INVALID_ARGUMENT naming the option unless block_tokens, ttl and lease_duration are > 0 and
+  // max_bytes >= 0.
   static absl::StatusOr<std::unique_ptr<PrefixCache>> Create(PrefixCacheOptions options);
   explicit PrefixCache(PrefixCacheOptions options);  // assumes valid options
   ~PrefixCache();
