@@ -32,7 +32,10 @@ import unittest
 # Kubernetes versions the manifests must be valid for: native gRPC probes are GA since 1.27;
 # 1.37 is the newest schema set kubernetes-validate 1.37 bundles.
 K8S_VERSIONS = ["1.29", "1.37"]
-OVERLAYS = ["cpu", "gpu", "gpu-ipc"]
+OVERLAYS = ["cpu", "gpu", "gpu-ipc", "prefix-cache"]
+# Overlays sharing memory with the inference pods on their node.
+SHARED_MEMORY_OVERLAYS = {"gpu-ipc", "prefix-cache"}
+INFERENCE = "deploy/k8s/inference"
 NOT_SCHEMA_CHECKED = {"PodMonitor"}  # CRD: see the module docstring
 INFERENCE_LABEL = {"kvt.io/inference": "true"}
 
@@ -144,7 +147,8 @@ def container_ports(container):
 class SchemaTest(unittest.TestCase):
     def test_every_rendered_object_validates(self):
         checked = set()
-        for directory in [f"deploy/k8s/overlays/{o}" for o in OVERLAYS] + ["deploy/k8s/fit"]:
+        for directory in ([f"deploy/k8s/overlays/{o}" for o in OVERLAYS] +
+                          ["deploy/k8s/fit", INFERENCE]):
             for doc in render(directory):
                 name = f"{directory}: {doc['kind']}/{doc['metadata']['name']}"
                 if doc["kind"] in NOT_SCHEMA_CHECKED:
@@ -253,22 +257,24 @@ class KvtdManifestTest(unittest.TestCase):
         gpus = resources["limits"].get("nvidia.com/gpu")
         visible = {e["name"]: e.get("value") for e in container.get("env", [])}.get(
             "NVIDIA_VISIBLE_DEVICES")
-        self.assertEqual(backend, ["--backend=cpu" if overlay == "cpu" else "--backend=cuda"])
+        cpu = overlay in ("cpu", "prefix-cache")
+        self.assertEqual(backend, ["--backend=cpu" if cpu else "--backend=cuda"])
         self.assertEqual(gpus, 1 if overlay == "gpu" else None)
         self.assertEqual(resources["requests"].get("nvidia.com/gpu"), gpus)
         self.assertEqual(visible, "all" if overlay == "gpu-ipc" else None)
         if overlay == "gpu-ipc":
             self.assertGreater(config["device_budget_bytes"], 0)
-        self.assertEqual(spec.get("hostIPC", False), overlay == "gpu-ipc")
+        self.assertEqual(spec.get("hostIPC", False), overlay in SHARED_MEMORY_OVERLAYS)
         self.assertEqual(spec.get("hostPID", False), overlay == "gpu-ipc")
-        self.assertEqual(config["allow_client_regions"], overlay == "gpu-ipc")
+        self.assertEqual(config["allow_client_regions"], overlay in SHARED_MEMORY_OVERLAYS)
+        self.assertEqual(config["prefix_cache_enabled"], overlay == "prefix-cache")
         affinity = spec["affinity"]["podAffinity"]
         preferred = [t["podAffinityTerm"]["labelSelector"]["matchLabels"]
                      for t in affinity.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
         required = [t["labelSelector"]["matchLabels"]
                     for t in affinity.get("requiredDuringSchedulingIgnoredDuringExecution", [])]
         self.assertIn(INFERENCE_LABEL, preferred + required)
-        if overlay == "gpu-ipc":  # shared memory does not cross nodes
+        if overlay in SHARED_MEMORY_OVERLAYS:  # shared memory does not cross nodes
             self.assertEqual(required, [INFERENCE_LABEL])
 
         # Voluntary disruptions take one replica at a time.
@@ -288,7 +294,8 @@ class KvtdManifestTest(unittest.TestCase):
                 namespace = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
                 for port in rule["ports"]:
                     allowed.setdefault(port["port"], set()).add(namespace)
-        self.assertEqual(allowed, {"grpc": {"llm-router"}, "metrics": {"monitoring"}})
+        callers = {"llm-router", "llm-serving"} if overlay == "prefix-cache" else {"llm-router"}
+        self.assertEqual(allowed, {"grpc": callers, "metrics": {"monitoring"}})
         return config
 
     def test_cpu(self):
@@ -303,6 +310,80 @@ class KvtdManifestTest(unittest.TestCase):
         differ = ("allow_client_regions", "device_budget_bytes")
         self.assertEqual({k: v for k, v in ipc.items() if k not in differ},
                          {k: v for k, v in gpu.items() if k not in differ})
+
+
+    def test_prefix_cache_differs_from_cpu_in_prefix_cache_and_shared_memory_only(self):
+        node = self.check_overlay("prefix-cache")
+        cpu = self.check_overlay("cpu")
+        differ = ("allow_client_regions", "prefix_cache_enabled", "prefix_cache_max_bytes")
+        self.assertEqual({k: v for k, v in node.items() if k not in differ},
+                         {k: v for k, v in cpu.items() if k not in differ})
+        docs = render("deploy/k8s/overlays/prefix-cache")
+        # Each engine reaches the kvtd of its own node, and there is one per node.
+        self.assertEqual(one(docs, "Service", "kvtd")["spec"]["internalTrafficPolicy"], "Local")
+        anti = pod_spec(one(docs, "Deployment", "kvtd"))["affinity"]["podAntiAffinity"]
+        (term,) = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+        self.assertEqual(term["topologyKey"], "kubernetes.io/hostname")
+        self.assertEqual(term["labelSelector"]["matchLabels"], {"app.kubernetes.io/name": "kvtd"})
+
+
+class InferencePodTest(unittest.TestCase):
+    """deploy/k8s/inference: vLLM with the KvtConnector, pointed at the prefix-cache kvtd."""
+
+    def setUp(self):
+        self.engine = one(render(INFERENCE), "Deployment")
+        self.kvtd_docs = render("deploy/k8s/overlays/prefix-cache")
+        (self.container,) = pod_spec(self.engine)["containers"]
+        (flag,) = [a for a in self.container["args"] if a.startswith("--kv-transfer-config=")]
+        self.transfer = json.loads(flag.split("=", 1)[1])
+
+    def test_connector_is_the_projects(self):
+        self.assertEqual(self.transfer["kv_connector"], "KvtConnector")
+        self.assertEqual(self.transfer["kv_role"], "kv_both")
+        module = self.transfer["kv_connector_module_path"]
+        self.assertEqual(module, "kvt.vllm")
+        package = os.path.join(_workspace_root(), "clients", "python", *module.split("."))
+        self.assertTrue(os.path.exists(os.path.join(package, "__init__.py")), package)
+
+    def test_connector_reaches_the_kvtd_on_its_node(self):
+        extra = self.transfer["kv_connector_extra_config"]
+        service = one(self.kvtd_docs, "Service", "kvtd")
+        host, port = extra["kvtd_address"].rsplit(":", 1)
+        namespace = service["metadata"]["namespace"]
+        self.assertEqual(host, f"{service['metadata']['name']}.{namespace}.svc.cluster.local")
+        grpc_port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]["port"]
+        self.assertEqual(int(port), grpc_port)
+        # The engine's namespace is one kvtd's NetworkPolicy admits on gRPC.
+        policy = one(self.kvtd_docs, "NetworkPolicy", "kvtd")
+        admitted = {peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                    for rule in policy["spec"]["ingress"] for peer in rule["from"]
+                    if any(p["port"] == "grpc" for p in rule["ports"])}
+        self.assertIn(self.engine["metadata"]["namespace"], admitted)
+        # The model name mappers use is the name the engine serves.
+        served = [a for a in self.container["args"] if a.startswith("--served-model-name=")]
+        self.assertEqual(served, ["--served-model-name=" + extra["model_name"]])
+
+    def test_engine_shares_memory_and_is_scheduled_beside_kvtd(self):
+        spec = pod_spec(self.engine)
+        self.assertTrue(spec["hostIPC"])
+        labels = self.engine["spec"]["template"]["metadata"]["labels"]
+        self.assertEqual({k: labels[k] for k in INFERENCE_LABEL}, INFERENCE_LABEL)
+        mounts = [m["mountPath"] for m in self.container.get("volumeMounts", [])]
+        self.assertNotIn("/dev/shm", mounts)  # the node's /dev/shm, seen by kvtd
+
+    def test_dockerfile_paths_exist(self):
+        text = read("deploy", "docker", "Dockerfile.vllm")
+        lines = [l.strip() for l in re.sub(r"\\\n", " ", text).splitlines()
+                 if l.strip() and not l.strip().startswith("#")]
+        repo = _workspace_root()
+        for line in lines:
+            if line.startswith("COPY "):
+                for source in line.split()[1:-1]:
+                    self.assertTrue(os.path.exists(os.path.join(repo, source)), source)
+        self.assertIn("clients/python/gen_protos.py", " ".join(lines))
+        self.assertEqual(self.container["image"].split(":")[0].rsplit("/", 1)[-1], "kvt-vllm")
+        self.assertIn('ENTRYPOINT ["/opt/venv/bin/vllm"]', lines)
+        self.assertEqual(self.container["args"][0], "serve")
 
 
 class FitJobTest(unittest.TestCase):

@@ -35,6 +35,9 @@ int main(int argc, char** argv) {
       {"allow_client_regions", c.shared_memory.allow_client_regions},
       {"tls", !c.security.tls_cert_file.empty()},
       {"auth_token_file", c.security.auth_token_file},
+      {"prefix_cache_enabled", c.prefix_cache.enabled},
+      {"prefix_cache_max_bytes", c.prefix_cache.max_bytes},
+      {"prefix_cache_block_tokens", c.prefix_cache.block_tokens},
   };
   std::printf("%s\n", out.dump(2).c_str());
   return 0;
