@@ -72,11 +72,13 @@ class PrefixCache:
                 layers: Union[KVCache, Iterable[LayerArrays]], *,
                 num_layers: Optional[int] = None, dtype: str = "fp32", layout: str = "NHD",
                 ttl_seconds: int = 0, request_id: str = "", chunk_bytes: Optional[int] = None,
-                timeout: Optional[float] = None) -> prefix_cache_pb2.PublishResponse:
+                wait_for_ready: bool = False, timeout: Optional[float] = None
+                ) -> prefix_cache_pb2.PublishResponse:
         """Stores `model`'s cache of `token_ids` (token i at position i). `layers` is a KVCache
         or an iterable of (K, V) per layer in `layout`, each covering every token; numpy arrays
         or anything np.asarray accepts (CPU torch tensors). The server keeps whole blocks of its
-        prefix_cache.block_tokens only."""
+        prefix_cache.block_tokens only. wait_for_ready: wait (up to the deadline) for a
+        connection instead of failing at once while kvtd is unreachable."""
         if isinstance(layers, KVCache):
             dtype, layout = layers.dtype or "fp32", layers.layout
             num_layers = layers.num_layers
@@ -123,7 +125,8 @@ class PrefixCache:
 
         try:
             return self._stub.Publish(requests(), timeout=self._timeout(timeout),
-                                      metadata=self.client._metadata)
+                                      metadata=self.client._metadata,
+                                      wait_for_ready=wait_for_ready)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 

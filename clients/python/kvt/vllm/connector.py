@@ -1,0 +1,746 @@
+"""KvtConnector: a vLLM V1 KV connector that publishes each engine's KV to kvtd and reuses a prefix
+that another member of the model family published, translated by kvtd (issue 19; docs/VLLM.md).
+
+Scheduler side (engine core process):
+  * on_new_request parses kv_transfer_params["kvt"] ({"reuse": "auto"|"forbid"|"force",
+    "mapper_id": ..., "min_tokens": ...}); a bad key or value makes the request's outcome
+    "unsupported" with the key named (it is then served as a plain request; raising here would
+    kill the engine core).
+  * get_num_new_matched_tokens runs LookupPrefix on a thread of its own (the scheduler loop never
+    waits on kvtd: it answers None, "ask again", until the lookup is back or its deadline
+    passed), never counting the prompt's last token and only whole vLLM blocks beyond the local
+    prefix-cache hit. A hit is loaded asynchronously (the request waits in
+    WAITING_FOR_REMOTE_KVS while other requests keep decoding).
+  * request_finished returns kv_transfer_params {"kvt": {"outcome": ...}} (the request output
+    carries it), logs one JSON line, and holds the blocks until the worker has copied the
+    request's prompt + generated KV for the final publish.
+
+Worker side (model runner process):
+  * start_load_kv starts TranslateKV on the lease; target chunks are written into the request's
+    blocks layer by layer as they arrive; get_transfer_results reports the load done or failed
+    (vLLM's recompute policy then prefills the request as if nothing had been loaded).
+  * wait_for_save copies the prompt blocks of requests whose prefill ended this step (and the
+    final blocks of finished requests) out of the paged cache and queues them for a publisher
+    thread (bounded queue: a full queue drops the publish and counts it).
+
+Translated blocks never serve as exact prefix-cache hits of a plain request unless
+allow_translated_prefix_cache is set: a request that applies a translated prefix gets a cache
+salt ("kvt-translated:<mapper>") before its blocks are cached, so its block hashes (and those of
+everything it computes after the prefix) differ from a plain request's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                 KVConnectorMetadata,
+                                                                 KVConnectorRole,
+                                                                 KVConnectorTransferResults,
+                                                                 KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvt.vllm.paged import PagedLayout, gather_tokens, layer_order, scatter_tokens
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.kvt")
+
+_TORCH_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# kv_connector_extra_config keys and their defaults (docs/VLLM.md lists them).
+DEFAULTS: Dict[str, Any] = {
+    "kvtd_address": None,               # required: "host:port" or "unix:/path"
+    "model_name": None,                 # required: the model's name in mapper manifests
+    "lookup_timeout_s": 0.5,            # LookupPrefix deadline
+    "translate_timeout_s": 10.0,        # TranslateKV deadline (whole stream)
+    "publish_timeout_s": 30.0,          # Publish deadline
+    "publish": True,                    # publish after prefill
+    "publish_final": True,              # publish prompt + generated when a request ends
+    "publish_queue_size": 8,            # pending publishes; beyond it they are dropped
+    "block_tokens": 16,                 # kvtd's prefix_cache.block_tokens
+    "min_reuse_tokens": 0,              # 0 = one vLLM block
+    "reuse": "auto",                    # default policy of requests without kvt params
+    "allow_translated_prefix_cache": False,  # the hazard opt-in (docs/VLLM.md)
+    "log_outcomes": True,               # one JSON log line per request
+}
+
+_PARAM_KEYS = {"reuse", "mapper_id", "min_tokens"}
+_POLICIES = ("auto", "forbid", "force")
+
+
+# -- kv_transfer_params -----------------------------------------------------------------------
+
+def parse_kv_transfer_params(params: Any, default_reuse: str = "auto") -> Dict[str, Any]:
+    """The kvt options of a request's kv_transfer_params ({"kvt": {...}}): reuse, mapper_id,
+    min_tokens. Raises ValueError naming the offending key."""
+    out = {"reuse": default_reuse, "mapper_id": "", "min_tokens": 0}
+    if params is None:
+        return out
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params: expected an object, got {type(params).__name__}")
+    kvt = params.get("kvt")
+    if kvt is None:
+        return out
+    if not isinstance(kvt, dict):
+        raise ValueError(f"kv_transfer_params.kvt: expected an object, got {type(kvt).__name__}")
+    for key in kvt:
+        if key not in _PARAM_KEYS:
+            raise ValueError(f"kv_transfer_params.kvt.{key}: unknown key (known: "
+                             f"{', '.join(sorted(_PARAM_KEYS))})")
+    if "reuse" in kvt:
+        reuse = kvt["reuse"]
+        if not isinstance(reuse, str) or reuse not in _POLICIES:
+            raise ValueError(f"kv_transfer_params.kvt.reuse: {reuse!r} is not one of "
+                             f"{', '.join(_POLICIES)}")
+        out["reuse"] = reuse
+    if "mapper_id" in kvt:
+        mapper_id = kvt["mapper_id"]
+        if not isinstance(mapper_id, str) or not mapper_id:
+            raise ValueError(f"kv_transfer_params.kvt.mapper_id: {mapper_id!r} is not a "
+                             "non-empty string")
+        out["mapper_id"] = mapper_id
+    if "min_tokens" in kvt:
+        value = kvt["min_tokens"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"kv_transfer_params.kvt.min_tokens: {value!r} is not an "
+                             "integer >= 0")
+        out["min_tokens"] = value
+    return out
+
+
+def validate_kv_transfer_params(params: Any) -> None:
+    """Client-side check before submitting a request (raises ValueError naming the key)."""
+    parse_kv_transfer_params(params)
+
+
+# -- stats ------------------------------------------------------------------------------------
+
+_COUNTERS = ("requests", "lookups", "lookup_errors", "hits", "applied", "fallback_reprefill",
+             "unsupported", "tokens_reused", "load_failures", "publishes", "publish_dropped",
+             "publish_failed", "publish_bytes")
+
+
+@dataclass
+class KvtConnectorStats(KVConnectorStats):
+    """Counters since the last interval (sums across workers and the scheduler)."""
+
+    def __post_init__(self) -> None:
+        for name in _COUNTERS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = {name: 0 for name in _COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvtConnectorStats":
+        for name, value in (other.data or {}).items():
+            if isinstance(value, (int, float)):
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> Dict[str, int | float]:
+        return {name: self.data.get(name, 0) for name in _COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name, 0) for name in _COUNTERS)
+
+    def add(self, name: str, value: int = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+@dataclass
+class KvtConnectorMetadata(KVConnectorMetadata):
+    # Loads to start: {req_id, lease_id, mapper_id, matched_tokens, dtype, start, end, block_ids}
+    loads: List[Dict[str, Any]] = field(default_factory=list)
+    # Copies to publish: {req_id, kind "prompt"|"final", token_ids, block_ids}
+    publishes: List[Dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class KvtWorkerMetadata(KVConnectorWorkerMetadata):
+    # req_id -> {"ok": bool, "error": str, "translate_ms", "load_ms", "kvtd": {...}}
+    loads: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvtWorkerMetadata":
+        assert isinstance(other, KvtWorkerMetadata)
+        for req_id, result in other.loads.items():
+            mine = self.loads.get(req_id)
+            if mine is None or (mine.get("ok") and not result.get("ok")):
+                self.loads[req_id] = result  # a failure on any worker fails the load
+        return self
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request."""
+    request: Any
+    options: Dict[str, Any]
+    outcome: Dict[str, Any]
+    lookup: Optional[Future] = None
+    lookup_started: float = 0.0
+    lookup_ms: float = 0.0
+    decided: bool = False        # the reuse decision is made (ext tokens fixed)
+    ext_tokens: int = 0          # tokens this connector loads
+    load: Optional[Dict[str, Any]] = None
+    load_sent: bool = False
+    prompt_published: bool = False
+    salted: bool = False
+    orig_salt: Optional[str] = None
+    orig_hashes: Optional[list] = None
+
+
+class KvtConnector(KVConnectorBase_V1):
+    """See the module docstring and docs/VLLM.md."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - set(DEFAULTS))
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(DEFAULTS))})")
+        self.config = {**DEFAULTS, **extra}
+        for key in ("kvtd_address", "model_name"):
+            if not self.config[key]:
+                raise ValueError(f"kv_connector_extra_config.{key} is required")
+        if self.config["reuse"] not in _POLICIES:
+            raise ValueError(f"kv_connector_extra_config.reuse: {self.config['reuse']!r} is not "
+                             f"one of {', '.join(_POLICIES)}")
+        self.model_name: str = self.config["model_name"]
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.block_tokens: int = int(self.config["block_tokens"])
+        self.allow_translated = bool(self.config["allow_translated_prefix_cache"])
+        model_config = vllm_config.model_config
+        self.engine_dtype = _TORCH_DTYPE_NAMES.get(model_config.dtype, "fp32")
+        self.num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+        self.head_dim = model_config.get_head_size()
+        self._client: Any = None
+        self._prefix: Any = None
+        self._client_lock = threading.Lock()
+        self._stats = KvtConnectorStats()
+        self._stats_lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            # A failed load must never fail a request: vLLM then recomputes (0.32's default
+            # policy is "fail").
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.info("kvt: setting kv_load_failure_policy=recompute (a failed "
+                            "translation falls back to prefill)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._reqs: Dict[str, _Request] = {}
+            self._pending_loads: List[Dict[str, Any]] = []
+            self._pending_finals: List[Dict[str, Any]] = []
+            self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvt-lookup")
+        else:
+            self._kv_caches: Dict[str, torch.Tensor] = {}
+            self._layers: List[str] = []
+            self._loads: Dict[str, "_Load"] = {}
+            self._loads_lock = threading.Lock()
+            self._done_loads: Dict[str, Dict[str, Any]] = {}
+            self._finals_copied: set = set()
+            self._failed_this_step: set = set()
+            self._publish_queue: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue(
+                maxsize=max(1, int(self.config["publish_queue_size"])))
+            self._publisher = threading.Thread(target=self._publish_loop, name="kvt-publish",
+                                               daemon=True)
+            self._publisher.start()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # publishing is best effort: a dropped publish is a future miss
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    def _kvt(self) -> Tuple[Any, Any]:
+        with self._client_lock:
+            if self._client is None:
+                import kvt
+                from kvt.prefix import PrefixCache
+                self._client = kvt.Client(self.config["kvtd_address"], timeout=None,
+                                          channel_options=[
+                                              ("grpc.initial_reconnect_backoff_ms", 100),
+                                              ("grpc.min_reconnect_backoff_ms", 100),
+                                              ("grpc.max_reconnect_backoff_ms", 1000)])
+                self._prefix = PrefixCache(self._client)
+            return self._client, self._prefix
+
+    def _count(self, name: str, value: int = 1) -> None:
+        with self._stats_lock:
+            self._stats.add(name, value)
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KvtConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> Optional[KVConnectorStats]:
+        return KvtConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.SCHEDULER:
+            self._lookups.shutdown(wait=False, cancel_futures=True)
+        else:
+            try:
+                self._publish_queue.put_nowait(None)
+            except queue.Full:
+                pass
+        if self._client is not None:
+            self._client.close()
+
+    # ============================== scheduler side ==============================================
+
+    def _state(self, request: "Request") -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            self.on_new_request(request)
+            st = self._reqs[request.request_id]
+        return st
+
+    def on_new_request(self, request: "Request") -> None:
+        self._count("requests")
+        try:
+            options = parse_kv_transfer_params(request.kv_transfer_params, self.config["reuse"])
+            outcome: Dict[str, Any] = {}
+        except ValueError as error:
+            options = {"reuse": "forbid", "mapper_id": "", "min_tokens": 0}
+            outcome = {"outcome": "unsupported", "reason": "bad_kv_transfer_params",
+                       "detail": str(error)}
+            logger.error("kvt: request %s: %s (served without reuse)", request.request_id,
+                         error)
+        self._reqs[request.request_id] = _Request(request=request, options=options,
+                                                  outcome=outcome)
+
+    def _fallback(self, st: _Request, reason: str, detail: str = "") -> Tuple[int, bool]:
+        st.decided = True
+        st.ext_tokens = 0
+        if not st.outcome:
+            st.outcome = {"outcome": "fallback_reprefill", "reason": reason}
+            if detail:
+                st.outcome["detail"] = detail
+        return 0, False
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int
+                                   ) -> Tuple[Optional[int], bool]:
+        st = self._state(request)
+        if st.decided:
+            # Asked again (the allocation failed, or the request was preempted / its load
+            # failed): never load twice from one lease.
+            if st.load is not None and not st.load_sent:
+                return st.ext_tokens, st.ext_tokens > 0
+            return 0, False
+        if st.outcome.get("outcome") == "unsupported":
+            st.decided = True
+            return 0, False
+        if st.options["reuse"] == "forbid":
+            return self._fallback(st, "forbidden", "kv_transfer_params kvt.reuse=forbid")
+        prompt = list(request.prompt_token_ids or [])
+        # vLLM computes at least the last prompt token itself; whole vLLM blocks only.
+        limit = (len(prompt) - 1) // self.block_size * self.block_size
+        if limit <= num_computed_tokens:
+            return self._fallback(
+                st, "too_short" if num_computed_tokens == 0 else "local_prefix_cache",
+                f"{len(prompt)} prompt tokens, {num_computed_tokens} from the engine's own "
+                f"prefix cache, block size {self.block_size}")
+        if st.lookup is None:
+            min_tokens = max(num_computed_tokens + self.block_size,
+                             int(self.config["min_reuse_tokens"]), st.options["min_tokens"])
+            _, prefix = self._kvt()
+            st.lookup_started = time.monotonic()
+            self._count("lookups")
+            st.lookup = self._lookups.submit(
+                prefix.lookup, self.model_name, prompt, policy=st.options["reuse"],
+                mapper_id=st.options["mapper_id"], min_tokens=min_tokens, max_tokens=limit,
+                request_id=request.request_id, timeout=float(self.config["lookup_timeout_s"]))
+            st.lookup.add_done_callback(lambda _f, st=st: setattr(
+                st, "lookup_ms", (time.monotonic() - st.lookup_started) * 1e3))
+        if not st.lookup.done():
+            return None, False  # ask again next step; the scheduler loop does not wait
+        try:
+            response = st.lookup.result()
+        except Exception as error:  # kvtd down, deadline, any RPC error
+            self._count("lookup_errors")
+            return self._fallback(st, "lookup_failed", _describe(error))
+        if not response.hit:
+            return self._fallback(st, response.miss_reason or "miss", response.detail)
+        self._count("hits")
+        end = min(response.matched_tokens, limit) // self.block_size * self.block_size
+        if end <= num_computed_tokens:
+            return self._fallback(st, "local_prefix_cache",
+                                  f"kvtd offers {response.matched_tokens} tokens, the engine's "
+                                  f"own prefix cache holds {num_computed_tokens}")
+        from kvt.cache import DTYPE_NAMES
+        st.decided = True
+        st.ext_tokens = end - num_computed_tokens
+        st.load = {"req_id": request.request_id, "lease_id": response.lease_id,
+                   "mapper_id": response.mapper_id, "matched_tokens": response.matched_tokens,
+                   "dtype": DTYPE_NAMES.get(response.dtype, "fp32"),
+                   "start": num_computed_tokens, "end": end,
+                   "source_model": response.source_model,
+                   "gate": {"passed": response.gate.passed,
+                            "mapper_quality": response.gate.mapper_quality,
+                            **({"input_shift_score": response.gate.input_shift_score}
+                               if response.gate.HasField("input_shift_score") else {})}}
+        if not self.allow_translated:
+            self._salt(st, response.mapper_id)
+        return st.ext_tokens, True
+
+    def _salt(self, st: _Request, mapper_id: str) -> None:
+        """Re-hash the request under a salt so its translated blocks (and every block computed
+        on top of them) never match a plain request's prefix-cache lookup."""
+        request = st.request
+        st.orig_salt = request.cache_salt
+        st.orig_hashes = list(request.block_hashes)
+        salt = f"kvt-translated:{mapper_id}"
+        request.cache_salt = f"{st.orig_salt}|{salt}" if st.orig_salt else salt
+        request.block_hashes.clear()
+        request.update_block_hashes()
+        st.salted = True
+
+    def _unsalt(self, st: _Request) -> None:
+        if not st.salted:
+            return
+        request = st.request
+        request.cache_salt = st.orig_salt
+        request.block_hashes.clear()
+        request.update_block_hashes()
+        st.salted = False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.load is None or st.load_sent or num_external_tokens == 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        load = dict(st.load)
+        load["block_ids"] = block_ids
+        load["scheduled_at"] = time.monotonic()
+        self._pending_loads.append(load)
+        st.load_sent = True
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvtConnectorMetadata(loads=self._pending_loads, publishes=self._pending_finals)
+        self._pending_loads, self._pending_finals = [], []
+        if not self.config["publish"]:
+            return meta
+        scheduled: List[Tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            scheduled.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled.extend(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in scheduled:
+            st = self._reqs.get(req_id)
+            if st is None or st.prompt_published:
+                continue
+            request = st.request
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            prompt_len = request.num_prompt_tokens
+            if done < prompt_len:
+                continue
+            st.prompt_published = True
+            n = prompt_len // self.block_tokens * self.block_tokens
+            if n == 0 or self._kv_cache_manager is None:
+                continue
+            block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+            meta.publishes.append({"req_id": req_id, "kind": "prompt",
+                                   "token_ids": list(request.prompt_token_ids[:n]),
+                                   "block_ids": block_ids[:(n + self.block_size - 1)
+                                                          // self.block_size]})
+        return meta
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KvtWorkerMetadata):
+            return
+        for req_id, result in meta.loads.items():
+            st = self._reqs.get(req_id)
+            if st is None or st.load is None:
+                continue
+            st.load["result"] = result
+            if not result.get("ok"):
+                self._count("load_failures")
+                # vLLM recomputes the request from scratch: its blocks are exact again.
+                self._unsalt(st)
+                st.outcome = {"outcome": "fallback_reprefill", "reason": "translate_failed",
+                              "detail": result.get("error", "")}
+
+    def request_finished(self, request: "Request", block_ids: List[int]
+                         ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if not st.outcome:
+            if st.load is not None and st.load.get("result", {}).get("ok"):
+                result = st.load["result"]
+                st.outcome = {
+                    "outcome": "applied", "tokens_reused": st.load["end"] - st.load["start"],
+                    "prefix_tokens": st.load["end"], "source_model": st.load["source_model"],
+                    "mapper_id": st.load["mapper_id"],
+                    "timings": {"lookup_ms": round(st.lookup_ms, 3),
+                                "translate_ms": result.get("translate_ms", 0.0),
+                                "load_ms": result.get("load_ms", 0.0),
+                                "kvtd_total_ms": result.get("kvtd_total_ms", 0.0)},
+                    "gate": st.load["gate"], "prefix_cache": "shared" if self.allow_translated
+                    else "salted"}
+                if "input_shift_score" in result:
+                    st.outcome["input_shift_score"] = result["input_shift_score"]
+            elif st.load is not None:
+                st.outcome = {"outcome": "fallback_reprefill", "reason": "not_loaded",
+                              "detail": "the request ended before its translated prefix loaded"}
+            else:
+                st.outcome = {"outcome": "fallback_reprefill", "reason": "not_scheduled",
+                              "detail": "the request ended before a reuse decision"}
+        outcome = st.outcome
+        self._count({"applied": "applied", "fallback_reprefill": "fallback_reprefill"}.get(
+            outcome["outcome"], "unsupported"))
+        if outcome["outcome"] == "applied":
+            self._count("tokens_reused", outcome["tokens_reused"])
+        if self.config["log_outcomes"]:
+            logger.info("kvt_outcome %s", json.dumps(
+                {"request_id": request.request_id, "model": self.model_name, **outcome},
+                sort_keys=True))
+        delay = False
+        if self.config["publish_final"] and block_ids:
+            n = min(request.num_computed_tokens, len(request.all_token_ids))
+            n = n // self.block_tokens * self.block_tokens
+            if n > 0 and (n > request.num_prompt_tokens // self.block_tokens * self.block_tokens
+                          or not self.config["publish"]):
+                self._pending_finals.append({
+                    "req_id": request.request_id, "kind": "final",
+                    "token_ids": list(request.all_token_ids[:n]),
+                    "block_ids": list(block_ids[:(n + self.block_size - 1) // self.block_size]),
+                    "hold": True})
+                delay = True
+        return delay, {"kvt": outcome}
+
+    # ============================== worker side =================================================
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._layers = layer_order(list(kv_caches))
+        # The kernel's element order within a block, asked of the kernel (kvt/vllm/paged.py).
+        self._paged = {name: PagedLayout(kv_caches[name], self.num_kv_heads, self.head_dim)
+                       for name in self._layers}
+        first = self._paged[self._layers[0]]
+        logger.info("kvt: %d attention layers, paged layout %s (ISA %s), block size %d",
+                    len(self._layers), first.kind, first.isa or "-", first.block_size)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KvtConnectorMetadata):
+            return
+        for spec in meta.loads:
+            load = _Load(self, spec)
+            with self._loads_lock:
+                self._loads[spec["req_id"]] = load
+            load.start()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: vLLM does not schedule a request before they finish
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # publishes are copied once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KvtConnectorMetadata) or not meta.publishes:
+            return
+        for spec in meta.publishes:
+            try:
+                if spec["req_id"] in self._failed_this_step and spec["kind"] == "prompt":
+                    continue  # its blocks hold a failed load; the final publish covers it
+                self._copy_and_queue(spec)
+            except Exception as error:  # never fail a step for a publish
+                self._count("publish_failed")
+                logger.warning("kvt: publish copy of %s failed: %s", spec["req_id"], error)
+            finally:
+                if spec.get("hold"):
+                    self._finals_copied.add(spec["req_id"])
+
+    def _copy_and_queue(self, spec: Dict[str, Any]) -> None:
+        n = len(spec["token_ids"])
+        layers = []
+        for name in self._layers:
+            k, v = gather_tokens(self._kv_caches[name], self._paged[name], spec["block_ids"],
+                                 0, n)
+            layers.append((k.float().numpy() if self.engine_dtype == "bf16" else k.numpy(),
+                           v.float().numpy() if self.engine_dtype == "bf16" else v.numpy()))
+        item = {"req_id": spec["req_id"], "kind": spec["kind"], "token_ids": spec["token_ids"],
+                "layers": layers}
+        try:
+            self._publish_queue.put_nowait(item)
+        except queue.Full:
+            self._count("publish_dropped")
+            logger.warning("kvt: publish queue full, dropped the %s publish of %s",
+                           spec["kind"], spec["req_id"])
+
+    def _publish_loop(self) -> None:
+        while True:
+            item = self._publish_queue.get()
+            if item is None:
+                return
+            try:
+                _, prefix = self._kvt()
+                prefix.publish(self.model_name, item["token_ids"], item["layers"],
+                               dtype=self.engine_dtype, layout="NHD",
+                               request_id=f"{item['req_id']}/{item['kind']}",
+                               wait_for_ready=True, timeout=float(self.config["publish_timeout_s"]))
+                self._count("publishes")
+                self._count("publish_bytes", sum(k.nbytes + v.nbytes for k, v in item["layers"]))
+            except Exception as error:
+                self._count("publish_failed")
+                logger.warning("kvt: publish of %s (%s, %d tokens) failed: %s", item["req_id"],
+                               item["kind"], len(item["token_ids"]), _describe(error))
+
+    def get_transfer_results(self, finished_req_ids: set) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        self._failed_this_step = set()
+        with self._loads_lock:
+            for req_id, result in list(self._done_loads.items()):
+                results.finished_recving.add(req_id)
+                if not result["ok"]:
+                    results.failed_recving.add(req_id)
+                    self._failed_this_step.add(req_id)
+            self._reported, self._done_loads = dict(self._done_loads), {}
+        results.finished_sending = set(self._finals_copied)
+        self._finals_copied = set()
+        return results
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        reported = getattr(self, "_reported", None)
+        if not reported:
+            return None
+        self._reported = {}
+        return KvtWorkerMetadata(loads=reported)
+
+    def _load_done(self, req_id: str, result: Dict[str, Any]) -> None:
+        with self._loads_lock:
+            self._loads.pop(req_id, None)
+            self._done_loads[req_id] = result
+        if not result["ok"]:
+            logger.warning("kvt: load of %s failed, vLLM recomputes it: %s", req_id,
+                           result.get("error"))
+
+
+class _Load:
+    """One asynchronous TranslateKV of a leased prefix into a request's blocks."""
+
+    def __init__(self, connector: KvtConnector, spec: Dict[str, Any]) -> None:
+        self.c = connector
+        self.spec = spec
+        self.thread = threading.Thread(target=self._run, name=f"kvt-load-{spec['req_id']}",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        spec, c = self.spec, self.c
+        t0 = time.monotonic()
+        result: Dict[str, Any] = {"ok": False}
+        try:
+            result = self._translate()
+        except Exception as error:
+            result = {"ok": False, "error": _describe(error)}
+        result["translate_ms"] = round((time.monotonic() - t0) * 1e3, 3)
+        c._load_done(spec["req_id"], result)
+
+    def _translate(self) -> Dict[str, Any]:
+        spec, c = self.spec, self.c
+        from kvt.cache import decode
+        from kvt._proto import common_pb2
+        _, prefix = c._kvt()
+        start, end, matched = spec["start"], spec["end"], spec["matched_tokens"]
+        stream = prefix.translate_cached_stream(
+            spec["lease_id"], spec["mapper_id"], matched, dtype=spec["dtype"],
+            output_dtype=c.engine_dtype, output_layout="NHD",
+            request_id=f"{spec['req_id']}/load", timeout=float(c.config["translate_timeout_s"]))
+        layers = c._layers
+        heads, dim = c.num_kv_heads, c.head_dim
+        covered = np.zeros((len(layers), 2, end - start), dtype=bool)
+        header = trailer = None
+        load_s = 0.0
+        out_dtype = "fp32"
+        for which, message in stream:
+            if which == "header":
+                header = message
+                shape = header.target_shape
+                if (shape.num_layers != len(layers) or shape.num_kv_heads != heads or
+                        shape.head_dim != dim):
+                    stream.cancel()
+                    raise RuntimeError(
+                        f"mapper {spec['mapper_id']} produces {shape.num_layers}x"
+                        f"{shape.num_kv_heads}x{shape.head_dim}, this engine's cache is "
+                        f"{len(layers)}x{heads}x{dim}")
+                from kvt.cache import DTYPE_NAMES
+                out_dtype = DTYPE_NAMES.get(header.output_dtype, c.engine_dtype)
+                if header.output_layout != common_pb2.LAYOUT_NHD:
+                    stream.cancel()
+                    raise RuntimeError("kvtd answered a layout other than NHD")
+            elif which == "chunk":
+                if header is None:
+                    raise RuntimeError("a target chunk before the response header")
+                chunk = message
+                lo, hi = max(chunk.token_start, start), min(chunk.token_start +
+                                                            chunk.token_count, end)
+                if chunk.layer >= len(layers):
+                    raise RuntimeError(f"target chunk of layer {chunk.layer}")
+                if hi <= lo:
+                    continue
+                t = time.monotonic()
+                array = decode(chunk.data, out_dtype, (chunk.token_count, heads, dim))
+                part = torch.from_numpy(array[lo - chunk.token_start:hi - chunk.token_start])
+                is_k = chunk.kind == common_pb2.CACHE_KIND_K
+                name = layers[chunk.layer]
+                scatter_tokens(c._kv_caches[name], c._paged[name], spec["block_ids"], lo,
+                               part if is_k else None, None if is_k else part)
+                covered[chunk.layer, 0 if is_k else 1, lo - start:hi - start] = True
+                load_s += time.monotonic() - t
+            elif which == "trailer":
+                trailer = message
+        if header is None or trailer is None:
+            raise RuntimeError("kvtd ended the stream without a header and trailer")
+        if not covered.all():
+            raise RuntimeError(f"kvtd's result misses {int((~covered).sum())} token rows")
+        result: Dict[str, Any] = {"ok": True, "load_ms": round(load_s * 1e3, 3),
+                                  "kvtd_total_ms": round(trailer.timings.total_ms, 3),
+                                  "kvtd_compute_ms": round(trailer.timings.compute_ms, 3)}
+        if trailer.HasField("input_shift_score"):
+            result["input_shift_score"] = trailer.input_shift_score
+        return result
+
+
+def _describe(error: BaseException) -> str:
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    if code is not None and details is not None and not callable(code):
+        return f"{getattr(code, 'name', code)}: {details}"
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,142 @@
+"""Token-level access to vLLM's paged KV cache.
+
+vLLM 0.32's CPU backend (CPU_ATTN) allocates one tensor per attention layer of shape
+[num_blocks, num_kv_heads, block_size, 2 * head_dim], but that shape is only the allocation:
+its kernels (`cpu_attn_reshape_and_cache`, ISA "vec", "vec16", "amx", ...) store each block in
+a packed order of their own (for "vec" fp32 the keys of a head are transposed, [head_dim,
+block_size], followed by the values). A naive view reads and writes the wrong elements while
+still round-tripping exactly, so this module never guesses the order: it asks the kernel. Writing
+bit patterns of every element's index into a one-block scratch cache through
+`cpu_attn_reshape_and_cache` and reading where they landed gives, per (ISA, dtype, block size,
+heads, head_dim), the memory offset of every (token offset, head, dim) of K and V within a block.
+Gathers and scatters are then plain indexed copies of the layer tensor.
+
+The common GPU layout [2, num_blocks, block_size, num_kv_heads, head_dim] (flash attention) is
+handled from its strides.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+_PERMS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+_PERMS_LOCK = threading.Lock()
+
+
+def _cpu_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> Optional[str]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except Exception:  # not a CPU build
+        return None
+    return _get_attn_isa(dtype, block_size, head_dim)
+
+
+def _kernel_offsets(dtype: torch.dtype, heads: int, block_size: int, dim: int, isa: str
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) offsets [block_size, heads, dim] within one block's heads * 2 * block_size * dim
+    elements, as cpu_attn_reshape_and_cache with `isa` places them."""
+    key = (dtype, heads, block_size, dim, isa)
+    with _PERMS_LOCK:
+        if key in _PERMS:
+            return _PERMS[key]
+    from vllm import _custom_ops as ops
+    n = block_size * heads * dim
+    t = torch.arange(block_size).view(block_size, 1, 1)
+    h = torch.arange(heads).view(1, heads, 1)
+    d = torch.arange(dim).view(1, 1, dim)
+    ids_k = 1 + (t * heads + h) * dim + d          # 0 marks an unused element
+    ids_v = ids_k + n
+    found = torch.zeros(heads * 2 * block_size * dim, dtype=torch.long)
+    for bit in range(math.ceil(math.log2(2 * n + 2))):
+        scratch = torch.zeros(1, heads, block_size, 2 * dim, dtype=dtype)
+        k_cache, v_cache = scratch.view(1, heads, 2 * block_size, dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(((ids_k >> bit) & 1).to(dtype),
+                                       ((ids_v >> bit) & 1).to(dtype), k_cache, v_cache,
+                                       torch.arange(block_size), isa)
+        found |= (scratch.reshape(-1) != 0).long() << bit
+    where = torch.full((2 * n + 1,), -1, dtype=torch.long)
+    where[found] = torch.arange(found.numel())
+    if (where[1:] < 0).any():
+        raise RuntimeError(f"cpu_attn_reshape_and_cache ({isa}, {dtype}) left elements unplaced")
+    offsets = (where[1:n + 1].view(block_size, heads, dim),
+               where[n + 1:].view(block_size, heads, dim))
+    with _PERMS_LOCK:
+        _PERMS[key] = offsets
+    return offsets
+
+
+class PagedLayout:
+    """Where token t of a request (block table `block_ids`) lives in one layer's paged cache."""
+
+    def __init__(self, kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+        shape = tuple(kv_cache.shape)
+        self.heads, self.dim = num_kv_heads, head_dim
+        if not kv_cache.is_contiguous():
+            raise ValueError(f"paged KV cache of shape {shape} is not contiguous")
+        if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_dim:
+            self.kind = "cpu_attn"
+            self.block_size = shape[2]
+            self.block_elems = num_kv_heads * 2 * self.block_size * head_dim
+            isa = _cpu_isa(kv_cache.dtype, self.block_size, head_dim)
+            if isa is None:
+                raise ValueError(f"KV cache shape {shape} is CPU_ATTN's, but no CPU vLLM build")
+            self.isa = isa
+            self._k, self._v = _kernel_offsets(kv_cache.dtype, num_kv_heads, self.block_size,
+                                               head_dim, isa)
+        elif (len(shape) == 5 and shape[0] == 2 and shape[3] == num_kv_heads and
+              shape[4] == head_dim):
+            self.kind = "nhd_blocks"
+            self.isa = ""
+            self.block_size = shape[2]
+            self.block_elems = self.block_size * num_kv_heads * head_dim
+            local = torch.arange(self.block_elems).view(self.block_size, num_kv_heads, head_dim)
+            self._k = local
+            self._v = local + shape[1] * self.block_elems  # the V half follows all K blocks
+        else:
+            raise ValueError(f"unsupported paged KV cache shape {shape} for {num_kv_heads} KV "
+                             f"heads x {head_dim}")
+
+    def index(self, block_ids: Sequence[int], start: int, end: int
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Flat element indices (K, V), each [end - start, heads, dim], of tokens [start, end)."""
+        tokens = torch.arange(start, end, dtype=torch.long)
+        table = torch.as_tensor(list(block_ids), dtype=torch.long)
+        base = (table[tokens // self.block_size] * self.block_elems).view(-1, 1, 1)
+        offsets = tokens % self.block_size
+        return base + self._k[offsets], base + self._v[offsets]
+
+
+def gather_tokens(kv_cache: torch.Tensor, layout: PagedLayout, block_ids: Sequence[int],
+                  start: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Copies of tokens [start, end) from one layer's paged cache: (K, V), each
+    [end - start, num_kv_heads, head_dim] (NHD)."""
+    flat = kv_cache.view(-1)
+    ik, iv = layout.index(block_ids, start, end)
+    return flat[ik.to(flat.device)], flat[iv.to(flat.device)]
+
+
+def scatter_tokens(kv_cache: torch.Tensor, layout: PagedLayout, block_ids: Sequence[int],
+                   start: int, k: Optional[torch.Tensor], v: Optional[torch.Tensor]) -> None:
+    """Writes K and/or V ([n, num_kv_heads, head_dim], NHD) of tokens [start, start + n) into
+    one layer's paged cache."""
+    flat = kv_cache.view(-1)
+    n = (k if k is not None else v).shape[0]
+    ik, iv = layout.index(block_ids, start, start + n)
+    if k is not None:
+        flat[ik.to(flat.device)] = k.to(dtype=kv_cache.dtype, device=kv_cache.device)
+    if v is not None:
+        flat[iv.to(flat.device)] = v.to(dtype=kv_cache.dtype, device=kv_cache.device)
+
+
+def layer_order(names: Sequence[str]) -> List[str]:
+    """Attention layer names ("model.layers.12.self_attn.attn") in model order."""
+    def index(name: str) -> Tuple[int, str]:
+        for part in name.split("."):
+            if part.isdigit():
+                return int(part), name
+        return 1 << 30, name
+    return sorted(names, key=index)

@@ -1,0 +1,365 @@
+"""kvt inside vLLM, end to end (issue 19): real vLLM engines (S, M, L of the bundled family, each in
+a process of its own, KvtConnector configured), a real kvtd (//server:kvtd with the source-cache
+tier) and mappers fitted here with `kvt fit`.
+
+  (a) handoff M -> L: M serves a prompt and publishes; L serves the prompt plus a continuation,
+      reuses M's prefix translated, and its greedy tokens equal L continuing from the same
+      translated cache (fetched from kvtd with the Python client) through transformers; the
+      first token's log-probabilities agree within 1e-2.
+  (b) a conversation alternating S and L, every turn reusing the other's published prefix.
+  (c) fallbacks, each with an output identical to a plain run: kvtd stopped (lookup past its
+      deadline), kvtd killed while a lookup is in flight, a pair without a mapper, reuse
+      forbidden, the quality gate below its floor, a full source-cache budget; a bad
+      kv_transfer_params names the key and the engine keeps serving.
+  (d) the prefix-cache hazard: translated blocks are no exact hits for plain requests (default);
+      the engine that opted in (allow_translated_prefix_cache) shares them.
+
+The engines start once for the suite, in parallel with the mapper fit.
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import unittest
+
+import numpy as np
+import torch
+
+import family
+import engines as E
+import retention as R
+
+import kvt
+from kvt import adapters
+from kvt.cache import DTYPE_NAMES
+from kvt.prefix import PrefixCache
+
+WORK = os.environ.get("TEST_TMPDIR") or "/tmp/kvt-vllm-test"
+CONTEXT = 256          # prompt bytes the source serves
+CONTINUATION = 40      # extra prompt bytes the target adds
+GEN = 12               # greedy tokens compared
+
+
+def outcome(result):
+    return (result.get("kv_transfer_params") or {}).get("kvt", {})
+
+
+class Suite:
+    """What setUpModule builds: kvtd (restartable), engines, clients."""
+    kvtd = None
+    started = False
+    port = 0
+    store = ""
+    config = ""
+    engines = {}
+
+
+def start_kvtd(config=None):
+    restart = Suite.started
+    Suite.kvtd = family.start_kvtd(Suite.store, Suite.port, config or Suite.config).__enter__()
+    if restart:
+        time.sleep(1.5)  # the engines' channels reconnect (backoff at most 1 s)
+    Suite.started = True
+    return Suite.kvtd
+
+
+def stop_kvtd():
+    if Suite.kvtd is not None:
+        Suite.kvtd.__exit__(None, None, None)
+        Suite.kvtd = None
+
+
+def setUpModule():
+    torch.set_num_threads(1)
+    os.makedirs(WORK, exist_ok=True)
+    Suite.port = E.free_port()
+    address = f"127.0.0.1:{Suite.port}"
+    common = {"kvtd_address": address, "lookup_timeout_s": 2.0, "translate_timeout_s": 30.0}
+    specs = {
+        "S": {"model_name": family.NAMES["S"]},
+        # M opts in to sharing translated blocks through its own prefix cache (test (d)).
+        "M": {"model_name": family.NAMES["M"], "allow_translated_prefix_cache": True},
+        "L": {"model_name": family.NAMES["L"]},
+    }
+    Suite.engines = {name: E.Engine(name, family.model_dir(name), {**common, **spec}, WORK)
+                     for name, spec in specs.items()}
+    for engine in Suite.engines.values():
+        engine.start()
+    try:
+        Suite.store = family.fit_store(os.path.join(WORK, "fit"))
+        Suite.config = family.kvtd_yaml(os.path.join(WORK, "kvtd.yaml"))
+        start_kvtd()
+        for engine in Suite.engines.values():
+            engine.wait_ready()
+    except BaseException:
+        tearDownModule()
+        raise
+    print("engines started in " + ", ".join(f"{n} {e.start_s:.0f} s"
+                                            for n, e in Suite.engines.items()), file=sys.stderr)
+
+
+def tearDownModule():
+    for engine in Suite.engines.values():
+        engine.stop()
+    stop_kvtd()
+
+
+_salts = iter(range(1 << 30))
+
+
+def plain(engine, prompt, max_tokens=GEN, logprobs=None):
+    """A plain run: no reuse, and a cache salt of its own so it shares no prefix-cache blocks."""
+    return engine.one(prompt, max_tokens, kvt={"reuse": "forbid"},
+                      cache_salt=f"plain-{next(_salts)}", logprobs=logprobs)
+
+
+def text(n, offset):
+    return family.heldout_text(n, offset)
+
+
+class KvtConnectorTest(unittest.TestCase):
+    maxDiff = None
+
+    def client(self):
+        return kvt.Client(Suite.kvtd.address, timeout=60)
+
+    def publish_via(self, engine, prompt, max_tokens=4):
+        """Serve `prompt` on `engine` (it publishes) and wait until kvtd holds it."""
+        r = engine.one(prompt, max_tokens)
+        with self.client() as c:
+            family.wait_for_entries(c, family.NAMES[engine.name], len(prompt) // 16 * 16)
+        return r
+
+    # -- (a) ------------------------------------------------------------------------------------
+
+    def test_a_handoff_M_to_L_matches_transformers(self):
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        context = text(CONTEXT, 1000)
+        prompt = context + text(CONTINUATION, 1000 + CONTEXT)
+        self.publish_via(M, context)
+        got = L.one(prompt, GEN, logprobs=20)
+        o = outcome(got)
+        self.assertEqual(o.get("outcome"), "applied", o)
+        self.assertEqual(o["source_model"], family.NAMES["M"])
+        self.assertEqual(o["mapper_id"], "M-to-L")
+        reused = o["tokens_reused"]
+        self.assertEqual(reused, CONTEXT // 32 * 32)  # whole vLLM blocks of M's published prefix
+        for key in ("lookup_ms", "translate_ms", "load_ms"):
+            self.assertGreater(o["timings"][key], 0.0, o)
+        # The same translated cache through the Python client and transformers.
+        with self.client() as c:
+            hit = PrefixCache(c).lookup(family.NAMES["L"], prompt, max_tokens=len(prompt) - 1)
+            self.assertTrue(hit.hit, hit)
+            self.assertEqual(hit.mapper_id, "M-to-L")
+            result = c.translate_cached(hit.lease_id, hit.mapper_id, hit.matched_tokens,
+                                        dtype=DTYPE_NAMES[hit.dtype], output_dtype="fp32")
+        cache = result.target.to_layout("HND").slice_tokens(0, reused)
+        member = R.Member(family.model_dir("L"))
+        dyn = adapters.to_dynamic_cache(cache)
+        ids = list(prompt[reused:])
+        tokens = []
+        first = None
+        with torch.no_grad():
+            feed = ids
+            for _ in range(GEN):
+                out = member.hf(input_ids=torch.tensor([feed]), past_key_values=dyn,
+                                use_cache=True)
+                logp = torch.log_softmax(out.logits[0, -1].double(), dim=-1)
+                if first is None:
+                    first = logp
+                nxt = int(torch.argmax(logp))
+                tokens.append(nxt)
+                feed = [nxt]
+        self.assertEqual(got["token_ids"], tokens)
+        vllm_first = got["logprobs"][0]
+        ours = np.array([vllm_first[t] for t in sorted(vllm_first)])
+        theirs = np.array([float(first[int(t)]) for t in sorted(vllm_first)])
+        np.testing.assert_allclose(ours, theirs, rtol=1e-2, atol=1e-3)
+        # And the translated prefix is not L's own: a plain run differs in its log-probs.
+        own = plain(L, prompt, GEN, logprobs=20)
+        print(f"\n(a) M -> L: {reused} tokens reused; timings {o['timings']}; tokens "
+              f"{'equal' if own['token_ids'] == got['token_ids'] else 'differ from'} L's own "
+              "prefill", file=sys.stderr)
+
+    # -- (b) ------------------------------------------------------------------------------------
+
+    def test_b_multi_turn_alternating_S_and_L(self):
+        S, L = Suite.engines["S"], Suite.engines["L"]
+        conversation = []
+        turns = []
+        offset = 5000
+        for turn, engine in enumerate((S, L, S, L)):
+            conversation += text(96, offset)
+            offset += 96
+            r = engine.one(conversation, 24)
+            o = outcome(r)
+            turns.append((engine.name, o.get("outcome"), o.get("source_model"),
+                          o.get("tokens_reused", 0), o.get("reason")))
+            conversation += r["token_ids"]
+            with self.client() as c:  # the final publish (prompt + generated) is in kvtd
+                family.wait_for_entries(c, family.NAMES[engine.name],
+                                        len(conversation) // 16 * 16 - 16)
+        print("\n(b) turns: " + json.dumps(turns), file=sys.stderr)
+        self.assertNotEqual(turns[0][1], "applied")  # nothing published yet
+        for name, out, source, reused, _ in turns[1:]:
+            other = family.NAMES["S" if name == "L" else "L"]
+            self.assertEqual(out, "applied", turns)
+            self.assertEqual(source, other, turns)
+            self.assertGreater(reused, 0)
+
+    # -- (c) ------------------------------------------------------------------------------------
+
+    def assert_fallback(self, result, reference, reason, detail_contains=""):
+        o = outcome(result)
+        self.assertEqual(o.get("outcome"), "fallback_reprefill", o)
+        self.assertEqual(o.get("reason"), reason, o)
+        if detail_contains:
+            self.assertIn(detail_contains, o.get("detail", ""), o)
+        self.assertEqual(result["token_ids"], reference["token_ids"])
+
+    def test_c1_kvtd_past_deadline_then_killed_mid_lookup(self):
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        context = text(CONTEXT, 9000)
+        prompt = context + text(CONTINUATION, 9000 + CONTEXT)
+        self.publish_via(M, context)
+        reference = plain(L, prompt)
+        pid = Suite.kvtd._process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            slow = L.one(prompt, GEN, cache_salt="slow")
+            self.assert_fallback(slow, reference, "lookup_failed", "DEADLINE_EXCEEDED")
+            box = {}
+            worker = threading.Thread(target=lambda: box.update(
+                r=L.one(prompt, GEN, cache_salt="killed")))
+            worker.start()
+            time.sleep(0.5)  # the lookup is in flight against the stopped kvtd
+            os.kill(pid, signal.SIGKILL)
+            worker.join(120)
+            self.assert_fallback(box["r"], reference, "lookup_failed")
+            # kvtd down: still a plain run.
+            down = L.one(prompt, GEN, cache_salt="down")
+            self.assert_fallback(down, reference, "lookup_failed", "UNAVAILABLE")
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            stop_kvtd()
+            start_kvtd()
+        # Back up: reuse works again once something is published.
+        self.publish_via(M, context)
+        again = L.one(prompt, GEN, cache_salt="again")
+        self.assertEqual(outcome(again).get("outcome"), "applied", outcome(again))
+
+    def test_c2_pair_without_mapper(self):
+        M, S = Suite.engines["M"], Suite.engines["S"]
+        prompt = text(CONTEXT, 12000)
+        self.publish_via(M, prompt[:CONTEXT - 32])  # only M holds it; there is no M -> S mapper
+        reference = plain(S, prompt)
+        got = S.one(prompt, GEN)
+        self.assert_fallback(got, reference, "no_mapper")
+
+    def test_c3_forbidden(self):
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        prompt = text(CONTEXT, 14000)
+        self.publish_via(M, prompt[:CONTEXT - 32])
+        reference = plain(L, prompt)
+        got = L.one(prompt, GEN, kvt={"reuse": "forbid"}, cache_salt="forbid")
+        self.assert_fallback(got, reference, "forbidden")
+
+    def test_c4_gate_below_threshold(self):
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        prompt = text(CONTEXT, 16000)
+        stop_kvtd()
+        start_kvtd(family.kvtd_yaml(os.path.join(WORK, "kvtd-gate.yaml"),
+                                    pair_min_quality={"kvt-tiny-M->kvt-tiny-L": 0.99}))
+        try:
+            self.publish_via(M, prompt[:CONTEXT - 32])
+            reference = plain(L, prompt)
+            got = L.one(prompt, GEN)
+            self.assert_fallback(got, reference, "gate")
+            forced = L.one(prompt, GEN, kvt={"reuse": "force"}, cache_salt="forced")
+            self.assertEqual(outcome(forced).get("outcome"), "applied", outcome(forced))
+            self.assertFalse(outcome(forced)["gate"]["passed"])
+        finally:
+            stop_kvtd()
+            start_kvtd()
+
+    def test_c5_full_source_cache_budget(self):
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        prompt = text(CONTEXT, 18000)
+        stop_kvtd()
+        start_kvtd(family.kvtd_yaml(os.path.join(WORK, "kvtd-budget.yaml"), max_bytes=4096))
+        try:
+            M.one(prompt[:CONTEXT - 32], 4)  # its publish does not fit: RESOURCE_EXHAUSTED
+            deadline = time.monotonic() + 20
+            while not any("RESOURCE_EXHAUSTED" in line for line in M.log_lines("kvt: publish")):
+                self.assertLess(time.monotonic(), deadline, M.log_tail())
+                time.sleep(0.1)
+            reference = plain(L, prompt)
+            got = L.one(prompt, GEN)
+            self.assert_fallback(got, reference, "no_prefix")
+        finally:
+            stop_kvtd()
+            start_kvtd()
+
+    def test_c6_bad_kv_transfer_params_name_the_key(self):
+        L = Suite.engines["L"]
+        prompt = text(100, 20000)
+        reference = plain(L, prompt)
+        for params, key in (({"reuse": "sometimes"}, "kv_transfer_params.kvt.reuse"),
+                            ({"mapper": "M-to-L"}, "kv_transfer_params.kvt.mapper"),
+                            ({"min_tokens": -1}, "kv_transfer_params.kvt.min_tokens")):
+            got = L.one(prompt, GEN, kvt=params, cache_salt=f"bad-{key}")
+            o = outcome(got)
+            self.assertEqual(o.get("outcome"), "unsupported", o)
+            self.assertIn(key, o.get("detail", ""))
+            self.assertEqual(got["token_ids"], reference["token_ids"])
+        with self.assertRaisesRegex(ValueError, "kv_transfer_params.kvt.reuse"):
+            from kvt.vllm.connector import validate_kv_transfer_params
+            validate_kv_transfer_params({"kvt": {"reuse": 3}})
+
+    # -- (d) ------------------------------------------------------------------------------------
+
+    def test_d1_translated_blocks_are_no_hits_for_plain_requests(self):
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        context = text(CONTEXT, 22000)
+        prompt = context + text(CONTINUATION, 22000 + CONTEXT)
+        self.publish_via(M, context)
+        applied = L.one(prompt, GEN)
+        self.assertEqual(outcome(applied).get("outcome"), "applied")
+        self.assertEqual(outcome(applied).get("prefix_cache"), "salted")
+        after = L.one(prompt, GEN, kvt={"reuse": "forbid"})
+        self.assertEqual(after["num_cached_tokens"], 0, "a translated block served a plain hit")
+        # Control: a plain request's own blocks do serve the next plain request.
+        again = L.one(prompt, GEN, kvt={"reuse": "forbid"})
+        self.assertGreater(again["num_cached_tokens"], 0)
+        self.assertEqual(after["token_ids"], again["token_ids"])
+
+    def test_d2_opt_in_shares_translated_blocks(self):
+        L, M = Suite.engines["L"], Suite.engines["M"]
+        context = text(CONTEXT, 26000)
+        prompt = context + text(CONTINUATION, 26000 + CONTEXT)
+        self.publish_via(L, context)
+        applied = M.one(prompt, GEN)
+        o = outcome(applied)
+        self.assertEqual(o.get("outcome"), "applied", o)
+        self.assertEqual(o.get("prefix_cache"), "shared")
+        after = M.one(prompt, GEN, kvt={"reuse": "forbid"})
+        self.assertGreaterEqual(after["num_cached_tokens"], o["tokens_reused"])
+        self.assertEqual(after["token_ids"], applied["token_ids"])  # served from translated KV
+
+    def test_e_outcome_log_lines(self):
+        for engine in Suite.engines.values():
+            lines = engine.log_lines("kvt_outcome ")
+            self.assertTrue(lines, engine.name)
+            record = json.loads(lines[-1].split("kvt_outcome ", 1)[1])
+            self.assertIn(record["outcome"], ("applied", "fallback_reprefill", "unsupported"))
+            self.assertEqual(record["model"], family.NAMES[engine.name])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

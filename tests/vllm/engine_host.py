@@ -1,0 +1,94 @@
+"""One vLLM engine (LLM, KvtConnector configured) in a process of its own, driven over stdin /
+stdout by tests/vllm/engines.py: one JSON command per stdin line; each answer is one stdout line
+starting with "@@kvt " (vLLM's own logs share stdout and are passed through to a log file).
+
+    python3 engine_host.py --model=DIR --config='{"kvtd_address": ..., "model_name": ...}'
+
+Commands:
+  {"op": "generate", "requests": [{"prompt": [ids], "max_tokens": n, "kvt": {...} | null,
+   "cache_salt": str | null, "logprobs": k}]}
+    -> {"ok": true, "results": [{"token_ids", "kv_transfer_params", "num_cached_tokens",
+        "logprobs": [{token: logprob}] (first positions), "wall_s"}]}
+    Requests of one command are submitted together (one generate call).
+  {"op": "quit"}
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--config", required=True, help="kv_connector_extra_config as JSON")
+    parser.add_argument("--max_model_len", type=int, default=1024)
+    parser.add_argument("--block_size", type=int, default=32)
+    parser.add_argument("--no_connector", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # everything else printed goes to the log
+
+    def answer(obj):
+        out.write("@@kvt " + json.dumps(obj) + "\n")
+        out.flush()
+
+    t0 = time.monotonic()
+    kwargs = {}
+    if not args.no_connector:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtConnector", kv_connector_module_path="kvt.vllm",
+            kv_role="kv_both", kv_connector_extra_config=json.loads(args.config))
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32",
+              max_model_len=args.max_model_len, enforce_eager=True, block_size=args.block_size,
+              disable_log_stats=True, **kwargs)
+    answer({"ready": True, "start_s": time.monotonic() - t0})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        command = json.loads(line)
+        if command.get("op") == "quit":
+            answer({"ok": True})
+            break
+        try:
+            prompts, params = [], []
+            for r in command["requests"]:
+                extra = {"kv_transfer_params": {"kvt": r["kvt"]}} if r.get("kvt") is not None \
+                    else ({"kv_transfer_params": r["kv_transfer_params"]}
+                          if "kv_transfer_params" in r else None)
+                params.append(SamplingParams(max_tokens=r.get("max_tokens", 16), temperature=0.0,
+                                             detokenize=False, logprobs=r.get("logprobs"),
+                                             extra_args=extra))
+                p = TokensPrompt(prompt_token_ids=list(r["prompt"]))
+                if r.get("cache_salt"):
+                    p["cache_salt"] = r["cache_salt"]
+                prompts.append(p)
+            t = time.monotonic()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.monotonic() - t
+            results = []
+            for o in outputs:
+                c = o.outputs[0]
+                lp = None
+                if c.logprobs:
+                    lp = [{str(tok): float(v.logprob) for tok, v in pos.items()}
+                          for pos in c.logprobs[:2]]
+                results.append({"token_ids": list(c.token_ids),
+                                "kv_transfer_params": o.kv_transfer_params,
+                                "num_cached_tokens": o.num_cached_tokens, "logprobs": lp,
+                                "wall_s": wall})
+            answer({"ok": True, "results": results})
+        except Exception:
+            answer({"ok": False, "error": traceback.format_exc()})
+
+
+if __name__ == "__main__":
+    main()
