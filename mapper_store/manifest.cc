@@ -22,7 +22,7 @@ namespace {
 // code). Lets one validation routine serve parsed and hand-built manifests alike.
 struct ManifestLines {
   int root = 0, kind = 0, mlp = 0, source = 0, target = 0, source_rope = 0, target_rope = 0, k = 0,
-      lambda = 0, weights = 0, layers = 0;
+      lambda = 0, weights = 0, layers = 0, quality = 0;
   std::vector<int> layer, sigma_k, sigma_v;
 };
 
@@ -92,6 +92,16 @@ absl::Status ValidateSigma(const std::vector<int>& sigma, const char* field, siz
       return error(line, absl::StrCat("layers[", layer, "].", field, " lists source layer ", j,
                                       " twice (target layer ", layer, ")"));
     }
+  }
+  return absl::OkStatus();
+}
+
+// A cosine: finite and in [-1, 1] (a little slack for rounding in the writer's arithmetic).
+absl::Status ValidateCosine(const std::optional<double>& value, const std::string& name, int line,
+                            const ErrorMaker& error) {
+  if (value.has_value() && !(std::isfinite(*value) && std::fabs(*value) <= 1.0 + 1e-9)) {
+    return error(line, absl::StrCat(name, " = ", FormatDouble(*value),
+                                    " is not a valid cosine (finite, in [-1, 1])"));
   }
   return absl::OkStatus();
 }
@@ -172,6 +182,25 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
                                         " is not a valid R^2 (finite, <= 1)"));
       }
     }
+    if (absl::Status s = ValidateCosine(entry.attention_cosine_heldout,
+                                        absl::StrCat("layers[", l, "].attention_cosine_heldout"),
+                                        line, error);
+        !s.ok()) {
+      return s;
+    }
+  }
+  for (const auto& [name, value] :
+       {std::pair<const char*, const std::optional<double>*>{
+            "quality.attention_cosine_heldout", &m.quality.attention_cosine_heldout},
+        {"quality.attention_cosine_heldout_all_layers",
+         &m.quality.attention_cosine_heldout_all_layers}}) {
+    if (absl::Status s = ValidateCosine(*value, name, lines.quality, error); !s.ok()) return s;
+  }
+  if (m.quality.r2_heldout.has_value() &&
+      (!std::isfinite(*m.quality.r2_heldout) || *m.quality.r2_heldout > 1.0)) {
+    return error(lines.quality, absl::StrCat("quality.r2_heldout = ",
+                                             FormatDouble(*m.quality.r2_heldout),
+                                             " is not a valid R^2 (finite, <= 1)"));
   }
   if (static_cast<int>(longest) != m.k) {
     return error(lines.k, absl::StrCat("k = ", m.k, " but the longest sigma list has ", longest,
@@ -423,7 +452,7 @@ class Parser {
     const std::string where = absl::StrCat("layers[", index, "]");
     if (absl::Status s = CheckMap(node, where,
                                   {"target_layer", "sigma_k", "sigma_v", "r2_k", "r2_v",
-                                   "r2_k_heldout", "r2_v_heldout"});
+                                   "r2_k_heldout", "r2_v_heldout", "attention_cosine_heldout"});
         !s.ok()) {
       return s;
     }
@@ -447,13 +476,36 @@ class Parser {
         {"r2_k", &entry->r2_k},
         {"r2_v", &entry->r2_v},
         {"r2_k_heldout", &entry->r2_k_heldout},
-        {"r2_v_heldout", &entry->r2_v_heldout}};
+        {"r2_v_heldout", &entry->r2_v_heldout},
+        {"attention_cosine_heldout", &entry->attention_cosine_heldout}};
     for (const auto& [key, out] : r2s) {
       const YAML::Node value = node[key];
       if (!value.IsDefined()) continue;
       absl::StatusOr<double> r2 = Scalar<double>(value, Path(where, key), "a number");
       if (!r2.ok()) return r2.status();
       *out = *r2;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ParseQuality(const YAML::Node& node, ManifestQuality* quality) {
+    if (node.IsNull()) return absl::OkStatus();  // `quality:` with nothing: none recorded
+    if (absl::Status s = CheckMap(node, "quality",
+                                  {"attention_cosine_heldout",
+                                   "attention_cosine_heldout_all_layers", "r2_heldout"});
+        !s.ok()) {
+      return s;
+    }
+    for (const auto& [key, out] :
+         {std::pair<const char*, std::optional<double>*>{"attention_cosine_heldout",
+                                                         &quality->attention_cosine_heldout},
+          {"attention_cosine_heldout_all_layers", &quality->attention_cosine_heldout_all_layers},
+          {"r2_heldout", &quality->r2_heldout}}) {
+      const YAML::Node value = node[key];
+      if (!value.IsDefined()) continue;
+      absl::StatusOr<double> number = Scalar<double>(value, Path("quality", key), "a number");
+      if (!number.ok()) return number.status();
+      *out = *number;
     }
     return absl::OkStatus();
   }
@@ -477,8 +529,8 @@ class Parser {
     m.format_version = *v;
     if (absl::Status s = CheckMap(root, "",
                                   {"format_version", "kind", "mlp", "synthetic", "source", "target", "k",
-                                   "lambda", "lambda_scale", "weights", "layers", "calibration",
-                                   "created_by"});
+                                   "lambda", "lambda_scale", "weights", "quality", "layers",
+                                   "calibration", "created_by"});
         !s.ok()) {
       return s;
     }
@@ -559,6 +611,12 @@ class Parser {
                     absl::StrCat("weights.dtype: ", parsed_dtype.status().message()));
     }
     m.weights_dtype = *parsed_dtype;
+
+    const YAML::Node quality = root["quality"];
+    if (quality.IsDefined()) {
+      lines_.quality = LineOf(quality);
+      if (absl::Status s = ParseQuality(quality, &m.quality); !s.ok()) return s;
+    }
 
     absl::StatusOr<YAML::Node> layers = Required(root, "", "layers");
     if (!layers.ok()) return layers.status();
@@ -728,6 +786,17 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
   out << YAML::Key << "file" << YAML::Value << m.weights_file;
   out << YAML::Key << "dtype" << YAML::Value << DTypeName(m.weights_dtype);
   out << YAML::EndMap;
+  if (!m.quality.empty()) {
+    out << YAML::Key << "quality" << YAML::Value << YAML::Flow << YAML::BeginMap;
+    for (const auto& [key, value] :
+         {std::pair<const char*, const std::optional<double>*>{
+              "attention_cosine_heldout", &m.quality.attention_cosine_heldout},
+          {"attention_cosine_heldout_all_layers", &m.quality.attention_cosine_heldout_all_layers},
+          {"r2_heldout", &m.quality.r2_heldout}}) {
+      if (value->has_value()) out << YAML::Key << key << YAML::Value << FormatDouble(**value);
+    }
+    out << YAML::EndMap;
+  }
   out << YAML::Key << "layers" << YAML::Value << YAML::BeginSeq;
   for (const LayerEntry& layer : m.layers) {
     out << YAML::Flow << YAML::BeginMap;
@@ -740,7 +809,8 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
         {"r2_k", &layer.r2_k},
         {"r2_v", &layer.r2_v},
         {"r2_k_heldout", &layer.r2_k_heldout},
-        {"r2_v_heldout", &layer.r2_v_heldout}};
+        {"r2_v_heldout", &layer.r2_v_heldout},
+        {"attention_cosine_heldout", &layer.attention_cosine_heldout}};
     for (const auto& [key, value] : r2s) {
       if (value->has_value()) out << YAML::Key << key << YAML::Value << FormatDouble(**value);
     }

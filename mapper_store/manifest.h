@@ -53,6 +53,24 @@ struct LayerEntry {
   std::vector<int> sigma_v;
   std::optional<double> r2_k, r2_v;                  // in-sample, head-averaged
   std::optional<double> r2_k_heldout, r2_v_heldout;  // on held-out calibration sequences
+  // Causal attention-output cosine (SPEC 5) of the target over this layer's translated K/V
+  // against its own, with its own queries, on held-out calibration sequences; in [-1, 1].
+  std::optional<double> attention_cosine_heldout;
+};
+
+// The `quality:` map: held-out summaries `kvt fit` records for gates (kvtd's prefix cache).
+// Every field is optional; an empty map is the same as none.
+struct ManifestQuality {
+  // Mean over target layers past 0 of layers[l].attention_cosine_heldout (every layer when the
+  // target has one), and over all layers.
+  std::optional<double> attention_cosine_heldout;
+  std::optional<double> attention_cosine_heldout_all_layers;
+  // Mean of r2_k_heldout and r2_v_heldout over target layers past 0 (every layer when only
+  // layer 0 has them).
+  std::optional<double> r2_heldout;
+  bool empty() const {
+    return !attention_cosine_heldout && !attention_cosine_heldout_all_layers && !r2_heldout;
+  }
 };
 
 struct Manifest {
@@ -67,6 +85,7 @@ struct Manifest {
   LambdaScale lambda_scale = LambdaScale::kCovariance;
   std::string weights_file = kDefaultWeightsFileName;
   DType weights_dtype = DType::kBF16;
+  ManifestQuality quality;         // emitted as `quality:` unless empty
   std::vector<LayerEntry> layers;  // exactly target.num_layers, in order
   // The free-form `calibration` map as YAML text, kept as written; empty if absent.
   std::string calibration_yaml;

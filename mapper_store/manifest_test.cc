@@ -122,6 +122,83 @@ TEST(ManifestTest, EmitThenParseIsIdentity) {
   EXPECT_NE(text->find("sigma_k: [3, 1]"), std::string::npos) << *text;
 }
 
+// The held-out quality `kvt fit` records: per layer and the top-level `quality:` map, optional,
+// round-tripped exactly; a manifest without them (the example) keeps them absent.
+TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
+  absl::StatusOr<Manifest> plain = ParseManifest(Join(ExampleLines()));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(plain->quality.empty());
+  for (const LayerEntry& layer : plain->layers) EXPECT_FALSE(layer.attention_cosine_heldout);
+  absl::StatusOr<std::string> plain_text = EmitManifest(*plain);
+  ASSERT_TRUE(plain_text.ok());
+  EXPECT_EQ(plain_text->find("quality"), std::string::npos) << *plain_text;
+
+  std::vector<std::string> lines = ExampleLines();
+  lines[24] =
+      "quality: {attention_cosine_heldout: 0.9731, attention_cosine_heldout_all_layers: "
+      "0.98125, r2_heldout: -0.25}";
+  lines.insert(lines.begin() + 25, "layers:");  // the example's line 25 became `quality:`
+  lines[26] = "  - {target_layer: 0, sigma_k: [3, 1], sigma_v: [3], attention_cosine_heldout: 0.999}";
+  lines[27] =
+      "  - {target_layer: 1, sigma_k: [0], sigma_v: [2, 0], r2_k_heldout: -0.5, "
+      "attention_cosine_heldout: -0.125}";
+  absl::StatusOr<Manifest> m = ParseManifest(Join(lines));
+  ASSERT_TRUE(m.ok()) << m.status() << "\n" << Join(lines);
+  EXPECT_EQ(m->quality.attention_cosine_heldout, 0.9731);
+  EXPECT_EQ(m->quality.attention_cosine_heldout_all_layers, 0.98125);
+  EXPECT_EQ(m->quality.r2_heldout, -0.25);
+  EXPECT_EQ(m->layers[0].attention_cosine_heldout, 0.999);
+  EXPECT_EQ(m->layers[1].attention_cosine_heldout, -0.125);
+  EXPECT_FALSE(m->layers[2].attention_cosine_heldout);
+  absl::StatusOr<std::string> text = EmitManifest(*m);
+  ASSERT_TRUE(text.ok()) << text.status();
+  absl::StatusOr<Manifest> back = ParseManifest(*text);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << *text;
+  EXPECT_EQ(back->quality.attention_cosine_heldout, m->quality.attention_cosine_heldout);
+  EXPECT_EQ(back->quality.attention_cosine_heldout_all_layers,
+            m->quality.attention_cosine_heldout_all_layers);
+  EXPECT_EQ(back->quality.r2_heldout, m->quality.r2_heldout);
+  for (size_t l = 0; l < m->layers.size(); ++l) {
+    EXPECT_EQ(back->layers[l].attention_cosine_heldout, m->layers[l].attention_cosine_heldout);
+  }
+  absl::StatusOr<std::string> again = EmitManifest(*back);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *text);
+  EXPECT_NE(text->find("attention_cosine_heldout: 0.9731"), std::string::npos) << *text;
+
+  // Only some fields, or an empty map: the rest stay absent.
+  lines[24] = "quality: {r2_heldout: 0.5}";
+  absl::StatusOr<Manifest> partial = ParseManifest(Join(lines));
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  EXPECT_FALSE(partial->quality.attention_cosine_heldout);
+  EXPECT_EQ(partial->quality.r2_heldout, 0.5);
+  lines[24] = "quality: {}";
+  absl::StatusOr<Manifest> empty = ParseManifest(Join(lines));
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_TRUE(empty->quality.empty());
+
+  // Still strict: unknown keys, non-numbers and impossible values are named.
+  lines[24] = "quality: {attention_cosine: 0.9}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "line 25: unknown key 'attention_cosine' in quality");
+  lines[24] = "quality: {attention_cosine_heldout: high}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "quality.attention_cosine_heldout must be a number, got 'high'");
+  lines[24] = "quality: {attention_cosine_heldout_all_layers: 1.5}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "quality.attention_cosine_heldout_all_layers = 1.5 is not a valid cosine");
+  lines[24] = "quality: {r2_heldout: 2}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "quality.r2_heldout = 2 is not a valid R^2");
+  lines[24] = "quality: [0.9]";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "quality must be a YAML map");
+  lines[24] = "quality: {}";
+  lines[28] = "  - {target_layer: 2, sigma_k: [2], sigma_v: [1], attention_cosine_heldout: -2}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "line 29: layers[2].attention_cosine_heldout = -2 is not a valid cosine");
+}
+
 TEST(ManifestTest, UnknownKeyNamesKeyAndLine) {
   KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "colour: red")), StatusCode::kInvalidArgument,
                    "manifest.yaml line 4: unknown key 'colour' at top level");
