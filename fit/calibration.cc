@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -231,8 +232,18 @@ void FeatureRows::Resize(int64_t new_rows) {
   target_v.resize(rows * target_cols);
 }
 
-absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec& source,
-                            const ModelSpec& target, int stride, FeatureRows* rows) {
+namespace {
+
+// Both dumps of a pair, read and checked against each other and their models.
+struct CheckedPair {
+  HostCache source, target;
+  bool source_post = true, target_post = true;
+  Placement placement;
+};
+
+absl::StatusOr<CheckedPair> ReadCheckedPair(const SequencePair& pair, const ModelSpec& source,
+                                            const ModelSpec& target) {
+  CheckedPair out;
   std::map<std::string, std::string> source_meta, target_meta;
   absl::StatusOr<HostCache> source_cache = ReadCacheFile(pair.source_path, &source_meta);
   if (!source_cache.ok()) return source_cache.status();
@@ -273,17 +284,81 @@ absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec
         pair.target_path, ": tokens_sha256 differs from the source dump ", pair.source_path,
         " (the two models read different token sequences: same corpus, tokenizer and --tokens?)"));
   }
+  out.source = *std::move(source_cache);
+  out.target = *std::move(target_cache);
+  out.source_post = *source_post;
+  out.target_post = *target_post;
+  out.placement = *source_place;
+  return out;
+}
+
+// A `rope: pre` cache (content-space keys) as a model holds it: fp32 with `rope` applied to
+// the keys at `positions`. A post-RoPE cache is left as it is.
+void ToPostRope(const Rope& rope, const std::vector<uint64_t>& positions, HostCache* cache) {
+  HostCache post;
+  post.dtype = DType::kFP32;
+  post.layout = Layout::kHND;
+  post.num_layers = cache->num_layers;
+  post.num_kv_heads = cache->num_kv_heads;
+  post.head_dim = cache->head_dim;
+  post.num_tokens = cache->num_tokens;
+  post.Allocate();
+  const int64_t T = cache->num_tokens, count = int64_t{cache->num_kv_heads} * T * cache->head_dim;
+  const int d = cache->head_dim, half = rope.rotary_dim() / 2;
+  std::vector<float> cos(T * half), sin(T * half);
+  for (int64_t t = 0; t < T; ++t) rope.CosSin(positions[t], &cos[t * half], &sin[t * half]);
+  for (int j = 0; j < cache->num_layers; ++j) {
+    float* k = reinterpret_cast<float*>(post.k[j].data());
+    ToFloat(cache->dtype, cache->k[j].data(), k, count);
+    ToFloat(cache->dtype, cache->v[j].data(), reinterpret_cast<float*>(post.v[j].data()), count);
+    for (int h = 0; h < cache->num_kv_heads; ++h) {
+      for (int64_t t = 0; t < T; ++t) {
+        rope.ApplyHead(&cos[t * half], &sin[t * half], k + (h * T + t) * d);
+      }
+    }
+  }
+  *cache = std::move(post);
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec& source,
+                            const ModelSpec& target, int stride, FeatureRows* rows) {
+  absl::StatusOr<CheckedPair> read = ReadCheckedPair(pair, source, target);
+  if (!read.ok()) return read.status();
   absl::StatusOr<Rope> source_rope = Rope::Create(source.rope, source.head_dim);
   absl::StatusOr<Rope> target_rope = Rope::Create(target.rope, target.head_dim);
   if (!source_rope.ok()) return source_rope.status();
   if (!target_rope.ok()) return target_rope.status();
   const int64_t first = rows->rows;
-  rows->Resize(first + KeptTokens(source_cache->num_tokens, stride));
-  Extract(*source_cache, *source_rope, *source_post, *source_place, stride, first,
+  rows->Resize(first + KeptTokens(read->source.num_tokens, stride));
+  Extract(read->source, *source_rope, read->source_post, read->placement, stride, first,
           rows->source_cols, rows->source_k.data(), rows->source_v.data());
-  Extract(*target_cache, *target_rope, *target_post, *target_place, stride, first,
+  Extract(read->target, *target_rope, read->target_post, read->placement, stride, first,
           rows->target_cols, rows->target_k.data(), rows->target_v.data());
-  return source_cache->num_tokens;
+  return read->source.num_tokens;
+}
+
+absl::StatusOr<PairCaches> ReadPairCaches(const SequencePair& pair, const ModelSpec& source,
+                                          const ModelSpec& target) {
+  absl::StatusOr<CheckedPair> read = ReadCheckedPair(pair, source, target);
+  if (!read.ok()) return read.status();
+  PairCaches out;
+  for (int64_t t = 0; t < read->source.num_tokens; ++t) {
+    out.positions.push_back(read->placement.offset +
+                            static_cast<uint64_t>(t) * read->placement.step);
+  }
+  for (auto [post, model, cache] :
+       {std::tuple<bool, const ModelSpec*, HostCache*>{read->source_post, &source, &read->source},
+        {read->target_post, &target, &read->target}}) {
+    if (post) continue;
+    absl::StatusOr<Rope> rope = Rope::Create(model->rope, model->head_dim);
+    if (!rope.ok()) return rope.status();
+    ToPostRope(*rope, out.positions, cache);
+  }
+  out.source = std::move(read->source);
+  out.target = std::move(read->target);
+  return out;
 }
 
 absl::StatusOr<DumpQueries> ReadDumpQueries(const std::string& path, const ModelSpec& target) {

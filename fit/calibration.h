@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/cache_file.h"  // HostCache
 #include "kernels/mapper_view.h"
 
 namespace kvt {
@@ -65,6 +66,16 @@ inline int64_t KeptTokens(int64_t tokens, int stride) { return (tokens + stride 
 // Returns the sequence's token count in the dump (before the stride).
 absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec& source,
                             const ModelSpec& target, int stride, FeatureRows* rows);
+
+// One pair as kvtd would be handed it: both caches with post-RoPE keys (a `rope: pre` dump gets
+// its model's RoPE applied and becomes fp32; a post-RoPE dump keeps its dtype and bytes), HND,
+// and the tokens' positions. The same checks as AppendSequence.
+struct PairCaches {
+  HostCache source, target;
+  std::vector<uint64_t> positions;
+};
+absl::StatusOr<PairCaches> ReadPairCaches(const SequencePair& pair, const ModelSpec& source,
+                                          const ModelSpec& target);
 
 // The target's post-RoPE queries of one dump (tools/dump_kv.py --queries): tensors
 // `queries.{j}` [num_query_heads, T, head_dim] beside the K/V (the name keeps them out of the

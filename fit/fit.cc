@@ -284,6 +284,21 @@ Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, Ma
   return manifest;
 }
 
+std::optional<double> HeldoutR2(const Manifest& manifest) {
+  double sum = 0;
+  int n = 0;
+  for (int pass = 0; pass < 2 && n == 0; ++pass) {
+    for (const LayerEntry& layer : manifest.layers) {
+      if (pass == 0 && layer.target_layer == 0) continue;
+      for (const std::optional<double>& r2 : {layer.r2_k_heldout, layer.r2_v_heldout}) {
+        if (r2.has_value()) sum += *r2, ++n;
+      }
+    }
+  }
+  if (n == 0) return std::nullopt;
+  return sum / n;
+}
+
 std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype) {
   const std::vector<uint8_t> bytes = ToBytes(values, dtype);
   std::vector<float> floats(values.size());
@@ -293,7 +308,8 @@ std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype) {
 
 absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions& options,
                                         const std::string& out_dir,
-                                        std::vector<std::string> warnings) {
+                                        std::vector<std::string> warnings,
+                                        const FitOptions* heldout) {
   absl::StatusOr<ParsedFinal> parsed = ParseFinal(stats);
   if (!parsed.ok()) return parsed.status();
   const FitShape* shape = &parsed->shape;
@@ -306,10 +322,6 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   }
   // Solve every layer first: the manifest (written first) carries each layer's R^2.
   std::vector<std::vector<uint8_t>> storage;
-  FittedMaps maps;
-  maps.kind = MapperKind::kRidge;
-  maps.sigma = sigma;
-  maps.out = shape->dt();
   {
     std::unique_ptr<Progress> progress;
     if (options.show_progress) {
@@ -331,18 +343,11 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
       for (const std::vector<double>* values : {&fit->w_k, &fit->b_k, &fit->w_v, &fit->b_v}) {
         storage.push_back(ToBytes(*values, options.weight_dtype));
       }
-      maps.w.push_back({RoundTrip(fit->w_k, options.weight_dtype),
-                        RoundTrip(fit->w_v, options.weight_dtype)});
-      maps.b.push_back({RoundTrip(fit->b_k, options.weight_dtype),
-                        RoundTrip(fit->b_v, options.weight_dtype)});
       if (progress) progress->Advance(1, 0);
     }
   }
-  absl::StatusOr<FitResult> result =
-      WriteFitted(stats, *parsed, std::move(manifest), std::move(storage), options, out_dir,
-                  std::move(warnings), {});
-  if (result.ok()) result->maps = std::move(maps);
-  return result;
+  return WriteFitted(stats, *parsed, std::move(manifest), std::move(storage), options, out_dir,
+                     std::move(warnings), {}, heldout);
 }
 
 absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& parsed,
@@ -351,7 +356,8 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
                                       const SolveOptions& options, const std::string& out_dir,
                                       std::vector<std::string> warnings,
                                       const std::vector<std::pair<std::string, std::string>>&
-                                          kind_facts) {
+                                          kind_facts,
+                                      const FitOptions* heldout_from) {
   const FitShape* shape = &parsed.shape;
   const ProbeTables* tables = &parsed.tables;
   std::vector<TensorRef> tensors;
@@ -391,6 +397,35 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
   // `storage` grew after the first spans were taken: re-point them all.
   for (size_t i = 0; i < tensors.size(); ++i) {
     tensors[i].bytes = absl::Span<const uint8_t>(storage[i].data(), storage[i].size());
+  }
+
+  // Held-out quality of the mapper as served (these very bytes), before anything is written.
+  manifest.quality = ManifestQuality();
+  manifest.quality.r2_heldout = HeldoutR2(manifest);
+  std::optional<HeldoutQuality> heldout;
+  if (heldout_from != nullptr) {
+    absl::StatusOr<bool> have = HeldoutHasQueries(*heldout_from);
+    if (!have.ok()) return have.status();
+    if (*have) {
+      absl::StatusOr<MapperView> view = MapperViewOf(manifest, tensors);
+      if (!view.ok()) return view.status();
+      absl::StatusOr<HeldoutQuality> measured = MeasureHeldout(*heldout_from, *view);
+      if (!measured.ok()) return measured.status();
+      heldout = std::move(*measured);
+      for (size_t l = 0; l < manifest.layers.size(); ++l) {
+        manifest.layers[l].attention_cosine_heldout = heldout->layer_attention_cosine[l];
+      }
+      manifest.quality.attention_cosine_heldout = heldout->attention_cosine_without_layer0;
+      manifest.quality.attention_cosine_heldout_all_layers = heldout->attention_cosine;
+      if (options.show_progress) {
+        std::fprintf(options.log,
+                     "kvt fit: held-out attention-output cosine %.6f without layer 0, %.6f all "
+                     "layers (%d sequences, %lld tokens, %.2f s)\n",
+                     heldout->attention_cosine_without_layer0, heldout->attention_cosine,
+                     heldout->sequences, static_cast<long long>(heldout->tokens),
+                     heldout->seconds);
+      }
+    }
   }
 
   // Calibration facts: the manifest's free-form map and the report's table.
@@ -449,6 +484,19 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
                                 LambdaScaleName(options.ridge.scale), " scale)"));
   }
   for (const auto& [key, value] : kind_facts) fact(key, value);
+  if (heldout.has_value()) {
+    fact("held-out attention-output cosine",
+         absl::StrFormat("%.6f without layer 0, %.6f all layers (%d held-out sequences, %lld "
+                         "tokens, target queries; CPU backend; %.2f s)",
+                         heldout->attention_cosine_without_layer0, heldout->attention_cosine,
+                         heldout->sequences, static_cast<long long>(heldout->tokens),
+                         heldout->seconds));
+  } else {
+    fact("held-out attention-output cosine",
+         heldout_from == nullptr
+             ? "not measured (solved from statistics alone: no sequences to measure on)"
+             : "not measured (no held-out target dump has queries: tools/dump_kv.py --queries)");
+  }
   fact("date", UtcNow());
   fact("tool", kFitToolVersion);
 
@@ -491,6 +539,14 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
     }
   }
   calibration["r2_mean"] = means;
+  if (heldout.has_value()) {
+    calibration["attention_cosine_heldout"] = {
+        {"sequences", heldout->sequences},
+        {"tokens", heldout->tokens},
+        {"c_k", std::round(heldout->c_k * 1e4) / 1e4},
+        {"c_v", std::round(heldout->c_v * 1e4) / 1e4},
+        {"backend", "cpu"}};
+  }
   calibration["date"] = UtcNow();
   calibration["tool"] = kFitToolVersion;
   if (!warnings.empty()) calibration["warnings"] = warnings;
@@ -511,6 +567,7 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
   absl::Status report_written = WriteStringToFile(result.report_path, RenderReport(report));
   if (!report_written.ok()) return report_written;
   result.manifest = std::move(manifest);
+  result.heldout = std::move(heldout);
   result.probe = *tables;
   result.warnings = std::move(warnings);
   return result;
@@ -540,7 +597,7 @@ absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& o
   if (options.kind == FitKind::kMlp) {
     return TrainAndWriteMlp(options, *final_stats, out_dir, std::move(warnings));
   }
-  return SolveAndWrite(*final_stats, options.solve, out_dir, std::move(warnings));
+  return SolveAndWrite(*final_stats, options.solve, out_dir, std::move(warnings), &options);
 }
 
 absl::StatusOr<StatSet> MergeStatFiles(const std::vector<std::string>& paths) {

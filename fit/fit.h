@@ -75,28 +75,29 @@ struct FitOptions {
   int64_t chunk_bytes = int64_t{256} << 20;
 };
 
-// A fitted mapper's maps in memory, float32 after rounding to the written weight dtype (what kvtd
-// serves), for the held-out comparison of `--kind both`.
-struct FittedMaps {
-  MapperKind kind = MapperKind::kRidge;
-  std::vector<std::vector<int>> sigma;  // per target layer (K and V alike)
-  int64_t out = 0;                      // n_t d_t
-  // ridge, per target layer, [0] K and [1] V: w [in, out], b [out].
-  std::vector<std::array<std::vector<float>, 2>> w, b;
-  // mlp, per target layer, K and V: one chain (per_layer) or n_t chains writing d_t columns each.
-  std::vector<std::array<std::vector<MlpWeights>, 2>> mlp;
-  // y [rows, n_t d_t] = the map of target layer `layer`, kind 0 (K, content space) or 1 (V), of
-  // x [rows, len(sigma) n_s d_s].
-  void Apply(int layer, int kind, const float* x, int64_t rows, float* y) const;
+// Held-out quality of one fitted mapper as kvtd serves it (the written weight bytes through the
+// CPU backend, the result in the target dump's dtype), against the target's own cache, with the
+// target's post-RoPE queries from the dumps (SPEC 5): means over held-out sequences (those with
+// queries) of the per-sequence layer means; per target layer, the mean over the same sequences.
+struct HeldoutQuality {
+  int sequences = 0;
+  int64_t tokens = 0;
+  double attention_cosine = 0, attention_cosine_without_layer0 = 0;  // without: all if 1 layer
+  double c_k = 0, c_v = 0;
+  double r2_k = 0, r2_v = 0;  // SPEC 5 R^2 of the same tokens (content-space K)
+  std::vector<double> layer_attention_cosine;  // per target layer
+  double seconds = 0;                          // wall time of the evaluation
 };
 
 struct FitResult {
-  FittedMaps maps;
   std::string mapper_dir;
   std::string report_path;
   Manifest manifest;
   ProbeTables probe;
   std::vector<std::string> warnings;
+  // Set when the fit had held-out sequences with target queries (then also recorded in the
+  // manifest: layers[l].attention_cosine_heldout and quality.*).
+  std::optional<HeldoutQuality> heldout;
 };
 
 // Sets OpenBLAS to `num_threads` (0: every core).
@@ -111,24 +112,23 @@ absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>*
 absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet& plan);
 // Solves every target layer from (summed) final statistics and writes `out_dir` (mapper format,
 // with stats.source.* tensors) and its report.html. `warnings` seeds the report's list.
+// `heldout` (optional: `merge` has no sequences): the run whose held-out sequences, when their
+// target dumps carry queries, measure the written mapper (MeasureHeldout) before it is written,
+// recording the attention-output cosine per layer and in the manifest's `quality` map.
 absl::StatusOr<FitResult> SolveAndWrite(const StatSet& final_stats, const SolveOptions& options,
                                         const std::string& out_dir,
-                                        std::vector<std::string> warnings = {});
+                                        std::vector<std::string> warnings = {},
+                                        const FitOptions* heldout = nullptr);
 
 // The single run: probe, plan, final, solve. `plan` (optional) skips the probe pass.
 absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& out_dir,
                                  const StatSet* plan = nullptr);
 
-// Held-out quality of one kind (means over held-out sequences of the per-sequence layer means;
-// attention-output cosine and c_K / c_V from the target queries of the dumps, SPEC 5).
-struct HeldoutQuality {
-  int sequences = 0;
-  int64_t tokens = 0;
-  double attention_cosine = 0, attention_cosine_without_layer0 = 0;
-  double c_k = 0, c_v = 0;
-  double r2_k = 0, r2_v = 0;  // SPEC 5 R^2 of the same tokens (content-space K)
-};
-absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options, const FittedMaps& maps);
+// The held-out quality of `mapper` (a fitted mapper's view) on `options.sequences` marked held
+// out whose target dumps have queries, one sequence at a time. FAILED_PRECONDITION when none has.
+absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options, const MapperView& mapper);
+// Whether any held-out target dump of `options` has queries (errors: a malformed one).
+absl::StatusOr<bool> HeldoutHasQueries(const FitOptions& options);
 
 // `--kind both`: `out_dir`/ridge and `out_dir`/mlp, and `out_dir`/fit_report.json with both
 // kinds' held-out figures and the choice (higher held-out attention-output cosine; ridge on a

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "fit/fit.h"
+#include "mapper_store/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace kvt {
@@ -32,6 +33,11 @@ absl::StatusOr<ParsedFinal> ParseFinal(const StatSet& stats);
 // The manifest fields every kind shares (models, k, dtype, tool); ridge also gets lambda.
 Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, MapperKind kind);
 
+// quality.r2_heldout: the mean of r2_k_heldout and r2_v_heldout over target layers past 0 (every
+// layer when only layer 0 has them); nullopt when no layer has them. kvtd's gate falls back to
+// the same mean when a manifest has no attention cosine.
+std::optional<double> HeldoutR2(const Manifest& manifest);
+
 // float64 -> `dtype` bytes, and -> the float32 values those bytes hold (what kvtd serves).
 std::vector<uint8_t> ToBytes(const std::vector<double>& values, DType dtype);
 std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype);
@@ -39,13 +45,20 @@ std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype);
 // Writes `out_dir` from a manifest whose layers are filled and the mapping tensors' bytes in
 // MapperTensorSpecs order: adds the stats.source.* tensors and the calibration map from `stats`,
 // writes the mapper and report.html. `kind_facts` extend the report's calibration facts.
+// `heldout` (optional): measure the mapper on its held-out sequences first and record it.
 absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& parsed,
                                       Manifest manifest,
                                       std::vector<std::vector<uint8_t>> storage,
                                       const SolveOptions& options, const std::string& out_dir,
                                       std::vector<std::string> warnings,
                                       const std::vector<std::pair<std::string, std::string>>&
-                                          kind_facts);
+                                          kind_facts,
+                                      const FitOptions* heldout);
+
+// The MapperView of a manifest and its tensors in memory, built as LoadMapperDir builds it from
+// the written file (the same bytes): what the held-out evaluation serves.
+absl::StatusOr<MapperView> MapperViewOf(const Manifest& manifest,
+                                        const std::vector<TensorRef>& tensors);
 
 // The MLP mapper from final statistics (sigma, split, calibration facts) and a third pass over
 // the sequences that keeps the feature rows in memory for training.

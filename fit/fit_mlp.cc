@@ -127,31 +127,6 @@ json QualityJson(const HeldoutQuality& q, const FitResult& fit) {
 
 }  // namespace
 
-void FittedMaps::Apply(int layer, int kind, const float* x, int64_t rows, float* y) const {
-  if (this->kind == MapperKind::kRidge) {
-    const std::vector<float>& w_l = w[layer][kind];
-    const std::vector<float>& b_l = b[layer][kind];
-    const int64_t in = static_cast<int64_t>(w_l.size()) / out;
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy(b_l.begin(), b_l.end(), y + r * out);
-      for (int64_t i = 0; i < in; ++i) {
-        const float xi = x[r * in + i];
-        for (int64_t c = 0; c < out; ++c) y[r * out + c] += xi * w_l[i * out + c];
-      }
-    }
-    return;
-  }
-  const std::vector<MlpWeights>& chains = mlp[layer][kind];
-  const int64_t per = chains[0].out;
-  std::vector<float> part(rows * per);
-  for (size_t h = 0; h < chains.size(); ++h) {
-    MlpForward(chains[h], x, rows, part.data());
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy(&part[r * per], &part[r * per] + per, y + r * out + h * per);
-    }
-  }
-}
-
 absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const StatSet& final_stats,
                                            const std::string& out_dir,
                                            std::vector<std::string> warnings) {
@@ -181,10 +156,6 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
   const DType dtype = options.solve.weight_dtype;
   Manifest manifest = BaseManifest(*parsed, options.solve, MapperKind::kMlp);
   manifest.mlp = MlpConfig{H, options.mlp.granularity};
-  FittedMaps maps;
-  maps.kind = MapperKind::kMlp;
-  maps.sigma = parsed->sigma;
-  maps.out = dt;
   std::vector<std::vector<uint8_t>> storage;
   std::vector<double> first_loss, last_loss;
   std::unique_ptr<Progress> progress;
@@ -257,7 +228,6 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
       }
     }
     manifest.layers.push_back(entry);
-    maps.mlp.push_back(std::move(layer_chains));
   }
   if (progress) progress->Finish();
   double mean_first = 0, mean_last = 0;
@@ -279,123 +249,24 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
                                         "standardised scale)",
                                         mean_first, mean_last)},
   };
-  absl::StatusOr<FitResult> result =
-      WriteFitted(final_stats, *parsed, std::move(manifest), std::move(storage), options.solve,
-                  out_dir, std::move(warnings), facts);
-  if (result.ok()) result->maps = std::move(maps);
-  return result;
-}
-
-absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options, const FittedMaps& maps) {
-  const ModelSpec& source = options.source.spec;
-  const ModelSpec& target = options.target.spec;
-  const FitShape shape{source, target};
-  absl::StatusOr<Rope> rope = Rope::Create(target.rope, target.head_dim);
-  if (!rope.ok()) return rope.status();
-  const int n_t = target.num_kv_heads, d = target.head_dim, half = rope->rotary_dim() / 2;
-  const int64_t dt = shape.dt(), ds = shape.ds();
-  HeldoutQuality total;
-  for (const SequencePair& pair : options.sequences) {
-    if (!pair.heldout) continue;
-    absl::StatusOr<DumpQueries> queries = ReadDumpQueries(pair.target_path, target);
-    if (absl::IsNotFound(queries.status())) continue;
-    if (!queries.ok()) return queries.status();
-    FeatureRows rows;
-    rows.Reset(source.num_layers * ds, target.num_layers * dt);
-    absl::StatusOr<int64_t> tokens = AppendSequence(pair, source, target, /*stride=*/1, &rows);
-    if (!tokens.ok()) return tokens.status();
-    const int64_t T = rows.rows;
-    if (T != queries->num_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(pair.target_path, ": ", queries->num_tokens,
-                                                     " query tokens but ", T, " KV tokens"));
-    }
-    std::vector<float> cos(T * half), sin(T * half);
-    for (int64_t t = 0; t < T; ++t) {
-      rope->CosSin(queries->positions[t], &cos[t * half], &sin[t * half]);
-    }
-    const Positions positions{0, queries->positions.data()};
-    std::vector<LayerQuality> layers;
-    for (int l = 0; l < target.num_layers; ++l) {
-      std::vector<float> mapped[2], truth[2];
-      for (int c = 0; c < 2; ++c) {
-        const std::vector<double>& src = c == 0 ? rows.source_k : rows.source_v;
-        const std::vector<double>& tgt = c == 0 ? rows.target_k : rows.target_v;
-        const std::vector<float> x =
-            GatherSource(src.data(), T, rows.source_cols, ds, maps.sigma[l]);
-        mapped[c].assign(T * dt, 0.0f);
-        maps.Apply(l, c, x.data(), T, mapped[c].data());
-        truth[c] = Columns(tgt.data(), T, rows.target_cols, int64_t{l} * dt, dt);
-      }
-      // Keys back to post-RoPE, as a cache holds them (the feature rows are content space).
-      for (std::vector<float>* k : {&mapped[0], &truth[0]}) {
-        for (int64_t t = 0; t < T; ++t) {
-          for (int h = 0; h < n_t; ++h) {
-            rope->ApplyHead(&cos[t * half], &sin[t * half], &(*k)[(t * n_t + h) * d]);
-          }
-        }
-      }
-      LayerQualityInputs inputs;
-      inputs.num_tokens = T;
-      inputs.num_kv_heads = n_t;
-      inputs.head_dim = d;
-      inputs.num_query_heads = queries->num_query_heads;
-      inputs.k_mapped = mapped[0].data();
-      inputs.v_mapped = mapped[1].data();
-      inputs.k_true = truth[0].data();
-      inputs.v_true = truth[1].data();
-      inputs.queries = queries->layers[l].data();
-      absl::StatusOr<LayerQuality> quality = ComputeLayerQuality(inputs, *rope, positions);
-      if (!quality.ok()) {
-        return absl::Status(quality.status().code(),
-                            absl::StrCat(pair.target_path, " layer ", l, ": ",
-                                         quality.status().message()));
-      }
-      layers.push_back(*quality);
-    }
-    const QualitySummary summary = SummarizeQuality(layers);
-    total.sequences += 1;
-    total.tokens += T;
-    total.attention_cosine += summary.all.attention_cosine.value_or(0);
-    total.attention_cosine_without_layer0 +=
-        (target.num_layers > 1 ? summary.without_layer0 : summary.all)
-            .attention_cosine.value_or(0);
-    total.c_k += summary.all.c_k.value_or(0);
-    total.c_v += summary.all.c_v.value_or(0);
-    total.r2_k += summary.all.r2_k;
-    total.r2_v += summary.all.r2_v;
-  }
-  if (total.sequences == 0) {
-    return absl::FailedPreconditionError(
-        "no held-out sequence has target queries: dump the target with tools/dump_kv.py "
-        "--queries and keep --heldout_fraction > 0");
-  }
-  for (double* v : {&total.attention_cosine, &total.attention_cosine_without_layer0, &total.c_k,
-                    &total.c_v, &total.r2_k, &total.r2_v}) {
-    *v /= total.sequences;
-  }
-  return total;
+  return WriteFitted(final_stats, *parsed, std::move(manifest), std::move(storage), options.solve,
+                     out_dir, std::move(warnings), facts, &options);
 }
 
 absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::string& out_dir,
                                       const StatSet* plan_in) {
   // Before hours of work: the comparison needs held-out sequences with target queries.
-  bool have_queries = false, have_heldout = false;
-  for (const SequencePair& pair : options.sequences) {
-    if (!pair.heldout) continue;
-    have_heldout = true;
-    absl::StatusOr<DumpQueries> q = ReadDumpQueries(pair.target_path, options.target.spec);
-    if (q.ok()) {
-      have_queries = true;
-      break;
-    }
-    if (!absl::IsNotFound(q.status())) return q.status();
-  }
+  const bool have_heldout =
+      std::any_of(options.sequences.begin(), options.sequences.end(),
+                  [](const SequencePair& pair) { return pair.heldout; });
+  absl::StatusOr<bool> have_queries = HeldoutHasQueries(options);
+  if (!have_queries.ok()) return have_queries.status();
   if (!have_heldout) {
     return absl::FailedPreconditionError(
         "kvt fit --kind both compares the kinds on held-out sequences, and none is held out "
         "(raise --heldout_fraction or add sequences)");
   }
-  if (!have_queries) {
+  if (!*have_queries) {
     return absl::FailedPreconditionError(
         "kvt fit --kind both recommends from the held-out attention-output cosine, which needs "
         "the target's queries: no held-out target dump has 'queries.0' (dump the target with "
@@ -426,19 +297,22 @@ absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::stri
   if (!final_stats.ok()) return final_stats.status();
   BothResult both;
   absl::StatusOr<FitResult> ridge =
-      SolveAndWrite(*final_stats, options.solve, JoinPath(out_dir, "ridge"), warnings);
+      SolveAndWrite(*final_stats, options.solve, JoinPath(out_dir, "ridge"), warnings, &options);
   if (!ridge.ok()) return ridge.status();
   both.ridge = std::move(*ridge);
   absl::StatusOr<FitResult> mlp =
       TrainAndWriteMlp(options, *final_stats, JoinPath(out_dir, "mlp"), warnings);
   if (!mlp.ok()) return mlp.status();
   both.mlp = std::move(*mlp);
-  absl::StatusOr<HeldoutQuality> rq = MeasureHeldout(options, both.ridge.maps);
-  if (!rq.ok()) return rq.status();
-  absl::StatusOr<HeldoutQuality> mq = MeasureHeldout(options, both.mlp.maps);
-  if (!mq.ok()) return mq.status();
-  both.ridge_quality = *rq;
-  both.mlp_quality = *mq;
+  // Each mapper was measured as served before it was written (the numbers in its manifest).
+  if (!both.ridge.heldout.has_value() || !both.mlp.heldout.has_value()) {
+    return absl::InternalError("kvt fit --kind both: a mapper was written without its held-out "
+                               "quality");
+  }
+  both.ridge_quality = *both.ridge.heldout;
+  both.mlp_quality = *both.mlp.heldout;
+  const HeldoutQuality* rq = &both.ridge_quality;
+  const HeldoutQuality* mq = &both.mlp_quality;
   both.recommended =
       mq->attention_cosine > rq->attention_cosine + 1e-4 ? "mlp" : "ridge";
   json report{

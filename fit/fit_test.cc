@@ -3,6 +3,7 @@
 #include "fit/fit.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 
@@ -14,7 +15,9 @@
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 #include "mapper_store/file_util.h"
+#include "kernels/testing/reference.h"
 #include "mapper_store/mapper.h"
+#include "quality/quality_reference.h"
 
 namespace kvt {
 namespace fit {
@@ -434,6 +437,159 @@ TEST_F(FitFamilyTest, MergedShardsEqualSingleRun) {
   // Phases do not mix.
   absl::StatusOr<StatSet> mixed = MergeStatFiles({probe_files[0], final_files[1]});
   EXPECT_FALSE(mixed.ok());
+}
+
+// ---- Held-out attention-output cosine (target dumps with queries) ----
+
+// The matched family with GQA queries (2 query heads per KV head) in the target dumps, 12
+// sequences of 64 tokens; only the last is held out, so the recorded figures are that
+// sequence's and a float64 reference of it must reproduce them.
+FamilyOptions QueryFamily(double noise_share) {
+  FamilyOptions o = MatchedFamily();
+  o.noise_share = noise_share;
+  o.query_group = 2;
+  o.seed = 21;
+  return o;
+}
+
+FitOptions QueryOptions(const Family& family, const std::string& data_dir) {
+  FitOptions options = Options(family, data_dir, 2);
+  for (size_t i = 0; i < options.sequences.size(); ++i) {
+    options.sequences[i].heldout = i + 1 == options.sequences.size();
+  }
+  options.mlp.train.hidden = 32;
+  options.mlp.train.epochs = 20;
+  options.mlp.train.batch = 64;
+  options.mlp.train.seed = 2;
+  return options;
+}
+
+// Independent float64 computation of one target layer's attention-output cosine on one pair:
+// the written mapper as loaded from disk, translated by the SPEC 3 reference, scored by the
+// SPEC 5 reference (quality/quality_reference.h).
+double ReferenceAttentionCosine(const LoadedMapper& mapper, const SequencePair& pair,
+                                const ModelSpec& target, int layer) {
+  absl::StatusOr<HostCache> source = ReadCacheFile(pair.source_path);
+  absl::StatusOr<HostCache> truth = ReadCacheFile(pair.target_path);
+  absl::StatusOr<DumpQueries> queries = ReadDumpQueries(pair.target_path, target);
+  EXPECT_TRUE(source.ok() && truth.ok() && queries.ok());
+  if (!source.ok() || !truth.ok() || !queries.ok()) return -2;
+  const int64_t T = source->num_tokens;
+  const Positions positions;  // 0 .. T-1, as the dumps say by default
+  std::vector<uint64_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = t;
+  const CacheView source_view = source->view(), truth_view = truth->view();
+  const std::vector<double> k_hat = kvt::testing::ReferenceTranslate(
+      mapper.view(), layer, kvt::testing::Kind::kK, source_view, positions);
+  const std::vector<double> v_hat = kvt::testing::ReferenceTranslate(
+      mapper.view(), layer, kvt::testing::Kind::kV, source_view, positions);
+  const std::vector<double> k = kvt::testing::ReadLayer(truth_view, layer, kvt::testing::Kind::kK);
+  const std::vector<double> v = kvt::testing::ReadLayer(truth_view, layer, kvt::testing::Kind::kV);
+  const std::vector<double> q(queries->layers[layer].begin(), queries->layers[layer].end());
+  return kvt::testing::RefQuality(k_hat, v_hat, k, v, k_hat, k, q, pos, T, target.num_kv_heads,
+                                  target.head_dim, queries->num_query_heads)
+      .attention_cosine;
+}
+
+class FitQueryTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    for (int i = 0; i < 2; ++i) {
+      families_[i] = new Family(testing::MakeFamily(QueryFamily(i == 0 ? 0.0 : 0.3)));
+      dirs_[i] = new std::string(TempDir(i == 0 ? "queries_exact" : "queries_noisy"));
+      ASSERT_TRUE(
+          testing::WriteSequences(*families_[i], *dirs_[i], 0, 12, 64, DType::kFP32).ok());
+    }
+  }
+  static Family* families_[2];  // exact linear, noisy (30% of the variance noise)
+  static std::string* dirs_[2];
+};
+Family* FitQueryTest::families_[2] = {nullptr, nullptr};
+std::string* FitQueryTest::dirs_[2] = {nullptr, nullptr};
+
+TEST_F(FitQueryTest, RecordedCosineEqualsFloat64ReferenceForRidgeAndMlp) {
+  const Family& family = *families_[1];
+  FitOptions options = QueryOptions(family, *dirs_[1]);
+  options.kind = FitKind::kBoth;
+  const std::string out = TempDir("queries_both");
+  absl::StatusOr<BothResult> both = RunFitBoth(options, out);
+  ASSERT_TRUE(both.ok()) << both.status();
+  const SequencePair& heldout = options.sequences.back();
+  const ModelSpec& target = family.options.target;
+  for (const FitResult* fit : {&both->ridge, &both->mlp}) {
+    SCOPED_TRACE(fit->mapper_dir);
+    // What kvtd loads: the manifest on disk carries the figures.
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(fit->mapper_dir);
+    ASSERT_TRUE(mapper.ok()) << mapper.status();
+    const Manifest& m = (*mapper)->manifest();
+    ASSERT_TRUE(fit->heldout.has_value());
+    EXPECT_EQ(fit->heldout->sequences, 1);
+    EXPECT_EQ(fit->heldout->tokens, 64);
+    ASSERT_TRUE(m.quality.attention_cosine_heldout && m.quality.attention_cosine_heldout_all_layers &&
+                m.quality.r2_heldout);
+    double past0 = 0, all = 0;
+    for (int l = 0; l < target.num_layers; ++l) {
+      const double want = ReferenceAttentionCosine(**mapper, heldout, target, l);
+      ASSERT_TRUE(m.layers[l].attention_cosine_heldout.has_value()) << "layer " << l;
+      EXPECT_NEAR(*m.layers[l].attention_cosine_heldout, want, 1e-6) << "layer " << l;
+      std::printf("%s layer %d: recorded %.9f, float64 reference %.9f\n",
+                  MapperKindName(m.kind), l, *m.layers[l].attention_cosine_heldout, want);
+      all += want / target.num_layers;
+      if (l > 0) past0 += want / (target.num_layers - 1);
+    }
+    EXPECT_NEAR(*m.quality.attention_cosine_heldout, past0, 1e-6);
+    EXPECT_NEAR(*m.quality.attention_cosine_heldout_all_layers, all, 1e-6);
+    // r2_heldout: the mean held-out R^2 of K and V past layer 0, the gate's fallback.
+    double r2 = 0;
+    for (int l = 1; l < target.num_layers; ++l) {
+      r2 += (*m.layers[l].r2_k_heldout + *m.layers[l].r2_v_heldout) / (2 * (target.num_layers - 1));
+    }
+    EXPECT_NEAR(*m.quality.r2_heldout, r2, 1e-12);
+    absl::StatusOr<std::string> report = ReadFileToString(fit->report_path);
+    ASSERT_TRUE(report.ok());
+    EXPECT_THAT(*report, HasSubstr("held-out attention-output cosine"));
+  }
+  // --kind both compares the same figures it recorded.
+  EXPECT_EQ(both->ridge_quality.attention_cosine,
+            *both->ridge.manifest.quality.attention_cosine_heldout_all_layers);
+  EXPECT_EQ(both->mlp_quality.attention_cosine_without_layer0,
+            *both->mlp.manifest.quality.attention_cosine_heldout);
+}
+
+TEST_F(FitQueryTest, NearOneForAnExactLinearFamilyLowerForANoisyOne) {
+  double cosine[2];
+  for (int i = 0; i < 2; ++i) {
+    FitOptions options = QueryOptions(*families_[i], *dirs_[i]);
+    absl::StatusOr<FitResult> result =
+        RunFit(options, JoinPath(TempDir(absl::StrCat("queries_ridge", i)), "fitted"));
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_TRUE(result->manifest.quality.attention_cosine_heldout.has_value());
+    cosine[i] = *result->manifest.quality.attention_cosine_heldout;
+    for (const LayerEntry& layer : result->manifest.layers) {
+      ASSERT_TRUE(layer.attention_cosine_heldout.has_value());
+      if (i == 0) {
+        EXPECT_GT(*layer.attention_cosine_heldout, 0.9999);
+      }
+    }
+  }
+  std::printf("held-out attention-output cosine (ridge, past layer 0): exact %.6f, noisy %.6f\n",
+              cosine[0], cosine[1]);
+  EXPECT_GT(cosine[0], 0.9999);
+  EXPECT_LT(cosine[1], cosine[0] - 0.01);
+  EXPECT_GT(cosine[1], 0.5);
+}
+
+TEST_F(FitFamilyTest, WithoutQueriesOnlyR2HeldoutIsRecorded) {
+  FitOptions options = Options(*matched_, *matched_dir_, 2);
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("no_queries"), "fitted"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->heldout.has_value());
+  EXPECT_FALSE(result->manifest.quality.attention_cosine_heldout.has_value());
+  EXPECT_FALSE(result->manifest.quality.attention_cosine_heldout_all_layers.has_value());
+  EXPECT_TRUE(result->manifest.quality.r2_heldout.has_value());
+  for (const LayerEntry& layer : result->manifest.layers) {
+    EXPECT_FALSE(layer.attention_cosine_heldout.has_value());
+  }
 }
 
 TEST(FitDegenerateTest, ConstantFeatureWarnsAndGetsZeroWeightLambdaZeroRefuses) {

@@ -142,7 +142,21 @@ std::string RenderReport(const ReportData& data) {
     }
     html += "</tr>\n";
   }
-  html += "</table>\n<p>Held-out sequences are never used to choose layers or fit weights: "
+  html += "</table>\n";
+  if (m.quality.attention_cosine_heldout || m.quality.attention_cosine_heldout_all_layers) {
+    absl::StrAppend(
+        &html,
+        "<table><tr><th></th><th>without layer 0</th><th>all layers</th></tr>\n<tr><td "
+        "class=\"l\">held-out attention-output cosine</td><td>",
+        Format(m.quality.attention_cosine_heldout), "</td><td>",
+        Format(m.quality.attention_cosine_heldout_all_layers),
+        "</td></tr>\n</table>\n<p>The target's causal attention output over the translated K/V "
+        "(the mapper as served: written weights, CPU backend) against its output over its own "
+        "K/V, with its own queries, on the held-out sequences (SPEC 5): the paper's best "
+        "predictor of downstream retention, and what kvtd's prefix-cache gate reads "
+        "(manifest <code>quality.attention_cosine_heldout</code>).</p>\n");
+  }
+  html += "<p>Held-out sequences are never used to choose layers or fit weights: "
           "the held-out column is the honest one. Target layer 0 sees no attention, so any "
           "source predicts it well; the row without it is the informative average. R^2 says "
           "how much variance the map explains, not whether the target model still works with "
@@ -174,7 +188,8 @@ std::string RenderReport(const ReportData& data) {
 
   html += "<h2>Per target layer</h2>\n<table><tr><th>target layer</th><th class=\"l\">sigma "
           "(descending probe score)</th><th>K in-sample</th><th>V in-sample</th>"
-          "<th>K held-out</th><th>V held-out</th><th>best single-layer score</th></tr>\n";
+          "<th>K held-out</th><th>V held-out</th><th>attention cosine held-out</th>"
+          "<th>best single-layer score</th></tr>\n";
   for (const LayerEntry& layer : m.layers) {
     std::optional<double> best;
     if (!layer.sigma_k.empty() && ls > 0) best = data.probe.score(layer.sigma_k[0], layer.target_layer);
@@ -185,7 +200,9 @@ std::string RenderReport(const ReportData& data) {
                         : "",
                     "</td><td>", Format(layer.r2_k), "</td><td>", Format(layer.r2_v),
                     "</td><td>", Format(layer.r2_k_heldout), "</td><td>",
-                    Format(layer.r2_v_heldout), "</td><td>", Format(best), "</td></tr>\n");
+                    Format(layer.r2_v_heldout), "</td><td>",
+                    Format(layer.attention_cosine_heldout), "</td><td>", Format(best),
+                    "</td></tr>\n");
   }
   html += "</table>\n<h2>Calibration</h2>\n<table>\n";
   for (const auto& [key, value] : data.facts) {

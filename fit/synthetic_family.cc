@@ -9,6 +9,7 @@
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
 #include "mapper_store/file_util.h"
+#include "mapper_store/safetensors.h"
 
 namespace kvt {
 namespace fit {
@@ -45,6 +46,47 @@ void Store(const ModelSpec& model, const Rope& rope, const std::vector<double>& 
                 layer->data() + ((h * tokens + t) * d) * DTypeSize(dtype), d);
     }
   }
+}
+
+// The target dump of sequence `s` with its queries (the layout tools/dump_kv.py --queries
+// writes): the cache's tensors, then `queries.{l}` [g n_t, T, d] post-RoPE.
+absl::Status WriteWithQueries(const FamilyOptions& o, const Rope& rope, int s,
+                              const HostCache& cache, const std::string& path, DType dtype) {
+  std::mt19937_64 rng(o.seed * 1000003 + s + 0x9e3779b97f4a7c15ull);
+  std::normal_distribution<double> normal;
+  const int64_t T = cache.num_tokens;
+  const int nq = o.query_group * o.target.num_kv_heads, d = o.target.head_dim;
+  const int half = rope.rotary_dim() / 2;
+  std::vector<float> cos(half), sin(half), head(d);
+  std::vector<std::vector<char>> queries(o.target.num_layers,
+                                         std::vector<char>(nq * T * d * DTypeSize(dtype)));
+  for (int l = 0; l < o.target.num_layers; ++l) {
+    for (int q = 0; q < nq; ++q) {
+      for (int64_t t = 0; t < T; ++t) {
+        rope.CosSin(t, cos.data(), sin.data());
+        for (int i = 0; i < d; ++i) head[i] = static_cast<float>(normal(rng));
+        rope.ApplyHead(cos.data(), sin.data(), head.data());
+        FromFloat(dtype, head.data(), queries[l].data() + ((q * T + t) * d) * DTypeSize(dtype),
+                  d);
+      }
+    }
+  }
+  std::vector<TensorRef> tensors;
+  auto add = [&](std::string name, const std::vector<char>& bytes, int64_t heads) {
+    TensorRef t;
+    t.spec.name = std::move(name);
+    t.spec.dtype = dtype;
+    t.spec.shape = {heads, T, d};
+    t.bytes = absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                        bytes.size());
+    tensors.push_back(std::move(t));
+  };
+  for (int l = 0; l < o.target.num_layers; ++l) {
+    add(absl::StrCat("layers.", l, ".k"), cache.k[l], o.target.num_kv_heads);
+    add(absl::StrCat("layers.", l, ".v"), cache.v[l], o.target.num_kv_heads);
+    add(absl::StrCat("queries.", l), queries[l], nq);
+  }
+  return WriteSafetensors(path, tensors, {{"rope", "post"}}).status();
 }
 
 }  // namespace
@@ -149,7 +191,12 @@ absl::Status WriteSequences(const Family& family, const std::string& dir, int fi
     }
     const std::string name = SequenceFileName(s);
     absl::Status written = WriteCacheFile(JoinPath(JoinPath(dir, "source"), name), source);
-    if (written.ok()) written = WriteCacheFile(JoinPath(JoinPath(dir, "target"), name), target);
+    if (written.ok()) {
+      written = o.query_group > 0
+                    ? WriteWithQueries(o, *target_rope, s, target,
+                                       JoinPath(JoinPath(dir, "target"), name), dtype)
+                    : WriteCacheFile(JoinPath(JoinPath(dir, "target"), name), target);
+    }
     if (written.ok() && clean) {
       written = WriteCacheFile(JoinPath(JoinPath(dir, "target_clean"), name), target_clean);
     }

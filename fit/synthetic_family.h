@@ -24,6 +24,10 @@ struct FamilyOptions {
   // Share of each target column's variance that is noise: the best possible R^2 is 1 - it.
   double noise_share = 0.05;
   uint64_t seed = 1;
+  // > 0: target dumps also carry post-RoPE queries `queries.{l}` [query_group n_t, T, d_t]
+  // (tools/dump_kv.py --queries; GQA with this group size), content-space entries N(0, 1) drawn
+  // from a generator of their own (the K/V bytes are the same with or without them).
+  int query_group = 0;
 };
 
 struct Family {
