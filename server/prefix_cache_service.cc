@@ -288,10 +288,22 @@ grpc::Status PrefixCacheService::LookupPrefix(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-// The mapper's recorded held-out quality: the mean of the per-layer held-out R^2 of K and V
-// over the target layers past 0 (layer 0 is a function of the current token and inflates any
-// average, EVAL-NOTES), or of every layer when only layer 0 is recorded. nullopt: none recorded.
-std::optional<double> RecordedQuality(const Manifest& manifest) {
+// The mapper's recorded held-out quality and the metric it is: the held-out attention-output
+// cosine `kvt fit` records when the target dumps carried queries (quality.attention_cosine_heldout,
+// mean over target layers past 0), else the mean of the per-layer held-out R^2 of K and V over
+// the target layers past 0 (layer 0 is a function of the current token and inflates any
+// average, EVAL-NOTES), or of every layer when only layer 0 is recorded. nullopt value: neither
+// recorded (metric then "r2_heldout", what was looked for last).
+struct RecordedQualityValue {
+  std::optional<double> value;
+  const char* metric = "r2_heldout";
+  const char* description = "held-out R^2";
+};
+RecordedQualityValue RecordedQuality(const Manifest& manifest) {
+  if (manifest.quality.attention_cosine_heldout.has_value()) {
+    return {manifest.quality.attention_cosine_heldout, "attention_cosine_heldout",
+            "held-out attention-output cosine"};
+  }
   double sum = 0;
   int n = 0;
   for (int pass = 0; pass < 2 && n == 0; ++pass) {
@@ -302,8 +314,8 @@ std::optional<double> RecordedQuality(const Manifest& manifest) {
       }
     }
   }
-  if (n == 0) return std::nullopt;
-  return sum / n;
+  if (n == 0) return {};
+  return {sum / n};
 }
 
 absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& request,
@@ -399,16 +411,19 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
     const double min_quality = floor != config_.prefix_cache.pair_min_quality.end()
                                    ? floor->second
                                    : config_.prefix_cache.min_mapper_quality;
-    const std::optional<double> quality = RecordedQuality(manifest);
-    verdict.set_mapper_quality_metric("r2_heldout");
+    const RecordedQualityValue recorded = RecordedQuality(manifest);
+    const std::optional<double>& quality = recorded.value;
+    verdict.set_mapper_quality_metric(recorded.metric);
     verdict.set_mapper_quality(quality.value_or(0));
     verdict.set_min_mapper_quality(min_quality);
     verdict.set_max_input_shift(config_.prefix_cache.max_input_shift);
     std::string reason;
     if (min_quality > 0 && !quality.has_value()) {
-      reason = "the mapper records no held-out quality (r2_k_heldout / r2_v_heldout)";
+      reason = "the mapper records no held-out quality (quality.attention_cosine_heldout, "
+               "r2_k_heldout / r2_v_heldout)";
     } else if (quality.has_value() && *quality < min_quality) {
-      reason = absl::StrCat("mapper held-out R^2 ", *quality, " < floor ", min_quality);
+      reason = absl::StrCat("mapper ", recorded.description, " ", *quality, " < floor ",
+                            min_quality);
     }
     if (reason.empty() && config_.prefix_cache.max_input_shift > 0) {
       std::shared_ptr<const InputShiftStats> stats = shift_stats_->Get(*mapper);

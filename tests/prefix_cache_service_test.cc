@@ -14,6 +14,7 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
+#include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "proto/kvt/v1/prefix_cache.grpc.pb.h"
@@ -54,11 +55,11 @@ std::vector<uint32_t> Tokens(int n, uint32_t seed) {
 
 class PrefixCacheServiceTest : public ::testing::Test {
  protected:
-  void Start(KvtdConfig config) {
+  void Start(KvtdConfig config, const std::string& store_dir = StoreDir()) {
     config.server.listen_address = "127.0.0.1:0";
-    config.mapper_store.path = StoreDir();
+    config.mapper_store.path = store_dir;
     config.shutdown.drain_grace_seconds = 0;
-    absl::StatusOr<std::unique_ptr<MapperStore>> opened = MapperStore::Open(StoreDir());
+    absl::StatusOr<std::unique_ptr<MapperStore>> opened = MapperStore::Open(store_dir);
     ASSERT_TRUE(opened.ok()) << opened.status();
     store_ = std::move(*opened);
     backend_ = NewCpuBackend();
@@ -276,6 +277,63 @@ TEST_F(PrefixCacheServiceTest, GateRefusesUnlessForced) {
   EXPECT_TRUE(forced.hit());
   EXPECT_FALSE(forced.gate().passed());
   EXPECT_THAT(forced.detail(), HasSubstr("REUSE_POLICY_FORCE"));
+}
+
+// A store whose one mapper is the synth mapper of StoreDir() with a recorded held-out quality,
+// as `kvt fit` writes it with target queries: attention cosine 0.95, held-out R^2 0.2.
+std::string StoreWithRecordedCosine() {
+  const std::string dir = absl::StrCat(StoreDir(), "_cosine");
+  static const bool written = [&] {
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> synth = LoadMapperDir(StoreDir() + "/m");
+    if (!synth.ok()) return false;
+    Manifest manifest = (*synth)->manifest();
+    manifest.quality.attention_cosine_heldout = 0.95;
+    manifest.quality.attention_cosine_heldout_all_layers = 0.96;
+    for (LayerEntry& layer : manifest.layers) {
+      layer.r2_k_heldout = layer.r2_v_heldout = 0.2;
+      layer.attention_cosine_heldout = 0.95;
+    }
+    std::vector<TensorRef> tensors;
+    for (const TensorInfo& info : (*synth)->weights().tensors()) {
+      tensors.push_back({info.spec, (*synth)->weights().data(info)});
+    }
+    return WriteMapperDir(dir + "/m", manifest, tensors).ok();
+  }();
+  EXPECT_TRUE(written);
+  return dir;
+}
+
+TEST_F(PrefixCacheServiceTest, GatePrefersTheRecordedAttentionCosine) {
+  const std::vector<uint32_t> tokens = Tokens(48, 10);
+  for (double floor : {0.9, 0.97}) {
+    SCOPED_TRACE(floor);
+    KvtdConfig config;
+    config.prefix_cache.enabled = true;
+    config.prefix_cache.min_mapper_quality = floor;  // R^2 0.2 would fail both
+    server_.reset();
+    Start(config, StoreWithRecordedCosine());
+    v1::PublishResponse published;
+    ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 11), &published).ok());
+    const v1::LookupPrefixResponse response = Lookup(tokens);
+    EXPECT_EQ(response.gate().mapper_quality_metric(), "attention_cosine_heldout");
+    EXPECT_DOUBLE_EQ(response.gate().mapper_quality(), 0.95);
+    EXPECT_EQ(response.gate().min_mapper_quality(), floor);
+    EXPECT_EQ(response.hit(), floor < 0.95);
+    EXPECT_EQ(response.gate().passed(), floor < 0.95);
+    if (floor > 0.95) {
+      EXPECT_EQ(response.miss_reason(), "gate");
+      EXPECT_THAT(response.gate().reason(),
+                  HasSubstr("held-out attention-output cosine 0.95 < floor 0.97"));
+    }
+  }
+}
+
+TEST_F(PrefixCacheServiceTest, GateFallsBackToHeldoutR2) {
+  // The synth mapper records no cosine: the metric named is the R^2 fallback.
+  const std::vector<uint32_t> tokens = Tokens(48, 12);
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 13), &published).ok());
+  EXPECT_EQ(Lookup(tokens).gate().mapper_quality_metric(), "r2_heldout");
 }
 
 TEST_F(PrefixCacheServiceTest, BadPublishesNameTheField) {
