@@ -27,7 +27,8 @@ def main():
     source, target = R.Member(os.path.join(family, "M")), R.Member(os.path.join(family, "L"))
     work = tempfile.mkdtemp(prefix="kvt-handoff-")
     calib = R.write_split("calib", os.path.join(work, "calib.jsonl"))
-    dumps = [R.dump(m.dir, calib, os.path.join(work, n), 512, 32)
+    # The target's queries too: kvt fit records the mapper's held-out attention-output cosine.
+    dumps = [R.dump(m.dir, calib, os.path.join(work, n), 512, 32, queries=n == "L")
              for n, m in (("M", source), ("L", target))]
     store = os.path.join(work, "store")
     R.fit(dumps[0], dumps[1], source.name, target.name, 2, os.path.join(store, "M-to-L"))

@@ -71,13 +71,15 @@ def main():
         kind_pairs = [(a, b) for a in names for b in names if a != b]
     else:
         kind_pairs = [tuple(x.split(":")) for x in args.kind_pairs.split(",") if x]
+    pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
+    # Every member a mapper targets dumps its queries too: kvt fit then records each mapper's
+    # held-out attention-output cosine (and --kind both compares the kinds on it).
+    targets = {b for _, b in pairs} | {b for _, b in kind_pairs} | set(args.drift_pair.split(":"))
     for m in names:
         d = os.path.join(args.family, m)
         members[m] = R.Member(d)
-        # Target-side queries for kvt fit --kind both's held-out attention-output cosine.
         dumps[m] = R.dump(d, calib, os.path.join(args.work, "dumps", m), args.calib_tokens,
-                          args.calib_windows, queries=any(b == m for _, b in kind_pairs))
-    pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
+                          args.calib_windows, queries=m in targets)
     store = os.path.join(args.work, "store")
     untrained = {}
     controls = [(a, b) for a, b in kind_pairs if b in args.mlp_control_targets.split(",")]
