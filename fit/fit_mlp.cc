@@ -249,6 +249,8 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
                                         "standardised scale)",
                                         mean_first, mean_last)},
   };
+  // The training rows are done with: free them before the held-out evaluation reads sequences.
+  for (FloatRows& rows : split) rows = FloatRows();
   return WriteFitted(final_stats, *parsed, std::move(manifest), std::move(storage), options.solve,
                      out_dir, std::move(warnings), facts, &options);
 }
