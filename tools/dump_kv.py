@@ -32,8 +32,8 @@ Options worth knowing:
   corpus: a .txt file (documents separated by blank lines) or .jsonl (--text_field, default
   "text"). Documents are tokenized, joined with the EOS token and cut into windows.
 
-Needs torch and transformers (safetensors files are written directly, without the safetensors
-package). No network access is attempted for local model directories.
+Needs torch, transformers and safetensors (the project venv: scripts/bootstrap.sh --python). No
+network access is attempted for local model directories.
 """
 
 import argparse
@@ -114,63 +114,40 @@ _DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 
 def write_safetensors(path, tensors, metadata):
-    """Writes {name: torch tensor} in the safetensors format (header padded to 8 bytes)."""
-    import torch
+    """Writes {name: torch tensor} as a safetensors file (the safetensors package; metadata
+    values as strings), atomically: a reader never sees a partial file."""
+    from safetensors.torch import save_file
 
-    header = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
-    blobs = []
-    offset = 0
-    for name, tensor in tensors.items():
-        tensor = tensor.contiguous().cpu()
-        dtype = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[tensor.dtype]
-        # bf16 has no numpy type: view the bytes as int16 for the copy out.
-        raw = tensor.view(torch.int16).numpy().tobytes() if tensor.dtype != torch.float32 \
-            else tensor.numpy().tobytes()
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for blob in blobs:
-            f.write(blob)
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()},
+              tmp, metadata={k: str(v) for k, v in metadata.items()})
     os.replace(tmp, path)
 
 
 def read_safetensors(path):
     """{name: torch tensor} of a safetensors file (the inverse of write_safetensors)."""
-    import numpy as np
-    import torch
+    from safetensors.torch import load_file
 
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        data = f.read()
-    types = {"F32": np.float32, "F16": np.float16, "BF16": np.int16, "I64": np.int64}
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in types:
-            raise ValueError(f"{path}: tensor {name}: unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        array = np.frombuffer(data[begin:end], dtype=types[info["dtype"]]).reshape(info["shape"])
-        tensor = torch.from_numpy(array.copy())
-        tensors[name] = tensor.view(torch.bfloat16) if info["dtype"] == "BF16" else tensor
-    return tensors
+    return load_file(path)
+
+
+def read_safetensors_metadata(path):
+    """The __metadata__ strings of a safetensors file (empty when it has none)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return dict(f.metadata() or {})
 
 
 def legacy_cache(past_key_values):
-    """[(k, v)] per layer, whatever cache class this transformers version returns."""
+    """[(k, v)] per layer, whatever cache class this transformers version returns: the `layers`
+    of DynamicLayer objects (transformers >= 4.54; 5.x has no to_legacy_cache), an older
+    DynamicCache's to_legacy_cache(), or a legacy tuple of (k, v) pairs as it is."""
+    if hasattr(past_key_values, "layers") and not isinstance(past_key_values, (tuple, list)):
+        return [(layer.keys, layer.values) for layer in past_key_values.layers]
     if hasattr(past_key_values, "to_legacy_cache"):
         return past_key_values.to_legacy_cache()
-    if hasattr(past_key_values, "layers"):
-        return [(layer.keys, layer.values) for layer in past_key_values.layers]
-    return past_key_values
+    return [(k, v) for k, v in past_key_values]
 
 
 class QueryCapture:
@@ -234,7 +211,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype)
     model.to(args.device).eval()
     tokenizer = load_tokenizer(args.tokenizer, args.model)
     capture = QueryCapture(model) if args.queries else None

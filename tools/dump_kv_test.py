@@ -8,7 +8,6 @@ puts it first on PATH); without them the test fails, it never skips."""
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -27,9 +26,16 @@ except ImportError as e:
 
 
 def read_header(path):
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
+    """{"__metadata__": {...}, name: {"dtype", "shape"}} of a safetensors file, through the
+    safetensors package (what any reader of the dumps sees)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        header = {"__metadata__": f.metadata()}
+        for name in f.keys():
+            piece = f.get_slice(name)
+            header[name] = {"dtype": piece.get_dtype(), "shape": list(piece.get_shape())}
+    return header
 
 
 def kvt_binary():
@@ -134,11 +140,8 @@ class TinyLlamaTest(unittest.TestCase):
         with torch.no_grad():
             hidden = layer.input_layernorm(model.model.embed_tokens(torch.tensor([ids])))
             raw = layer.self_attn.k_proj(hidden)[0].view(32, 2, 16).transpose(0, 1)
-        with open(os.path.join(out, files[0]), "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            data = f.read()[length:]
-        begin, end = header["layers.0.k"]["data_offsets"]
-        dumped = torch.frombuffer(bytearray(data[begin:end]), dtype=torch.float32).view(2, 32, 16)
+        dumped = dump_kv.read_safetensors(os.path.join(out, files[0]))["layers.0.k"]
+        self.assertEqual((dumped.dtype, tuple(dumped.shape)), (torch.float32, (2, 32, 16)))
         self.assertTrue(torch.allclose(dumped[:, 0], raw[:, 0], atol=1e-5))
         self.assertFalse(torch.allclose(dumped[:, 5], raw[:, 5], atol=1e-3))
         self.assertTrue(torch.allclose(dumped[:, 5].norm(dim=-1), raw[:, 5].norm(dim=-1),

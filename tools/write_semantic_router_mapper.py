@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes a mapper directory in the layout of vllm-project/semantic-router's
 src/training/kv_mapper (artifact.py, fit.py), with random float32 weights, for testing
-`kvt import --format=semantic-router`. numpy only: the safetensors file is written by hand.
+`kvt import --format=semantic-router`. Needs numpy and safetensors (the project venv).
 
 The layout, as artifact.py writes it:
   manifest.json        json.dumps(manifest, indent=2, sort_keys=True) + "\\n": mapper_id,
@@ -29,31 +29,18 @@ import argparse
 import hashlib
 import json
 import os
-import struct
 import sys
 
 import numpy as np
 
 
 def save_safetensors(path, tensors):
-    """What safetensors.numpy.save_file writes for float32 arrays: an 8-byte little-endian header
-    length, a compact JSON header padded with spaces to a multiple of 8, then the tensors in
-    header order (same dtype, so by name), contiguous."""
-    names = sorted(tensors)
-    arrays = {name: np.ascontiguousarray(tensors[name], dtype="<f4") for name in names}
-    header, offset = {}, 0
-    for name in names:
-        nbytes = arrays[name].nbytes
-        header[name] = {"dtype": "F32", "shape": list(arrays[name].shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(text)))
-        out.write(text)
-        for name in names:
-            out.write(arrays[name].tobytes())
+    """weights.safetensors as artifact.py writes it: safetensors.numpy.save_file of the float32
+    arrays (no metadata)."""
+    from safetensors.numpy import save_file
+
+    save_file({name: np.ascontiguousarray(array, dtype="<f4") for name, array in tensors.items()},
+              path)
 
 
 def sha256_file(path):

@@ -18,6 +18,7 @@ except ImportError as e:
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import model as tiny  # noqa: E402
+import dump_kv  # noqa: E402  (tools/, on the path through model.py)
 
 MODELS = os.path.join(HERE, "models")
 MATCHED = ["S", "M", "L"]
@@ -35,7 +36,7 @@ class FamilyTest(unittest.TestCase):
             with self.subTest(member=name):
                 ours = tiny.load(os.path.join(MODELS, name)).eval()
                 hf = LlamaForCausalLM.from_pretrained(os.path.join(MODELS, name),
-                                                      torch_dtype=torch.float32).eval()
+                                                      dtype=torch.float32).eval()
                 ids = torch.randint(0, tiny.VOCAB, (2, 77))
                 with torch.no_grad():
                     logits, kv = ours(ids, return_kv=True)
@@ -43,8 +44,7 @@ class FamilyTest(unittest.TestCase):
                     ref = out.logits.double()
                 self.assertLess((logits.double() - ref).abs().max().item(),
                                 1e-4 * max(1.0, ref.abs().max().item()))
-                cache = out.past_key_values
-                cache = cache.to_legacy_cache() if hasattr(cache, "to_legacy_cache") else cache
+                cache = dump_kv.legacy_cache(out.past_key_values)  # DynamicLayer keys/values
                 self.assertEqual(len(cache), len(kv))
                 for (k, v), (hk, hv) in zip(kv, cache):
                     self.assertLess((k - hk).abs().max().item(), 1e-4)

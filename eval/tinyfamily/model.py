@@ -1,8 +1,8 @@
 """A small Llama (RMSNorm, RoPE, GQA, SwiGLU) in plain PyTorch, with Hugging Face key names.
 
 The training script uses this module instead of transformers' LlamaForCausalLM so that training
-runs on Debian's torch 1.13 without transformers; the state_dict keys and config.json it writes
-are those of LlamaForCausalLM, which loads them unchanged (the harness and tests check that the
+needs only torch (the project venv's, as everything in eval/); the state_dict keys and
+config.json it writes are those of LlamaForCausalLM, which loads them unchanged (the harness and tests check that the
 two produce the same logits and KV cache). Tokenizer: one token per UTF-8 byte, EOS = 0, the
 convention of tools/dump_kv.py --tokenizer bytes.
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(_ROOT, "tools"))
-import dump_kv  # noqa: E402  (one home for the safetensors writer and the byte tokenizer)
+import dump_kv  # noqa: E402  (one home for the safetensors I/O and the byte tokenizer)
 
 VOCAB = 256
 EOS = dump_kv.ByteTokenizer.eos_token_id

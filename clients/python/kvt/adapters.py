@@ -1,7 +1,10 @@
 """Conversions between kvt.KVCache and the cache forms of PyTorch inference code: per-layer
-(K, V) torch tensors shaped [batch=1, num_kv_heads, tokens, head_dim] (Hugging Face's) and
-transformers' DynamicCache (both the legacy key_cache/value_cache lists and the newer `layers`
-API). torch and transformers are imported on first use, so `import kvt` needs neither.
+(K, V) torch tensors shaped [batch=1, num_kv_heads, tokens, head_dim] (Hugging Face's),
+transformers' DynamicCache (the `layers` API of transformers 5, DynamicLayer keys / values, and
+the key_cache / value_cache lists of older versions) and the deprecated tuple past_key_values
+((K, V) per layer: read by from_dynamic_cache, written by to_legacy_cache, turned into a
+DynamicCache that transformers 5 accepts by as_dynamic_cache). torch and transformers are
+imported on first use, so `import kvt` needs neither.
 """
 
 from __future__ import annotations
@@ -72,18 +75,32 @@ def to_torch(cache: KVCache, dtype: Optional["torch.dtype"] = None,
     return [(convert(k), convert(v)) for k, v in zip(hnd.k, hnd.v)]
 
 
+def _is_legacy(cache: Any) -> bool:
+    return isinstance(cache, (tuple, list))
+
+
 def dynamic_cache_layers(cache: Any) -> List[Tuple["torch.Tensor", "torch.Tensor"]]:
-    """Per-layer (K, V) tensors of a transformers Cache: the `layers` API (transformers >=
-    4.54: layer.keys / layer.values), the legacy key_cache / value_cache lists, or a legacy
-    tuple of (K, V) pairs."""
-    if hasattr(cache, "layers") and not isinstance(cache, (tuple, list)):
-        layers = list(cache.layers)
-        if layers and hasattr(layers[0], "keys"):
+    """Per-layer (K, V) tensors of a transformers Cache: the `layers` API (transformers >= 4.54,
+    5.x: DynamicLayer.keys / .values), the key_cache / value_cache lists of older versions, or a
+    legacy tuple of (K, V) pairs (the deprecated tuple `past_key_values`)."""
+    if _is_legacy(cache):
+        pairs = []
+        for i, pair in enumerate(cache):
+            if len(pair) < 2:
+                raise InvalidArgumentError(f"legacy cache layer {i}: expected a (K, V) pair")
+            pairs.append((pair[0], pair[1]))
+        return pairs
+    if hasattr(cache, "layers"):
+        layers: List[Any] = list(cache.layers)
+        if all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+            empty = [i for i, layer in enumerate(layers) if layer.keys is None]
+            if empty:
+                # DynamicCache(config=...) creates its layers before the first update.
+                raise InvalidArgumentError(
+                    f"cache layers {empty} hold no tensors yet (run a forward pass first)")
             return [(layer.keys, layer.values) for layer in layers]
     if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):
         return list(zip(cache.key_cache, cache.value_cache))
-    if isinstance(cache, (tuple, list)):
-        return [(k, v) for k, v in cache]
     raise InvalidArgumentError(f"unsupported cache type {type(cache).__name__}")
 
 
@@ -92,17 +109,39 @@ def from_dynamic_cache(cache: Any, dtype: Optional[str] = None) -> KVCache:
     return from_torch(dynamic_cache_layers(cache), dtype=dtype)
 
 
+def _dynamic_cache(layers: Sequence[Tuple["torch.Tensor", "torch.Tensor"]],
+                   config: Any = None) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        dynamic = DynamicCache(config=config) if config is not None else DynamicCache()
+    except TypeError:  # transformers < 4.56: no config argument
+        dynamic = DynamicCache()
+    for layer, (k, v) in enumerate(layers):
+        dynamic.update(k, v, layer)
+    return dynamic
+
+
 def to_dynamic_cache(cache: KVCache, dtype: Optional["torch.dtype"] = None,
                      device: Any = "cpu", config: Any = None) -> Any:
     """A transformers DynamicCache holding `cache` (e.g. a translated cache, for generate() or a
     forward pass with past_key_values). `config`: the target model's config, for transformers
     versions whose DynamicCache takes it (sliding-window layers); optional."""
-    from transformers import DynamicCache
+    return _dynamic_cache(to_torch(cache, dtype=dtype, device=device), config=config)
 
-    try:
-        dynamic = DynamicCache(config=config) if config is not None else DynamicCache()
-    except TypeError:
-        dynamic = DynamicCache()
-    for layer, (k, v) in enumerate(to_torch(cache, dtype=dtype, device=device)):
-        dynamic.update(k, v, layer)
-    return dynamic
+
+def to_legacy_cache(cache: KVCache, dtype: Optional["torch.dtype"] = None,
+                    device: Any = "cpu") -> Tuple[Tuple["torch.Tensor", "torch.Tensor"], ...]:
+    """`cache` as the deprecated tuple past_key_values: ((K, V), ...) per layer, each
+    [1, num_kv_heads, tokens, head_dim]. transformers 5 models no longer take tuples; pass the
+    tuple through as_dynamic_cache (or use to_dynamic_cache) before a forward pass."""
+    return tuple(to_torch(cache, dtype=dtype, device=device))
+
+
+def as_dynamic_cache(past_key_values: Any, config: Any = None) -> Any:
+    """A transformers Cache for past_key_values: a legacy tuple of (K, V) pairs becomes a
+    DynamicCache holding the same tensors (what transformers < 5 did itself with a tuple, which
+    transformers 5 rejects); a Cache object (or None) is returned as it is."""
+    if past_key_values is None or not _is_legacy(past_key_values):
+        return past_key_values
+    return _dynamic_cache(dynamic_cache_layers(past_key_values), config=config)

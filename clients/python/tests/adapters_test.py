@@ -73,17 +73,50 @@ class TorchAdapterTest(unittest.TestCase):
         self.assertIsInstance(dynamic, DynamicCache)
         self.assertEqual(dynamic.get_seq_length(), 9)
         self.assertEqual(len(adapters.dynamic_cache_layers(dynamic)), 3)
+        # transformers 5 keeps a list of DynamicLayer objects with .keys / .values (no
+        # key_cache / value_cache lists): the adapter reads those.
+        self.assertEqual(type(dynamic.layers[0]).__name__, "DynamicLayer")
+        self.assertTrue(torch.equal(dynamic.layers[2].values, layers[2][1]))
         back = adapters.from_dynamic_cache(dynamic)
         for layer, (k, v) in enumerate(layers):
             np.testing.assert_array_equal(back.k[layer], k[0].numpy())
             np.testing.assert_array_equal(back.v[layer], v[0].numpy())
-        # The legacy tuple form reads the same.
+        # The legacy tuple form reads the same, and to_legacy_cache writes it.
         legacy = tuple((k, v) for k, v in layers)
         np.testing.assert_array_equal(adapters.from_dynamic_cache(legacy).v[2], layers[2][1][0])
-        # transformers >= 4.54 keeps a list of layer objects with .keys / .values instead of
-        # key_cache / value_cache; the installed 4.44 has the lists, so that shape is built here.
-        newer = SimpleNamespace(layers=[SimpleNamespace(keys=k, values=v) for k, v in layers])
-        np.testing.assert_array_equal(adapters.from_dynamic_cache(newer).k[1], layers[1][0][0])
+        written = adapters.to_legacy_cache(back)
+        self.assertIsInstance(written, tuple)
+        self.assertEqual(len(written), 3)
+        for (k, v), (k2, v2) in zip(layers, written):
+            self.assertTrue(torch.equal(k, k2) and torch.equal(v, v2))
+        # Older transformers' key_cache / value_cache lists are still read.
+        older = SimpleNamespace(key_cache=[k for k, _ in layers], value_cache=[v for _, v in layers])
+        np.testing.assert_array_equal(adapters.from_dynamic_cache(older).k[1], layers[1][0][0])
+        # A DynamicCache made with a config holds layers before any update: a named error.
+        empty = DynamicCache(config=tiny_llama(2).config)
+        with self.assertRaisesRegex(kvt.InvalidArgumentError, "hold no tensors"):
+            adapters.from_dynamic_cache(empty)
+
+    def test_legacy_tuple_past_key_values_through_the_adapter(self) -> None:
+        # transformers 5 models reject a tuple past_key_values; as_dynamic_cache turns the
+        # deprecated form into the DynamicCache they take, with the same continuation.
+        model = tiny_llama(3)
+        ids = torch.randint(0, 256, (1, 12))
+        follow = torch.randint(0, 256, (1, 4))
+        with torch.no_grad():
+            prefill = model(ids, past_key_values=DynamicCache(), use_cache=True)
+            legacy = adapters.to_legacy_cache(adapters.from_dynamic_cache(prefill.past_key_values))
+            expected = model(follow, past_key_values=prefill.past_key_values, use_cache=True)
+            self.assertIsInstance(legacy, tuple)
+            cache = adapters.as_dynamic_cache(legacy, config=model.config)
+            self.assertIsInstance(cache, DynamicCache)
+            self.assertEqual(cache.get_seq_length(), 12)
+            got = model(follow, past_key_values=cache, use_cache=True)
+        self.assertTrue(torch.equal(got.logits, expected.logits))
+        self.assertEqual(adapters.from_dynamic_cache(got.past_key_values).num_tokens, 16)
+        # A Cache object (or None) passes through unchanged.
+        self.assertIs(adapters.as_dynamic_cache(cache), cache)
+        self.assertIsNone(adapters.as_dynamic_cache(None))
 
 
 class HandoffTest(unittest.TestCase):

@@ -1,6 +1,6 @@
 """Test support: unittest.main that, under `bazel test`, also writes one JUnit testcase per test
-method to $XML_OUTPUT_FILE (Debian's python3-xmlrunner), so scripts/junit_summary.py counts
-each case instead of one per target."""
+method to $XML_OUTPUT_FILE (xmlrunner, from the venv's unittest-xml-reporting), so
+scripts/junit_summary.py counts each case instead of one per target."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main() -> None:
     if not path:
         unittest.main(module="__main__")
         return
-    import xmlrunner  # python3-xmlrunner; required under bazel test
+    import xmlrunner  # unittest-xml-reporting (requirements.lock); required under bazel test
 
     with open(path, "wb") as output:
         unittest.main(module="__main__",

@@ -1,7 +1,7 @@
 """The documented pip install path and the typing of the `kvt` package: gen_protos.py generates
 the stubs into a copy of clients/python, pip installs it into a fresh target directory, and the
-installed package (with py.typed and the .pyi stubs) imports from there; mypy (Debian's
-python3-mypy, configured in pyproject.toml) finds no type errors in it."""
+installed package (with py.typed and the .pyi stubs) imports from there; mypy (the project
+venv's, configured in pyproject.toml) finds no type errors in it."""
 
 from __future__ import annotations
 

@@ -4,32 +4,18 @@ read here independently of kvtd), and the SPEC 3 error measure."""
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import yaml
-
-_SAFETENSORS_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+from safetensors.numpy import load_file
 
 
 def read_safetensors(path: str) -> Dict[str, np.ndarray]:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-        data = f.read()
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
-        if entry["dtype"] == "BF16":
-            array = (array.astype("<u4") << np.uint32(16)).view("<f4")
-        tensors[name] = array.astype(np.float64).reshape(entry["shape"])
-    return tensors
+    """{name: float64 array} of a safetensors file (safetensors.numpy: F32/F16 weights; numpy
+    has no bfloat16)."""
+    return {name: array.astype(np.float64) for name, array in load_file(path).items()}
 
 
 class RidgeMapper:
