@@ -755,6 +755,11 @@ class _Load:
         flats = [c._kv_caches[name].view(-1) for name in layers]
         device = flats[0].device
         index_k, index_v = index_k.to(device), index_v.to(device)
+        # On CPU the rows are written with numpy into views of the cache (single-threaded: a
+        # torch index_put here would start an OpenMP region beside the model runner's, on the
+        # same cores, and wait in it for milliseconds per chunk).
+        host = _host_views(flats, c.engine_dtype) if device.type == "cpu" else None
+        np_k, np_v = index_k.cpu().numpy(), index_v.cpu().numpy()
         header = trailer = None
         load_s = 0.0
         out_dtype = "fp32"
@@ -785,12 +790,20 @@ class _Load:
                 if hi <= lo:
                     continue
                 t = time.monotonic()
-                part = _rows(chunk.data, out_dtype, chunk.token_count, heads, dim,
-                             lo - chunk.token_start, hi - chunk.token_start)
                 is_k = chunk.kind == common_pb2.CACHE_KIND_K
-                flat = flats[chunk.layer]
-                rows = (index_k if is_k else index_v)[lo - start:hi - start]
-                flat[rows] = part.to(device=device, dtype=flat.dtype)
+                if host is not None and out_dtype == c.engine_dtype:
+                    wire = _WIRE_NUMPY[out_dtype]
+                    part_np = np.frombuffer(chunk.data, dtype=wire).reshape(
+                        chunk.token_count, heads, dim)[lo - chunk.token_start:
+                                                       hi - chunk.token_start]
+                    rows_np = (np_k if is_k else np_v)[lo - start:hi - start]
+                    host[chunk.layer][rows_np] = part_np
+                else:
+                    part = _rows(chunk.data, out_dtype, chunk.token_count, heads, dim,
+                                 lo - chunk.token_start, hi - chunk.token_start)
+                    flat = flats[chunk.layer]
+                    rows = (index_k if is_k else index_v)[lo - start:hi - start]
+                    flat[rows] = part.to(device=device, dtype=flat.dtype)
                 covered[chunk.layer, 0 if is_k else 1, lo - start:hi - start] = True
                 load_s += time.monotonic() - t
             elif which == "trailer":
@@ -805,6 +818,22 @@ class _Load:
         if trailer.HasField("input_shift_score"):
             result["input_shift_score"] = trailer.input_shift_score
         return result
+
+
+# Wire element types as numpy reads them, matching the engine's storage bit for bit (bf16 as
+# its 16-bit patterns).
+_WIRE_NUMPY: Dict[str, Any] = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"),
+                               "bf16": np.dtype("<i2")}
+
+
+def _host_views(flats: List[torch.Tensor], dtype: str) -> Optional[List[np.ndarray]]:
+    """numpy views (sharing memory) of CPU cache tensors, bf16 as int16 bit patterns."""
+    try:
+        if dtype == "bf16":
+            return [f.view(torch.int16).numpy() for f in flats]
+        return [f.numpy() for f in flats]
+    except Exception:
+        return None
 
 
 def _wait(future: Future, seconds: float) -> bool:
