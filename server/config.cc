@@ -266,6 +266,7 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
         {"block_tokens", i64(&config.prefix_cache.block_tokens)},
         {"lease_seconds", f64(&config.prefix_cache.lease_seconds)},
         {"min_mapper_quality", f64(&config.prefix_cache.min_mapper_quality)},
+        {"min_r2_heldout", f64(&config.prefix_cache.min_r2_heldout)},
         {"max_input_shift", f64(&config.prefix_cache.max_input_shift)},
         {"pair_min_quality", [src, &config](const std::string& key, const YAML::Node& node) {
            return ReadPairFloors(src, key, node, &config.prefix_cache.pair_min_quality);

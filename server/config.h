@@ -73,10 +73,14 @@ struct KvtdConfig {
     int64_t block_tokens = 16;      // chain-hash block: only whole blocks are stored and matched
     double lease_seconds = 30;      // a lookup's lease must be used by TranslateKV within this
     // Quality gate: a pair is offered only when its mapper's recorded held-out quality reaches
-    // the floor (per pair when listed, "source->target", else min_mapper_quality) and, when
-    // max_input_shift > 0 and the mapper has statistics, the prefix's input-shift score is at
-    // most max_input_shift.
-    double min_mapper_quality = 0.0;
+    // a floor: pair_min_quality["source->target"] when listed (against whatever the mapper
+    // records); else min_mapper_quality for the fit's held-out attention-output cosine (past
+    // layer 0; docs/EVAL.md: at >= 0.87 every bundled pair recovers >= 0.65 of the context
+    // benefit, below it ridge into L recovers 0.40-0.52, no better than token identity's 0.50),
+    // or min_r2_heldout for mappers that record only held-out R^2. When max_input_shift > 0 and
+    // the mapper has statistics, the prefix's input-shift score must be at most that.
+    double min_mapper_quality = 0.87;
+    double min_r2_heldout = 0.0;
     std::map<std::string, double> pair_min_quality;
     double max_input_shift = 0;  // 0 = not checked
   } prefix_cache;

@@ -53,6 +53,9 @@ prefix_cache:
   EXPECT_FALSE(shipped->prefix_cache.enabled);
   EXPECT_EQ(shipped->prefix_cache.max_bytes, KvtdConfig().prefix_cache.max_bytes);
   EXPECT_EQ(shipped->prefix_cache.block_tokens, KvtdConfig().prefix_cache.block_tokens);
+  EXPECT_EQ(shipped->prefix_cache.min_mapper_quality,
+            KvtdConfig().prefix_cache.min_mapper_quality);
+  EXPECT_EQ(shipped->prefix_cache.min_r2_heldout, KvtdConfig().prefix_cache.min_r2_heldout);
 }
 
 TEST(ConfigTest, PrefixCacheErrorsNameTheKey) {

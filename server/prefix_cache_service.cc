@@ -318,6 +318,47 @@ RecordedQualityValue RecordedQuality(const Manifest& manifest) {
   return {sum / n};
 }
 
+v1::GateVerdict PrefixCacheService::Gate(const std::shared_ptr<const LoadedMapper>& mapper,
+                                         const PrefixMatch& match) {
+  const KvtdConfig::PrefixCache& gate = config_.prefix_cache;
+  const Manifest& manifest = mapper->manifest();
+  const RecordedQualityValue recorded = RecordedQuality(manifest);
+  const std::optional<double>& quality = recorded.value;
+  // A pair's own floor applies to whatever its mapper records; else the metric's default floor.
+  auto floor = gate.pair_min_quality.find(PairKey(manifest.source.name, manifest.target.name));
+  const bool cosine = std::string(recorded.metric) == "attention_cosine_heldout";
+  const double min_quality = floor != gate.pair_min_quality.end()
+                                 ? floor->second
+                                 : (cosine ? gate.min_mapper_quality : gate.min_r2_heldout);
+  v1::GateVerdict verdict;
+  verdict.set_mapper_quality_metric(recorded.metric);
+  verdict.set_mapper_quality(quality.value_or(0));
+  verdict.set_min_mapper_quality(min_quality);
+  verdict.set_max_input_shift(gate.max_input_shift);
+  std::string reason;
+  if (min_quality > 0 && !quality.has_value()) {
+    reason = "the mapper records no held-out quality (quality.attention_cosine_heldout, "
+             "r2_k_heldout / r2_v_heldout)";
+  } else if (quality.has_value() && *quality < min_quality) {
+    reason = absl::StrCat("mapper ", recorded.description, " ", *quality, " < floor ",
+                          min_quality);
+  }
+  if (reason.empty() && gate.max_input_shift > 0) {
+    std::shared_ptr<const InputShiftStats> stats = shift_stats_->Get(mapper);
+    if (stats != nullptr) {
+      const double score = stats->Score(match.entry->View(match.tokens), Positions{});
+      verdict.set_input_shift_score(score);
+      if (score > gate.max_input_shift) {
+        reason = absl::StrCat("input-shift score ", score, " > prefix_cache.max_input_shift ",
+                              gate.max_input_shift);
+      }
+    }
+  }
+  verdict.set_passed(reason.empty());
+  verdict.set_reason(reason);
+  return verdict;
+}
+
 absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& request,
                                             v1::LookupPrefixResponse* response) {
   response->set_request_id(request.request_id());
@@ -402,43 +443,10 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
   });
   v1::GateVerdict first_verdict;
   for (Candidate& candidate : found) {
-    v1::GateVerdict verdict;
     absl::StatusOr<std::shared_ptr<const LoadedMapper>> mapper = store_->Get(candidate.mapper->id);
     if (!mapper.ok()) continue;  // unloaded or failed since the listing
-    const Manifest& manifest = (*mapper)->manifest();
-    auto floor = config_.prefix_cache.pair_min_quality.find(
-        PairKey(manifest.source.name, manifest.target.name));
-    const double min_quality = floor != config_.prefix_cache.pair_min_quality.end()
-                                   ? floor->second
-                                   : config_.prefix_cache.min_mapper_quality;
-    const RecordedQualityValue recorded = RecordedQuality(manifest);
-    const std::optional<double>& quality = recorded.value;
-    verdict.set_mapper_quality_metric(recorded.metric);
-    verdict.set_mapper_quality(quality.value_or(0));
-    verdict.set_min_mapper_quality(min_quality);
-    verdict.set_max_input_shift(config_.prefix_cache.max_input_shift);
-    std::string reason;
-    if (min_quality > 0 && !quality.has_value()) {
-      reason = "the mapper records no held-out quality (quality.attention_cosine_heldout, "
-               "r2_k_heldout / r2_v_heldout)";
-    } else if (quality.has_value() && *quality < min_quality) {
-      reason = absl::StrCat("mapper ", recorded.description, " ", *quality, " < floor ",
-                            min_quality);
-    }
-    if (reason.empty() && config_.prefix_cache.max_input_shift > 0) {
-      std::shared_ptr<const InputShiftStats> stats = shift_stats_->Get(*mapper);
-      if (stats != nullptr) {
-        const double score = stats->Score(candidate.match.entry->View(candidate.match.tokens),
-                                          Positions{});
-        verdict.set_input_shift_score(score);
-        if (score > config_.prefix_cache.max_input_shift) {
-          reason = absl::StrCat("input-shift score ", score, " > prefix_cache.max_input_shift ",
-                                config_.prefix_cache.max_input_shift);
-        }
-      }
-    }
-    verdict.set_passed(reason.empty());
-    verdict.set_reason(reason);
+    const v1::GateVerdict verdict = Gate(*mapper, candidate.match);
+    const std::string& reason = verdict.reason();
     if (&candidate == &found.front()) first_verdict = verdict;
     for (v1::PrefixCandidate& c : *response->mutable_candidates()) {
       if (c.source_model() == candidate.mapper->source_model && !reason.empty()) {

@@ -44,6 +44,9 @@ class PrefixCacheService final : public v1::KvPrefixCache::Service {
                            v1::PublishResponse* response, std::string* model_label);
   absl::Status LookupImpl(const v1::LookupPrefixRequest& request,
                           v1::LookupPrefixResponse* response);
+  // The quality gate's verdict on leasing `match` for translation through `mapper`.
+  v1::GateVerdict Gate(const std::shared_ptr<const LoadedMapper>& mapper,
+                       const PrefixMatch& match);
   grpc::Status Authorize(const grpc::ServerContext* context, Role role) const;
   void UpdateUsage();
 

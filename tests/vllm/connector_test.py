@@ -14,6 +14,9 @@ tier) and mappers fitted here with `kvt fit`.
   (d) the prefix-cache hazard: translated blocks are no exact hits for plain requests (default);
       the engine that opted in (allow_translated_prefix_cache) shares them.
 
+  MechanicsTest: the connector's vLLM mechanics with exact equalities, against a test double of
+      kvtd that hands the engine back its own KV (see the class).
+
 The engines start once for the suite, in parallel with the mapper fit.
 """
 
@@ -30,6 +33,7 @@ import torch
 
 import family
 import engines as E
+import fake_kvtd
 import retention as R
 
 import kvt
@@ -178,7 +182,6 @@ class KvtConnectorTest(unittest.TestCase):
         ours = np.array([vllm_first[t] for t in sorted(vllm_first)])
         theirs = np.array([float(first[int(t)]) for t in sorted(vllm_first)])
         np.testing.assert_allclose(ours, theirs, rtol=1e-2, atol=1e-3)
-        # And the translated prefix is not L's own: a plain run differs in its log-probs.
         own = plain(L, prompt, GEN, logprobs=20)
         print(f"\n(a) M -> L: {reused} tokens reused; timings {o['timings']}; tokens "
               f"{'equal' if own['token_ids'] == got['token_ids'] else 'differ from'} L's own "
@@ -359,6 +362,105 @@ class KvtConnectorTest(unittest.TestCase):
             record = json.loads(lines[-1].split("kvt_outcome ", 1)[1])
             self.assertIn(record["outcome"], ("applied", "fallback_reprefill", "unsupported"))
             self.assertEqual(record["model"], family.NAMES[engine.name])
+        # The same counts reach vLLM's metrics (KvtConnectorStats -> vllm:kvt_*_total).
+        # (LLM.get_metrics names a counter family without its _total suffix.)
+        metrics = {k[:-len("_total")] if k.endswith("_total") else k: v
+                   for k, v in Suite.engines["L"].metrics().items()}
+        for name in ("applied", "fallback_reprefill", "unsupported", "tokens_reused", "lookups",
+                     "publishes"):
+            self.assertGreater(metrics.get(f"vllm:kvt_{name}", 0), 0, metrics)
+
+
+class MechanicsTest(unittest.TestCase):
+    """The connector's vLLM mechanics on engine L against tests/vllm/fake_kvtd.py, served on
+    kvtd's port while the real kvtd is stopped. The fake hands an engine back its *own*
+    published KV (identity "mapper"), which makes exact equalities testable independently of
+    any mapper's quality:
+
+      * reusing its own published prefix through the connector (publish: paged gather on the
+        worker; asynchronous load: TranslateKV stream scattered into the request's blocks)
+        gives exactly the tokens and log-probabilities of a plain run;
+      * the same with V zeroed by the fake changes the output (the load is really used);
+      * a TranslateKV failing half-way, after the scheduler committed the tokens, goes through
+        vLLM's load-failure path (recompute): the output equals a plain run;
+      * a lookup slower than its deadline falls back without holding the engine;
+      * the reusing request's blocks are salted, plain ones are shared.
+    """
+
+    PROMPT = list(b"The Python tutorial: an informal introduction. Numbers, strings and lists; "
+                  b"control flow with if, for and while; functions with default arguments. " * 3)
+
+    @classmethod
+    def setUpClass(cls):
+        stop_kvtd()
+        cls.server, _, cls.state = fake_kvtd.serve(Suite.port)
+        time.sleep(1.5)  # the engines' channels reconnect
+        cls.engine = Suite.engines["L"]
+        # The reference: a plain run. Its publishes fill the fake's tier.
+        cls.reference = cls.engine.one(cls.PROMPT, GEN, kvt={"reuse": "forbid"},
+                                       cache_salt="mech-ref", logprobs=5)
+        end = time.monotonic() + 20
+        while not any(len(e[1]) >= len(cls.PROMPT) // 16 * 16 for e in cls.state.entries):
+            assert time.monotonic() < end, "the engine published nothing to the fake"
+            time.sleep(0.05)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop(0)
+        time.sleep(0.5)
+        start_kvtd()
+
+    def setUp(self):
+        self.state.mode, self.state.delay_s = "exact", 0.0
+
+    def run_salted(self, salt, **kw):
+        return self.engine.one(self.PROMPT, GEN, cache_salt=f"mech-{salt}", logprobs=5, **kw)
+
+    def test_own_prefix_through_the_connector_is_exact(self):
+        r = self.run_salted("exact")
+        o = outcome(r)
+        self.assertEqual(o.get("outcome"), "applied", o)
+        self.assertEqual(o["tokens_reused"], (len(self.PROMPT) - 1) // 32 * 32)
+        self.assertEqual(r["num_cached_tokens"], o["tokens_reused"])
+        self.assertEqual(r["token_ids"], self.reference["token_ids"])
+        self.assertEqual(r["logprobs"], self.reference["logprobs"])
+
+    def test_zeroed_values_change_the_output(self):
+        self.state.mode = "zero_v"
+        r = self.run_salted("zero")
+        self.assertEqual(outcome(r).get("outcome"), "applied", outcome(r))
+        self.assertNotEqual(r["logprobs"], self.reference["logprobs"])
+
+    def test_translate_failing_mid_stream_recomputes(self):
+        self.state.mode = "fail_midway"
+        r = self.run_salted("fail")
+        o = outcome(r)
+        self.assertEqual(o.get("outcome"), "fallback_reprefill", o)
+        self.assertEqual(o.get("reason"), "translate_failed", o)
+        self.assertIn("failing mid-stream", o.get("detail", ""))
+        self.assertEqual(r["token_ids"], self.reference["token_ids"])
+        for got, want in zip(r["logprobs"], self.reference["logprobs"]):
+            for token, value in want.items():
+                self.assertAlmostEqual(got[token], value, places=4)
+
+    def test_lookup_past_deadline_falls_back(self):
+        self.state.delay_s = 20.0  # far past the engine's 2 s lookup deadline
+        t = time.monotonic()
+        r = self.run_salted("slow")
+        o = outcome(r)
+        self.assertEqual(o.get("reason"), "lookup_failed", o)
+        self.assertIn("DEADLINE_EXCEEDED", o.get("detail", ""))
+        self.assertEqual(r["token_ids"], self.reference["token_ids"])
+        self.assertLess(time.monotonic() - t, 12.0)  # the deadline, not kvtd, ended the wait
+
+    def test_translated_blocks_are_salted(self):
+        self.run_salted("hazard")  # applied: its blocks are hashed under the kvt salt
+        after = self.engine.one(self.PROMPT, GEN, kvt={"reuse": "forbid"},
+                                cache_salt="mech-hazard")
+        self.assertEqual(after["num_cached_tokens"], 0)
+        shared = self.engine.one(self.PROMPT, GEN, kvt={"reuse": "forbid"},
+                                 cache_salt="mech-ref")
+        self.assertGreater(shared["num_cached_tokens"], 0)  # plain blocks are shared
 
 
 if __name__ == "__main__":

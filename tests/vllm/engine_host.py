@@ -10,6 +10,8 @@ Commands:
     -> {"ok": true, "results": [{"token_ids", "kv_transfer_params", "num_cached_tokens",
         "logprobs": [{token: logprob}] (first positions), "wall_s"}]}
     Requests of one command are submitted together (one generate call).
+  {"op": "metrics"} -> {"ok": true, "metrics": {name: value}} (vllm:kvt_* counters, summed over
+    their labels)
   {"op": "quit"}
 """
 
@@ -49,7 +51,7 @@ def main():
             kv_role="kv_both", kv_connector_extra_config=json.loads(args.config))
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32",
               max_model_len=args.max_model_len, enforce_eager=True, block_size=args.block_size,
-              disable_log_stats=True, **kwargs)
+              disable_log_stats=False, **kwargs)
     answer({"ready": True, "start_s": time.monotonic() - t0})
     for line in sys.stdin:
         if not line.strip():
@@ -58,6 +60,13 @@ def main():
         if command.get("op") == "quit":
             answer({"ok": True})
             break
+        if command.get("op") == "metrics":
+            values = {}
+            for m in llm.get_metrics():
+                if m.name.startswith("vllm:kvt_") and hasattr(m, "value"):
+                    values[m.name] = values.get(m.name, 0) + m.value
+            answer({"ok": True, "metrics": values})
+            continue
         try:
             prompts, params = [], []
             for r in command["requests"]:

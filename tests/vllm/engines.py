@@ -82,6 +82,16 @@ class Engine:
             raise RuntimeError(f"engine {self.name}: {answer.get('error')}\n{self.log_tail()}")
         return answer["results"]
 
+    def metrics(self, timeout: float = 60) -> Dict[str, float]:
+        """vLLM's vllm:kvt_* counters of this engine (KvtConnectorStats on /metrics)."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "metrics"}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._get(timeout)
+        if not answer.get("ok"):
+            raise RuntimeError(f"engine {self.name}: {answer.get('error')}")
+        return answer["metrics"]
+
     def one(self, prompt: List[int], max_tokens: int = 16, kvt: Optional[dict] = None,
             cache_salt: Optional[str] = None, logprobs: Optional[int] = None, **extra) -> dict:
         r = {"prompt": list(prompt), "max_tokens": max_tokens, "kvt": kvt,

@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -50,10 +51,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  KVConnectorRole,
                                                                  KVConnectorTransferResults,
                                                                  KVConnectorWorkerMetadata)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                    KVConnectorStats)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvt.vllm.paged import PagedLayout, gather_tokens, layer_order, scatter_tokens
+from kvt.vllm.paged import PagedLayout, gather_tokens, layer_order
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,6 +75,7 @@ DEFAULTS: Dict[str, Any] = {
     "kvtd_address": None,               # required: "host:port" or "unix:/path"
     "model_name": None,                 # required: the model's name in mapper manifests
     "lookup_timeout_s": 0.5,            # LookupPrefix deadline
+    "lookup_wait_s": 0.005,             # how long the scheduler waits for a lookup in line
     "translate_timeout_s": 10.0,        # TranslateKV deadline (whole stream)
     "publish_timeout_s": 30.0,          # Publish deadline
     "publish": True,                    # publish after prefill
@@ -168,6 +171,44 @@ class KvtConnectorStats(KVConnectorStats):
         self.data[name] = self.data.get(name, 0) + value
 
 
+_COUNTER_HELP = {
+    "requests": "Requests the KvtConnector saw.",
+    "lookups": "LookupPrefix calls to kvtd.",
+    "lookup_errors": "LookupPrefix calls that failed (kvtd down, deadline, any error).",
+    "hits": "Lookups that found a translatable prefix.",
+    "applied": "Requests that finished with outcome applied.",
+    "fallback_reprefill": "Requests that finished with outcome fallback_reprefill.",
+    "unsupported": "Requests that finished with outcome unsupported.",
+    "tokens_reused": "Prompt tokens loaded from translated prefixes.",
+    "load_failures": "Translated loads that failed (vLLM recomputed the request).",
+    "publishes": "Caches published to kvtd.",
+    "publish_dropped": "Publishes dropped because the publish queue was full.",
+    "publish_failed": "Publishes that failed.",
+    "publish_bytes": "Bytes of KV published to kvtd.",
+}
+
+
+class KvtPromMetrics(KVConnectorPromMetrics):
+    """vllm:kvt_<counter>_total on vLLM's /metrics, one per KvtConnectorStats counter."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: List[str],
+                 per_engine_labelvalues: Dict[int, List[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: Dict[str, Dict[int, Any]] = {}
+        for name in _COUNTERS:
+            counter = self._counter_cls(name=f"vllm:kvt_{name}_total",
+                                        documentation=_COUNTER_HELP[name],
+                                        labelnames=labelnames)
+            self._counters[name] = {idx: counter.labels(*values)
+                                    for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        for name, per_engine in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
+
+
 # -- metadata ---------------------------------------------------------------------------------
 
 @dataclass
@@ -211,13 +252,23 @@ class _Request:
     orig_hashes: Optional[list] = None
 
 
+class _LookupClock:
+    """Done-callback of a lookup future: records its round trip on the request's state."""
+
+    def __init__(self, st: _Request) -> None:
+        self.st = st
+
+    def __call__(self, _future: "Future[Any]") -> None:
+        self.st.lookup_ms = (time.monotonic() - self.st.lookup_started) * 1e3
+
+
 class KvtConnector(KVConnectorBase_V1):
     """See the module docstring and docs/VLLM.md."""
 
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+                 kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         unknown = sorted(set(extra) - set(DEFAULTS))
@@ -236,7 +287,9 @@ class KvtConnector(KVConnectorBase_V1):
         self.block_tokens: int = int(self.config["block_tokens"])
         self.allow_translated = bool(self.config["allow_translated_prefix_cache"])
         model_config = vllm_config.model_config
-        self.engine_dtype = _TORCH_DTYPE_NAMES.get(model_config.dtype, "fp32")
+        dtype = model_config.dtype
+        self.engine_dtype = (_TORCH_DTYPE_NAMES.get(dtype, "fp32")
+                             if isinstance(dtype, torch.dtype) else "fp32")
         self.num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
         self.head_dim = model_config.get_head_size()
         self._client: Any = None
@@ -303,6 +356,11 @@ class KvtConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
                                  ) -> Optional[KVConnectorStats]:
         return KvtConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: List[str],
+                           per_engine_labelvalues: Dict[int, List[object]]) -> KvtPromMetrics:
+        return KvtPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.SCHEDULER:
@@ -379,10 +437,13 @@ class KvtConnector(KVConnectorBase_V1):
                 prefix.lookup, self.model_name, prompt, policy=st.options["reuse"],
                 mapper_id=st.options["mapper_id"], min_tokens=min_tokens, max_tokens=limit,
                 request_id=request.request_id, timeout=float(self.config["lookup_timeout_s"]))
-            st.lookup.add_done_callback(lambda _f, st=st: setattr(
-                st, "lookup_ms", (time.monotonic() - st.lookup_started) * 1e3))
+            st.lookup.add_done_callback(_LookupClock(st))
         if not st.lookup.done():
-            return None, False  # ask again next step; the scheduler loop does not wait
+            # A local kvtd answers in a millisecond or two: wait that long in line (saves a
+            # scheduler step), else ask again next step (the scheduler loop never waits longer).
+            wait = float(self.config["lookup_wait_s"])
+            if wait <= 0 or not _wait(st.lookup, wait):
+                return None, False
         try:
             response = st.lookup.result()
         except Exception as error:  # kvtd down, deadline, any RPC error
@@ -527,7 +588,10 @@ class KvtConnector(KVConnectorBase_V1):
                 {"request_id": request.request_id, "model": self.model_name, **outcome},
                 sort_keys=True))
         delay = False
-        if self.config["publish_final"] and block_ids:
+        # Never publish blocks a load may still be writing (a request aborted while waiting
+        # for its translated prefix: num_computed_tokens already counts it).
+        unconfirmed = st.load is not None and "result" not in st.load
+        if self.config["publish_final"] and block_ids and not unconfirmed:
             n = min(request.num_computed_tokens, len(request.all_token_ids))
             n = n // self.block_tokens * self.block_tokens
             if n > 0 and (n > request.num_prompt_tokens // self.block_tokens * self.block_tokens
@@ -675,7 +739,6 @@ class _Load:
 
     def _translate(self) -> Dict[str, Any]:
         spec, c = self.spec, self.c
-        from kvt.cache import decode
         from kvt._proto import common_pb2
         _, prefix = c._kvt()
         start, end, matched = spec["start"], spec["end"], spec["matched_tokens"]
@@ -686,6 +749,17 @@ class _Load:
         layers = c._layers
         heads, dim = c.num_kv_heads, c.head_dim
         covered = np.zeros((len(layers), 2, end - start), dtype=bool)
+        # Every layer shares the block table and the kernel's element order: one index of the
+        # request's rows [start, end) serves all of them.
+        index_k, index_v = c._paged[layers[0]].index(spec["block_ids"], start, end)
+        flats = [c._kv_caches[name].view(-1) for name in layers]
+        device = flats[0].device
+        index_k, index_v = index_k.to(device), index_v.to(device)
+        # On CPU the rows are written with numpy into views of the cache (single-threaded: a
+        # torch index_put here would start an OpenMP region beside the model runner's, on the
+        # same cores, and wait in it for milliseconds per chunk).
+        host = _host_views(flats, c.engine_dtype) if device.type == "cpu" else None
+        np_k, np_v = index_k.cpu().numpy(), index_v.cpu().numpy()
         header = trailer = None
         load_s = 0.0
         out_dtype = "fp32"
@@ -716,12 +790,20 @@ class _Load:
                 if hi <= lo:
                     continue
                 t = time.monotonic()
-                array = decode(chunk.data, out_dtype, (chunk.token_count, heads, dim))
-                part = torch.from_numpy(array[lo - chunk.token_start:hi - chunk.token_start])
                 is_k = chunk.kind == common_pb2.CACHE_KIND_K
-                name = layers[chunk.layer]
-                scatter_tokens(c._kv_caches[name], c._paged[name], spec["block_ids"], lo,
-                               part if is_k else None, None if is_k else part)
+                if host is not None and out_dtype == c.engine_dtype:
+                    wire = _WIRE_NUMPY[out_dtype]
+                    part_np = np.frombuffer(chunk.data, dtype=wire).reshape(
+                        chunk.token_count, heads, dim)[lo - chunk.token_start:
+                                                       hi - chunk.token_start]
+                    rows_np = (np_k if is_k else np_v)[lo - start:hi - start]
+                    host[chunk.layer][rows_np] = part_np
+                else:
+                    part = _rows(chunk.data, out_dtype, chunk.token_count, heads, dim,
+                                 lo - chunk.token_start, hi - chunk.token_start)
+                    flat = flats[chunk.layer]
+                    rows = (index_k if is_k else index_v)[lo - start:hi - start]
+                    flat[rows] = part.to(device=device, dtype=flat.dtype)
                 covered[chunk.layer, 0 if is_k else 1, lo - start:hi - start] = True
                 load_s += time.monotonic() - t
             elif which == "trailer":
@@ -736,6 +818,43 @@ class _Load:
         if trailer.HasField("input_shift_score"):
             result["input_shift_score"] = trailer.input_shift_score
         return result
+
+
+# Wire element types as numpy reads them, matching the engine's storage bit for bit (bf16 as
+# its 16-bit patterns).
+_WIRE_NUMPY: Dict[str, Any] = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"),
+                               "bf16": np.dtype("<i2")}
+
+
+def _host_views(flats: List[torch.Tensor], dtype: str) -> Optional[List[np.ndarray]]:
+    """numpy views (sharing memory) of CPU cache tensors, bf16 as int16 bit patterns."""
+    try:
+        if dtype == "bf16":
+            return [f.view(torch.int16).numpy() for f in flats]
+        return [f.numpy() for f in flats]
+    except Exception:
+        return None
+
+
+def _wait(future: Future, seconds: float) -> bool:
+    try:
+        future.exception(timeout=seconds)
+        return True
+    except Exception:  # concurrent.futures.TimeoutError
+        return future.done()
+
+
+def _rows(data: bytes, dtype: str, count: int, heads: int, dim: int, lo: int, hi: int
+          ) -> torch.Tensor:
+    """Rows [lo, hi) of an NHD chunk [count, heads, dim] of wire `dtype`, without a copy for
+    fp32 and fp16 (the bytes stay alive in the message; the tensor is only read)."""
+    if dtype == "bf16":
+        bits = np.frombuffer(data, dtype="<u2").reshape(count, heads, dim)[lo:hi]
+        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+    array = np.frombuffer(data, dtype="<f4" if dtype == "fp32" else "<f2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffer: only read here
+        return torch.from_numpy(array.reshape(count, heads, dim)[lo:hi])
 
 
 def _describe(error: BaseException) -> str:

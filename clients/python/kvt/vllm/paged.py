@@ -124,7 +124,10 @@ def scatter_tokens(kv_cache: torch.Tensor, layout: PagedLayout, block_ids: Seque
     """Writes K and/or V ([n, num_kv_heads, head_dim], NHD) of tokens [start, start + n) into
     one layer's paged cache."""
     flat = kv_cache.view(-1)
-    n = (k if k is not None else v).shape[0]
+    rows = k if k is not None else v
+    if rows is None:
+        return
+    n = rows.shape[0]
     ik, iv = layout.index(block_ids, start, start + n)
     if k is not None:
         flat[ik.to(flat.device)] = k.to(dtype=kv_cache.dtype, device=kv_cache.device)

