@@ -174,6 +174,52 @@ absl::Status ValidateMapperTensors(const Manifest& manifest, const std::vector<T
   return absl::OkStatus();
 }
 
+WeightView TensorWeightView(const TensorSpec& spec, const void* data) {
+  WeightView view;
+  view.data = data;
+  view.dtype = spec.dtype;
+  view.cols = spec.shape.back();
+  view.rows = 1;
+  for (size_t d = 0; d + 1 < spec.shape.size(); ++d) view.rows *= spec.shape[d];
+  return view;
+}
+
+MapperView BuildMapperView(const Manifest& m,
+                           const std::function<WeightView(const std::string& name)>& tensor) {
+  MapperView view;
+  view.kind = m.kind == MapperKind::kMlp ? MapKind::kMlp : MapKind::kRidge;
+  view.source = m.source;
+  view.target = m.target;
+  view.layers.reserve(m.layers.size());
+  for (const LayerEntry& entry : m.layers) {
+    LayerMapView layer;
+    layer.sigma_k = entry.sigma_k;
+    layer.sigma_v = entry.sigma_v;
+    const int l = entry.target_layer;
+    if (m.kind == MapperKind::kMlp) {
+      for (const auto& [kv, mlp] :
+           {std::pair<char, MlpView*>{'k', &layer.mlp_k}, {'v', &layer.mlp_v}}) {
+        mlp->heads =
+            m.mlp->granularity == MlpGranularity::kPerHead ? m.target.num_kv_heads : 1;
+        mlp->hidden = m.mlp->hidden;
+        mlp->a1 = tensor(MlpTensorName(l, kv, 1, false));
+        mlp->c1 = tensor(MlpTensorName(l, kv, 1, true));
+        mlp->a2 = tensor(MlpTensorName(l, kv, 2, false));
+        mlp->c2 = tensor(MlpTensorName(l, kv, 2, true));
+        mlp->a3 = tensor(MlpTensorName(l, kv, 3, false));
+        mlp->c3 = tensor(MlpTensorName(l, kv, 3, true));
+      }
+    } else {
+      layer.w_k = tensor(MapperTensorName(l, 'k', false));
+      layer.b_k = tensor(MapperTensorName(l, 'k', true));
+      layer.w_v = tensor(MapperTensorName(l, 'v', false));
+      layer.b_v = tensor(MapperTensorName(l, 'v', true));
+    }
+    view.layers.push_back(std::move(layer));
+  }
+  return view;
+}
+
 absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string& dir_in,
                                                             const LoadOptions& options) {
   const std::string dir = NormalizeDir(dir_in);
@@ -271,51 +317,11 @@ absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string& d
   mapper->checksums_verified_ = options.verify_checksums;
   mapper->manifest_ = *std::move(manifest);
   mapper->weights_ = *std::move(weights);
-  const Manifest& m = mapper->manifest_;
   const SafetensorsFile& file = *mapper->weights_;
-  // Every dimension but the last folds into rows: an MLP's per_head [n_t, a, b] tensor is the
-  // (n_t a) x b stack MlpView describes, its [n_t, b] bias n_t x b.
-  auto view_of = [&file](const std::string& name) {
+  mapper->view_ = BuildMapperView(mapper->manifest_, [&file](const std::string& name) {
     const TensorInfo* info = file.Find(name);  // present: validated above
-    WeightView view;
-    view.data = file.data(*info).data();
-    view.dtype = info->spec.dtype;
-    view.cols = info->spec.shape.back();
-    view.rows = 1;
-    for (size_t d = 0; d + 1 < info->spec.shape.size(); ++d) view.rows *= info->spec.shape[d];
-    return view;
-  };
-  MapperView& view = mapper->view_;
-  view.kind = m.kind == MapperKind::kMlp ? MapKind::kMlp : MapKind::kRidge;
-  view.source = m.source;
-  view.target = m.target;
-  view.layers.reserve(m.layers.size());
-  for (const LayerEntry& entry : m.layers) {
-    LayerMapView layer;
-    layer.sigma_k = entry.sigma_k;
-    layer.sigma_v = entry.sigma_v;
-    const int l = entry.target_layer;
-    if (m.kind == MapperKind::kMlp) {
-      for (const auto& [kv, mlp] :
-           {std::pair<char, MlpView*>{'k', &layer.mlp_k}, {'v', &layer.mlp_v}}) {
-        mlp->heads =
-            m.mlp->granularity == MlpGranularity::kPerHead ? m.target.num_kv_heads : 1;
-        mlp->hidden = m.mlp->hidden;
-        mlp->a1 = view_of(MlpTensorName(l, kv, 1, false));
-        mlp->c1 = view_of(MlpTensorName(l, kv, 1, true));
-        mlp->a2 = view_of(MlpTensorName(l, kv, 2, false));
-        mlp->c2 = view_of(MlpTensorName(l, kv, 2, true));
-        mlp->a3 = view_of(MlpTensorName(l, kv, 3, false));
-        mlp->c3 = view_of(MlpTensorName(l, kv, 3, true));
-      }
-    } else {
-      layer.w_k = view_of(MapperTensorName(l, 'k', false));
-      layer.b_k = view_of(MapperTensorName(l, 'k', true));
-      layer.w_v = view_of(MapperTensorName(l, 'v', false));
-      layer.b_v = view_of(MapperTensorName(l, 'v', true));
-    }
-    view.layers.push_back(std::move(layer));
-  }
+    return TensorWeightView(info->spec, file.data(*info).data());
+  });
   return mapper;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,17 @@ int64_t MapperNumParams(const Manifest& manifest);
 // "missing tensor 'layers.3.v.bias'", "extra tensor 'foo'", "tensor ... has shape [..] but the
 // manifest requires [..]", "tensor ... has dtype F16 but weights.dtype is bf16". INVALID_ARGUMENT.
 absl::Status ValidateMapperTensors(const Manifest& manifest, const std::vector<TensorSpec>& tensors);
+
+// A tensor as the backends see it: every dimension but the last folds into rows (an MLP's
+// per_head [n_t, a, b] tensor is the (n_t a) x b stack MlpView describes, its [n_t, b] bias
+// n_t x b).
+WeightView TensorWeightView(const TensorSpec& spec, const void* data);
+
+// The MapperView of `manifest` over its tensors, found by name through `tensor` (every name of
+// MapperTensorSpecs(manifest), already validated by ValidateMapperTensors). Used by
+// LoadMapperDir and by in-memory mappers (synth.h).
+MapperView BuildMapperView(const Manifest& manifest,
+                           const std::function<WeightView(const std::string& name)>& tensor);
 
 struct LoadOptions {
   // Check SHA256SUMS (required when true). The weights are hashed while they are read, so this

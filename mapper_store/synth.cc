@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <thread>
 #include <utility>
@@ -277,6 +278,28 @@ absl::Status WriteSynthMapper(const std::string& dir, const SynthOptions& option
         return FillSynthTensor(options, *manifest, index, dst);
       },
       write_options);
+}
+
+absl::StatusOr<std::unique_ptr<InMemoryMapper>> MakeSynthMapperInMemory(
+    const SynthOptions& options) {
+  absl::StatusOr<Manifest> manifest = SynthManifest(options);
+  if (!manifest.ok()) return manifest.status();
+  auto mapper = std::make_unique<InMemoryMapper>();
+  mapper->manifest = *std::move(manifest);
+  const std::vector<TensorSpec> specs = MapperTensorSpecs(mapper->manifest);
+  std::map<std::string, WeightView> by_name;
+  mapper->tensors.resize(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    mapper->tensors[i].resize(specs[i].num_bytes());
+    absl::Status filled =
+        FillSynthTensor(options, mapper->manifest, i, absl::MakeSpan(mapper->tensors[i]));
+    if (!filled.ok()) return filled;
+    by_name[specs[i].name] = TensorWeightView(specs[i], mapper->tensors[i].data());
+  }
+  mapper->view = BuildMapperView(mapper->manifest, [&by_name](const std::string& name) {
+    return by_name.at(name);
+  });
+  return mapper;
 }
 
 }  // namespace kvt

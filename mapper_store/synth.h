@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -64,5 +65,22 @@ absl::Status FillSynthTensor(const SynthOptions& options, const Manifest& manife
 // Same options -> byte-identical files.
 absl::Status WriteSynthMapper(const std::string& dir, const SynthOptions& options,
                               const WriteOptions& write_options = {});
+
+// A mapper held in memory only: the manifest, every tensor's bytes (MapperTensorSpecs order) and
+// the view into them, valid while this object lives. Not copyable (the view points inside).
+struct InMemoryMapper {
+  InMemoryMapper() = default;
+  InMemoryMapper(const InMemoryMapper&) = delete;
+  InMemoryMapper& operator=(const InMemoryMapper&) = delete;
+
+  Manifest manifest;
+  std::vector<std::vector<uint8_t>> tensors;
+  MapperView view;
+};
+
+// The synthetic mapper WriteSynthMapper would write, without a directory (same bytes), e.g. for
+// kvtd's start-up self-check. Errors as SynthManifest.
+absl::StatusOr<std::unique_ptr<InMemoryMapper>> MakeSynthMapperInMemory(
+    const SynthOptions& options);
 
 }  // namespace kvt

@@ -1,21 +1,54 @@
 // Chooses the translation backend from `backend.type` (auto | cpu | cuda) and what the machine
-// has, and says why, so the daemon can log and export the choice.
+// has, runs the start-up self-check (server/backend_self_check.h) on what it chooses, and says
+// why, so the daemon can log and export the choice.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/cpu_backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "server/backend_self_check.h"
 #include "server/config.h"
+#include "server/metrics.h"
 
 namespace kvt {
 
 struct SelectedBackend {
   std::unique_ptr<Backend> backend;
   std::string reason;  // e.g. "auto: no CUDA device (cudaGetDeviceCount failed: ...)"
+  // Every self-check that ran, in order: the CPU backend's always, then the CUDA backend's when
+  // one was tried (a failed one too, when auto fell back to CPU).
+  std::vector<SelfCheckReport> self_checks;
 };
 
-absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config);
+// How SelectBackend finds and builds engines; empty members mean the real ones
+// (cuda::DeviceCount, NewCudaBackend, NewCpuBackend). Tests substitute faulty engines.
+struct BackendFactories {
+  std::function<absl::StatusOr<int>()> device_count;
+  std::function<absl::StatusOr<std::unique_ptr<Backend>>(const CudaBackendOptions&)> new_cuda;
+  std::function<std::unique_ptr<Backend>(const CpuBackendOptions&)> new_cpu;
+};
+
+// The CPU backend is built and self-checked first in every mode (it is the fallback and the
+// comparison for a device): its failure is an error (FAILED_PRECONDITION "the CPU backend
+// failed its start-up self-check: ..."). Then by backend.type:
+//   cpu:  the CPU backend.
+//   cuda: the CUDA backend on GPU 0, self-checked against the CPU backend and float64; an
+//         engine that cannot start or fails the check is FAILED_PRECONDITION naming the case
+//         (kind/dtype, max error vs tolerance) or the CUDA error. Never a silent fallback.
+//   auto: CUDA when a device is usable and the backend starts and passes its self-check, else
+//         CPU; a failed self-check is logged as a warning ("backend self-check failed, using
+//         CPU") and kept in self_checks for the metric.
+// Every self-check is logged (info when it passes, with its time).
+absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config,
+                                              const BackendFactories& factories = {});
+
+// kvt_backend_self_check{backend, device, result} = 1 for every report (see Metrics).
+void ExportSelfChecks(const std::vector<SelfCheckReport>& reports, Metrics* metrics);
 
 }  // namespace kvt

@@ -2,11 +2,16 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu_backend.h"
 #include "kernels/cuda/device.h"
+#include "server/faulty_backend.h"
 
 namespace kvt {
 namespace {
 
+using ::kvt::testing::Fault;
+using ::kvt::testing::FaultyBackendOptions;
+using ::kvt::testing::NewFaultyBackend;
 using ::testing::HasSubstr;
 
 KvtdConfig::Backend WithType(const char* type) {
@@ -57,6 +62,103 @@ TEST(BackendSelectTest, UnknownTypeNamesTheField) {
   ASSERT_FALSE(selected.ok());
   EXPECT_EQ(selected.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(selected.status().message(), HasSubstr("backend.type='tpu'"));
+}
+
+// A machine that says it has one GPU whose engine behaves as `fault` (a CPU backend underneath,
+// reporting itself as cuda:0).
+BackendFactories OneFaultyGpu(Fault fault) {
+  BackendFactories factories;
+  factories.device_count = [] { return absl::StatusOr<int>(1); };
+  factories.new_cuda = [fault](const CudaBackendOptions&) {
+    FaultyBackendOptions options;
+    options.fault = fault;
+    return absl::StatusOr<std::unique_ptr<Backend>>(
+        NewFaultyBackend(NewCpuBackend(CpuBackendOptions{1, 512}), options));
+  };
+  return factories;
+}
+
+TEST(BackendSelectTest, EveryModeSelfChecksTheCpuBackend) {
+  for (const char* type : {"cpu", "auto"}) {
+    absl::StatusOr<SelectedBackend> selected = SelectBackend(WithType(type));
+    ASSERT_TRUE(selected.ok()) << selected.status();
+    ASSERT_GE(selected->self_checks.size(), 1u) << type;
+    EXPECT_EQ(selected->self_checks[0].backend, "cpu");
+    EXPECT_TRUE(selected->self_checks[0].passed()) << selected->self_checks[0].Summary();
+  }
+}
+
+TEST(BackendSelectTest, AutoUsesAGpuThatPassesItsSelfCheck) {
+  absl::StatusOr<SelectedBackend> selected =
+      SelectBackend(WithType("auto"), OneFaultyGpu(Fault::kNone));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_EQ(selected->backend->device(), "cuda:0");
+  EXPECT_THAT(selected->reason, HasSubstr("using cuda:0 (self-check passed)"));
+  ASSERT_EQ(selected->self_checks.size(), 2u);
+  EXPECT_EQ(selected->self_checks[1].result(), "pass");
+}
+
+// auto with a GPU whose engine computes wrong numbers: CPU, and the reason says why.
+TEST(BackendSelectTest, AutoFallsBackToCpuWhenTheGpuFailsItsSelfCheck) {
+  for (Fault fault : {Fault::kPerturb, Fault::kTranslateError}) {
+    absl::StatusOr<SelectedBackend> selected = SelectBackend(WithType("auto"), OneFaultyGpu(fault));
+    ASSERT_TRUE(selected.ok()) << selected.status();
+    EXPECT_EQ(selected->backend->name(), "cpu");
+    EXPECT_THAT(selected->reason, HasSubstr("auto: cuda:0 failed its start-up self-check"));
+    EXPECT_THAT(selected->reason, HasSubstr("using CPU"));
+    ASSERT_EQ(selected->self_checks.size(), 2u);
+    EXPECT_EQ(selected->self_checks[0].result(), "pass");
+    EXPECT_EQ(selected->self_checks[1].device, "cuda:0");
+    EXPECT_EQ(selected->self_checks[1].result(),
+              fault == Fault::kPerturb ? "mismatch" : "error");
+  }
+}
+
+// Forced cuda with a failing self-check refuses to start, naming the case and the numbers or
+// the CUDA error.
+TEST(BackendSelectTest, ForcedCudaFailingItsSelfCheckIsAnError) {
+  absl::StatusOr<SelectedBackend> selected =
+      SelectBackend(WithType("cuda"), OneFaultyGpu(Fault::kPerturb));
+  ASSERT_FALSE(selected.ok());
+  EXPECT_EQ(selected.status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::string message(selected.status().message());
+  EXPECT_THAT(message, HasSubstr("backend.type=cuda but the CUDA backend failed its start-up "
+                                 "self-check: cuda:0 self-check failed"));
+  EXPECT_THAT(message, HasSubstr("ridge/fp32: max relative error "));
+  EXPECT_THAT(message, HasSubstr("exceeds the SPEC 3 tolerance 1.00e-05"));
+  EXPECT_THAT(message, HasSubstr("use backend.type=auto or cpu"));
+
+  selected = SelectBackend(WithType("cuda"), OneFaultyGpu(Fault::kTranslateError));
+  ASSERT_FALSE(selected.ok());
+  EXPECT_THAT(selected.status().message(),
+              HasSubstr("TranslateLayer(0): injected: cudaErrorIllegalAddress"));
+}
+
+TEST(BackendSelectTest, ForcedCudaThatPassesIsUsed) {
+  absl::StatusOr<SelectedBackend> selected =
+      SelectBackend(WithType("cuda"), OneFaultyGpu(Fault::kNone));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_EQ(selected->backend->device(), "cuda:0");
+  EXPECT_THAT(selected->reason, HasSubstr("self-check passed"));
+}
+
+// A CPU backend that fails its self-check (a broken BLAS) is fatal in every mode.
+TEST(BackendSelectTest, CpuFailingItsSelfCheckIsFatal) {
+  BackendFactories factories = OneFaultyGpu(Fault::kNone);
+  factories.new_cpu = [](const CpuBackendOptions& options) {
+    FaultyBackendOptions faulty;
+    faulty.fault = Fault::kPerturb;
+    faulty.name = "cpu";
+    faulty.device = "cpu";
+    return NewFaultyBackend(NewCpuBackend(options), faulty);
+  };
+  for (const char* type : {"cpu", "auto", "cuda"}) {
+    absl::StatusOr<SelectedBackend> selected = SelectBackend(WithType(type), factories);
+    ASSERT_FALSE(selected.ok()) << type;
+    EXPECT_EQ(selected.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(selected.status().message(),
+                HasSubstr("the CPU backend failed its start-up self-check: cpu self-check failed"));
+  }
 }
 
 }  // namespace

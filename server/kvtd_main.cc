@@ -37,6 +37,10 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
           "Overrides security.tls_client_ca_file (PEM CA; enables mTLS).");
 ABSL_FLAG(std::string, auth_token_file, "",
           "Overrides security.auth_token_file (\"TOKEN ROLE\" lines; enables bearer auth).");
+ABSL_FLAG(bool, self_check, false,
+          "Only run the backend selection with its start-up self-checks (backend.type decides "
+          "which engines), print one line per check to stdout and exit: 0 when every check that "
+          "ran passed, 1 when one failed, 2 when the selection itself failed (forced cuda).");
 ABSL_FLAG(std::string, log_level, "", "Overrides logging.level: debug | info | warning | error.");
 ABSL_FLAG(std::string, metrics_listen_address, "",
           "Overrides metrics.listen_address: the Prometheus /metrics endpoint, host:port (port 0 "
@@ -111,6 +115,8 @@ int Run() {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Self-checks every engine it tries (server/backend_self_check.h): a CPU failure or a failed
+  // forced cuda is an error here; auto falls back to CPU with a warning.
   absl::StatusOr<SelectedBackend> backend = SelectBackend(config->backend);
   if (!backend.ok()) return Fatal(backend.status());
   KVT_LOG(kInfo, "backend")
@@ -120,7 +126,18 @@ int Run() {
 
   // Every further GPU is one more device of the mapper store: a mapper is paged onto the one
   // with room and the least load, and requests compute where their mapper is.
-  std::vector<std::unique_ptr<Backend>> more_gpus = MoreGpuBackends(*backend->backend);
+  std::vector<std::unique_ptr<Backend>> more_gpus =
+      MoreGpuBackends(*backend->backend, &backend->self_checks);
+  if (absl::GetFlag(FLAGS_self_check)) {
+    bool all_passed = true;
+    for (const SelfCheckReport& report : backend->self_checks) {
+      std::printf("%s\n", report.Summary().c_str());
+      all_passed = all_passed && report.passed();
+    }
+    std::printf("serving backend: %s (%s)\n", backend->backend->device().c_str(),
+                backend->reason.c_str());
+    return all_passed ? 0 : 1;
+  }
   std::vector<Backend*> devices = {backend->backend.get()};
   for (const auto& gpu : more_gpus) {
     devices.push_back(gpu.get());
@@ -157,6 +174,7 @@ int Run() {
   absl::StatusOr<std::unique_ptr<KvtdServer>> server =
       KvtdServer::Start(*config, store->get(), backend->backend.get());
   if (!server.ok()) return Fatal(server.status());
+  ExportSelfChecks(backend->self_checks, (*server)->metrics());
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);

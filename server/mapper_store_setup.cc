@@ -49,7 +49,8 @@ StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend) {
                           backend == nullptr ? std::vector<Backend*>() : std::vector<Backend*>{backend});
 }
 
-std::vector<std::unique_ptr<Backend>> MoreGpuBackends(const Backend& first) {
+std::vector<std::unique_ptr<Backend>> MoreGpuBackends(const Backend& first,
+                                                      std::vector<SelfCheckReport>* self_checks) {
   std::vector<std::unique_ptr<Backend>> gpus;
   if (first.name() != "cuda") return gpus;
   const absl::StatusOr<int> count = cuda::DeviceCount();
@@ -61,6 +62,17 @@ std::vector<std::unique_ptr<Backend>> MoreGpuBackends(const Backend& first) {
       KVT_LOG(kWarning, "GPU not used for mappers")
           .With("device", device)
           .With("error", gpu.status().message());
+      continue;
+    }
+    // The same start-up self-check as GPU 0's, against the float64 reference.
+    SelfCheckReport report = RunBackendSelfCheck(**gpu, nullptr);
+    LogSelfCheck(report);
+    const bool passed = report.passed();
+    if (self_checks != nullptr) self_checks->push_back(report);
+    if (!passed) {
+      KVT_LOG(kWarning, "GPU not used for mappers")
+          .With("device", device)
+          .With("error", report.Summary());
       continue;
     }
     gpus.push_back(*std::move(gpu));

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "mapper_store/store.h"
+#include "server/backend_self_check.h"
 #include "server/config.h"
 #include "server/metrics.h"
 
@@ -29,8 +30,11 @@ StoreOptions MakeStoreOptions(const KvtdConfig& config, Backend* backend);
 StoreOptions MakeStoreOptions(const KvtdConfig& config, const std::vector<Backend*>& devices);
 
 // With a CUDA `first` backend on GPU 0: a CUDA backend for each further visible GPU (each a
-// device of the store). Empty otherwise, or for GPUs whose backend cannot start (logged).
-std::vector<std::unique_ptr<Backend>> MoreGpuBackends(const Backend& first);
+// device of the store). Empty otherwise. A GPU whose backend cannot start or fails its start-up
+// self-check (against the float64 reference; appended to `self_checks` when given) is left out,
+// with a warning.
+std::vector<std::unique_ptr<Backend>> MoreGpuBackends(
+    const Backend& first, std::vector<SelfCheckReport>* self_checks = nullptr);
 
 // Loads every id of mapper_store.preload into host memory and onto a device, in order. Errors
 // name the key and the id (unknown, FAILED, or too large for a budget).

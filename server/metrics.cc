@@ -282,6 +282,12 @@ Metrics::Metrics(std::string device)
                        .Help("Always 1; the translation backend kvtd chose (backend.type is "
                              "'requested').")
                        .Register(r);
+  backend_self_check_ = &BuildGauge()
+                             .Name("kvt_backend_self_check")
+                             .Help("Always 1; the start-up self-check of each backend kvtd tried "
+                                   "(result: pass, mismatch or error; a failed cuda under "
+                                   "backend.type auto means kvtd fell back to cpu).")
+                             .Register(r);
   requests_ = &BuildCounter()
                    .Name("kvt_translate_requests_total")
                    .Help("TranslateKV calls by outcome (canonical gRPC code).")
@@ -410,6 +416,11 @@ absl::Status Metrics::StartExposer(const std::string& listen_address) {
 void Metrics::SetBackend(const std::string& backend, const std::string& device,
                          const std::string& requested) {
   backend_info_->Add({{"backend", backend}, {"device", device}, {"requested", requested}}).Set(1);
+}
+
+void Metrics::SetBackendSelfCheck(const std::string& backend, const std::string& device,
+                                  const std::string& result) {
+  backend_self_check_->Add({{"backend", backend}, {"device", device}, {"result", result}}).Set(1);
 }
 
 void Metrics::SetScrapeSources(const MapperStore* store,

@@ -87,6 +87,10 @@ class Metrics {
   // kvt_backend_info{backend, device, requested} = 1: which engine kvtd chose for backend.type.
   void SetBackend(const std::string& backend, const std::string& device,
                   const std::string& requested);
+  // kvt_backend_self_check{backend, device, result} = 1: a backend's start-up self-check
+  // (server/backend_self_check.h); result "pass", "mismatch" or "error".
+  void SetBackendSelfCheck(const std::string& backend, const std::string& device,
+                           const std::string& result);
   // Scrape-time sources: the store (residency) and the number of admitted requests. Either may
   // be null / empty; they must outlive this object or be reset first.
   void SetScrapeSources(const MapperStore* store, std::function<int64_t()> inflight_requests);
@@ -131,6 +135,7 @@ class Metrics {
 
   prometheus::Family<prometheus::Gauge>* build_info_;
   prometheus::Family<prometheus::Gauge>* backend_info_;
+  prometheus::Family<prometheus::Gauge>* backend_self_check_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* duration_;
   prometheus::Family<prometheus::Counter>* tokens_;

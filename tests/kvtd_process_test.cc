@@ -1,7 +1,7 @@
 // kvtd as a real process: the binary from //server:kvtd is spawned with flags, its JSON log lines
 // on stderr are read back (the "listening" line gives the port), and it is driven through real
 // gRPC channels and real signals. Covers the SIGTERM drain with a stream in flight, idle
-// shutdown, config errors, a port in use, a missing mapper store and --help.
+// shutdown, config errors, a port in use, a missing mapper store, --self_check and --help.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -30,6 +30,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/device.h"
 #include "mapper_store/synth.h"
 #include "nlohmann/json.hpp"
 #include "proto/kvt/v1/service.grpc.pb.h"
@@ -431,6 +432,31 @@ TEST_F(KvtdProcessTest, MissingMapperStoreExitsNonZeroNamingThePath) {
   const std::string file = WriteFile(TestTmpDir() + "/store_is_a_file", "not a directory\n");
   log = ExpectStartupFailure("file_store", ServeFlags(file, "127.0.0.1:0", "0", "5"));
   EXPECT_THAT(log, HasSubstr("mapper store directory " + file)) << log;
+}
+
+// The real binary self-checks its engine before it serves; --self_check stops after that.
+// backend.type=cuda here (no GPU, no driver) is the refusal naming the CUDA error.
+TEST_F(KvtdProcessTest, SelfCheckOnlyChecksTheBackendAndExits) {
+  KvtdProcess cpu("self_check_cpu", {"--self_check", "--backend=cpu", "--cpu_threads=1"});
+  std::optional<int> status = cpu.WaitExit(milliseconds(20000));
+  ASSERT_TRUE(status.has_value()) << "kvtd --self_check did not exit";
+  ASSERT_TRUE(WIFEXITED(*status)) << DescribeWaitStatus(*status);
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << cpu.Stderr();
+  EXPECT_THAT(cpu.Stdout(), HasSubstr("cpu self-check passed: 4 cases in ")) << cpu.Stdout();
+  EXPECT_THAT(cpu.Stdout(), HasSubstr("mlp/bf16 ok")) << cpu.Stdout();
+  const std::optional<nlohmann::json> line = FindLogLine(cpu.Stderr(), "backend self-check passed");
+  ASSERT_TRUE(line.has_value()) << cpu.Stderr();
+  EXPECT_EQ((*line)["result"], "pass");
+  EXPECT_GT((*line)["ms"].get<double>(), 0.0);
+  EXPECT_FALSE(FindLogLine(cpu.Stderr(), "listening").has_value());
+
+  if (cuda::DeviceCount().ok()) return;  // a GPU machine: tests/gpu/run.sh checks cuda
+  KvtdProcess gpu("self_check_cuda", {"--self_check", "--backend=cuda", "--cpu_threads=1"});
+  status = gpu.WaitExit(milliseconds(20000));
+  ASSERT_TRUE(status.has_value()) << "kvtd --self_check --backend=cuda did not exit";
+  ASSERT_TRUE(WIFEXITED(*status)) << DescribeWaitStatus(*status);
+  EXPECT_EQ(WEXITSTATUS(*status), 2) << gpu.Stderr();
+  EXPECT_THAT(gpu.Stderr(), HasSubstr("backend.type=cuda but the CUDA backend cannot start"));
 }
 
 TEST_F(KvtdProcessTest, HelpPrintsUsage) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA backend's GPU checks in one script that fits the lent GPU machine's 10 minutes:
-# parity tests (CUDA vs CPU vs float64 reference), then the benchmark of the paper's shapes.
+# the start-up self-check, parity tests (CUDA vs CPU vs float64 reference), then the benchmark
+# of the paper's shapes.
 #
 #   bash tests/gpu/run.sh --bundle   # here (Bazel, CUDA toolkit, no GPU needed): build the GPU
 #                                    # binaries and pack them with their shared libraries into
@@ -22,6 +23,8 @@ GPU_TARGETS=(
   //kernels/cuda:cuda_backend_test
   //kernels/cuda:cuda_backend_benchmark
   //server:backend_select_test
+  # --- Start-up self-check (issue 21): the real CUDA backend against CPU and float64.
+  //server:backend_self_check_test
   # --- CUDA IPC (issue 7): round trip through exported handles; kvtd is its second process.
   //tests:cuda_ipc_gpu_test
   //server:kvtd
@@ -137,10 +140,14 @@ run_step() {  # name timeout_s command...
   tail -5 "$OUT/$name.log"
 }
 
-# Step limits sum to 535 s, under the device tool's 600 s per command, so a slow step cannot
+# Step limits sum to 565 s, under the device tool's 600 s per command, so a slow step cannot
 # take the summary with it. Short checks first: a tight budget still gets their verdict.
-run_step unit 45 bash -c "for t in device_test cuda_backend_startup_test backend_select_test; do
-  $BUNDLE/bin/\$t || exit 1; done"
+run_step unit 45 bash -c "for t in device_test cuda_backend_startup_test backend_select_test \
+  backend_self_check_test; do $BUNDLE/bin/\$t || exit 1; done"
+# --- Start-up self-check (issue 21): what kvtd does before it serves on the GPU: ridge and MLP,
+# bf16 and fp32, vs CPU and float64 (SPEC 3). Exit 0 only if every check passed; with
+# --backend=cuda a failing GPU is exit 2 naming the case. The summary lines go to the log.
+run_step self_check 30 "$BUNDLE/runfiles/kvt/server/kvtd" --self_check --backend=cuda
 # --- CUDA IPC (issue 7): this process exports cudaMalloc'd buffers, kvtd (a second process)
 # opens the handles and translates through them; compared with the inline result.
 mkdir -p "$OUT/cuda_ipc_tmp"
@@ -158,7 +165,8 @@ echo "== parity failures (first 20 lines)"
 grep -E "Failure|FAILED|error" "$OUT/parity.log" | head -20
 echo
 echo "== summary: $(sed -n 3p "$OUT/device.txt" | cut -d, -f1-2), $(head -1 "$OUT/device.txt")"
-for step in unit cuda_ipc parity benchmark; do echo "$step: ${result[$step]}"; done
+for step in unit self_check cuda_ipc parity benchmark; do echo "$step: ${result[$step]}"; done
+grep -v "^{" "$OUT/self_check.log" | head -5  # the printed summaries, not the JSON log
 grep -E "^\[  (PASSED|FAILED)" "$OUT/parity.log"
 if [ -f "$OUT/benchmark.tsv" ]; then
   column -t -s $'\t' "$OUT/benchmark.tsv" 2>/dev/null || cat "$OUT/benchmark.tsv"
@@ -167,6 +175,6 @@ if [ -f "$OUT/mlp_vs_ridge.tsv" ]; then
   echo "== MLP vs ridge, same pair, same run (mlp_over_ridge = MLP ms / ridge ms)"
   column -t -s $'\t' "$OUT/mlp_vs_ridge.tsv" 2>/dev/null || cat "$OUT/mlp_vs_ridge.tsv"
 fi
-for step in unit cuda_ipc parity benchmark; do
+for step in unit self_check cuda_ipc parity benchmark; do
   case "${result[$step]}" in rc=0*) ;; *) exit 1 ;; esac
 done
