@@ -153,6 +153,7 @@ class KvtConnectorTest(unittest.TestCase):
         self.assertEqual(reused, CONTEXT // 32 * 32)  # whole vLLM blocks of M's published prefix
         for key in ("lookup_ms", "translate_ms", "load_ms"):
             self.assertGreater(o["timings"][key], 0.0, o)
+        self.assertEqual(o["transport"], "shm", o)  # kvtd allows client regions here
         # The same translated cache through the Python client and transformers.
         with self.client() as c:
             hit = PrefixCache(c).lookup(family.NAMES["L"], prompt, max_tokens=len(prompt) - 1)
@@ -424,6 +425,7 @@ class MechanicsTest(unittest.TestCase):
         self.assertEqual(r["num_cached_tokens"], o["tokens_reused"])
         self.assertEqual(r["token_ids"], self.reference["token_ids"])
         self.assertEqual(r["logprobs"], self.reference["logprobs"])
+        self.assertEqual(o["transport"], "inline", o)  # the double has no regions
 
     def test_zeroed_values_change_the_output(self):
         self.state.mode = "zero_v"

@@ -49,6 +49,8 @@ def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Option
         lines += [f'    "{k}": {v}' for k, v in pair_min_quality.items()]
     else:
         lines.append("  pair_min_quality: {}")
+    # Engines on this node may hand kvtd a shared-memory region for translated loads.
+    lines += ["shared_memory:", "  allow_client_regions: true"]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path

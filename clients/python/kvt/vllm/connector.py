@@ -77,6 +77,9 @@ DEFAULTS: Dict[str, Any] = {
     "lookup_timeout_s": 0.5,            # LookupPrefix deadline
     "lookup_wait_s": 0.005,             # how long the scheduler waits for a lookup in line
     "translate_timeout_s": 10.0,        # TranslateKV deadline (whole stream)
+    # Translated KV back from kvtd: "auto" (a shared-memory region when kvtd accepts one, else
+    # inline chunks), "shm" (the same, with a warning when it cannot), "inline".
+    "transport": "auto",
     "publish_timeout_s": 30.0,          # Publish deadline
     "publish": True,                    # publish after prefill
     "publish_final": True,              # publish prompt + generated when a request ends
@@ -279,6 +282,9 @@ class KvtConnector(KVConnectorBase_V1):
         for key in ("kvtd_address", "model_name"):
             if not self.config[key]:
                 raise ValueError(f"kv_connector_extra_config.{key} is required")
+        if self.config["transport"] not in ("auto", "shm", "inline"):
+            raise ValueError(f"kv_connector_extra_config.transport: "
+                             f"{self.config['transport']!r} is not auto, shm or inline")
         if self.config["reuse"] not in _POLICIES:
             raise ValueError(f"kv_connector_extra_config.reuse: {self.config['reuse']!r} is not "
                              f"one of {', '.join(_POLICIES)}")
@@ -292,6 +298,8 @@ class KvtConnector(KVConnectorBase_V1):
                              if isinstance(dtype, torch.dtype) else "fp32")
         self.num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
         self.head_dim = model_config.get_head_size()
+        self.num_layers = model_config.get_num_layers(vllm_config.parallel_config)
+        self.max_model_len = model_config.max_model_len
         self._client: Any = None
         self._prefix: Any = None
         self._client_lock = threading.Lock()
@@ -316,6 +324,10 @@ class KvtConnector(KVConnectorBase_V1):
             self._done_loads: Dict[str, Dict[str, Any]] = {}
             self._finals_copied: set = set()
             self._failed_this_step: set = set()
+            self._region: Any = None          # kvt.SharedMemoryRegion for translated loads
+            self._region_ok = False           # registered with the kvtd we talk to now
+            self._region_lock = threading.Lock()
+            self._region_retry_at = 0.0
             self._publish_queue: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue(
                 maxsize=max(1, int(self.config["publish_queue_size"])))
             self._publisher = threading.Thread(target=self._publish_loop, name="kvt-publish",
@@ -370,6 +382,11 @@ class KvtConnector(KVConnectorBase_V1):
                 self._publish_queue.put_nowait(None)
             except queue.Full:
                 pass
+            if self._region is not None:
+                try:
+                    self._region.close()
+                except Exception:
+                    pass
         if self._client is not None:
             self._client.close()
 
@@ -412,7 +429,15 @@ class KvtConnector(KVConnectorBase_V1):
             # Asked again (the allocation failed, or the request was preempted / its load
             # failed): never load twice from one lease.
             if st.load is not None and not st.load_sent:
-                return st.ext_tokens, st.ext_tokens > 0
+                if num_computed_tokens == st.load["start"]:
+                    return st.ext_tokens, st.ext_tokens > 0
+                # The engine's own prefix-cache hit changed meanwhile: the decision no longer
+                # fits; drop the lease (it expires) and prefill.
+                self._unsalt(st)
+                st.load, st.ext_tokens = None, 0
+                st.outcome = {"outcome": "fallback_reprefill", "reason": "rescheduled",
+                              "detail": "the engine's own prefix-cache hit changed before the "
+                                        "translated prefix could be allocated"}
             return 0, False
         if st.outcome.get("outcome") == "unsupported":
             st.decided = True
@@ -568,8 +593,8 @@ class KvtConnector(KVConnectorBase_V1):
                                 "translate_ms": result.get("translate_ms", 0.0),
                                 "load_ms": result.get("load_ms", 0.0),
                                 "kvtd_total_ms": result.get("kvtd_total_ms", 0.0)},
-                    "gate": st.load["gate"], "prefix_cache": "shared" if self.allow_translated
-                    else "salted"}
+                    "gate": st.load["gate"], "transport": result.get("transport", "inline"),
+                    "prefix_cache": "shared" if self.allow_translated else "salted"}
                 if "input_shift_score" in result:
                     st.outcome["input_shift_score"] = result["input_shift_score"]
             elif st.load is not None:
@@ -666,6 +691,57 @@ class KvtConnector(KVConnectorBase_V1):
             logger.warning("kvt: publish queue full, dropped the %s publish of %s",
                            spec["kind"], spec["req_id"])
 
+    def _acquire_region(self, nbytes: int) -> Any:
+        """The worker's shared-memory region, registered with kvtd and locked for one load, or
+        None (inline transport, kvtd refuses client regions, or another load holds it)."""
+        mode = self.config["transport"]
+        if mode == "inline" or not self._region_lock.acquire(blocking=False):
+            return None
+        try:
+            if time.monotonic() < self._region_retry_at:
+                raise _NoRegion()
+            client, _ = self._kvt()
+            if self._region is None:
+                from kvt.shm import SharedMemoryRegion
+                size = (2 * self.num_layers * self.num_kv_heads * self.head_dim *
+                        _ELEMENT_BYTES[self.engine_dtype] * self.max_model_len)
+                self._region = SharedMemoryRegion(client, size, timeout=2.0)
+                self._region_ok = True
+                # kvtd forgets registrations when it restarts: any connectivity change of the
+                # channel means registering again before the next load.
+                client._channel.subscribe(self._on_channel_state, try_to_connect=False)
+                logger.info("kvt: translated loads through shared memory (%s, %d bytes)",
+                            self._region.name, size)
+            elif not self._region_ok:
+                from kvt.errors import AlreadyExistsError
+                try:
+                    client.register_system_memory(self._region.name, self._region.key,
+                                                  self._region.byte_size, 0, timeout=2.0)
+                except AlreadyExistsError:
+                    pass
+                self._region_ok = True
+            if nbytes > self._region.byte_size:
+                raise _NoRegion()
+            return self._region
+        except Exception as error:
+            if not isinstance(error, _NoRegion):
+                self._region_retry_at = time.monotonic() + 30.0
+                (logger.warning if mode == "shm" else logger.info)(
+                    "kvt: no shared-memory region for translated loads (%s); inline chunks "
+                    "for 30 s", _describe(error))
+            self._region_lock.release()
+            return None
+
+    def _release_region(self, failed: bool) -> None:
+        if failed:
+            self._region_ok = False  # re-register (or find out why) before the next use
+        self._region_lock.release()
+
+    def _on_channel_state(self, state: Any) -> None:
+        import grpc
+        if state != grpc.ChannelConnectivity.READY:
+            self._region_ok = False
+
     def _publish_loop(self) -> None:
         while True:
             item = self._publish_queue.get()
@@ -739,6 +815,90 @@ class _Load:
 
     def _translate(self) -> Dict[str, Any]:
         spec, c = self.spec, self.c
+        matched = spec["matched_tokens"]
+        nbytes = (2 * len(c._layers) * c.num_kv_heads * c.head_dim *
+                  _ELEMENT_BYTES[c.engine_dtype] * matched)
+        region = c._acquire_region(nbytes)
+        if region is None:
+            return self._translate_inline()
+        failed = True
+        try:
+            result = self._translate_region(region, nbytes)
+            failed = False
+            return result
+        finally:
+            c._release_region(failed)
+
+    def _targets(self) -> Tuple[List[torch.Tensor], Optional[List[np.ndarray]], torch.Tensor,
+                                torch.Tensor, np.ndarray, np.ndarray]:
+        """Per layer the flat cache tensor (and its numpy view on CPU), and the flat indices of
+        the request's rows [start, end): one index serves every layer (same block table, same
+        kernel element order)."""
+        spec, c = self.spec, self.c
+        index_k, index_v = c._paged[c._layers[0]].index(spec["block_ids"], spec["start"],
+                                                        spec["end"])
+        flats = [c._kv_caches[name].view(-1) for name in c._layers]
+        device = flats[0].device
+        # On CPU rows are written with numpy into views of the cache (single-threaded: a torch
+        # index_put here would start an OpenMP region beside the model runner's, on the same
+        # cores, and wait in it for milliseconds per chunk).
+        host = _host_views(flats, c.engine_dtype) if device.type == "cpu" else None
+        return (flats, host, index_k.to(device), index_v.to(device), index_k.cpu().numpy(),
+                index_v.cpu().numpy())
+
+    def _translate_region(self, region: Any, nbytes: int) -> Dict[str, Any]:
+        """TranslateKV with the result written by kvtd into the worker's shared-memory region
+        (packed: per layer K then V, [tokens, heads, head_dim]), then copied into the blocks."""
+        spec, c = self.spec, self.c
+        from kvt._proto import common_pb2, translate_pb2
+        from kvt.cache import DTYPE_NAMES
+        from kvt.client import _Reassembler
+        from kvt.prefix import cached_translate_header
+        client, _ = c._kvt()
+        start, end, matched = spec["start"], spec["end"], spec["matched_tokens"]
+        header = cached_translate_header(spec["lease_id"], spec["mapper_id"], matched,
+                                         dtype=spec["dtype"], output_dtype=c.engine_dtype,
+                                         output_layout="NHD",
+                                         request_id=f"{spec['req_id']}/load")
+        header.output.region.CopyFrom(region.ref(0, nbytes))
+        call = client.stub.TranslateKV(
+            iter([translate_pb2.TranslateKVRequest(header=header)]),
+            timeout=float(c.config["translate_timeout_s"]), metadata=client._metadata)
+        result = _Reassembler(call, expect_chunks=False).run()
+        shape = result.header.target_shape
+        layers, heads, dim = len(c._layers), c.num_kv_heads, c.head_dim
+        if (shape.num_layers != layers or shape.num_kv_heads != heads or shape.head_dim != dim
+                or result.header.output_layout != common_pb2.LAYOUT_NHD
+                or DTYPE_NAMES.get(result.header.output_dtype) != c.engine_dtype):
+            raise RuntimeError(f"kvtd wrote {shape.num_layers}x{shape.num_kv_heads}x"
+                               f"{shape.head_dim} {DTYPE_NAMES.get(result.header.output_dtype)}"
+                               f"; this engine's cache is {layers}x{heads}x{dim} "
+                               f"{c.engine_dtype} NHD")
+        t = time.monotonic()
+        flats, host, index_k, index_v, np_k, np_v = self._targets()
+        packed = np.frombuffer(region.buf, dtype=_WIRE_NUMPY[c.engine_dtype],
+                               count=nbytes // _ELEMENT_BYTES[c.engine_dtype]).reshape(
+                                   layers, 2, matched, heads, dim)
+        for j in range(layers):
+            k_rows, v_rows = packed[j, 0, start:end], packed[j, 1, start:end]
+            if host is not None:
+                host[j][np_k] = k_rows
+                host[j][np_v] = v_rows
+            else:
+                for rows, index in ((k_rows, index_k), (v_rows, index_v)):
+                    flats[j][index] = _rows(rows.tobytes(), c.engine_dtype, end - start, heads,
+                                            dim, 0, end - start).to(flats[j].device)
+        trailer = result.trailer
+        out: Dict[str, Any] = {"ok": True, "transport": "shm",
+                               "load_ms": round((time.monotonic() - t) * 1e3, 3),
+                               "kvtd_total_ms": round(trailer.timings.total_ms, 3),
+                               "kvtd_compute_ms": round(trailer.timings.compute_ms, 3)}
+        if trailer.HasField("input_shift_score"):
+            out["input_shift_score"] = trailer.input_shift_score
+        return out
+
+    def _translate_inline(self) -> Dict[str, Any]:
+        spec, c = self.spec, self.c
         from kvt._proto import common_pb2
         _, prefix = c._kvt()
         start, end, matched = spec["start"], spec["end"], spec["matched_tokens"]
@@ -749,17 +909,8 @@ class _Load:
         layers = c._layers
         heads, dim = c.num_kv_heads, c.head_dim
         covered = np.zeros((len(layers), 2, end - start), dtype=bool)
-        # Every layer shares the block table and the kernel's element order: one index of the
-        # request's rows [start, end) serves all of them.
-        index_k, index_v = c._paged[layers[0]].index(spec["block_ids"], start, end)
-        flats = [c._kv_caches[name].view(-1) for name in layers]
+        flats, host, index_k, index_v, np_k, np_v = self._targets()
         device = flats[0].device
-        index_k, index_v = index_k.to(device), index_v.to(device)
-        # On CPU the rows are written with numpy into views of the cache (single-threaded: a
-        # torch index_put here would start an OpenMP region beside the model runner's, on the
-        # same cores, and wait in it for milliseconds per chunk).
-        host = _host_views(flats, c.engine_dtype) if device.type == "cpu" else None
-        np_k, np_v = index_k.cpu().numpy(), index_v.cpu().numpy()
         header = trailer = None
         load_s = 0.0
         out_dtype = "fp32"
@@ -812,7 +963,8 @@ class _Load:
             raise RuntimeError("kvtd ended the stream without a header and trailer")
         if not covered.all():
             raise RuntimeError(f"kvtd's result misses {int((~covered).sum())} token rows")
-        result: Dict[str, Any] = {"ok": True, "load_ms": round(load_s * 1e3, 3),
+        result: Dict[str, Any] = {"ok": True, "transport": "inline",
+                                  "load_ms": round(load_s * 1e3, 3),
                                   "kvtd_total_ms": round(trailer.timings.total_ms, 3),
                                   "kvtd_compute_ms": round(trailer.timings.compute_ms, 3)}
         if trailer.HasField("input_shift_score"):
@@ -822,6 +974,13 @@ class _Load:
 
 # Wire element types as numpy reads them, matching the engine's storage bit for bit (bf16 as
 # its 16-bit patterns).
+_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+class _NoRegion(Exception):
+    """No shared-memory region for this load (busy or too small): inline chunks instead."""
+
+
 _WIRE_NUMPY: Dict[str, Any] = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"),
                                "bf16": np.dtype("<i2")}
 
