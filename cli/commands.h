@@ -15,8 +15,6 @@ int RunTranslate(const std::vector<std::string>& args);
 int RunDemo(const std::vector<std::string>& args);
 int RunFit(const std::vector<std::string>& args);
 int RunImport(const std::vector<std::string>& args);
-// `kvt import --help`.
-const char* ImportHelp();
 
 }  // namespace cli
 }  // namespace kvt

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "cli/command_table.h"
 #include "cli/commands.h"
 #include "fit/calibration.h"
 #include "fit/fit.h"
@@ -48,13 +49,16 @@ ABSL_FLAG(int32_t, chunk_mb, 256, "kvt fit: MiB of feature rows buffered per BLA
 ABSL_FLAG(std::string, kind, "ridge",
           "kvt fit: ridge (closed form), mlp (trained chains), or both (fits both into "
           "--out/ridge and --out/mlp and recommends one from the held-out attention-output "
-          "cosine; needs target dumps with queries: tools/dump_kv.py --queries).");
-ABSL_FLAG(int64_t, mlp_hidden, 1024, "kvt fit --kind mlp|both: hidden width H of both layers.");
+          "cosine; needs target dumps with queries: tools/dump_kv.py --queries). "
+          "kvt synth: ridge or mlp (random weights).");
+ABSL_FLAG(int64_t, mlp_hidden, 1024,
+          "kvt fit --kind mlp|both, synth --kind=mlp: hidden width H of both layers.");
 ABSL_FLAG(int32_t, mlp_epochs, 20, "kvt fit --kind mlp|both: Adam epochs over the training rows.");
 ABSL_FLAG(int64_t, mlp_batch, 4096, "kvt fit --kind mlp|both: rows per Adam step.");
 ABSL_FLAG(double, mlp_lr, 1e-3, "kvt fit --kind mlp|both: Adam learning rate.");
 ABSL_FLAG(std::string, mlp_granularity, "per_layer",
-          "kvt fit --kind mlp|both: per_layer (one chain per target layer and K|V) or per_head "
+          "kvt fit --kind mlp|both, synth --kind=mlp: per_layer (one chain per target layer and "
+          "K|V) or per_head "
           "(one per target head, the paper).");
 ABSL_FLAG(int64_t, mlp_max_observations, 200000,
           "kvt fit --kind mlp|both: training rows per chain (a seeded subsample beyond; 0: all).");
@@ -71,17 +75,6 @@ ABSL_DECLARE_FLAG(std::string, target_model);
 namespace kvt {
 namespace cli {
 namespace {
-
-constexpr char kUsage[] =
-    "usage: kvt fit --source_config=CFG --target_config=CFG\n"
-    "               (--source_dumps=DIR --target_dumps=DIR | --pairs=LIST) --out=MAPPER_DIR\n"
-    "               [--top_k=8|all] [--stride=4] [--lambda=0.01] [--lambda_scale=covariance|sum]\n"
-    "               [--heldout_fraction=0.1] [--seed=1] [--weight_dtype=bf16] [--corpus=TEXT]\n"
-    "               [--partial [--shard=i/n] [--plan=PLAN] --out=SHARD_FILE]\n"
-    "               [--kind=ridge|mlp|both [--mlp_hidden=1024] [--mlp_epochs=20]\n"
-    "                [--mlp_batch=4096] [--mlp_lr=1e-3] [--mlp_granularity=per_layer|per_head]\n"
-    "                [--mlp_max_observations=200000]]\n"
-    "       kvt fit merge --out=PLAN_FILE|MAPPER_DIR SHARD_FILE...\n";
 
 int Fail(const std::string& message, int code = 2) {
   std::fprintf(stderr, "kvt fit: %s\n", message.c_str());
@@ -132,7 +125,7 @@ void PrintSummary(const fit::FitResult& result) {
 
 int RunMerge(const std::vector<std::string>& shards) {
   const std::string out = absl::GetFlag(FLAGS_out);
-  if (out.empty() || shards.empty()) return Fail(kUsage, 1);
+  if (out.empty() || shards.empty()) return Fail(CommandUsage("fit"), 1);
   absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags();
   if (!solve.ok()) return Fail(std::string(solve.status().message()), 1);
   fit::SetBlasThreads(absl::GetFlag(FLAGS_threads));
@@ -167,14 +160,17 @@ int RunFit(const std::vector<std::string>& args) {
   if (!args.empty() && args[0] == "merge") {
     return RunMerge(std::vector<std::string>(args.begin() + 1, args.end()));
   }
-  if (!args.empty()) return Fail(absl::StrCat("unexpected argument '", args[0], "'\n", kUsage), 1);
+  if (!args.empty()) {
+    return Fail(absl::StrCat("unexpected argument '", args[0], "'\n", CommandUsage("fit")), 1);
+  }
   if (absl::GetFlag(FLAGS_k) != -1) {
     return Fail("use --top_k (an integer or 'all') with kvt fit; --k belongs to kvt synth", 1);
   }
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty() || absl::GetFlag(FLAGS_source_config).empty() ||
       absl::GetFlag(FLAGS_target_config).empty()) {
-    return Fail(absl::StrCat("--source_config, --target_config and --out are required\n", kUsage),
+    return Fail(absl::StrCat("--source_config, --target_config and --out are required\n",
+                             CommandUsage("fit")),
                 1);
   }
   fit::FitOptions options;
@@ -244,7 +240,9 @@ int RunFit(const std::vector<std::string>& args) {
     pairs = fit::PairsFromDirs(absl::GetFlag(FLAGS_source_dumps),
                                absl::GetFlag(FLAGS_target_dumps));
   } else {
-    return Fail(absl::StrCat("give --source_dumps and --target_dumps, or --pairs\n", kUsage), 1);
+    return Fail(absl::StrCat("give --source_dumps and --target_dumps, or --pairs\n",
+                             CommandUsage("fit")),
+                1);
   }
   if (!pairs.ok()) return Fail(pairs.status().ToString());
   fit::AssignHeldout(options.heldout_fraction, options.seed, &*pairs);

@@ -6,6 +6,7 @@
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "cli/command_table.h"
 #include "cli/commands.h"
 #include "kernels/mapper_view.h"
 #include "kernels/types.h"
@@ -35,31 +36,6 @@ namespace kvt {
 namespace cli {
 namespace {
 
-constexpr char kImportHelp[] =
-    "usage: kvt import --format=semantic-router --in=DIR --out=MAPPER_DIR\n"
-    "                  [--source_config=CONFIG] [--target_config=CONFIG]\n"
-    "                  [--source_num_layers=N --source_rope_theta=THETA]\n"
-    "                  [--target_num_layers=N --target_rope_theta=THETA]\n"
-    "                  [--source_model=NAME] [--target_model=NAME]\n"
-    "                  [--weight_dtype=fp32|bf16|fp16] [--overwrite]\n"
-    "\n"
-    "Converts a vllm-project/semantic-router kv_mapper directory (manifest.json,\n"
-    "weights.safetensors, SHA256SUMS; tensors target.{L}.{k,v}.{W,b} applied as x W + b) into a\n"
-    "kvt mapper directory (docs/MAPPER_FORMAT.md). SHA256SUMS is verified, and every tensor's\n"
-    "name, dtype, shape and values are checked before anything is written.\n"
-    "\n"
-    "The artifact stores neither layer counts nor RoPE (its keys are pre-RoPE), so kvt takes them\n"
-    "from each model's Hugging Face config.json (--source_config / --target_config: the file or\n"
-    "the model directory). Without a config a model gets the manifest's KV shape and plain neox\n"
-    "RoPE over the whole head with --source_rope_theta / --target_rope_theta (then required);\n"
-    "the source also needs --source_num_layers, and the target's layer count defaults to the\n"
-    "manifest's. Partial rotary and RoPE scaling need the config.json.\n"
-    "Model names default to the manifest's compatibility.source_model / target_model.\n"
-    "compatibility.variant full_head is copied as it is; per_head (target head h reads source\n"
-    "head h only; W dense with zeros off the head blocks, or [n_kv, k*head_dim, head_dim]) is\n"
-    "expanded to the equivalent dense matrix. Weights are written as fp32 (exact) unless\n"
-    "--weight_dtype says otherwise.\n";
-
 int Fail(const std::string& message, int code = 2) {
   std::fprintf(stderr, "kvt import: %s\n", message.c_str());
   return code;
@@ -67,17 +43,16 @@ int Fail(const std::string& message, int code = 2) {
 
 }  // namespace
 
-const char* ImportHelp() { return kImportHelp; }
-
 int RunImport(const std::vector<std::string>& args) {
   if (!args.empty()) {
-    return Fail(absl::StrCat("unexpected argument '", args[0], "'\n", kImportHelp), 1);
+    return Fail(absl::StrCat("unexpected argument '", args[0], "'\n", CommandUsage("import")),
+                1);
   }
   const std::string format = absl::GetFlag(FLAGS_format);
   const std::string in = absl::GetFlag(FLAGS_in);
   const std::string out = absl::GetFlag(FLAGS_out);
   if (format.empty() || in.empty() || out.empty()) {
-    return Fail(absl::StrCat("--format, --in and --out are required\n", kImportHelp), 1);
+    return Fail(absl::StrCat("--format, --in and --out are required\n", CommandUsage("import")), 1);
   }
   if (format != "semantic-router") {
     return Fail(absl::StrCat("--format '", format, "' is not supported (semantic-router)"), 1);

@@ -15,14 +15,16 @@ ABSL_FLAG(std::string, preset, "",
           "qwen3-32b-to-14b, llama3.1-8b-to-70b, ministral-3b-to-8b). Empty: custom shapes.");
 ABSL_FLAG(std::string, out, "",
           "kvt synth / import / fit: the mapper directory to write (must not exist).");
-ABSL_FLAG(uint64_t, seed, 1, "kvt synth / demo: random seed (same seed, same bytes).");
+ABSL_FLAG(uint64_t, seed, 1,
+          "kvt synth / demo / fit: random seed (same seed, same bytes; fit: held-out choice "
+          "and MLP training).");
 ABSL_FLAG(std::string, weight_dtype, "",
           "kvt synth / fit / import: bf16 | fp16 | fp32 (default: preset's; import: fp32).");
 ABSL_FLAG(int32_t, k, -1, "kvt synth: source layers per target layer (0 = all; default preset's).");
 ABSL_FLAG(std::string, source_model, "",
-          "Source model name (synth custom shapes; translate; import).");
+          "Source model name (synth custom shapes; translate / demo header; fit / import).");
 ABSL_FLAG(std::string, target_model, "",
-          "Target model name (synth custom shapes; translate; import).");
+          "Target model name (synth custom shapes; translate / demo header; fit / import).");
 ABSL_FLAG(int32_t, source_layers, 4, "kvt synth custom: source layers.");
 ABSL_FLAG(int32_t, source_heads, 2, "kvt synth custom: source KV heads.");
 ABSL_FLAG(int32_t, source_head_dim, 32, "kvt synth custom: source head_dim.");

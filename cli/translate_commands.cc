@@ -7,6 +7,7 @@
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "cli/command_table.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "client/cache_file.h"
@@ -65,9 +66,8 @@ int Fail(const char* command, const absl::Status& status) {
 
 int RunTranslate(const std::vector<std::string>& args) {
   if (absl::GetFlag(FLAGS_in).empty() || absl::GetFlag(FLAGS_result).empty()) {
-    std::fprintf(stderr,
-                 "usage: kvt translate --server=HOST:PORT --in=SRC.safetensors "
-                 "--result=OUT.safetensors (--source_model=A --target_model=B | --mapper_id=ID)\n");
+    std::fprintf(stderr, "kvt translate: --in and --result are required\n%s",
+                 CommandUsage("translate").c_str());
     return 1;
   }
   absl::StatusOr<HostCache> source = ReadCacheFile(absl::GetFlag(FLAGS_in));

@@ -1,6 +1,8 @@
 #include "kernels/thread_pool.h"
 
 #include <atomic>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -60,9 +62,24 @@ TEST(ThreadPoolTest, ConcurrentCallersAreSerialisedCorrectly) {
   EXPECT_EQ(total, 4 * 50 * 100);
 }
 
+// 0 means std::thread::hardware_concurrency() (thread_pool.h), at least 1: the pool has exactly
+// that many threads, and a job of that many parts runs on that many distinct threads.
 TEST(ThreadPoolTest, ZeroMeansEveryCore) {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int expected = cores > 0 ? cores : 1;
   ThreadPool pool(0);
-  EXPECT_GE(pool.num_threads(), 1);
+  EXPECT_EQ(pool.num_threads(), expected);
+  std::mutex mu;
+  std::set<std::thread::id> threads;
+  std::atomic<int> ranges{0};
+  pool.ParallelFor(expected, 1, [&](int64_t begin, int64_t end) {
+    ++ranges;
+    EXPECT_EQ(end - begin, 1);
+    std::lock_guard<std::mutex> lock(mu);
+    threads.insert(std::this_thread::get_id());
+  });
+  EXPECT_EQ(ranges, expected);
+  EXPECT_EQ(static_cast<int>(threads.size()), expected);
 }
 
 }  // namespace

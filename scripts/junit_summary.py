@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Sums test cases over Bazel's JUnit XML files and prints 'N passed, N failed'.
+"""Counts the test cases of one Bazel run from its JUnit XML files: prints 'N passed, N failed'.
 
-Usage: junit_summary.py TESTLOGS_DIR //pkg:target ... [TESTLOGS_DIR2 //pkg:target ...]
-Several runs (e.g. an ASan configuration, whose logs live in another output tree) are summed:
-each directory argument applies to the targets after it.
+Usage: junit_summary.py [--label=NAME] TESTLOGS_DIR //pkg:target ...
+One run per call: the ASan run (whose logs live in its own output tree) and the plain run are
+counted by two calls, never summed. --label=NAME prefixes the line ("NAME: N passed, ...").
 A target without a test.xml (it failed to build, or never ran) counts as one failed case.
 Exits 1 when anything failed or no test case ran at all.
 """
@@ -35,14 +35,21 @@ def count(xml_path):
     return passed, failed, skipped, failed_names
 
 
-def main():
-    testlogs = sys.argv[1]
-    targets = sys.argv[2:]
+def main(argv):
+    label = ""
+    if argv and argv[0].startswith("--label="):
+        label = argv[0][len("--label="):]
+        argv = argv[1:]
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    testlogs = argv[0]
+    targets = argv[1:]
     passed = failed = skipped = 0
     for target in targets:
-        if not target.startswith("//"):  # the next run's testlogs directory
-            testlogs = target
-            continue
+        if not target.startswith("//"):
+            print(f"not a test target: {target!r} (one TESTLOGS_DIR per call)", file=sys.stderr)
+            return 2
         rel = target.lstrip("/").replace(":", "/")
         xml_path = os.path.join(testlogs, rel, "test.xml")
         if not os.path.exists(xml_path):
@@ -58,9 +65,13 @@ def main():
     line = f"{passed} passed, {failed} failed"
     if skipped:
         line += f", {skipped} skipped"
-    print(line)
+    if label:
+        line = f"{label}: {line}"
+    # stderr first, so that the count is the last thing either stream shows.
+    sys.stderr.flush()
+    print(line, flush=True)
     return 1 if failed or passed == 0 else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Builds everything and runs every test; prints "N passed, N failed" (gtest cases summed from
-# Bazel's JUnit XML) and exits non-zero on any failure. Extra arguments go to `bazel test`.
+# Builds everything and runs every test; prints "N passed, N failed" (gtest cases counted from
+# Bazel's JUnit XML) as its last line and exits non-zero on any failure. Extra arguments go to
+# `bazel test`.
 # KVT_TEST_ASAN=1 (CI) first runs the tests but the soak under --config=asan (ASan + UBSan, its
-# own output tree); its cases are counted in the same line.
+# own output tree) and prints that run's own line, "asan: N passed, N failed", before the plain
+# run starts; the two runs are never summed (each test case runs in both).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -15,13 +17,17 @@ bash scripts/bootstrap.sh --python
 py_env=(--test_env=PATH="$root/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 
 asan_rc=0
-asan_summary=()
 if [ "${KVT_TEST_ASAN:-0}" = 1 ]; then
   bazel test --config=asan --test_tag_filters=-soak "${py_env[@]}" //... "$@"
-  asan_rc=$?
-  asan_summary=("$(bazel info --config=asan bazel-testlogs 2>/dev/null)"
-                $(bazel query 'tests(//...) except attr(tags, "soak|manual", tests(//...))' \
-                  2>/dev/null))
+  asan_bazel_rc=$?
+  asan_targets=$(bazel query 'tests(//...) except attr(tags, "soak|manual", tests(//...))' \
+                 2>/dev/null)
+  python3 scripts/junit_summary.py --label=asan \
+    "$(bazel info --config=asan bazel-testlogs 2>/dev/null)" $asan_targets
+  asan_summary_rc=$?
+  if [ $asan_bazel_rc -ne 0 ] || [ $asan_summary_rc -ne 0 ]; then
+    asan_rc=1
+  fi
 fi
 
 bazel test "${py_env[@]}" //... "$@"
@@ -29,10 +35,9 @@ bazel_rc=$?
 
 # Count only the test targets that exist now (bazel-testlogs may hold results of deleted ones)
 # and that `bazel test //...` runs (manual ones, e.g. the GPU tests and the TSan canary, are run
-# by hand).
+# by hand). This line is the last one the command prints.
 targets=$(bazel query 'tests(//...) except attr(tags, manual, tests(//...))' 2>/dev/null)
-python3 scripts/junit_summary.py "$(bazel info bazel-testlogs 2>/dev/null)" $targets \
-  "${asan_summary[@]}"
+python3 scripts/junit_summary.py "$(bazel info bazel-testlogs 2>/dev/null)" $targets
 summary_rc=$?
 
 if [ $asan_rc -ne 0 ] || [ $bazel_rc -ne 0 ] || [ $summary_rc -ne 0 ]; then

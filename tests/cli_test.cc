@@ -3,6 +3,10 @@
 // float64 reference.
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -165,6 +169,99 @@ TEST(KvtCliTest, SynthKindMlpWritesAnMlpMapperThatInspectDescribes) {
   EXPECT_THAT(bad.output, HasSubstr("--kind='lasso' must be ridge or mlp"));
 }
 
+// Every `--name` in `text`.
+std::set<std::string> FlagsNamed(const std::string& text) {
+  std::set<std::string> names;
+  const std::regex flag("--([a-z0-9_]+)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), flag);
+       it != std::sregex_iterator(); ++it) {
+    names.insert((*it)[1]);
+  }
+  return names;
+}
+
+// `kvt help`'s command lines: name -> summary.
+std::map<std::string, std::string> GlobalCommands(const std::string& usage) {
+  std::map<std::string, std::string> commands;
+  std::istringstream lines(usage);
+  std::string line;
+  bool in_commands = false;
+  while (std::getline(lines, line)) {
+    if (line == "commands:") {
+      in_commands = true;
+    } else if (in_commands && line.empty()) {
+      break;
+    } else if (in_commands) {
+      std::smatch match;
+      if (std::regex_match(line, match, std::regex("  ([a-z]+) +(.*)"))) {
+        commands[match[1]] = match[2];
+      } else {
+        ADD_FAILURE() << "not a command line: " << line;
+      }
+    }
+  }
+  return commands;
+}
+
+// The flags `kvt CMD --help` lists with a default ("  --name=DEFAULT" lines).
+std::set<std::string> HelpFlags(const std::string& help) {
+  std::set<std::string> names;
+  std::istringstream lines(help);
+  std::string line;
+  std::smatch match;
+  while (std::getline(lines, line)) {
+    if (std::regex_match(line, match, std::regex("  --([a-z0-9_]+)=.*"))) names.insert(match[1]);
+  }
+  return names;
+}
+
+TEST(KvtCliTest, EveryCommandHasItsOwnHelpAndTheGlobalUsageNamesOnlyRealFlags) {
+  CommandResult global = RunKvt("help");
+  ASSERT_EQ(global.exit_code, 0) << global.output;
+  const std::map<std::string, std::string> commands = GlobalCommands(global.output);
+  for (const char* expected :
+       {"health", "mappers", "synth", "inspect", "translate", "demo", "fit", "import"}) {
+    EXPECT_EQ(commands.count(expected), 1u) << expected << " missing from:\n" << global.output;
+  }
+  EXPECT_EQ(RunKvt("--help").output, global.output);
+  for (const auto& [name, summary] : commands) {
+    CommandResult help = RunKvt(name + " --help");
+    ASSERT_EQ(help.exit_code, 0) << name << ": " << help.output;
+    EXPECT_THAT(help.output, HasSubstr("usage: kvt " + name)) << help.output;
+    EXPECT_THAT(help.output, ::testing::Not(HasSubstr("commands:"))) << help.output;
+    EXPECT_THAT(help.output, ::testing::Not(HasSubstr("not a registered flag"))) << help.output;
+    const size_t flags_at = help.output.find("\nflags (--flag=DEFAULT):\n");
+    const std::set<std::string> listed = HelpFlags(help.output);
+    if (flags_at == std::string::npos) {
+      EXPECT_THAT(help.output, HasSubstr("no flags")) << help.output;
+      EXPECT_TRUE(listed.empty()) << help.output;
+    }
+    // The usage text above the flag list names exactly the flags listed with defaults.
+    EXPECT_EQ(FlagsNamed(help.output.substr(0, flags_at)), listed) << help.output;
+    // The global usage's line for the command names only flags that command has.
+    for (const std::string& flag : FlagsNamed(summary)) {
+      EXPECT_EQ(listed.count(flag), 1u)
+          << "`kvt help` names --" << flag << " for " << name << ", whose --help lacks it";
+    }
+    // The same text through the other spellings.
+    EXPECT_EQ(RunKvt("help " + name).output, help.output);
+    EXPECT_EQ(RunKvt(name + " -h").output, help.output);
+    EXPECT_EQ(RunKvt("--server=127.0.0.1:1 " + name + " --help").output, help.output);
+  }
+  CommandResult fit = RunKvt("fit --help");
+  EXPECT_THAT(fit.output, HasSubstr("\n  --stride=4\n"));
+  EXPECT_THAT(fit.output, HasSubstr("\n  --top_k=8\n"));
+  EXPECT_THAT(fit.output, HasSubstr("\n  --lambda=0.01\n"));
+  EXPECT_EQ(RunKvt("fit merge --help").output, fit.output);
+  CommandResult translate = RunKvt("translate --help");
+  EXPECT_THAT(translate.output, HasSubstr("\n  --result=\"\"\n"));
+  EXPECT_THAT(translate.output, HasSubstr("\n  --server=127.0.0.1:50051\n"));
+  EXPECT_EQ(FlagsNamed(translate.output).count("out"), 0u) << translate.output;
+  CommandResult unknown = RunKvt("frobnicate --help");
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.output, HasSubstr("unknown command 'frobnicate'"));
+}
+
 TEST(KvtCliTest, UnknownCommandAndMissingFlagsAreUsageErrors) {
   CommandResult unknown = RunKvt("frobnicate");
   EXPECT_EQ(unknown.exit_code, 1);
@@ -175,6 +272,10 @@ TEST(KvtCliTest, UnknownCommandAndMissingFlagsAreUsageErrors) {
   CommandResult preset = RunKvt("synth --preset=gpt5 --out=/tmp/never");
   EXPECT_NE(preset.exit_code, 0);
   EXPECT_THAT(preset.output, HasSubstr("demo-tiny"));
+  CommandResult translate = RunKvt("translate --in=x.safetensors");
+  EXPECT_EQ(translate.exit_code, 1);
+  EXPECT_THAT(translate.output, HasSubstr("--in and --result are required"));
+  EXPECT_THAT(translate.output, HasSubstr("usage: kvt translate"));
 }
 
 }  // namespace

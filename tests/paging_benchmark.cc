@@ -6,13 +6,26 @@
 // Warm: the mapper's copy is resident on the compute device; a request acquires it and
 // translates every layer. Cold (device): the device copy was dropped; the request pages it in
 // (streamed per layer where the backend supports it) and computes meanwhile. Cold (disk): the
-// mapper was unloaded from every tier; the request reads and verifies it from disk first.
+// mapper was unloaded from every tier and its files dropped from the kernel's page cache
+// (fdatasync + posix_fadvise(POSIX_FADV_DONTNEED), checked with mincore before timing: a run
+// where pages stay resident says so in its label and on stderr); the request reads and
+// verifies it from the disk first. Cold (page cache): the same with the files left in the page
+// cache, i.e. read + verify from memory.
 // PageIn: the device page-in alone, reported as bytes/s; with CUDA the same run also times a
 // plain cudaMemcpy of the same bytes from pinned memory (PinnedMemcpy), the ceiling.
 // Default mapper: a mid-size synthetic pair (16 -> 20 layers, 4 x 128 heads, k = 4, bf16:
 // 84 MB); --preset takes a `kvt synth` preset (e.g. qwen3-14b-to-32b, 2.1 GB) for GPU boxes.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -177,15 +190,98 @@ void BM_TranslateColdDevice(benchmark::State& state) {
   Report(state);
 }
 
-void BM_TranslateColdDisk(benchmark::State& state) {
+// Pages of the mapper's files: in total, and still in the page cache.
+struct Residency {
+  int64_t pages = 0;
+  int64_t resident = 0;
+  std::string error;  // the first refusal (fdatasync, fadvise, mmap or mincore), if any
+};
+
+// Every regular file under the mapper directory: written back (dirty pages cannot be dropped),
+// dropped from the page cache, then counted page by page with mincore (which does not fault
+// pages in).
+Residency DropFromPageCache(const std::string& dir) {
+  Residency r;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  auto refuse = [&](const std::string& what, const std::string& path) {
+    if (r.error.empty()) r.error = absl::StrCat(what, " ", path, ": ", std::strerror(errno));
+  };
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!entry.is_regular_file()) continue;
+    const std::string path = entry.path().string();
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      refuse("open", path);
+      continue;
+    }
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || st.st_size == 0) {
+      ::close(fd);
+      continue;
+    }
+    if (::fdatasync(fd) != 0) refuse("fdatasync", path);
+    if (const int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED); rc != 0) {
+      errno = rc;
+      refuse("posix_fadvise(DONTNEED)", path);
+    }
+    const int64_t pages = (st.st_size + page - 1) / page;
+    r.pages += pages;
+    void* map = ::mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+      refuse("mmap", path);
+      r.resident += pages;  // unknown: count it as not cold
+    } else {
+      std::vector<unsigned char> in_core(pages);
+      if (::mincore(map, st.st_size, in_core.data()) != 0) {
+        refuse("mincore", path);
+        r.resident += pages;
+      } else {
+        for (unsigned char c : in_core) r.resident += c & 1;
+      }
+      ::munmap(map, st.st_size);
+    }
+    ::close(fd);
+  }
+  return r;
+}
+
+// `drop_page_cache`: the files are evicted from the page cache before each request (cold
+// disk); otherwise they stay there from the previous request's read (cold page cache).
+void TranslateFromDisk(benchmark::State& state, bool drop_page_cache) {
+  int64_t resident = 0, pages = 0, not_cold = 0;
+  std::string error;
   for (auto _ : state) {
     state.PauseTiming();
     Check(env->store->Unload("m", "", absl::InfiniteFuture()).status(), "unload");
+    if (drop_page_cache) {
+      const Residency r = DropFromPageCache(JoinPath(env->dir, "m"));
+      resident += r.resident;
+      pages = r.pages;
+      if (r.resident > 0) ++not_cold;
+      if (error.empty()) error = r.error;
+    }
     state.ResumeTiming();
     Request();
   }
   Report(state);
+  if (!drop_page_cache) return;
+  state.counters["resident_pages"] =
+      static_cast<double>(resident) / std::max<int64_t>(1, state.iterations());
+  state.counters["file_pages"] = static_cast<double>(pages);
+  if (not_cold > 0 || !error.empty()) {
+    const std::string label =
+        absl::StrCat("NOT COLD: ", not_cold, " of ", state.iterations(),
+                     " requests started with pages in the page cache (", resident, " pages)",
+                     error.empty() ? "" : "; ", error);
+    std::fprintf(stderr, "TranslateColdDisk: %s\n", label.c_str());
+    state.SetLabel(label);
+  } else {
+    state.SetLabel("page cache dropped, mincore: 0 resident");
+  }
 }
+
+void BM_TranslateColdDisk(benchmark::State& state) { TranslateFromDisk(state, true); }
+void BM_TranslateColdPageCache(benchmark::State& state) { TranslateFromDisk(state, false); }
 
 // The device page-in alone (every layer arrived), as bytes per second of the device copy.
 void BM_PageIn(benchmark::State& state) {
@@ -244,6 +340,8 @@ int main(int argc, char** argv) {
   benchmark::RegisterBenchmark("TranslateColdDevice", kvt::BM_TranslateColdDevice)
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("TranslateColdDisk", kvt::BM_TranslateColdDisk)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("TranslateColdPageCache", kvt::BM_TranslateColdPageCache)
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("PageIn", kvt::BM_PageIn)
       ->UseRealTime()  // the copy runs on the store's worker, not this thread
