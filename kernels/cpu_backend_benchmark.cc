@@ -1,7 +1,14 @@
-// CPU translate time against a plain cblas_sgemm of the same FLOPs, measured in the same run.
+// CPU translate time against bare GEMMs of the same FLOPs, measured in the same run.
 //
 //   bazel build -c opt //kernels:cpu_backend_benchmark
 //   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark --benchmark_repetitions=3
+//
+// Each shape runs four benchmarks back to back: BM_Translate (the backend as it starts here:
+// oneDNN bf16 on CPUs with AVX-512 BF16 / AMX, else sgemm; --kvt_gemm_path=auto|bf16|fp32
+// forces one), BM_Bf16MatmulSameFlops (its ceiling: bare oneDNN bf16 matmuls of the same
+// shapes, prepacked weights, every core), BM_TranslateSgemmPath (the backend forced onto
+// today's sgemm path) and BM_SgemmSameFlops (that path's ceiling). The program prints the ISA
+// oneDNN dispatched first, and a table of the ratios at the end.
 //
 // Shapes are a scaled-down Qwen3 pair (8 KV heads x 128 dims on both sides, bf16 caches and
 // weights, sigma = every source layer) with fewer target layers so 2 cores finish in minutes.
@@ -31,6 +38,8 @@
 #include "benchmark/benchmark.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
+#include "kernels/onednn_matmul.h"
+#include "oneapi/dnnl/dnnl.hpp"
 
 namespace kvt {
 namespace {
@@ -38,6 +47,9 @@ namespace {
 constexpr int kHeads = 8;
 constexpr int kHeadDim = 128;
 constexpr int64_t kWidth = kHeads * kHeadDim;
+
+// --kvt_gemm_path: the path BM_Translate and BM_TranslateMlp run (default auto).
+CpuGemmPath g_gemm_path = CpuGemmPath::kAuto;
 
 // Fills with small pseudo-random values; quality is irrelevant, speed matters at 10^8 elements.
 void Fill(DType dtype, void* data, int64_t count, uint64_t seed) {
@@ -142,8 +154,11 @@ std::unique_ptr<Fixture> MakeFixture(int64_t tokens, int k, int target_layers, i
   return f;
 }
 
-void RunTranslate(benchmark::State& state, Fixture& f, int64_t chunk, double flops) {
-  std::unique_ptr<Backend> backend = NewCpuBackend(CpuBackendOptions());
+void RunTranslate(benchmark::State& state, Fixture& f, int64_t chunk, double flops,
+                  CpuGemmPath path) {
+  CpuBackendOptions backend_options;
+  backend_options.gemm_path = path;
+  std::unique_ptr<Backend> backend = NewCpuBackend(backend_options);
   absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->Prepare(f.mapper);
   if (!prepared.ok()) {
     state.SkipWithError(std::string(prepared.status().message()).c_str());
@@ -171,7 +186,16 @@ void BM_Translate(benchmark::State& state) {
   const int k = static_cast<int>(state.range(1));
   const int target_layers = static_cast<int>(state.range(2));
   std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, 0, false);
-  RunTranslate(state, *f, state.range(3), Flops(tokens, k, target_layers));
+  RunTranslate(state, *f, state.range(3), Flops(tokens, k, target_layers), g_gemm_path);
+}
+
+// Today's path: the same translation with fp32 copies of the weights and sgemm.
+void BM_TranslateSgemmPath(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, 0, false);
+  RunTranslate(state, *f, state.range(3), Flops(tokens, k, target_layers), CpuGemmPath::kSgemm);
 }
 
 // Args: tokens, k, target layers, hidden H, per_head (0 / 1); the backend's default chunk.
@@ -182,7 +206,7 @@ void BM_TranslateMlp(benchmark::State& state) {
   const int64_t hidden = state.range(3);
   const bool per_head = state.range(4) != 0;
   std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, hidden, per_head);
-  RunTranslate(state, *f, 0, MlpFlops(tokens, k, target_layers, hidden, per_head));
+  RunTranslate(state, *f, 0, MlpFlops(tokens, k, target_layers, hidden, per_head), g_gemm_path);
 }
 
 void BM_SgemmSameFlops(benchmark::State& state) {
@@ -212,6 +236,53 @@ void BM_SgemmSameFlops(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * tokens);
 }
 
+// The bf16 ceiling: 2 L oneDNN matmuls of T x (k n d) bf16 times (k n d) x (n d) bf16, fp32
+// out, weights prepacked in oneDNN's blocked layout (one distinct matrix per GEMM, outside the
+// timing), one primitive over all T rows on every core (OpenMP), no gather and no epilogue.
+void BM_Bf16MatmulSameFlops(benchmark::State& state) {
+  using dnnl::memory;
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  const int64_t inputs = k * kWidth;
+  try {
+    dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+    dnnl::stream stream(engine);
+    const memory::desc a_desc({tokens, inputs}, memory::data_type::bf16, memory::format_tag::ab);
+    const memory::desc b_any({inputs, kWidth}, memory::data_type::bf16, memory::format_tag::any);
+    const memory::desc b_plain({inputs, kWidth}, memory::data_type::bf16,
+                               memory::format_tag::ab);
+    const memory::desc c_desc({tokens, kWidth}, memory::data_type::f32, memory::format_tag::ab);
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_desc, b_any, c_desc), engine);
+    const dnnl::matmul matmul(pd);
+    memory a(a_desc, engine), c(c_desc, engine);
+    Fill(DType::kBF16, a.get_data_handle(), tokens * inputs, 1);
+    std::vector<memory> b;
+    std::vector<uint16_t> plain(inputs * kWidth);
+    for (int g = 0; g < 2 * target_layers; ++g) {
+      Fill(DType::kBF16, plain.data(), plain.size(), 2 + g);
+      memory from(b_plain, engine, plain.data());
+      b.emplace_back(pd.weights_desc(), engine);
+      dnnl::reorder(from, b.back()).execute(stream, from, b.back());
+    }
+    stream.wait();
+    for (auto _ : state) {
+      for (const memory& weights : b) {
+        matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, c}});
+      }
+      stream.wait();
+      benchmark::DoNotOptimize(c.get_data_handle());
+    }
+    state.SetLabel(pd.impl_info_str());
+  } catch (const dnnl::error& e) {
+    state.SkipWithError(e.what());
+    return;
+  }
+  state.counters["FLOP/s"] = benchmark::Counter(Flops(tokens, k, target_layers),
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.SetItemsProcessed(state.iterations() * tokens);
+}
+
 // Args: tokens, k, target layers, token chunk (0 = backend default). Each shape registers its
 // translate and its sgemm twin back to back, so both see the same machine state.
 void RegisterShapes() {
@@ -232,6 +303,9 @@ void RegisterShapes() {
   };
   for (const std::vector<int64_t>& shape : shapes) {
     setup(benchmark::RegisterBenchmark("BM_Translate", BM_Translate), shape);
+    setup(benchmark::RegisterBenchmark("BM_Bf16MatmulSameFlops", BM_Bf16MatmulSameFlops),
+          shape);
+    setup(benchmark::RegisterBenchmark("BM_TranslateSgemmPath", BM_TranslateSgemmPath), shape);
     setup(benchmark::RegisterBenchmark("BM_SgemmSameFlops", BM_SgemmSameFlops), shape);
   }
   // MLP vs ridge of the same pair: each ridge shape, then its MLPs (H 1024 and 256, both
@@ -259,9 +333,11 @@ class RatioReporter : public benchmark::ConsoleReporter {
       const auto it = run.counters.find("FLOP/s");
       if (it == run.counters.end()) continue;
       const std::string& name = run.run_name.function_name;
-      auto& table = name == "BM_Translate" ? translate_
-                    : name == "BM_TranslateMlp" ? mlp_
-                                                : sgemm_;
+      auto& table = name == "BM_Translate"             ? translate_
+                    : name == "BM_TranslateMlp"        ? mlp_
+                    : name == "BM_TranslateSgemmPath"  ? translate_sgemm_
+                    : name == "BM_Bf16MatmulSameFlops" ? bf16_
+                                                       : sgemm_;
       // Counters arrive already divided by the (real) time. The best-of-repetitions aggregate
       // replaces single repetitions; without repetitions the one run stands.
       if (best || !best_seen_.count(name + run.run_name.args)) {
@@ -275,13 +351,23 @@ class RatioReporter : public benchmark::ConsoleReporter {
 
   void Finalize() override {
     ConsoleReporter::Finalize();
-    std::printf("\n%-22s %14s %14s %8s\n", "tokens/k/layers/chunk", "translate GF/s",
-                "sgemm GF/s", "ratio");
+    // GF/s of: translate (the path in use), its bare bf16 matmul ceiling, translate forced
+    // onto sgemm (today's path), the bare sgemm; then translate / bf16 matmul, translate /
+    // today's translate and today's translate / sgemm. 0 where a twin did not run.
+    std::printf("\n%-22s %10s %10s %10s %10s %10s %10s %10s\n", "tokens/k/layers/chunk",
+                "transl GF", "bf16mm GF", "sgemmP GF", "sgemm GF", "tr/bf16mm", "tr/sgemmP",
+                "sgemmP/sg");
+    const auto get = [](const std::map<std::string, double>& table, const std::string& args) {
+      const auto it = table.find(args);
+      return it == table.end() ? 0.0 : it->second;
+    };
+    const auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
     for (const auto& [args, translate] : translate_) {
-      const auto it = sgemm_.find(args);
-      if (it == sgemm_.end()) continue;
-      std::printf("%-22s %14.1f %14.1f %8.3f\n", args.c_str(), translate / 1e9, it->second / 1e9,
-                  translate / it->second);
+      const double bf16 = get(bf16_, args), today = get(translate_sgemm_, args),
+                   sgemm = get(sgemm_, args);
+      std::printf("%-22s %10.1f %10.1f %10.1f %10.1f %10.3f %10.3f %10.3f\n", args.c_str(),
+                  translate / 1e9, bf16 / 1e9, today / 1e9, sgemm / 1e9, ratio(translate, bf16),
+                  ratio(translate, today), ratio(today, sgemm));
     }
     if (mlp_.empty()) return;
     // MLP args "T/k/L/H/per_head" against the ridge "T/k/L/0" of the same pair.
@@ -303,7 +389,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
   }
 
  private:
-  std::map<std::string, double> translate_, sgemm_, mlp_, tokens_per_s_;
+  std::map<std::string, double> translate_, sgemm_, mlp_, tokens_per_s_, translate_sgemm_, bf16_;
   std::set<std::string> best_seen_;
 };
 
@@ -311,6 +397,32 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace kvt
 
 int main(int argc, char** argv) {
+  // --kvt_gemm_path=auto|bf16|fp32 (ours; taken out before the benchmark library's flags).
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const std::string flag = "--kvt_gemm_path=";
+    if (arg.rfind(flag, 0) == 0) {
+      absl::StatusOr<kvt::CpuGemmPath> path = kvt::ParseCpuGemmPath(arg.substr(flag.size()));
+      if (!path.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(path.status().message()).c_str());
+        return 1;
+      }
+      kvt::g_gemm_path = *path;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  {
+    kvt::CpuBackendOptions options;
+    options.gemm_path = kvt::g_gemm_path;
+    kvt::CpuBackend backend(options);
+    std::printf("oneDNN %s dispatches ISA %s (bf16 hardware: %s)\nBM_Translate backend: %s\n",
+                kvt::OnednnVersion().c_str(), kvt::OnednnIsaName().c_str(),
+                kvt::OnednnHasBf16Hardware() ? "yes" : "no", backend.description().c_str());
+    std::fflush(stdout);
+  }
   kvt::RegisterShapes();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/onednn_matmul.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
 
@@ -19,8 +20,21 @@ absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config)
   CpuBackendOptions cpu_options;
   cpu_options.num_threads = static_cast<int>(config.cpu_threads);
   cpu_options.token_chunk = config.token_chunk;
+  absl::StatusOr<CpuGemmPath> gemm_path = ParseCpuGemmPath(config.cpu_gemm);
+  if (!gemm_path.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "backend.cpu_gemm='", config.cpu_gemm, "' is not one of auto, bf16, fp32"));
+  }
+  cpu_options.gemm_path = *gemm_path;
+  const auto use_cpu = [&] {
+    auto cpu = std::make_unique<CpuBackend>(cpu_options);
+    selected.cpu_gemm_path = CpuGemmPathName(cpu->gemm_path());
+    selected.cpu_gemm_reason = cpu->gemm_reason();
+    selected.cpu_isa = OnednnIsaName();
+    selected.backend = std::move(cpu);
+  };
   if (config.type == "cpu") {
-    selected.backend = NewCpuBackend(cpu_options);
+    use_cpu();
     selected.reason = "backend.type=cpu";
     return selected;
   }
@@ -52,7 +66,7 @@ absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config)
     selected.reason = absl::StrCat("auto: no usable CUDA device (", devices.status().message(),
                                    "); using CPU");
   }
-  selected.backend = NewCpuBackend(cpu_options);
+  use_cpu();
   return selected;
 }
 

@@ -14,6 +14,11 @@ namespace kvt {
 struct SelectedBackend {
   std::unique_ptr<Backend> backend;
   std::string reason;  // e.g. "auto: no CUDA device (cudaGetDeviceCount failed: ...)"
+  // CPU backend only: the GEMM path of bf16 / fp16 mappers ("onednn_bf16" or "sgemm"), why,
+  // and the ISA oneDNN dispatches; empty for CUDA.
+  std::string cpu_gemm_path;
+  std::string cpu_gemm_reason;
+  std::string cpu_isa;
 };
 
 absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config);

@@ -282,6 +282,12 @@ Metrics::Metrics(std::string device)
                        .Help("Always 1; the translation backend kvtd chose (backend.type is "
                              "'requested').")
                        .Register(r);
+  cpu_gemm_path_ = &BuildGauge()
+                        .Name("kvt_cpu_gemm_path")
+                        .Help("Always 1; the CPU backend's GEMM path for bf16/fp16 mappers "
+                              "(onednn_bf16 | sgemm), the ISA oneDNN dispatches, and "
+                              "backend.cpu_gemm as 'requested'. Absent on CUDA.")
+                        .Register(r);
   requests_ = &BuildCounter()
                    .Name("kvt_translate_requests_total")
                    .Help("TranslateKV calls by outcome (canonical gRPC code).")
@@ -373,6 +379,11 @@ absl::Status Metrics::StartExposer(const std::string& listen_address) {
 void Metrics::SetBackend(const std::string& backend, const std::string& device,
                          const std::string& requested) {
   backend_info_->Add({{"backend", backend}, {"device", device}, {"requested", requested}}).Set(1);
+}
+
+void Metrics::SetCpuGemmPath(const std::string& path, const std::string& isa,
+                             const std::string& requested) {
+  cpu_gemm_path_->Add({{"path", path}, {"isa", isa}, {"requested", requested}}).Set(1);
 }
 
 void Metrics::SetScrapeSources(const MapperStore* store,
