@@ -318,55 +318,71 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CpuBackend::Prepare(const Mapper
   };
   if (UsesOnednn(mapper)) {
     prepared->onednn_ = true;
-    // Each matrix (each head's block of a per_head chain) packed into oneDNN's bf16 layout.
+    // Each matrix (each head's block of a per_head chain) is packed into oneDNN's bf16 layout
+    // by a job; the jobs run on the pool once every slot they fill has its final address.
+    struct PackJob {
+      const WeightView* w;
+      int64_t heads, head;
+      const PackedBf16Weights** slot;
+      std::unique_ptr<PackedBf16Weights> packed;
+      absl::Status status;
+    };
+    std::vector<PackJob> jobs;
     const auto pack = [&](const WeightView& w, int64_t heads, int64_t head,
-                          const PackedBf16Weights** out) -> absl::Status {
-      const int64_t rows = w.rows / heads;
-      const char* src =
-          static_cast<const char*>(w.data) + head * rows * w.cols * DTypeSize(w.dtype);
-      absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
-          PackBf16Weights(w.dtype, src, rows, w.cols);
-      if (!packed.ok()) return packed.status();
-      prepared->bytes_ += (*packed)->bytes();
-      *out = prepared->packed_.emplace_back(*std::move(packed)).get();
-      return absl::OkStatus();
+                          const PackedBf16Weights** slot) {
+      jobs.push_back(PackJob{&w, heads, head, slot, nullptr, absl::OkStatus()});
     };
     const auto pack_mlp = [&](const MlpView& mlp, Bf16Mlp* out, Fp32Mlp* biases,
-                              const float** c3) -> absl::Status {
+                              const float** c3) {
       out->heads = biases->heads = mlp.heads;
       out->hidden = biases->hidden = mlp.hidden;
       for (auto [w, list] : {std::pair{&mlp.a1, &out->a1}, std::pair{&mlp.a2, &out->a2},
                              std::pair{&mlp.a3, &out->a3}}) {
         list->resize(mlp.heads);
-        for (int64_t h = 0; h < mlp.heads; ++h) {
-          if (absl::Status s = pack(*w, mlp.heads, h, &(*list)[h]); !s.ok()) return s;
-        }
+        for (int64_t h = 0; h < mlp.heads; ++h) pack(*w, mlp.heads, h, &(*list)[h]);
       }
       out->c1 = biases->c1 = to_fp32(mlp.c1);
       out->c2 = biases->c2 = to_fp32(mlp.c2);
       *c3 = to_fp32(mlp.c3);
-      return absl::OkStatus();
     };
+    prepared->bf16_layers_.reserve(mapper.layers.size());  // slots keep their addresses
     for (const LayerMapView& layer : mapper.layers) {
       Fp32Layer biases;
-      Bf16Layer bf16;
+      Bf16Layer& bf16 = prepared->bf16_layers_.emplace_back();
       if (mapper.kind == MapKind::kMlp) {
-        if (absl::Status s = pack_mlp(layer.mlp_k, &bf16.mlp_k, &biases.mlp_k, &biases.b_k);
-            !s.ok()) {
-          return s;
-        }
-        if (absl::Status s = pack_mlp(layer.mlp_v, &bf16.mlp_v, &biases.mlp_v, &biases.b_v);
-            !s.ok()) {
-          return s;
-        }
+        pack_mlp(layer.mlp_k, &bf16.mlp_k, &biases.mlp_k, &biases.b_k);
+        pack_mlp(layer.mlp_v, &bf16.mlp_v, &biases.mlp_v, &biases.b_v);
       } else {
-        if (absl::Status s = pack(layer.w_k, 1, 0, &bf16.w_k); !s.ok()) return s;
-        if (absl::Status s = pack(layer.w_v, 1, 0, &bf16.w_v); !s.ok()) return s;
+        pack(layer.w_k, 1, 0, &bf16.w_k);
+        pack(layer.w_v, 1, 0, &bf16.w_v);
         biases.b_k = to_fp32(layer.b_k);
         biases.b_v = to_fp32(layer.b_v);
       }
       prepared->layers_.push_back(biases);
-      prepared->bf16_layers_.push_back(std::move(bf16));
+    }
+    // One OpenMP thread per job, as in TranslateLayer: no OpenMP team spins after Prepare.
+    pool_->ParallelFor(static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+      ScopedOmpThreads one(1);
+      for (int64_t j = begin; j < end; ++j) {
+        PackJob& job = jobs[j];
+        const WeightView& w = *job.w;
+        const int64_t rows = w.rows / job.heads;
+        const char* src =
+            static_cast<const char*>(w.data) + job.head * rows * w.cols * DTypeSize(w.dtype);
+        absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
+            PackBf16Weights(w.dtype, src, rows, w.cols);
+        if (packed.ok()) {
+          job.packed = *std::move(packed);
+        } else {
+          job.status = packed.status();
+        }
+      }
+    });
+    for (PackJob& job : jobs) {
+      if (!job.status.ok()) return job.status;
+      prepared->bytes_ += job.packed->bytes();
+      *job.slot = job.packed.get();
+      prepared->packed_.push_back(std::move(job.packed));
     }
     return std::shared_ptr<PreparedMapper>(std::move(prepared));
   }

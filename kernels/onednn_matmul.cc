@@ -184,6 +184,7 @@ absl::StatusOr<std::unique_ptr<PackedBf16Weights>> PackBf16Weights(DType dtype, 
     bf16 = plain.data();
   }
   try {
+    ScopedOmpThreads one(1);  // a reorder of one matrix; callers parallelise over matrices
     const memory::desc plain_desc({k, n}, Dt::bf16, Tag::ab);
     memory from(plain_desc, Engine(), const_cast<void*>(bf16));
     memory to(*desc, Engine(), packed->data_);
