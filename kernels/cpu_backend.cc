@@ -42,7 +42,8 @@ struct Fp32Layer {
 };
 
 // The oneDNN path's weights: each matrix (per head for per_head MLPs) packed in bf16, biases in
-// fp32 (c1 / c2 fused into their matmuls with the ReLU; b or c3 added by the shared epilogue).
+// fp32, all added by the matmuls (c1 / c2 with the ReLU fused; b or c3 as the last matmul's
+// bias; the shared epilogue then only rotates and converts).
 struct Bf16Mlp {
   int64_t heads = 1;
   int64_t hidden = 0;
@@ -544,13 +545,14 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
                 !s.ok()) {
               return s;
             }
-            if (absl::Status s = Bf16Matmul(gemm_rows, h2_16, hidden, *mlp.a3[h], nullptr,
-                                            false, false, y + h * out, target_width);
+            if (absl::Status s = Bf16Matmul(gemm_rows, h2_16, hidden, *mlp.a3[h],
+                                            kind.b ? kind.b + h * out : nullptr, false, false,
+                                            y + h * out, target_width);
                 !s.ok()) {
               return s;
             }
           }
-        } else if (absl::Status s = Bf16Matmul(gemm_rows, x16, inputs, *kind.w16, nullptr,
+        } else if (absl::Status s = Bf16Matmul(gemm_rows, x16, inputs, *kind.w16, kind.b,
                                                false, false, y, target_width);
                    !s.ok()) {
           return s;
@@ -561,12 +563,13 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
         Sgemm(rows, target_width, inputs, x, inputs, kind.w, target_width, y, target_width);
       }
 
-      // Epilogue: bias, target RoPE, conversion, scatter into the target layout.
+      // Epilogue: bias (the oneDNN path adds it in the matmul), target RoPE, conversion,
+      // scatter into the target layout.
       char* base = static_cast<char*>(kind.target);
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = t0 + i;
         float* row = y + i * target_width;
-        if (kind.b) {
+        if (kind.b && !onednn) {
           for (int64_t c = 0; c < target_width; ++c) row[c] += kind.b[c];
         }
         if (kind.rope) {
