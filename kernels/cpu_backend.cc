@@ -121,6 +121,7 @@ struct Workspace {
   // while its RoPE is stripped.
   Scratch<uint16_t> x16, h1_16, h2_16;
   Scratch<> block;
+  Scratch<> y_head;  // one per_head chain's output: rows x d_t
 };
 
 class CpuPreparedMapper : public PreparedMapper {
@@ -472,6 +473,7 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
     float* h2 = is_mlp && !onednn ? ws->h2.Get(rows * max_hidden) : nullptr;
     uint16_t* h1_16 = is_mlp && onednn ? ws->h1_16.Get(gemm_rows * max_hidden) : nullptr;
     uint16_t* h2_16 = is_mlp && onednn ? ws->h2_16.Get(gemm_rows * max_hidden) : nullptr;
+    float* y_head = is_mlp && onednn ? ws->y_head.Get(gemm_rows * dt) : nullptr;
     float* strip_cos = ws->strip_cos.Get(rows * strip_half);
     float* strip_sin = ws->strip_sin.Get(rows * strip_half);
     float* apply_cos = ws->apply_cos.Get(rows * apply_half);
@@ -545,11 +547,21 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
                 !s.ok()) {
               return s;
             }
+            // oneDNN 2.6's brgemm matmul wants a dense dst (a strided one falls to a far
+            // slower gemm): per_head chains write their d_t columns through y_head.
+            const bool dense = mlp.heads == 1;
+            float* dst = dense ? y : y_head;
             if (absl::Status s = Bf16Matmul(gemm_rows, h2_16, hidden, *mlp.a3[h],
                                             kind.b ? kind.b + h * out : nullptr, false, false,
-                                            y + h * out, target_width);
+                                            dst, out);
                 !s.ok()) {
               return s;
+            }
+            if (!dense) {
+              for (int64_t i = 0; i < rows; ++i) {
+                std::memcpy(y + i * target_width + h * out, y_head + i * out,
+                            out * sizeof(float));
+              }
             }
           }
         } else if (absl::Status s = Bf16Matmul(gemm_rows, x16, inputs, *kind.w16, kind.b,
