@@ -12,8 +12,9 @@ convert to bf16 and write into the HND target. FLOPs 2 T (k n d) (n d) 2 L_t, as
     /path/to/venv/bin/python tests/peers/torch_eager_translate.py            # default shapes
     python tests/peers/torch_eager_translate.py --shapes 4096/2/2 --repetitions 5
 
-Prints one row per shape: tokens/s and GFLOP/s of the eager translation, and GFLOP/s of bare
-bf16 matmuls of the same FLOPs in the same process (torch.matmul, plain bf16 weights).
+Prints one row per shape: tokens/s and GFLOP/s of the eager translation, GFLOP/s of bare bf16
+matmuls of the same FLOPs in the same process (torch.matmul, plain bf16 weights), and the least
+process CPU time of each (comparable with cpu_backend_benchmark's CPU-time table).
 """
 import argparse
 import os
@@ -63,13 +64,15 @@ def translate(source_k, source_v, weights, sigma, tokens, target_k, target_v):
 
 
 def best_seconds(fn, repetitions):
+    """(least wall seconds, least process CPU seconds) of one call over the repetitions."""
     fn()  # warm-up (oneDNN primitive creation, allocator)
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(repetitions):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         best = min(best, time.perf_counter() - start)
-    return best
+        best_cpu = min(best_cpu, time.process_time() - start_cpu)
+    return best, best_cpu
 
 
 def run_shape(tokens, k, target_layers, repetitions, generator):
@@ -89,13 +92,14 @@ def run_shape(tokens, k, target_layers, repetitions, generator):
     flops = 2.0 * tokens * inputs * WIDTH * 2 * target_layers
 
     with torch.inference_mode():
-        seconds = best_seconds(
+        seconds, cpu_seconds = best_seconds(
             lambda: translate(source_k, source_v, weights, sigma, tokens, target_k, target_v),
             repetitions)
         a = randn(tokens, inputs)
         bs = [w for layer in weights for w in (layer[0], layer[2])]
-        matmul_seconds = best_seconds(lambda: [a @ b for b in bs], repetitions)
-    return tokens / seconds, flops / seconds / 1e9, flops / matmul_seconds / 1e9
+        matmul_seconds, matmul_cpu = best_seconds(lambda: [a @ b for b in bs], repetitions)
+    return (tokens / seconds, flops / seconds / 1e9, flops / matmul_seconds / 1e9,
+            cpu_seconds * 1e3, matmul_cpu * 1e3)
 
 
 def main():
@@ -110,14 +114,17 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"mkldnn bf16 {torch.backends.mkldnn.is_available()}, cpu {os.cpu_count()} logical; "
           f"capability: {torch.backends.cpu.get_cpu_capability()}")
+    # cpu ms: least process CPU time of one translation (all threads; OpenMP spin-waits count),
+    # which a busy shared machine disturbs much less than wall time.
     print(f"{'T/k/L_t':<12} {'eager tok/s':>12} {'eager GF/s':>11} {'bf16 mm GF/s':>13} "
-          f"{'eager/mm':>9}")
+          f"{'eager/mm':>9} {'eager cpu ms':>13} {'mm cpu ms':>10}")
     generator = torch.Generator().manual_seed(0)
     for shape in args.shapes.split(","):
         tokens, k, target_layers = (int(v) for v in shape.split("/"))
-        tps, gflops, mm = run_shape(tokens, k, target_layers, args.repetitions, generator)
-        print(f"{shape:<12} {tps:>12.0f} {gflops:>11.1f} {mm:>13.1f} {gflops / mm:>9.3f}",
-              flush=True)
+        tps, gflops, mm, cpu_ms, mm_cpu_ms = run_shape(tokens, k, target_layers,
+                                                      args.repetitions, generator)
+        print(f"{shape:<12} {tps:>12.0f} {gflops:>11.1f} {mm:>13.1f} {gflops / mm:>9.3f} "
+              f"{cpu_ms:>13.1f} {mm_cpu_ms:>10.1f}", flush=True)
 
 
 if __name__ == "__main__":
