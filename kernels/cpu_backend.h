@@ -28,6 +28,8 @@ namespace kvt {
 //   kOnednnBf16: oneDNN bf16 on any CPU (correct everywhere; without bf16 hardware oneDNN
 //     converts in software and is slower than sgemm).
 //   kSgemm: fp32 copies of the weights and OpenBLAS sgemm, as before issue 20.
+// fp16 weights take the bf16 path too, rounded to bf16 when packed (oneDNN 2.6 has no fp16
+// matmul on these CPUs; the rounding is within SPEC 3's bf16 tolerance).
 enum class CpuGemmPath { kAuto, kOnednnBf16, kSgemm };
 
 // "auto", "onednn_bf16", "sgemm".

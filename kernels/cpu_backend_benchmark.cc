@@ -525,6 +525,9 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   kvt::RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
+  std::printf("\noneDNN implementations the backend's matmuls used:");
+  for (const std::string& impl : kvt::OnednnImplementations()) std::printf(" %s", impl.c_str());
+  std::printf("\n");
   benchmark::Shutdown();
   return 0;
 }

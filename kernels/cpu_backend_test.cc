@@ -673,6 +673,33 @@ TEST_F(CpuBackendTest, Bf16PrimitivesStayFew) {
   EXPECT_LE(OnednnCachedPrimitives() - before, 128 / 16);
 }
 
+// On bf16 hardware every matmul of ridge and both MLP granularities runs oneDNN's brgemm: a
+// layout that drops to its gemm or reference fallback (a strided dst did, 40x slower) fails.
+TEST_F(CpuBackendTest, Bf16MatmulsStayOnBrgemm) {
+  if (!OnednnHasBf16Hardware()) GTEST_SKIP() << "oneDNN dispatches " << OnednnIsaName();
+  path_ = CpuGemmPath::kOnednnBf16;
+  for (int variant = 0; variant < 3; ++variant) {
+    RandomMapperSpec spec = variant == 0 ? RandomMapperSpec() : MlpSpec(variant == 2, 24);
+    spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+    spec.target_rope = MakeTestRope(RopeScalingType::kNone);
+    spec.weight_dtype = DType::kBF16;
+    const RandomMapper mapper = MakeRandomMapper(spec, 4);
+    auto backend = MakeBackend();
+    auto prepared = backend->Prepare(mapper.view);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    const OwnedCache source = MakeRandomCache(2, 2, 16, 70, DType::kBF16, Layout::kHND, 2);
+    OwnedCache target = MakeOutputCache(2, 2, 16, 70, DType::kBF16, Layout::kHND);
+    ASSERT_TRUE(backend->Translate(**prepared, source.view, Positions(), TranslateOptions(),
+                                   &target.mutable_view)
+                    .ok());
+  }
+  const std::vector<std::string> implementations = OnednnImplementations();
+  ASSERT_FALSE(implementations.empty());
+  for (const std::string& implementation : implementations) {
+    EXPECT_EQ(implementation.rfind("brg:", 0), 0u) << implementation;
+  }
+}
+
 void ExpectInvalid(const absl::Status& status, const std::string& text) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_THAT(std::string(status.message()), HasSubstr(text));

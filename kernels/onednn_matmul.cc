@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -49,6 +50,7 @@ struct Caches {
   // (m, k, n, lda, ldy, bias, relu, bf16_out)
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool>;
   std::map<Key, std::shared_ptr<const Entry>> primitives;
+  std::set<std::string> implementations;
 };
 
 Caches& GetCaches() {
@@ -235,6 +237,7 @@ absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedB
       std::lock_guard<std::mutex> lock(caches.mu);
       if (caches.primitives.size() >= kMaxPrimitives) caches.primitives.clear();
       caches.primitives.emplace(key, entry);
+      caches.implementations.insert(pd.impl_info_str());
     }
     std::vector<uint8_t>& scratchpad = ThreadScratchpad();
     if (scratchpad.size() < entry->scratchpad_bytes + 64) {
@@ -261,6 +264,12 @@ absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedB
     return FromDnnl(e, "bf16 matmul");
   }
   return absl::OkStatus();
+}
+
+std::vector<std::string> OnednnImplementations() {
+  Caches& caches = GetCaches();
+  std::lock_guard<std::mutex> lock(caches.mu);
+  return std::vector<std::string>(caches.implementations.begin(), caches.implementations.end());
 }
 
 int64_t OnednnCachedPrimitives() {

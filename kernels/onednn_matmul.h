@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -76,5 +77,8 @@ absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedB
 
 // Primitives created so far (tests and benchmarks: the cache stays bounded).
 int64_t OnednnCachedPrimitives();
+// The oneDNN implementations those primitives chose, e.g. {"brg:avx512_core_bf16"}: anything
+// but brg:* is a slow fallback worth a look (e.g. a strided dst in oneDNN 2.6).
+std::vector<std::string> OnednnImplementations();
 
 }  // namespace kvt
