@@ -673,30 +673,34 @@ TEST_F(CpuBackendTest, Bf16PrimitivesStayFew) {
   EXPECT_LE(OnednnCachedPrimitives() - before, 128 / 16);
 }
 
-// On bf16 hardware every matmul of ridge and both MLP granularities runs oneDNN's brgemm: a
-// layout that drops to its gemm or reference fallback (a strided dst did, 40x slower) fails.
+// On bf16 hardware the matmuls of real mapper shapes (ridge and both MLP granularities, 8 x 128
+// heads, k = 2, H = 1024 and 256) run oneDNN's brgemm at every piece size the backend uses: a
+// layout that drops them to its gemm or reference fallback (a strided dst did, 40x slower)
+// fails here.
 TEST_F(CpuBackendTest, Bf16MatmulsStayOnBrgemm) {
   if (!OnednnHasBf16Hardware()) GTEST_SKIP() << "oneDNN dispatches " << OnednnIsaName();
-  path_ = CpuGemmPath::kOnednnBf16;
-  for (int variant = 0; variant < 3; ++variant) {
-    RandomMapperSpec spec = variant == 0 ? RandomMapperSpec() : MlpSpec(variant == 2, 24);
-    spec.source_rope = MakeTestRope(RopeScalingType::kNone);
-    spec.target_rope = MakeTestRope(RopeScalingType::kNone);
-    spec.weight_dtype = DType::kBF16;
-    const RandomMapper mapper = MakeRandomMapper(spec, 4);
-    auto backend = MakeBackend();
-    auto prepared = backend->Prepare(mapper.view);
-    ASSERT_TRUE(prepared.ok()) << prepared.status();
-    const OwnedCache source = MakeRandomCache(2, 2, 16, 70, DType::kBF16, Layout::kHND, 2);
-    OwnedCache target = MakeOutputCache(2, 2, 16, 70, DType::kBF16, Layout::kHND);
-    ASSERT_TRUE(backend->Translate(**prepared, source.view, Positions(), TranslateOptions(),
-                                   &target.mutable_view)
-                    .ok());
-  }
-  const std::vector<std::string> implementations = OnednnImplementations();
-  ASSERT_FALSE(implementations.empty());
-  for (const std::string& implementation : implementations) {
-    EXPECT_EQ(implementation.rfind("brg:", 0), 0u) << implementation;
+  struct Shape {
+    int64_t k, n;
+    bool bias, relu, bf16_out;
+  };
+  const Shape shapes[] = {
+      {2048, 1024, true, false, false},  // ridge (b in the matmul)
+      {2048, 1024, true, true, true},    // MLP fc1, H = 1024
+      {1024, 1024, true, true, true},    // fc2
+      {1024, 1024, true, false, false},  // per_layer fc3
+      {1024, 128, true, false, false},   // per_head fc3 (dense d_t block)
+      {2048, 256, true, true, true},     // H = 256
+      {256, 256, true, true, true},
+      {256, 128, true, false, false},
+  };
+  for (const Shape& shape : shapes) {
+    for (int64_t m : {16, 48, 256, 512}) {
+      absl::StatusOr<std::string> implementation = Bf16MatmulImplementation(
+          m, shape.k, shape.n, shape.bias, shape.relu, shape.bf16_out);
+      ASSERT_TRUE(implementation.ok()) << implementation.status();
+      EXPECT_EQ(implementation->rfind("brg:", 0), 0u)
+          << *implementation << " for " << m << " x " << shape.k << " x " << shape.n;
+    }
   }
 }
 

@@ -199,6 +199,41 @@ absl::StatusOr<std::unique_ptr<PackedBf16Weights>> PackBf16Weights(DType dtype, 
   return packed;
 }
 
+namespace {
+
+// The matmul primitive descriptor Bf16Matmul uses for a shape (throws dnnl::error).
+dnnl::matmul::primitive_desc MatmulDesc(int64_t m, int64_t k, int64_t n, int64_t lda,
+                                        int64_t ldy, const memory::desc& weights, bool bias,
+                                        bool relu, bool bf16_out) {
+  const memory::desc src({m, k}, Dt::bf16, {lda, 1});
+  const memory::desc dst({m, n}, bf16_out ? Dt::bf16 : Dt::f32, {ldy, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (relu) {
+    dnnl::post_ops ops;
+    ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+    attr.set_post_ops(ops);
+  }
+  const dnnl::matmul::desc desc =
+      bias ? dnnl::matmul::desc(src, weights, memory::desc({1, n}, Dt::f32, Tag::ab), dst)
+           : dnnl::matmul::desc(src, weights, dst);
+  return dnnl::matmul::primitive_desc(desc, attr, Engine());
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> Bf16MatmulImplementation(int64_t m, int64_t k, int64_t n, bool bias,
+                                                     bool relu, bool bf16_out) {
+  absl::StatusOr<memory::desc> weights = WeightsDesc(k, n);
+  if (!weights.ok()) return weights.status();
+  try {
+    ScopedOmpThreads one(1);
+    return std::string(MatmulDesc(m, k, n, k, n, *weights, bias, relu, bf16_out).impl_info_str());
+  } catch (const dnnl::error& e) {
+    return FromDnnl(e, "bf16 matmul");
+  }
+}
+
 absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedBf16Weights& w,
                         const float* bias, bool relu, bool bf16_out, void* y, int64_t ldy) {
   const int64_t k = w.k(), n = w.n();
@@ -214,20 +249,8 @@ absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedB
     if (entry == nullptr) {
       absl::StatusOr<memory::desc> weights = WeightsDesc(k, n);
       if (!weights.ok()) return weights.status();
-      const memory::desc src({m, k}, Dt::bf16, {lda, 1});
-      const memory::desc dst({m, n}, bf16_out ? Dt::bf16 : Dt::f32, {ldy, 1});
-      dnnl::primitive_attr attr;
-      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-      if (relu) {
-        dnnl::post_ops ops;
-        ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
-        attr.set_post_ops(ops);
-      }
-      const dnnl::matmul::desc desc =
-          bias != nullptr
-              ? dnnl::matmul::desc(src, *weights, memory::desc({1, n}, Dt::f32, Tag::ab), dst)
-              : dnnl::matmul::desc(src, *weights, dst);
-      const dnnl::matmul::primitive_desc pd(desc, attr, Engine());
+      const dnnl::matmul::primitive_desc pd =
+          MatmulDesc(m, k, n, lda, ldy, *weights, bias != nullptr, relu, bf16_out);
       auto created = std::make_shared<Caches::Entry>();
       created->primitive = dnnl::matmul(pd);
       created->weights = *weights;

@@ -75,6 +75,11 @@ absl::StatusOr<uint64_t> PackedBf16WeightBytes(int64_t k, int64_t n);
 absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedBf16Weights& w,
                         const float* bias, bool relu, bool bf16_out, void* y, int64_t ldy);
 
+// The oneDNN implementation Bf16Matmul runs for a dense m x k times k x n (e.g.
+// "brg:avx512_core_amx", "brg:avx512_core_bf16"; "gemm:jit" or "ref:any" are slow fallbacks).
+absl::StatusOr<std::string> Bf16MatmulImplementation(int64_t m, int64_t k, int64_t n, bool bias,
+                                                     bool relu, bool bf16_out);
+
 // Primitives created so far (tests and benchmarks: the cache stays bounded).
 int64_t OnednnCachedPrimitives();
 // The oneDNN implementations those primitives chose, e.g. {"brg:avx512_core_bf16"}: anything
