@@ -69,6 +69,8 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;    // "cpu", "cuda"
   virtual std::string device() const = 0;  // "cpu", "cuda:0"
+  // One line for the startup log: the engine and how it computes (e.g. the CPU's GEMM path).
+  virtual std::string description() const { return name(); }
 
   virtual absl::StatusOr<std::shared_ptr<PreparedMapper>> Prepare(const MapperView& mapper) = 0;
 

@@ -3,12 +3,15 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype.h"
+#include "kernels/onednn_matmul.h"
 #include "kernels/rope.h"
 
 namespace kvt {
@@ -16,6 +19,9 @@ namespace {
 
 // Tokens per piece below which another thread costs more than it saves.
 constexpr int64_t kMinTokensPerThread = 16;
+// oneDNN path: GEMM rows are rounded up to this (padding rows zero), which bounds the distinct
+// shapes, hence primitives, to chunk / 16 per weight shape.
+constexpr int64_t kRowQuantum = 16;
 
 // One MLP chain in fp32, stacked per head as in MlpView.
 struct Fp32Mlp {
@@ -33,6 +39,22 @@ struct Fp32Layer {
   const float* w_v = nullptr;
   const float* b_v = nullptr;
   Fp32Mlp mlp_k, mlp_v;  // MLP mappers only
+};
+
+// The oneDNN path's weights: each matrix (per head for per_head MLPs) packed in bf16, biases in
+// fp32, all added by the matmuls (c1 / c2 with the ReLU fused; b or c3 as the last matmul's
+// bias; the shared epilogue then only rotates and converts).
+struct Bf16Mlp {
+  int64_t heads = 1;
+  int64_t hidden = 0;
+  std::vector<const PackedBf16Weights*> a1, a2, a3;  // one per head
+  const float *c1 = nullptr, *c2 = nullptr;
+};
+
+struct Bf16Layer {
+  const PackedBf16Weights* w_k = nullptr;
+  const PackedBf16Weights* w_v = nullptr;
+  Bf16Mlp mlp_k, mlp_v;
 };
 
 // h = relu(h + c) over a rows x cols block (leading dimension ld), in the one pass over the GEMM
@@ -72,28 +94,34 @@ void MlpForward(const Fp32Mlp& mlp, const float* x, int64_t rows, int64_t inputs
 
 // A float buffer that only grows and is never zero-filled: every element is written before
 // it is read.
+template <typename T = float>
 class Scratch {
  public:
-  float* Get(int64_t count) {
+  T* Get(int64_t count) {
     if (count > size_) {
-      data_.reset(new float[count]);
+      data_.reset(new T[count]);
       size_ = count;
     }
     return data_.get();
   }
 
  private:
-  std::unique_ptr<float[]> data_;
+  std::unique_ptr<T[]> data_;
   int64_t size_ = 0;
 };
 
 // One thread's working memory for a piece of tokens.
 struct Workspace {
-  Scratch x;                     // gathered, stripped inputs: rows x (|sigma| n_s d_s)
-  Scratch y;                     // GEMM output: rows x (n_t d_t)
-  Scratch h1, h2;                // MLP hidden activations: rows x H each
-  Scratch strip_cos, strip_sin;  // source RoPE per row
-  Scratch apply_cos, apply_sin;  // target RoPE per row
+  Scratch<> x;                     // gathered, stripped inputs: rows x (|sigma| n_s d_s)
+  Scratch<> y;                     // GEMM output: rows x (n_t d_t)
+  Scratch<> h1, h2;                // MLP hidden activations: rows x H each
+  Scratch<> strip_cos, strip_sin;  // source RoPE per row
+  Scratch<> apply_cos, apply_sin;  // target RoPE per row
+  // oneDNN path: the same inputs and hidden activations in bf16, and one source block in fp32
+  // while its RoPE is stripped.
+  Scratch<uint16_t> x16, h1_16, h2_16;
+  Scratch<> block;
+  Scratch<> y_head;  // one per_head chain's output: rows x d_t
 };
 
 class CpuPreparedMapper : public PreparedMapper {
@@ -104,12 +132,79 @@ class CpuPreparedMapper : public PreparedMapper {
   MapperView view_;
   Rope source_rope_;
   Rope target_rope_;
-  std::vector<Fp32Layer> layers_;
+  std::vector<Fp32Layer> layers_;  // sgemm: everything; oneDNN: biases only
   std::vector<std::unique_ptr<float[]>> owned_;
+  bool onednn_ = false;
+  std::vector<Bf16Layer> bf16_layers_;  // oneDNN path
+  std::vector<std::unique_ptr<PackedBf16Weights>> packed_;
   uint64_t bytes_ = 0;
 };
 
+bool IsFp32(const WeightView& w) { return w.data == nullptr || w.dtype == DType::kFP32; }
+
+// The weight matrices (not the biases) of a mapper: each call is (view, heads stacked along
+// rows). A bf16 / fp16 one sends the mapper to the oneDNN path.
+template <typename Fn>
+void ForEachMatrix(const MapperView& mapper, Fn&& fn) {
+  for (const LayerMapView& layer : mapper.layers) {
+    if (mapper.kind == MapKind::kMlp) {
+      for (const MlpView* mlp : {&layer.mlp_k, &layer.mlp_v}) {
+        fn(mlp->a1, mlp->heads);
+        fn(mlp->a2, mlp->heads);
+        fn(mlp->a3, mlp->heads);
+      }
+    } else {
+      fn(layer.w_k, 1);
+      fn(layer.w_v, 1);
+    }
+  }
+}
+
+template <typename Fn>
+void ForEachBias(const MapperView& mapper, Fn&& fn) {
+  for (const LayerMapView& layer : mapper.layers) {
+    if (mapper.kind == MapKind::kMlp) {
+      for (const MlpView* mlp : {&layer.mlp_k, &layer.mlp_v}) {
+        fn(mlp->c1);
+        fn(mlp->c2);
+        fn(mlp->c3);
+      }
+    } else {
+      fn(layer.b_k);
+      fn(layer.b_v);
+    }
+  }
+}
+
+int64_t RoundUp(int64_t value, int64_t quantum) { return (value + quantum - 1) / quantum * quantum; }
+
 }  // namespace
+
+const char* CpuGemmPathName(CpuGemmPath path) {
+  switch (path) {
+    case CpuGemmPath::kAuto:
+      return "auto";
+    case CpuGemmPath::kOnednnBf16:
+      return "onednn_bf16";
+    case CpuGemmPath::kSgemm:
+      return "sgemm";
+  }
+  return "?";
+}
+
+absl::StatusOr<CpuGemmPath> ParseCpuGemmPath(absl::string_view name) {
+  if (name == "auto") return CpuGemmPath::kAuto;
+  if (name == "bf16" || name == "onednn_bf16") return CpuGemmPath::kOnednnBf16;
+  if (name == "fp32" || name == "sgemm") return CpuGemmPath::kSgemm;
+  return absl::InvalidArgumentError(
+      absl::StrCat("cpu gemm path '", name, "' is not one of auto, bf16, fp32"));
+}
+
+CpuGemmPath PreparedGemmPath(const PreparedMapper& prepared) {
+  const auto* cpu = dynamic_cast<const CpuPreparedMapper*>(&prepared);
+  if (cpu == nullptr) return CpuGemmPath::kAuto;
+  return cpu->onednn_ ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm;
+}
 
 CpuBackend::CpuBackend(const CpuBackendOptions& options)
     : options_(options), pool_(std::make_unique<ThreadPool>(options.num_threads)) {
@@ -117,6 +212,68 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options)
   // Parallelism comes from the pool running independent token pieces, each calling sgemm;
   // OpenBLAS threads on top would oversubscribe the cores and spin between calls.
   openblas_set_num_threads(1);
+  const std::string isa = OnednnIsaName();
+  switch (options_.gemm_path) {
+    case CpuGemmPath::kAuto:
+      if (OnednnHasBf16Hardware()) {
+        gemm_path_ = CpuGemmPath::kOnednnBf16;
+        gemm_reason_ = absl::StrCat("auto: oneDNN dispatches ", isa, " (bf16 hardware)");
+      } else {
+        gemm_path_ = CpuGemmPath::kSgemm;
+        gemm_reason_ = absl::StrCat("auto: oneDNN dispatches ", isa,
+                                    ", no AVX-512 BF16 or AMX, so sgemm is faster");
+      }
+      break;
+    case CpuGemmPath::kOnednnBf16:
+      if (!OnednnBf16MatmulAvailable()) {
+        // Forced, but oneDNN has no bf16 matmul below AVX-512: the only correct engine left.
+        gemm_path_ = CpuGemmPath::kSgemm;
+        gemm_reason_ = absl::StrCat("onednn_bf16 forced but oneDNN (", isa,
+                                    ") has no bf16 matmul on this CPU");
+        break;
+      }
+      gemm_path_ = CpuGemmPath::kOnednnBf16;
+      gemm_reason_ = absl::StrCat("forced; oneDNN dispatches ", isa,
+                                  OnednnHasBf16Hardware() ? "" : " (no bf16 hardware: emulated)");
+      break;
+    case CpuGemmPath::kSgemm:
+      gemm_path_ = CpuGemmPath::kSgemm;
+      gemm_reason_ = "forced";
+      break;
+  }
+}
+
+std::string CpuBackend::description() const {
+  if (gemm_path_ == CpuGemmPath::kOnednnBf16) {
+    return absl::StrCat("cpu, ", pool_->num_threads(), " threads: bf16/fp16 mappers on oneDNN ",
+                        OnednnVersion(), " bf16 matmul (", gemm_reason_,
+                        "), fp32 mappers on OpenBLAS sgemm");
+  }
+  return absl::StrCat("cpu, ", pool_->num_threads(),
+                      " threads: every mapper on OpenBLAS sgemm (fp32 weights; ", gemm_reason_,
+                      ")");
+}
+
+bool CpuBackend::UsesOnednn(const MapperView& mapper) const {
+  if (gemm_path_ != CpuGemmPath::kOnednnBf16) return false;
+  bool low_precision = false;
+  ForEachMatrix(mapper, [&](const WeightView& w, int) { low_precision |= !IsFp32(w); });
+  return low_precision;
+}
+
+uint64_t CpuBackend::PreparedBytesEstimate(const MapperView& mapper) const {
+  if (!UsesOnednn(mapper)) return Backend::PreparedBytesEstimate(mapper);
+  uint64_t bytes = 0;
+  ForEachMatrix(mapper, [&](const WeightView& w, int heads) {
+    if (w.data == nullptr || heads <= 0 || w.rows % heads != 0) return;
+    absl::StatusOr<uint64_t> packed = PackedBf16WeightBytes(w.rows / heads, w.cols);
+    // A shape oneDNN refuses fails Prepare; size the reservation as plain bf16 meanwhile.
+    bytes += heads * (packed.ok() ? *packed : static_cast<uint64_t>(w.rows / heads * w.cols * 2));
+  });
+  ForEachBias(mapper, [&](const WeightView& b) {
+    if (!IsFp32(b)) bytes += static_cast<uint64_t>(b.rows * b.cols) * sizeof(float);
+  });
+  return bytes;
 }
 
 absl::StatusOr<std::shared_ptr<PreparedMapper>> CpuBackend::Prepare(const MapperView& mapper) {
@@ -161,6 +318,76 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CpuBackend::Prepare(const Mapper
     out->a3 = to_fp32(mlp.a3);
     *c3 = to_fp32(mlp.c3);
   };
+  if (UsesOnednn(mapper)) {
+    prepared->onednn_ = true;
+    // Each matrix (each head's block of a per_head chain) is packed into oneDNN's bf16 layout
+    // by a job; the jobs run on the pool once every slot they fill has its final address.
+    struct PackJob {
+      const WeightView* w;
+      int64_t heads, head;
+      const PackedBf16Weights** slot;
+      std::unique_ptr<PackedBf16Weights> packed;
+      absl::Status status;
+    };
+    std::vector<PackJob> jobs;
+    const auto pack = [&](const WeightView& w, int64_t heads, int64_t head,
+                          const PackedBf16Weights** slot) {
+      jobs.push_back(PackJob{&w, heads, head, slot, nullptr, absl::OkStatus()});
+    };
+    const auto pack_mlp = [&](const MlpView& mlp, Bf16Mlp* out, Fp32Mlp* biases,
+                              const float** c3) {
+      out->heads = biases->heads = mlp.heads;
+      out->hidden = biases->hidden = mlp.hidden;
+      for (auto [w, list] : {std::pair{&mlp.a1, &out->a1}, std::pair{&mlp.a2, &out->a2},
+                             std::pair{&mlp.a3, &out->a3}}) {
+        list->resize(mlp.heads);
+        for (int64_t h = 0; h < mlp.heads; ++h) pack(*w, mlp.heads, h, &(*list)[h]);
+      }
+      out->c1 = biases->c1 = to_fp32(mlp.c1);
+      out->c2 = biases->c2 = to_fp32(mlp.c2);
+      *c3 = to_fp32(mlp.c3);
+    };
+    prepared->bf16_layers_.reserve(mapper.layers.size());  // slots keep their addresses
+    for (const LayerMapView& layer : mapper.layers) {
+      Fp32Layer biases;
+      Bf16Layer& bf16 = prepared->bf16_layers_.emplace_back();
+      if (mapper.kind == MapKind::kMlp) {
+        pack_mlp(layer.mlp_k, &bf16.mlp_k, &biases.mlp_k, &biases.b_k);
+        pack_mlp(layer.mlp_v, &bf16.mlp_v, &biases.mlp_v, &biases.b_v);
+      } else {
+        pack(layer.w_k, 1, 0, &bf16.w_k);
+        pack(layer.w_v, 1, 0, &bf16.w_v);
+        biases.b_k = to_fp32(layer.b_k);
+        biases.b_v = to_fp32(layer.b_v);
+      }
+      prepared->layers_.push_back(biases);
+    }
+    // One OpenMP thread per job, as in TranslateLayer: no OpenMP team spins after Prepare.
+    pool_->ParallelFor(static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+      ScopedOmpThreads one(1);
+      for (int64_t j = begin; j < end; ++j) {
+        PackJob& job = jobs[j];
+        const WeightView& w = *job.w;
+        const int64_t rows = w.rows / job.heads;
+        const char* src =
+            static_cast<const char*>(w.data) + job.head * rows * w.cols * DTypeSize(w.dtype);
+        absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
+            PackBf16Weights(w.dtype, src, rows, w.cols);
+        if (packed.ok()) {
+          job.packed = *std::move(packed);
+        } else {
+          job.status = packed.status();
+        }
+      }
+    });
+    for (PackJob& job : jobs) {
+      if (!job.status.ok()) return job.status;
+      prepared->bytes_ += job.packed->bytes();
+      *job.slot = job.packed.get();
+      prepared->packed_.push_back(std::move(job.packed));
+    }
+    return std::shared_ptr<PreparedMapper>(std::move(prepared));
+  }
   for (const LayerMapView& layer : mapper.layers) {
     Fp32Layer fp32;
     if (mapper.kind == MapKind::kMlp) {
@@ -195,6 +422,8 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
 
   const LayerMapView& layer = view.layers[target_layer];
   const Fp32Layer& weights = prepared->layers_[target_layer];
+  const bool onednn = prepared->onednn_;
+  const Bf16Layer* packed = onednn ? &prepared->bf16_layers_[target_layer] : nullptr;
   const int64_t ns = source.num_kv_heads, ds = source.head_dim;
   const int64_t nt = target->num_kv_heads, dt = target->head_dim;
   const int64_t source_width = ns * ds;
@@ -211,29 +440,40 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
     const Fp32Mlp* mlp;  // MLP mappers: the chain instead of w
     const float* b;      // ridge b or MLP c3, added in the epilogue
     bool rope;  // keys only: values carry no position
+    const PackedBf16Weights* w16;  // oneDNN path, ridge
+    const Bf16Mlp* mlp16;          // oneDNN path, MLP
   };
   const bool is_mlp = view.kind == MapKind::kMlp;
   const Kind kinds[2] = {
       {&layer.sigma_k, &source.k, target->k[target_layer], weights.w_k,
-       is_mlp ? &weights.mlp_k : nullptr, weights.b_k, true},
+       is_mlp ? &weights.mlp_k : nullptr, weights.b_k, true, packed ? packed->w_k : nullptr,
+       packed && is_mlp ? &packed->mlp_k : nullptr},
       {&layer.sigma_v, &source.v, target->v[target_layer], weights.w_v,
-       is_mlp ? &weights.mlp_v : nullptr, weights.b_v, false},
+       is_mlp ? &weights.mlp_v : nullptr, weights.b_v, false, packed ? packed->w_v : nullptr,
+       packed && is_mlp ? &packed->mlp_v : nullptr},
   };
   const int64_t max_inputs =
       static_cast<int64_t>(std::max(layer.sigma_k.size(), layer.sigma_v.size())) * source_width;
   const int64_t max_hidden = is_mlp ? std::max(weights.mlp_k.hidden, weights.mlp_v.hidden) : 0;
 
-  // Tokens [t0, t0 + rows) through gather -> sgemm -> epilogue, for K then V, on one thread
+  // Tokens [t0, t0 + rows) through gather -> GEMM -> epilogue, for K then V, on one thread
   // with its own workspace.
-  const auto run_piece = [&](int64_t t0, int64_t rows, Workspace* ws) {
+  const auto run_piece = [&](int64_t t0, int64_t rows, Workspace* ws) -> absl::Status {
     const Rope& strip = prepared->source_rope_;
     const Rope& apply = prepared->target_rope_;
     const int strip_half = strip.rotary_dim() / 2;
     const int apply_half = apply.rotary_dim() / 2;
-    float* x = ws->x.Get(rows * max_inputs);
-    float* y = ws->y.Get(rows * target_width);
-    float* h1 = is_mlp ? ws->h1.Get(rows * max_hidden) : nullptr;
-    float* h2 = is_mlp ? ws->h2.Get(rows * max_hidden) : nullptr;
+    // oneDNN path: GEMM rows rounded up, the padding rows of x zero (their outputs unused).
+    const int64_t gemm_rows = onednn ? RoundUp(rows, kRowQuantum) : rows;
+    float* x = onednn ? nullptr : ws->x.Get(rows * max_inputs);
+    uint16_t* x16 = onednn ? ws->x16.Get(gemm_rows * max_inputs) : nullptr;
+    float* block = onednn ? ws->block.Get(source_width) : nullptr;
+    float* y = ws->y.Get(gemm_rows * target_width);
+    float* h1 = is_mlp && !onednn ? ws->h1.Get(rows * max_hidden) : nullptr;
+    float* h2 = is_mlp && !onednn ? ws->h2.Get(rows * max_hidden) : nullptr;
+    uint16_t* h1_16 = is_mlp && onednn ? ws->h1_16.Get(gemm_rows * max_hidden) : nullptr;
+    uint16_t* h2_16 = is_mlp && onednn ? ws->h2_16.Get(gemm_rows * max_hidden) : nullptr;
+    float* y_head = is_mlp && onednn ? ws->y_head.Get(gemm_rows * dt) : nullptr;
     float* strip_cos = ws->strip_cos.Get(rows * strip_half);
     float* strip_sin = ws->strip_sin.Get(rows * strip_half);
     float* apply_cos = ws->apply_cos.Get(rows * apply_half);
@@ -246,12 +486,24 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
       const int64_t inputs = static_cast<int64_t>(kind.sigma->size()) * source_width;
 
       // Gather: row i = token t0 + i, columns [sigma block][head][dim], source RoPE stripped.
+      // oneDNN path: the same in fp32 one block at a time, then rounded to bf16 (a bf16 value
+      // block without RoPE is copied as is).
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = t0 + i;
-        float* row = x + i * inputs;
-        for (size_t block = 0; block < kind.sigma->size(); ++block) {
-          const char* base = static_cast<const char*>((*kind.source)[(*kind.sigma)[block]]);
-          float* out = row + block * source_width;
+        for (size_t b = 0; b < kind.sigma->size(); ++b) {
+          const char* base = static_cast<const char*>((*kind.source)[(*kind.sigma)[b]]);
+          if (onednn && !kind.rope && source.dtype == DType::kBF16) {
+            uint16_t* out16 = x16 + i * inputs + b * source_width;
+            if (source.layout == Layout::kNHD) {
+              std::memcpy(out16, base + t * source_width * 2, source_width * 2);
+            } else {
+              for (int64_t h = 0; h < ns; ++h) {
+                std::memcpy(out16 + h * ds, base + (h * num_tokens + t) * ds * 2, ds * 2);
+              }
+            }
+            continue;
+          }
+          float* out = onednn ? block : x + i * inputs + b * source_width;
           if (source.layout == Layout::kNHD) {
             ToFloat(source.dtype, base + t * source_width * source_element, out, source_width);
           } else {
@@ -266,23 +518,70 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
                               out + h * ds);
             }
           }
+          if (onednn) {
+            FromFloat(DType::kBF16, out, x16 + i * inputs + b * source_width, source_width);
+          }
         }
       }
 
-      // The map in content space: one sgemm for ridge, the GEMM chain for an MLP. Everything
+      // The map in content space: one GEMM for ridge, the GEMM chain for an MLP. Everything
       // around it (gather, RoPE strip, bias, target RoPE, conversion) is shared.
-      if (kind.mlp != nullptr) {
+      if (onednn) {
+        if (gemm_rows > rows) {
+          std::memset(x16 + rows * inputs, 0, (gemm_rows - rows) * inputs * sizeof(uint16_t));
+        }
+        if (kind.mlp16 != nullptr) {
+          // relu(relu(x A1 + c1) A2 + c2) A3 per head: bias + ReLU fused into the hidden
+          // matmuls, whose outputs are bf16 (the next matmul's input).
+          const Bf16Mlp& mlp = *kind.mlp16;
+          const int64_t hidden = mlp.hidden;
+          const int64_t out = target_width / mlp.heads;
+          for (int64_t h = 0; h < mlp.heads; ++h) {
+            if (absl::Status s = Bf16Matmul(gemm_rows, x16, inputs, *mlp.a1[h],
+                                            mlp.c1 + h * hidden, true, true, h1_16, hidden);
+                !s.ok()) {
+              return s;
+            }
+            if (absl::Status s = Bf16Matmul(gemm_rows, h1_16, hidden, *mlp.a2[h],
+                                            mlp.c2 + h * hidden, true, true, h2_16, hidden);
+                !s.ok()) {
+              return s;
+            }
+            // oneDNN 2.6's brgemm matmul wants a dense dst (a strided one falls to a far
+            // slower gemm): per_head chains write their d_t columns through y_head.
+            const bool dense = mlp.heads == 1;
+            float* dst = dense ? y : y_head;
+            if (absl::Status s = Bf16Matmul(gemm_rows, h2_16, hidden, *mlp.a3[h],
+                                            kind.b ? kind.b + h * out : nullptr, false, false,
+                                            dst, out);
+                !s.ok()) {
+              return s;
+            }
+            if (!dense) {
+              for (int64_t i = 0; i < rows; ++i) {
+                std::memcpy(y + i * target_width + h * out, y_head + i * out,
+                            out * sizeof(float));
+              }
+            }
+          }
+        } else if (absl::Status s = Bf16Matmul(gemm_rows, x16, inputs, *kind.w16, kind.b,
+                                               false, false, y, target_width);
+                   !s.ok()) {
+          return s;
+        }
+      } else if (kind.mlp != nullptr) {
         MlpForward(*kind.mlp, x, rows, inputs, target_width, h1, h2, y);
       } else {
         Sgemm(rows, target_width, inputs, x, inputs, kind.w, target_width, y, target_width);
       }
 
-      // Epilogue: bias, target RoPE, conversion, scatter into the target layout.
+      // Epilogue: bias (the oneDNN path adds it in the matmul), target RoPE, conversion,
+      // scatter into the target layout.
       char* base = static_cast<char*>(kind.target);
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = t0 + i;
         float* row = y + i * target_width;
-        if (kind.b) {
+        if (kind.b && !onednn) {
           for (int64_t c = 0; c < target_width; ++c) row[c] += kind.b[c];
         }
         if (kind.rope) {
@@ -300,36 +599,64 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
         }
       }
     }
+    return absl::OkStatus();
   };
 
   const int64_t min_pieces = (num_tokens + chunk - 1) / chunk;
-  if (openblas_get_num_threads() > 1) {
+  if (!onednn && openblas_get_num_threads() > 1) {
     // Someone in this process re-enabled OpenBLAS threading after the constructor: running
     // pieces on the pool too would oversubscribe the cores, so let BLAS own the parallelism.
     Workspace ws;
     for (int64_t piece = 0; piece < min_pieces; ++piece) {
       const int64_t t0 = num_tokens * piece / min_pieces;
-      run_piece(t0, num_tokens * (piece + 1) / min_pieces - t0, &ws);
+      if (absl::Status s = run_piece(t0, num_tokens * (piece + 1) / min_pieces - t0, &ws);
+          !s.ok()) {
+        return s;
+      }
     }
     return absl::OkStatus();
   }
-  // Token-parallel: each thread runs whole pieces (its own gather, single-threaded sgemm and
+  // Token-parallel: each thread runs whole pieces (its own gather, single-threaded GEMM and
   // epilogue), so no phase waits on another and no BLAS thread spins while the gather runs.
   // Measured on 2 cores (docs/BENCHMARKS.md): 0.66-0.78 of the sgemm rate with OpenBLAS
   // threads and a pooled gather/epilogue, 0.90-0.95 this way. Pieces are a multiple of the
   // thread count where the tokens allow, and never longer than `chunk`.
   const int threads = pool_->num_threads();
-  const int64_t pieces = std::max(
+  int64_t pieces = std::max(
       min_pieces, std::min<int64_t>((min_pieces + threads - 1) / threads * threads,
                                     num_tokens / kMinTokensPerThread));
+  // oneDNN path: equal pieces of a multiple of 16 rows (the last one shorter), so the matmul
+  // shapes (and cached primitives) stay few.
+  int64_t piece_rows = 0;
+  if (onednn) {
+    piece_rows = std::min(RoundUp((num_tokens + pieces - 1) / pieces, kRowQuantum),
+                          RoundUp(chunk, kRowQuantum));
+    pieces = (num_tokens + piece_rows - 1) / piece_rows;
+  }
+  std::mutex error_mu;
+  absl::Status error;
   pool_->ParallelFor(pieces, 1, [&](int64_t begin, int64_t end) {
+    // oneDNN runs single-threaded inside each piece (see onednn_matmul.h).
+    std::unique_ptr<ScopedOmpThreads> one_omp_thread;
+    if (onednn) one_omp_thread = std::make_unique<ScopedOmpThreads>(1);
     Workspace ws;
     for (int64_t piece = begin; piece < end; ++piece) {
-      const int64_t t0 = num_tokens * piece / pieces;
-      run_piece(t0, num_tokens * (piece + 1) / pieces - t0, &ws);
+      int64_t t0, rows;
+      if (onednn) {
+        t0 = piece * piece_rows;
+        rows = std::min(piece_rows, num_tokens - t0);
+      } else {
+        t0 = num_tokens * piece / pieces;
+        rows = num_tokens * (piece + 1) / pieces - t0;
+      }
+      if (absl::Status s = run_piece(t0, rows, &ws); !s.ok()) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (error.ok()) error = s;
+        return;
+      }
     }
   });
-  return absl::OkStatus();
+  return error;
 }
 
 std::unique_ptr<Backend> NewCpuBackend(const CpuBackendOptions& options) {

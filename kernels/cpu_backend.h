@@ -1,6 +1,8 @@
 // The CPU translation engine: per token chunk, gather the source layers of sigma with source RoPE
-// stripped, one OpenBLAS sgemm per kind (ridge) or the MLP's sgemm chain with fused bias + ReLU,
-// then bias + target RoPE + dtype/layout conversion.
+// stripped, one GEMM per kind (ridge) or the MLP's GEMM chain with fused bias + ReLU, then
+// bias + target RoPE + dtype/layout conversion. The GEMMs are OpenBLAS sgemm on fp32 weights, or
+// for bf16 / fp16 mappers on CPUs with bf16 matrix hardware oneDNN's bf16 matmul (issue 20):
+// weights packed once in bf16, the gathered keys and values rounded to bf16, fp32 accumulation.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/backend.h"
 #include "kernels/thread_pool.h"
 
@@ -19,6 +22,21 @@ namespace kvt {
 // calls openblas_set_num_threads(1), which is process-wide: other BLAS users in the same process
 // that want OpenBLAS threads must set them for themselves. If they do, TranslateLayer notices
 // (openblas_get_num_threads() > 1) and runs its pieces serially, letting BLAS thread the GEMMs.
+// The GEMM engine of mappers whose weight matrices are bf16 or fp16 (fp32 mappers always run
+// OpenBLAS sgemm on their weights in place):
+//   kAuto: oneDNN bf16 when oneDNN dispatches to bf16 hardware (AMX, AVX-512 BF16), else sgemm.
+//   kOnednnBf16: oneDNN bf16 on any CPU (correct everywhere; without bf16 hardware oneDNN
+//     converts in software and is slower than sgemm).
+//   kSgemm: fp32 copies of the weights and OpenBLAS sgemm, as before issue 20.
+// fp16 weights take the bf16 path too, rounded to bf16 when packed (oneDNN 2.6 has no fp16
+// matmul on these CPUs; the rounding is within SPEC 3's bf16 tolerance).
+enum class CpuGemmPath { kAuto, kOnednnBf16, kSgemm };
+
+// "auto", "onednn_bf16", "sgemm".
+const char* CpuGemmPathName(CpuGemmPath path);
+// "auto"; "bf16" / "onednn_bf16"; "fp32" / "sgemm" (the config spellings and the enum names).
+absl::StatusOr<CpuGemmPath> ParseCpuGemmPath(absl::string_view name);
+
 struct CpuBackendOptions {
   // Threads of the pool (the calling thread included). 0: every core.
   int num_threads = 0;
@@ -26,6 +44,7 @@ struct CpuBackendOptions {
   // token_chunk * (k n_s d_s + n_t d_t) floats, plus token_chunk * 2 H for an MLP mapper's
   // hidden activations (H = mlp.hidden).
   int64_t token_chunk = 512;
+  CpuGemmPath gemm_path = CpuGemmPath::kAuto;
 };
 
 class CpuBackend : public Backend {
@@ -34,19 +53,40 @@ class CpuBackend : public Backend {
 
   std::string name() const override { return "cpu"; }
   std::string device() const override { return "cpu"; }
+  // E.g. "cpu: bf16/fp16 mappers on oneDNN 2.6.3 bf16 matmul (ISA avx512_core_bf16; auto: ...),
+  // fp32 mappers on OpenBLAS sgemm".
+  std::string description() const override;
 
-  // Converts every weight to fp32 once (fp32 weights are used in place, not copied) and checks
-  // their shapes against the sigma lists and both models.
+  // The path bf16 / fp16 mappers take here, resolved at construction: kOnednnBf16 or kSgemm.
+  CpuGemmPath gemm_path() const { return gemm_path_; }
+  // Why (e.g. "auto: oneDNN dispatches avx512_core_bf16").
+  const std::string& gemm_reason() const { return gemm_reason_; }
+
+  // Checks the weights' shapes against the sigma lists and both models, then on the sgemm path
+  // converts every weight to fp32 once (fp32 weights are used in place, not copied), on the
+  // oneDNN path packs each weight matrix into bf16 blocks and each bias into fp32.
   absl::StatusOr<std::shared_ptr<PreparedMapper>> Prepare(const MapperView& mapper) override;
+
+  // Exactly the bytes Prepare will hold: fp32 copies, or packed bf16 matrices + fp32 biases.
+  uint64_t PreparedBytesEstimate(const MapperView& mapper) const override;
 
   absl::Status TranslateLayer(const PreparedMapper& mapper, int target_layer,
                               const CacheView& source, const Positions& positions,
                               const TranslateOptions& options, MutableCacheView* target) override;
 
  private:
+  // Whether `mapper` runs on oneDNN bf16 here: bf16 / fp16 weight matrices and that path.
+  bool UsesOnednn(const MapperView& mapper) const;
+
   CpuBackendOptions options_;
   std::unique_ptr<ThreadPool> pool_;
+  CpuGemmPath gemm_path_ = CpuGemmPath::kSgemm;
+  std::string gemm_reason_;
 };
+
+// The GEMM path a mapper prepared by a CpuBackend runs on: kOnednnBf16 or kSgemm (kAuto for a
+// mapper some other backend prepared).
+CpuGemmPath PreparedGemmPath(const PreparedMapper& prepared);
 
 std::unique_ptr<Backend> NewCpuBackend(const CpuBackendOptions& options = CpuBackendOptions());
 

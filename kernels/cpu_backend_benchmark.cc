@@ -1,7 +1,15 @@
-// CPU translate time against a plain cblas_sgemm of the same FLOPs, measured in the same run.
+// CPU translate time against bare GEMMs of the same FLOPs, measured in the same run.
 //
 //   bazel build -c opt //kernels:cpu_backend_benchmark
 //   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark --benchmark_repetitions=3
+//
+// Each shape runs four benchmarks back to back: BM_Translate (the backend as it starts here:
+// oneDNN bf16 on CPUs with AVX-512 BF16 / AMX, else sgemm; --kvt_gemm_path=auto|bf16|fp32
+// forces one), BM_Bf16MatmulSameFlops (its ceiling: bare oneDNN bf16 matmuls of the same
+// shapes, prepacked weights, every core), BM_Bf16MatmulPerCore (the same matmuls split by rows
+// over the cores as the backend splits tokens: its GEMM-only floor), BM_TranslateSgemmPath (the backend forced onto
+// today's sgemm path) and BM_SgemmSameFlops (that path's ceiling). The program prints the ISA
+// oneDNN dispatched first, and a table of the ratios at the end.
 //
 // Shapes are a scaled-down Qwen3 pair (8 KV heads x 128 dims on both sides, bf16 caches and
 // weights, sigma = every source layer) with fewer target layers so 2 cores finish in minutes.
@@ -31,6 +39,9 @@
 #include "benchmark/benchmark.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
+#include "kernels/onednn_matmul.h"
+#include "kernels/thread_pool.h"
+#include "oneapi/dnnl/dnnl.hpp"
 
 namespace kvt {
 namespace {
@@ -38,6 +49,9 @@ namespace {
 constexpr int kHeads = 8;
 constexpr int kHeadDim = 128;
 constexpr int64_t kWidth = kHeads * kHeadDim;
+
+// --kvt_gemm_path: the path BM_Translate and BM_TranslateMlp run (default auto).
+CpuGemmPath g_gemm_path = CpuGemmPath::kAuto;
 
 // Fills with small pseudo-random values; quality is irrelevant, speed matters at 10^8 elements.
 void Fill(DType dtype, void* data, int64_t count, uint64_t seed) {
@@ -142,8 +156,11 @@ std::unique_ptr<Fixture> MakeFixture(int64_t tokens, int k, int target_layers, i
   return f;
 }
 
-void RunTranslate(benchmark::State& state, Fixture& f, int64_t chunk, double flops) {
-  std::unique_ptr<Backend> backend = NewCpuBackend(CpuBackendOptions());
+void RunTranslate(benchmark::State& state, Fixture& f, int64_t chunk, double flops,
+                  CpuGemmPath path) {
+  CpuBackendOptions backend_options;
+  backend_options.gemm_path = path;
+  std::unique_ptr<Backend> backend = NewCpuBackend(backend_options);
   absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->Prepare(f.mapper);
   if (!prepared.ok()) {
     state.SkipWithError(std::string(prepared.status().message()).c_str());
@@ -171,7 +188,16 @@ void BM_Translate(benchmark::State& state) {
   const int k = static_cast<int>(state.range(1));
   const int target_layers = static_cast<int>(state.range(2));
   std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, 0, false);
-  RunTranslate(state, *f, state.range(3), Flops(tokens, k, target_layers));
+  RunTranslate(state, *f, state.range(3), Flops(tokens, k, target_layers), g_gemm_path);
+}
+
+// Today's path: the same translation with fp32 copies of the weights and sgemm.
+void BM_TranslateSgemmPath(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, 0, false);
+  RunTranslate(state, *f, state.range(3), Flops(tokens, k, target_layers), CpuGemmPath::kSgemm);
 }
 
 // Args: tokens, k, target layers, hidden H, per_head (0 / 1); the backend's default chunk.
@@ -182,7 +208,18 @@ void BM_TranslateMlp(benchmark::State& state) {
   const int64_t hidden = state.range(3);
   const bool per_head = state.range(4) != 0;
   std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, hidden, per_head);
-  RunTranslate(state, *f, 0, MlpFlops(tokens, k, target_layers, hidden, per_head));
+  RunTranslate(state, *f, 0, MlpFlops(tokens, k, target_layers, hidden, per_head), g_gemm_path);
+}
+
+// The same MLP on today's sgemm path.
+void BM_TranslateMlpSgemmPath(benchmark::State& state) {
+  std::unique_ptr<Fixture> f = MakeFixture(state.range(0), static_cast<int>(state.range(1)),
+                                           static_cast<int>(state.range(2)), state.range(3),
+                                           state.range(4) != 0);
+  RunTranslate(state, *f, 0,
+               MlpFlops(state.range(0), state.range(1), state.range(2), state.range(3),
+                        state.range(4) != 0),
+               CpuGemmPath::kSgemm);
 }
 
 void BM_SgemmSameFlops(benchmark::State& state) {
@@ -212,6 +249,99 @@ void BM_SgemmSameFlops(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * tokens);
 }
 
+// The bf16 ceiling: 2 L oneDNN matmuls of T x (k n d) bf16 times (k n d) x (n d) bf16, fp32
+// out, weights prepacked in oneDNN's blocked layout (one distinct matrix per GEMM, outside the
+// timing), one primitive over all T rows on every core (OpenMP), no gather and no epilogue.
+void BM_Bf16MatmulSameFlops(benchmark::State& state) {
+  using dnnl::memory;
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  const int64_t inputs = k * kWidth;
+  try {
+    dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+    dnnl::stream stream(engine);
+    const memory::desc a_desc({tokens, inputs}, memory::data_type::bf16, memory::format_tag::ab);
+    const memory::desc b_any({inputs, kWidth}, memory::data_type::bf16, memory::format_tag::any);
+    const memory::desc b_plain({inputs, kWidth}, memory::data_type::bf16,
+                               memory::format_tag::ab);
+    const memory::desc c_desc({tokens, kWidth}, memory::data_type::f32, memory::format_tag::ab);
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_desc, b_any, c_desc), engine);
+    const dnnl::matmul matmul(pd);
+    memory a(a_desc, engine), c(c_desc, engine);
+    Fill(DType::kBF16, a.get_data_handle(), tokens * inputs, 1);
+    std::vector<memory> b;
+    std::vector<uint16_t> plain(inputs * kWidth);
+    for (int g = 0; g < 2 * target_layers; ++g) {
+      Fill(DType::kBF16, plain.data(), plain.size(), 2 + g);
+      memory from(b_plain, engine, plain.data());
+      b.emplace_back(pd.weights_desc(), engine);
+      dnnl::reorder(from, b.back()).execute(stream, from, b.back());
+    }
+    stream.wait();
+    for (auto _ : state) {
+      for (const memory& weights : b) {
+        matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, c}});
+      }
+      stream.wait();
+      benchmark::DoNotOptimize(c.get_data_handle());
+    }
+    state.SetLabel(pd.impl_info_str());
+  } catch (const dnnl::error& e) {
+    state.SkipWithError(e.what());
+    return;
+  }
+  state.counters["FLOP/s"] = benchmark::Counter(Flops(tokens, k, target_layers),
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.SetItemsProcessed(state.iterations() * tokens);
+}
+
+// The same bf16 matmuls split as the backend splits them: every core runs single-threaded
+// oneDNN matmuls (kvt's Bf16Matmul, packed weights) on its own T / cores rows, in pieces of at
+// most 512 rows; the GEMM-only floor of the token-parallel design, without gather or epilogue.
+void BM_Bf16MatmulPerCore(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  const int64_t inputs = k * kWidth;
+  ThreadPool pool(0);
+  std::vector<uint16_t> a(tokens * inputs);
+  Fill(DType::kBF16, a.data(), a.size(), 1);
+  std::vector<std::unique_ptr<PackedBf16Weights>> b;
+  std::vector<uint16_t> plain(inputs * kWidth);
+  for (int g = 0; g < 2 * target_layers; ++g) {
+    Fill(DType::kBF16, plain.data(), plain.size(), 2 + g);
+    absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
+        PackBf16Weights(DType::kBF16, plain.data(), inputs, kWidth);
+    if (!packed.ok()) {
+      state.SkipWithError(std::string(packed.status().message()).c_str());
+      return;
+    }
+    b.push_back(*std::move(packed));
+  }
+  const int64_t threads = pool.num_threads();
+  const int64_t rows = std::min<int64_t>(512, (tokens + threads - 1) / threads);
+  const int64_t pieces = (tokens + rows - 1) / rows;
+  std::vector<std::vector<float>> c(threads, std::vector<float>(rows * kWidth));
+  for (auto _ : state) {
+    pool.ParallelFor(pieces, 1, [&](int64_t begin, int64_t end) {
+      ScopedOmpThreads one(1);
+      std::vector<float>& out = c[begin * threads / pieces];
+      for (int64_t piece = begin; piece < end; ++piece) {
+        const int64_t t0 = piece * rows, m = std::min(rows, tokens - t0);
+        for (const auto& weights : b) {
+          (void)Bf16Matmul(m, a.data() + t0 * inputs, inputs, *weights, nullptr, false, false,
+                           out.data(), kWidth);
+        }
+      }
+    });
+    benchmark::DoNotOptimize(c[0].data());
+  }
+  state.counters["FLOP/s"] = benchmark::Counter(Flops(tokens, k, target_layers),
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.SetItemsProcessed(state.iterations() * tokens);
+}
+
 // Args: tokens, k, target layers, token chunk (0 = backend default). Each shape registers its
 // translate and its sgemm twin back to back, so both see the same machine state.
 void RegisterShapes() {
@@ -230,8 +360,14 @@ void RegisterShapes() {
       return *std::max_element(v.begin(), v.end());
     });
   };
+  // Few tokens (a turn's increment): the oneDNN path pads rows to 16, sgemm does not.
+  for (int64_t tokens : {1, 16, 100}) shapes.push_back({tokens, 2, 4, 0});
   for (const std::vector<int64_t>& shape : shapes) {
     setup(benchmark::RegisterBenchmark("BM_Translate", BM_Translate), shape);
+    setup(benchmark::RegisterBenchmark("BM_Bf16MatmulSameFlops", BM_Bf16MatmulSameFlops),
+          shape);
+    setup(benchmark::RegisterBenchmark("BM_Bf16MatmulPerCore", BM_Bf16MatmulPerCore), shape);
+    setup(benchmark::RegisterBenchmark("BM_TranslateSgemmPath", BM_TranslateSgemmPath), shape);
     setup(benchmark::RegisterBenchmark("BM_SgemmSameFlops", BM_SgemmSameFlops), shape);
   }
   // MLP vs ridge of the same pair: each ridge shape, then its MLPs (H 1024 and 256, both
@@ -241,6 +377,8 @@ void RegisterShapes() {
     for (int64_t hidden : {1024, 256}) {
       for (int64_t per_head : {0, 1}) {
         setup(benchmark::RegisterBenchmark("BM_TranslateMlp", BM_TranslateMlp),
+              {512, k, 2, hidden, per_head});
+        setup(benchmark::RegisterBenchmark("BM_TranslateMlpSgemmPath", BM_TranslateMlpSgemmPath),
               {512, k, 2, hidden, per_head});
       }
     }
@@ -259,9 +397,13 @@ class RatioReporter : public benchmark::ConsoleReporter {
       const auto it = run.counters.find("FLOP/s");
       if (it == run.counters.end()) continue;
       const std::string& name = run.run_name.function_name;
-      auto& table = name == "BM_Translate" ? translate_
-                    : name == "BM_TranslateMlp" ? mlp_
-                                                : sgemm_;
+      auto& table = name == "BM_Translate"             ? translate_
+                    : name == "BM_TranslateMlp"        ? mlp_
+                    : name == "BM_TranslateMlpSgemmPath" ? mlp_sgemm_
+                    : name == "BM_TranslateSgemmPath"  ? translate_sgemm_
+                    : name == "BM_Bf16MatmulSameFlops" ? bf16_
+                    : name == "BM_Bf16MatmulPerCore"   ? bf16_per_core_
+                                                       : sgemm_;
       // Counters arrive already divided by the (real) time. The best-of-repetitions aggregate
       // replaces single repetitions; without repetitions the one run stands.
       if (best || !best_seen_.count(name + run.run_name.args)) {
@@ -270,23 +412,59 @@ class RatioReporter : public benchmark::ConsoleReporter {
         if (items != run.counters.end()) tokens_per_s_[name + run.run_name.args] = items->second;
       }
       if (best) best_seen_.insert(name + run.run_name.args);
+      // Least process CPU time per iteration over the repetitions (both pool threads counted).
+      if (run.run_type == Run::RT_Iteration && run.iterations > 0) {
+        const double cpu = run.cpu_accumulated_time / static_cast<double>(run.iterations);
+        auto [it_cpu, inserted] = cpu_seconds_.emplace(name + run.run_name.args, cpu);
+        if (!inserted) it_cpu->second = std::min(it_cpu->second, cpu);
+      }
     }
   }
 
   void Finalize() override {
     ConsoleReporter::Finalize();
-    std::printf("\n%-22s %14s %14s %8s\n", "tokens/k/layers/chunk", "translate GF/s",
-                "sgemm GF/s", "ratio");
+    // GF/s of: translate (the path in use), its bare bf16 matmul ceiling, translate forced
+    // onto sgemm (today's path), the bare sgemm; then translate / bf16 matmul, translate /
+    // today's translate and today's translate / sgemm. 0 where a twin did not run.
+    std::printf("\n%-22s %10s %10s %10s %10s %10s %10s %10s %10s %10s\n",
+                "tokens/k/layers/chunk", "transl GF", "bf16mm GF", "mm/core GF", "sgemmP GF",
+                "sgemm GF", "tr/bf16mm", "tr/mm/core", "tr/sgemmP", "sgemmP/sg");
+    const auto get = [](const std::map<std::string, double>& table, const std::string& args) {
+      const auto it = table.find(args);
+      return it == table.end() ? 0.0 : it->second;
+    };
+    const auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
     for (const auto& [args, translate] : translate_) {
-      const auto it = sgemm_.find(args);
-      if (it == sgemm_.end()) continue;
-      std::printf("%-22s %14.1f %14.1f %8.3f\n", args.c_str(), translate / 1e9, it->second / 1e9,
-                  translate / it->second);
+      const double bf16 = get(bf16_, args), per_core = get(bf16_per_core_, args),
+                   today = get(translate_sgemm_, args), sgemm = get(sgemm_, args);
+      std::printf("%-22s %10.1f %10.1f %10.1f %10.1f %10.1f %10.3f %10.3f %10.3f %10.3f\n",
+                  args.c_str(), translate / 1e9, bf16 / 1e9, per_core / 1e9, today / 1e9,
+                  sgemm / 1e9, ratio(translate, bf16), ratio(translate, per_core),
+                  ratio(translate, today), ratio(today, sgemm));
+    }
+    // The same comparisons in process CPU time per translation (best repetition), which a
+    // busy shared machine disturbs much less than wall time: twin CPU time / translate CPU
+    // time, i.e. the fraction of the twin's efficiency per FLOP that translate keeps (OpenMP
+    // and OpenBLAS spin-waits count as CPU time, the pool's condition-variable waits do not).
+    std::printf("\n%-22s %12s %12s %12s %12s %10s %10s %10s\n", "tokens/k/layers/chunk",
+                "transl cpu ms", "bf16mm cpu ms", "mm/core cpu", "sgemmP cpu ms", "bf16mm/tr",
+                "mm/core/tr", "sgemmP/tr");
+    const auto cpu_ms = [&](const char* name, const std::string& args) {
+      const auto it = cpu_seconds_.find(name + args);
+      return it == cpu_seconds_.end() ? 0.0 : it->second * 1e3;
+    };
+    for (const auto& [args, translate] : translate_) {
+      const double tr = cpu_ms("BM_Translate", args), mm = cpu_ms("BM_Bf16MatmulSameFlops", args),
+                   per_core = cpu_ms("BM_Bf16MatmulPerCore", args),
+                   today = cpu_ms("BM_TranslateSgemmPath", args);
+      std::printf("%-22s %12.1f %12.1f %12.1f %12.1f %10.3f %10.3f %10.3f\n", args.c_str(), tr,
+                  mm, per_core, today, ratio(mm, tr), ratio(per_core, tr), ratio(today, tr));
     }
     if (mlp_.empty()) return;
     // MLP args "T/k/L/H/per_head" against the ridge "T/k/L/0" of the same pair.
-    std::printf("\n%-24s %12s %12s %12s %10s %10s\n", "MLP T/k/L/H/per_head", "MLP tok/s",
-                "ridge tok/s", "MLP/ridge", "MLP GF/s", "ridge GF/s");
+    std::printf("\n%-24s %12s %12s %12s %10s %10s %12s %10s\n", "MLP T/k/L/H/per_head",
+                "MLP tok/s", "ridge tok/s", "MLP/ridge", "MLP GF/s", "ridge GF/s",
+                "sgemmP tok/s", "MLP/sgemmP");
     for (const auto& [args, mlp_flops] : mlp_) {
       const std::string ridge_args = args.substr(0, args.rfind('/', args.rfind('/') - 1)) + "/0";
       const auto ridge = translate_.find(ridge_args);
@@ -296,14 +474,19 @@ class RatioReporter : public benchmark::ConsoleReporter {
           ridge_tokens == tokens_per_s_.end()) {
         continue;
       }
-      std::printf("%-24s %12.0f %12.0f %12.3f %10.1f %10.1f\n", args.c_str(), mlp_tokens->second,
-                  ridge_tokens->second, mlp_tokens->second / ridge_tokens->second,
-                  mlp_flops / 1e9, ridge->second / 1e9);
+      const auto today = tokens_per_s_.find("BM_TranslateMlpSgemmPath" + args);
+      const double today_tokens = today == tokens_per_s_.end() ? 0.0 : double(today->second);
+      std::printf("%-24s %12.0f %12.0f %12.3f %10.1f %10.1f %12.0f %10.3f\n", args.c_str(),
+                  mlp_tokens->second, ridge_tokens->second,
+                  mlp_tokens->second / ridge_tokens->second, mlp_flops / 1e9, ridge->second / 1e9,
+                  today_tokens, today_tokens > 0 ? mlp_tokens->second / today_tokens : 0.0);
     }
   }
 
  private:
-  std::map<std::string, double> translate_, sgemm_, mlp_, tokens_per_s_;
+  std::map<std::string, double> translate_, sgemm_, mlp_, tokens_per_s_, translate_sgemm_, bf16_,
+      bf16_per_core_, mlp_sgemm_;
+  std::map<std::string, double> cpu_seconds_;
   std::set<std::string> best_seen_;
 };
 
@@ -311,11 +494,40 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace kvt
 
 int main(int argc, char** argv) {
+  // --kvt_gemm_path=auto|bf16|fp32 (ours; taken out before the benchmark library's flags).
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const std::string flag = "--kvt_gemm_path=";
+    if (arg.rfind(flag, 0) == 0) {
+      absl::StatusOr<kvt::CpuGemmPath> path = kvt::ParseCpuGemmPath(arg.substr(flag.size()));
+      if (!path.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(path.status().message()).c_str());
+        return 1;
+      }
+      kvt::g_gemm_path = *path;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  {
+    kvt::CpuBackendOptions options;
+    options.gemm_path = kvt::g_gemm_path;
+    kvt::CpuBackend backend(options);
+    std::printf("oneDNN %s dispatches ISA %s (bf16 hardware: %s)\nBM_Translate backend: %s\n",
+                kvt::OnednnVersion().c_str(), kvt::OnednnIsaName().c_str(),
+                kvt::OnednnHasBf16Hardware() ? "yes" : "no", backend.description().c_str());
+    std::fflush(stdout);
+  }
   kvt::RegisterShapes();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   kvt::RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
+  std::printf("\noneDNN implementations the backend's matmuls used:");
+  for (const std::string& impl : kvt::OnednnImplementations()) std::printf(" %s", impl.c_str());
+  std::printf("\n");
   benchmark::Shutdown();
   return 0;
 }

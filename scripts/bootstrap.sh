@@ -23,6 +23,7 @@ PACKAGES=(
   libyaml-cpp-dev          # kvtd.yaml
   nlohmann-json3-dev       # safetensors headers
   libopenblas-dev          # CPU GEMMs
+  libdnnl-dev              # oneDNN 2.6.3: bf16 matmuls of the CPU backend (AMX / AVX-512 BF16)
   liblapacke-dev           # Cholesky solves (kvt fit)
   libssl-dev               # SHA-256 (libcrypto), TLS
   openssl                  # certificates for the TLS/mTLS tests

@@ -5,6 +5,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "kernels/cpu_backend.h"
+#include "kernels/onednn_matmul.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
 
 namespace kvt {
@@ -25,9 +28,15 @@ absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config,
   CpuBackendOptions cpu_options;
   cpu_options.num_threads = static_cast<int>(config.cpu_threads);
   cpu_options.token_chunk = config.token_chunk;
+  absl::StatusOr<CpuGemmPath> gemm_path = ParseCpuGemmPath(config.cpu_gemm);
+  if (!gemm_path.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "backend.cpu_gemm='", config.cpu_gemm, "' is not one of auto, bf16, fp32"));
+  }
+  cpu_options.gemm_path = *gemm_path;
   std::unique_ptr<Backend> cpu =
       factories.new_cpu ? factories.new_cpu(cpu_options) : NewCpuBackend(cpu_options);
-  // A broken BLAS dispatch would serve wrong caches: fatal in every mode.
+  // A broken BLAS / oneDNN dispatch would serve wrong caches: fatal in every mode.
   selected.self_checks.push_back(RunBackendSelfCheck(*cpu, nullptr));
   LogSelfCheck(selected.self_checks.back());
   if (!selected.self_checks.back().passed()) {
@@ -35,8 +44,17 @@ absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config,
         absl::StrCat("the CPU backend failed its start-up self-check: ",
                      selected.self_checks.back().Summary()));
   }
-  if (config.type == "cpu") {
+  // The CPU engine's GEMM path is reported only when it is the one serving.
+  const auto use_cpu = [&] {
+    if (const auto* engine = dynamic_cast<const CpuBackend*>(cpu.get())) {
+      selected.cpu_gemm_path = CpuGemmPathName(engine->gemm_path());
+      selected.cpu_gemm_reason = engine->gemm_reason();
+      selected.cpu_isa = OnednnIsaName();
+    }
     selected.backend = std::move(cpu);
+  };
+  if (config.type == "cpu") {
+    use_cpu();
     selected.reason = "backend.type=cpu";
     return selected;
   }
@@ -92,7 +110,7 @@ absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config,
     selected.reason = absl::StrCat("auto: no usable CUDA device (", devices.status().message(),
                                    "); using CPU");
   }
-  selected.backend = std::move(cpu);
+  use_cpu();
   return selected;
 }
 

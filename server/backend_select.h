@@ -24,6 +24,11 @@ struct SelectedBackend {
   // Every self-check that ran, in order: the CPU backend's always, then the CUDA backend's when
   // one was tried (a failed one too, when auto fell back to CPU).
   std::vector<SelfCheckReport> self_checks;
+  // CPU backend only: the GEMM path of bf16 / fp16 mappers ("onednn_bf16" or "sgemm"), why,
+  // and the ISA oneDNN dispatches; empty for CUDA.
+  std::string cpu_gemm_path;
+  std::string cpu_gemm_reason;
+  std::string cpu_isa;
 };
 
 // How SelectBackend finds and builds engines; empty members mean the real ones

@@ -26,6 +26,30 @@ TEST(BackendSelectTest, CpuIsCpu) {
   ASSERT_TRUE(selected.ok()) << selected.status();
   EXPECT_EQ(selected->backend->name(), "cpu");
   EXPECT_EQ(selected->reason, "backend.type=cpu");
+  EXPECT_THAT(selected->cpu_gemm_path, ::testing::AnyOf("onednn_bf16", "sgemm"));
+  EXPECT_FALSE(selected->cpu_isa.empty());
+}
+
+// backend.cpu_gemm reaches the CPU backend: fp32 forces sgemm, bf16 forces oneDNN (where
+// oneDNN has a bf16 matmul at all), anything else is refused.
+TEST(BackendSelectTest, CpuGemmIsPassedOn) {
+  KvtdConfig::Backend config = WithType("cpu");
+  config.cpu_gemm = "fp32";
+  absl::StatusOr<SelectedBackend> selected = SelectBackend(config);
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_EQ(selected->cpu_gemm_path, "sgemm");
+  EXPECT_THAT(selected->backend->description(), HasSubstr("sgemm"));
+  config.cpu_gemm = "bf16";
+  selected = SelectBackend(config);
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_THAT(selected->cpu_gemm_reason, HasSubstr(selected->cpu_isa));
+  if (selected->cpu_gemm_path == "onednn_bf16") {
+    EXPECT_THAT(selected->backend->description(), HasSubstr("oneDNN"));
+  } else {
+    EXPECT_THAT(selected->cpu_gemm_reason, HasSubstr("has no bf16 matmul"));
+  }
+  config.cpu_gemm = "fp16";
+  EXPECT_EQ(SelectBackend(config).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // auto picks CUDA exactly when a device is usable; the reason says what was found.

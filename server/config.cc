@@ -224,7 +224,8 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
       {"backend",
        {{"type", str(&config.backend.type)},
         {"cpu_threads", i64(&config.backend.cpu_threads)},
-        {"token_chunk", i64(&config.backend.token_chunk)}}},
+        {"token_chunk", i64(&config.backend.token_chunk)},
+        {"cpu_gemm", str(&config.backend.cpu_gemm)}}},
       {"limits",
        {{"max_tokens", i64(&config.limits.max_tokens)},
         {"max_request_bytes", i64(&config.limits.max_request_bytes)},
@@ -374,6 +375,10 @@ absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
   }
   if (config.backend.cpu_threads < 0) {
     return bad("backend.cpu_threads", config.backend.cpu_threads, "must be >= 0");
+  }
+  if (config.backend.cpu_gemm != "auto" && config.backend.cpu_gemm != "bf16" &&
+      config.backend.cpu_gemm != "fp32") {
+    return bad("backend.cpu_gemm", config.backend.cpu_gemm, "must be auto, bf16 or fp32");
   }
   if (config.backend.token_chunk < 16) {
     return bad("backend.token_chunk", config.backend.token_chunk, "must be >= 16");

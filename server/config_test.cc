@@ -18,6 +18,7 @@ TEST(ConfigTest, ExampleFileParsesToTheDefaults) {
   EXPECT_EQ(config->server.max_message_bytes, defaults.server.max_message_bytes);
   EXPECT_EQ(config->mapper_store.path, defaults.mapper_store.path);
   EXPECT_EQ(config->backend.type, defaults.backend.type);
+  EXPECT_EQ(config->backend.cpu_gemm, defaults.backend.cpu_gemm);
   EXPECT_EQ(config->limits.max_tokens, defaults.limits.max_tokens);
   EXPECT_EQ(config->limits.max_request_bytes, defaults.limits.max_request_bytes);
   EXPECT_EQ(config->limits.max_inflight_bytes, defaults.limits.max_inflight_bytes);
@@ -87,6 +88,7 @@ server:
 backend:
   type: cpu
   cpu_threads: 2
+  cpu_gemm: bf16
 limits:
   max_tokens: 4096
 logging:
@@ -97,6 +99,7 @@ logging:
   EXPECT_EQ(config->server.unix_socket, "/tmp/kvt.sock");
   EXPECT_EQ(config->backend.type, "cpu");
   EXPECT_EQ(config->backend.cpu_threads, 2);
+  EXPECT_EQ(config->backend.cpu_gemm, "bf16");
   EXPECT_EQ(config->limits.max_tokens, 4096);
   EXPECT_EQ(config->logging.level, LogLevel::kDebug);
 }
@@ -177,6 +180,7 @@ TEST(ConfigTest, OutOfRangeValuesAreNamed) {
     const char* key;
   } cases[] = {
       {"backend:\n  type: tpu\n", "backend.type"},
+      {"backend:\n  cpu_gemm: fp16\n", "backend.cpu_gemm"},
       {"limits:\n  max_tokens: 0\n", "limits.max_tokens"},
       {"server:\n  listen_address: nocolon\n", "server.listen_address"},
       {"shutdown:\n  deadline_seconds: -1\n", "shutdown.deadline_seconds"},

@@ -26,6 +26,7 @@ ABSL_FLAG(std::string, listen_address, "",
 ABSL_FLAG(std::string, unix_socket, "", "Overrides server.unix_socket (extra listener).");
 ABSL_FLAG(std::string, mapper_store, "", "Overrides mapper_store.path.");
 ABSL_FLAG(std::string, backend, "", "Overrides backend.type: auto | cpu | cuda.");
+ABSL_FLAG(std::string, cpu_gemm, "", "Overrides backend.cpu_gemm: auto | bf16 | fp32.");
 ABSL_FLAG(int64_t, cpu_threads, -1, "Overrides backend.cpu_threads (0 = all cores).");
 ABSL_FLAG(int64_t, max_tokens, -1, "Overrides limits.max_tokens.");
 ABSL_FLAG(int64_t, max_inflight_requests, -1, "Overrides limits.max_inflight_requests.");
@@ -71,6 +72,7 @@ absl::StatusOr<KvtdConfig> BuildConfig() {
   override_string(FLAGS_unix_socket, &config.server.unix_socket);
   override_string(FLAGS_mapper_store, &config.mapper_store.path);
   override_string(FLAGS_backend, &config.backend.type);
+  override_string(FLAGS_cpu_gemm, &config.backend.cpu_gemm);
   override_string(FLAGS_tls_cert_file, &config.security.tls_cert_file);
   override_string(FLAGS_tls_key_file, &config.security.tls_key_file);
   override_string(FLAGS_tls_client_ca_file, &config.security.tls_client_ca_file);
@@ -122,7 +124,15 @@ int Run() {
   KVT_LOG(kInfo, "backend")
       .With("backend", backend->backend->name())
       .With("device", backend->backend->device())
-      .With("reason", backend->reason);
+      .With("reason", backend->reason)
+      .With("description", backend->backend->description());
+  if (!backend->cpu_gemm_path.empty()) {
+    KVT_LOG(kInfo, "cpu_gemm")
+        .With("path", backend->cpu_gemm_path)
+        .With("isa", backend->cpu_isa)
+        .With("requested", config->backend.cpu_gemm)
+        .With("reason", backend->cpu_gemm_reason);
+  }
 
   // Every further GPU is one more device of the mapper store: a mapper is paged onto the one
   // with room and the least load, and requests compute where their mapper is.
@@ -175,6 +185,10 @@ int Run() {
       KvtdServer::Start(*config, store->get(), backend->backend.get());
   if (!server.ok()) return Fatal(server.status());
   ExportSelfChecks(backend->self_checks, (*server)->metrics());
+  if (!backend->cpu_gemm_path.empty()) {
+    (*server)->metrics()->SetCpuGemmPath(backend->cpu_gemm_path, backend->cpu_isa,
+                                         config->backend.cpu_gemm);
+  }
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);

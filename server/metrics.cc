@@ -288,6 +288,12 @@ Metrics::Metrics(std::string device)
                                    "(result: pass, mismatch or error; a failed cuda under "
                                    "backend.type auto means kvtd fell back to cpu).")
                              .Register(r);
+  cpu_gemm_path_ = &BuildGauge()
+                        .Name("kvt_cpu_gemm_path")
+                        .Help("Always 1; the CPU backend's GEMM path for bf16/fp16 mappers "
+                              "(onednn_bf16 | sgemm), the ISA oneDNN dispatches, and "
+                              "backend.cpu_gemm as 'requested'. Absent on CUDA.")
+                        .Register(r);
   requests_ = &BuildCounter()
                    .Name("kvt_translate_requests_total")
                    .Help("TranslateKV calls by outcome (canonical gRPC code).")
@@ -421,6 +427,9 @@ void Metrics::SetBackend(const std::string& backend, const std::string& device,
 void Metrics::SetBackendSelfCheck(const std::string& backend, const std::string& device,
                                   const std::string& result) {
   backend_self_check_->Add({{"backend", backend}, {"device", device}, {"result", result}}).Set(1);
+void Metrics::SetCpuGemmPath(const std::string& path, const std::string& isa,
+                             const std::string& requested) {
+  cpu_gemm_path_->Add({{"path", path}, {"isa", isa}, {"requested", requested}}).Set(1);
 }
 
 void Metrics::SetScrapeSources(const MapperStore* store,

@@ -91,6 +91,10 @@ class Metrics {
   // (server/backend_self_check.h); result "pass", "mismatch" or "error".
   void SetBackendSelfCheck(const std::string& backend, const std::string& device,
                            const std::string& result);
+  // kvt_cpu_gemm_path{path, isa, requested} = 1: the CPU backend's GEMM path for bf16 / fp16
+  // mappers ("onednn_bf16" | "sgemm"), the ISA oneDNN dispatches, backend.cpu_gemm.
+  void SetCpuGemmPath(const std::string& path, const std::string& isa,
+                      const std::string& requested);
   // Scrape-time sources: the store (residency) and the number of admitted requests. Either may
   // be null / empty; they must outlive this object or be reset first.
   void SetScrapeSources(const MapperStore* store, std::function<int64_t()> inflight_requests);
@@ -136,6 +140,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* build_info_;
   prometheus::Family<prometheus::Gauge>* backend_info_;
   prometheus::Family<prometheus::Gauge>* backend_self_check_;
+  prometheus::Family<prometheus::Gauge>* cpu_gemm_path_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* duration_;
   prometheus::Family<prometheus::Counter>* tokens_;
