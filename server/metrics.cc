@@ -427,6 +427,8 @@ void Metrics::SetBackend(const std::string& backend, const std::string& device,
 void Metrics::SetBackendSelfCheck(const std::string& backend, const std::string& device,
                                   const std::string& result) {
   backend_self_check_->Add({{"backend", backend}, {"device", device}, {"result", result}}).Set(1);
+}
+
 void Metrics::SetCpuGemmPath(const std::string& path, const std::string& isa,
                              const std::string& requested) {
   cpu_gemm_path_->Add({{"path", path}, {"isa", isa}, {"requested", requested}}).Set(1);
