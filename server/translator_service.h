@@ -1,6 +1,7 @@
-// The kvt.v1.KvTranslator gRPC service: validates and admits TranslateKV streams, assembles
-// inline source chunks, runs the backend layer by layer on the compute executor and streams
-// target chunks back while the next layer computes; model control over the mapper store.
+// The kvt.v1.KvTranslator gRPC service, the one stub clients use: TranslateKV (run by
+// server/translate/translate_kv.h, step by step in server/translate/), ValidateKV, and the
+// mapper-control and memory-registration RPCs, forwarded to MapperControlService and
+// MemoryService.
 #pragma once
 
 #include <atomic>
@@ -26,7 +27,11 @@
 #include "transport/chunk_wire.h"
 #include "transport/cuda_registry.h"
 #include "transport/shm_registry.h"
+#include "server/mapper_control_service.h"
+#include "server/memory_service.h"
 #include "server/metrics.h"
+#include "server/translate/request_plan.h"
+#include "server/translate/translate_kv.h"
 
 namespace kvt {
 
@@ -46,7 +51,7 @@ class TranslatorService final : public v1::KvTranslator::Service {
   bool draining() const { return draining_.load(); }
   int64_t inflight_requests() const { return admission_.inflight_requests(); }
   // Shared with KvPrefixCache: the regions a Publish reads, the mappers' shift statistics.
-  SystemMemoryRegistry* system_memory() { return &system_memory_; }
+  SystemMemoryRegistry* system_memory() { return memory_.system_memory(); }
   InputShiftCache* shift_stats() { return &shift_stats_; }
 
   // TranslateKV, registered in place of the generated handler: its messages are
@@ -86,49 +91,28 @@ class TranslatorService final : public v1::KvTranslator::Service {
                                 v1::CudaMemoryStatusResponse* response) override;
 
  private:
-  // What a request computes with: the mapper's copy on a compute device, pinned in the
-  // request's handle (paged in first if needed), and the mapper's input-shift statistics.
-  struct Derived {
-    const PreparedMapper* prepared = nullptr;      // valid while the handle is held
-    Backend* backend = nullptr;                    // the device's backend
-    std::shared_ptr<const InputShiftStats> shift;  // null: the mapper carries no statistics
-  };
-  absl::StatusOr<Derived> Prepared(MapperHandle* handle, absl::Time deadline);
-  // How long a request may wait for a mapper load or for room in a budget.
-  AcquireOptions MapperWait(const grpc::ServerContext* context) const;
-
-  // The RPC bodies; the public methods record their outcome (every exit path) in metrics_.
-  grpc::Status TranslateKVImpl(grpc::ServerContext* context, TranslateKVStreamType* stream,
-                               TranslateRecord* record);
   grpc::Status ValidateKVImpl(grpc::ServerContext* context,
                               grpc::ServerReader<v1::ValidateKVRequest>* reader,
                               v1::ValidateKVResponse* response, ValidateRecord* record);
-  std::string RequestId(const std::string& from_header);
-  // header.input.cached: the lease taken (single use) and checked against the header.
-  absl::StatusOr<PrefixLease> TakePrefixLease(const v1::TranslateHeader& header);
-  static absl::Status CheckLeaseFitsMapper(const PrefixLease& lease,
-                                           const MapperView& view);
   // OK, or UNAUTHENTICATED / PERMISSION_DENIED when `auth_` is set and the call lacks `role`.
   grpc::Status Authorize(const grpc::ServerContext* context, Role role) const;
-  // FAILED_PRECONDITION unless shared_memory.allow_client_regions.
-  grpc::Status SharedMemoryEnabled() const;
 
   const KvtdConfig config_;
   MapperStore* const store_;
   Backend* const backend_;
   Metrics* const metrics_;
   const Authenticator* const auth_;
-  SystemMemoryRegistry system_memory_;
-  CudaMemoryRegistry cuda_memory_;
+  PrefixCache* const prefix_cache_;
+  MemoryService memory_;
+  MapperControlService mapper_control_;
   AdmissionController admission_;
   ComputeExecutor compute_;
   std::shared_ptr<BufferPool> buffers_;  // layer buffers reused across requests
   std::atomic<bool> draining_{false};
-  std::atomic<uint64_t> next_request_id_{1};
-  bool added_device_ = false;  // the store had no device for backend_: this service added it
-  PrefixCache* const prefix_cache_;
+  RequestIds request_ids_;
   InputShiftCache shift_stats_;
-
+  TranslateServices translate_;  // points at the members above
+  bool added_device_ = false;  // the store had no device for backend_: this service added it
 };
 
 }  // namespace kvt

@@ -13,6 +13,7 @@
 #include "quality/kv_quality.h"
 #include "server/grpc_status.h"
 #include "server/request_checks.h"
+#include "server/translate/request_plan.h"
 #include "server/translator_service.h"
 #include "transport/kv_chunks.h"
 
@@ -54,6 +55,236 @@ const char* RoleName(v1::ValidateRole role) {
   }
 }
 
+
+// The shapes of one ValidateKV: three caches in the request's dtype and layout.
+struct ValidateShapes {
+  int num_query_heads = 0;
+  int64_t tokens = 0;
+  int64_t element = 0;
+  LayerGeometry source, target, query;
+  int64_t target_layer_floats = 0;  // one target layer as floats
+};
+
+// The three caches as they arrive, each chunk checked as TranslateKV checks its chunks.
+class ValidateIntake {
+ public:
+  ValidateIntake(const ModelSpec& src, const ModelSpec& tgt, const ValidateShapes& shapes,
+                 DType dtype)
+      : shapes_(shapes),
+        source(src.num_layers, shapes.source.layer_bytes(), true),
+        truth(tgt.num_layers, shapes.target.layer_bytes(), true),
+        queries(shapes.num_query_heads > 0 ? tgt.num_layers : 0, shapes.query.layer_bytes(),
+                false),
+        source_coverage_(src.num_layers, shapes.tokens),
+        truth_coverage_(tgt.num_layers, shapes.tokens),
+        query_coverage_(tgt.num_layers, shapes.tokens),
+        source_chunks_{"chunk.chunk", absl::StrCat("source model ", src.name), src.num_layers,
+                       shapes.source, dtype, false},
+        truth_chunks_{"chunk.chunk", absl::StrCat("target model ", tgt.name), tgt.num_layers,
+                      shapes.target, dtype, false},
+        query_chunks_{"chunk.chunk", absl::StrCat("target model ", tgt.name, " (queries)"),
+                      tgt.num_layers, shapes.query, dtype, true} {
+    // Queries have no V half: count it as received, so completeness means every query token.
+    for (int l = 0; l < tgt.num_layers; ++l) {
+      query_coverage_.Add(l, 1, 0, shapes.tokens).IgnoreError();
+    }
+  }
+
+  // Reads every chunk message until the stream ends; the first bad one is the error.
+  absl::Status ReadAll(grpc::ServerReader<v1::ValidateKVRequest>* reader) {
+    v1::ValidateKVRequest request;
+    while (reader->Read(&request)) {
+      if (absl::Status taken = Take(request); !taken.ok()) return taken;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckComplete() const {
+    const std::pair<const char*, const CoverageTracker*> coverages[] = {
+        {"SOURCE", &source_coverage_},
+        {"TARGET_TRUE", &truth_coverage_},
+        {"TARGET_QUERY", shapes_.num_query_heads > 0 ? &query_coverage_ : nullptr}};
+    for (const auto& [role, coverage] : coverages) {
+      if (coverage != nullptr && !coverage->Complete()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "stream ended before every ", role, " chunk arrived: ", coverage->FirstGap()));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const ValidateShapes& shapes_;
+
+ public:
+  CacheBuffers source, truth, queries;
+
+ private:
+  absl::Status Take(const v1::ValidateKVRequest& request) {
+    if (request.has_header()) {
+      return absl::InvalidArgumentError(
+          "second header in the stream: a ValidateKV stream carries exactly one header");
+    }
+    if (!request.has_chunk()) {
+      return absl::InvalidArgumentError("empty ValidateKVRequest: set header or chunk");
+    }
+    const v1::ValidateChunk& message = request.chunk();
+    const ChunkExpectation* expect = nullptr;
+    CoverageTracker* coverage = nullptr;
+    CacheBuffers* buffers = nullptr;
+    const LayerGeometry* geometry = nullptr;
+    switch (message.role()) {
+      case v1::VALIDATE_ROLE_SOURCE:
+        expect = &source_chunks_, coverage = &source_coverage_, buffers = &source;
+        geometry = &shapes_.source;
+        break;
+      case v1::VALIDATE_ROLE_TARGET_TRUE:
+        expect = &truth_chunks_, coverage = &truth_coverage_, buffers = &truth;
+        geometry = &shapes_.target;
+        break;
+      case v1::VALIDATE_ROLE_TARGET_QUERY:
+        if (shapes_.num_query_heads == 0) {
+          return absl::InvalidArgumentError(
+              "chunk.role=VALIDATE_ROLE_TARGET_QUERY but header.num_query_heads=0: declare "
+              "the query heads in the header");
+        }
+        expect = &query_chunks_, coverage = &query_coverage_, buffers = &queries;
+        geometry = &shapes_.query;
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            "chunk.role must be VALIDATE_ROLE_SOURCE, VALIDATE_ROLE_TARGET_TRUE or "
+            "VALIDATE_ROLE_TARGET_QUERY");
+    }
+    const v1::KVChunk& chunk = message.chunk();
+    absl::StatusOr<int> kind = CheckChunk(chunk, *expect);
+    if (!kind.ok()) return kind.status();
+    if (absl::Status added =
+            coverage->Add(chunk.layer(), *kind, chunk.token_start(), chunk.token_count());
+        !added.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(RoleName(message.role()), " ", added.message()));
+    }
+    ScatterChunk(*geometry, chunk.token_start(), chunk.token_count(), chunk.data().data(),
+                 (*kind == 0 ? buffers->k : buffers->v)[chunk.layer()].get());
+    return absl::OkStatus();
+  }
+
+  CoverageTracker source_coverage_, truth_coverage_, query_coverage_;
+  const ChunkExpectation source_chunks_, truth_chunks_, query_chunks_;
+};
+
+// The translation, computed layer by layer as TranslateKV returns it by default (the request's
+// dtype, token-major), measured against the true cache per SPEC 5. Runs on the executor.
+absl::Status MeasureLayers(grpc::ServerContext* context, const MapperHandle& mapper,
+                           const ComputeMapper& compute, const ModelSpec& src,
+                           const ModelSpec& tgt, const ValidateShapes& shapes,
+                           const InputHeader& input, const TranslateOptions& options,
+                           const Rope& target_rope, const ValidateIntake& caches,
+                           std::vector<LayerQuality>* layers) {
+  const int64_t T = shapes.tokens;
+  const int num_query_heads = shapes.num_query_heads;
+  const Positions& positions = input.positions;
+  CacheView source_view;
+  source_view.dtype = input.dtype;
+  source_view.layout = input.layout;
+  source_view.num_kv_heads = src.num_kv_heads;
+  source_view.head_dim = src.head_dim;
+  source_view.num_tokens = T;
+  for (int l = 0; l < src.num_layers; ++l) {
+    source_view.k.push_back(caches.source.k[l].get());
+    source_view.v.push_back(caches.source.v[l].get());
+  }
+  const LayerGeometry mapped_geometry{Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
+                                      shapes.element};
+  CacheBuffers mapped(1, mapped_geometry.layer_bytes(), true);
+  MutableCacheView target;
+  target.dtype = input.dtype;
+  target.layout = Layout::kNHD;
+  target.num_kv_heads = tgt.num_kv_heads;
+  target.head_dim = tgt.head_dim;
+  target.num_tokens = T;
+  const int64_t floats = shapes.target_layer_floats;
+  std::vector<float> k_mapped(floats), v_mapped(floats), k_true(floats), v_true(floats),
+      q(static_cast<size_t>(num_query_heads) * T * tgt.head_dim);
+  for (int layer = 0; layer < tgt.num_layers; ++layer) {
+    if (context->IsCancelled()) return absl::CancelledError("client went away");
+    target.k.assign(tgt.num_layers, nullptr);
+    target.v.assign(tgt.num_layers, nullptr);
+    target.k[layer] = mapped.k[0].get();
+    target.v[layer] = mapped.v[0].get();
+    // A cold page-in streams per layer: this layer's weights may still be arriving.
+    absl::Status status = mapper.WaitLayerReady(layer, absl::FromChrono(context->deadline()));
+    if (status.ok()) {
+      status = compute.backend->TranslateLayer(*compute.prepared, layer, source_view, positions,
+                                               options, &target);
+    }
+    if (!status.ok()) return status;
+    ToTokenMajorFloat(input.dtype, Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
+                      mapped.k[0].get(), k_mapped.data());
+    ToTokenMajorFloat(input.dtype, Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
+                      mapped.v[0].get(), v_mapped.data());
+    ToTokenMajorFloat(input.dtype, input.layout, tgt.num_kv_heads, T, tgt.head_dim,
+                      caches.truth.k[layer].get(), k_true.data());
+    ToTokenMajorFloat(input.dtype, input.layout, tgt.num_kv_heads, T, tgt.head_dim,
+                      caches.truth.v[layer].get(), v_true.data());
+    LayerQualityInputs in;
+    in.num_tokens = T;
+    in.num_kv_heads = tgt.num_kv_heads;
+    in.head_dim = tgt.head_dim;
+    in.k_mapped = k_mapped.data();
+    in.v_mapped = v_mapped.data();
+    in.k_true = k_true.data();
+    in.v_true = v_true.data();
+    if (num_query_heads > 0) {
+      ToTokenMajorFloat(input.dtype, input.layout, num_query_heads, T, tgt.head_dim,
+                        caches.queries.k[layer].get(), q.data());
+      in.num_query_heads = num_query_heads;
+      in.queries = q.data();
+    }
+    absl::StatusOr<LayerQuality> quality = ComputeLayerQuality(in, target_rope, positions);
+    if (!quality.ok()) return quality.status();
+    (*layers)[layer] = *quality;
+  }
+  return absl::OkStatus();
+}
+
+// The response and the metrics record from the per-layer quality; the "validate done" line.
+void Report(const std::string& request_id, const std::string& mapper_id, uint32_t turn,
+            int64_t tokens, const std::vector<LayerQuality>& layers,
+            v1::ValidateKVResponse* response, ValidateRecord* record) {
+  const QualitySummary summary = SummarizeQuality(layers);
+  response->set_request_id(request_id);
+  response->set_mapper_id(mapper_id);
+  for (size_t layer = 0; layer < layers.size(); ++layer) {
+    FillLayerQuality(static_cast<uint32_t>(layer), layers[layer], response->add_layers());
+  }
+  FillLayerQuality(0, summary.all, response->mutable_overall());
+  FillLayerQuality(0, summary.without_layer0, response->mutable_overall_without_layer0());
+
+  // The histograms take the overall without layer 0 (it inflates the mean); a one-layer target
+  // has only layer 0.
+  const LayerQuality& recorded = layers.size() > 1 ? summary.without_layer0 : summary.all;
+  record->has_quality = true;
+  record->r2_k = recorded.r2_k;
+  record->r2_v = recorded.r2_v;
+  record->cosine_k = recorded.cosine_k;
+  record->cosine_v = recorded.cosine_v;
+  record->attention_cosine = recorded.attention_cosine;
+  record->c_k = recorded.c_k;
+  record->c_v = recorded.c_v;
+  LogLine done(LogLevel::kInfo, "validate done");
+  done.With("request_id", request_id)
+      .With("mapper", mapper_id)
+      .With("tokens", tokens)
+      .With("turn", turn)
+      .With("r2_k", recorded.r2_k)
+      .With("r2_v", recorded.r2_v)
+      .With("cosine_k", recorded.cosine_k)
+      .With("cosine_v", recorded.cosine_v);
+  if (recorded.attention_cosine) done.With("attention_cosine", *recorded.attention_cosine);
+}
+
 }  // namespace
 
 grpc::Status TranslatorService::ValidateKV(grpc::ServerContext* context,
@@ -84,21 +315,12 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
   }
   // Kept for the whole call: explicit positions are read from it in place.
   const v1::ValidateHeader header = request.header();
-  const std::string request_id = RequestId(header.request_id());
-  auto fail = [&](const absl::Status& status) {
-    KVT_LOG(kWarning, "validate failed")
-        .With("request_id", request_id)
-        .With("code", absl::StatusCodeToString(status.code()))
-        .With("error", status.message());
-    return ToGrpcStatus(status);
-  };
-  if (draining()) {
-    return fail(absl::UnavailableError(
-        "server is draining (shutting down); retry on another replica"));
-  }
+  // The stream prologue TranslateKV has too (server/translate/request_plan.h).
+  const FailureLog fail("validate failed", request_ids_.Next(header.request_id()));
+  if (absl::Status open = CheckNotDraining(draining()); !open.ok()) return fail(open);
   absl::StatusOr<InputHeader> input = CheckInputHeader(header, config_.limits.max_tokens);
   if (!input.ok()) return fail(input.status());
-  const AcquireOptions mapper_wait = MapperWait(context);
+  const AcquireOptions mapper_wait = MapperWait(config_, absl::FromChrono(context->deadline()));
   absl::StatusOr<MapperHandle> mapper = AcquireMapper(store_, header, mapper_wait);
   if (!mapper.ok()) return fail(mapper.status());
   const MapperView& view = mapper->mapper().view();
@@ -106,26 +328,27 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
   record->turn = header.turn();
   const ModelSpec& src = view.source;
   const ModelSpec& tgt = view.target;
-  const int num_query_heads = static_cast<int>(header.num_query_heads());
-  if (num_query_heads % tgt.num_kv_heads != 0) {
+  ValidateShapes shapes;
+  shapes.num_query_heads = static_cast<int>(header.num_query_heads());
+  if (shapes.num_query_heads % tgt.num_kv_heads != 0) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
-        "header.num_query_heads=", num_query_heads, " must be a multiple of the target's ",
+        "header.num_query_heads=", shapes.num_query_heads, " must be a multiple of the target's ",
         tgt.num_kv_heads, " KV heads (grouped-query attention), or 0 for no queries")));
   }
 
-  const int64_t T = input->num_tokens;
-  const int64_t element = static_cast<int64_t>(DTypeSize(input->dtype));
-  const LayerGeometry source_geometry{input->layout, src.num_kv_heads, T, src.head_dim, element};
-  const LayerGeometry target_geometry{input->layout, tgt.num_kv_heads, T, tgt.head_dim, element};
-  const LayerGeometry query_geometry{input->layout, num_query_heads, T, tgt.head_dim, element};
+  const int64_t T = shapes.tokens = input->num_tokens;
+  const int64_t element = shapes.element = static_cast<int64_t>(DTypeSize(input->dtype));
+  shapes.source = {input->layout, src.num_kv_heads, T, src.head_dim, element};
+  shapes.target = {input->layout, tgt.num_kv_heads, T, tgt.head_dim, element};
+  shapes.query = {input->layout, shapes.num_query_heads, T, tgt.head_dim, element};
   // Held at once: both caches and the queries as sent, one translated layer, and the float
   // copies of one layer the metrics read (mapped and true K and V, queries).
-  const int64_t target_layer_floats = static_cast<int64_t>(tgt.num_kv_heads) * T * tgt.head_dim;
-  const int64_t bytes = 2 * src.num_layers * source_geometry.layer_bytes() +
-                        2 * tgt.num_layers * target_geometry.layer_bytes() +
-                        tgt.num_layers * query_geometry.layer_bytes() +
-                        2 * target_geometry.layer_bytes() +
-                        4 * (4 * target_layer_floats + query_geometry.layer_bytes() / element);
+  shapes.target_layer_floats = static_cast<int64_t>(tgt.num_kv_heads) * T * tgt.head_dim;
+  const int64_t bytes =
+      2 * src.num_layers * shapes.source.layer_bytes() +
+      2 * tgt.num_layers * shapes.target.layer_bytes() +
+      tgt.num_layers * shapes.query.layer_bytes() + 2 * shapes.target.layer_bytes() +
+      4 * (4 * shapes.target_layer_floats + shapes.query.layer_bytes() / element);
   if (bytes > config_.limits.max_request_bytes) {
     return fail(absl::ResourceExhaustedError(absl::StrCat(
         "header.num_tokens=", T, " makes ", bytes, " bytes of caches, queries and working copies, "
@@ -134,191 +357,30 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
   }
   absl::StatusOr<AdmissionController::Ticket> ticket = admission_.TryAdmit(bytes);
   if (!ticket.ok()) return fail(ticket.status());
-  absl::StatusOr<Derived> prepared = Prepared(&*mapper, mapper_wait.deadline);
+  absl::StatusOr<ComputeMapper> prepared =
+      PinForCompute(store_, &shift_stats_, &*mapper, mapper_wait.deadline);
   if (!prepared.ok()) return fail(prepared.status());
 
   // --- Receive: three caches, each chunk checked as TranslateKV checks its chunks. ---
-  CacheBuffers source(src.num_layers, source_geometry.layer_bytes(), true);
-  CacheBuffers truth(tgt.num_layers, target_geometry.layer_bytes(), true);
-  CacheBuffers queries(num_query_heads > 0 ? tgt.num_layers : 0, query_geometry.layer_bytes(),
-                       false);
-  CoverageTracker source_coverage(src.num_layers, T);
-  CoverageTracker truth_coverage(tgt.num_layers, T);
-  CoverageTracker query_coverage(tgt.num_layers, T);
-  // Queries have no V half: count it as received, so completeness means every query token.
-  for (int l = 0; l < tgt.num_layers; ++l) query_coverage.Add(l, 1, 0, T).IgnoreError();
-  const ChunkExpectation source_chunks{"chunk.chunk", absl::StrCat("source model ", src.name),
-                                       src.num_layers, source_geometry, input->dtype, false};
-  const ChunkExpectation truth_chunks{"chunk.chunk", absl::StrCat("target model ", tgt.name),
-                                      tgt.num_layers, target_geometry, input->dtype, false};
-  const ChunkExpectation query_chunks{
-      "chunk.chunk", absl::StrCat("target model ", tgt.name, " (queries)"), tgt.num_layers,
-      query_geometry, input->dtype, true};
-  while (reader->Read(&request)) {
-    if (request.has_header()) {
-      return fail(absl::InvalidArgumentError(
-          "second header in the stream: a ValidateKV stream carries exactly one header"));
-    }
-    if (!request.has_chunk()) {
-      return fail(absl::InvalidArgumentError("empty ValidateKVRequest: set header or chunk"));
-    }
-    const v1::ValidateChunk& message = request.chunk();
-    const ChunkExpectation* expect = nullptr;
-    CoverageTracker* coverage = nullptr;
-    CacheBuffers* buffers = nullptr;
-    const LayerGeometry* geometry = nullptr;
-    switch (message.role()) {
-      case v1::VALIDATE_ROLE_SOURCE:
-        expect = &source_chunks, coverage = &source_coverage, buffers = &source;
-        geometry = &source_geometry;
-        break;
-      case v1::VALIDATE_ROLE_TARGET_TRUE:
-        expect = &truth_chunks, coverage = &truth_coverage, buffers = &truth;
-        geometry = &target_geometry;
-        break;
-      case v1::VALIDATE_ROLE_TARGET_QUERY:
-        if (num_query_heads == 0) {
-          return fail(absl::InvalidArgumentError(
-              "chunk.role=VALIDATE_ROLE_TARGET_QUERY but header.num_query_heads=0: declare "
-              "the query heads in the header"));
-        }
-        expect = &query_chunks, coverage = &query_coverage, buffers = &queries;
-        geometry = &query_geometry;
-        break;
-      default:
-        return fail(absl::InvalidArgumentError(
-            "chunk.role must be VALIDATE_ROLE_SOURCE, VALIDATE_ROLE_TARGET_TRUE or "
-            "VALIDATE_ROLE_TARGET_QUERY"));
-    }
-    const v1::KVChunk& chunk = message.chunk();
-    absl::StatusOr<int> kind = CheckChunk(chunk, *expect);
-    if (!kind.ok()) return fail(kind.status());
-    if (absl::Status added =
-            coverage->Add(chunk.layer(), *kind, chunk.token_start(), chunk.token_count());
-        !added.ok()) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat(RoleName(message.role()), " ", added.message())));
-    }
-    ScatterChunk(*geometry, chunk.token_start(), chunk.token_count(), chunk.data().data(),
-                 (*kind == 0 ? buffers->k : buffers->v)[chunk.layer()].get());
-  }
+  ValidateIntake caches(src, tgt, shapes, input->dtype);
+  if (absl::Status read = caches.ReadAll(reader); !read.ok()) return fail(read);
   if (context->IsCancelled()) return CancelledOrDeadline(context);
-  const std::pair<const char*, const CoverageTracker*> coverages[] = {
-      {"SOURCE", &source_coverage},
-      {"TARGET_TRUE", &truth_coverage},
-      {"TARGET_QUERY", num_query_heads > 0 ? &query_coverage : nullptr}};
-  for (const auto& [role, coverage] : coverages) {
-    if (coverage != nullptr && !coverage->Complete()) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "stream ended before every ", role, " chunk arrived: ", coverage->FirstGap())));
-    }
-  }
+  if (absl::Status complete = caches.CheckComplete(); !complete.ok()) return fail(complete);
 
   // --- Translate and measure, layer by layer, on the compute executor. ---
-  CacheView source_view;
-  source_view.dtype = input->dtype;
-  source_view.layout = input->layout;
-  source_view.num_kv_heads = src.num_kv_heads;
-  source_view.head_dim = src.head_dim;
-  source_view.num_tokens = T;
-  for (int l = 0; l < src.num_layers; ++l) {
-    source_view.k.push_back(source.k[l].get());
-    source_view.v.push_back(source.v[l].get());
-  }
   absl::StatusOr<Rope> target_rope = Rope::Create(tgt.rope, tgt.head_dim);
   if (!target_rope.ok()) return fail(target_rope.status());
   std::vector<LayerQuality> layers(tgt.num_layers);
-  const Positions positions = input->positions;
   TranslateOptions options;
   options.token_chunk = config_.backend.token_chunk;
   absl::Status computed = compute_.Submit([&]() -> absl::Status {
-    // The translation as TranslateKV returns it by default (the request's dtype), token-major.
-    const LayerGeometry mapped_geometry{Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim, element};
-    CacheBuffers mapped(1, mapped_geometry.layer_bytes(), true);
-    MutableCacheView target;
-    target.dtype = input->dtype;
-    target.layout = Layout::kNHD;
-    target.num_kv_heads = tgt.num_kv_heads;
-    target.head_dim = tgt.head_dim;
-    target.num_tokens = T;
-    std::vector<float> k_mapped(target_layer_floats), v_mapped(target_layer_floats),
-        k_true(target_layer_floats), v_true(target_layer_floats),
-        q(static_cast<size_t>(num_query_heads) * T * tgt.head_dim);
-    for (int layer = 0; layer < tgt.num_layers; ++layer) {
-      if (context->IsCancelled()) return absl::CancelledError("client went away");
-      target.k.assign(tgt.num_layers, nullptr);
-      target.v.assign(tgt.num_layers, nullptr);
-      target.k[layer] = mapped.k[0].get();
-      target.v[layer] = mapped.v[0].get();
-      // A cold page-in streams per layer: this layer's weights may still be arriving.
-      absl::Status status =
-          mapper->WaitLayerReady(layer, absl::FromChrono(context->deadline()));
-      if (status.ok()) {
-        status = prepared->backend->TranslateLayer(*prepared->prepared, layer, source_view,
-                                                   positions, options, &target);
-      }
-      if (!status.ok()) return status;
-      ToTokenMajorFloat(input->dtype, Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
-                        mapped.k[0].get(), k_mapped.data());
-      ToTokenMajorFloat(input->dtype, Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
-                        mapped.v[0].get(), v_mapped.data());
-      ToTokenMajorFloat(input->dtype, input->layout, tgt.num_kv_heads, T, tgt.head_dim,
-                        truth.k[layer].get(), k_true.data());
-      ToTokenMajorFloat(input->dtype, input->layout, tgt.num_kv_heads, T, tgt.head_dim,
-                        truth.v[layer].get(), v_true.data());
-      LayerQualityInputs in;
-      in.num_tokens = T;
-      in.num_kv_heads = tgt.num_kv_heads;
-      in.head_dim = tgt.head_dim;
-      in.k_mapped = k_mapped.data();
-      in.v_mapped = v_mapped.data();
-      in.k_true = k_true.data();
-      in.v_true = v_true.data();
-      if (num_query_heads > 0) {
-        ToTokenMajorFloat(input->dtype, input->layout, num_query_heads, T, tgt.head_dim,
-                          queries.k[layer].get(), q.data());
-        in.num_query_heads = num_query_heads;
-        in.queries = q.data();
-      }
-      absl::StatusOr<LayerQuality> quality = ComputeLayerQuality(in, *target_rope, positions);
-      if (!quality.ok()) return quality.status();
-      layers[layer] = *quality;
-    }
-    return absl::OkStatus();
+    return MeasureLayers(context, *mapper, *prepared, src, tgt, shapes, *input, options,
+                         *target_rope, caches, &layers);
   }).get();
   if (context->IsCancelled()) return CancelledOrDeadline(context);
   if (!computed.ok()) return fail(computed);
 
-  const QualitySummary summary = SummarizeQuality(layers);
-  response->set_request_id(request_id);
-  response->set_mapper_id(mapper->mapper().id());
-  for (int layer = 0; layer < tgt.num_layers; ++layer) {
-    FillLayerQuality(layer, layers[layer], response->add_layers());
-  }
-  FillLayerQuality(0, summary.all, response->mutable_overall());
-  FillLayerQuality(0, summary.without_layer0, response->mutable_overall_without_layer0());
-
-  // The histograms take the overall without layer 0 (it inflates the mean); a one-layer target
-  // has only layer 0.
-  const LayerQuality& recorded = tgt.num_layers > 1 ? summary.without_layer0 : summary.all;
-  record->has_quality = true;
-  record->r2_k = recorded.r2_k;
-  record->r2_v = recorded.r2_v;
-  record->cosine_k = recorded.cosine_k;
-  record->cosine_v = recorded.cosine_v;
-  record->attention_cosine = recorded.attention_cosine;
-  record->c_k = recorded.c_k;
-  record->c_v = recorded.c_v;
-  LogLine done(LogLevel::kInfo, "validate done");
-  done.With("request_id", request_id)
-      .With("mapper", mapper->mapper().id())
-      .With("tokens", T)
-      .With("turn", header.turn())
-      .With("r2_k", recorded.r2_k)
-      .With("r2_v", recorded.r2_v)
-      .With("cosine_k", recorded.cosine_k)
-      .With("cosine_v", recorded.cosine_v);
-  if (recorded.attention_cosine) done.With("attention_cosine", *recorded.attention_cosine);
+  Report(fail.request_id(), mapper->mapper().id(), header.turn(), T, layers, response, record);
   return grpc::Status::OK;
 }
 
