@@ -91,7 +91,8 @@ class Backend {
 
   // Bytes Prepare(mapper) will hold, known before it runs so the pager can make room first.
   // The pager accounts PreparedMapper::bytes() once preparation has started; this only sizes
-  // the reservation. Default: every weight as fp32 (what the CPU backend holds at most).
+  // the reservation. Default: every weight as fp32 (what the CPU backend's sgemm path holds at
+  // most; CpuBackend overrides it with its exact figure for either path).
   virtual uint64_t PreparedBytesEstimate(const MapperView& mapper) const;
 
   // Memory of this backend's device that prepared mappers may use; 0 = unknown (the pager

@@ -1,29 +1,33 @@
 // CPU translate time against bare GEMMs of the same FLOPs, measured in the same run.
 //
 //   bazel build -c opt //kernels:cpu_backend_benchmark
-//   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark --benchmark_repetitions=3
-//
-// Each shape runs four benchmarks back to back: BM_Translate (the backend as it starts here:
-// oneDNN bf16 on CPUs with AVX-512 BF16 / AMX, else sgemm; --kvt_gemm_path=auto|bf16|fp32
-// forces one), BM_Bf16MatmulSameFlops (its ceiling: bare oneDNN bf16 matmuls of the same
-// shapes, prepacked weights, every core), BM_Bf16MatmulPerCore (the same matmuls split by rows
-// over the cores as the backend splits tokens: its GEMM-only floor), BM_TranslateSgemmPath (the backend forced onto
-// today's sgemm path) and BM_SgemmSameFlops (that path's ceiling). The program prints the ISA
-// oneDNN dispatched first, and a table of the ratios at the end.
+//   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark --benchmark_repetitions=3 \
+//       --benchmark_enable_random_interleaving=true
 //
 // Shapes are a scaled-down Qwen3 pair (8 KV heads x 128 dims on both sides, bf16 caches and
 // weights, sigma = every source layer) with fewer target layers so 2 cores finish in minutes.
-// Each BM_Translate/T/k/L/chunk runs next to its BM_SgemmSameFlops twin: 2 L GEMMs of
-// T x (k n d) x (n d) in fp32 on already-converted operands (one weight matrix per GEMM), with
-// OpenBLAS on every core, no gather and no epilogue. The table printed at the end is translate
-// FLOP/s over sgemm FLOP/s, from the best repetition of each. Results: docs/BENCHMARKS.md.
+// Each shape T/k/L/chunk runs five benchmarks back to back:
+//   BM_Translate           the backend as it starts here (oneDNN bf16 on CPUs with AVX-512 BF16
+//                          or AMX, else sgemm; --kvt_gemm_path=auto|bf16|fp32 forces one);
+//   BM_Bf16MatmulSameFlops its ceiling: 2 L bare oneDNN bf16 matmuls of T x (k n d) x (n d),
+//                          prepacked weights (one matrix per GEMM), one primitive on every core;
+//   BM_Bf16MatmulPerCore   the same matmuls split by rows over the cores as the backend splits
+//                          tokens: the GEMM-only floor of its design;
+//   BM_TranslateSgemmPath  the backend forced onto the sgemm path (fp32 weight copies);
+//   BM_SgemmSameFlops      that path's ceiling: the same GEMMs as fp32 cblas_sgemm, OpenBLAS on
+//                          every core, no gather and no epilogue.
+// The program prints the ISA oneDNN dispatched first; at the end a table of GFLOP/s and ratios
+// from the best repetition of each (wall time), the same comparisons in process CPU time (which
+// a shared machine disturbs much less), and the oneDNN implementations the matmuls used.
+// Results: docs/BENCHMARKS.md.
 //
 // MLP vs ridge of the same pair: BM_TranslateMlp/T/k/L/H/per_head runs the same shapes, caches
 // and sigma as BM_Translate/T/k/L/0 with kind: mlp chains of hidden width H (per_layer or
-// per_head), and a second table prints tokens/s of each MLP next to its ridge twin:
+// per_head), next to BM_TranslateMlpSgemmPath (the same on the sgemm path), and a last table
+// prints tokens/s of each MLP next to its ridge twin and its sgemm-path twin:
 //
 //   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark
-//       --benchmark_filter='BM_Translate(Mlp)?/512/[24]/2/' --benchmark_repetitions=3
+//       --benchmark_filter='BM_Translate(Mlp)?(SgemmPath)?/512/[24]/2/' --benchmark_repetitions=3
 #include <cblas.h>
 
 #include <algorithm>

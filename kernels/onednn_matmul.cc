@@ -1,7 +1,5 @@
 #include "kernels/onednn_matmul.h"
 
-#include <omp.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -15,6 +13,13 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype.h"
 #include "oneapi/dnnl/dnnl.hpp"
+
+// libgomp's (the OpenMP runtime Debian's oneDNN is built on), declared here rather than by
+// <omp.h>, which clang finds only with its own libomp headers (fuzz/Makefile builds with clang).
+extern "C" {
+int omp_get_max_threads(void);
+void omp_set_num_threads(int num_threads);
+}
 
 namespace kvt {
 namespace {

@@ -127,7 +127,10 @@ class StorePagingTest : public ::testing::Test {
   }
 
   std::string root_ = testing::MakeTempDir("paging");
-  std::unique_ptr<Backend> cpu_ = NewCpuBackend(CpuBackendOptions{1, 64});
+  // The sgemm path: its prepared copy is exactly the fp32 conversion (twice the bf16 host
+  // bytes), which the accounting tests below rely on, and it translates within 1e-5. The
+  // oneDNN bf16 path's bytes and numerics are kernels/cpu_backend_test's.
+  std::unique_ptr<Backend> cpu_ = NewCpuBackend(CpuBackendOptions{1, 64, CpuGemmPath::kSgemm});
 };
 
 TEST_F(StorePagingTest, HostLruEvictsLeastRecentlyUsedUnderAByteBudgetWithMixedSizes) {
