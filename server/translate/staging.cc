@@ -152,6 +152,13 @@ void RequestStaging::StageSource(BufferPool* pool) {
   }
 }
 
+void RequestStaging::ReleaseBuffers() {
+  source_v_.clear();
+  source_k_.clear();
+  output_host_.reset();
+  input_host_.reset();
+}
+
 const uint32_t* RequestStaging::output_block_table() const {
   return header_.output().region().paged().block_table().data();
 }

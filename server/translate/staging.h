@@ -50,6 +50,10 @@ class RequestStaging {
   // the source view over wherever the source cache now is.
   void StageSource(BufferPool* pool);
 
+  // Returns the layer buffers (source and CUDA host copies) to the pool; the leases stay until
+  // this object goes. The source view must not be read after this.
+  void ReleaseBuffers();
+
   const CacheView& source() const { return source_; }
   // The buffer chunk intake scatters source (layer, kind 0=K / 1=V) into.
   char* SourceLayer(int layer, int kind) {

@@ -162,6 +162,12 @@ grpc::Status TranslateKV(const TranslateServices& services, const TranslateCall&
   absl::StatusOr<AdmissionController::Ticket> ticket =
       services.admission->TryAdmit(staging.AdmissionBytes());
   if (!ticket.ok()) return fail(ticket.status());
+  // The request's layer buffers go back to the pool before its ticket leaves admission (this is
+  // destroyed first), so the next admitted request finds them there.
+  struct BuffersBeforeTicket {
+    RequestStaging* staging;
+    ~BuffersBeforeTicket() { staging->ReleaseBuffers(); }
+  } buffers_before_ticket{&staging};
   absl::StatusOr<ComputeMapper> mapper = PinForCompute(
       services.store, services.shift_stats, &plan.handle, plan.mapper_wait.deadline);
   if (!mapper.ok()) return fail(mapper.status());
