@@ -111,6 +111,18 @@ def tearDownModule():
     stop_kvtd()
 
 
+def wait_stopped(pid, timeout=5.0):
+    """Until the kernel reports the process stopped (state T in /proc/PID/stat)."""
+    end = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        if time.monotonic() > end:
+            raise AssertionError(f"kvtd {pid} did not stop")
+        time.sleep(0.01)
+
+
 _salts = iter(range(1 << 30))
 
 
@@ -232,9 +244,14 @@ class KvtConnectorTest(unittest.TestCase):
         reference = plain(L, prompt)
         pid = Suite.kvtd._process.pid
         os.kill(pid, signal.SIGSTOP)
+        wait_stopped(pid)
         try:
             slow = L.one(prompt, GEN, cache_salt="slow")
-            self.assert_fallback(slow, reference, "lookup_failed", "DEADLINE_EXCEEDED")
+            # The lookup's deadline (or, had kvtd stopped between lookup and translation, the
+            # translation's) ends the wait; either way a plain prefill.
+            self.assertIn(outcome(slow).get("reason"), ("lookup_failed", "translate_failed"))
+            self.assert_fallback(slow, reference, outcome(slow).get("reason"),
+                                 "DEADLINE_EXCEEDED")
             box = {}
             worker = threading.Thread(target=lambda: box.update(
                 r=L.one(prompt, GEN, cache_salt="killed")))
@@ -432,6 +449,24 @@ class MechanicsTest(unittest.TestCase):
         r = self.run_salted("zero")
         self.assertEqual(outcome(r).get("outcome"), "applied", outcome(r))
         self.assertNotEqual(r["logprobs"], self.reference["logprobs"])
+
+    def test_publish_queue_full_drops_and_counts(self):
+        before = self.engine.metrics().get("vllm:kvt_publish_dropped", 0)
+        self.state.publish_delay_s = 6.0  # kvtd takes publishes but never finishes one
+        try:
+            prompts = [list(f"{i:03d} ".encode()) + self.PROMPT[:160] for i in range(12)]
+            results = self.engine.generate([
+                {"prompt": p, "max_tokens": 4, "kvt": {"reuse": "forbid"},
+                 "cache_salt": f"mech-queue-{i}"} for i, p in enumerate(prompts)])
+        finally:
+            self.state.publish_delay_s = 0.0
+        self.assertEqual(len(results), 12)  # every request served
+        for r in results:
+            self.assertEqual(outcome(r).get("reason"), "forbidden")
+        # 12 publishes against a publisher stuck on the first and a queue of 8: some dropped.
+        after = self.engine.metrics().get("vllm:kvt_publish_dropped", 0)
+        self.assertGreater(after, before)
+        self.assertTrue(self.engine.log_lines("publish queue full"))
 
     def test_translate_failing_mid_stream_recomputes(self):
         self.state.mode = "fail_midway"

@@ -30,6 +30,7 @@ class State:
         self.leases = {}
         self.lookups = 0
         self.delay_s = 0.0     # LookupPrefix sleeps this long
+        self.publish_delay_s = 0.0  # Publish sleeps this long (a stuck kvtd)
         self.mode = "exact"    # TranslateKV: "exact", "zero_v" (V rows zeroed), "fail_midway"
 
 
@@ -38,6 +39,8 @@ class PrefixCache(prefix_cache_pb2_grpc.KvPrefixCacheServicer):
         self.s = state
 
     def Publish(self, request_iterator, context):
+        if self.s.publish_delay_s:
+            time.sleep(self.s.publish_delay_s)
         header = None
         rows = {}
         for req in request_iterator:
