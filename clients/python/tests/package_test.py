@@ -26,13 +26,16 @@ class PackageTest(unittest.TestCase):
         cls.work = tempfile.mkdtemp(dir=test_tmpdir())
         cls.pkg = os.path.join(cls.work, "python")
         source = package_sources()
-        os.makedirs(os.path.join(cls.pkg, "kvt"))
         for name in ("pyproject.toml", "README.md", "gen_protos.py"):
+            os.makedirs(cls.pkg, exist_ok=True)
             shutil.copyfile(os.path.join(source, name), os.path.join(cls.pkg, name))
-        for name in os.listdir(os.path.join(source, "kvt")):
-            if name.endswith(".py") or name == "py.typed":
-                shutil.copyfile(os.path.join(source, "kvt", name),
-                                os.path.join(cls.pkg, "kvt", name))
+        # The package and its subpackages (kvt.vllm: the vLLM connector).
+        for sub in ("kvt", os.path.join("kvt", "vllm")):
+            os.makedirs(os.path.join(cls.pkg, sub))
+            for name in os.listdir(os.path.join(source, sub)):
+                if name.endswith(".py") or name == "py.typed":
+                    shutil.copyfile(os.path.join(source, sub, name),
+                                    os.path.join(cls.pkg, sub, name))
         # The README's generation step, with the checkout's protos (from the runfiles).
         repo_root = os.path.normpath(os.path.join(
             os.path.dirname(runfile("proto/kvt/v1/service.proto")), "..", "..", ".."))
@@ -49,7 +52,8 @@ class PackageTest(unittest.TestCase):
                         "--no-build-isolation", "--target", site, self.pkg], check=True,
                        cwd=self.work)
         for path in ("kvt/py.typed", "kvt/_proto/translate_pb2.pyi",
-                     "kvt/_proto/service_pb2_grpc.py", "kvt/adapters.py"):
+                     "kvt/_proto/service_pb2_grpc.py", "kvt/adapters.py",
+                     "kvt/vllm/connector.py"):
             self.assertTrue(os.path.isfile(os.path.join(site, path)), path)
         probe = ("import kvt, kvt._proto.service_pb2_grpc as s; "
                  "print(kvt.__file__); print(s.KvTranslatorStub.__name__, kvt.__version__)")
