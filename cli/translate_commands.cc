@@ -13,7 +13,7 @@
 #include "client/cache_file.h"
 #include "client/client.h"
 #include "kernels/dtype.h"
-#include "kernels/testing/reference.h"
+#include "kernels/reference.h"
 #include "mapper_store/mapper.h"
 #include "transport/proto_convert.h"
 
@@ -159,11 +159,11 @@ int RunDemo(const std::vector<std::string>& args) {
   positions.offset = absl::GetFlag(FLAGS_position_offset);
   double max_error = 0;
   for (int layer = 0; layer < view.target.num_layers; ++layer) {
-    for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
+    for (reference::Kind kind : {reference::Kind::kK, reference::Kind::kV}) {
       const std::vector<double> expected =
-          testing::ReferenceTranslate(view, layer, kind, source_view, positions);
-      const std::vector<double> actual = testing::ReadLayer(target_view, layer, kind);
-      max_error = std::max(max_error, testing::MaxRelError(actual, expected));
+          reference::ReferenceTranslate(view, layer, kind, source_view, positions);
+      const std::vector<double> actual = reference::ReadLayer(target_view, layer, kind);
+      max_error = std::max(max_error, reference::MaxRelError(actual, expected));
     }
   }
   const double tolerance = target.dtype == DType::kFP32 ? 1e-5 : 1e-2;
