@@ -600,6 +600,13 @@ class KvtConnector(KVConnectorBase_V1):
             elif st.load is not None:
                 st.outcome = {"outcome": "fallback_reprefill", "reason": "not_loaded",
                               "detail": "the request ended before its translated prefix loaded"}
+            elif getattr(request, "skip_reading_prefix_cache", False):
+                # vLLM drops external and cached prefixes for such requests (prompt_logprobs
+                # sets it): the scheduler never asked the connector.
+                st.outcome = {"outcome": "unsupported", "reason": "prefix_cache_skipped",
+                              "detail": "vLLM skips reading cached prefixes for this request "
+                                        "(prompt_logprobs or "
+                                        "SamplingParams.skip_reading_prefix_cache)"}
             else:
                 st.outcome = {"outcome": "fallback_reprefill", "reason": "not_scheduled",
                               "detail": "the request ended before a reuse decision"}
