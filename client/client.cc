@@ -511,11 +511,12 @@ absl::StatusOr<v1::CudaMemoryStatusResponse> Client::CudaMemoryStatus(const std:
   return response;
 }
 
-absl::StatusOr<TranslateResult> Client::TranslateRegions(const v1::TranslateHeader& header) {
-  if (!header.input().has_region() || !header.output().has_region()) {
-    return absl::InvalidArgumentError(
-        "TranslateRegions needs header.input.region and header.output.region");
-  }
+// A TranslateKV whose stream carries only the header (inputs in regions or the prefix cache):
+// every response message goes to `on_response` (header and trailer are also kept in the result);
+// it returns false to abandon the call with `error`.
+absl::StatusOr<TranslateResult> Client::HeaderOnlyTranslate(
+    const v1::TranslateHeader& header,
+    const std::function<bool(const v1::TranslateKVResponse&, TranslateResult*)>& on_response) {
   grpc::ClientContext context;
   Prepare(&context);
   auto stream = stub_->TranslateKV(&context);
@@ -533,6 +534,11 @@ absl::StatusOr<TranslateResult> Client::TranslateRegions(const v1::TranslateHead
     } else if (response.has_trailer()) {
       result.trailer = response.trailer();
       have_trailer = true;
+    }
+    if (!on_response(response, &result)) {
+      context.TryCancel();
+      stream->Finish();
+      return absl::InternalError("server sent a response outside the announced target shape");
     }
   }
   grpc::Status status = stream->Finish();
@@ -543,69 +549,55 @@ absl::StatusOr<TranslateResult> Client::TranslateRegions(const v1::TranslateHead
   return result;
 }
 
+absl::StatusOr<TranslateResult> Client::TranslateRegions(const v1::TranslateHeader& header) {
+  if (!header.input().has_region() || !header.output().has_region()) {
+    return absl::InvalidArgumentError(
+        "TranslateRegions needs header.input.region and header.output.region");
+  }
+  return HeaderOnlyTranslate(header, [](const v1::TranslateKVResponse&, TranslateResult*) {
+    return true;
+  });
+}
+
 absl::StatusOr<TranslateResult> Client::TranslateCached(const v1::TranslateHeader& header) {
   if (!header.input().has_cached() || header.output().has_region()) {
     return absl::InvalidArgumentError(
         "TranslateCached needs header.input.cached and an inline output");
   }
-  grpc::ClientContext context;
-  Prepare(&context);
-  auto stream = stub_->TranslateKV(&context);
-  v1::TranslateKVRequest request;
-  *request.mutable_header() = header;
-  stream->Write(request);
-  stream->WritesDone();
-  TranslateResult result;
-  bool have_header = false, have_trailer = false;
   LayerGeometry geometry;
-  v1::TranslateKVResponse response;
-  while (stream->Read(&response)) {
+  return HeaderOnlyTranslate(header, [&geometry](const v1::TranslateKVResponse& response,
+                                                 TranslateResult* result) {
+    HostCache& target = result->target;
     if (response.has_header()) {
-      result.header = response.header();
-      have_header = true;
-      HostCache& target = result.target;
-      absl::StatusOr<DType> dtype = DTypeFromProto(result.header.output_dtype(), "output_dtype");
+      absl::StatusOr<DType> dtype =
+          DTypeFromProto(result->header.output_dtype(), "output_dtype");
       absl::StatusOr<Layout> layout =
-          LayoutFromProto(result.header.output_layout(), "output_layout");
-      if (!dtype.ok() || !layout.ok()) {
-        context.TryCancel();
-        stream->Finish();
-        return absl::InternalError("server sent an invalid response header");
-      }
+          LayoutFromProto(result->header.output_layout(), "output_layout");
+      if (!dtype.ok() || !layout.ok()) return false;
       target.dtype = *dtype;
       target.layout = *layout;
-      target.num_layers = static_cast<int>(result.header.target_shape().num_layers());
-      target.num_kv_heads = static_cast<int>(result.header.target_shape().num_kv_heads());
-      target.head_dim = static_cast<int>(result.header.target_shape().head_dim());
-      target.num_tokens = result.header.num_tokens();
+      target.num_layers = static_cast<int>(result->header.target_shape().num_layers());
+      target.num_kv_heads = static_cast<int>(result->header.target_shape().num_kv_heads());
+      target.head_dim = static_cast<int>(result->header.target_shape().head_dim());
+      target.num_tokens = result->header.num_tokens();
       target.Allocate();
       geometry = LayerGeometry{target.layout, target.num_kv_heads, target.num_tokens,
                                target.head_dim, static_cast<int64_t>(DTypeSize(target.dtype))};
-    } else if (response.has_chunk() && have_header) {
-      const v1::KVChunk& chunk = response.chunk();
-      if (chunk.layer() >= static_cast<uint32_t>(result.target.num_layers) ||
-          chunk.token_start() + static_cast<int64_t>(chunk.token_count()) >
-              result.target.num_tokens ||
-          static_cast<int64_t>(chunk.data().size()) != geometry.chunk_bytes(chunk.token_count())) {
-        context.TryCancel();
-        stream->Finish();
-        return absl::InternalError("server sent a chunk outside the announced target shape");
-      }
-      std::vector<char>& layer = (chunk.kind() == v1::CACHE_KIND_K ? result.target.k
-                                                                   : result.target.v)[chunk.layer()];
-      ScatterChunk(geometry, chunk.token_start(), chunk.token_count(), chunk.data().data(),
-                   layer.data());
-    } else if (response.has_trailer()) {
-      result.trailer = response.trailer();
-      have_trailer = true;
+      return true;
     }
-  }
-  grpc::Status status = stream->Finish();
-  if (!status.ok()) return FromGrpcStatus(status);
-  if (!have_header || !have_trailer) {
-    return absl::InternalError("server ended the stream without header and trailer");
-  }
-  return result;
+    if (!response.has_chunk()) return true;
+    const v1::KVChunk& chunk = response.chunk();
+    if (target.num_layers == 0 || chunk.layer() >= static_cast<uint32_t>(target.num_layers) ||
+        chunk.token_start() + static_cast<int64_t>(chunk.token_count()) > target.num_tokens ||
+        static_cast<int64_t>(chunk.data().size()) != geometry.chunk_bytes(chunk.token_count())) {
+      return false;
+    }
+    std::vector<char>& layer =
+        (chunk.kind() == v1::CACHE_KIND_K ? target.k : target.v)[chunk.layer()];
+    ScatterChunk(geometry, chunk.token_start(), chunk.token_count(), chunk.data().data(),
+                 layer.data());
+    return true;
+  });
 }
 
 }  // namespace kvt

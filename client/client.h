@@ -168,6 +168,9 @@ class Client {
 
  private:
   Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  absl::StatusOr<TranslateResult> HeaderOnlyTranslate(
+      const v1::TranslateHeader& header,
+      const std::function<bool(const v1::TranslateKVResponse&, TranslateResult*)>& on_response);
   // Deadline and credentials of one call.
   void Prepare(grpc::ClientContext* context) const;
 
