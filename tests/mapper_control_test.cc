@@ -261,8 +261,9 @@ TEST_F(MapperControlTest, AnInFlightRequestFinishesOnItsVersionAcrossAHotReload)
   header.set_position_offset(5);
   absl::StatusOr<std::unique_ptr<TranslateStream>> stream = router_->StartTranslate(header, source);
   ASSERT_TRUE(stream.ok()) << stream.status();
-  // The server has the header (and pinned version 1) once the host copy shows a pin.
-  for (int i = 0; i < 1000 && (Get("ab").residency_size() == 0 || Get("ab").residency(0).pins() == 0);
+  // The server has the header (and pinned version 1) once the copy shows this request's pin
+  // alone: while the page-in worker runs, it holds a second pin of its own.
+  for (int i = 0; i < 1000 && (Get("ab").residency_size() == 0 || Get("ab").residency(0).pins() != 1);
        ++i) {
     absl::SleepFor(absl::Milliseconds(5));
   }
