@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -133,6 +134,48 @@ TEST_F(ShmTransportTest, RoundTripEqualsInlineTranslation) {
               0)
         << "layer " << l << " V";
   }
+
+  // header.region_layer_notices: one data-less chunk per target layer and kind (K then V of a
+  // layer together; layers in any order), each sent once its bytes are in the region (checked
+  // when the notice arrives), then the trailer.
+  std::memset(out_object.data(), 0xff, kTargetBytes);
+  v1::TranslateHeader noticed = RegionHeader("in", 100, kSourceBytes, "out");
+  noticed.set_region_layer_notices(true);
+  grpc::ClientContext context;
+  auto stream = client->stub()->TranslateKV(&context);
+  v1::TranslateKVRequest request;
+  *request.mutable_header() = noticed;
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->WritesDone());
+  v1::TranslateKVResponse response;
+  int notices = 0;
+  std::set<std::pair<uint32_t, int>> noticed_layers;
+  bool header_seen = false, trailer_seen = false;
+  while (stream->Read(&response)) {
+    if (response.has_header()) header_seen = true;
+    if (response.has_trailer()) trailer_seen = true;
+    if (!response.has_chunk()) continue;
+    EXPECT_TRUE(header_seen);
+    EXPECT_FALSE(trailer_seen);
+    const v1::KVChunk& chunk = response.chunk();
+    const int kind = chunk.kind() == v1::CACHE_KIND_K ? 0 : 1;
+    EXPECT_EQ(kind, notices % 2);
+    ASSERT_LT(chunk.layer(), 6u);
+    EXPECT_TRUE(noticed_layers.insert({chunk.layer(), kind}).second) << "a second notice";
+    EXPECT_EQ(chunk.token_start(), 0u);
+    EXPECT_EQ(chunk.token_count(), static_cast<uint32_t>(kTokens));
+    EXPECT_TRUE(chunk.data().empty());
+    const std::vector<char>& want =
+        kind == 0 ? expected.k[chunk.layer()] : expected.v[chunk.layer()];
+    EXPECT_EQ(std::memcmp(out_object.data() + (2 * chunk.layer() + kind) * expected.layer_bytes(),
+                          want.data(), expected.layer_bytes()),
+              0)
+        << "layer " << chunk.layer() << " kind " << kind << " not in the region at its notice";
+    ++notices;
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_TRUE(trailer_seen);
+  EXPECT_EQ(notices, 12);
   EXPECT_TRUE(client->UnregisterSystemMemory("").ok());
 }
 

@@ -148,6 +148,7 @@ absl::Status CheckSides(const v1::TranslateHeader& header, const PlanContext& co
   // contiguous layers.
   plan->input_paged = plan->input_in_region && header.input().region().has_paged();
   plan->output_paged = plan->output_in_region && header.output().region().has_paged();
+  plan->region_layer_notices = plan->output_in_region && header.region_layer_notices();
   if ((plan->input_in_region || plan->output_in_region) &&
       !context.config->shared_memory.allow_client_regions) {
     return absl::FailedPreconditionError(absl::StrCat(

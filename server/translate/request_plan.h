@@ -97,6 +97,7 @@ struct TranslatePlan {
   bool input_paged = false;       // the input region is paged (block table)
   bool output_in_region = false;  // header.output.region
   bool output_paged = false;
+  bool region_layer_notices = false;  // header.region_layer_notices, with a region output
   PrefixLease prefix_lease;  // when input_cached
   LayerGeometry source_geometry, target_geometry;
   int64_t source_bytes = 0;

@@ -108,20 +108,60 @@ grpc::Status PagedRegionSink::Deliver(int layer, const std::shared_ptr<LayerBuff
   return grpc::Status::OK;
 }
 
-std::unique_ptr<LayerSink> MakeLayerSink(const TranslatePlan& plan, const RequestStaging& staging,
-                                         const KvtdConfig& config, ResponseWriter write,
-                                         const StreamHooks& hooks) {
+LayerNoticeSink::LayerNoticeSink(std::unique_ptr<LayerSink> inner, int64_t num_tokens,
+                                 ResponseWriter write, std::function<grpc::Status()> closed)
+    : inner_(std::move(inner)),
+      num_tokens_(num_tokens),
+      write_(std::move(write)),
+      closed_(std::move(closed)) {}
+
+grpc::Status LayerNoticeSink::Deliver(int layer, const std::shared_ptr<LayerBuffer>& k,
+                                      const std::shared_ptr<LayerBuffer>& v) {
+  grpc::Status delivered = inner_->Deliver(layer, k, v);
+  output_bytes_ = inner_->output_bytes();
+  stage_out_ms_ = inner_->stage_out_ms();
+  if (!delivered.ok()) return delivered;
+  const absl::Time send_begin = absl::Now();
+  TranslateResponseMessage notice;
+  v1::KVChunk* chunk = notice.proto.mutable_chunk();
+  chunk->set_layer(layer);
+  chunk->set_token_start(0);
+  chunk->set_token_count(static_cast<uint32_t>(num_tokens_));
+  for (const v1::CacheKind kind : {v1::CACHE_KIND_K, v1::CACHE_KIND_V}) {
+    chunk->set_kind(kind);
+    if (!write_(notice)) return closed_();
+  }
+  stage_out_ms_ += Ms(absl::Now() - send_begin);
+  return grpc::Status::OK;
+}
+
+namespace {
+
+std::unique_ptr<LayerSink> MakeRegionSink(const TranslatePlan& plan,
+                                          const RequestStaging& staging,
+                                          const StreamHooks& hooks) {
   if (plan.output_paged) {
     return std::make_unique<PagedRegionSink>(staging.output_pages(),
                                              staging.output_block_table(),
                                              staging.output_base(), plan.target_geometry);
   }
+  const bool cuda = staging.output_cuda();
+  return std::make_unique<PackedRegionSink>(
+      staging.output_base(), plan.target_geometry.layer_bytes(),
+      cuda ? staging.output_region().device_id() : -1,
+      cuda ? staging.output_region().data() : nullptr, hooks.fail);
+}
+
+}  // namespace
+
+std::unique_ptr<LayerSink> MakeLayerSink(const TranslatePlan& plan, const RequestStaging& staging,
+                                         const KvtdConfig& config, ResponseWriter write,
+                                         const StreamHooks& hooks) {
   if (plan.output_in_region) {
-    const bool cuda = staging.output_cuda();
-    return std::make_unique<PackedRegionSink>(
-        staging.output_base(), plan.target_geometry.layer_bytes(),
-        cuda ? staging.output_region().device_id() : -1,
-        cuda ? staging.output_region().data() : nullptr, hooks.fail);
+    std::unique_ptr<LayerSink> region = MakeRegionSink(plan, staging, hooks);
+    if (!plan.region_layer_notices) return region;
+    return std::make_unique<LayerNoticeSink>(std::move(region), plan.num_tokens,
+                                             std::move(write), hooks.closed);
   }
   return std::make_unique<InlineChunkSink>(plan, config.limits.response_chunk_bytes,
                                            std::move(write), hooks.closed);

@@ -87,6 +87,24 @@ class PagedRegionSink : public LayerSink {
   const LayerGeometry geometry_;
 };
 
+// header.region_layer_notices: wraps a region sink; once `inner` has a target layer in the
+// region, tells the caller with one data-less KVChunk for its K and one for its V.
+class LayerNoticeSink : public LayerSink {
+ public:
+  LayerNoticeSink(std::unique_ptr<LayerSink> inner, int64_t num_tokens, ResponseWriter write,
+                  std::function<grpc::Status()> closed);
+  bool in_place() const override { return inner_->in_place(); }
+  char* InPlace(int layer, int kind) override { return inner_->InPlace(layer, kind); }
+  grpc::Status Deliver(int layer, const std::shared_ptr<LayerBuffer>& k,
+                       const std::shared_ptr<LayerBuffer>& v) override;
+
+ private:
+  const std::unique_ptr<LayerSink> inner_;
+  const int64_t num_tokens_;
+  const ResponseWriter write_;
+  const std::function<grpc::Status()> closed_;
+};
+
 // The sink the plan's output kind asks for, over the staged output base.
 std::unique_ptr<LayerSink> MakeLayerSink(const TranslatePlan& plan, const RequestStaging& staging,
                                          const KvtdConfig& config, ResponseWriter write,

@@ -118,6 +118,41 @@ TEST_F(ResponseWriterTest, RegionSinks) {
   EXPECT_EQ(paged.output_bytes(), 2 * layer_bytes);
 }
 
+TEST_F(ResponseWriterTest, LayerNoticesFollowEachRegionLayer) {
+  const TranslatePlan plan = PlanOf(TinyHeader(6));
+  const int64_t layer_bytes = plan.target_geometry.layer_bytes();
+  std::string packed(2 * 6 * layer_bytes, '\0');
+  std::vector<TranslateResponseMessage> sent;
+  LayerNoticeSink noticed(std::make_unique<PackedRegionSink>(&packed[0], layer_bytes),
+                          plan.num_tokens,
+                          [&](const TranslateResponseMessage& message) {
+                            sent.push_back(message);
+                            return true;
+                          },
+                          [] { return grpc::Status(grpc::StatusCode::CANCELLED, "gone"); });
+  // The wrapper computes in place exactly where the region sink would.
+  EXPECT_TRUE(noticed.in_place());
+  EXPECT_EQ(noticed.InPlace(2, 1), &packed[0] + 5 * layer_bytes);
+  ASSERT_TRUE(noticed.Deliver(2, nullptr, nullptr).ok());
+  ASSERT_EQ(sent.size(), 2u);
+  for (int kind = 0; kind < 2; ++kind) {
+    const v1::KVChunk& chunk = sent[kind].proto.chunk();
+    EXPECT_EQ(chunk.layer(), 2u);
+    EXPECT_EQ(chunk.kind(), kind == 0 ? v1::CACHE_KIND_K : v1::CACHE_KIND_V);
+    EXPECT_EQ(chunk.token_start(), 0u);
+    EXPECT_EQ(chunk.token_count(), 6u);
+    EXPECT_TRUE(chunk.data().empty());
+    EXPECT_EQ(sent[kind].data.size(), 0u);
+  }
+  EXPECT_EQ(noticed.output_bytes(), 2 * layer_bytes);  // the region's bytes, not the notices
+
+  // A caller gone: the stream ends with the closed status.
+  LayerNoticeSink closed(std::make_unique<PackedRegionSink>(&packed[0], layer_bytes), 6,
+                         [](const TranslateResponseMessage&) { return false; },
+                         [] { return grpc::Status(grpc::StatusCode::CANCELLED, "gone"); });
+  EXPECT_EQ(closed.Deliver(0, nullptr, nullptr).error_message(), "gone");
+}
+
 TEST_F(ResponseWriterTest, MakeLayerSinkFollowsTheOutputKind) {
   const v1::TranslateHeader header = TinyHeader(6);
   const TranslatePlan plan = PlanOf(header);
