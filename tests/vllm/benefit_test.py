@@ -44,8 +44,7 @@ log-probabilities of the positions L computes are exact; positions inside the lo
 none (the test never reads them). With vLLM's default the request is a plain prefill (checked:
 prompt log-probabilities identical to the forbid run) and the connector reports
 fallback_reprefill, reason not_scheduled ("the request ended before a reuse decision").
-tests/vllm/engine_host.py has no prompt-logprob route, so this test drives the engines through a
-small host of its own (host_main below, the pipe protocol of tests/vllm/engines.py).
+tests/vllm/engine_host.py sets skip_reading_prefix_cache=False for requests with prompt_logprobs.
 """
 
 import json
@@ -55,111 +54,13 @@ import time
 import unittest
 
 import numpy as np
+import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-# -- the engine host (runs in the engine's own process) ---------------------------------------
-
-def host_main():
-    """engine_host.py's protocol with prompt log-probabilities: each request may carry
-    "prompt_logprobs": k; its result then has "prompt_logprobs": for each prompt position the
-    log-probability of the prompt's own token there (None where vLLM computed none)."""
-    import argparse
-    import traceback
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--max_model_len", type=int, default=1024)
-    parser.add_argument("--block_size", type=int, default=32)
-    parser.add_argument("--no_connector", action="store_true")
-    args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    out = sys.stdout
-    sys.stdout = sys.stderr
-
-    def answer(obj):
-        out.write("@@kvt " + json.dumps(obj) + "\n")
-        out.flush()
-
-    t0 = time.monotonic()
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32",
-              max_model_len=args.max_model_len, enforce_eager=True, block_size=args.block_size,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvtConnector", kv_connector_module_path="kvt.vllm",
-                  kv_role="kv_both", kv_connector_extra_config=json.loads(args.config)))
-    answer({"ready": True, "start_s": time.monotonic() - t0})
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        command = json.loads(line)
-        if command.get("op") == "quit":
-            answer({"ok": True})
-            break
-        try:
-            prompts, params = [], []
-            for r in command["requests"]:
-                extra = {"kv_transfer_params": {"kvt": r["kvt"]}} if r.get("kvt") else None
-                plp = r.get("prompt_logprobs")
-                # prompt_logprobs alone would set skip_reading_prefix_cache=True, which drops
-                # the connector's external tokens too (see the module docstring).
-                # A request may still ask for vLLM's default ("skip_reading_prefix_cache": null).
-                skip = r.get("skip_reading_prefix_cache", False if plp is not None else None)
-                params.append(SamplingParams(
-                    max_tokens=r.get("max_tokens", 1), temperature=0.0, detokenize=False,
-                    prompt_logprobs=plp, skip_reading_prefix_cache=skip, extra_args=extra))
-                p = TokensPrompt(prompt_token_ids=list(r["prompt"]))
-                if r.get("cache_salt"):
-                    p["cache_salt"] = r["cache_salt"]
-                prompts.append(p)
-            t = time.monotonic()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.monotonic() - t
-            results = []
-            for r, o in zip(command["requests"], outputs):
-                lps = None
-                if o.prompt_logprobs is not None:
-                    lps = []
-                    for i, pos in enumerate(o.prompt_logprobs):
-                        hit = pos.get(r["prompt"][i]) if pos else None
-                        lps.append(None if hit is None else float(hit.logprob))
-                results.append({"token_ids": list(o.outputs[0].token_ids),
-                                "kv_transfer_params": o.kv_transfer_params,
-                                "num_cached_tokens": o.num_cached_tokens,
-                                "prompt_logprobs": lps, "wall_s": wall})
-            answer({"ok": True, "results": results})
-        except Exception:
-            answer({"ok": False, "error": traceback.format_exc()})
-
-
-import engines as E  # noqa: E402
-
-_BOOT = (f"import sys; sys.path.insert(0, {HERE!r}); import benefit_test; "
-         "benefit_test.host_main()")
-
-
-class LogprobEngine(E.Engine):
-    """tests/vllm/engines.Engine (process, pipes, logs) running host_main instead of
-    engine_host.py."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        assert self.cmd[1].endswith("engine_host.py"), self.cmd
-        self.cmd = [self.cmd[0], "-c", _BOOT] + self.cmd[2:]
-
-
-# -- the test ---------------------------------------------------------------------------------
-
-import torch  # noqa: E402
-
-import family  # noqa: E402
-import kvt  # noqa: E402
-import retention as R  # noqa: E402
-from kvt.prefix import PrefixCache  # noqa: E402
+import engines as E
+import family
+import kvt
+import retention as R
+from kvt.prefix import PrefixCache
 
 WORK = os.environ.get("TEST_TMPDIR") or "/tmp/kvt-vllm-benefit"
 CONTEXT, CONTINUATION = 384, 96        # docs/EVAL.md's held-out windows
@@ -185,7 +86,7 @@ def setUpModule():
     port = E.free_port()
     common = {"kvtd_address": f"127.0.0.1:{port}", "lookup_timeout_s": 10.0,
               "translate_timeout_s": 60.0}
-    Suite.engines = {m: LogprobEngine(m, family.model_dir(m),
+    Suite.engines = {m: E.Engine(m, family.model_dir(m),
                                       {**common, "model_name": family.NAMES[m]}, WORK,
                                       block_size=BLOCK)
                      for m in ("M", "L")}

@@ -6,9 +6,12 @@ starting with "@@kvt " (vLLM's own logs share stdout and are passed through to a
 
 Commands:
   {"op": "generate", "requests": [{"prompt": [ids], "max_tokens": n, "kvt": {...} | null,
-   "cache_salt": str | null, "logprobs": k}]}
+   "cache_salt": str | null, "logprobs": k, "prompt_logprobs": k,
+   "skip_reading_prefix_cache": bool | null}]}
     -> {"ok": true, "results": [{"token_ids", "kv_transfer_params", "num_cached_tokens",
-        "logprobs": [{token: logprob}] (first positions), "wall_s"}]}
+        "logprobs": [{token: logprob}] (first positions), "prompt_logprobs": for each prompt
+        position the log-probability of the prompt's own token there (None where vLLM computed
+        none; the key is null without prompt_logprobs), "wall_s"}]}
     Requests of one command are submitted together (one generate call).
   {"op": "metrics"} -> {"ok": true, "metrics": {name: value}} (vllm:kvt_* counters, summed over
     their labels)
@@ -73,8 +76,14 @@ def main():
                 extra = {"kv_transfer_params": {"kvt": r["kvt"]}} if r.get("kvt") is not None \
                     else ({"kv_transfer_params": r["kv_transfer_params"]}
                           if "kv_transfer_params" in r else None)
+                plp = r.get("prompt_logprobs")
+                # prompt_logprobs alone sets skip_reading_prefix_cache=True, which drops the
+                # connector's external tokens too (tests/vllm/benefit_test.py); a request may
+                # still ask for vLLM's default ("skip_reading_prefix_cache": null).
+                skip = r.get("skip_reading_prefix_cache", False if plp is not None else None)
                 params.append(SamplingParams(max_tokens=r.get("max_tokens", 16), temperature=0.0,
                                              detokenize=False, logprobs=r.get("logprobs"),
+                                             prompt_logprobs=plp, skip_reading_prefix_cache=skip,
                                              extra_args=extra))
                 p = TokensPrompt(prompt_token_ids=list(r["prompt"]))
                 if r.get("cache_salt"):
@@ -84,16 +93,22 @@ def main():
             outputs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.monotonic() - t
             results = []
-            for o in outputs:
+            for r, o in zip(command["requests"], outputs):
                 c = o.outputs[0]
                 lp = None
                 if c.logprobs:
                     lp = [{str(tok): float(v.logprob) for tok, v in pos.items()}
                           for pos in c.logprobs[:2]]
+                plps = None
+                if o.prompt_logprobs is not None:
+                    plps = []
+                    for i, pos in enumerate(o.prompt_logprobs):
+                        hit = pos.get(r["prompt"][i]) if pos else None
+                        plps.append(None if hit is None else float(hit.logprob))
                 results.append({"token_ids": list(c.token_ids),
                                 "kv_transfer_params": o.kv_transfer_params,
                                 "num_cached_tokens": o.num_cached_tokens, "logprobs": lp,
-                                "wall_s": wall})
+                                "prompt_logprobs": plps, "wall_s": wall})
             answer({"ok": True, "results": results})
         except Exception:
             answer({"ok": False, "error": traceback.format_exc()})

@@ -40,9 +40,9 @@ def fit_store(work: str, pairs=PAIRS) -> str:
 
 
 def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Optional[Dict] = None,
-              min_mapper_quality: float = 0.0) -> str:
+              min_mapper_quality: float = 0.0, lease_seconds: float = 30) -> str:
     lines = ["prefix_cache:", "  enabled: true", f"  max_bytes: {max_bytes}",
-             "  ttl_seconds: 600", "  block_tokens: 16", "  lease_seconds: 30",
+             "  ttl_seconds: 600", "  block_tokens: 16", f"  lease_seconds: {lease_seconds}",
              f"  min_mapper_quality: {min_mapper_quality}"]
     if pair_min_quality:
         lines.append("  pair_min_quality:")
@@ -81,3 +81,64 @@ def heldout_text(n: int, offset: int = 0) -> List[int]:
     """n byte tokens of the held-out documents (never seen in training or calibration)."""
     stream = [t for ids in R.token_stream("heldout") for t in ids]
     return stream[offset:offset + n]
+
+
+TWIN_L = "kvt-tiny-L-twin"  # a second name for L's weights: the source of the identity mappers
+
+
+def identity_mapper(store: str, mapper: str, member: str = "L", source_name: str = TWIN_L,
+                    zero_v: bool = False) -> str:
+    """A real mapper directory (manifest, safetensors weights, SHA256SUMS) from `source_name` to
+    `member` that copies each layer's K (and V, unless zero_v) unchanged: k = 1, W = I, b = 0.
+    kvtd serves it like any fitted mapper (RoPE stripped and re-applied at the same positions),
+    so a cache `member` computed itself comes back within float rounding: the connector's
+    paged load can be checked against a plain run independently of any fitted mapper's
+    quality. zero_v writes V's weights as zeros (the load must then change the output)."""
+    import hashlib
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    with open(os.path.join(model_dir(member), "config.json")) as f:
+        config = json.load(f)
+    layers, heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    width = heads * dim
+    tensors = {}
+    for layer in range(layers):
+        for kind in ("k", "v"):
+            eye = np.zeros((width, width), np.float32) if (kind == "v" and zero_v) else \
+                np.eye(width, dtype=np.float32)
+            tensors[f"layers.{layer}.{kind}.weight"] = eye
+            tensors[f"layers.{layer}.{kind}.bias"] = np.zeros(width, np.float32)
+    rope = (f"{{theta: {float(config.get('rope_theta', 10000.0)):g}, rotary_dim: {dim}, "
+            "style: neox, scaling: {type: none}}")
+
+    def model(name):
+        return [f"  name: {name}", f"  num_layers: {layers}", f"  num_kv_heads: {heads}",
+                f"  head_dim: {dim}", f"  rope: {rope}"]
+
+    manifest = (["format_version: 1", "kind: ridge", "synthetic: false", "source:"]
+                + model(source_name) + ["target:"] + model(NAMES[member])
+                + ["k: 1", "lambda: 0", "lambda_scale: covariance",
+                   "weights: {file: weights.safetensors, dtype: fp32}", "layers:"]
+                + [f"  - {{target_layer: {l}, sigma_k: [{l}], sigma_v: [{l}]}}"
+                   for l in range(layers)]
+                # What a held-out check of this map measures: exact for K, and for V unless
+                # zeroed (the gate then sees an honest figure).
+                + [f"quality: {{attention_cosine_heldout: {0.0 if zero_v else 1.0}}}",
+                   "created_by: tests/vllm/family.py identity_mapper"])
+    out = os.path.join(store, mapper)
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "weights.safetensors"),
+              metadata={"kvt_mapper_format_version": "1", "kvt_mapper_kind": "ridge"})
+    with open(os.path.join(out, "manifest.yaml"), "w") as f:
+        f.write("\n".join(manifest) + "\n")
+    sums = []
+    for name in ("manifest.yaml", "weights.safetensors"):
+        with open(os.path.join(out, name), "rb") as f:
+            sums.append(f"{hashlib.sha256(f.read()).hexdigest()}  {name}")
+    with open(os.path.join(out, "SHA256SUMS"), "w") as f:
+        f.write("\n".join(sums) + "\n")
+    return out

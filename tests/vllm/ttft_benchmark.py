@@ -11,7 +11,8 @@ TTFT is the wall time of a 1-token generate call on the engine (median of --repe
 translated prompts the request's outcome gives the breakdown: lookup (scheduler, LookupPrefix),
 translate (worker: the TranslateKV stream of the lease from its start to the last chunk loaded),
 of which load (decoding chunks and writing them into the paged cache) and kvtd's own total
-(trailer); transfer = translate - kvtd - load. The connector's overhead over kvtd's translate
+(trailer); transfer = translate - kvtd total: the connector's own time outside kvtd (the load
+overlaps kvtd's work with shared memory: each layer is copied as kvtd reports it written). The connector's overhead over kvtd's translate
 time is (TTFT_translated - TTFT of prefilling only the tail) / kvtd total - 1, and, narrower,
 (lookup + translate) / kvtd total - 1.
 
@@ -44,12 +45,16 @@ def main():
     parser.add_argument("--json", default="", help="write the results here")
     parser.add_argument("--transport", default="auto", choices=("auto", "shm", "inline"),
                         help="how L receives translated KV (kv_connector_extra_config)")
+    parser.add_argument("--idle_wait_ms", type=float, default=None,
+                        help="kv_connector_extra_config.idle_wait_ms (default: the connector's)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="kvt-ttft-")
     os.makedirs(work, exist_ok=True)
     port = E.free_port()
     common = {"kvtd_address": f"127.0.0.1:{port}", "lookup_timeout_s": 2.0,
               "translate_timeout_s": 60.0, "publish_final": False, "transport": args.transport}
+    if args.idle_wait_ms is not None:
+        common["idle_wait_ms"] = args.idle_wait_ms
     L = E.Engine("L", family.model_dir("L"), {**common, "model_name": family.NAMES["L"]}, work,
                  max_model_len=2048).start()
     M = E.Engine("M", family.model_dir("M"), {**common, "model_name": family.NAMES["M"]}, work,
@@ -121,7 +126,8 @@ def main():
         M.stop()
         kvtd.__exit__(None, None, None)
     print(f"TTFT on engine {family.NAMES['L']} (vLLM {vllm_version()}, CPU, block size 32, "
-          f"transport {args.transport}, median of {args.repeat}; ms)")
+          f"transport {args.transport}, idle_wait_ms {common.get('idle_wait_ms', 'default')}, "
+          f"median of {args.repeat}; ms)")
     print("| prompt tokens | own prefill | translated prefix | no reuse (miss) | reused | "
           "lookup | translate (worker) | load | transfer | kvtd total | tail prefill | "
           "connector overhead |")
@@ -132,7 +138,7 @@ def main():
         tail = median(row["tail_prefill"]) * 1e3
         lk, tl, ld, kv = (median(row[k]) for k in ("lookup_ms", "translate_ms", "load_ms",
                                                     "kvtd_total_ms"))
-        transfer = tl - kv - ld
+        transfer = tl - kv
         overhead = (tr - tail) / kv - 1 if kv else float("nan")
         narrow = (lk + tl) / kv - 1 if kv else float("nan")
         summary[n] = {"own_prefill_ms": own, "translated_ms": tr, "no_reuse_ms": miss,

@@ -167,16 +167,20 @@ class PrefixCache:
                                 dtype: str = "fp32", output_dtype: Optional[str] = None,
                                 output_layout: str = "NHD", request_id: str = "",
                                 response_chunk_tokens: int = 0,
-                                timeout: Optional[float] = None) -> "CachedTranslation":
+                                timeout: Optional[float] = None,
+                                wait_for_ready: bool = False) -> "CachedTranslation":
         """Starts TranslateKV on a leased prefix; iterate the returned CachedTranslation for
-        the response messages (header, chunks, trailer) as they arrive, or cancel() it."""
+        the response messages (header, chunks, trailer) as they arrive, or cancel() it.
+        wait_for_ready: wait (up to the deadline) for a connection instead of failing at once
+        while the channel reconnects (the lease proves kvtd was up a moment ago)."""
         header = cached_translate_header(lease_id, mapper_id, num_tokens, dtype=dtype,
                                          output_dtype=output_dtype, output_layout=output_layout,
                                          request_id=request_id,
                                          response_chunk_tokens=response_chunk_tokens)
         call = self.client.stub.TranslateKV(
             iter([translate_pb2.TranslateKVRequest(header=header)]),
-            timeout=self._timeout(timeout), metadata=self.client._metadata)
+            timeout=self._timeout(timeout), metadata=self.client._metadata,
+            wait_for_ready=wait_for_ready)
         return CachedTranslation(call)
 
 

@@ -89,6 +89,13 @@ DEFAULTS: Dict[str, Any] = {
     "reuse": "auto",                    # default policy of requests without kvt params
     "allow_translated_prefix_cache": False,  # the hazard opt-in (docs/VLLM.md)
     "log_outcomes": True,               # one JSON log line per request
+    # In an engine step with no tokens to compute while translated loads are in flight, the
+    # worker waits up to this long for one to finish instead of returning at once: vLLM's engine
+    # loop otherwise spins on empty steps, holding the GIL the load thread needs and a core
+    # kvtd's translation needs (docs/VLLM.md, "Time to first token"). Bounds the delay a newly
+    # arriving request can see in such a step; 0 turns the wait off.
+    "idle_wait_ms": 5.0,
+    "load_threads": 2,                  # concurrent translated loads per worker
 }
 
 _PARAM_KEYS = {"reuse", "mapper_id", "min_tokens"}
@@ -220,6 +227,8 @@ class KvtConnectorMetadata(KVConnectorMetadata):
     loads: List[Dict[str, Any]] = field(default_factory=list)
     # Copies to publish: {req_id, kind "prompt"|"final", token_ids, block_ids}
     publishes: List[Dict[str, Any]] = field(default_factory=list)
+    # The step computes no tokens (only connector work): the worker may wait for loads.
+    idle: bool = False
 
 
 @dataclass
@@ -288,6 +297,11 @@ class KvtConnector(KVConnectorBase_V1):
         if self.config["reuse"] not in _POLICIES:
             raise ValueError(f"kv_connector_extra_config.reuse: {self.config['reuse']!r} is not "
                              f"one of {', '.join(_POLICIES)}")
+        for key, low in (("idle_wait_ms", 0.0), ("load_threads", 1)):
+            value = self.config[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+                raise ValueError(f"kv_connector_extra_config.{key}: {value!r} is not a number "
+                                 f">= {low}")
         self.model_name: str = self.config["model_name"]
         self.block_size: int = vllm_config.cache_config.block_size
         self.block_tokens: int = int(self.config["block_tokens"])
@@ -321,6 +335,10 @@ class KvtConnector(KVConnectorBase_V1):
             self._layers: List[str] = []
             self._loads: Dict[str, "_Load"] = {}
             self._loads_lock = threading.Lock()
+            self._load_done_cv = threading.Condition(self._loads_lock)
+            self._load_pool = ThreadPoolExecutor(
+                max_workers=max(1, int(self.config["load_threads"])),
+                thread_name_prefix="kvt-load")
             self._done_loads: Dict[str, Dict[str, Any]] = {}
             self._finals_copied: set = set()
             self._failed_this_step: set = set()
@@ -378,6 +396,7 @@ class KvtConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.SCHEDULER:
             self._lookups.shutdown(wait=False, cancel_futures=True)
         else:
+            self._load_pool.shutdown(wait=False, cancel_futures=True)
             try:
                 self._publish_queue.put_nowait(None)
             except queue.Full:
@@ -532,7 +551,8 @@ class KvtConnector(KVConnectorBase_V1):
         st.load_sent = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvtConnectorMetadata(loads=self._pending_loads, publishes=self._pending_finals)
+        meta = KvtConnectorMetadata(loads=self._pending_loads, publishes=self._pending_finals,
+                                    idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads, self._pending_finals = [], []
         if not self.config["publish"]:
             return meta
@@ -770,7 +790,13 @@ class KvtConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         self._failed_this_step = set()
+        meta = self._connector_metadata
+        idle_wait_s = float(self.config["idle_wait_ms"]) / 1e3
         with self._loads_lock:
+            if (idle_wait_s > 0 and isinstance(meta, KvtConnectorMetadata) and meta.idle
+                    and self._loads and not self._done_loads):
+                # Releases the GIL until a load ends (notified in _load_done) or the bound.
+                self._load_done_cv.wait(timeout=idle_wait_s)
             for req_id, result in list(self._done_loads.items()):
                 results.finished_recving.add(req_id)
                 if not result["ok"]:
@@ -792,6 +818,7 @@ class KvtConnector(KVConnectorBase_V1):
         with self._loads_lock:
             self._loads.pop(req_id, None)
             self._done_loads[req_id] = result
+            self._load_done_cv.notify_all()
         if not result["ok"]:
             logger.warning("kvt: load of %s failed, vLLM recomputes it: %s", req_id,
                            result.get("error"))
@@ -803,11 +830,9 @@ class _Load:
     def __init__(self, connector: KvtConnector, spec: Dict[str, Any]) -> None:
         self.c = connector
         self.spec = spec
-        self.thread = threading.Thread(target=self._run, name=f"kvt-load-{spec['req_id']}",
-                                       daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        self.c._load_pool.submit(self._run)
 
     def _run(self) -> None:
         spec, c = self.spec, self.c
@@ -855,11 +880,14 @@ class _Load:
 
     def _translate_region(self, region: Any, nbytes: int) -> Dict[str, Any]:
         """TranslateKV with the result written by kvtd into the worker's shared-memory region
-        (packed: per layer K then V, [tokens, heads, head_dim]), then copied into the blocks."""
+        (packed: per layer K then V, [tokens, heads, head_dim]); each layer is copied into the
+        blocks as soon as kvtd says it is there (header.region_layer_notices), while kvtd
+        computes the next ones."""
         spec, c = self.spec, self.c
+        import grpc
         from kvt._proto import common_pb2, translate_pb2
         from kvt.cache import DTYPE_NAMES
-        from kvt.client import _Reassembler
+        from kvt.errors import from_rpc_error
         from kvt.prefix import cached_translate_header
         client, _ = c._kvt()
         start, end, matched = spec["start"], spec["end"], spec["matched_tokens"]
@@ -868,36 +896,73 @@ class _Load:
                                          output_layout="NHD",
                                          request_id=f"{spec['req_id']}/load")
         header.output.region.CopyFrom(region.ref(0, nbytes))
+        header.region_layer_notices = True
+        # wait_for_ready: the scheduler's lookup just got the lease, so kvtd is up; this
+        # process's channel may still be reconnecting (e.g. after a kvtd restart).
         call = client.stub.TranslateKV(
             iter([translate_pb2.TranslateKVRequest(header=header)]),
-            timeout=float(c.config["translate_timeout_s"]), metadata=client._metadata)
-        result = _Reassembler(call, expect_chunks=False).run()
-        shape = result.header.target_shape
+            timeout=float(c.config["translate_timeout_s"]), metadata=client._metadata,
+            wait_for_ready=True)
         layers, heads, dim = len(c._layers), c.num_kv_heads, c.head_dim
-        if (shape.num_layers != layers or shape.num_kv_heads != heads or shape.head_dim != dim
-                or result.header.output_layout != common_pb2.LAYOUT_NHD
-                or DTYPE_NAMES.get(result.header.output_dtype) != c.engine_dtype):
-            raise RuntimeError(f"kvtd wrote {shape.num_layers}x{shape.num_kv_heads}x"
-                               f"{shape.head_dim} {DTYPE_NAMES.get(result.header.output_dtype)}"
-                               f"; this engine's cache is {layers}x{heads}x{dim} "
-                               f"{c.engine_dtype} NHD")
-        t = time.monotonic()
-        flats, host, index_k, index_v, np_k, np_v = self._targets()
         packed = np.frombuffer(region.buf, dtype=_WIRE_NUMPY[c.engine_dtype],
                                count=nbytes // _ELEMENT_BYTES[c.engine_dtype]).reshape(
                                    layers, 2, matched, heads, dim)
-        for j in range(layers):
-            k_rows, v_rows = packed[j, 0, start:end], packed[j, 1, start:end]
+        targets = None
+        loaded = np.zeros((layers, 2), dtype=bool)
+        load_s = 0.0
+        response_header = trailer = None
+
+        def load(layer: int, kind: int) -> None:
+            nonlocal targets, load_s
+            t = time.monotonic()
+            if targets is None:
+                targets = self._targets()
+            flats, host, index_k, index_v, np_k, np_v = targets
+            rows = packed[layer, kind, start:end]
             if host is not None:
-                host[j][np_k] = k_rows
-                host[j][np_v] = v_rows
+                host[layer][np_k if kind == 0 else np_v] = rows
             else:
-                for rows, index in ((k_rows, index_k), (v_rows, index_v)):
-                    flats[j][index] = _rows(rows.tobytes(), c.engine_dtype, end - start, heads,
-                                            dim, 0, end - start).to(flats[j].device)
-        trailer = result.trailer
+                flats[layer][index_k if kind == 0 else index_v] = _rows(
+                    rows.tobytes(), c.engine_dtype, end - start, heads, dim, 0,
+                    end - start).to(flats[layer].device)
+            loaded[layer, kind] = True
+            load_s += time.monotonic() - t
+
+        try:
+            for response in call:
+                which = response.WhichOneof("msg")
+                if which == "header":
+                    response_header = response.header
+                    shape = response_header.target_shape
+                    if (shape.num_layers != layers or shape.num_kv_heads != heads
+                            or shape.head_dim != dim
+                            or response_header.output_layout != common_pb2.LAYOUT_NHD
+                            or DTYPE_NAMES.get(response_header.output_dtype) != c.engine_dtype):
+                        call.cancel()
+                        raise RuntimeError(
+                            f"kvtd writes {shape.num_layers}x{shape.num_kv_heads}x"
+                            f"{shape.head_dim} {DTYPE_NAMES.get(response_header.output_dtype)}; "
+                            f"this engine's cache is {layers}x{heads}x{dim} {c.engine_dtype} NHD")
+                elif which == "chunk":
+                    notice = response.chunk
+                    if (response_header is None or notice.layer >= layers or notice.data
+                            or notice.token_start != 0 or notice.token_count != matched):
+                        call.cancel()
+                        raise RuntimeError(f"unexpected region notice {notice.layer}/"
+                                           f"{notice.kind} [{notice.token_start}, +"
+                                           f"{notice.token_count})")
+                    load(notice.layer, 0 if notice.kind == common_pb2.CACHE_KIND_K else 1)
+                elif which == "trailer":
+                    trailer = response.trailer
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        if response_header is None or trailer is None:
+            raise RuntimeError("kvtd ended the stream without a header and trailer")
+        # A kvtd without notices wrote everything by the trailer.
+        for layer, kind in zip(*np.nonzero(~loaded)):
+            load(int(layer), int(kind))
         out: Dict[str, Any] = {"ok": True, "transport": "shm",
-                               "load_ms": round((time.monotonic() - t) * 1e3, 3),
+                               "load_ms": round(load_s * 1e3, 3),
                                "kvtd_total_ms": round(trailer.timings.total_ms, 3),
                                "kvtd_compute_ms": round(trailer.timings.compute_ms, 3)}
         if trailer.HasField("input_shift_score"):
@@ -912,7 +977,8 @@ class _Load:
         stream = prefix.translate_cached_stream(
             spec["lease_id"], spec["mapper_id"], matched, dtype=spec["dtype"],
             output_dtype=c.engine_dtype, output_layout="NHD",
-            request_id=f"{spec['req_id']}/load", timeout=float(c.config["translate_timeout_s"]))
+            request_id=f"{spec['req_id']}/load", timeout=float(c.config["translate_timeout_s"]),
+            wait_for_ready=True)
         layers = c._layers
         heads, dim = c.num_kv_heads, c.head_dim
         covered = np.zeros((len(layers), 2, end - start), dtype=bool)
