@@ -66,9 +66,9 @@ ABSL_FLAG(std::string, refine, "none",
           "kvt fit --kind ridge|both: none, or attention (Adam from the closed-form ridge on the "
           "error of the target's attention outputs under its own queries; needs training target "
           "dumps with queries: tools/dump_kv.py --queries). The mapper stays kind: ridge.");
-ABSL_FLAG(int32_t, refine_steps, 200, "kvt fit --refine=attention: Adam steps.");
+ABSL_FLAG(int32_t, refine_steps, 100, "kvt fit --refine=attention: Adam steps.");
 ABSL_FLAG(int32_t, refine_batch, 2, "kvt fit --refine=attention: sequences per step.");
-ABSL_FLAG(int32_t, refine_queries, 64,
+ABSL_FLAG(int32_t, refine_queries, 32,
           "kvt fit --refine=attention: query tokens per sequence and step (a seeded sample; "
           "0: every token).");
 ABSL_FLAG(double, refine_lr, 0.01,

@@ -60,9 +60,9 @@ struct MlpFitOptions {
 // the target's attention outputs under its own queries.
 struct RefineOptions {
   bool attention = false;
-  int steps = 200;
+  int steps = 100;
   int batch = 2;    // sequences per step
-  int queries = 64;  // query tokens per sequence and step (a seeded sample); <= 0: every token
+  int queries = 32;  // query tokens per sequence and step (a seeded sample); <= 0: every token
   double learning_rate = 0.01;  // relative: times each tensor's RMS at the start
   uint64_t seed = 1;
 };

@@ -213,14 +213,20 @@ struct LoadedSequence {
 
 absl::StatusOr<LoadedSequence> LoadSequence(const SequencePair& pair, const FitShape& shape,
                                             const Rope& rope) {
+  // The queries first: NOT_FOUND then means the dump has none (the ridge passes read the files).
+  absl::StatusOr<DumpQueries> queries = ReadDumpQueries(pair.target_path, shape.target);
+  if (!queries.ok()) return queries.status();
   LoadedSequence s;
   s.rows.Reset(int64_t{shape.source.num_layers} * shape.ds(),
                int64_t{shape.target.num_layers} * shape.dt());
   absl::StatusOr<int64_t> tokens =
       AppendSequence(pair, shape.source, shape.target, /*stride=*/1, &s.rows);
-  if (!tokens.ok()) return tokens.status();
-  absl::StatusOr<DumpQueries> queries = ReadDumpQueries(pair.target_path, shape.target);
-  if (!queries.ok()) return queries.status();
+  if (!tokens.ok()) {
+    // Not to be taken for "no queries".
+    return absl::Status(absl::IsNotFound(tokens.status()) ? absl::StatusCode::kInvalidArgument
+                                                          : tokens.status().code(),
+                        tokens.status().message());
+  }
   if (queries->num_tokens != s.rows.rows) {
     return absl::InvalidArgumentError(absl::StrCat(pair.target_path, ": ", queries->num_tokens,
                                                    " query tokens but ", s.rows.rows,
@@ -326,20 +332,11 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
   absl::StatusOr<Rope> rope = Rope::Create(shape.target.rope, shape.target.head_dim);
   if (!rope.ok()) return rope.status();
   SetBlasThreads(options.num_threads);
+  // Training sequences; one whose target dump turns out to have no queries is dropped when it
+  // is first read (reading every dump up front would cost a pass of its own).
   std::vector<const SequencePair*> train;
   for (const SequencePair& pair : options.sequences) {
-    if (pair.heldout) continue;
-    absl::StatusOr<DumpQueries> q = ReadDumpQueries(pair.target_path, shape.target);
-    if (q.ok()) {
-      train.push_back(&pair);
-    } else if (!absl::IsNotFound(q.status())) {
-      return q.status();
-    }
-  }
-  if (train.empty()) {
-    return absl::FailedPreconditionError(
-        "kvt fit --refine=attention: no training target dump has queries (dump the target with "
-        "tools/dump_kv.py --queries)");
+    if (!pair.heldout) train.push_back(&pair);
   }
   const int L = shape.target.num_layers;
   const int64_t out = shape.dt();
@@ -361,7 +358,6 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
     progress = std::make_unique<Progress>("refine", ro.steps, "steps", options.solve.log);
   }
   RefineLog log;
-  log.sequences = static_cast<int>(train.size());
   uint64_t rng = ro.seed ^ 0x5265666996e65ull;  // "Refine"
   std::vector<const SequencePair*> order;
   size_t next = 0;
@@ -372,13 +368,27 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
       for (std::vector<double>* t : g.Tensors()) std::fill(t->begin(), t->end(), 0.0);
     }
     for (int b = 0; b < ro.batch; ++b) {
-      if (next == order.size()) {  // a new epoch: a fresh seeded order
-        order = train;
-        Shuffle(&rng, &order);
-        next = 0;
+      absl::StatusOr<LoadedSequence> s = absl::NotFoundError("");
+      while (!s.ok()) {
+        if (train.empty()) {
+          return absl::FailedPreconditionError(
+              "kvt fit --refine=attention: no training target dump has queries (dump the target "
+              "with tools/dump_kv.py --queries)");
+        }
+        if (next == order.size()) {  // a new epoch: a fresh seeded order
+          order = train;
+          Shuffle(&rng, &order);
+          next = 0;
+        }
+        const SequencePair* pair = order[next++];
+        if (std::find(train.begin(), train.end(), pair) == train.end()) continue;  // dropped
+        s = LoadSequence(*pair, shape, *rope);
+        if (absl::IsNotFound(s.status())) {
+          train.erase(std::find(train.begin(), train.end(), pair));
+        } else if (!s.ok()) {
+          return s.status();
+        }
       }
-      absl::StatusOr<LoadedSequence> s = LoadSequence(*order[next++], shape, *rope);
-      if (!s.ok()) return s.status();
       const std::vector<int64_t> rows = SampleRows(s->rows.rows, ro.queries, &rng);
       for (int l = 0; l < L; ++l) {
         GatherLayer(*s, shape, l, parsed.sigma[l], rows, &inputs);
@@ -401,6 +411,7 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
     if (progress) progress->Advance(1, 0);
   }
   if (progress) progress->Finish();
+  log.sequences = static_cast<int>(train.size());
   for (int l = 0; l < L; ++l) {
     LayerFit& f = (*fits)[l];
     f.w_k = std::move(maps[l].w_k);

@@ -64,7 +64,7 @@ AttentionError AttentionErrorAndGradient(const AttentionProblem& problem, const 
 struct RefineLog {
   // Per step: the mean over target layers of error / norm of that step's batch.
   std::vector<double> loss;
-  int sequences = 0;  // training sequences with target queries
+  int sequences = 0;  // training sequences with target queries (of those read)
   double seconds = 0;
 };
 
