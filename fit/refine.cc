@@ -358,7 +358,8 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
     progress = std::make_unique<Progress>("refine", ro.steps, "steps", options.solve.log);
   }
   RefineLog log;
-  uint64_t rng = ro.seed ^ 0x5265666996e65ull;  // "Refine"
+  // Its own stream: the MLP and the split hash the same seed differently.
+  uint64_t rng = ro.seed ^ 0x5265666996e65ull;
   std::vector<const SequencePair*> order;
   size_t next = 0;
   LayerInputs inputs;
