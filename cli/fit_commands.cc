@@ -62,6 +62,17 @@ ABSL_FLAG(std::string, mlp_granularity, "per_layer",
           "(one per target head, the paper).");
 ABSL_FLAG(int64_t, mlp_max_observations, 200000,
           "kvt fit --kind mlp|both: training rows per chain (a seeded subsample beyond; 0: all).");
+ABSL_FLAG(std::string, refine, "none",
+          "kvt fit --kind ridge|both: none, or attention (Adam from the closed-form ridge on the "
+          "error of the target's attention outputs under its own queries; needs training target "
+          "dumps with queries: tools/dump_kv.py --queries). The mapper stays kind: ridge.");
+ABSL_FLAG(int32_t, refine_steps, 100, "kvt fit --refine=attention: Adam steps.");
+ABSL_FLAG(int32_t, refine_batch, 2, "kvt fit --refine=attention: sequences per step.");
+ABSL_FLAG(int32_t, refine_queries, 32,
+          "kvt fit --refine=attention: query tokens per sequence and step (a seeded sample; "
+          "0: every token).");
+ABSL_FLAG(double, refine_lr, 0.01,
+          "kvt fit --refine=attention: Adam step size, relative to each tensor's RMS.");
 ABSL_FLAG(bool, overwrite, false,
           "kvt fit / merge / import: replace an existing mapper directory.");
 
@@ -219,6 +230,23 @@ int RunFit(const std::vector<std::string>& args) {
   if (absl::Status valid = fit::ValidateMlpOptions(options.mlp.train); !valid.ok()) {
     return Fail(std::string(valid.message()), 1);
   }
+  const std::string refine = absl::GetFlag(FLAGS_refine);
+  if (refine != "none" && refine != "attention") {
+    return Fail(absl::StrCat("--refine must be none or attention, got '", refine, "'"), 1);
+  }
+  options.refine.attention = refine == "attention";
+  options.refine.steps = absl::GetFlag(FLAGS_refine_steps);
+  options.refine.batch = absl::GetFlag(FLAGS_refine_batch);
+  options.refine.queries = absl::GetFlag(FLAGS_refine_queries);
+  options.refine.learning_rate = absl::GetFlag(FLAGS_refine_lr);
+  options.refine.seed = options.seed;
+  if (options.refine.attention && options.kind == fit::FitKind::kMlp) {
+    return Fail("--refine=attention refines the ridge mapper: use --kind ridge or both", 1);
+  }
+  if (options.refine.attention &&
+      (options.refine.steps < 1 || options.refine.batch < 1 || !(options.refine.learning_rate > 0))) {
+    return Fail("--refine_steps and --refine_batch must be >= 1 and --refine_lr > 0", 1);
+  }
   options.corpus = absl::GetFlag(FLAGS_corpus);
   options.num_threads = absl::GetFlag(FLAGS_threads);
   options.chunk_bytes = int64_t{std::max(1, absl::GetFlag(FLAGS_chunk_mb))} << 20;
@@ -265,6 +293,10 @@ int RunFit(const std::vector<std::string>& args) {
     plan = std::make_unique<fit::StatSet>(std::move(*read));
   }
 
+  if (absl::GetFlag(FLAGS_partial) && options.refine.attention) {
+    return Fail("--refine=attention reads the sequences themselves, which `kvt fit merge` has "
+                "not: fit in one run", 1);
+  }
   if (absl::GetFlag(FLAGS_partial) && options.kind != fit::FitKind::kRidge) {
     return Fail("--partial shards the ridge statistics only; --kind mlp|both trains on the rows "
                 "of one run", 1);

@@ -143,6 +143,37 @@ def heldout_windows(length, count):
     return [stream[i * length:(i + 1) * length] for i in picks]
 
 
+def copy_windows(context, continuation, count, seed=0):
+    """Held-out windows whose continuation depends on context far back: the continuation is a
+    passage that also opens the context, context - continuation - 1 bytes earlier, with
+    unrelated held-out text between. Returns (windows, controls): each control is its window
+    with the opening passage replaced by other text, so the two differ only in the copy."""
+    stream = [t for ids in token_stream("heldout") for t in ids]
+    rng = np.random.default_rng(seed)
+    n = continuation + 1
+    windows, controls = [], []
+    for _ in range(count):
+        s, f, o = (int(rng.integers(0, len(stream) - context - n)) for _ in range(3))
+        passage, filler, other = stream[s:s + n], stream[f:f + context - n], stream[o:o + n]
+        windows.append(passage + filler + passage)
+        controls.append(other + filler + passage)
+    return windows, controls
+
+
+def copy_gain(member, windows, controls, context):
+    """Mean nats/byte the earlier copy saves on the continuation (controls minus windows), on
+    the member's own prefill: how much the model can use context far back."""
+    gains = []
+    for w, c in zip(windows, controls):
+        nll = []
+        for ids in (c, w):
+            own = member.prefill(ids[:context])
+            nll.append(float(np.mean(member.continuation_nll(own, ids[context:-1],
+                                                             ids[context + 1:]))))
+        gains.append(nll[0] - nll[1])
+    return float(np.mean(gains))
+
+
 # -- pipeline: dumps, fits, kvtd ---------------------------------------------------------------
 
 def dump(member_dir, calib_jsonl, out, tokens, sequences, queries=False):

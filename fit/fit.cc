@@ -306,6 +306,29 @@ std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype) {
   return floats;
 }
 
+std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int>>& sigma,
+                                               const std::vector<LayerFit>& fits, DType dtype,
+                                               Manifest* manifest) {
+  std::vector<std::vector<uint8_t>> storage;
+  manifest->layers.clear();
+  for (size_t l = 0; l < fits.size(); ++l) {
+    const LayerFit& fit = fits[l];
+    LayerEntry entry;
+    entry.target_layer = static_cast<int>(l);
+    entry.sigma_k = sigma[l];
+    entry.sigma_v = sigma[l];
+    entry.r2_k = fit.r2_k;
+    entry.r2_v = fit.r2_v;
+    entry.r2_k_heldout = fit.r2_k_heldout;
+    entry.r2_v_heldout = fit.r2_v_heldout;
+    manifest->layers.push_back(entry);
+    for (const std::vector<double>* values : {&fit.w_k, &fit.b_k, &fit.w_v, &fit.b_v}) {
+      storage.push_back(ToBytes(*values, dtype));
+    }
+  }
+  return storage;
+}
+
 absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions& options,
                                         const std::string& out_dir,
                                         std::vector<std::string> warnings,
@@ -321,7 +344,7 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
     warnings.push_back(std::move(w));
   }
   // Solve every layer first: the manifest (written first) carries each layer's R^2.
-  std::vector<std::vector<uint8_t>> storage;
+  std::vector<LayerFit> fits;
   {
     std::unique_ptr<Progress> progress;
     if (options.show_progress) {
@@ -331,23 +354,21 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
     for (int l = 0; l < shape->target.num_layers; ++l) {
       absl::StatusOr<LayerFit> fit = SolveLayer(*shape, stats, l, sigma[l], options.ridge);
       if (!fit.ok()) return fit.status();
-      LayerEntry entry;
-      entry.target_layer = l;
-      entry.sigma_k = sigma[l];
-      entry.sigma_v = sigma[l];
-      entry.r2_k = fit->r2_k;
-      entry.r2_v = fit->r2_v;
-      entry.r2_k_heldout = fit->r2_k_heldout;
-      entry.r2_v_heldout = fit->r2_v_heldout;
-      manifest.layers.push_back(entry);
-      for (const std::vector<double>* values : {&fit->w_k, &fit->b_k, &fit->w_v, &fit->b_v}) {
-        storage.push_back(ToBytes(*values, options.weight_dtype));
-      }
+      fits.push_back(std::move(*fit));
       if (progress) progress->Advance(1, 0);
     }
   }
+  std::vector<std::pair<std::string, std::string>> facts;
+  if (heldout != nullptr && heldout->refine.attention) {
+    absl::StatusOr<std::vector<std::pair<std::string, std::string>>> refined =
+        RefineLayers(*heldout, stats, *parsed, manifest, options.weight_dtype, &fits);
+    if (!refined.ok()) return refined.status();
+    facts = std::move(*refined);
+  }
+  std::vector<std::vector<uint8_t>> storage = RidgeStorage(sigma, fits, options.weight_dtype,
+                                                           &manifest);
   return WriteFitted(stats, *parsed, std::move(manifest), std::move(storage), options, out_dir,
-                     std::move(warnings), {}, heldout);
+                     std::move(warnings), facts, heldout);
 }
 
 absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& parsed,

@@ -56,10 +56,22 @@ struct MlpFitOptions {
   MlpGranularity granularity = MlpGranularity::kPerLayer;
 };
 
+// `kvt fit --refine=attention` (fit/refine.h): Adam from the closed-form ridge on the error of
+// the target's attention outputs under its own queries.
+struct RefineOptions {
+  bool attention = false;
+  int steps = 100;
+  int batch = 2;    // sequences per step
+  int queries = 32;  // query tokens per sequence and step (a seeded sample); <= 0: every token
+  double learning_rate = 0.01;  // relative: times each tensor's RMS at the start
+  uint64_t seed = 1;
+};
+
 struct FitOptions {
   FitModel source, target;
   FitKind kind = FitKind::kRidge;
   MlpFitOptions mlp;
+  RefineOptions refine;  // the ridge mapper's (of --kind ridge and both)
   // The calibration set (of this shard, for --partial), held-out marks already assigned.
   std::vector<SequencePair> sequences;
   int stride = 4;

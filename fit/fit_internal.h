@@ -55,6 +55,19 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
                                           kind_facts,
                                       const FitOptions* heldout);
 
+// A ridge manifest's layers (sigma, R^2) and its mapping tensors' bytes, in MapperTensorSpecs
+// order, from per-layer fits.
+std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int>>& sigma,
+                                               const std::vector<LayerFit>& fits, DType dtype,
+                                               Manifest* manifest);
+
+// `--refine=attention` on solved ridge fits (fit/refine.cc): measures the closed-form mapper as
+// served on the held-out sequences (when they have queries), refines `fits` in place, recomputes
+// their R^2 from `stats`, and returns the report facts.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
+    const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
+    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits);
+
 // The MapperView of a manifest and its tensors in memory, built as LoadMapperDir builds it from
 // the written file (the same bytes): what the held-out evaluation serves.
 absl::StatusOr<MapperView> MapperViewOf(const Manifest& manifest,

@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/cache_file.h"
 #include "fit/calibration.h"
+#include "fit/fit_internal.h"
+#include "fit/refine.h"
 #include "fit/synthetic_family.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -577,6 +579,76 @@ TEST_F(FitQueryTest, NearOneForAnExactLinearFamilyLowerForANoisyOne) {
   EXPECT_GT(cosine[0], 0.9999);
   EXPECT_LT(cosine[1], cosine[0] - 0.01);
   EXPECT_GT(cosine[1], 0.5);
+}
+
+// --refine=attention on the noisy family: the training loss falls, the same seed gives the same
+// weights, R^2 is recomputed for the refined maps, the mapper stays kind: ridge and its report
+// carries the loss curve and the closed-form start's held-out cosine.
+TEST_F(FitQueryTest, AttentionRefinementLowersItsLossDeterministically) {
+  const Family& family = *families_[1];
+  FitOptions options = QueryOptions(family, *dirs_[1]);
+  options.refine.attention = true;
+  options.refine.steps = 40;
+  options.refine.batch = 2;
+  options.refine.queries = 16;
+  options.refine.seed = 3;
+  absl::StatusOr<StatSet> probe = AccumulateProbe(options);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  std::vector<std::string> warnings;
+  absl::StatusOr<StatSet> plan = MakePlan(*probe, &warnings);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan);
+  ASSERT_TRUE(final_stats.ok()) << final_stats.status();
+  absl::StatusOr<ParsedFinal> parsed = ParseFinal(*final_stats);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  std::vector<LayerFit> start;
+  for (int l = 0; l < family.options.target.num_layers; ++l) {
+    absl::StatusOr<LayerFit> fit =
+        SolveLayer(parsed->shape, *final_stats, l, parsed->sigma[l], options.solve.ridge);
+    ASSERT_TRUE(fit.ok()) << fit.status();
+    // EvaluateLayerR2 of the closed form is SolveLayer's own R^2.
+    LayerFit again = *fit;
+    EvaluateLayerR2(parsed->shape, *final_stats, l, parsed->sigma[l], &again);
+    EXPECT_NEAR(*again.r2_k, *fit->r2_k, 1e-9);
+    EXPECT_NEAR(*again.r2_v_heldout, *fit->r2_v_heldout, 1e-9);
+    start.push_back(*fit);
+  }
+  std::vector<LayerFit> refined[2] = {start, start};
+  absl::StatusOr<RefineLog> log[2];
+  for (int run = 0; run < 2; ++run) {
+    log[run] = RefineRidge(options, *parsed, &refined[run]);
+    ASSERT_TRUE(log[run].ok()) << log[run].status();
+  }
+  ASSERT_EQ(log[0]->loss.size(), 40u);
+  EXPECT_EQ(log[0]->loss, log[1]->loss);
+  EXPECT_EQ(refined[0][1].w_k, refined[1][1].w_k);
+  EXPECT_NE(refined[0][1].w_k, start[1].w_k);
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) first += log[0]->loss[i], last += log[0]->loss[30 + i];
+  std::printf("refinement loss: first 10 steps %.5f, last 10 %.5f\n", first / 10, last / 10);
+  EXPECT_LT(last, first);
+  // The refined maps' R^2 is their own, not the closed form's.
+  LayerFit r = refined[0][1];
+  EvaluateLayerR2(parsed->shape, *final_stats, 1, parsed->sigma[1], &r);
+  EXPECT_NE(*r.r2_k, *start[1].r2_k);
+
+  absl::StatusOr<FitResult> result =
+      RunFit(options, JoinPath(TempDir("queries_refined"), "fitted"));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->manifest.kind, MapperKind::kRidge);
+  ASSERT_TRUE(result->heldout.has_value());
+  absl::StatusOr<std::string> report = ReadFileToString(result->report_path);
+  ASSERT_TRUE(report.ok());
+  EXPECT_THAT(*report, HasSubstr("refinement loss"));
+  EXPECT_THAT(*report, HasSubstr("held-out attention-output cosine before refinement"));
+}
+
+TEST_F(FitFamilyTest, AttentionRefinementNeedsTrainingQueries) {
+  FitOptions options = Options(*matched_, *matched_dir_, 2);
+  options.refine.attention = true;
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("no_queries_refine"), "f"));
+  EXPECT_TRUE(absl::IsFailedPrecondition(result.status())) << result.status();
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("--queries"));
 }
 
 TEST_F(FitFamilyTest, WithoutQueriesOnlyR2HeldoutIsRecorded) {

@@ -379,6 +379,47 @@ absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_
   return fit;
 }
 
+void EvaluateLayerR2(const FitShape& shape, const StatSet& final_stats, int l,
+                     const std::vector<int>& sigma, LayerFit* fit) {
+  const int64_t dt = shape.dt(), d = static_cast<int64_t>(sigma.size()) * shape.ds();
+  const int heads = shape.target.num_kv_heads, hd = shape.target.head_dim;
+  for (int c = 0; c < 2; ++c) {
+    const std::vector<double>& w = c == 0 ? fit->w_k : fit->w_v;
+    const std::vector<double>& b = c == 0 ? fit->b_k : fit->b_v;
+    const Moments train = GatherFinal(shape, final_stats, false, c, l, sigma);
+    if (!(train.n >= 1)) continue;
+    const std::vector<double> mu_x = Means(train.sum_x, train.n), mu_y = Means(train.sum_y, train.n);
+    // About the training means, y - b - x W = (y~ - x~ W) + delta, delta = mu_y - mu_x W - b:
+    //   sse_e = sum (y~ - x~ W)_e^2 + 2 delta_e sum (y~ - x~ W)_e + n delta_e^2.
+    std::vector<double> delta(mu_y);
+    cblas_dgemv(CblasRowMajor, CblasTrans, d, dt, -1.0, w.data(), dt, mu_x.data(), 1, 1.0,
+                delta.data(), 1);
+    for (int64_t e = 0; e < dt; ++e) delta[e] -= b[e];
+    for (bool heldout : {false, true}) {
+      const Moments m = heldout ? GatherFinal(shape, final_stats, true, c, l, sigma) : train;
+      if (!(m.n >= 1)) continue;
+      const Centred about = CentreAbout(m, mu_x, mu_y);
+      std::vector<double> sse = ResidualPerColumn(d, dt, about.sxx, about.sxy, about.syy, w);
+      std::vector<double> sum_r(dt), sum_x(d);
+      for (int64_t e = 0; e < dt; ++e) sum_r[e] = m.sum_y[e] - m.n * mu_y[e];
+      for (int64_t i = 0; i < d; ++i) sum_x[i] = m.sum_x[i] - m.n * mu_x[i];
+      cblas_dgemv(CblasRowMajor, CblasTrans, d, dt, -1.0, w.data(), dt, sum_x.data(), 1, 1.0,
+                  sum_r.data(), 1);
+      std::vector<double> sst(dt);
+      for (int64_t e = 0; e < dt; ++e) {
+        sse[e] += 2.0 * delta[e] * sum_r[e] + m.n * delta[e] * delta[e];
+        sst[e] = m.sumsq_y[e] - m.sum_y[e] * m.sum_y[e] / m.n;
+      }
+      std::optional<double> r2 = HeadAveragedR2(sse, sst, 0, heads, hd);
+      if (heldout) {
+        (c == 0 ? fit->r2_k_heldout : fit->r2_v_heldout) = r2;
+      } else {
+        (c == 0 ? fit->r2_k : fit->r2_v) = r2;
+      }
+    }
+  }
+}
+
 std::vector<std::string> DegenerateInputWarnings(const FitShape& shape, const StatSet& final_stats,
                                                  const std::vector<std::vector<int>>& sigma) {
   std::vector<std::string> warnings;

@@ -61,6 +61,11 @@ struct LayerFit {
 absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_stats, int l,
                                     const std::vector<int>& sigma, const RidgeOptions& options);
 
+// Sets fit's r2_* for its own weights (any W, b: a refined map need not be the least-squares
+// one) from the same statistics SolveLayer reads: residual y - b - x W on both splits.
+void EvaluateLayerR2(const FitShape& shape, const StatSet& final_stats, int l,
+                     const std::vector<int>& sigma, LayerFit* fit);
+
 // Warnings about the training data of a final StatSet, once per fit: constant source features
 // (per source layer and kind), fewer training tokens than the largest design has features.
 std::vector<std::string> DegenerateInputWarnings(const FitShape& shape, const StatSet& final_stats,

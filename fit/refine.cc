@@ -1,0 +1,503 @@
+#include "fit/refine.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "fit/calibration.h"
+#include "fit/progress.h"
+#include "mapper_store/mapper.h"
+
+namespace kvt {
+namespace fit {
+namespace {
+
+// SplitMix64 steps: a generator whose stream this code fixes (not the C++ library).
+uint64_t NextRandom(uint64_t* state) {
+  uint64_t x = (*state += 0x9e3779b97f4a7c15ull);
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Fisher-Yates with NextRandom.
+template <typename T>
+void Shuffle(uint64_t* state, std::vector<T>* v) {
+  for (size_t i = v->size(); i > 1; --i) std::swap((*v)[i - 1], (*v)[NextRandom(state) % i]);
+}
+
+// `count` distinct tokens of [0, tokens), ascending (all when count <= 0 or >= tokens).
+std::vector<int64_t> SampleRows(int64_t tokens, int count, uint64_t* state) {
+  std::vector<int64_t> rows(tokens);
+  for (int64_t t = 0; t < tokens; ++t) rows[t] = t;
+  if (count > 0 && count < tokens) {
+    // Partial Fisher-Yates: the first `count` entries are a uniform sample.
+    for (int64_t i = 0; i < count; ++i) {
+      std::swap(rows[i], rows[i + NextRandom(state) % (tokens - i)]);
+    }
+    rows.resize(count);
+    std::sort(rows.begin(), rows.end());
+  }
+  return rows;
+}
+
+// Causal attention of `n` query rows over keys [0, visible_end): P (row i sees keys <=
+// last[i]) and O = P V. Q [n, d], K/V rows at stride `ld`.
+void Attend(int64_t n, int64_t visible_end, int d, const double* q, const double* k,
+            const double* v, int64_t ld, const std::vector<int64_t>& last, double* p, double* o) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, visible_end, d, scale, q, d, k, ld, 0.0,
+              p, visible_end);
+  for (int64_t i = 0; i < n; ++i) {
+    double* row = p + i * visible_end;
+    const int64_t seen = last[i] + 1;
+    const double top = *std::max_element(row, row + seen);
+    double sum = 0;
+    for (int64_t s = 0; s < seen; ++s) sum += (row[s] = std::exp(row[s] - top));
+    for (int64_t s = 0; s < seen; ++s) row[s] /= sum;
+    std::fill(row + seen, row + visible_end, 0.0);
+  }
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, visible_end, 1.0, p, visible_end, v,
+              ld, 0.0, o, d);
+}
+
+// y [rows, out] = x [rows, in] W + b.
+void Affine(int64_t rows, int64_t in, int64_t out, const double* x, const std::vector<double>& w,
+            const std::vector<double>& b, double* y) {
+  for (int64_t r = 0; r < rows; ++r) std::copy(b.begin(), b.end(), y + r * out);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, out, in, 1.0, x, in, w.data(), out,
+              1.0, y, out);
+}
+
+// grad W += x^T dy, grad b += column sums of dy.
+void AffineBackward(int64_t rows, int64_t in, int64_t out, const double* x, const double* dy,
+                    std::vector<double>* grad_w, std::vector<double>* grad_b) {
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in, out, rows, 1.0, x, in, dy, out, 1.0,
+              grad_w->data(), out);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < out; ++c) (*grad_b)[c] += dy[r * out + c];
+  }
+}
+
+}  // namespace
+
+void RidgeMaps::Resize(int64_t in_, int64_t out_) {
+  in = in_;
+  out = out_;
+  w_k.assign(in * out, 0.0);
+  w_v.assign(in * out, 0.0);
+  b_k.assign(out, 0.0);
+  b_v.assign(out, 0.0);
+}
+
+RopeRows RopeRows::Of(const Rope& rope, const std::vector<uint64_t>& positions) {
+  RopeRows r;
+  r.style = rope.style();
+  r.half = rope.rotary_dim() / 2;
+  r.cos.resize(positions.size() * r.half);
+  r.sin.resize(r.cos.size());
+  const double factor = rope.attention_factor();
+  for (size_t t = 0; t < positions.size(); ++t) {
+    for (int m = 0; m < r.half; ++m) {
+      const double angle = rope.Angle(positions[t], m);
+      r.cos[t * r.half + m] = factor * std::cos(angle);
+      r.sin[t * r.half + m] = factor * std::sin(angle);
+    }
+  }
+  return r;
+}
+
+void RopeRows::Rotate(int64_t tokens, int heads, int head_dim, bool transpose, double* m) const {
+  const double sign = transpose ? -1.0 : 1.0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const double* c = cos.data() + t * half;
+    const double* s = sin.data() + t * half;
+    for (int h = 0; h < heads; ++h) {
+      double* x = m + (t * heads + h) * head_dim;
+      for (int i = 0; i < half; ++i) {
+        double& a = style == RopeStyle::kNeox ? x[i] : x[2 * i];
+        double& b = style == RopeStyle::kNeox ? x[i + half] : x[2 * i + 1];
+        const double a0 = a, b0 = b;
+        a = a0 * c[i] - sign * b0 * s[i];
+        b = b0 * c[i] + sign * a0 * s[i];
+      }
+    }
+  }
+}
+
+AttentionError AttentionErrorAndGradient(const AttentionProblem& p, const RidgeMaps& maps,
+                                         RidgeMaps* grad) {
+  AttentionError result;
+  if (p.rows.empty()) return result;
+  const int d = p.head_dim, group = p.query_heads / p.kv_heads;
+  const int64_t out = maps.out, in = maps.in;
+  // Keys past the last query row are never seen: only the first `te` tokens matter.
+  const int64_t te = p.rows.back() + 1, m = p.rows.size(), n = group * m;
+  std::vector<double> k_hat(te * out), v_hat(te * out);
+  Affine(te, in, out, p.x_k, maps.w_k, maps.b_k, k_hat.data());
+  Affine(te, in, out, p.x_v, maps.w_v, maps.b_v, v_hat.data());
+  p.rope->Rotate(te, p.kv_heads, d, /*transpose=*/false, k_hat.data());
+
+  std::vector<int64_t> last(n);
+  for (int g = 0; g < group; ++g) std::copy(p.rows.begin(), p.rows.end(), last.begin() + g * m);
+  std::vector<double> q(n * d), p_true(n * te), o_true(n * d), p_hat(n * te), o_hat(n * d);
+  std::vector<double> d_o(n * d), d_p(n * te);
+  std::vector<double> dk_hat, dv_hat;
+  if (grad != nullptr) {
+    dk_hat.assign(te * out, 0.0);
+    dv_hat.assign(te * out, 0.0);
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int h = 0; h < p.kv_heads; ++h) {
+    // The group's query rows stacked: query head h * group + g, row i at g * m + i.
+    for (int g = 0; g < group; ++g) {
+      const int qh = h * group + g;
+      for (int64_t i = 0; i < m; ++i) {
+        const double* src = p.queries + (p.rows[i] * p.query_heads + qh) * d;
+        std::copy(src, src + d, &q[(g * m + i) * d]);
+      }
+    }
+    const int64_t col = int64_t{h} * d;
+    Attend(n, te, d, q.data(), p.k_true + col, p.v_true + col, out, last, p_true.data(),
+           o_true.data());
+    Attend(n, te, d, q.data(), k_hat.data() + col, v_hat.data() + col, out, last, p_hat.data(),
+           o_hat.data());
+    for (int64_t i = 0; i < n * d; ++i) {
+      const double e = o_hat[i] - o_true[i];
+      result.error += e * e;
+      result.norm += o_true[i] * o_true[i];
+      d_o[i] = 2.0 * e;
+    }
+    if (grad == nullptr) continue;
+    // dV^ = P^T dO; dP = dO V^T; dS = P (dP - rowsum(P dP)); dK^ = scale dS^T Q.
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, te, d, n, 1.0, p_hat.data(), te,
+                d_o.data(), d, 1.0, dv_hat.data() + col, out);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, te, d, 1.0, d_o.data(), d,
+                v_hat.data() + col, out, 0.0, d_p.data(), te);
+    for (int64_t i = 0; i < n; ++i) {
+      double* dp = d_p.data() + i * te;
+      const double* pr = p_hat.data() + i * te;
+      double dot = 0;
+      for (int64_t s = 0; s < te; ++s) dot += pr[s] * dp[s];
+      for (int64_t s = 0; s < te; ++s) dp[s] = pr[s] * (dp[s] - dot);
+    }
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, te, d, n, scale, d_p.data(), te,
+                q.data(), d, 1.0, dk_hat.data() + col, out);
+  }
+  if (grad != nullptr) {
+    p.rope->Rotate(te, p.kv_heads, d, /*transpose=*/true, dk_hat.data());
+    AffineBackward(te, in, out, p.x_k, dk_hat.data(), &grad->w_k, &grad->b_k);
+    AffineBackward(te, in, out, p.x_v, dv_hat.data(), &grad->w_v, &grad->b_v);
+  }
+  return result;
+}
+
+namespace {
+
+// One calibration sequence as the refinement reads it: stride-1 features of both models
+// (content space), the target's queries and RoPE rows.
+struct LoadedSequence {
+  FeatureRows rows;
+  DumpQueries queries;
+  RopeRows rope;
+};
+
+absl::StatusOr<LoadedSequence> LoadSequence(const SequencePair& pair, const FitShape& shape,
+                                            const Rope& rope) {
+  // The queries first: NOT_FOUND then means the dump has none (the ridge passes read the files).
+  absl::StatusOr<DumpQueries> queries = ReadDumpQueries(pair.target_path, shape.target);
+  if (!queries.ok()) return queries.status();
+  LoadedSequence s;
+  s.rows.Reset(int64_t{shape.source.num_layers} * shape.ds(),
+               int64_t{shape.target.num_layers} * shape.dt());
+  absl::StatusOr<int64_t> tokens =
+      AppendSequence(pair, shape.source, shape.target, /*stride=*/1, &s.rows);
+  if (!tokens.ok()) {
+    // Not to be taken for "no queries".
+    return absl::Status(absl::IsNotFound(tokens.status()) ? absl::StatusCode::kInvalidArgument
+                                                          : tokens.status().code(),
+                        tokens.status().message());
+  }
+  if (queries->num_tokens != s.rows.rows) {
+    return absl::InvalidArgumentError(absl::StrCat(pair.target_path, ": ", queries->num_tokens,
+                                                   " query tokens but ", s.rows.rows,
+                                                   " KV tokens"));
+  }
+  s.queries = std::move(*queries);
+  s.rope = RopeRows::Of(rope, s.queries.positions);
+  return s;
+}
+
+// Per target layer: the problem's inputs gathered from a loaded sequence.
+struct LayerInputs {
+  std::vector<double> x_k, x_v, k_true, v_true, queries;
+  AttentionProblem problem;
+};
+
+void GatherLayer(const LoadedSequence& s, const FitShape& shape, int l,
+                 const std::vector<int>& sigma, std::vector<int64_t> rows, LayerInputs* in) {
+  const int64_t T = s.rows.rows, ds = shape.ds(), dt = shape.dt();
+  const int64_t width = static_cast<int64_t>(sigma.size()) * ds;
+  in->x_k.resize(T * width);
+  in->x_v.resize(T * width);
+  in->k_true.resize(T * dt);
+  in->v_true.resize(T * dt);
+  for (int64_t t = 0; t < T; ++t) {
+    for (size_t a = 0; a < sigma.size(); ++a) {
+      const int64_t from = t * s.rows.source_cols + sigma[a] * ds;
+      std::copy_n(&s.rows.source_k[from], ds, &in->x_k[t * width + a * ds]);
+      std::copy_n(&s.rows.source_v[from], ds, &in->x_v[t * width + a * ds]);
+    }
+    const int64_t from = t * s.rows.target_cols + l * dt;
+    std::copy_n(&s.rows.target_k[from], dt, &in->k_true[t * dt]);
+    std::copy_n(&s.rows.target_v[from], dt, &in->v_true[t * dt]);
+  }
+  s.rope.Rotate(T, shape.target.num_kv_heads, shape.target.head_dim, false, in->k_true.data());
+  const std::vector<float>& q = s.queries.layers[l];
+  in->queries.assign(q.begin(), q.end());
+  AttentionProblem& p = in->problem;
+  p.tokens = T;
+  p.kv_heads = shape.target.num_kv_heads;
+  p.head_dim = shape.target.head_dim;
+  p.query_heads = s.queries.num_query_heads;
+  p.x_k = in->x_k.data();
+  p.x_v = in->x_v.data();
+  p.k_true = in->k_true.data();
+  p.v_true = in->v_true.data();
+  p.queries = in->queries.data();
+  p.rope = &s.rope;
+  p.rows = std::move(rows);
+}
+
+// Adam over one layer's four tensors, each with its own step size lr x RMS(start).
+struct Adam {
+  std::vector<std::vector<double>> m, v;
+  std::vector<double> step;
+  int t = 0;
+  void Init(RidgeMaps* maps, double lr) {
+    std::vector<std::vector<double>*> tensors = maps->Tensors();
+    double rms_w[2] = {0, 0};
+    for (int c = 0; c < 2; ++c) {
+      const std::vector<double>& w = *tensors[2 * c];
+      for (double x : w) rms_w[c] += x * x;
+      rms_w[c] = std::sqrt(rms_w[c] / std::max<size_t>(1, w.size()));
+    }
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      double rms = 0;
+      for (double x : *tensors[i]) rms += x * x;
+      rms = std::sqrt(rms / std::max<size_t>(1, tensors[i]->size()));
+      // A zero bias moves on its weights' scale.
+      if (rms == 0) rms = rms_w[i / 2];
+      step.push_back(lr * rms);
+      m.emplace_back(tensors[i]->size(), 0.0);
+      v.emplace_back(tensors[i]->size(), 0.0);
+    }
+  }
+  void Update(RidgeMaps* maps, RidgeMaps* grad) {
+    constexpr double kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-12;
+    ++t;
+    const double c1 = 1 - std::pow(kBeta1, t), c2 = 1 - std::pow(kBeta2, t);
+    std::vector<std::vector<double>*> tensors = maps->Tensors(), grads = grad->Tensors();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      for (size_t j = 0; j < tensors[i]->size(); ++j) {
+        const double g = (*grads[i])[j];
+        m[i][j] = kBeta1 * m[i][j] + (1 - kBeta1) * g;
+        v[i][j] = kBeta2 * v[i][j] + (1 - kBeta2) * g * g;
+        (*tensors[i])[j] -= step[i] * (m[i][j] / c1) / (std::sqrt(v[i][j] / c2) + kEps);
+      }
+    }
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
+                                      std::vector<LayerFit>* fits) {
+  const RefineOptions& ro = options.refine;
+  if (ro.steps < 1 || ro.batch < 1 || !(ro.learning_rate > 0)) {
+    return absl::InvalidArgumentError(
+        "--refine_steps and --refine_batch must be >= 1 and --refine_lr > 0");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const FitShape& shape = parsed.shape;
+  absl::StatusOr<Rope> rope = Rope::Create(shape.target.rope, shape.target.head_dim);
+  if (!rope.ok()) return rope.status();
+  SetBlasThreads(options.num_threads);
+  // Training sequences; one whose target dump turns out to have no queries is dropped when it
+  // is first read (reading every dump up front would cost a pass of its own).
+  std::vector<const SequencePair*> train;
+  for (const SequencePair& pair : options.sequences) {
+    if (!pair.heldout) train.push_back(&pair);
+  }
+  const int L = shape.target.num_layers;
+  const int64_t out = shape.dt();
+  std::vector<RidgeMaps> maps(L), grads(L);
+  std::vector<Adam> adam(L);
+  for (int l = 0; l < L; ++l) {
+    const LayerFit& f = (*fits)[l];
+    maps[l].in = static_cast<int64_t>(parsed.sigma[l].size()) * shape.ds();
+    maps[l].out = out;
+    maps[l].w_k = f.w_k;
+    maps[l].b_k = f.b_k;
+    maps[l].w_v = f.w_v;
+    maps[l].b_v = f.b_v;
+    grads[l].Resize(maps[l].in, out);
+    adam[l].Init(&maps[l], ro.learning_rate);
+  }
+  std::unique_ptr<Progress> progress;
+  if (options.solve.show_progress) {
+    progress = std::make_unique<Progress>("refine", ro.steps, "steps", options.solve.log);
+  }
+  RefineLog log;
+  // Its own stream: the MLP and the split hash the same seed differently.
+  uint64_t rng = ro.seed ^ 0x5265666996e65ull;
+  std::vector<const SequencePair*> order;
+  size_t next = 0;
+  LayerInputs inputs;
+  for (int step = 0; step < ro.steps; ++step) {
+    std::vector<AttentionError> err(L);
+    for (RidgeMaps& g : grads) {
+      for (std::vector<double>* t : g.Tensors()) std::fill(t->begin(), t->end(), 0.0);
+    }
+    for (int b = 0; b < ro.batch; ++b) {
+      absl::StatusOr<LoadedSequence> s = absl::NotFoundError("");
+      while (!s.ok()) {
+        if (train.empty()) {
+          return absl::FailedPreconditionError(
+              "kvt fit --refine=attention: no training target dump has queries (dump the target "
+              "with tools/dump_kv.py --queries)");
+        }
+        if (next == order.size()) {  // a new epoch: a fresh seeded order
+          order = train;
+          Shuffle(&rng, &order);
+          next = 0;
+        }
+        const SequencePair* pair = order[next++];
+        if (std::find(train.begin(), train.end(), pair) == train.end()) continue;  // dropped
+        s = LoadSequence(*pair, shape, *rope);
+        if (absl::IsNotFound(s.status())) {
+          train.erase(std::find(train.begin(), train.end(), pair));
+        } else if (!s.ok()) {
+          return s.status();
+        }
+      }
+      const std::vector<int64_t> rows = SampleRows(s->rows.rows, ro.queries, &rng);
+      for (int l = 0; l < L; ++l) {
+        GatherLayer(*s, shape, l, parsed.sigma[l], rows, &inputs);
+        const AttentionError e = AttentionErrorAndGradient(inputs.problem, maps[l], &grads[l]);
+        err[l].error += e.error;
+        err[l].norm += e.norm;
+      }
+    }
+    double loss = 0;
+    for (int l = 0; l < L; ++l) {
+      // Relative error: each layer's loss is scale-free, so one learning rate suits every layer.
+      const double norm = std::max(err[l].norm, std::numeric_limits<double>::min());
+      loss += err[l].error / norm / L;
+      for (std::vector<double>* t : grads[l].Tensors()) {
+        for (double& x : *t) x /= norm;
+      }
+      adam[l].Update(&maps[l], &grads[l]);
+    }
+    log.loss.push_back(loss);
+    if (progress) progress->Advance(1, 0);
+  }
+  if (progress) progress->Finish();
+  log.sequences = static_cast<int>(train.size());
+  for (int l = 0; l < L; ++l) {
+    LayerFit& f = (*fits)[l];
+    f.w_k = std::move(maps[l].w_k);
+    f.b_k = std::move(maps[l].b_k);
+    f.w_v = std::move(maps[l].w_v);
+    f.b_v = std::move(maps[l].b_v);
+  }
+  log.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return log;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
+    const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
+    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits) {
+  // The start as served: its bytes through the CPU backend, as WriteFitted measures the result.
+  std::optional<HeldoutQuality> before;
+  absl::StatusOr<bool> have = HeldoutHasQueries(options);
+  if (!have.ok()) return have.status();
+  if (*have) {
+    Manifest start = manifest;
+    std::vector<std::vector<uint8_t>> storage = RidgeStorage(parsed.sigma, *fits, dtype, &start);
+    const std::vector<TensorSpec> specs = MapperTensorSpecs(start);
+    std::vector<TensorRef> tensors;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      tensors.push_back({specs[i], absl::Span<const uint8_t>(storage[i].data(), storage[i].size())});
+    }
+    absl::StatusOr<MapperView> view = MapperViewOf(start, tensors);
+    if (!view.ok()) return view.status();
+    absl::StatusOr<HeldoutQuality> measured = MeasureHeldout(options, *view);
+    if (!measured.ok()) return measured.status();
+    before = *measured;
+    if (options.solve.show_progress) {
+      std::fprintf(options.solve.log,
+                   "kvt fit: closed-form ridge: held-out attention-output cosine %.6f without "
+                   "layer 0, %.6f all layers\n",
+                   before->attention_cosine_without_layer0, before->attention_cosine);
+    }
+  }
+  absl::StatusOr<RefineLog> log = RefineRidge(options, parsed, fits);
+  if (!log.ok()) return log.status();
+  for (int l = 0; l < static_cast<int>(fits->size()); ++l) {
+    EvaluateLayerR2(parsed.shape, stats, l, parsed.sigma[l], &(*fits)[l]);
+  }
+  if (options.solve.show_progress) {
+    std::fprintf(options.solve.log,
+                 "kvt fit: refined %d steps in %.2f s: loss %.5f -> %.5f (relative attention-"
+                 "output error, training batches)\n",
+                 options.refine.steps, log->seconds, log->loss.front(), log->loss.back());
+  }
+  return RefineFacts(options.refine, *log, before ? &*before : nullptr);
+}
+
+std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions& options,
+                                                             const RefineLog& log,
+                                                             const HeldoutQuality* before) {
+  // The curve at ~10 evenly spaced steps, each the mean of the steps around it (batches vary).
+  std::vector<std::string> points;
+  const int n = static_cast<int>(log.loss.size());
+  const int bins = std::min(10, n);
+  for (int i = 0; i < bins; ++i) {
+    const int lo = i * n / bins, hi = (i + 1) * n / bins;
+    double sum = 0;
+    for (int s = lo; s < hi; ++s) sum += log.loss[s];
+    points.push_back(absl::StrFormat("%d-%d: %.4f", lo + 1, hi, sum / (hi - lo)));
+  }
+  std::vector<std::pair<std::string, std::string>> facts = {
+      {"refinement",
+       absl::StrCat("attention: Adam from the closed-form ridge on ||o^ - o||^2 / ||o||^2 of the "
+                    "target's causal attention outputs (its own post-RoPE queries), per layer, "
+                    "K and V jointly; ",
+                    options.steps, " steps of ", options.batch, " sequences x ",
+                    options.queries > 0 ? absl::StrCat(options.queries) : std::string("all"),
+                    " query tokens, lr ", options.learning_rate, " x tensor RMS, seed ",
+                    options.seed, "; ", log.sequences, " training sequences with queries; ",
+                    absl::StrFormat("%.2f s", log.seconds))},
+      {"refinement loss (mean over layers)", absl::StrJoin(points, ", ")},
+  };
+  if (before != nullptr) {
+    facts.push_back(
+        {"held-out attention-output cosine before refinement",
+         absl::StrFormat("%.6f without layer 0, %.6f all layers (the closed-form ridge as served)",
+                         before->attention_cosine_without_layer0, before->attention_cosine)});
+  }
+  return facts;
+}
+
+}  // namespace fit
+}  // namespace kvt

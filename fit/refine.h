@@ -1,0 +1,85 @@
+// `kvt fit --refine=attention`: moves a closed-form ridge mapper towards what the target reads,
+// the error of its causal attention outputs under its own post-RoPE queries (SPEC 5), per target
+// layer with the K and V maps jointly, by Adam over the calibration sequences (streamed).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "fit/fit.h"
+#include "fit/fit_internal.h"
+#include "fit/solve.h"
+#include "kernels/rope.h"
+
+namespace kvt {
+namespace fit {
+
+// One target layer's ridge maps, float64 in the mapper layout: K^ = x_k W_k + b_k (content
+// space, target RoPE applied after), V^ = x_v W_v + b_v; W [in, out], out = n_t d_t.
+struct RidgeMaps {
+  int64_t in = 0, out = 0;
+  std::vector<double> w_k, b_k, w_v, b_v;
+  void Resize(int64_t in, int64_t out);  // zero-filled
+  std::vector<std::vector<double>*> Tensors() { return {&w_k, &b_k, &w_v, &b_v}; }
+};
+
+// The target RoPE at each token of a sequence, float64, attention factor included: row t holds
+// rotary_dim / 2 cos and sin values.
+struct RopeRows {
+  RopeStyle style = RopeStyle::kNeox;
+  int half = 0;
+  std::vector<double> cos, sin;
+  static RopeRows Of(const Rope& rope, const std::vector<uint64_t>& positions);
+  // In place on m [tokens, heads * head_dim] (rows < tokens): x <- R x, or R^T x (`transpose`).
+  void Rotate(int64_t tokens, int heads, int head_dim, bool transpose, double* m) const;
+};
+
+// One sequence at one target layer. Attention is causal over token order, query head q reads KV
+// head q / (query_heads / kv_heads), scores scaled by 1 / sqrt(head_dim) (quality/kv_quality).
+struct AttentionProblem {
+  int64_t tokens = 0;
+  int kv_heads = 0, head_dim = 0, query_heads = 0;
+  const double* x_k = nullptr;     // [tokens, in] source K features (content space), sigma order
+  const double* x_v = nullptr;     // [tokens, in]
+  const double* k_true = nullptr;  // [tokens, out] the target's keys, post-RoPE
+  const double* v_true = nullptr;  // [tokens, out]
+  const double* queries = nullptr;  // [tokens, query_heads, head_dim], post-RoPE
+  const RopeRows* rope = nullptr;
+  std::vector<int64_t> rows;  // query tokens whose outputs count, ascending
+};
+
+// Sums over `rows` and query heads: error = ||o^ - o||^2, norm = ||o||^2.
+struct AttentionError {
+  double error = 0, norm = 0;
+};
+
+// The error of `maps`' attention outputs against the target's own, and (when `grad` is set,
+// sized like `maps`) adds d error / d maps to it.
+AttentionError AttentionErrorAndGradient(const AttentionProblem& problem, const RidgeMaps& maps,
+                                         RidgeMaps* grad);
+
+struct RefineLog {
+  // Per step: the mean over target layers of error / norm of that step's batch.
+  std::vector<double> loss;
+  int sequences = 0;  // training sequences with target queries (of those read)
+  double seconds = 0;
+};
+
+// Refines `fits` (one per target layer, sigma from `parsed`) in place on the training sequences
+// of `options` whose target dumps carry queries, as `options.refine` says. Deterministic for
+// options.refine.seed and the OpenBLAS thread count. FAILED_PRECONDITION when no training dump
+// has queries.
+absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
+                                      std::vector<LayerFit>* fits);
+
+// The report facts of a refinement: settings, loss curve, wall time and the held-out cosine of
+// the closed-form start (`before`; the refined mapper's is the report's usual fact).
+std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions& options,
+                                                             const RefineLog& log,
+                                                             const HeldoutQuality* before);
+
+}  // namespace fit
+}  // namespace kvt

@@ -1,0 +1,167 @@
+// The attention refinement's math: the float64 RoPE rows against the kernels' RoPE, and the
+// analytic gradient of the attention-output error against float64 central differences, on
+// fresh random problems (GQA, partial rotary, both styles, yarn's attention factor).
+#include "fit/refine.h"
+
+#include <cmath>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "kernels/testing/reference.h"
+
+namespace kvt {
+namespace fit {
+namespace {
+
+using kvt::testing::FreshSeed;
+using kvt::testing::MakeTestRope;
+
+std::vector<double> Normal(std::mt19937_64* rng, size_t n, double scale = 1.0) {
+  std::normal_distribution<double> normal(0.0, scale);
+  std::vector<double> v(n);
+  for (double& x : v) x = normal(*rng);
+  return v;
+}
+
+struct RandomProblem {
+  std::vector<double> x_k, x_v, k_true, v_true, queries;
+  RopeRows rope;
+  AttentionProblem problem;
+  RidgeMaps maps;
+};
+
+// T tokens, 2 KV heads of `d` dims, 2 query heads per KV head, 5 input features.
+void MakeProblem(std::mt19937_64* rng, const Rope& rope, int64_t T, int d, RandomProblem* r) {
+  const int kv = 2, nq = 4;
+  const int64_t in = 5, out = int64_t{kv} * d;
+  r->x_k = Normal(rng, T * in);
+  r->x_v = Normal(rng, T * in);
+  r->k_true = Normal(rng, T * out);
+  r->v_true = Normal(rng, T * out);
+  r->queries = Normal(rng, T * nq * d, 1.5);
+  std::vector<uint64_t> positions(T);
+  for (int64_t t = 0; t < T; ++t) positions[t] = 3 + 2 * t;  // an offset and a stride
+  r->rope = RopeRows::Of(rope, positions);
+  r->maps.Resize(in, out);
+  for (std::vector<double>* t : r->maps.Tensors()) *t = Normal(rng, t->size(), 0.5);
+  AttentionProblem& p = r->problem;
+  p.tokens = T;
+  p.kv_heads = kv;
+  p.head_dim = d;
+  p.query_heads = nq;
+  p.x_k = r->x_k.data();
+  p.x_v = r->x_v.data();
+  p.k_true = r->k_true.data();
+  p.v_true = r->v_true.data();
+  p.queries = r->queries.data();
+  p.rope = &r->rope;
+  // Not the last token: keys past the last counted query must not matter.
+  p.rows = {0, 2, 3, T - 3};
+}
+
+TEST(RopeRowsTest, RotateIsTheKernelsRopeAndTransposeItsAdjoint) {
+  std::mt19937_64 rng(FreshSeed("RopeRowsTest.RotateIsTheKernelsRopeAndTransposeItsAdjoint"));
+  for (RopeStyle style : {RopeStyle::kNeox, RopeStyle::kGptj}) {
+    RopeConfig config = MakeTestRope(RopeScalingType::kYarn, style, /*rotary_dim=*/6);
+    absl::StatusOr<Rope> rope = Rope::Create(config, 8);
+    ASSERT_TRUE(rope.ok()) << rope.status();
+    ASSERT_NE(rope->attention_factor(), 1.0);  // yarn: the factor is part of the rotation
+    const std::vector<uint64_t> positions = {0, 1, 7, 40, 1000};
+    const RopeRows rows = RopeRows::Of(*rope, positions);
+    const int heads = 3, d = 8;
+    const std::vector<double> x = Normal(&rng, positions.size() * heads * d);
+    std::vector<double> rotated = x;
+    rows.Rotate(positions.size(), heads, d, false, rotated.data());
+    for (size_t t = 0; t < positions.size(); ++t) {
+      std::vector<float> cos(rope->rotary_dim() / 2), sin(cos.size());
+      rope->CosSin(positions[t], cos.data(), sin.data());
+      for (int h = 0; h < heads; ++h) {
+        std::vector<float> head(x.begin() + (t * heads + h) * d,
+                                x.begin() + (t * heads + h + 1) * d);
+        rope->ApplyHead(cos.data(), sin.data(), head.data());
+        for (int i = 0; i < d; ++i) {
+          EXPECT_NEAR(rotated[(t * heads + h) * d + i], head[i], 1e-5) << t << " " << h << " " << i;
+        }
+      }
+    }
+    // <R x, y> = <x, R^T y>.
+    const std::vector<double> y = Normal(&rng, x.size());
+    std::vector<double> back = y;
+    rows.Rotate(positions.size(), heads, d, true, back.data());
+    double lhs = 0, rhs = 0;
+    for (size_t i = 0; i < x.size(); ++i) lhs += rotated[i] * y[i], rhs += x[i] * back[i];
+    EXPECT_NEAR(lhs, rhs, 1e-10 * (1 + std::fabs(lhs)));
+  }
+}
+
+TEST(AttentionRefineTest, GradientMatchesFloat64FiniteDifferences) {
+  std::mt19937_64 rng(FreshSeed("AttentionRefineTest.GradientMatchesFloat64FiniteDifferences"));
+  for (RopeStyle style : {RopeStyle::kNeox, RopeStyle::kGptj}) {
+    SCOPED_TRACE(style == RopeStyle::kNeox ? "neox" : "gptj");
+    absl::StatusOr<Rope> rope =
+        Rope::Create(MakeTestRope(RopeScalingType::kYarn, style, /*rotary_dim=*/6), 8);
+    ASSERT_TRUE(rope.ok()) << rope.status();
+    RandomProblem r;
+    MakeProblem(&rng, *rope, 9, 8, &r);
+    RidgeMaps grad;
+    grad.Resize(r.maps.in, r.maps.out);
+    const AttentionError base = AttentionErrorAndGradient(r.problem, r.maps, &grad);
+    ASSERT_GT(base.error, 0);
+    ASSERT_GT(base.norm, 0);
+    // The error alone (no gradient) is the same number.
+    EXPECT_EQ(AttentionErrorAndGradient(r.problem, r.maps, nullptr).error, base.error);
+    std::vector<std::vector<double>*> params = r.maps.Tensors(), grads = grad.Tensors();
+    int checked = 0;
+    for (size_t t = 0; t < params.size(); ++t) {
+      for (size_t i = 0; i < params[t]->size(); ++i) {
+        const double h = 1e-6, keep = (*params[t])[i];
+        (*params[t])[i] = keep + h;
+        const double plus = AttentionErrorAndGradient(r.problem, r.maps, nullptr).error;
+        (*params[t])[i] = keep - h;
+        const double minus = AttentionErrorAndGradient(r.problem, r.maps, nullptr).error;
+        (*params[t])[i] = keep;
+        const double fd = (plus - minus) / (2 * h);
+        EXPECT_NEAR((*grads[t])[i], fd, 1e-6 * (1 + std::fabs(fd)))
+            << "tensor " << t << " element " << i;
+        ++checked;
+      }
+    }
+    EXPECT_EQ(checked, 2 * (5 * 16 + 16));
+  }
+}
+
+TEST(AttentionRefineTest, ExactMapsHaveZeroErrorAndGradient) {
+  std::mt19937_64 rng(FreshSeed("AttentionRefineTest.ExactMapsHaveZeroErrorAndGradient"));
+  absl::StatusOr<Rope> rope = Rope::Create(MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 8), 8);
+  ASSERT_TRUE(rope.ok()) << rope.status();
+  RandomProblem r;
+  const int64_t T = 10;
+  MakeProblem(&rng, *rope, T, 8, &r);
+  // The truth is what the maps produce (keys rotated as a cache holds them).
+  const int64_t in = r.maps.in, out = r.maps.out;
+  for (int c = 0; c < 2; ++c) {
+    const std::vector<double>& x = c == 0 ? r.x_k : r.x_v;
+    const std::vector<double>& w = c == 0 ? r.maps.w_k : r.maps.w_v;
+    const std::vector<double>& b = c == 0 ? r.maps.b_k : r.maps.b_v;
+    std::vector<double>& y = c == 0 ? r.k_true : r.v_true;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t o = 0; o < out; ++o) {
+        double z = b[o];
+        for (int64_t i = 0; i < in; ++i) z += x[t * in + i] * w[i * out + o];
+        y[t * out + o] = z;
+      }
+    }
+  }
+  r.rope.Rotate(T, 2, 8, false, r.k_true.data());
+  RidgeMaps grad;
+  grad.Resize(in, out);
+  const AttentionError e = AttentionErrorAndGradient(r.problem, r.maps, &grad);
+  EXPECT_LT(e.error, 1e-20 * e.norm);
+  for (std::vector<double>* g : grad.Tensors()) {
+    for (double v : *g) EXPECT_NEAR(v, 0.0, 1e-9);
+  }
+}
+
+}  // namespace
+}  // namespace fit
+}  // namespace kvt
