@@ -145,10 +145,13 @@ class KvtConnectorTest(unittest.TestCase):
         return kvt.Client(Suite.kvtd.address, timeout=60)
 
     def publish_via(self, engine, prompt, max_tokens=4):
-        """Serve `prompt` on `engine` (it publishes) and wait until kvtd holds it."""
-        r = engine.one(prompt, max_tokens)
+        """Serve `prompt` on `engine` (it publishes) and wait until kvtd holds it (a new entry:
+        an older, longer one of another text must not end the wait)."""
         with self.client() as c:
-            family.wait_for_entries(c, family.NAMES[engine.name], len(prompt) // 16 * 16)
+            before = family.entry_ids(c, family.NAMES[engine.name])
+            r = engine.one(prompt, max_tokens)
+            family.wait_for_entries(c, family.NAMES[engine.name], len(prompt) // 16 * 16,
+                                    exclude=before)
         return r
 
     # -- (a) ------------------------------------------------------------------------------------
@@ -212,6 +215,8 @@ class KvtConnectorTest(unittest.TestCase):
         for turn, engine in enumerate((S, L, S, L)):
             conversation += text(96, offset)
             offset += 96
+            with self.client() as c:
+                before = family.entry_ids(c, family.NAMES[engine.name])
             r = engine.one(conversation, 24)
             o = outcome(r)
             turns.append((engine.name, o.get("outcome"), o.get("source_model"),
@@ -219,7 +224,7 @@ class KvtConnectorTest(unittest.TestCase):
             conversation += r["token_ids"]
             with self.client() as c:  # the final publish (prompt + generated) is in kvtd
                 family.wait_for_entries(c, family.NAMES[engine.name],
-                                        len(conversation) // 16 * 16 - 16)
+                                        len(conversation) // 16 * 16 - 16, exclude=before)
         print("\n(b) turns: " + json.dumps(turns), file=sys.stderr)
         self.assertNotEqual(turns[0][1], "applied")  # nothing published yet
         for name, out, source, reused, _ in turns[1:]:

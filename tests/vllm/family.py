@@ -62,17 +62,25 @@ def start_kvtd(store: str, port: int, config: str, name: str = "vllm-kvtd") -> "
                    "--drain_grace_seconds=0", "--max_tokens=65536"], name)
 
 
-def wait_for_entries(client, model: str, tokens: int, timeout: float = 20.0) -> None:
-    """Until kvtd holds at least `tokens` tokens of `model` (publishes are asynchronous)."""
+def entry_ids(client, model: str) -> set:
+    """Ids of the entries kvtd holds for `model` now."""
+    from kvt.prefix import PrefixCache
+    return {e.entry_id for e in PrefixCache(client).list(model).entries}
+
+
+def wait_for_entries(client, model: str, tokens: int, timeout: float = 20.0,
+                     exclude: Optional[set] = None) -> None:
+    """Until kvtd holds at least `tokens` tokens of `model` (publishes are asynchronous) in an
+    entry whose id is not in `exclude` (entry_ids before the publish: a new entry)."""
     from kvt.prefix import PrefixCache
     prefix = PrefixCache(client)
     end = time.monotonic() + timeout
     while True:
         entries = prefix.list(model).entries
-        if any(e.num_tokens >= tokens for e in entries):
+        if any(e.num_tokens >= tokens and e.entry_id not in (exclude or ()) for e in entries):
             return
         if time.monotonic() > end:
-            raise AssertionError(f"kvtd holds no {tokens}-token entry of {model}: "
+            raise AssertionError(f"kvtd holds no new {tokens}-token entry of {model}: "
                                  f"{[(e.model, e.num_tokens) for e in entries]}")
         time.sleep(0.05)
 

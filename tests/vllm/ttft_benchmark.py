@@ -92,8 +92,10 @@ def main():
                 miss = L.one(prompt[::-1], 1, cache_salt=f"miss{next(salt)}")
                 assert E_outcome(miss)["outcome"] == "fallback_reprefill", E_outcome(miss)
                 row["no_reuse"].append(miss["wall_s"])
+                before = family.entry_ids(client, family.NAMES["M"])
                 M.one(prompt[:n - 16], 1, kvt={"reuse": "forbid"})  # publishes M's prefix
-                family.wait_for_entries(client, family.NAMES["M"], (n - 16) // 16 * 16)
+                family.wait_for_entries(client, family.NAMES["M"], (n - 16) // 16 * 16,
+                                        exclude=before)
                 got = L.one(prompt, 1, cache_salt=f"tr{next(salt)}")
                 o = E_outcome(got)
                 assert o["outcome"] == "applied", o
