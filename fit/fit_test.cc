@@ -8,7 +8,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "client/cache_file.h"
+#include "host_cache/cache_file.h"
 #include "fit/calibration.h"
 #include "fit/synthetic_family.h"
 #include "gmock/gmock.h"

@@ -15,10 +15,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "fit/hf_config.h"
 #include "kernels/dtype.h"
 #include "mapper_store/checksum.h"
 #include "mapper_store/file_util.h"
+#include "mapper_store/hf_config.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/safetensors.h"
 #include "nlohmann/json.hpp"
@@ -361,7 +361,7 @@ absl::StatusOr<ModelSpec> ResolveModel(const char* role, const std::string& conf
                                        const SemanticRouterManifest& m, int default_layers) {
   ModelSpec model;
   if (!config_path.empty()) {
-    absl::StatusOr<ModelSpec> read = fit::ReadHfConfig(config_path, name);
+    absl::StatusOr<ModelSpec> read = ReadHfConfig(config_path, name);
     if (!read.ok()) return read.status();
     model = *std::move(read);
   } else {
