@@ -10,7 +10,7 @@
 #include "cli/command_table.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
-#include "client/cache_file.h"
+#include "host_cache/cache_file.h"
 #include "client/client.h"
 #include "kernels/dtype.h"
 #include "kernels/reference.h"

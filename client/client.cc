@@ -10,10 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "common/allocator.h"
+#include "common/grpc_status.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "server/grpc_status.h"
 #include "absl/base/thread_annotations.h"
 #include "grpcpp/support/sync_stream.h"
 #include "transport/chunk_wire.h"
@@ -56,33 +56,6 @@ absl::Status SendChunks(const HostCache& cache, bool keys_only, int64_t chunk_by
 }
 
 }  // namespace
-
-void HostCache::Allocate() {
-  k.clear();
-  v.clear();
-  Resize();
-}
-
-void HostCache::Resize() {
-  for (std::vector<std::vector<char>>* buffers : {&k, &v}) {
-    buffers->resize(static_cast<size_t>(num_layers));
-    for (std::vector<char>& buffer : *buffers) buffer.resize(static_cast<size_t>(layer_bytes()));
-  }
-}
-
-CacheView HostCache::view() const {
-  CacheView view;
-  view.dtype = dtype;
-  view.layout = layout;
-  view.num_kv_heads = num_kv_heads;
-  view.head_dim = head_dim;
-  view.num_tokens = num_tokens;
-  for (int layer = 0; layer < num_layers; ++layer) {
-    view.k.push_back(k[layer].data());
-    view.v.push_back(v[layer].data());
-  }
-  return view;
-}
 
 std::unique_ptr<Client> Client::Create(const std::string& target, const ClientOptions& options) {
   grpc::ChannelArguments arguments;

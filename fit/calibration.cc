@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "client/cache_file.h"
+#include "host_cache/cache_file.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
 #include "mapper_store/file_util.h"

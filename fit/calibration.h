@@ -8,7 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "client/cache_file.h"  // HostCache
+#include "host_cache/cache_file.h"  // HostCache
 #include "kernels/mapper_view.h"
 
 namespace kvt {

@@ -13,11 +13,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "fit/fit_internal.h"
-#include "fit/hf_config.h"
 #include "fit/progress.h"
 #include "fit/report.h"
 #include "kernels/dtype.h"
 #include "mapper_store/file_util.h"
+#include "mapper_store/hf_config.h"
 #include "mapper_store/mapper.h"
 #include "nlohmann/json.hpp"
 

@@ -8,7 +8,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "client/cache_file.h"
+#include "host_cache/cache_file.h"
 #include "fit/calibration.h"
 #include "fit/fit_internal.h"
 #include "fit/refine.h"

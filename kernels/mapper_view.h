@@ -22,7 +22,7 @@ struct ModelSpec {
 };
 
 // A model with plain neox RoPE over the whole head (no scaling): synthetic mappers, custom
-// shapes and tests. Real models come from config.json (fit/hf_config.h) or the synth presets.
+// shapes and tests. Real models come from config.json (mapper_store/hf_config.h) or the synth presets.
 inline ModelSpec NeoxModelSpec(std::string name, int num_layers, int num_kv_heads, int head_dim,
                                double theta = 10000.0) {
   ModelSpec model;

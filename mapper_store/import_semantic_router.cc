@@ -13,12 +13,12 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "fit/hf_config.h"
+#include "common/strict_reader.h"
 #include "kernels/dtype.h"
 #include "mapper_store/checksum.h"
 #include "mapper_store/file_util.h"
+#include "mapper_store/hf_config.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/safetensors.h"
 #include "nlohmann/json.hpp"
@@ -29,84 +29,9 @@ namespace {
 
 using nlohmann::json;
 
-// Any value as compact JSON for messages; invalid UTF-8 is replaced instead of throwing.
-std::string Dump(const json& value) {
-  return value.dump(-1, ' ', false, json::error_handler_t::replace);
-}
+using strict::JsonReader;
 
-// Field access on manifest.json with errors "<label>: <path> ..." naming the field.
-class FieldReader {
- public:
-  explicit FieldReader(absl::string_view label) : label_(label) {}
-
-  absl::Status Error(absl::string_view message) const {
-    return absl::InvalidArgumentError(absl::StrCat(label_, ": ", message));
-  }
-
-  absl::StatusOr<const json*> Required(const json& object, const std::string& key,
-                                       absl::string_view path) const {
-    auto it = object.find(key);
-    if (it == object.end()) return Error(absl::StrCat("missing required field ", path));
-    return &*it;
-  }
-
-  absl::StatusOr<std::string> String(const json& object, const std::string& key,
-                                     absl::string_view path) const {
-    absl::StatusOr<const json*> value = Required(object, key, path);
-    if (!value.ok()) return value.status();
-    if (!(*value)->is_string()) {
-      return Error(absl::StrCat(path, " must be a string, got ", Dump(**value)));
-    }
-    return (*value)->get<std::string>();
-  }
-
-  // An integer in [min, 2^31); JSON floats, strings and booleans are refused.
-  absl::StatusOr<int> Int(const json& value, absl::string_view path, int64_t min) const {
-    int64_t parsed = 0;
-    bool ok = false;
-    if (value.is_number_unsigned()) {
-      const uint64_t u = value.get<uint64_t>();
-      ok = u <= static_cast<uint64_t>(INT32_MAX);
-      parsed = static_cast<int64_t>(u);
-    } else if (value.is_number_integer()) {
-      parsed = value.get<int64_t>();
-      ok = parsed <= INT32_MAX;
-    }
-    if (!ok || parsed < min) {
-      return Error(absl::StrCat(path, " must be an integer >= ", min, ", got ", Dump(value)));
-    }
-    return static_cast<int>(parsed);
-  }
-  absl::StatusOr<int> Int(const json& object, const std::string& key, absl::string_view path,
-                          int64_t min) const {
-    absl::StatusOr<const json*> value = Required(object, key, path);
-    if (!value.ok()) return value.status();
-    return Int(**value, path, min);
-  }
-
-  absl::StatusOr<bool> Bool(const json& object, const std::string& key,
-                            absl::string_view path) const {
-    absl::StatusOr<const json*> value = Required(object, key, path);
-    if (!value.ok()) return value.status();
-    if (!(*value)->is_boolean()) {
-      return Error(absl::StrCat(path, " must be true or false, got ", Dump(**value)));
-    }
-    return (*value)->get<bool>();
-  }
-
-  absl::StatusOr<double> Number(const json& object, const std::string& key,
-                                absl::string_view path) const {
-    absl::StatusOr<const json*> value = Required(object, key, path);
-    if (!value.ok()) return value.status();
-    if (!(*value)->is_number()) {
-      return Error(absl::StrCat(path, " must be a number, got ", Dump(**value)));
-    }
-    return (*value)->get<double>();
-  }
-
- private:
-  std::string label_;
-};
+std::string Dump(const json& value) { return JsonReader::Dump(value); }
 
 // artifact.py's normalize_precision.
 absl::StatusOr<std::string> NormalizePrecision(const std::string& precision) {
@@ -122,7 +47,7 @@ absl::StatusOr<std::string> NormalizePrecision(const std::string& precision) {
 }
 
 // One channel of source_layers_per_target: {"0": [j, ...], "1": [...], ...} -> per target layer.
-absl::StatusOr<std::vector<std::vector<int>>> ParseSelection(const FieldReader& reader,
+absl::StatusOr<std::vector<std::vector<int>>> ParseSelection(const JsonReader& reader,
                                                              const json& selection,
                                                              const std::string& path, int topk) {
   if (!selection.is_object() || selection.empty()) {
@@ -211,11 +136,10 @@ absl::StatusOr<YAML::Node> JsonToYaml(const json& value, int depth) {
 
 absl::StatusOr<SemanticRouterManifest> ParseManifestJson(absl::string_view json_text,
                                                          absl::string_view label) {
-  const FieldReader reader(label);
-  const json root =
-      json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return reader.Error("not valid JSON");
-  if (!root.is_object()) return reader.Error("top level is not a JSON object");
+  const JsonReader reader(label);
+  absl::StatusOr<json> parsed_root = reader.Parse(json_text);
+  if (!parsed_root.ok()) return parsed_root.status();
+  const json& root = *parsed_root;
   SemanticRouterManifest m;
 
   // Checked first, so a newer schema gets one clear message rather than complaints about fields.
@@ -228,36 +152,31 @@ absl::StatusOr<SemanticRouterManifest> ParseManifestJson(absl::string_view json_
                                        " is not supported (this importer reads version 1)"));
     }
   }
-  absl::StatusOr<std::string> mapper_id = reader.String(root, "mapper_id", "mapper_id");
+  absl::StatusOr<std::string> mapper_id = reader.String(root, "", "mapper_id");
   if (!mapper_id.ok()) return mapper_id.status();
   m.mapper_id = *mapper_id;
 
-  absl::StatusOr<const json*> compat = reader.Required(root, "compatibility", "compatibility");
+  absl::StatusOr<const json*> compat = reader.Required(root, "", "compatibility");
   if (!compat.ok()) return compat.status();
-  if (!(*compat)->is_object()) {
-    return reader.Error(absl::StrCat("compatibility must be an object, got ", Dump(**compat)));
-  }
   const json& c = **compat;
   // CompatibilitySpec(**data) refuses unknown fields; so does this.
-  static const std::set<std::string> kCompatFields = {
-      "source_model", "source_revision", "target_model", "target_revision", "variant", "precision",
-      "source_tp",    "target_tp",       "head_order",   "num_kv_heads",    "head_dim"};
-  for (auto it = c.begin(); it != c.end(); ++it) {
-    if (kCompatFields.count(it.key()) == 0) {
-      return reader.Error(absl::StrCat("unknown field compatibility.", it.key(),
-                                       " (allowed: ", absl::StrJoin(kCompatFields, ", "), ")"));
-    }
+  if (absl::Status status = reader.CheckObject(
+          c, "compatibility",
+          {"source_model", "source_revision", "target_model", "target_revision", "variant",
+           "precision", "source_tp", "target_tp", "head_order", "num_kv_heads", "head_dim"});
+      !status.ok()) {
+    return status;
   }
   for (auto [key, field] : {std::pair<const char*, std::string*>{"source_model", &m.source_model},
                             {"source_revision", &m.source_revision},
                             {"target_model", &m.target_model},
                             {"target_revision", &m.target_revision},
                             {"head_order", &m.head_order}}) {
-    absl::StatusOr<std::string> value = reader.String(c, key, absl::StrCat("compatibility.", key));
+    absl::StatusOr<std::string> value = reader.String(c, "compatibility", key);
     if (!value.ok()) return value.status();
     *field = *value;
   }
-  absl::StatusOr<std::string> variant = reader.String(c, "variant", "compatibility.variant");
+  absl::StatusOr<std::string> variant = reader.String(c, "compatibility", "variant");
   if (!variant.ok()) return variant.status();
   if (*variant == "full_head") {
     m.variant = SemanticRouterVariant::kFullHead;
@@ -267,7 +186,7 @@ absl::StatusOr<SemanticRouterManifest> ParseManifestJson(absl::string_view json_
     return reader.Error(absl::StrCat("compatibility.variant '", *variant,
                                      "' is not supported (full_head, per_head)"));
   }
-  absl::StatusOr<std::string> precision = reader.String(c, "precision", "compatibility.precision");
+  absl::StatusOr<std::string> precision = reader.String(c, "compatibility", "precision");
   if (!precision.ok()) return precision.status();
   absl::StatusOr<std::string> normalized = NormalizePrecision(*precision);
   if (!normalized.ok()) return reader.Error(normalized.status().message());
@@ -276,47 +195,39 @@ absl::StatusOr<SemanticRouterManifest> ParseManifestJson(absl::string_view json_
                             {"target_tp", &m.target_tp},
                             {"num_kv_heads", &m.num_kv_heads},
                             {"head_dim", &m.head_dim}}) {
-    absl::StatusOr<int> value = reader.Int(c, key, absl::StrCat("compatibility.", key), 1);
+    absl::StatusOr<int> value = reader.Int(c, "compatibility", key, 1);
     if (!value.ok()) return value.status();
     *field = *value;
   }
 
-  absl::StatusOr<int> topk = reader.Int(root, "topk", "topk", 1);
+  absl::StatusOr<int> topk = reader.Int(root, "", "topk", 1);
   if (!topk.ok()) return topk.status();
   m.topk = *topk;
-  absl::StatusOr<double> alpha = reader.Number(root, "ridge_alpha", "ridge_alpha");
+  absl::StatusOr<double> alpha = reader.Number(root, "", "ridge_alpha");
   if (!alpha.ok()) return alpha.status();
   if (!(*alpha >= 0) || !std::isfinite(*alpha)) {
     return reader.Error(absl::StrCat("ridge_alpha must be a finite number >= 0, got ", *alpha));
   }
   m.ridge_alpha = *alpha;
-  absl::StatusOr<bool> centered = reader.Bool(root, "centered_inputs", "centered_inputs");
+  absl::StatusOr<bool> centered = reader.Bool(root, "", "centered_inputs");
   if (!centered.ok()) return centered.status();
   m.centered_inputs = *centered;
-  absl::StatusOr<bool> stripped =
-      reader.Bool(root, "rope_stripped_on_keys", "rope_stripped_on_keys");
+  absl::StatusOr<bool> stripped = reader.Bool(root, "", "rope_stripped_on_keys");
   if (!stripped.ok()) return stripped.status();
   m.rope_stripped_on_keys = *stripped;
 
-  absl::StatusOr<const json*> selections =
-      reader.Required(root, "source_layers_per_target", "source_layers_per_target");
+  absl::StatusOr<const json*> selections = reader.Required(root, "", "source_layers_per_target");
   if (!selections.ok()) return selections.status();
   const json& s = **selections;
-  if (!s.is_object()) {
-    return reader.Error(absl::StrCat(
-        "source_layers_per_target must be an object {\"k\": ..., \"v\": ...}, got ", Dump(s)));
-  }
-  for (auto it = s.begin(); it != s.end(); ++it) {
-    if (it.key() != "k" && it.key() != "v") {
-      return reader.Error(
-          absl::StrCat("unknown field source_layers_per_target.", it.key(), " (allowed: k, v)"));
-    }
+  if (absl::Status status = reader.CheckObject(s, "source_layers_per_target", {"k", "v"});
+      !status.ok()) {
+    return status;
   }
   for (auto [key, field] :
        {std::pair<const char*, std::vector<std::vector<int>>*>{"k", &m.sources_k},
         {"v", &m.sources_v}}) {
     const std::string path = absl::StrCat("source_layers_per_target.", key);
-    absl::StatusOr<const json*> channel = reader.Required(s, key, path);
+    absl::StatusOr<const json*> channel = reader.Required(s, "source_layers_per_target", key);
     if (!channel.ok()) return channel.status();
     absl::StatusOr<std::vector<std::vector<int>>> parsed =
         ParseSelection(reader, **channel, path, m.topk);
@@ -361,7 +272,7 @@ absl::StatusOr<ModelSpec> ResolveModel(const char* role, const std::string& conf
                                        const SemanticRouterManifest& m, int default_layers) {
   ModelSpec model;
   if (!config_path.empty()) {
-    absl::StatusOr<ModelSpec> read = fit::ReadHfConfig(config_path, name);
+    absl::StatusOr<ModelSpec> read = ReadHfConfig(config_path, name);
     if (!read.ok()) return read.status();
     model = *std::move(read);
   } else {

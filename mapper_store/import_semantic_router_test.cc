@@ -342,7 +342,7 @@ TEST_F(ImportTest, SelectionErrorsNameTheEntry) {
                    "source_layers_per_target.k[\"0\"] has 3 source layers but topk is 2");
   a.manifest["source_layers_per_target"]["k"]["0"] = {1, -2};
   KVT_EXPECT_ERROR(Import(a), absl::StatusCode::kInvalidArgument,
-                   "source_layers_per_target.k[\"0\"][1] must be an integer >= 0, got -2");
+                   "key 'source_layers_per_target.k[\"0\"][1]' must be an integer >= 0, got -2");
 }
 
 TEST_F(ImportTest, MissingTensor) {
@@ -423,15 +423,15 @@ TEST_F(ImportTest, ManifestFieldErrors) {
   Artifact a = MakeArtifact({});
   a.manifest["compatibility"].erase("head_dim");
   KVT_EXPECT_ERROR(Import(a), absl::StatusCode::kInvalidArgument,
-                   "missing required field compatibility.head_dim");
+                   "missing required key 'compatibility.head_dim'");
   a = MakeArtifact({});
   a.manifest["topk"] = "two";
   KVT_EXPECT_ERROR(Import(a), absl::StatusCode::kInvalidArgument,
-                   "topk must be an integer >= 1, got \"two\"");
+                   "key 'topk' must be an integer >= 1, got \"two\"");
   a = MakeArtifact({});
   a.manifest["compatibility"]["colour"] = "red";
   KVT_EXPECT_ERROR(Import(a), absl::StatusCode::kInvalidArgument,
-                   "unknown field compatibility.colour");
+                   "unknown key 'compatibility.colour'");
   a = MakeArtifact({});
   a.manifest["compatibility"]["precision"] = "float128";
   KVT_EXPECT_ERROR(Import(a), absl::StatusCode::kInvalidArgument,

@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "common/strict_reader.h"
 #include "kernels/rope.h"
 #include "mapper_store/file_util.h"
 #include "yaml-cpp/yaml.h"
@@ -26,27 +26,12 @@ struct ManifestLines {
   std::vector<int> layer, sigma_k, sigma_v;
 };
 
-int LineOf(const YAML::Node& node) {
-  if (!node.IsDefined()) return 0;
-  const YAML::Mark mark = node.Mark();
-  return mark.line >= 0 ? mark.line + 1 : 0;
-}
-
 int LineAt(const std::vector<int>& lines, size_t i) { return i < lines.size() ? lines[i] : 0; }
 
-class ErrorMaker {
- public:
-  explicit ErrorMaker(absl::string_view label) : label_(label) {}
-
-  absl::Status operator()(int line, absl::string_view message,
-                          absl::StatusCode code = absl::StatusCode::kInvalidArgument) const {
-    return absl::Status(code, line > 0 ? absl::StrCat(label_, " line ", line, ": ", message)
-                                       : absl::StrCat(label_, ": ", message));
-  }
-
- private:
-  std::string label_;
-};
+// Errors "<label>:<line>: ...", shared by the parser and the validation of built manifests.
+using ErrorMaker = strict::Errors;
+using strict::LineOf;
+using strict::Path;
 
 absl::Status ValidateModel(const ModelSpec& model, const char* which, int line, int rope_line,
                            const ErrorMaker& error) {
@@ -211,22 +196,16 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
 
 // ---- Parsing ----
 
-class Parser {
+// Key checks, required keys and typed scalars come from the shared strict reader.
+class Parser : private strict::YamlReader {
  public:
-  explicit Parser(absl::string_view label) : error_(label) {}
+  explicit Parser(absl::string_view label) : YamlReader(label), error_(label) {}
 
   absl::StatusOr<Manifest> Parse(absl::string_view text) {
-    YAML::Node root;
+    absl::StatusOr<YAML::Node> root = Load(text);
+    if (!root.ok()) return root.status();
     try {
-      root = YAML::Load(std::string(text));
-    } catch (const YAML::ParserException& e) {
-      return error_(e.mark.line >= 0 ? e.mark.line + 1 : 0,
-                    absl::StrCat("YAML syntax error: ", e.msg));
-    } catch (const YAML::Exception& e) {
-      return error_(0, absl::StrCat("cannot read YAML: ", e.what()));
-    }
-    try {
-      return ParseRoot(root);
+      return ParseRoot(*root);
     } catch (const YAML::Exception& e) {
       // Defensive: every access below is checked, but a yaml-cpp surprise must not escape.
       return error_(e.mark.line >= 0 ? e.mark.line + 1 : 0, absl::StrCat("malformed: ", e.msg));
@@ -234,93 +213,8 @@ class Parser {
   }
 
  private:
-  // `map` must be a map whose keys are all in `allowed`, each once.
-  absl::Status CheckMap(const YAML::Node& map, const std::string& where,
-                        std::initializer_list<const char*> allowed) {
-    if (!map.IsMap()) {
-      return error_(LineOf(map), absl::StrCat(where.empty() ? "the manifest" : where,
-                                              " must be a YAML map"));
-    }
-    std::set<std::string> seen;
-    for (auto it = map.begin(); it != map.end(); ++it) {
-      // By value: yaml-cpp's iterator returns a temporary proxy, a reference would dangle.
-      const YAML::Node key = it->first;
-      const std::string name = key.IsScalar() ? key.Scalar() : "<non-scalar key>";
-      bool known = false;
-      for (const char* a : allowed) known = known || name == a;
-      const std::string in = where.empty() ? "at top level" : absl::StrCat("in ", where);
-      if (!known) {
-        return error_(LineOf(key), absl::StrCat("unknown key '", name, "' ", in, " (allowed: ",
-                                                absl::StrJoin(allowed, ", "), ")"));
-      }
-      if (!seen.insert(name).second) {
-        return error_(LineOf(key), absl::StrCat("duplicate key '", name, "' ", in));
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<YAML::Node> Required(const YAML::Node& map, const std::string& where,
-                                      const char* key) {
-    const YAML::Node value = map[key];
-    if (!value.IsDefined()) {
-      return error_(LineOf(map), absl::StrCat("missing required key '", key, "'",
-                                              where.empty() ? "" : absl::StrCat(" in ", where)));
-    }
-    return value;
-  }
-
-  template <typename T>
-  absl::StatusOr<T> Scalar(const YAML::Node& node, const std::string& what, const char* type) {
-    if (node.IsScalar()) {
-      try {
-        return node.as<T>();
-      } catch (const YAML::BadConversion&) {
-        return error_(LineOf(node), absl::StrCat(what, " must be ", type, ", got '",
-                                                 node.Scalar(), "'"));
-      }
-    }
-    const char* got = node.IsNull() ? "null" : node.IsMap() ? "a map" : "a list";
-    return error_(LineOf(node), absl::StrCat(what, " must be ", type, ", got ", got));
-  }
-
-  template <typename T>
-  absl::Status RequiredScalar(const YAML::Node& map, const std::string& where, const char* key,
-                              const char* type, T* out) {
-    absl::StatusOr<YAML::Node> node = Required(map, where, key);
-    if (!node.ok()) return node.status();
-    absl::StatusOr<T> value = Scalar<T>(*node, Path(where, key), type);
-    if (!value.ok()) return value.status();
-    *out = *std::move(value);
-    return absl::OkStatus();
-  }
-
-  template <typename T>
-  absl::Status OptionalScalar(const YAML::Node& map, const std::string& where, const char* key,
-                              const char* type, T* out) {
-    const YAML::Node node = map[key];
-    if (!node.IsDefined()) return absl::OkStatus();
-    absl::StatusOr<T> value = Scalar<T>(node, Path(where, key), type);
-    if (!value.ok()) return value.status();
-    *out = *std::move(value);
-    return absl::OkStatus();
-  }
-
-  static std::string Path(const std::string& where, const char* key) {
-    return where.empty() ? std::string(key) : absl::StrCat(where, ".", key);
-  }
-
   absl::StatusOr<std::vector<int>> IntList(const YAML::Node& node, const std::string& what) {
-    if (!node.IsSequence()) {
-      return error_(LineOf(node), absl::StrCat(what, " must be a list of source layer indices"));
-    }
-    std::vector<int> values;
-    for (size_t i = 0; i < node.size(); ++i) {
-      absl::StatusOr<int> v = Scalar<int>(node[i], absl::StrCat(what, "[", i, "]"), "an integer");
-      if (!v.ok()) return v.status();
-      values.push_back(*v);
-    }
-    return values;
+    return ScalarList<int>(node, what, "a list of source layer indices", "an integer");
   }
 
   absl::Status ParseRope(const YAML::Node& node, const std::string& where, RopeConfig* rope) {

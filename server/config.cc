@@ -3,120 +3,65 @@
 #include <fstream>
 #include <functional>
 #include <map>
-#include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "common/strict_reader.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvt {
 namespace {
 
-std::string Where(absl::string_view source, const YAML::Node& node) {
-  const YAML::Mark mark = node.Mark();
-  if (mark.line < 0) return std::string(source);
-  return absl::StrCat(source, ":", mark.line + 1);
-}
+using strict::YamlReader;
 
-template <typename T>
-absl::Status ReadScalar(absl::string_view source, const std::string& key, const YAML::Node& node,
-                        const char* expected, T* out) {
-  if (!node.IsScalar()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(Where(source, node), ": key '", key, "' must be ", expected));
-  }
-  try {
-    *out = node.as<T>();
-  } catch (const YAML::Exception&) {
-    return absl::InvalidArgumentError(absl::StrCat(Where(source, node), ": key '", key,
-                                                   "' must be ", expected, ", got '",
-                                                   node.Scalar(), "'"));
-  }
-  return absl::OkStatus();
-}
-
-// A mapping key as a string; a key that is itself a map or a list ("{{}: 1}") is an error, not a
-// YAML::BadConversion thrown out of the parser.
-absl::Status ReadKey(absl::string_view source, const YAML::Node& key, std::string* out) {
-  if (!key.IsScalar()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(Where(source, key), ": keys must be plain strings, not a map or a list"));
-  }
-  *out = key.Scalar();
-  return absl::OkStatus();
-}
-
-// One section of the file: its keys and how each is stored.
+// One section of the file: its keys and how each is stored (`key` is the full path).
 using Setter = std::function<absl::Status(const std::string& key, const YAML::Node&)>;
 
-absl::Status ReadSection(absl::string_view source, const std::string& section,
+template <typename Map>
+std::vector<std::string> KeysOf(const Map& map) {
+  std::vector<std::string> keys;
+  for (const auto& entry : map) keys.push_back(entry.first);
+  return keys;
+}
+
+absl::Status ReadSection(const YamlReader& reader, const std::string& section,
                          const YAML::Node& node, const std::map<std::string, Setter>& setters) {
-  if (!node.IsMap()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(Where(source, node), ": '", section, "' must be a map"));
+  if (absl::Status status = reader.CheckMap(node, section, KeysOf(setters)); !status.ok()) {
+    return status;
   }
-  std::set<std::string> seen;
   for (const auto& entry : node) {
-    std::string key;
-    if (absl::Status status = ReadKey(source, entry.first, &key); !status.ok()) return status;
-    const std::string full_key = absl::StrCat(section, ".", key);
-    if (!seen.insert(key).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(source, entry.first), ": duplicate key '", full_key, "'"));
-    }
-    auto it = setters.find(key);
-    if (it == setters.end()) {
-      std::vector<std::string> known;
-      for (const auto& setter : setters) known.push_back(setter.first);
-      return absl::InvalidArgumentError(absl::StrCat(Where(source, entry.first),
-                                                     ": unknown key '", full_key,
-                                                     "' (known: ", absl::StrJoin(known, ", "),
-                                                     ")"));
-    }
-    absl::Status status = it->second(full_key, entry.second);
+    const std::string key = entry.first.Scalar();
+    absl::Status status = setters.at(key)(strict::Path(section, key), entry.second);
     if (!status.ok()) return status;
   }
   return absl::OkStatus();
 }
 
 // metrics.prefill_cost: a map from target model name to {a, b, c}; every coefficient required.
-absl::Status ReadPrefillCosts(absl::string_view source, const std::string& key,
+absl::Status ReadPrefillCosts(const YamlReader& reader, const std::string& key,
                               const YAML::Node& node,
                               std::map<std::string, KvtdConfig::Metrics::PrefillCost>* out) {
   if (!node.IsMap()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        Where(source, node), ": key '", key,
-        "' must be a map from target model name to {a: ms, b: ms/token, c: ms/token^2}"));
+    return reader.WrongType(node, key,
+                            "a map from target model name to {a: ms, b: ms/token, c: ms/token^2}");
   }
+  if (absl::Status status = reader.CheckFreeMap(node, key); !status.ok()) return status;
   for (const auto& model : node) {
-    std::string name;
-    if (absl::Status status = ReadKey(source, model.first, &name); !status.ok()) return status;
-    const std::string model_key = absl::StrCat(key, ".", name);
-    if (out->count(name) > 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(source, model.first), ": duplicate key '", model_key, "'"));
+    const std::string name = model.first.Scalar();
+    const std::string model_key = strict::Path(key, name);
+    if (absl::Status s = reader.CheckMap(model.second, model_key, {"a", "b", "c"}); !s.ok()) {
+      return s;
     }
     KvtdConfig::Metrics::PrefillCost cost;
-    const std::map<std::string, Setter> coefficients = {
-        {"a", [&](const std::string& k, const YAML::Node& n) {
-           return ReadScalar(source, k, n, "a number", &cost.a);
-         }},
-        {"b", [&](const std::string& k, const YAML::Node& n) {
-           return ReadScalar(source, k, n, "a number", &cost.b);
-         }},
-        {"c", [&](const std::string& k, const YAML::Node& n) {
-           return ReadScalar(source, k, n, "a number", &cost.c);
-         }},
-    };
-    absl::Status status = ReadSection(source, model_key, model.second, coefficients);
-    if (!status.ok()) return status;
-    for (const char* coefficient : {"a", "b", "c"}) {
-      if (!model.second[coefficient]) {
-        return absl::InvalidArgumentError(absl::StrCat(Where(source, model.second), ": key '",
-                                                       model_key, ".", coefficient,
-                                                       "' is required (a, b and c)"));
+    for (const auto& [coefficient, value] :
+         {std::pair<const char*, double*>{"a", &cost.a}, {"b", &cost.b}, {"c", &cost.c}}) {
+      if (absl::Status s =
+              reader.RequiredScalar(model.second, model_key, coefficient, "a number", value);
+          !s.ok()) {
+        return s;
       }
     }
     (*out)[name] = cost;
@@ -125,33 +70,37 @@ absl::Status ReadPrefillCosts(absl::string_view source, const std::string& key,
 }
 
 // prefix_cache.pair_min_quality: a map from "source->target" to a quality floor.
-absl::Status ReadPairFloors(absl::string_view source, const std::string& key,
+absl::Status ReadPairFloors(const YamlReader& reader, const std::string& key,
                             const YAML::Node& node, std::map<std::string, double>* out) {
   if (!node.IsMap()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        Where(source, node), ": key '", key,
-        "' must be a map from \"source->target\" (model names) to a quality floor"));
+    return reader.WrongType(node, key,
+                            "a map from \"source->target\" (model names) to a quality floor");
   }
+  if (absl::Status status = reader.CheckFreeMap(node, key); !status.ok()) return status;
   for (const auto& pair : node) {
-    std::string name;
-    if (absl::Status status = ReadKey(source, pair.first, &name); !status.ok()) return status;
-    const std::string pair_key = absl::StrCat(key, ".", name);
+    const std::string name = pair.first.Scalar();
+    const std::string pair_key = strict::Path(key, name);
     if (name.find("->") == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          Where(source, pair.first), ": key '", pair_key,
-          "' must name a pair as \"source->target\" (model names as in mapper manifests)"));
+      return reader.Error(pair.first, absl::StrCat("key '", pair_key,
+                                                   "' must name a pair as \"source->target\" "
+                                                   "(model names as in mapper manifests)"));
     }
-    if (out->count(name) > 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(source, pair.first), ": duplicate key '", pair_key, "'"));
-    }
-    double floor = 0;
-    if (absl::Status s = ReadScalar(source, pair_key, pair.second, "a number", &floor); !s.ok()) {
-      return s;
-    }
-    (*out)[name] = floor;
+    absl::StatusOr<double> floor = reader.Scalar<double>(pair.second, pair_key, "a number");
+    if (!floor.ok()) return floor.status();
+    (*out)[name] = *floor;
   }
   return absl::OkStatus();
+}
+
+// A setter storing the scalar as T; `type` says what is expected ("an integer").
+template <typename T>
+Setter Store(const YamlReader& reader, T* out, const char* type) {
+  return [&reader, out, type](const std::string& key, const YAML::Node& node) -> absl::Status {
+    absl::StatusOr<T> value = reader.Scalar<T>(node, key, type);
+    if (!value.ok()) return value.status();
+    *out = *std::move(value);
+    return absl::OkStatus();
+  };
 }
 
 }  // namespace
@@ -159,34 +108,16 @@ absl::Status ReadPairFloors(absl::string_view source, const std::string& key,
 absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
                                            absl::string_view source_name) {
   KvtdConfig config;
-  YAML::Node root;
-  try {
-    root = YAML::Load(std::string(yaml_text));
-  } catch (const YAML::ParserException& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source_name, ":", e.mark.line + 1,
-                                                   ": invalid YAML: ", e.msg));
-  }
+  const YamlReader reader(source_name);
+  absl::StatusOr<YAML::Node> loaded = reader.Load(yaml_text);
+  if (!loaded.ok()) return loaded.status();
+  const YAML::Node& root = *loaded;
   if (root.IsNull()) return config;  // empty file: all defaults
-  if (!root.IsMap()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source_name, ": top level must be a map of sections"));
-  }
-  const absl::string_view src = source_name;
-  auto str = [src](std::string* out) -> Setter {
-    return [src, out](const std::string& key, const YAML::Node& node) {
-      return ReadScalar(src, key, node, "a string", out);
-    };
-  };
-  auto i64 = [src](int64_t* out) -> Setter {
-    return [src, out](const std::string& key, const YAML::Node& node) {
-      return ReadScalar(src, key, node, "an integer", out);
-    };
-  };
-  auto f64 = [src](double* out) -> Setter {
-    return [src, out](const std::string& key, const YAML::Node& node) {
-      return ReadScalar(src, key, node, "a number", out);
-    };
-  };
+  if (!root.IsMap()) return reader.Error(root, "top level must be a map of sections");
+  auto str = [&reader](std::string* out) { return Store(reader, out, "a string"); };
+  auto i64 = [&reader](int64_t* out) { return Store(reader, out, "an integer"); };
+  auto f64 = [&reader](double* out) { return Store(reader, out, "a number"); };
+  auto flag = [&reader](bool* out) { return Store(reader, out, "true or false"); };
 
   const std::map<std::string, std::map<std::string, Setter>> sections = {
       {"server",
@@ -200,25 +131,13 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
         {"device_budget_bytes", i64(&config.mapper_store.device_budget_bytes)},
         {"reload_interval_seconds", f64(&config.mapper_store.reload_interval_seconds)},
         {"acquire_timeout_seconds", f64(&config.mapper_store.acquire_timeout_seconds)},
-        {"load_on_scan",
-         [src, &config](const std::string& key, const YAML::Node& node) {
-           return ReadScalar(src, key, node, "true or false", &config.mapper_store.load_on_scan);
-         }},
+        {"load_on_scan", flag(&config.mapper_store.load_on_scan)},
         {"preload",
-         [src, &config](const std::string& key, const YAML::Node& node) -> absl::Status {
-           if (!node.IsSequence()) {
-             return absl::InvalidArgumentError(absl::StrCat(
-                 Where(src, node), ": key '", key, "' must be a list of mapper ids"));
-           }
-           config.mapper_store.preload.clear();
-           for (const YAML::Node& item : node) {
-             std::string id;
-             if (absl::Status s = ReadScalar(src, key, item, "a list of mapper ids", &id);
-                 !s.ok()) {
-               return s;
-             }
-             config.mapper_store.preload.push_back(id);
-           }
+         [&reader, &config](const std::string& key, const YAML::Node& node) -> absl::Status {
+           absl::StatusOr<std::vector<std::string>> ids =
+               reader.ScalarList<std::string>(node, key, "a list of mapper ids", "a mapper id");
+           if (!ids.ok()) return ids.status();
+           config.mapper_store.preload = *std::move(ids);
            return absl::OkStatus();
          }}}},
       {"backend",
@@ -237,31 +156,23 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
         {"deadline_seconds", f64(&config.shutdown.deadline_seconds)}}},
       {"logging",
        {{"level",
-         [src, &config](const std::string& key, const YAML::Node& node) -> absl::Status {
-           std::string name;
-           absl::Status status = ReadScalar(src, key, node, "a string", &name);
-           if (!status.ok()) return status;
-           if (!ParseLogLevel(name, &config.logging.level)) {
-             return absl::InvalidArgumentError(
-                 absl::StrCat(Where(src, node), ": key '", key,
-                              "' must be one of debug, info, warning, error; got '", name, "'"));
+         [&reader, &config](const std::string& key, const YAML::Node& node) -> absl::Status {
+           absl::StatusOr<std::string> name = reader.Scalar<std::string>(node, key, "a string");
+           if (!name.ok()) return name.status();
+           if (!ParseLogLevel(*name, &config.logging.level)) {
+             return reader.Error(node, absl::StrCat("key '", key,
+                                                    "' must be one of debug, info, warning, "
+                                                    "error; got '", *name, "'"));
            }
            return absl::OkStatus();
          }}}},
       {"shared_memory",
-       {{"allow_client_regions",
-         [src, &config](const std::string& key, const YAML::Node& node) {
-           return ReadScalar(src, key, node, "true or false",
-                             &config.shared_memory.allow_client_regions);
-         }}}},
+       {{"allow_client_regions", flag(&config.shared_memory.allow_client_regions)}}},
       {"transport",
        {{"pipeline_min_tokens", i64(&config.transport.pipeline_min_tokens)},
         {"async_scatter_min_bytes", i64(&config.transport.async_scatter_min_bytes)}}},
       {"prefix_cache",
-       {{"enabled",
-         [src, &config](const std::string& key, const YAML::Node& node) {
-           return ReadScalar(src, key, node, "true or false", &config.prefix_cache.enabled);
-         }},
+       {{"enabled", flag(&config.prefix_cache.enabled)},
         {"max_bytes", i64(&config.prefix_cache.max_bytes)},
         {"ttl_seconds", f64(&config.prefix_cache.ttl_seconds)},
         {"block_tokens", i64(&config.prefix_cache.block_tokens)},
@@ -269,8 +180,8 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
         {"min_mapper_quality", f64(&config.prefix_cache.min_mapper_quality)},
         {"min_r2_heldout", f64(&config.prefix_cache.min_r2_heldout)},
         {"max_input_shift", f64(&config.prefix_cache.max_input_shift)},
-        {"pair_min_quality", [src, &config](const std::string& key, const YAML::Node& node) {
-           return ReadPairFloors(src, key, node, &config.prefix_cache.pair_min_quality);
+        {"pair_min_quality", [&reader, &config](const std::string& key, const YAML::Node& node) {
+           return ReadPairFloors(reader, key, node, &config.prefix_cache.pair_min_quality);
          }}}},
       {"security",
        {{"tls_cert_file", str(&config.security.tls_cert_file)},
@@ -279,31 +190,17 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
         {"auth_token_file", str(&config.security.auth_token_file)}}},
       {"metrics",
        {{"listen_address", str(&config.metrics.listen_address)},
-        {"prefill_cost", [src, &config](const std::string& key, const YAML::Node& node) {
-           return ReadPrefillCosts(src, key, node, &config.metrics.prefill_cost);
+        {"prefill_cost", [&reader, &config](const std::string& key, const YAML::Node& node) {
+           return ReadPrefillCosts(reader, key, node, &config.metrics.prefill_cost);
          }}}},
   };
 
-  std::set<std::string> seen_sections;
+  if (absl::Status status = reader.CheckMap(root, "", KeysOf(sections)); !status.ok()) {
+    return status;
+  }
   for (const auto& entry : root) {
-    std::string section;
-    if (absl::Status status = ReadKey(source_name, entry.first, &section); !status.ok()) {
-      return status;
-    }
-    if (!seen_sections.insert(section).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(Where(source_name, entry.first), ": duplicate key '", section, "'"));
-    }
-    auto it = sections.find(section);
-    if (it == sections.end()) {
-      std::vector<std::string> known;
-      for (const auto& s : sections) known.push_back(s.first);
-      return absl::InvalidArgumentError(absl::StrCat(Where(source_name, entry.first),
-                                                     ": unknown key '", section,
-                                                     "' (known sections: ",
-                                                     absl::StrJoin(known, ", "), ")"));
-    }
-    absl::Status status = ReadSection(source_name, section, entry.second, it->second);
+    const std::string section = entry.first.Scalar();
+    absl::Status status = ReadSection(reader, section, entry.second, sections.at(section));
     if (!status.ok()) return status;
   }
   absl::Status status = ValidateKvtdConfig(config);

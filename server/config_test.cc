@@ -241,7 +241,8 @@ TEST(ConfigTest, BadMetricsKeysAreNamed) {
   } cases[] = {
       {"metrics:\n  listen_address: nonsense\n", "metrics.listen_address"},
       {"metrics:\n  prefill_cost: [1, 2]\n", "'metrics.prefill_cost' must be a map"},
-      {"metrics:\n  prefill_cost:\n    m: {a: 1, b: 2}\n", "'metrics.prefill_cost.m.c' is required"},
+      {"metrics:\n  prefill_cost:\n    m: {a: 1, b: 2}\n",
+       "missing required key 'metrics.prefill_cost.m.c'"},
       {"metrics:\n  prefill_cost:\n    m: {a: 1, b: 2, c: 3, d: 4}\n",
        "unknown key 'metrics.prefill_cost.m.d'"},
       {"metrics:\n  prefill_cost:\n    m: {a: 1, b: x, c: 3}\n",

@@ -5,8 +5,8 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
-#include "server/grpc_status.h"
 #include "transport/proto_convert.h"
 
 namespace kvt {

@@ -6,8 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
-#include "server/grpc_status.h"
 
 namespace kvt {
 

@@ -7,9 +7,9 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
 #include "grpcpp/support/method_handler.h"
-#include "server/grpc_status.h"
 #include "server/mapper_store_setup.h"
 
 namespace kvt {

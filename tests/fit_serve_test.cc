@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/cache_file.h"
+#include "host_cache/cache_file.h"
 #include "client/client.h"
 #include "fit/fit.h"
 #include "fit/synthetic_family.h"

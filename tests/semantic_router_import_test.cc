@@ -14,12 +14,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "fit/hf_config.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/rope.h"
 #include "kernels/testing/reference.h"
 #include "mapper_store/file_util.h"
+#include "mapper_store/hf_config.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/safetensors.h"
 #include "nlohmann/json.hpp"
@@ -172,8 +172,8 @@ TEST_P(SemanticRouterImportTest, ImportedMapperTranslatesLikeTheArtifact) {
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> weights =
       SafetensorsFile::Open(JoinPath(in, "weights.safetensors"));
   ASSERT_TRUE(weights.ok()) << weights.status();
-  absl::StatusOr<ModelSpec> source_model = fit::ReadHfConfig(source_config);
-  absl::StatusOr<ModelSpec> target_model = fit::ReadHfConfig(target_config);
+  absl::StatusOr<ModelSpec> source_model = ReadHfConfig(source_config);
+  absl::StatusOr<ModelSpec> target_model = ReadHfConfig(target_config);
   ASSERT_TRUE(source_model.ok() && target_model.ok());
   absl::StatusOr<Rope> source_rope = Rope::Create(source_model->rope, 16);
   absl::StatusOr<Rope> target_rope = Rope::Create(target_model->rope, 16);

@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
-#include "server/grpc_status.h"
 #include "server/request_checks.h"
 #include "transport/paged.h"
 #include "transport/proto_convert.h"

@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/time/clock.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
-#include "server/grpc_status.h"
 #include "server/translate/chunk_intake.h"
 #include "server/translate/layer_pipeline.h"
 #include "server/translate/response_writer.h"

@@ -1,4 +1,4 @@
-#include "fit/hf_config.h"
+#include "mapper_store/hf_config.h"
 
 #include <cmath>
 
@@ -9,7 +9,6 @@
 #include "nlohmann/json.hpp"
 
 namespace kvt {
-namespace fit {
 namespace {
 
 using nlohmann::json;
@@ -247,5 +246,4 @@ absl::StatusOr<ModelSpec> ReadHfConfig(const std::string& path, const std::strin
   return ParseHfConfig(*text, file, name);
 }
 
-}  // namespace fit
 }  // namespace kvt

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "client/client.h"
+#include "host_cache/host_cache.h"
 
 namespace kvt {
 

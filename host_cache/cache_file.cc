@@ -1,4 +1,4 @@
-#include "client/cache_file.h"
+#include "host_cache/cache_file.h"
 
 #include <cstring>
 

@@ -1,4 +1,5 @@
-// Hugging Face config.json -> ModelSpec (layers, KV heads, head_dim, RoPE) for `kvt fit`.
+// Hugging Face config.json -> ModelSpec (layers, KV heads, head_dim, RoPE) for `kvt fit` and
+// `kvt import`.
 #pragma once
 
 #include <string>
@@ -8,7 +9,6 @@
 #include "kernels/mapper_view.h"
 
 namespace kvt {
-namespace fit {
 
 // Reads the keys SPEC 2 needs from a Hugging Face config.json text:
 //   num_hidden_layers; num_key_value_heads (absent: num_attention_heads, i.e. no GQA);
@@ -27,5 +27,4 @@ absl::StatusOr<ModelSpec> ParseHfConfig(absl::string_view json_text, absl::strin
 // Reads a file (or a model directory holding config.json); messages name the path.
 absl::StatusOr<ModelSpec> ReadHfConfig(const std::string& path, const std::string& name = "");
 
-}  // namespace fit
 }  // namespace kvt

@@ -1,10 +1,9 @@
-#include "fit/hf_config.h"
+#include "mapper_store/hf_config.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace kvt {
-namespace fit {
 namespace {
 
 using ::testing::HasSubstr;
@@ -115,5 +114,4 @@ TEST(HfConfigTest, ErrorsNameTheKeyOrType) {
 }
 
 }  // namespace
-}  // namespace fit
 }  // namespace kvt
