@@ -17,10 +17,10 @@
 #include "absl/strings/strip.h"
 #include "fit/hf_config.h"
 #include "kernels/dtype.h"
-#include "mapper_store/checksum.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/checksum.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/safetensors.h"
 #include "mapper_store/mapper.h"
-#include "mapper_store/safetensors.h"
 #include "nlohmann/json.hpp"
 #include "yaml-cpp/yaml.h"
 
