@@ -17,7 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/mapper_view.h"
 #include "kernels/types.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 #include "mapper_store/mapper.h"
 
 namespace kvt {

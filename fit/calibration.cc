@@ -14,8 +14,8 @@
 #include "host_cache/cache_file.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
-#include "mapper_store/file_util.h"
-#include "mapper_store/safetensors.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/safetensors.h"
 
 namespace kvt {
 namespace fit {

@@ -16,7 +16,7 @@
 #include "fit/progress.h"
 #include "fit/report.h"
 #include "kernels/dtype.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 #include "mapper_store/hf_config.h"
 #include "mapper_store/mapper.h"
 #include "nlohmann/json.hpp"

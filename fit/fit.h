@@ -18,7 +18,7 @@
 #include "fit/solve.h"
 #include "fit/stats.h"
 #include "kernels/mapper_view.h"
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 
 namespace kvt {
 namespace fit {

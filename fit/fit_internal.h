@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "fit/fit.h"
-#include "mapper_store/safetensors.h"
+#include "mapper_store/format/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace kvt {

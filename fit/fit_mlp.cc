@@ -12,7 +12,7 @@
 #include "fit/report.h"
 #include "kernels/backend.h"
 #include "kernels/rope.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 #include "nlohmann/json.hpp"
 #include "quality/kv_quality.h"
 

@@ -16,8 +16,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "mapper_store/file_util.h"
 #include "kernels/testing/reference.h"
+#include "mapper_store/format/file_util.h"
 #include "mapper_store/mapper.h"
 #include "quality/quality_reference.h"
 

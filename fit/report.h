@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "fit/solve.h"
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 
 namespace kvt {
 namespace fit {

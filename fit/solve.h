@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "fit/stats.h"
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 
 namespace kvt {
 namespace fit {

@@ -7,7 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "mapper_store/safetensors.h"
+#include "mapper_store/format/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace kvt {

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
-#include "mapper_store/safetensors.h"
+#include "mapper_store/format/safetensors.h"
 
 namespace kvt {
 namespace {

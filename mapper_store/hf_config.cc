@@ -5,7 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/rope.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 #include "nlohmann/json.hpp"
 
 namespace kvt {

@@ -9,7 +9,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/mapper_view.h"
 #include "kernels/types.h"
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 
 namespace kvt {
 

@@ -13,11 +13,11 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "mapper_store/checksum.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/checksum.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/safetensors.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
-#include "mapper_store/safetensors.h"
-#include "mapper_store/test_util.h"
 #include "nlohmann/json.hpp"
 
 namespace kvt {

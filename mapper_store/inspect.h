@@ -5,7 +5,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 #include "mapper_store/mapper.h"
 
 namespace kvt {

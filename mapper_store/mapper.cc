@@ -13,8 +13,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "mapper_store/checksum.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/checksum.h"
+#include "mapper_store/format/file_util.h"
 
 namespace kvt {
 namespace {

@@ -11,9 +11,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/mapper_view.h"
-#include "mapper_store/host_buffer.h"
-#include "mapper_store/manifest.h"
-#include "mapper_store/safetensors.h"
+#include "mapper_store/format/host_buffer.h"
+#include "mapper_store/format/manifest.h"
+#include "mapper_store/format/safetensors.h"
 
 namespace kvt {
 

@@ -8,9 +8,9 @@
 #include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "mapper_store/checksum.h"
-#include "mapper_store/file_util.h"
-#include "mapper_store/test_util.h"
+#include "mapper_store/format/checksum.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 
 namespace kvt {
 namespace {

@@ -13,10 +13,10 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
-#include "mapper_store/test_util.h"
 
 namespace kvt {
 namespace {

@@ -12,10 +12,10 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
-#include "mapper_store/test_util.h"
 
 namespace kvt {
 namespace {

@@ -7,9 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/synth.h"
-#include "mapper_store/test_util.h"
 
 namespace kvt {
 namespace {

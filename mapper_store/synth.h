@@ -13,7 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/mapper_view.h"
 #include "kernels/types.h"
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 #include "mapper_store/mapper.h"
 
 namespace kvt {

@@ -8,9 +8,9 @@
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
-#include "mapper_store/test_util.h"
 
 namespace kvt {
 namespace {

@@ -25,7 +25,7 @@
 #include "absl/types/span.h"
 #include "kernels/backend.h"
 #include "kernels/types.h"
-#include "mapper_store/host_buffer.h"
+#include "mapper_store/format/host_buffer.h"
 #include "prefix_cache/chain_hash.h"
 
 namespace kvt {

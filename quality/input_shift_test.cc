@@ -9,9 +9,9 @@
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/synth.h"
-#include "mapper_store/test_util.h"
 #include "quality/stats_testing.h"
 
 namespace kvt {

@@ -12,6 +12,7 @@ export TSAN_OPTIONS="suppressions=$root/tools/tsan.supp ${TSAN_OPTIONS:-}"
 targets=(
   //tools:tsan_canary_test
   //mapper_store:store_test //mapper_store:store_paging_test //mapper_store:store_stress_test
+  //mapper_store:source_test //mapper_store:host_tier_test //mapper_store:device_tier_test
   //server:config_test //server:admission_test //server:compute_executor_test
   //server:metrics_test //server:auth_test //server:backend_select_test
   //transport:shm_registry_test //transport:paged_test //transport:kv_chunks_test

@@ -17,7 +17,7 @@
 #include "common/logging.h"
 #include "kernels/dtype.h"
 #include "kernels/reference.h"
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 #include "mapper_store/synth.h"
 
 namespace kvt {

@@ -3,8 +3,8 @@
 #include "server/mapper_control_service.h"
 
 #include "gtest/gtest.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/synth.h"
-#include "mapper_store/test_util.h"
 
 namespace kvt {
 namespace {

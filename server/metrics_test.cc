@@ -9,9 +9,9 @@
 #include "common/testing/http_get.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
-#include "mapper_store/test_util.h"
 
 namespace kvt {
 namespace {

@@ -17,7 +17,7 @@
 #include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "server/kvtd_server.h"

@@ -16,11 +16,11 @@
 #include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
-#include "mapper_store/test_util.h"
 #include "server/kvtd_server.h"
 #include "server/mapper_store_setup.h"
 

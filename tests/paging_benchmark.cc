@@ -38,7 +38,7 @@
 #include "benchmark/benchmark.h"
 #include "kernels/backend.h"
 #include "kernels/dtype.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 #include "mapper_store/pinned_memory.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"

@@ -18,10 +18,10 @@
 #include "kernels/cpu_backend.h"
 #include "kernels/rope.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 #include "mapper_store/hf_config.h"
+#include "mapper_store/format/safetensors.h"
 #include "mapper_store/mapper.h"
-#include "mapper_store/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace kvt {

@@ -42,7 +42,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/device.h"
 #include "kernels/dtype.h"
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/synth.h"
 

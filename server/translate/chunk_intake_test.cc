@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "gtest/gtest.h"
-#include "mapper_store/test_util.h"
+#include "mapper_store/format/test_util.h"
 #include "server/translate/staging.h"
 #include "server/translate/translate_testing.h"
 

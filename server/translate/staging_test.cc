@@ -7,7 +7,7 @@
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "mapper_store/test_util.h"
+#include "mapper_store/format/test_util.h"
 #include "server/translate/translate_testing.h"
 #include "tests/shm_object.h"
 

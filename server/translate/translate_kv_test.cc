@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "mapper_store/test_util.h"
+#include "mapper_store/format/test_util.h"
 #include "server/translate/translate_testing.h"
 #include "tests/shm_object.h"
 

@@ -8,8 +8,8 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/synth.h"
-#include "mapper_store/test_util.h"
 
 namespace kvt {
 namespace testing {

@@ -1,5 +1,6 @@
-// Small POSIX file helpers for the mapper store: whole-file reads, durable writes, directory
-// listing and removal, all returning absl::Status errors that name the path and the errno text.
+// Small file helpers for the mapper formats (POSIX where durability needs fsync, std::filesystem
+// elsewhere): whole-file reads, durable writes, directory listing and removal, all returning
+// absl::Status errors that name the path and the errno text.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,8 @@ absl::StatusOr<uint64_t> FileSize(const std::string& path);
 absl::Status MakeDirs(const std::string& path);
 // rm -rf; OK if it does not exist.
 absl::Status RemoveTree(const std::string& path);
+// Names (not paths) of every entry of `dir` but "." and "..", sorted.
+absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir);
 // Names (not paths) of the subdirectories of `dir`, sorted. Follows symlinks to directories.
 absl::StatusOr<std::vector<std::string>> ListSubdirectories(const std::string& dir);
 // fsync on a directory, so a rename inside it survives a crash.

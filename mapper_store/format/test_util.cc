@@ -1,4 +1,4 @@
-#include "mapper_store/test_util.h"
+#include "mapper_store/format/test_util.h"
 
 #include <unistd.h>
 
@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 
 namespace kvt {
 namespace testing {

@@ -1,4 +1,4 @@
-#include "mapper_store/safetensors.h"
+#include "mapper_store/format/safetensors.h"
 
 #include <cstring>
 #include <string>
@@ -6,9 +6,9 @@
 
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "mapper_store/checksum.h"
-#include "mapper_store/file_util.h"
-#include "mapper_store/test_util.h"
+#include "mapper_store/format/checksum.h"
+#include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 
 namespace kvt {
 namespace {
@@ -92,6 +92,30 @@ TEST(SafetensorsTest, SerializeMatchesFileAndParsesFromBytes) {
   EXPECT_TRUE((*file)->metadata().empty());
 }
 
+TEST(SafetensorsTest, HeaderAloneMatchesTheFullRead) {
+  const std::vector<uint8_t> bf16 = Encode(DType::kBF16, {1, 2, 3, 4, 5, 6});
+  const std::vector<uint8_t> f32 = Encode(DType::kFP32, {1, 2});
+  const std::string path = JoinPath(testing::MakeTempDir("st_header"), "h.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path,
+                               {{{"w", DType::kBF16, {2, 3}}, SpanOf(bf16)},
+                                {{"b", DType::kFP32, {2}}, SpanOf(f32)}},
+                               {{"rope", "post"}})
+                  .ok());
+  absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(path);
+  ASSERT_TRUE(header.ok()) << header.status();
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(header->data_size, (*file)->data_size());
+  EXPECT_EQ(header->data_size, bf16.size() + f32.size());
+  EXPECT_EQ(header->data_offset() + header->data_size, *FileSize(path));
+  EXPECT_EQ(header->metadata, (*file)->metadata());
+  ASSERT_EQ(header->tensors.size(), 2u);
+  EXPECT_EQ(header->tensors[1].spec.name, "b");
+  EXPECT_EQ(header->tensors[1].offset, bf16.size());
+  EXPECT_EQ(ReadSafetensorsHeader(JoinPath(path, "missing")).status().code(),
+            StatusCode::kNotFound);
+}
+
 TEST(SafetensorsTest, ReadsAForeignFileWithUnpaddedHeader) {
   // Written by hand the way other writers may do it: no padding, tensors listed out of order.
   float data[3] = {1.5f, 2.5f, -1.0f};
@@ -167,8 +191,10 @@ class CorruptSafetensorsTest : public ::testing::Test {
     EXPECT_TRUE(WriteStringToFile(path, bytes).ok());
     absl::StatusOr<std::unique_ptr<SafetensorsFile>> from_file = SafetensorsFile::Open(path);
     absl::StatusOr<std::unique_ptr<SafetensorsFile>> from_bytes = SafetensorsFile::FromBytes(bytes);
-    // Both readers agree on the verdict.
+    absl::StatusOr<SafetensorsHeader> header = ReadSafetensorsHeader(path);
+    // Every reader agrees on the verdict: the header alone shows each corruption.
     EXPECT_EQ(from_file.status().code(), from_bytes.status().code()) << from_file.status();
+    EXPECT_EQ(from_file.status().code(), header.status().code()) << header.status();
     if (!from_file.ok()) {
       EXPECT_NE(from_file.status().message().find(path), absl::string_view::npos)
           << "error should name the file: " << from_file.status();

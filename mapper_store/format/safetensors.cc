@@ -1,4 +1,4 @@
-#include "mapper_store/safetensors.h"
+#include "mapper_store/format/safetensors.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,8 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "mapper_store/checksum.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/checksum.h"
+#include "mapper_store/format/file_util.h"
 #include "nlohmann/json.hpp"
 
 namespace kvt {
@@ -66,12 +66,72 @@ absl::StatusOr<uint64_t> JsonUnsigned(const json& value, const std::string& tens
                                                  value.dump()));
 }
 
-struct ParsedHeader {
-  std::vector<TensorInfo> tensors;  // sorted by offset
-  std::map<std::string, std::string> metadata;
-};
+// One tensor's entry of the header: dtype, shape and data_offsets, checked against each other.
+absl::StatusOr<TensorInfo> ParseTensorEntry(const std::string& name, const json& entry) {
+  if (!entry.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': entry must be a JSON object, got ", entry.dump()));
+  }
+  for (const char* field : {"dtype", "shape", "data_offsets"}) {
+    if (!entry.contains(field)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", name, "': missing '", field, "'"));
+    }
+  }
+  TensorInfo info;
+  info.spec.name = name;
+  if (!entry["dtype"].is_string()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': dtype must be a string, got ", entry["dtype"].dump()));
+  }
+  absl::StatusOr<DType> dtype = ParseTensorDType(name, entry["dtype"].get<std::string>());
+  if (!dtype.ok()) return dtype.status();
+  info.spec.dtype = *dtype;
 
-absl::StatusOr<ParsedHeader> ParseHeader(absl::string_view text, uint64_t data_size) {
+  const json& shape = entry["shape"];
+  if (!shape.is_array()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': shape must be an array, got ", shape.dump()));
+  }
+  // Overflow guard: element counts above 2^62 cannot be real and would wrap the byte count.
+  unsigned __int128 elements = 1;
+  for (const json& dim : shape) {
+    absl::StatusOr<uint64_t> d = JsonUnsigned(dim, name, "shape");
+    if (!d.ok()) return d.status();
+    elements *= *d;
+    if (elements > (static_cast<unsigned __int128>(1) << 62)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", name, "': shape ", shape.dump(), " is absurdly large"));
+    }
+    info.spec.shape.push_back(static_cast<int64_t>(*d));
+  }
+
+  const json& offsets = entry["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", name, "': data_offsets must be [begin, end], got ", offsets.dump()));
+  }
+  absl::StatusOr<uint64_t> begin = JsonUnsigned(offsets[0], name, "data_offsets");
+  if (!begin.ok()) return begin.status();
+  absl::StatusOr<uint64_t> end = JsonUnsigned(offsets[1], name, "data_offsets");
+  if (!end.ok()) return end.status();
+  if (*end < *begin) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': data_offsets [", *begin,
+                                                   ", ", *end, ") are reversed"));
+  }
+  info.offset = *begin;
+  info.size = *end - *begin;
+  const uint64_t expected = info.spec.num_bytes();
+  if (info.size != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor '", name, "': data_offsets [", *begin, ", ", *end, ") span ", info.size,
+        " bytes but shape ", FormatShape(info.spec.shape), " of ",
+        SafetensorsDTypeName(info.spec.dtype), " needs ", expected, " bytes"));
+  }
+  return info;
+}
+
+absl::StatusOr<SafetensorsHeader> ParseHeader(absl::string_view text, uint64_t data_size) {
   json header;
   try {
     header = json::parse(text.begin(), text.end());
@@ -83,7 +143,8 @@ absl::StatusOr<ParsedHeader> ParseHeader(absl::string_view text, uint64_t data_s
     return absl::InvalidArgumentError(
         absl::StrCat("safetensors header must be a JSON object, got ", header.type_name()));
   }
-  ParsedHeader parsed;
+  SafetensorsHeader parsed;
+  parsed.data_size = data_size;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
     const json& entry = it.value();
@@ -101,67 +162,9 @@ absl::StatusOr<ParsedHeader> ParseHeader(absl::string_view text, uint64_t data_s
       }
       continue;
     }
-    if (!entry.is_object()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", name, "': entry must be a JSON object, got ", entry.dump()));
-    }
-    for (const char* field : {"dtype", "shape", "data_offsets"}) {
-      if (!entry.contains(field)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor '", name, "': missing '", field, "'"));
-      }
-    }
-    TensorInfo info;
-    info.spec.name = name;
-    if (!entry["dtype"].is_string()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", name, "': dtype must be a string, got ", entry["dtype"].dump()));
-    }
-    absl::StatusOr<DType> dtype = ParseTensorDType(name, entry["dtype"].get<std::string>());
-    if (!dtype.ok()) return dtype.status();
-    info.spec.dtype = *dtype;
-
-    const json& shape = entry["shape"];
-    if (!shape.is_array()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor '", name, "': shape must be an array, got ", shape.dump()));
-    }
-    // Overflow guard: element counts above 2^62 cannot be real and would wrap the byte count.
-    unsigned __int128 elements = 1;
-    for (const json& dim : shape) {
-      absl::StatusOr<uint64_t> d = JsonUnsigned(dim, name, "shape");
-      if (!d.ok()) return d.status();
-      elements *= *d;
-      if (elements > (static_cast<unsigned __int128>(1) << 62)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor '", name, "': shape ", shape.dump(), " is absurdly large"));
-      }
-      info.spec.shape.push_back(static_cast<int64_t>(*d));
-    }
-
-    const json& offsets = entry["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", name, "': data_offsets must be [begin, end], got ", offsets.dump()));
-    }
-    absl::StatusOr<uint64_t> begin = JsonUnsigned(offsets[0], name, "data_offsets");
-    if (!begin.ok()) return begin.status();
-    absl::StatusOr<uint64_t> end = JsonUnsigned(offsets[1], name, "data_offsets");
-    if (!end.ok()) return end.status();
-    if (*end < *begin) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': data_offsets [", *begin,
-                                                     ", ", *end, ") are reversed"));
-    }
-    info.offset = *begin;
-    info.size = *end - *begin;
-    const uint64_t expected = info.spec.num_bytes();
-    if (info.size != expected) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", name, "': data_offsets [", *begin, ", ", *end, ") span ", info.size,
-          " bytes but shape ", FormatShape(info.spec.shape), " of ",
-          SafetensorsDTypeName(info.spec.dtype), " needs ", expected, " bytes"));
-    }
-    parsed.tensors.push_back(std::move(info));
+    absl::StatusOr<TensorInfo> info = ParseTensorEntry(name, entry);
+    if (!info.ok()) return info.status();
+    parsed.tensors.push_back(*std::move(info));
   }
 
   std::stable_sort(parsed.tensors.begin(), parsed.tensors.end(),
@@ -347,6 +350,63 @@ TensorSource RefSource(const std::vector<TensorRef>& tensors) {
   };
 }
 
+absl::Status WithPath(const std::string& path, const absl::Status& status) {
+  return absl::Status(status.code(), absl::StrCat(path, ": ", status.message()));
+}
+
+struct FdCloser {
+  int fd;
+  ~FdCloser() { ::close(fd); }
+};
+
+// The JSON header's length from the 8-byte little-endian prefix at the start of `start`, checked
+// against the `total_size` bytes of the whole file.
+absl::StatusOr<uint64_t> HeaderLength(absl::string_view start, uint64_t total_size) {
+  if (total_size < 8 || start.size() < 8) {
+    return absl::DataLossError(absl::StrCat(
+        "truncated: file is ", total_size, " bytes, shorter than the 8-byte header length"));
+  }
+  const uint64_t header_size = DecodeLE64(reinterpret_cast<const unsigned char*>(start.data()));
+  if (header_size > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header length ", header_size, " is implausible (limit 100 MiB): not a safetensors file?"));
+  }
+  if (header_size > total_size - 8) {
+    return absl::DataLossError(absl::StrCat("truncated: header length says ", header_size,
+                                            " bytes but only ", total_size - 8, " bytes follow"));
+  }
+  return header_size;
+}
+
+// Reads and parses the length prefix and JSON header of the file open as `fd` (positioned at its
+// start), feeding both to `hasher` if set. Leaves `fd` at the start of the data section.
+absl::StatusOr<SafetensorsHeader> ReadHeader(int fd, const std::string& path, uint64_t file_size,
+                                             Sha256* hasher) {
+  if (file_size < 8) return WithPath(path, HeaderLength("", file_size).status());
+  char prefix[8];
+  absl::StatusOr<size_t> got = ReadFully(fd, reinterpret_cast<uint8_t*>(prefix), 8, path);
+  if (!got.ok()) return got.status();
+  if (*got != 8) {
+    return WithPath(path, absl::DataLossError("truncated while reading the header length"));
+  }
+  absl::StatusOr<uint64_t> header_size = HeaderLength(absl::string_view(prefix, 8), file_size);
+  if (!header_size.ok()) return WithPath(path, header_size.status());
+  std::string text(*header_size, '\0');
+  got = ReadFully(fd, reinterpret_cast<uint8_t*>(&text[0]), *header_size, path);
+  if (!got.ok()) return got.status();
+  if (*got != *header_size) {
+    return WithPath(path, absl::DataLossError("truncated while reading the header"));
+  }
+  absl::StatusOr<SafetensorsHeader> header = ParseHeader(text, file_size - 8 - *header_size);
+  if (!header.ok()) return WithPath(path, header.status());
+  header->header_size = *header_size;
+  if (hasher != nullptr) {
+    hasher->Update(absl::string_view(prefix, 8));
+    hasher->Update(text);
+  }
+  return header;
+}
+
 }  // namespace
 
 const char* SafetensorsDTypeName(DType dtype) {
@@ -376,107 +436,65 @@ const TensorInfo* SafetensorsFile::Find(absl::string_view name) const {
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
+  FdCloser closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "cannot stat", path);
+  return ReadHeader(fd, path, static_cast<uint64_t>(st.st_size), /*hasher=*/nullptr);
+}
+
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
     const std::string& path, const SafetensorsReadOptions& options) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
-  struct FdCloser {
-    int fd;
-    ~FdCloser() { ::close(fd); }
-  } closer{fd};
+  FdCloser closer{fd};
   struct stat st;
   if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "cannot stat", path);
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  auto with_path = [&](const absl::Status& status) {
-    return absl::Status(status.code(), absl::StrCat(path, ": ", status.message()));
-  };
-
-  if (file_size < 8) {
-    return with_path(absl::DataLossError(absl::StrCat(
-        "truncated: file is ", file_size, " bytes, shorter than the 8-byte header length")));
-  }
-  unsigned char prefix[8];
-  absl::StatusOr<size_t> got = ReadFully(fd, prefix, 8, path);
-  if (!got.ok()) return got.status();
-  if (*got != 8) return with_path(absl::DataLossError("truncated while reading the header length"));
-  const uint64_t header_size = DecodeLE64(prefix);
-  if (header_size > kMaxHeaderBytes) {
-    return with_path(absl::InvalidArgumentError(
-        absl::StrCat("header length ", header_size,
-                     " is implausible (limit 100 MiB): not a safetensors file?")));
-  }
-  if (header_size > file_size - 8) {
-    return with_path(absl::DataLossError(absl::StrCat("truncated: header length says ", header_size,
-                                                      " bytes but only ", file_size - 8,
-                                                      " bytes follow")));
-  }
-  std::string header(header_size, '\0');
-  got = ReadFully(fd, reinterpret_cast<uint8_t*>(&header[0]), header_size, path);
-  if (!got.ok()) return got.status();
-  if (*got != header_size) return with_path(absl::DataLossError("truncated while reading the header"));
-
-  const uint64_t data_size = file_size - 8 - header_size;
-  absl::StatusOr<ParsedHeader> parsed = ParseHeader(header, data_size);
-  if (!parsed.ok()) return with_path(parsed.status());
-
+  Sha256 hasher;
+  absl::StatusOr<SafetensorsHeader> header =
+      ReadHeader(fd, path, file_size, options.compute_sha256 ? &hasher : nullptr);
+  if (!header.ok()) return header.status();
+  const uint64_t data_size = header->data_size;
   absl::StatusOr<HostBuffer> buffer =
       options.allocator ? options.allocator(data_size) : HostBuffer::Allocate(data_size);
-  if (!buffer.ok()) return with_path(buffer.status());
+  if (!buffer.ok()) return WithPath(path, buffer.status());
   if (buffer->size() < data_size) {
-    return with_path(absl::InternalError("allocator returned a buffer smaller than requested"));
-  }
-
-  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
-  Sha256 hasher;
-  if (options.compute_sha256) {
-    hasher.Update(prefix, 8);
-    hasher.Update(header);
+    return WithPath(path, absl::InternalError("allocator returned a buffer smaller than requested"));
   }
   for (uint64_t done = 0; done < data_size;) {
     const size_t want = static_cast<size_t>(std::min<uint64_t>(kReadChunk, data_size - done));
-    got = ReadFully(fd, buffer->data() + done, want, path);
+    absl::StatusOr<size_t> got = ReadFully(fd, buffer->data() + done, want, path);
     if (!got.ok()) return got.status();
     if (*got != want) {
-      return with_path(absl::DataLossError(absl::StrCat(
-          "truncated while reading: file shrank to ", 8 + header_size + done + *got, " bytes")));
+      return WithPath(path, absl::DataLossError(absl::StrCat(
+                                "truncated while reading: file shrank to ",
+                                header->data_offset() + done + *got, " bytes")));
     }
     if (options.compute_sha256) hasher.Update(buffer->data() + done, want);
     done += want;
   }
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   if (options.compute_sha256) {
     absl::StatusOr<std::string> digest = hasher.HexDigest();
     if (!digest.ok()) return digest.status();
     file->sha256_hex_ = *std::move(digest);
   }
-  file->path_ = path;
-  file->file_size_ = file_size;
-  file->data_size_ = data_size;
-  file->buffer_ = *std::move(buffer);
-  file->tensors_ = std::move(parsed->tensors);
-  file->metadata_ = std::move(parsed->metadata);
-  for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].spec.name] = i;
+  file->Fill(path, file_size, *std::move(header), *std::move(buffer));
   return file;
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(
     absl::string_view bytes, const SafetensorsReadOptions& options) {
-  if (bytes.size() < 8) {
-    return absl::DataLossError(absl::StrCat("truncated: file is ", bytes.size(),
-                                            " bytes, shorter than the 8-byte header length"));
-  }
-  const uint64_t header_size = DecodeLE64(reinterpret_cast<const unsigned char*>(bytes.data()));
-  if (header_size > kMaxHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header length ", header_size, " is implausible (limit 100 MiB): not a safetensors file?"));
-  }
-  if (header_size > bytes.size() - 8) {
-    return absl::DataLossError(absl::StrCat("truncated: header length says ", header_size,
-                                            " bytes but only ", bytes.size() - 8, " bytes follow"));
-  }
-  const absl::string_view header = bytes.substr(8, header_size);
-  const absl::string_view data = bytes.substr(8 + header_size);
-  absl::StatusOr<ParsedHeader> parsed = ParseHeader(header, data.size());
-  if (!parsed.ok()) return parsed.status();
+  absl::StatusOr<uint64_t> header_size = HeaderLength(bytes, bytes.size());
+  if (!header_size.ok()) return header_size.status();
+  const absl::string_view data = bytes.substr(8 + *header_size);
+  absl::StatusOr<SafetensorsHeader> header =
+      ParseHeader(bytes.substr(8, *header_size), data.size());
+  if (!header.ok()) return header.status();
+  header->header_size = *header_size;
   absl::StatusOr<HostBuffer> buffer =
       options.allocator ? options.allocator(data.size()) : HostBuffer::Allocate(data.size());
   if (!buffer.ok()) return buffer.status();
@@ -488,14 +506,19 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(
     if (!digest.ok()) return digest.status();
     file->sha256_hex_ = *std::move(digest);
   }
-  file->path_ = "<memory>";
-  file->file_size_ = bytes.size();
-  file->data_size_ = data.size();
-  file->buffer_ = *std::move(buffer);
-  file->tensors_ = std::move(parsed->tensors);
-  file->metadata_ = std::move(parsed->metadata);
-  for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].spec.name] = i;
+  file->Fill("<memory>", bytes.size(), *std::move(header), *std::move(buffer));
   return file;
+}
+
+void SafetensorsFile::Fill(std::string path, uint64_t file_size, SafetensorsHeader header,
+                           HostBuffer buffer) {
+  path_ = std::move(path);
+  file_size_ = file_size;
+  data_size_ = header.data_size;
+  buffer_ = std::move(buffer);
+  tensors_ = std::move(header.tensors);
+  metadata_ = std::move(header.metadata);
+  for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].spec.name] = i;
 }
 
 absl::StatusOr<SafetensorsWriteResult> WriteSafetensors(

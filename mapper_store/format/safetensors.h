@@ -14,7 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/types.h"
-#include "mapper_store/host_buffer.h"
+#include "mapper_store/format/host_buffer.h"
 
 namespace kvt {
 
@@ -40,6 +40,20 @@ struct TensorInfo {
   uint64_t offset = 0;  // from the start of the data section
   uint64_t size = 0;    // bytes
 };
+
+// A parsed and validated header: the tensors and metadata, and where the data section lies.
+struct SafetensorsHeader {
+  uint64_t header_size = 0;  // bytes of JSON after the 8-byte length prefix
+  uint64_t data_size = 0;    // bytes after the header: what the tensors fill exactly
+  std::vector<TensorInfo> tensors;  // in data-section order
+  std::map<std::string, std::string> metadata;  // "__metadata__" (empty if absent)
+
+  uint64_t data_offset() const { return 8 + header_size; }
+};
+
+// Reads only the length prefix and header of the file at `path`, with the header checks of
+// SafetensorsFile::Open (the tensors' bytes are not read): sizes a load before doing it.
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path);
 
 struct SafetensorsReadOptions {
   // Where the data section goes; empty means HostBuffer::Allocate (pageable, 64-byte aligned).
@@ -90,6 +104,7 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
+  void Fill(std::string path, uint64_t file_size, SafetensorsHeader header, HostBuffer buffer);
 
   std::string path_;
   uint64_t file_size_ = 0;

@@ -1,4 +1,4 @@
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 
 #include <string>
 #include <vector>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
-#include "mapper_store/test_util.h"
+#include "mapper_store/format/test_util.h"
 
 namespace kvt {
 namespace {

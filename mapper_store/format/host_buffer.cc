@@ -1,4 +1,4 @@
-#include "mapper_store/host_buffer.h"
+#include "mapper_store/format/host_buffer.h"
 
 #include <cstdlib>
 #include <utility>

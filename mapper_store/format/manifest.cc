@@ -1,4 +1,4 @@
-#include "mapper_store/manifest.h"
+#include "mapper_store/format/manifest.h"
 
 #include <cmath>
 #include <cstdio>
@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/strict_reader.h"
 #include "kernels/rope.h"
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvt {

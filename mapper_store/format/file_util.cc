@@ -1,6 +1,5 @@
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -102,13 +101,13 @@ absl::Status WriteStringToFile(const std::string& path, absl::string_view conten
 }
 
 bool PathExists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
+  std::error_code ec;
+  return std::filesystem::exists(path, ec);
 }
 
 bool IsDirectory(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  std::error_code ec;
+  return std::filesystem::is_directory(path, ec);
 }
 
 absl::StatusOr<uint64_t> FileSize(const std::string& path) {
@@ -131,18 +130,27 @@ absl::Status RemoveTree(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<std::string>> ListSubdirectories(const std::string& dir) {
-  DIR* handle = ::opendir(dir.c_str());
-  if (handle == nullptr) return ErrnoStatus(errno, "cannot list directory", dir);
+absl::StatusOr<std::vector<std::string>> ListDirectory(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec);
+  if (ec) return ErrnoStatus(ec.value(), "cannot list directory", dir);
   std::vector<std::string> names;
-  while (struct dirent* entry = ::readdir(handle)) {
-    const std::string name = entry->d_name;
-    if (name == "." || name == "..") continue;
-    if (IsDirectory(JoinPath(dir, name))) names.push_back(name);
+  for (; it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    names.push_back(it->path().filename().string());
   }
-  ::closedir(handle);
+  if (ec) return ErrnoStatus(ec.value(), "cannot list directory", dir);
   std::sort(names.begin(), names.end());
   return names;
+}
+
+absl::StatusOr<std::vector<std::string>> ListSubdirectories(const std::string& dir) {
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir);
+  if (!names.ok()) return names.status();
+  std::vector<std::string> subdirectories;
+  for (std::string& name : *names) {
+    if (IsDirectory(JoinPath(dir, name))) subdirectories.push_back(std::move(name));
+  }
+  return subdirectories;
 }
 
 absl::Status SyncDirectory(const std::string& dir) {

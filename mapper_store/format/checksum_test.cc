@@ -1,4 +1,4 @@
-#include "mapper_store/checksum.h"
+#include "mapper_store/format/checksum.h"
 
 #include "gtest/gtest.h"
 

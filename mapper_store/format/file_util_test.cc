@@ -1,4 +1,4 @@
-#include "mapper_store/file_util.h"
+#include "mapper_store/format/file_util.h"
 
 #include <cstdlib>
 
@@ -38,6 +38,11 @@ TEST(FileUtilTest, WriteReadListRemove) {
   absl::StatusOr<std::vector<std::string>> dirs = ListSubdirectories(root);
   ASSERT_TRUE(dirs.ok());
   EXPECT_EQ(*dirs, (std::vector<std::string>{"a", "b"}));
+  absl::StatusOr<std::vector<std::string>> all = ListDirectory(root);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(*all, (std::vector<std::string>{"a", "b", "file.txt"}));
+  EXPECT_EQ(ListDirectory(JoinPath(root, "missing")).status().code(),
+            absl::StatusCode::kNotFound);
   EXPECT_TRUE(SyncDirectory(root).ok());
   ASSERT_TRUE(RemoveTree(root).ok());
   EXPECT_FALSE(PathExists(root));
