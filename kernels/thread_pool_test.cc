@@ -72,11 +72,18 @@ TEST(ThreadPoolTest, ZeroMeansEveryCore) {
   std::mutex mu;
   std::set<std::thread::id> threads;
   std::atomic<int> ranges{0};
+  std::atomic<int> inside{0};
   pool.ParallelFor(expected, 1, [&](int64_t begin, int64_t end) {
     ++ranges;
     EXPECT_EQ(end - begin, 1);
-    std::lock_guard<std::mutex> lock(mu);
-    threads.insert(std::this_thread::get_id());
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      threads.insert(std::this_thread::get_id());
+    }
+    // Each range waits for the others to start, so no thread can run two of them: the pool
+    // must have `expected` threads that run at once.
+    ++inside;
+    for (int spin = 0; spin < 10000000 && inside < expected; ++spin) std::this_thread::yield();
   });
   EXPECT_EQ(ranges, expected);
   EXPECT_EQ(static_cast<int>(threads.size()), expected);

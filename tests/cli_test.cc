@@ -13,12 +13,12 @@
 #include "host_cache/cache_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "server/kvtd_server.h"
+#include "tests/in_process_kvtd.h"
 
 namespace kvt {
 namespace {
@@ -67,16 +67,9 @@ TEST(KvtCliTest, SynthInspectAndTranslateThroughARealServer) {
   CommandResult missing = RunKvt(absl::StrCat("inspect ", store, "/nope"));
   EXPECT_NE(missing.exit_code, 0);
 
-  absl::StatusOr<std::unique_ptr<MapperStore>> mapper_store = MapperStore::Open(store);
-  ASSERT_TRUE(mapper_store.ok()) << mapper_store.status();
-  std::unique_ptr<Backend> backend = NewCpuBackend();
-  KvtdConfig config;
-  config.server.listen_address = "127.0.0.1:0";
-  config.shutdown.drain_grace_seconds = 0;
-  absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-      KvtdServer::Start(config, mapper_store->get(), backend.get());
-  ASSERT_TRUE(server.ok()) << server.status();
-  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+  std::unique_ptr<InProcessKvtd> kvtd = StartKvtdForTest(store);
+  ASSERT_NE(kvtd, nullptr);
+  const std::string address = kvtd->address();
 
   CommandResult health = RunKvt("health --server=" + address);
   EXPECT_EQ(health.exit_code, 0) << health.output;
@@ -136,7 +129,7 @@ TEST(KvtCliTest, SynthInspectAndTranslateThroughARealServer) {
   EXPECT_NE(wrong_pair.exit_code, 0);
   EXPECT_THAT(wrong_pair.output, HasSubstr("NOT_FOUND"));
   EXPECT_THAT(wrong_pair.output, HasSubstr("cli/b -> cli/a"));
-  (*server)->Shutdown();
+  kvtd->server().Shutdown();
 }
 
 TEST(KvtCliTest, SynthKindMlpWritesAnMlpMapperThatInspectDescribes) {

@@ -19,12 +19,12 @@
 #include "client/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "loadtest/load_generator.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
+#include "tests/in_process_kvtd.h"
 #include "tests/kvtd_process.h"
 
 namespace kvt {
@@ -76,35 +76,21 @@ class InProcessFaultsTest : public ::testing::Test {
   }
 
   void Start(KvtdConfig config = KvtdConfig()) {
-    config.server.listen_address = "127.0.0.1:0";
-    config.shutdown.drain_grace_seconds = 0;
-    absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(store_dir_);
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = std::move(*store);
-    backend_ = NewCpuBackend();
-    absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-        KvtdServer::Start(config, store_.get(), backend_.get());
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-    address_ = absl::StrCat("127.0.0.1:", server_->port());
-    client_ = Client::Create(address_);
+    kvtd_ = StartKvtdForTest(store_dir_, config);
+    ASSERT_NE(kvtd_, nullptr);
   }
 
   // Waits until no translation holds an admission slot (the server noticed the fault).
   bool WaitIdle() {
     for (int i = 0; i < 300; ++i) {
-      if (server_->service()->inflight_requests() == 0) return true;
+      if (kvtd_->server().service()->inflight_requests() == 0) return true;
       std::this_thread::sleep_for(milliseconds(10));
     }
     return false;
   }
 
   std::string store_dir_;
-  std::unique_ptr<MapperStore> store_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<KvtdServer> server_;
-  std::string address_;
-  std::unique_ptr<Client> client_;
+  std::unique_ptr<InProcessKvtd> kvtd_;
 };
 
 TEST_F(InProcessFaultsTest, ClientCancelMidStreamFreesTheSlot) {
@@ -113,7 +99,7 @@ TEST_F(InProcessFaultsTest, ClientCancelMidStreamFreesTheSlot) {
   Start(config);
   {
     grpc::ClientContext context;
-    auto stream = client_->stub()->TranslateKV(&context);
+    auto stream = kvtd_->client().stub()->TranslateKV(&context);
     v1::TranslateKVRequest request;
     *request.mutable_header() = DemoHeader();
     request.mutable_header()->set_dtype(v1::DTYPE_BF16);
@@ -122,12 +108,12 @@ TEST_F(InProcessFaultsTest, ClientCancelMidStreamFreesTheSlot) {
     ASSERT_TRUE(stream->Write(request));
     v1::TranslateKVResponse response;
     ASSERT_TRUE(stream->Read(&response));  // admitted
-    EXPECT_EQ(server_->service()->inflight_requests(), 1);
+    EXPECT_EQ(kvtd_->server().service()->inflight_requests(), 1);
     context.TryCancel();
     EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
   EXPECT_TRUE(WaitIdle());
-  absl::StatusOr<TranslateResult> after = client_->Translate(DemoHeader(), DemoSource(64));
+  absl::StatusOr<TranslateResult> after = kvtd_->client().Translate(DemoHeader(), DemoSource(64));
   EXPECT_TRUE(after.ok()) << after.status();
 }
 
@@ -140,7 +126,7 @@ TEST_F(InProcessFaultsTest, ConnectionDroppedByAKilledClientFreesTheSlot) {
   std::string binary = absl::StrCat(std::getenv("TEST_SRCDIR"), "/kvt/tests/stalled_client");
   int out[2];
   ASSERT_EQ(pipe(out), 0);
-  std::string address = address_;
+  std::string address = kvtd_->address();
   char mapper[] = "demo-tiny";
   char* argv[] = {binary.data(), address.data(), mapper, nullptr};
   const pid_t child = fork();
@@ -154,20 +140,20 @@ TEST_F(InProcessFaultsTest, ConnectionDroppedByAKilledClientFreesTheSlot) {
   char line[16] = {0};
   ASSERT_EQ(read(out[0], line, 9), 9);
   EXPECT_STREQ(line, "admitted\n");
-  EXPECT_EQ(server_->service()->inflight_requests(), 1);
+  EXPECT_EQ(kvtd_->server().service()->inflight_requests(), 1);
   kill(child, SIGKILL);
   int status = 0;
   waitpid(child, &status, 0);
   close(out[0]);
   EXPECT_TRUE(WaitIdle()) << "the server did not notice the dropped connection";
-  absl::StatusOr<TranslateResult> after = client_->Translate(DemoHeader(), DemoSource(64));
+  absl::StatusOr<TranslateResult> after = kvtd_->client().Translate(DemoHeader(), DemoSource(64));
   EXPECT_TRUE(after.ok()) << after.status();
 }
 
 TEST_F(InProcessFaultsTest, MapperFilesDeletedOrCorruptedWhileLoadedKeepServingTheLoadedCopy) {
   Start();
   const HostCache source = DemoSource(48);
-  absl::StatusOr<TranslateResult> before = client_->Translate(DemoHeader(), source);
+  absl::StatusOr<TranslateResult> before = kvtd_->client().Translate(DemoHeader(), source);
   ASSERT_TRUE(before.ok()) << before.status();
 
   // Corrupt the weights on disk, then delete the directory: the loaded copy is what serves, and
@@ -178,19 +164,19 @@ TEST_F(InProcessFaultsTest, MapperFilesDeletedOrCorruptedWhileLoadedKeepServingT
     weights.seekp(4096);
     weights.write("garbage!garbage!", 16);
   }
-  absl::StatusOr<TranslateResult> corrupted = client_->Translate(DemoHeader(), source);
+  absl::StatusOr<TranslateResult> corrupted = kvtd_->client().Translate(DemoHeader(), source);
   ASSERT_TRUE(corrupted.ok()) << corrupted.status();
   EXPECT_EQ(corrupted->target.k, before->target.k);
   EXPECT_EQ(corrupted->target.v, before->target.v);
 
   std::filesystem::remove_all(store_dir_ + "/demo-tiny");
-  absl::StatusOr<TranslateResult> deleted = client_->Translate(DemoHeader(), source);
+  absl::StatusOr<TranslateResult> deleted = kvtd_->client().Translate(DemoHeader(), source);
   ASSERT_TRUE(deleted.ok()) << deleted.status();
   EXPECT_EQ(deleted->target.v, before->target.v);
 
   // A rescan drops the vanished mapper: new requests get a clear NOT_FOUND, never a crash.
-  ASSERT_TRUE(store_->Scan().ok());
-  absl::StatusOr<TranslateResult> gone = client_->Translate(DemoHeader(), source);
+  ASSERT_TRUE(kvtd_->store().Scan().ok());
+  absl::StatusOr<TranslateResult> gone = kvtd_->client().Translate(DemoHeader(), source);
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
 }
 
@@ -202,11 +188,11 @@ TEST_F(InProcessFaultsTest, CorruptedMapperFoundAtScanIsFailedNotServed) {
     weights.write("garbage!", 8);
   }
   Start();
-  absl::StatusOr<v1::MapperInfo> info = client_->GetMapper("demo-tiny");
+  absl::StatusOr<v1::MapperInfo> info = kvtd_->client().GetMapper("demo-tiny");
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->state(), v1::MAPPER_STATE_FAILED);
   EXPECT_THAT(info->state_reason(), HasSubstr("weights.safetensors"));
-  absl::StatusOr<TranslateResult> result = client_->Translate(DemoHeader(), DemoSource(8));
+  absl::StatusOr<TranslateResult> result = kvtd_->client().Translate(DemoHeader(), DemoSource(8));
   EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
 }
 
@@ -219,7 +205,7 @@ TEST_F(InProcessFaultsTest, MemoryAdmissionFullIsResourceExhaustedWithARetryHint
   config.limits.max_inflight_bytes = 10 << 20;
   Start(config);
   grpc::ClientContext context;
-  auto holder = client_->stub()->TranslateKV(&context);
+  auto holder = kvtd_->client().stub()->TranslateKV(&context);
   v1::TranslateKVRequest request;
   *request.mutable_header() = DemoHeader();
   request.mutable_header()->set_dtype(v1::DTYPE_BF16);
@@ -229,14 +215,15 @@ TEST_F(InProcessFaultsTest, MemoryAdmissionFullIsResourceExhaustedWithARetryHint
   v1::TranslateKVResponse response;
   ASSERT_TRUE(holder->Read(&response));
 
-  absl::StatusOr<TranslateResult> second = client_->Translate(DemoHeader(), DemoSource(4096));
+  absl::StatusOr<TranslateResult> second =
+      kvtd_->client().Translate(DemoHeader(), DemoSource(4096));
   ASSERT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted) << second.status();
   EXPECT_THAT(std::string(second.status().message()), HasSubstr("limits.max_inflight_bytes"));
   EXPECT_THAT(std::string(second.status().message()), HasSubstr("retry"));
   context.TryCancel();
   holder->Finish();
   EXPECT_TRUE(WaitIdle());
-  EXPECT_TRUE(client_->Translate(DemoHeader(), DemoSource(4096)).ok());
+  EXPECT_TRUE(kvtd_->client().Translate(DemoHeader(), DemoSource(4096)).ok());
 }
 
 TEST(ProcessFaultsTest, SigtermUnderLoadCompletesOrFailsEveryRequestCleanly) {

@@ -14,13 +14,13 @@
 #include "fit/synthetic_family.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
 #include "mapper_store/format/file_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "server/kvtd_server.h"
+#include "tests/in_process_kvtd.h"
 
 namespace kvt {
 namespace {
@@ -137,18 +137,11 @@ TEST_F(FitServeTest, KvtdTranslatesHeldOutSequencesWithTheExpectedError) {
   }
 
   // A real kvtd on the store; the CPU backend resets OpenBLAS to 1 thread (process-wide).
-  absl::StatusOr<std::unique_ptr<MapperStore>> mappers = MapperStore::Open(store);
-  ASSERT_TRUE(mappers.ok()) << mappers.status();
-  std::unique_ptr<Backend> backend = NewCpuBackend();
-  KvtdConfig config;
-  config.server.listen_address = "127.0.0.1:0";
-  config.mapper_store.path = store;
-  config.shutdown.drain_grace_seconds = 0.3;
-  absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-      KvtdServer::Start(config, mappers->get(), backend.get());
-  ASSERT_TRUE(server.ok()) << server.status();
-  std::unique_ptr<Client> client =
-      Client::Create(absl::StrCat("127.0.0.1:", (*server)->port()));
+  InProcessKvtdOptions kvtd_options;
+  kvtd_options.drain_grace_seconds = 0.3;
+  std::unique_ptr<InProcessKvtd> kvtd =
+      StartKvtdForTest(store, KvtdConfig(), std::move(kvtd_options));
+  ASSERT_NE(kvtd, nullptr);
 
   const Rope target_rope = *Rope::Create(Family().target.rope, 16);
   ErrorSums vs_clean[4][2], vs_noisy[4][2];  // [target layer][K, V]
@@ -161,7 +154,7 @@ TEST_F(FitServeTest, KvtdTranslatesHeldOutSequencesWithTheExpectedError) {
     v1::TranslateHeader header;
     header.set_source_model("fam/src");
     header.set_target_model("fam/dst");
-    absl::StatusOr<TranslateResult> result = client->Translate(header, *source);
+    absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, *source);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->header.mapper_id(), "fitted");
     HostCache noisy = *ReadCacheFile(pair.target_path);
@@ -185,7 +178,7 @@ TEST_F(FitServeTest, KvtdTranslatesHeldOutSequencesWithTheExpectedError) {
       EXPECT_LT(vs_clean[l][kind].UnexplainedShare(), 0.01);
     }
   }
-  (*server)->Shutdown();
+  kvtd->server().Shutdown();
 }
 
 struct CommandResult {

@@ -22,7 +22,7 @@
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
-#include "server/mapper_store_setup.h"
+#include "tests/in_process_kvtd.h"
 
 namespace kvt {
 namespace {
@@ -93,29 +93,19 @@ class MapperControlTest : public ::testing::Test {
 
   // Starts kvtd the way kvtd_main does: store options from the config, polling, the server.
   void Start(KvtdConfig config) {
-    config.server.listen_address = "127.0.0.1:0";
-    config.mapper_store.path = store_dir_;
     config.security.auth_token_file = JoinPath(dir_, "tokens");
-    config.shutdown.drain_grace_seconds = 0;
+    InProcessKvtdOptions options;
     // The sgemm path, so versions compare against the float64 reference at 1e-5 (the oneDNN
     // bf16 path's 1e-2 is tested in kernels/cpu_backend_test).
-    backend_ = NewCpuBackend(CpuBackendOptions{1, 64, CpuGemmPath::kSgemm});
-    absl::StatusOr<std::unique_ptr<MapperStore>> store =
-        MapperStore::Open(store_dir_, MakeStoreOptions(config, backend_.get()));
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = std::move(*store);
-    if (config.mapper_store.reload_interval_seconds > 0) {
-      store_->StartPolling(absl::Seconds(config.mapper_store.reload_interval_seconds));
-    }
-    absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-        KvtdServer::Start(config, store_.get(), backend_.get());
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-    ClientOptions admin, router;
+    options.backend = NewCpuBackend(CpuBackendOptions{1, 64, CpuGemmPath::kSgemm});
+    options.store_as_kvtd_main = true;
+    options.client.bearer_token = kRouter;
+    kvtd_ = StartKvtdForTest(store_dir_, config, std::move(options));
+    ASSERT_NE(kvtd_, nullptr);
+    ClientOptions admin;
     admin.bearer_token = kAdmin;
-    router.bearer_token = kRouter;
-    admin_ = Client::Create(absl::StrCat("127.0.0.1:", server_->port()), admin);
-    router_ = Client::Create(absl::StrCat("127.0.0.1:", server_->port()), router);
+    admin_ = kvtd_->NewClient(admin);
+    router_ = &kvtd_->client();
   }
 
   grpc::Status Load(Client& client, const std::string& id, const std::string& device,
@@ -164,10 +154,9 @@ class MapperControlTest : public ::testing::Test {
   }
 
   std::string dir_, store_dir_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<MapperStore> store_;
-  std::unique_ptr<KvtdServer> server_;
-  std::unique_ptr<Client> admin_, router_;
+  std::unique_ptr<InProcessKvtd> kvtd_;
+  std::unique_ptr<Client> admin_;
+  Client* router_ = nullptr;  // kvtd_'s client
 };
 
 TEST_F(MapperControlTest, LoadUnloadAndGetMapperReportStateResidencyAndCounters) {
@@ -234,7 +223,7 @@ TEST_F(MapperControlTest, LoadUnloadAndGetMapperReportStateResidencyAndCounters)
   EXPECT_EQ(Get("ab").loads(), 2u);
   EXPECT_EQ(Get("ab").page_ins(), 2u);
 
-  const std::string metrics = server_->metrics()->Serialize();
+  const std::string metrics = kvtd_->server().metrics()->Serialize();
   EXPECT_THAT(metrics, HasSubstr(R"(kvt_mapper_page_ins_total{device="cpu",source="m/a",target="m/b"} 2)"));
   EXPECT_THAT(metrics, HasSubstr(R"(kvt_mapper_page_ins_total{device="host",source="m/a",target="m/b"} 2)"));
   EXPECT_THAT(metrics, HasSubstr(R"(kvt_mapper_acquisitions_total{device="cpu",result="hit",source="m/a",target="m/b"} 1)"));

@@ -22,7 +22,7 @@
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
-#include "server/mapper_store_setup.h"
+#include "tests/in_process_kvtd.h"
 #include "tests/shm_object.h"
 #include "transport/proto_convert.h"
 
@@ -102,25 +102,16 @@ class MlpServingTest : public ::testing::Test {
   // Starts kvtd the way kvtd_main does (store options from the config, the CPU backend as its
   // device), with client shm regions allowed.
   void Start(KvtdConfig config = KvtdConfig()) {
-    config.server.listen_address = "127.0.0.1:0";
-    config.mapper_store.path = store_dir_;
     config.mapper_store.reload_interval_seconds = 0;
     config.security.auth_token_file = JoinPath(dir_, "tokens");
-    config.shutdown.drain_grace_seconds = 0;
     config.shared_memory.allow_client_regions = true;
     config.limits.response_chunk_bytes = 4096;  // several response chunks per layer
-    backend_ = NewCpuBackend(CpuBackendOptions{2, 32});  // pieces of 32 tokens: chunked
-    absl::StatusOr<std::unique_ptr<MapperStore>> store =
-        MapperStore::Open(store_dir_, MakeStoreOptions(config, backend_.get()));
-    ASSERT_TRUE(store.ok()) << store.status();
-    store_ = std::move(*store);
-    absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-        KvtdServer::Start(config, store_.get(), backend_.get());
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-    ClientOptions admin;
-    admin.bearer_token = kAdmin;
-    client_ = Client::Create(absl::StrCat("127.0.0.1:", server_->port()), admin);
+    InProcessKvtdOptions options;
+    options.backend = NewCpuBackend(CpuBackendOptions{2, 32});  // pieces of 32 tokens: chunked
+    options.store_as_kvtd_main = true;
+    options.client.bearer_token = kAdmin;
+    kvtd_ = StartKvtdForTest(store_dir_, config, std::move(options));
+    ASSERT_NE(kvtd_, nullptr);
   }
 
   std::unique_ptr<LoadedMapper> Local(const std::string& id) {
@@ -132,7 +123,7 @@ class MlpServingTest : public ::testing::Test {
   // SPEC 3's tolerance for `mapper` on the backend as it starts here: the output dtype's, or at
   // least bf16's 1e-2 where a bf16 / fp16 mapper runs on the oneDNN bf16 path.
   double Tolerance(const LoadedMapper& mapper, DType output) const {
-    const auto* cpu = dynamic_cast<const CpuBackend*>(backend_.get());
+    const auto* cpu = dynamic_cast<const CpuBackend*>(&kvtd_->backend());
     const bool bf16 = cpu != nullptr && cpu->gemm_path() == CpuGemmPath::kOnednnBf16 &&
                       mapper.manifest().weights_dtype != DType::kFP32;
     const double tolerance = testing::TranslationTolerance(output);
@@ -162,16 +153,13 @@ class MlpServingTest : public ::testing::Test {
     request.set_mapper_id(id);
     request.set_device(device);
     v1::LoadMapperResponse response;
-    grpc::Status status = client_->stub()->LoadMapper(&context, request, &response);
+    grpc::Status status = kvtd_->client().stub()->LoadMapper(&context, request, &response);
     *info = response.mapper();
     return status;
   }
 
   std::string dir_, store_dir_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<MapperStore> store_;
-  std::unique_ptr<KvtdServer> server_;
-  std::unique_ptr<Client> client_;
+  std::unique_ptr<InProcessKvtd> kvtd_;
 };
 
 TEST_F(MlpServingTest, InlineTranslationsMatchTheFloat64Reference) {
@@ -222,7 +210,7 @@ TEST_F(MlpServingTest, InlineTranslationsMatchTheFloat64Reference) {
       header.set_position_offset(c.offset);
       positions.offset = c.offset;
     }
-    absl::StatusOr<TranslateResult> result = client_->Translate(header, source);
+    absl::StatusOr<TranslateResult> result = kvtd_->client().Translate(header, source);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->header.mapper_id(), c.mapper);
     EXPECT_EQ(result->target.dtype, c.output_dtype);
@@ -234,7 +222,7 @@ TEST_F(MlpServingTest, InlineTranslationsMatchTheFloat64Reference) {
               Tolerance(*mapper, c.output_dtype));
   }
   // The MLP is really served as one: GetMapper reports the kind.
-  absl::StatusOr<v1::MapperInfo> info = client_->GetMapper("per-head");
+  absl::StatusOr<v1::MapperInfo> info = kvtd_->client().GetMapper("per-head");
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->kind(), "mlp");
 }
@@ -251,7 +239,7 @@ TEST_F(MlpServingTest, SharedMemoryEqualsInlineAndTheReference) {
   v1::TranslateHeader inline_header;
   inline_header.set_mapper_id("per-layer");
   inline_header.set_position_offset(33);
-  absl::StatusOr<TranslateResult> inline_result = client_->Translate(inline_header, source);
+  absl::StatusOr<TranslateResult> inline_result = kvtd_->client().Translate(inline_header, source);
   ASSERT_TRUE(inline_result.ok()) << inline_result.status();
 
   // Regions laid out [layer][K, V], each layer contiguous, as the transport defines them.
@@ -266,8 +254,8 @@ TEST_F(MlpServingTest, SharedMemoryEqualsInlineAndTheReference) {
                 source.layer_bytes());
   }
   std::memset(out_object.data(), 0xff, out_bytes);  // NaN wherever nothing is written
-  KVT_ASSERT_OK(client_->RegisterSystemMemory("in", in_object.key(), 0, in_bytes));
-  KVT_ASSERT_OK(client_->RegisterSystemMemory("out", out_object.key(), 0, out_bytes));
+  KVT_ASSERT_OK(kvtd_->client().RegisterSystemMemory("in", in_object.key(), 0, in_bytes));
+  KVT_ASSERT_OK(kvtd_->client().RegisterSystemMemory("out", out_object.key(), 0, out_bytes));
   v1::TranslateHeader header;
   header.set_mapper_id("per-layer");
   header.set_dtype(v1::DTYPE_BF16);
@@ -278,7 +266,7 @@ TEST_F(MlpServingTest, SharedMemoryEqualsInlineAndTheReference) {
   header.mutable_input()->mutable_region()->set_byte_size(in_bytes);
   header.mutable_output()->mutable_region()->set_region("out");
   header.mutable_output()->mutable_region()->set_byte_size(out_bytes);
-  absl::StatusOr<TranslateResult> shm_result = client_->TranslateRegions(header);
+  absl::StatusOr<TranslateResult> shm_result = kvtd_->client().TranslateRegions(header);
   ASSERT_TRUE(shm_result.ok()) << shm_result.status();
   EXPECT_EQ(shm_result->trailer.output_bytes(), static_cast<uint64_t>(out_bytes));
 
@@ -302,7 +290,7 @@ TEST_F(MlpServingTest, SharedMemoryEqualsInlineAndTheReference) {
   positions.offset = 33;
   EXPECT_LE(ErrorAgainstReference(mapper->view(), source, shm_view, positions),
             testing::TranslationTolerance(DType::kBF16));
-  KVT_EXPECT_OK(client_->UnregisterSystemMemory(""));
+  KVT_EXPECT_OK(kvtd_->client().UnregisterSystemMemory(""));
 }
 
 // Paging accounts an MLP by its real size: the host copy is the weights file's data, the CPU
@@ -340,8 +328,7 @@ TEST_F(MlpServingTest, PagingCountsTheMlpBytes) {
     ASSERT_EQ(info.residency_size(), 2);
     EXPECT_EQ(info.residency(1).device(), "cpu");
     EXPECT_EQ(info.residency(1).bytes(), device_bytes);
-    server_.reset();
-    store_.reset();
+    kvtd_.reset();
   }
   for (const bool host_short : {true, false}) {
     SCOPED_TRACE(host_short ? "host budget short" : "device budget short");
@@ -355,13 +342,12 @@ TEST_F(MlpServingTest, PagingCountsTheMlpBytes) {
         RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 1);
     v1::TranslateHeader header;
     header.set_mapper_id("per-layer");
-    absl::StatusOr<TranslateResult> refused = client_->Translate(header, source);
+    absl::StatusOr<TranslateResult> refused = kvtd_->client().Translate(header, source);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
     EXPECT_THAT(std::string(refused.status().message()),
                 HasSubstr(host_short ? "mapper_store.host_budget_bytes"
                                      : "mapper_store.device_budget_bytes"));
-    server_.reset();
-    store_.reset();
+    kvtd_.reset();
   }
 }
 

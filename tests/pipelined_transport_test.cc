@@ -18,12 +18,12 @@
 #include "client/session.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_backend.h"
 #include "kernels/testing/reference.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
+#include "tests/in_process_kvtd.h"
 
 namespace kvt {
 namespace {
@@ -48,36 +48,25 @@ std::string StoreDir() {
   return dir;
 }
 
-// A kvtd over the test store with the given pipelining threshold, and a client.
+// A kvtd over the test store with the given pipelining threshold, and a client that sends many
+// chunks per layer.
 struct Kvtd {
   explicit Kvtd(int64_t pipeline_min_tokens, int64_t response_chunk_bytes = 4 << 20) {
     KvtdConfig config;
-    config.server.listen_address = "127.0.0.1:0";
-    config.mapper_store.path = StoreDir();
-    config.shutdown.drain_grace_seconds = 0;
     config.transport.pipeline_min_tokens = pipeline_min_tokens;
     config.limits.response_chunk_bytes = response_chunk_bytes;
-    absl::StatusOr<std::unique_ptr<MapperStore>> opened = MapperStore::Open(StoreDir());
-    EXPECT_TRUE(opened.ok()) << opened.status();
-    store = std::move(*opened);
-    backend = NewCpuBackend();
-    absl::StatusOr<std::unique_ptr<KvtdServer>> started =
-        KvtdServer::Start(config, store.get(), backend.get());
-    EXPECT_TRUE(started.ok()) << started.status();
-    server = std::move(*started);
-    ClientOptions options;
-    options.chunk_bytes = 64 << 10;  // many chunks per layer
-    client = Client::Create(absl::StrCat("127.0.0.1:", server->port()), options);
+    InProcessKvtdOptions options;
+    options.client.chunk_bytes = 64 << 10;
+    kvtd = StartKvtdForTest(StoreDir(), config, std::move(options));
+    client = kvtd != nullptr ? &kvtd->client() : nullptr;
   }
   const MapperView& view() {
-    mapper = *store->Get("m");
+    mapper = *kvtd->store().Get("m");
     return mapper->view();
   }
 
-  std::unique_ptr<MapperStore> store;
-  std::unique_ptr<Backend> backend;
-  std::unique_ptr<KvtdServer> server;
-  std::unique_ptr<Client> client;
+  std::unique_ptr<InProcessKvtd> kvtd;
+  Client* client = nullptr;
   std::shared_ptr<const LoadedMapper> mapper;
 };
 
@@ -297,7 +286,7 @@ TEST(TranslateSessionTest, TurnByTurnEqualsAllAtOnce) {
     v1::TranslateHeader base = Header();
     base.set_output_layout(layout == Layout::kHND ? v1::LAYOUT_NHD : v1::LAYOUT_HND);
     base.set_session_id("conversation-1");
-    TranslateSession session(kvtd.client.get(), base);
+    TranslateSession session(kvtd.client, base);
     int64_t begin = 0;
     for (int64_t count : turns) {
       testing::OwnedCache owned_part = testing::SliceTokens(whole.view(), begin, begin + count);
@@ -352,7 +341,7 @@ TEST(TranslateSessionTest, ExplicitPositionsEqualTheOffsetAndShapeChangesAreRefu
   }
   EXPECT_LE(ErrorAgainstReference(view, part, a->target, Positions{1000}), 1e-5);
 
-  TranslateSession session(kvtd.client.get(), Header());
+  TranslateSession session(kvtd.client, Header());
   ASSERT_TRUE(session.Extend(part).ok());
   const HostCache other_layout = RandomSource(5, DType::kFP32, Layout::kHND, "other layout");
   absl::StatusOr<TranslateResult> refused = session.Extend(other_layout);

@@ -13,12 +13,12 @@
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_backend.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "proto/kvt/v1/prefix_cache.grpc.pb.h"
 #include "server/kvtd_server.h"
+#include "tests/in_process_kvtd.h"
 #include "transport/kv_chunks.h"
 
 namespace kvt {
@@ -56,21 +56,10 @@ std::vector<uint32_t> Tokens(int n, uint32_t seed) {
 class PrefixCacheServiceTest : public ::testing::Test {
  protected:
   void Start(KvtdConfig config, const std::string& store_dir = StoreDir()) {
-    config.server.listen_address = "127.0.0.1:0";
-    config.mapper_store.path = store_dir;
-    config.shutdown.drain_grace_seconds = 0;
-    absl::StatusOr<std::unique_ptr<MapperStore>> opened = MapperStore::Open(store_dir);
-    ASSERT_TRUE(opened.ok()) << opened.status();
-    store_ = std::move(*opened);
-    backend_ = NewCpuBackend();
-    absl::StatusOr<std::unique_ptr<KvtdServer>> started =
-        KvtdServer::Start(config, store_.get(), backend_.get());
-    ASSERT_TRUE(started.ok()) << started.status();
-    server_ = std::move(*started);
-    const std::string address = absl::StrCat("127.0.0.1:", server_->port());
-    client_ = Client::Create(address);
+    kvtd_ = StartKvtdForTest(store_dir, config);
+    ASSERT_NE(kvtd_, nullptr);
     prefix_ = v1::KvPrefixCache::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(kvtd_->address(), grpc::InsecureChannelCredentials()));
   }
   void SetUp() override {
     KvtdConfig config;
@@ -175,10 +164,7 @@ class PrefixCacheServiceTest : public ::testing::Test {
     return header;
   }
 
-  std::unique_ptr<MapperStore> store_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<KvtdServer> server_;
-  std::unique_ptr<Client> client_;
+  std::unique_ptr<InProcessKvtd> kvtd_;
   std::unique_ptr<v1::KvPrefixCache::Stub> prefix_;
 };
 
@@ -207,7 +193,7 @@ TEST_F(PrefixCacheServiceTest, CachedTranslationEqualsInlineTranslationOfThePref
 
     v1::TranslateHeader header = CachedHeader(hit);
     header.set_output_layout(v1::LAYOUT_NHD);
-    absl::StatusOr<TranslateResult> cached = client_->TranslateCached(header);
+    absl::StatusOr<TranslateResult> cached = kvtd_->client().TranslateCached(header);
     ASSERT_TRUE(cached.ok()) << cached.status();
 
     HostCache inline_source = Prefix(source, 96);
@@ -217,7 +203,8 @@ TEST_F(PrefixCacheServiceTest, CachedTranslationEqualsInlineTranslationOfThePref
     inline_header.set_layout(layout == Layout::kHND ? v1::LAYOUT_HND : v1::LAYOUT_NHD);
     inline_header.set_output_layout(v1::LAYOUT_NHD);
     inline_header.set_num_tokens(96);
-    absl::StatusOr<TranslateResult> direct = client_->Translate(inline_header, inline_source);
+    absl::StatusOr<TranslateResult> direct =
+        kvtd_->client().Translate(inline_header, inline_source);
     ASSERT_TRUE(direct.ok()) << direct.status();
     ASSERT_EQ(cached->target.num_layers, direct->target.num_layers);
     for (int l = 0; l < direct->target.num_layers; ++l) {
@@ -227,7 +214,7 @@ TEST_F(PrefixCacheServiceTest, CachedTranslationEqualsInlineTranslationOfThePref
     EXPECT_EQ(cached->trailer.num_tokens(), 96u);
 
     // Single use.
-    absl::StatusOr<TranslateResult> again = client_->TranslateCached(header);
+    absl::StatusOr<TranslateResult> again = kvtd_->client().TranslateCached(header);
     ASSERT_FALSE(again.ok());
     EXPECT_EQ(again.status().code(), absl::StatusCode::kNotFound);
     EXPECT_THAT(again.status().message(), HasSubstr("header.input.cached.lease_id"));
@@ -262,7 +249,7 @@ TEST_F(PrefixCacheServiceTest, GateRefusesUnlessForced) {
   KvtdConfig config;
   config.prefix_cache.enabled = true;
   config.prefix_cache.pair_min_quality["test/src->test/dst"] = 0.9;  // synth mappers record none
-  server_.reset();
+  kvtd_.reset();
   Start(config);
   const std::vector<uint32_t> tokens = Tokens(48, 6);
   v1::PublishResponse published;
@@ -310,7 +297,7 @@ TEST_F(PrefixCacheServiceTest, GatePrefersTheRecordedAttentionCosine) {
     KvtdConfig config;
     config.prefix_cache.enabled = true;
     config.prefix_cache.min_mapper_quality = floor;  // R^2 0.2 would fail both
-    server_.reset();
+    kvtd_.reset();
     Start(config, StoreWithRecordedCosine());
     v1::PublishResponse published;
     ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 11), &published).ok());
@@ -362,7 +349,7 @@ TEST_F(PrefixCacheServiceTest, FullBudgetRefusesThePublishAndLeasedPrefixesSurvi
   config.prefix_cache.enabled = true;
   // One 64-token entry of the source: 3 layers x 2 x 64 x 2 x 32 x 4 bytes = 98304.
   config.prefix_cache.max_bytes = 100000;
-  server_.reset();
+  kvtd_.reset();
   Start(config);
   const std::vector<uint32_t> first = Tokens(64, 12);
   v1::PublishResponse published;
@@ -374,7 +361,7 @@ TEST_F(PrefixCacheServiceTest, FullBudgetRefusesThePublishAndLeasedPrefixesSurvi
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(full.error_message(), HasSubstr("prefix_cache.max_bytes"));
   // The leased prefix still translates.
-  absl::StatusOr<TranslateResult> cached = client_->TranslateCached(CachedHeader(hit));
+  absl::StatusOr<TranslateResult> cached = kvtd_->client().TranslateCached(CachedHeader(hit));
   EXPECT_TRUE(cached.ok()) << cached.status();
   // Unleased now: the next publish evicts it (LRU) and fits.
   ASSERT_TRUE(Publish("test/src", Tokens(64, 14), Source(64, Layout::kNHD, 15), &published).ok());
@@ -388,13 +375,13 @@ TEST_F(PrefixCacheServiceTest, CachedInputChecksTheHeader) {
   ASSERT_TRUE(Publish("test/src", tokens, Source(32, Layout::kNHD, 17), &published).ok());
   v1::TranslateHeader header = CachedHeader(Lookup(tokens));
   header.set_num_tokens(16);
-  absl::StatusOr<TranslateResult> wrong = client_->TranslateCached(header);
+  absl::StatusOr<TranslateResult> wrong = kvtd_->client().TranslateCached(header);
   ASSERT_FALSE(wrong.ok());
   EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(wrong.status().message(), HasSubstr("header.num_tokens"));
   v1::TranslateHeader unknown = CachedHeader(Lookup(tokens));
   unknown.mutable_input()->mutable_cached()->set_lease_id("not-a-lease");
-  absl::StatusOr<TranslateResult> missing = client_->TranslateCached(unknown);
+  absl::StatusOr<TranslateResult> missing = kvtd_->client().TranslateCached(unknown);
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
 }
@@ -414,19 +401,10 @@ TEST_F(PrefixCacheServiceTest, ListShowsEntries) {
 }
 
 TEST(PrefixCacheDisabledTest, LookupMissesAndCachedInputIsRefused) {
-  KvtdConfig config;
-  config.server.listen_address = "127.0.0.1:0";
-  config.mapper_store.path = StoreDir();
-  config.shutdown.drain_grace_seconds = 0;
-  absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(StoreDir());
-  ASSERT_TRUE(store.ok());
-  std::unique_ptr<Backend> backend = NewCpuBackend();
-  absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-      KvtdServer::Start(config, store->get(), backend.get());
-  ASSERT_TRUE(server.ok());
-  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+  std::unique_ptr<InProcessKvtd> kvtd = StartKvtdForTest(StoreDir());
+  ASSERT_NE(kvtd, nullptr);
   auto stub = v1::KvPrefixCache::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(kvtd->address(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   v1::LookupPrefixRequest request;
   request.set_target_model("test/dst");
@@ -434,14 +412,13 @@ TEST(PrefixCacheDisabledTest, LookupMissesAndCachedInputIsRefused) {
   v1::LookupPrefixResponse response;
   ASSERT_TRUE(stub->LookupPrefix(&context, request, &response).ok());
   EXPECT_EQ(response.miss_reason(), "disabled");
-  std::unique_ptr<Client> client = Client::Create(address);
   v1::TranslateHeader header;
   header.set_mapper_id("m");
   header.set_dtype(v1::DTYPE_FP32);
   header.set_layout(v1::LAYOUT_NHD);
   header.set_num_tokens(16);
   header.mutable_input()->mutable_cached()->set_lease_id("x");
-  absl::StatusOr<TranslateResult> refused = client->TranslateCached(header);
+  absl::StatusOr<TranslateResult> refused = kvtd->client().TranslateCached(header);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(refused.status().message(), HasSubstr("prefix_cache.enabled"));

@@ -14,10 +14,10 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_backend.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
+#include "tests/in_process_kvtd.h"
 
 namespace kvt {
 namespace {
@@ -78,20 +78,13 @@ class SecurityTest : public ::testing::Test {
     KvtdConfig config;
     config.server.listen_address = "127.0.0.1:0";
     config.mapper_store.path = *dir_ + "/store";
-    config.shutdown.drain_grace_seconds = 0;
     config.security.tls_cert_file = pki_->path("server.pem");
     config.security.tls_key_file = pki_->path("server.key");
     if (mtls) config.security.tls_client_ca_file = pki_->path("ca.pem");
     if (tokens) config.security.auth_token_file = *dir_ + "/tokens";
     ASSERT_TRUE(ValidateKvtdConfig(config).ok());
-    absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(*dir_ + "/store");
-    ASSERT_TRUE(store.ok());
-    store_ = std::move(*store);
-    backend_ = NewCpuBackend();
-    absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-        KvtdServer::Start(config, store_.get(), backend_.get());
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
+    kvtd_ = StartKvtdForTest(config.mapper_store.path, config);
+    ASSERT_NE(kvtd_, nullptr);
   }
 
   std::unique_ptr<Client> Connect(const std::string& client_cert, const std::string& token,
@@ -106,14 +99,12 @@ class SecurityTest : public ::testing::Test {
       }
     }
     options.bearer_token = token;
-    return Client::Create(absl::StrCat("127.0.0.1:", server_->port()), options);
+    return kvtd_->NewClient(options);
   }
 
   static std::string* dir_;
   static Pki* pki_;
-  std::unique_ptr<MapperStore> store_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<KvtdServer> server_;
+  std::unique_ptr<InProcessKvtd> kvtd_;
 };
 std::string* SecurityTest::dir_ = nullptr;
 Pki* SecurityTest::pki_ = nullptr;
@@ -272,24 +263,20 @@ TEST_F(SecurityTest, EveryRpcChecksTheCallersRole) {
 
 TEST_F(SecurityTest, MissingOrBadSecurityFilesStopTheServer) {
   KvtdConfig config;
-  config.server.listen_address = "127.0.0.1:0";
   config.security.tls_cert_file = *dir_ + "/nope.pem";
   config.security.tls_key_file = pki_->path("server.key");
-  absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(*dir_ + "/store");
-  ASSERT_TRUE(store.ok());
-  std::unique_ptr<Backend> backend = NewCpuBackend();
-  absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-      KvtdServer::Start(config, store->get(), backend.get());
+  const std::string store = *dir_ + "/store";
+  absl::StatusOr<std::unique_ptr<InProcessKvtd>> server = InProcessKvtd::Start(store, config);
   ASSERT_FALSE(server.ok());
   EXPECT_THAT(std::string(server.status().message()), HasSubstr("security.tls_cert_file"));
   config.security.tls_cert_file = *dir_ + "/tokens";  // exists, not PEM
-  server = KvtdServer::Start(config, store->get(), backend.get());
+  server = InProcessKvtd::Start(store, config);
   ASSERT_FALSE(server.ok());
   EXPECT_THAT(std::string(server.status().message()), HasSubstr("not a PEM file"));
   config.security.tls_cert_file.clear();
   config.security.tls_key_file.clear();
   config.security.auth_token_file = *dir_ + "/missing-tokens";
-  server = KvtdServer::Start(config, store->get(), backend.get());
+  server = InProcessKvtd::Start(store, config);
   ASSERT_FALSE(server.ok());
   EXPECT_THAT(std::string(server.status().message()), HasSubstr("security.auth_token_file"));
   KvtdConfig half;

@@ -17,7 +17,6 @@
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
 #include "mapper_store/mapper.h"
@@ -26,6 +25,7 @@
 #include "quality/quality_reference.h"
 #include "quality/stats_testing.h"
 #include "server/kvtd_server.h"
+#include "tests/in_process_kvtd.h"
 #include "transport/proto_convert.h"
 
 namespace kvt {
@@ -42,38 +42,14 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
-// A running kvtd over a store directory, plus a client.
-class Kvtd {
- public:
-  explicit Kvtd(const std::string& store_dir, KvtdConfig config = KvtdConfig()) {
-    config.server.listen_address = "127.0.0.1:0";
-    config.mapper_store.path = store_dir;
-    config.shutdown.drain_grace_seconds = 0.3;
-    config_ = config;
-    absl::StatusOr<std::unique_ptr<MapperStore>> store = MapperStore::Open(store_dir);
-    EXPECT_TRUE(store.ok()) << store.status();
-    store_ = std::move(*store);
-    backend_ = NewCpuBackend();
-    absl::StatusOr<std::unique_ptr<KvtdServer>> server =
-        KvtdServer::Start(config, store_.get(), backend_.get());
-    EXPECT_TRUE(server.ok()) << server.status();
-    server_ = std::move(*server);
-    address_ = absl::StrCat("127.0.0.1:", server_->port());
-    client_ = Client::Create(address_);
-  }
-
-  Client& client() { return *client_; }
-  KvtdServer& server() { return *server_; }
-  const std::string& address() const { return address_; }
-
- private:
-  KvtdConfig config_;
-  std::unique_ptr<MapperStore> store_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<KvtdServer> server_;
-  std::string address_;
-  std::unique_ptr<Client> client_;
-};
+// A running kvtd over a store directory, plus a client (null, and a test failure, if it does not
+// start).
+std::unique_ptr<InProcessKvtd> Serve(const std::string& store_dir,
+                                     KvtdConfig config = KvtdConfig()) {
+  InProcessKvtdOptions options;
+  options.drain_grace_seconds = 0.3;
+  return StartKvtdForTest(store_dir, std::move(config), std::move(options));
+}
 
 HostCache RandomCache(const ModelSpec& model, int64_t tokens, DType dtype, Layout layout,
                       uint64_t seed) {
@@ -148,15 +124,15 @@ class TranslateServiceTest : public ::testing::Test {
 std::string* TranslateServiceTest::store_dir_ = nullptr;
 
 TEST_F(TranslateServiceTest, HealthIsServingAndReflectionListsTheService) {
-  Kvtd kvtd(*store_dir_);
-  absl::StatusOr<std::string> health = kvtd.client().Health();
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_);
+  absl::StatusOr<std::string> health = kvtd->client().Health();
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, "SERVING");
-  absl::StatusOr<std::string> service_health = kvtd.client().Health("kvt.v1.KvTranslator");
+  absl::StatusOr<std::string> service_health = kvtd->client().Health("kvt.v1.KvTranslator");
   ASSERT_TRUE(service_health.ok());
   EXPECT_EQ(*service_health, "SERVING");
 
-  auto reflection = grpc::reflection::v1alpha::ServerReflection::NewStub(kvtd.client().channel());
+  auto reflection = grpc::reflection::v1alpha::ServerReflection::NewStub(kvtd->client().channel());
   grpc::ClientContext context;
   auto stream = reflection->ServerReflectionInfo(&context);
   grpc::reflection::v1alpha::ServerReflectionRequest request;
@@ -180,7 +156,7 @@ TEST_F(TranslateServiceTest, ServesOnAUnixSocketToo) {
   char dir_template[] = "/tmp/kvt-test-XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   config.server.unix_socket = std::string(dir_template) + "/kvtd.sock";
-  Kvtd kvtd(*store_dir_, config);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_, config);
   std::unique_ptr<Client> local = Client::Create("unix:" + config.server.unix_socket);
   absl::StatusOr<std::string> health = local->Health();
   ASSERT_TRUE(health.ok()) << health.status();
@@ -193,33 +169,33 @@ TEST_F(TranslateServiceTest, ServesOnAUnixSocketToo) {
 }
 
 TEST_F(TranslateServiceTest, ListMappersOnAnEmptyStore) {
-  Kvtd kvtd(TempDir("empty_store"));
-  absl::StatusOr<v1::ListMappersResponse> list = kvtd.client().ListMappers();
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(TempDir("empty_store"));
+  absl::StatusOr<v1::ListMappersResponse> list = kvtd->client().ListMappers();
   ASSERT_TRUE(list.ok()) << list.status();
   EXPECT_EQ(list->mappers_size(), 0);
 }
 
 TEST_F(TranslateServiceTest, ListAndGetMappers) {
-  Kvtd kvtd(*store_dir_);
-  absl::StatusOr<v1::ListMappersResponse> list = kvtd.client().ListMappers();
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_);
+  absl::StatusOr<v1::ListMappersResponse> list = kvtd->client().ListMappers();
   ASSERT_TRUE(list.ok()) << list.status();
   ASSERT_EQ(list->mappers_size(), 2);
-  absl::StatusOr<v1::MapperInfo> info = kvtd.client().GetMapper("unmatched");
+  absl::StatusOr<v1::MapperInfo> info = kvtd->client().GetMapper("unmatched");
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->source_model(), "test/small");
   EXPECT_EQ(info->target_shape().num_kv_heads(), 4u);
   EXPECT_EQ(info->state(), v1::MAPPER_STATE_HOST_RESIDENT);
   EXPECT_TRUE(info->synthetic());
-  EXPECT_EQ(kvtd.client().GetMapper("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(kvtd->client().GetMapper("nope").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(TranslateServiceTest, UnknownPairIsNotFoundNamingThePair) {
-  Kvtd kvtd(*store_dir_);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_);
   v1::TranslateHeader header;
   header.set_source_model("Qwen/Qwen3-14B");
   header.set_target_model("Qwen/Qwen3-32B");
   HostCache cache = RandomCache(NeoxModelSpec("x", 1, 1, 8, 1e4), 4, DType::kBF16, Layout::kHND, 1);
-  absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, cache);
+  absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, cache);
   ASSERT_EQ(result.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(result.status().message()),
               HasSubstr("Qwen/Qwen3-14B -> Qwen/Qwen3-32B"));
@@ -228,7 +204,7 @@ TEST_F(TranslateServiceTest, UnknownPairIsNotFoundNamingThePair) {
 TEST_F(TranslateServiceTest, TranslationsMatchTheFloat64Reference) {
   KvtdConfig config;
   config.limits.response_chunk_bytes = 4096;  // several response chunks per layer
-  Kvtd kvtd(*store_dir_, config);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_, config);
   struct Case {
     std::string mapper;
     DType dtype;
@@ -271,7 +247,7 @@ TEST_F(TranslateServiceTest, TranslationsMatchTheFloat64Reference) {
       header.set_position_offset(c.offset);
       positions.offset = c.offset;
     }
-    absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, source);
+    absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, source);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->target.dtype, c.output_dtype);
     EXPECT_EQ(result->target.layout, c.output_layout);
@@ -332,7 +308,7 @@ v1::TranslateKVRequest ChunkMessage(int layer, v1::CacheKind kind, int start, in
 TEST_F(TranslateServiceTest, MalformedStreamsGetClearErrorsAndTheServerKeepsServing) {
   KvtdConfig config;
   config.limits.max_tokens = 1000;
-  Kvtd kvtd(*store_dir_, config);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_, config);
   struct Case {
     std::string name;
     std::vector<v1::TranslateKVRequest> messages;
@@ -394,7 +370,7 @@ TEST_F(TranslateServiceTest, MalformedStreamsGetClearErrorsAndTheServerKeepsServ
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    RawStream raw(kvtd.client());
+    RawStream raw(kvtd->client());
     for (const v1::TranslateKVRequest& message : c.messages) {
       if (!raw.stream->Write(message)) break;
     }
@@ -407,24 +383,24 @@ TEST_F(TranslateServiceTest, MalformedStreamsGetClearErrorsAndTheServerKeepsServ
   HostCache source = RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 3);
   v1::TranslateHeader header;
   header.set_mapper_id("matched");
-  absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, source);
+  absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, source);
   EXPECT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(kvtd.server().service()->inflight_requests(), 0);
+  EXPECT_EQ(kvtd->server().service()->inflight_requests(), 0);
 }
 
 TEST_F(TranslateServiceTest, AdmissionLimitGivesResourceExhaustedAndDeadlinesFreeTheSlot) {
   KvtdConfig config;
   config.limits.max_inflight_requests = 1;
-  Kvtd kvtd(*store_dir_, config);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_, config);
   {
     // Holds the only slot: header accepted, chunks never sent, deadline short.
-    RawStream holder(kvtd.client(), 1500);
+    RawStream holder(kvtd->client(), 1500);
     ASSERT_TRUE(holder.stream->Write(HeaderMessage(8)));
     v1::TranslateKVResponse first;
     ASSERT_TRUE(holder.stream->Read(&first));  // response header: admitted
     ASSERT_TRUE(first.has_header());
 
-    RawStream second(kvtd.client());
+    RawStream second(kvtd->client());
     second.stream->Write(HeaderMessage(8));
     grpc::Status busy = second.Finish();
     EXPECT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -436,32 +412,32 @@ TEST_F(TranslateServiceTest, AdmissionLimitGivesResourceExhaustedAndDeadlinesFre
     EXPECT_EQ(holder.stream->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   }
   // The expired request gave its slot back.
-  for (int i = 0; i < 50 && kvtd.server().service()->inflight_requests() > 0; ++i) {
+  for (int i = 0; i < 50 && kvtd->server().service()->inflight_requests() > 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::unique_ptr<LoadedMapper> mapper = Local("matched");
   HostCache source = RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 4);
   v1::TranslateHeader header;
   header.set_mapper_id("matched");
-  EXPECT_TRUE(kvtd.client().Translate(header, source).ok());
+  EXPECT_TRUE(kvtd->client().Translate(header, source).ok());
 }
 
 TEST_F(TranslateServiceTest, ShutdownDrainsInFlightStreamsAndRefusesNewOnes) {
-  Kvtd kvtd(*store_dir_);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_);
   std::unique_ptr<LoadedMapper> mapper = Local("matched");
   HostCache source = RandomCache(mapper->view().source, 16, DType::kFP32, Layout::kHND, 5);
 
-  RawStream inflight(kvtd.client());
+  RawStream inflight(kvtd->client());
   v1::TranslateKVRequest header = HeaderMessage(16);
   ASSERT_TRUE(inflight.stream->Write(header));
   v1::TranslateKVResponse response;
   ASSERT_TRUE(inflight.stream->Read(&response));
 
-  std::thread stopper([&kvtd] { kvtd.server().Shutdown(); });
+  std::thread stopper([&kvtd] { kvtd->server().Shutdown(); });
   // During the grace period: NOT_SERVING, and new translations are refused.
   std::string health;
   for (int i = 0; i < 100; ++i) {
-    auto status = kvtd.client().Health();
+    auto status = kvtd->client().Health();
     if (status.ok() && *status == "NOT_SERVING") {
       health = *status;
       break;
@@ -470,7 +446,7 @@ TEST_F(TranslateServiceTest, ShutdownDrainsInFlightStreamsAndRefusesNewOnes) {
   }
   EXPECT_EQ(health, "NOT_SERVING");
   {
-    RawStream refused(kvtd.client());
+    RawStream refused(kvtd->client());
     refused.stream->Write(HeaderMessage(16));
     grpc::Status status = refused.Finish();
     EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
@@ -494,19 +470,18 @@ TEST_F(TranslateServiceTest, ShutdownDrainsInFlightStreamsAndRefusesNewOnes) {
 }
 
 TEST_F(TranslateServiceTest, SharedMemoryAndCudaIpcAreOffByDefault) {
-  Kvtd kvtd(*store_dir_);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_);
   grpc::ClientContext context;
   v1::RegisterSystemMemoryResponse response;
-  grpc::Status status = kvtd.client().stub()->RegisterSystemMemory(
+  grpc::Status status = kvtd->client().stub()->RegisterSystemMemory(
       &context, v1::RegisterSystemMemoryRequest(), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(status.error_message(), HasSubstr("shared_memory.allow_client_regions"));
   grpc::ClientContext cuda_context;
   v1::RegisterCudaMemoryResponse cuda_response;
-  EXPECT_EQ(kvtd.client()
+  EXPECT_EQ(kvtd->client()
                 .stub()
-                ->RegisterCudaMemory(&cuda_context, v1::RegisterCudaMemoryRequest(),
-                                     &cuda_response)
+                ->RegisterCudaMemory(&cuda_context, v1::RegisterCudaMemoryRequest(), &cuda_response)
                 .error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
 }
@@ -564,7 +539,7 @@ void ExpectLayerNear(const v1::LayerQuality& got, const testing::QualityReferenc
 }
 
 TEST_F(TranslateServiceTest, ValidateKvMatchesTheFloat64ReferenceAndFeedsTheQualityHistograms) {
-  Kvtd kvtd(*store_dir_);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_);
   std::unique_ptr<LoadedMapper> mapper = Local("matched");
   const MapperView& view = mapper->view();
   const ModelSpec& target = view.target;
@@ -598,7 +573,7 @@ TEST_F(TranslateServiceTest, ValidateKvMatchesTheFloat64ReferenceAndFeedsTheQual
   header.set_turn(3);
   header.set_request_id("validate-1");
   absl::StatusOr<v1::ValidateKVResponse> response =
-      kvtd.client().Validate(header, source, truth, &query_cache);
+      kvtd->client().Validate(header, source, truth, &query_cache);
   ASSERT_TRUE(response.ok()) << response.status();
   EXPECT_EQ(response->request_id(), "validate-1");
   EXPECT_EQ(response->mapper_id(), "matched");
@@ -625,7 +600,7 @@ TEST_F(TranslateServiceTest, ValidateKvMatchesTheFloat64ReferenceAndFeedsTheQual
 
   // Without queries: no attention metrics. The true cache equal to the translation: 1 and 1.
   const HostCache exact = FromDoubles(target, T, heads, mapped_k, mapped_v);
-  absl::StatusOr<v1::ValidateKVResponse> identical = kvtd.client().Validate(header, source, exact);
+  absl::StatusOr<v1::ValidateKVResponse> identical = kvtd->client().Validate(header, source, exact);
   ASSERT_TRUE(identical.ok()) << identical.status();
   EXPECT_NEAR(identical->overall().cosine_k(), 1.0, 1e-6);
   EXPECT_NEAR(identical->overall().cosine_v(), 1.0, 1e-6);
@@ -633,7 +608,7 @@ TEST_F(TranslateServiceTest, ValidateKvMatchesTheFloat64ReferenceAndFeedsTheQual
   EXPECT_NEAR(identical->overall().r2_v(), 1.0, 1e-6);
   EXPECT_FALSE(identical->overall().has_attention_cosine());
 
-  const std::string metrics = kvtd.server().metrics()->Serialize();
+  const std::string metrics = kvtd->server().metrics()->Serialize();
   EXPECT_THAT(metrics, HasSubstr(R"(kvt_validate_requests_total{code="OK",source="test/src",target="test/dst"} 2)"));
   EXPECT_THAT(metrics, HasSubstr(R"(kvt_quality_attention_cosine_count{source="test/src",target="test/dst",turn="3"} 1)"));
   EXPECT_THAT(metrics, HasSubstr(R"(kvt_quality_kv_cosine_count{kind="k",source="test/src",target="test/dst",turn="3"} 2)"));
@@ -663,7 +638,7 @@ v1::ValidateKVRequest ValidateChunkMessage(v1::ValidateRole role, int layer, v1:
 TEST_F(TranslateServiceTest, ValidateKvRejectsMalformedStreamsNamingTheField) {
   KvtdConfig config;
   config.limits.max_tokens = 100;
-  Kvtd kvtd(*store_dir_, config);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_, config);
   const auto S = v1::VALIDATE_ROLE_SOURCE, R = v1::VALIDATE_ROLE_TARGET_TRUE,
              Q = v1::VALIDATE_ROLE_TARGET_QUERY;
   std::vector<v1::ValidateKVRequest> missing_truth = {ValidateHeaderMessage(8)};
@@ -711,7 +686,7 @@ TEST_F(TranslateServiceTest, ValidateKvRejectsMalformedStreamsNamingTheField) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     v1::ValidateKVResponse response;
-    auto writer = kvtd.client().stub()->ValidateKV(&context, &response);
+    auto writer = kvtd->client().stub()->ValidateKV(&context, &response);
     for (const v1::ValidateKVRequest& message : c.messages) {
       if (!writer->Write(message)) break;
     }
@@ -720,8 +695,8 @@ TEST_F(TranslateServiceTest, ValidateKvRejectsMalformedStreamsNamingTheField) {
     EXPECT_EQ(status.error_code(), c.code) << status.error_message();
     EXPECT_THAT(status.error_message(), HasSubstr(c.message_part));
   }
-  EXPECT_EQ(kvtd.server().service()->inflight_requests(), 0);
-  const std::string metrics = kvtd.server().metrics()->Serialize();
+  EXPECT_EQ(kvtd->server().service()->inflight_requests(), 0);
+  const std::string metrics = kvtd->server().metrics()->Serialize();
   // Failures before the mapper is known count under the fixed "unknown" pair.
   EXPECT_THAT(metrics, HasSubstr(R"(kvt_validate_requests_total{code="INVALID_ARGUMENT",source="unknown",target="unknown"} 1)"));
   EXPECT_THAT(metrics, HasSubstr(R"(kvt_validate_requests_total{code="INVALID_ARGUMENT",source="test/src",target="test/dst"} 8)"));
@@ -745,15 +720,15 @@ TEST_F(TranslateServiceTest, TrailerCarriesInputShiftAndSpeedupAndMetricsCountEv
   KvtdConfig config;
   config.metrics.prefill_cost["shift/dst"] = {5000.0, 0.0, 0.0};  // 5 s, whatever the length
   config.metrics.listen_address = "127.0.0.1:0";
-  Kvtd kvtd(store, config);
-  ASSERT_GT(kvtd.server().metrics_port(), 0);
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(store, config);
+  ASSERT_GT(kvtd->server().metrics_port(), 0);
 
   // Random N(0, 1) caches are in distribution: keys stay N(0, 1) in content space (a rotation
   // of an isotropic Gaussian). Three times the scale: about 9.
   HostCache source = RandomCache(options.source, 300, DType::kFP32, Layout::kNHD, 31);
   v1::TranslateHeader header;
   header.set_mapper_id("with-stats");
-  absl::StatusOr<TranslateResult> result = kvtd.client().Translate(header, source);
+  absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, source);
   ASSERT_TRUE(result.ok()) << result.status();
   ASSERT_TRUE(result->trailer.has_input_shift_score());
   EXPECT_NEAR(result->trailer.input_shift_score(), 1.0, 0.1);
@@ -764,7 +739,7 @@ TEST_F(TranslateServiceTest, TrailerCarriesInputShiftAndSpeedupAndMetricsCountEv
     for (size_t i = 0; i < layer->size() / sizeof(float); ++i) values[i] *= 3;
   }
   header.set_reprefill_estimate_ms(1e6);  // the request's estimate wins over the config's
-  result = kvtd.client().Translate(header, source);
+  result = kvtd->client().Translate(header, source);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_NEAR(result->trailer.input_shift_score(), 9.0, 1.0);
   EXPECT_NEAR(result->trailer.speedup_estimate(),
@@ -773,7 +748,7 @@ TEST_F(TranslateServiceTest, TrailerCarriesInputShiftAndSpeedupAndMetricsCountEv
   // No statistics: no score; no cost model for shift/other: no speedup.
   header.Clear();
   header.set_mapper_id("no-stats");
-  result = kvtd.client().Translate(header, source);
+  result = kvtd->client().Translate(header, source);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_FALSE(result->trailer.has_input_shift_score());
   EXPECT_EQ(result->trailer.speedup_estimate(), 0.0);
@@ -781,10 +756,10 @@ TEST_F(TranslateServiceTest, TrailerCarriesInputShiftAndSpeedupAndMetricsCountEv
   header.set_mapper_id("");
   header.set_source_model("attacker/label-1");
   header.set_target_model("attacker/label-2");
-  EXPECT_EQ(kvtd.client().Translate(header, source).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(kvtd->client().Translate(header, source).status().code(), absl::StatusCode::kNotFound);
 
   absl::StatusOr<testing::HttpResponse> scraped =
-      testing::HttpGet("127.0.0.1", kvtd.server().metrics_port(), "/metrics");
+      testing::HttpGet("127.0.0.1", kvtd->server().metrics_port(), "/metrics");
   ASSERT_TRUE(scraped.ok()) << scraped.status();
   const std::string& text = scraped->body;
   EXPECT_THAT(text, HasSubstr(R"(kvt_translate_requests_total{code="OK",source="shift/src",target="shift/dst"} 2)"));

@@ -14,10 +14,10 @@
 #include "gmock/gmock.h"
 #include "grpcpp/support/sync_stream.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_backend.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
+#include "tests/in_process_kvtd.h"
 #include "transport/kv_chunks.h"
 
 namespace kvt {
@@ -45,24 +45,13 @@ class ZeroCopyTransportTest : public ::testing::Test {
  protected:
   void SetUp() override {
     KvtdConfig config;
-    config.server.listen_address = "127.0.0.1:0";
-    config.mapper_store.path = StoreDir();
-    config.shutdown.drain_grace_seconds = 0;
     config.transport.pipeline_min_tokens = 0;
     config.transport.async_scatter_min_bytes = 1;  // every upload through the ScatterWorker
     config.limits.response_chunk_bytes = 3000;  // many response chunks per layer
-    absl::StatusOr<std::unique_ptr<MapperStore>> opened = MapperStore::Open(StoreDir());
-    ASSERT_TRUE(opened.ok()) << opened.status();
-    store_ = std::move(*opened);
-    backend_ = NewCpuBackend();
-    absl::StatusOr<std::unique_ptr<KvtdServer>> started =
-        KvtdServer::Start(config, store_.get(), backend_.get());
-    ASSERT_TRUE(started.ok()) << started.status();
-    server_ = std::move(*started);
-    address_ = absl::StrCat("127.0.0.1:", server_->port());
-    ClientOptions options;
-    options.chunk_bytes = 2500;  // not a multiple of a token's bytes: chunk edges move around
-    client_ = Client::Create(address_, options);
+    InProcessKvtdOptions options;
+    options.client.chunk_bytes = 2500;  // not a multiple of a token's bytes: chunk edges move
+    kvtd_ = StartKvtdForTest(StoreDir(), config, std::move(options));
+    ASSERT_NE(kvtd_, nullptr);
   }
 
   HostCache Source(int64_t tokens, Layout layout) {
@@ -95,11 +84,7 @@ class ZeroCopyTransportTest : public ::testing::Test {
     return header;
   }
 
-  std::unique_ptr<MapperStore> store_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<KvtdServer> server_;
-  std::string address_;
-  std::unique_ptr<Client> client_;
+  std::unique_ptr<InProcessKvtd> kvtd_;
 };
 
 // The generated stub serializes with protobuf: what it sends and receives must mean the same
@@ -107,11 +92,11 @@ class ZeroCopyTransportTest : public ::testing::Test {
 TEST_F(ZeroCopyTransportTest, ProtobufStubAndZeroCopyClientGetIdenticalResults) {
   for (Layout layout : {Layout::kHND, Layout::kNHD}) {
     const HostCache source = Source(97, layout);
-    absl::StatusOr<TranslateResult> zero_copy = client_->Translate(Header(source), source);
+    absl::StatusOr<TranslateResult> zero_copy = kvtd_->client().Translate(Header(source), source);
     ASSERT_TRUE(zero_copy.ok()) << zero_copy.status();
 
     grpc::ClientContext context;
-    auto stream = client_->stub()->TranslateKV(&context);
+    auto stream = kvtd_->client().stub()->TranslateKV(&context);
     v1::TranslateKVRequest request;
     *request.mutable_header() = Header(source);
     ASSERT_TRUE(stream->Write(request));
@@ -169,7 +154,7 @@ TEST_F(ZeroCopyTransportTest, TruncatedChunkIsInvalidArgumentNamingTheField) {
                                    grpc::internal::RpcMethod::BIDI_STREAMING);
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
       grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-          client_->channel().get(), method, &context));
+          kvtd_->client().channel().get(), method, &context));
   v1::TranslateKVRequest header;
   *header.mutable_header() = Header(source);
   auto bytes = [](const std::string& s) {
@@ -202,18 +187,18 @@ TEST_F(ZeroCopyTransportTest, TruncatedChunkIsInvalidArgumentNamingTheField) {
 // result is still right.
 TEST_F(ZeroCopyTransportTest, AbandonedStreamsLeaveNothingBehind) {
   const HostCache source = Source(300, Layout::kHND);
-  absl::StatusOr<TranslateResult> before = client_->Translate(Header(source), source);
+  absl::StatusOr<TranslateResult> before = kvtd_->client().Translate(Header(source), source);
   ASSERT_TRUE(before.ok()) << before.status();
   for (int trial = 0; trial < 5; ++trial) {
     absl::StatusOr<std::unique_ptr<TranslateStream>> stream =
-        client_->StartTranslate(Header(source), source);
+        kvtd_->client().StartTranslate(Header(source), source);
     ASSERT_TRUE(stream.ok());
     for (int l = 0; l <= trial % 3; ++l) {
       ASSERT_TRUE((*stream)->PushLayer(l, source.k[l].data(), source.v[l].data()).ok());
     }
     stream->reset();  // cancels; waits until gRPC no longer reads `source`
   }
-  absl::StatusOr<TranslateResult> after = client_->Translate(Header(source), source);
+  absl::StatusOr<TranslateResult> after = kvtd_->client().Translate(Header(source), source);
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->target.k, before->target.k);
   EXPECT_EQ(after->target.v, before->target.v);

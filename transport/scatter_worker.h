@@ -3,14 +3,10 @@
 // gRPC's slices is a third of the work (docs/BENCHMARKS.md, "Transport").
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <mutex>
-#include <thread>
 
-#include "absl/base/thread_annotations.h"
+#include "common/work_queue.h"
 #include "transport/chunk_wire.h"
 #include "transport/kv_chunks.h"
 
@@ -23,7 +19,7 @@ class ScatterWorker {
   // received slices pile up.
   explicit ScatterWorker(int64_t max_queued_bytes);
   // Finishes every queued copy (they write into buffers the caller is about to free), joins.
-  ~ScatterWorker();
+  ~ScatterWorker() = default;
   ScatterWorker(const ScatterWorker&) = delete;
   ScatterWorker& operator=(const ScatterWorker&) = delete;
 
@@ -33,27 +29,10 @@ class ScatterWorker {
   void Submit(const LayerGeometry& geometry, int64_t start, int64_t count, ChunkBytes data,
               void* layer, std::function<void()> then = nullptr);
   // Returns when every copy submitted so far (and its `then`) has run.
-  void Drain();
+  void Drain() { queue_.Drain(); }
 
  private:
-  struct Task {
-    LayerGeometry geometry;
-    int64_t start = 0;
-    int64_t count = 0;
-    ChunkBytes data;
-    void* layer = nullptr;
-    std::function<void()> then;
-  };
-  void Loop();
-
-  const int64_t max_queued_bytes_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::deque<Task> queue_ ABSL_GUARDED_BY(mutex_);
-  int64_t queued_bytes_ ABSL_GUARDED_BY(mutex_) = 0;  // including the task being copied
-  bool busy_ ABSL_GUARDED_BY(mutex_) = false;
-  bool stopping_ ABSL_GUARDED_BY(mutex_) = false;
-  std::thread thread_;  // last: starts after the fields it reads
+  WorkQueue queue_;  // one thread: copies and their `then`s run in submission order
 };
 
 }  // namespace kvt

@@ -17,6 +17,7 @@
 #include "kernels/cpu_backend.h"
 #include "kernels/cuda/device.h"
 #include "kernels/dtype.h"
+#include "kernels/testing/backend_conformance.h"
 #include "kernels/testing/reference.h"
 
 #if KVT_HAVE_CUDA
@@ -26,13 +27,21 @@
 namespace kvt {
 namespace {
 
+using ::kvt::testing::BackendConformanceTest;
+using ::kvt::testing::ConformanceBackend;
+using ::kvt::testing::ConformanceBackendName;
+using ::kvt::testing::ConformanceCase;
+using ::kvt::testing::ConformanceInputs;
+using ::kvt::testing::ExpectMatchesReference;
 using ::kvt::testing::FreshSeed;
 using ::kvt::testing::Kind;
+using ::kvt::testing::MakeConformanceInputs;
 using ::kvt::testing::MakeOutputCache;
 using ::kvt::testing::MakeRandomCache;
 using ::kvt::testing::MakeRandomMapper;
 using ::kvt::testing::MakeTestRope;
 using ::kvt::testing::MaxRelError;
+using ::kvt::testing::MlpSpec;
 using ::kvt::testing::OwnedCache;
 using ::kvt::testing::RandomMapper;
 using ::kvt::testing::RandomMapperSpec;
@@ -149,319 +158,154 @@ class DeviceCache {
   std::vector<void*> buffers_;
 };
 
-struct Case {
-  RandomMapperSpec spec;
-  DType in_dtype = DType::kBF16;
-  DType out_dtype = DType::kBF16;
-  Layout in_layout = Layout::kHND;
-  Layout out_layout = Layout::kHND;
-  int64_t tokens = 37;
-  uint64_t offset = 0;
-  bool explicit_positions = false;
-  int64_t chunk = 0;             // TranslateOptions::token_chunk
-  int64_t workspace_bytes = 0;   // 0: the backend default
-};
-
-std::string Describe(const Case& c) {
-  const RandomMapperSpec& s = c.spec;
-  return absl::StrCat("L", s.source_layers, "x", s.source_heads, "x", s.source_head_dim, " -> L",
-                      s.target_layers, "x", s.target_heads, "x", s.target_head_dim, " k=", s.k,
-                      "/", s.k_v, " w=", DTypeName(s.weight_dtype), " rope ",
-                      RopeScalingTypeName(s.source_rope.scaling.type), "/",
-                      RopeStyleName(s.source_rope.style), " r=", s.source_rope.rotary_dim,
-                      " -> ", RopeScalingTypeName(s.target_rope.scaling.type), "/",
-                      RopeStyleName(s.target_rope.style), " r=", s.target_rope.rotary_dim, " ",
-                      DTypeName(c.in_dtype), "/", LayoutName(c.in_layout), " -> ",
-                      DTypeName(c.out_dtype), "/", LayoutName(c.out_layout), " T=", c.tokens,
-                      " offset=", c.offset, c.explicit_positions ? " explicit" : "",
-                      " chunk=", c.chunk, " workspace=", c.workspace_bytes);
+// The CUDA backend under every test here: refuses without a device (this test needs one).
+std::unique_ptr<Backend> MakeCuda(int64_t workspace_bytes = 0) {
+  CudaBackendOptions options;
+  if (workspace_bytes > 0) options.workspace_bytes = workspace_bytes;
+  absl::StatusOr<std::unique_ptr<Backend>> backend = NewCudaBackend(options);
+  if (!backend.ok()) {
+    ADD_FAILURE() << backend.status();
+    return nullptr;
+  }
+  return *std::move(backend);
 }
+
+// Every layer and kind of `target` against the reference, and against `cpu` (the CPU
+// backend's output of the same translation): two fp32-accumulating backends differ by at most
+// both their distances to the reference.
+void ExpectMatchesReferenceAndCpu(const char* what, const ConformanceInputs& inputs,
+                                  const MutableCacheView& target, const MutableCacheView& cpu,
+                                  DType out_dtype) {
+  ExpectMatchesReference(what, inputs, target, TranslationTolerance(out_dtype));
+  for (int l = 0; l < inputs.mapper.view.target.num_layers; ++l) {
+    for (Kind kind : {Kind::kK, Kind::kV}) {
+      EXPECT_LE(MaxRelError(ReadLayer(target, l, kind), ReadLayer(cpu, l, kind)),
+                2 * TranslationTolerance(out_dtype))
+          << what << " vs cpu, layer " << l << (kind == Kind::kK ? " K" : " V");
+    }
+  }
+}
+
+absl::Status HasDevice() {
+  absl::StatusOr<int> devices = cuda::DeviceCount();
+  if (devices.ok()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("this test needs a CUDA device: ", devices.status().ToString()));
+}
+
+// One conformance case through four paths: CUDA Translate on device caches, CUDA TranslateLayer
+// per layer on host caches (pinned staging), CUDA Translate with the source on the device and
+// the target in host memory, and the CPU backend; all against the reference.
+void CheckOnCuda(const ConformanceCase& c, uint64_t seed) {
+  const ConformanceInputs inputs = MakeConformanceInputs(c, seed);
+  const RandomMapperSpec& s = c.spec;
+  const CacheView& source = inputs.source.view;
+
+  CpuBackendOptions cpu_options;
+  cpu_options.num_threads = 4;
+  std::unique_ptr<Backend> cpu = NewCpuBackend(cpu_options);
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> cpu_prepared = cpu->Prepare(inputs.mapper.view);
+  ASSERT_TRUE(cpu_prepared.ok()) << cpu_prepared.status();
+  OwnedCache cpu_target = inputs.NewTarget(c);
+  ASSERT_TRUE(cpu->Translate(**cpu_prepared, source, inputs.positions, inputs.options,
+                             &cpu_target.mutable_view)
+                  .ok());
+
+  std::unique_ptr<Backend> backend = MakeCuda(c.workspace_bytes);
+  ASSERT_NE(backend, nullptr);
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->Prepare(inputs.mapper.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_GT((*prepared)->bytes(), 0u);
+
+  {  // Device-resident caches, all layers at once.
+    auto device_source = DeviceCache::Upload(source);
+    auto device_target = DeviceCache::Poisoned(s.target_layers, s.target_heads, s.target_head_dim,
+                                               c.tokens, c.out_dtype, c.out_layout);
+    absl::Status status = backend->Translate(**prepared, device_source->view, inputs.positions,
+                                             inputs.options, &device_target->mutable_view);
+    ASSERT_TRUE(status.ok()) << status;
+    const OwnedCache result = device_target->Download();
+    ExpectMatchesReferenceAndCpu("device Translate", inputs, result.mutable_view,
+                                 cpu_target.mutable_view, c.out_dtype);
+  }
+  {  // Host-memory caches, one target layer per call (the server's path).
+    OwnedCache target = inputs.NewTarget(c);
+    for (int l = 0; l < s.target_layers; ++l) {
+      absl::Status status = backend->TranslateLayer(**prepared, l, source, inputs.positions,
+                                                    inputs.options, &target.mutable_view);
+      ASSERT_TRUE(status.ok()) << status;
+    }
+    ExpectMatchesReferenceAndCpu("host TranslateLayer", inputs, target.mutable_view,
+                                 cpu_target.mutable_view, c.out_dtype);
+  }
+  {  // Mixed: device source, host target.
+    auto device_source = DeviceCache::Upload(source);
+    OwnedCache target = inputs.NewTarget(c);
+    absl::Status status = backend->Translate(**prepared, device_source->view, inputs.positions,
+                                             inputs.options, &target.mutable_view);
+    ASSERT_TRUE(status.ok()) << status;
+    ExpectMatchesReferenceAndCpu("mixed Translate", inputs, target.mutable_view,
+                                 cpu_target.mutable_view, c.out_dtype);
+  }
+}
+
+ConformanceBackend Cuda() {
+  ConformanceBackend backend;
+  backend.name = "Cuda";
+  backend.cache_dtype = DType::kBF16;
+  backend.has_workspace = true;
+  backend.ready = HasDevice;
+  backend.check = CheckOnCuda;
+  return backend;
+}
+
+// The shared case table (kernels/testing/backend_conformance.cc).
+INSTANTIATE_TEST_SUITE_P(Cuda, BackendConformanceTest, ::testing::Values(Cuda()),
+                         ConformanceBackendName);
 
 class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<int> devices = cuda::DeviceCount();
-    ASSERT_TRUE(devices.ok()) << "this test needs a CUDA device: " << devices.status();
-  }
-
-  static std::unique_ptr<Backend> MakeCuda(int64_t workspace_bytes = 0) {
-    CudaBackendOptions options;
-    if (workspace_bytes > 0) options.workspace_bytes = workspace_bytes;
-    absl::StatusOr<std::unique_ptr<Backend>> backend = NewCudaBackend(options);
-    if (!backend.ok()) {
-      ADD_FAILURE() << backend.status();
-      return nullptr;
-    }
-    return *std::move(backend);
-  }
-
-  // Every layer and kind of `target` against the reference, and against `cpu` (the CPU
-  // backend's output of the same translation).
-  static void Compare(const char* what, const RandomMapper& mapper, const CacheView& source,
-                      const Positions& positions, const MutableCacheView& target,
-                      const MutableCacheView& cpu, DType out_dtype) {
-    for (int l = 0; l < mapper.view.target.num_layers; ++l) {
-      for (Kind kind : {Kind::kK, Kind::kV}) {
-        const std::vector<double> actual = ReadLayer(target, l, kind);
-        const std::vector<double> expected =
-            ReferenceTranslate(mapper.view, l, kind, source, positions);
-        EXPECT_LE(MaxRelError(actual, expected), TranslationTolerance(out_dtype))
-            << what << " vs reference, layer " << l << (kind == Kind::kK ? " K" : " V");
-        // Two fp32-accumulating backends differ by at most both their distances to the
-        // reference.
-        EXPECT_LE(MaxRelError(actual, ReadLayer(cpu, l, kind)),
-                  2 * TranslationTolerance(out_dtype))
-            << what << " vs cpu, layer " << l << (kind == Kind::kK ? " K" : " V");
-      }
-    }
-  }
-
-  // One random case through four paths: CUDA Translate on device caches, CUDA TranslateLayer
-  // per layer on host caches (pinned staging), CUDA Translate with the source on the device and
-  // the target in host memory, and the CPU backend; all against the reference.
-  void CheckCase(const Case& c) {
-    const uint64_t seed = FreshSeed(Describe(c).c_str());
-    SCOPED_TRACE(absl::StrCat(Describe(c), " seed=", seed));
-    std::mt19937_64 rng(seed);
-    const RandomMapper mapper = MakeRandomMapper(c.spec, rng());
-    const RandomMapperSpec& s = c.spec;
-    const OwnedCache source = MakeRandomCache(s.source_layers, s.source_heads, s.source_head_dim,
-                                              c.tokens, c.in_dtype, c.in_layout, rng());
-    std::vector<uint64_t> explicit_positions(c.tokens);
-    Positions positions;
-    positions.offset = c.offset;
-    if (c.explicit_positions) {
-      std::uniform_int_distribution<uint64_t> dist(0, 2000000);
-      for (uint64_t& p : explicit_positions) p = dist(rng);
-      positions.explicit_positions = explicit_positions.data();
-    }
-    TranslateOptions options;
-    options.token_chunk = c.chunk;
-
-    CpuBackendOptions cpu_options;
-    cpu_options.num_threads = 4;
-    std::unique_ptr<Backend> cpu = NewCpuBackend(cpu_options);
-    absl::StatusOr<std::shared_ptr<PreparedMapper>> cpu_prepared = cpu->Prepare(mapper.view);
-    ASSERT_TRUE(cpu_prepared.ok()) << cpu_prepared.status();
-    OwnedCache cpu_target = MakeOutputCache(s.target_layers, s.target_heads, s.target_head_dim,
-                                            c.tokens, c.out_dtype, c.out_layout);
-    ASSERT_TRUE(cpu->Translate(**cpu_prepared, source.view, positions, options,
-                               &cpu_target.mutable_view)
-                    .ok());
-
-    std::unique_ptr<Backend> backend = MakeCuda(c.workspace_bytes);
-    ASSERT_NE(backend, nullptr);
-    absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->Prepare(mapper.view);
-    ASSERT_TRUE(prepared.ok()) << prepared.status();
-    EXPECT_GT((*prepared)->bytes(), 0u);
-
-    {  // Device-resident caches, all layers at once.
-      auto device_source = DeviceCache::Upload(source.view);
-      auto device_target = DeviceCache::Poisoned(s.target_layers, s.target_heads,
-                                                 s.target_head_dim, c.tokens, c.out_dtype,
-                                                 c.out_layout);
-      absl::Status status = backend->Translate(**prepared, device_source->view, positions,
-                                               options, &device_target->mutable_view);
-      ASSERT_TRUE(status.ok()) << status;
-      const OwnedCache result = device_target->Download();
-      Compare("device Translate", mapper, source.view, positions, result.mutable_view,
-              cpu_target.mutable_view, c.out_dtype);
-    }
-    {  // Host-memory caches, one target layer per call (the server's path).
-      OwnedCache target = MakeOutputCache(s.target_layers, s.target_heads, s.target_head_dim,
-                                          c.tokens, c.out_dtype, c.out_layout);
-      for (int l = 0; l < s.target_layers; ++l) {
-        absl::Status status = backend->TranslateLayer(**prepared, l, source.view, positions,
-                                                      options, &target.mutable_view);
-        ASSERT_TRUE(status.ok()) << status;
-      }
-      Compare("host TranslateLayer", mapper, source.view, positions, target.mutable_view,
-              cpu_target.mutable_view, c.out_dtype);
-    }
-    {  // Mixed: device source, host target.
-      auto device_source = DeviceCache::Upload(source.view);
-      OwnedCache target = MakeOutputCache(s.target_layers, s.target_heads, s.target_head_dim,
-                                          c.tokens, c.out_dtype, c.out_layout);
-      absl::Status status = backend->Translate(**prepared, device_source->view, positions,
-                                               options, &target.mutable_view);
-      ASSERT_TRUE(status.ok()) << status;
-      Compare("mixed Translate", mapper, source.view, positions, target.mutable_view,
-              cpu_target.mutable_view, c.out_dtype);
-    }
+    const absl::Status device = HasDevice();
+    ASSERT_TRUE(device.ok()) << device.message();
   }
 };
 
-std::vector<RopeConfig> EveryRope() {
-  return {
-      MakeTestRope(RopeScalingType::kNone),                            // neox default
-      MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj),          // gptj
-      MakeTestRope(RopeScalingType::kLinear),                          // linear
-      MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000),
-      MakeTestRope(RopeScalingType::kYarn, RopeStyle::kNeox, 0, 1000000),
-      MakeTestRope(RopeScalingType::kYarn, RopeStyle::kGptj, 8),       // partial, gptj
-      MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kGptj, 12),    // partial
-      MakeTestRope(RopeScalingType::kNone, RopeStyle::kNeox, 6),       // partial neox
-  };
-}
-
-TEST_F(CudaBackendTest, EveryRopeTypeAndStyle) {
-  const std::vector<RopeConfig> ropes = EveryRope();
-  for (size_t i = 0; i < ropes.size(); ++i) {
-    Case c;
-    c.spec.source_layers = 3;
-    c.spec.k = 2;
-    c.spec.source_rope = ropes[i];
-    c.spec.target_rope = ropes[(i + 3) % ropes.size()];
-    c.offset = 1000 * i;
-    CheckCase(c);
-  }
-}
-
-TEST_F(CudaBackendTest, EveryDtypeLayoutAndWeightDtype) {
-  for (DType in : {DType::kFP32, DType::kBF16, DType::kFP16}) {
-    for (DType out : {DType::kFP32, DType::kBF16, DType::kFP16}) {
-      for (Layout in_layout : {Layout::kHND, Layout::kNHD}) {
-        for (Layout out_layout : {Layout::kHND, Layout::kNHD}) {
-          Case c;
-          c.spec.source_heads = 2;
-          c.spec.target_heads = 3;
-          c.spec.target_head_dim = 8;
-          // Weights of the cache's dtype take the fast path (X in the cache's dtype); the
-          // others convert to fp32 on the device.
-          c.spec.weight_dtype = (in_layout == out_layout) ? in : DType::kBF16;
-          c.spec.source_rope = MakeTestRope(RopeScalingType::kLinear);
-          c.spec.target_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj, 4);
-          c.in_dtype = in;
-          c.out_dtype = out;
-          c.in_layout = in_layout;
-          c.out_layout = out_layout;
-          c.tokens = 19;
-          CheckCase(c);
-        }
-      }
-    }
-  }
-}
-
-TEST_F(CudaBackendTest, UnmatchedShapesAndOddHeadDim) {
-  struct Shape {
-    int ls, ns, ds, lt, nt, dt;
-  };
-  for (const Shape& shape : {Shape{4, 2, 16, 3, 3, 8}, Shape{3, 1, 32, 2, 4, 16},
-                             Shape{2, 4, 8, 4, 1, 24}, Shape{3, 2, 14, 2, 3, 10}}) {
-    for (int k = 1; k <= shape.ls; k += 2) {
-      Case c;
-      c.spec.source_layers = shape.ls;
-      c.spec.source_heads = shape.ns;
-      c.spec.source_head_dim = shape.ds;
-      c.spec.target_layers = shape.lt;
-      c.spec.target_heads = shape.nt;
-      c.spec.target_head_dim = shape.dt;
-      c.spec.k = k;
-      c.spec.source_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, shape.ds / 2);
-      c.spec.target_rope = MakeTestRope(RopeScalingType::kYarn, RopeStyle::kGptj);
-      c.in_dtype = DType::kFP32;
-      c.out_dtype = DType::kFP32;
-      c.tokens = 29;
-      c.offset = 17;
-      CheckCase(c);
-    }
-  }
-}
-
-// |sigma_v| != |sigma_k|: the shorter list's blocks are zero-padded to one GEMM shape.
-TEST_F(CudaBackendTest, SeparateSigmaLengths) {
-  for (auto [k, k_v] : {std::pair<int, int>{1, 3}, std::pair<int, int>{4, 2}}) {
-    Case c;
-    c.spec.source_layers = 4;
-    c.spec.k = k;
-    c.spec.k_v = k_v;
-    c.spec.source_rope = MakeTestRope(RopeScalingType::kLinear, RopeStyle::kGptj);
-    c.spec.target_rope = MakeTestRope(RopeScalingType::kNone);
-    c.in_dtype = DType::kFP32;
-    c.out_dtype = DType::kFP32;
-    c.tokens = 40;
-    CheckCase(c);
-  }
-}
-
-TEST_F(CudaBackendTest, NoBias) {
-  Case c;
-  c.spec.with_bias = false;
-  c.spec.source_rope = MakeTestRope(RopeScalingType::kNone);
-  c.spec.target_rope = MakeTestRope(RopeScalingType::kLinear);
-  CheckCase(c);
-}
-
-TEST_F(CudaBackendTest, LargeAndExplicitPositions) {
-  for (bool explicit_positions : {false, true}) {
-    for (uint64_t offset : {uint64_t{0}, uint64_t{999983}, uint64_t{1} << 40}) {
-      Case c;
-      c.spec.source_rope = MakeTestRope(RopeScalingType::kYarn, RopeStyle::kNeox, 0, 1000000);
-      c.spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
-      c.in_dtype = DType::kFP32;
-      c.out_dtype = DType::kFP32;
-      c.offset = offset;
-      c.explicit_positions = explicit_positions;
-      CheckCase(c);
-    }
-  }
-}
-
-// Token chunks and layer groups: small workspaces and chunk caps force many steps, and the
-// staged paths' pinned double buffering runs through several slots.
-TEST_F(CudaBackendTest, ChunksAndLayerGroups) {
-  for (int64_t tokens : {1, 7, 64, 65, 300}) {
-    for (int64_t chunk : {0, 1, 7, 64}) {
-      for (int64_t workspace : {int64_t{0}, int64_t{64} << 10}) {
-        Case c;
-        c.spec.source_layers = 4;
-        c.spec.target_layers = 5;
-        c.spec.k = 3;
-        c.spec.source_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj);
-        c.spec.target_rope = MakeTestRope(RopeScalingType::kNone);
-        c.tokens = tokens;
-        c.chunk = chunk;
-        c.workspace_bytes = workspace;
-        c.offset = 5;
-        c.in_layout = Layout::kNHD;
-        c.in_dtype = DType::kFP32;
-        c.out_dtype = DType::kFP32;
-        CheckCase(c);
-      }
-    }
-  }
-}
-
-// Real head shapes (8 x 128, Qwen3 / Llama), bf16: CUDA vs CPU on every token, the float64
-// reference on a slice of 48 tokens (the whole would take minutes in double).
-TEST_F(CudaBackendTest, RealHeadShapesBf16) {
-  const uint64_t seed = FreshSeed("RealHeadShapesBf16");
-  SCOPED_TRACE(absl::StrCat("seed=", seed));
-  std::mt19937_64 rng(seed);
-  RandomMapperSpec spec;
+// Real head shapes (8 x 128, Qwen3 / Llama) on `spec`: 6 source layers, k = 3, bf16 weights and
+// caches.
+RandomMapperSpec RealHeadShapes(RandomMapperSpec spec, int target_layers) {
   spec.source_layers = 6;
   spec.source_heads = 8;
   spec.source_head_dim = 128;
-  spec.target_layers = 4;
+  spec.target_layers = target_layers;
   spec.target_heads = 8;
   spec.target_head_dim = 128;
   spec.k = 3;
   spec.weight_dtype = DType::kBF16;
   spec.source_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kNeox, 0, 1000000);
   spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
+  return spec;
+}
+
+// CUDA vs CPU on every token of a long bf16 cache on device, the float64 reference on tokens
+// [begin, end) only (the whole would take minutes in double).
+void CheckLongCache(const RandomMapperSpec& spec, int64_t tokens, uint64_t offset, int64_t begin,
+                    int64_t end, uint64_t seed) {
+  std::mt19937_64 rng(seed);
   const RandomMapper mapper = MakeRandomMapper(spec, rng());
-  const int64_t tokens = 1500;
+  const int layers = spec.target_layers;
   const OwnedCache source =
-      MakeRandomCache(6, 8, 128, tokens, DType::kBF16, Layout::kHND, rng());
+      MakeRandomCache(spec.source_layers, spec.source_heads, spec.source_head_dim, tokens,
+                      DType::kBF16, Layout::kHND, rng());
   Positions positions;
-  positions.offset = 123;
+  positions.offset = offset;
   TranslateOptions options;
 
   std::unique_ptr<Backend> cpu = NewCpuBackend();
   auto cpu_prepared = cpu->Prepare(mapper.view);
   ASSERT_TRUE(cpu_prepared.ok()) << cpu_prepared.status();
-  OwnedCache cpu_target = MakeOutputCache(4, 8, 128, tokens, DType::kBF16, Layout::kNHD);
+  OwnedCache cpu_target = MakeOutputCache(layers, spec.target_heads, spec.target_head_dim, tokens,
+                                          DType::kBF16, Layout::kNHD);
   ASSERT_TRUE(
       cpu->Translate(**cpu_prepared, source.view, positions, options, &cpu_target.mutable_view)
           .ok());
@@ -471,14 +315,13 @@ TEST_F(CudaBackendTest, RealHeadShapesBf16) {
   auto prepared = backend->Prepare(mapper.view);
   ASSERT_TRUE(prepared.ok()) << prepared.status();
   auto device_source = DeviceCache::Upload(source.view);
-  auto device_target = DeviceCache::Poisoned(4, 8, 128, tokens, DType::kBF16, Layout::kNHD);
-  ASSERT_TRUE(backend
-                  ->Translate(**prepared, device_source->view, positions, options,
-                              &device_target->mutable_view)
-                  .ok());
+  auto device_target = DeviceCache::Poisoned(layers, spec.target_heads, spec.target_head_dim,
+                                             tokens, DType::kBF16, Layout::kNHD);
+  absl::Status status = backend->Translate(**prepared, device_source->view, positions, options,
+                                           &device_target->mutable_view);
+  ASSERT_TRUE(status.ok()) << status;
   const OwnedCache result = device_target->Download();
 
-  const int64_t begin = 1000, end = 1048;
   const OwnedCache slice = SliceTokens(source.view, begin, end);
   const OwnedCache result_slice = SliceTokens(
       CacheView{result.view.dtype, result.view.layout, result.view.num_kv_heads,
@@ -486,7 +329,7 @@ TEST_F(CudaBackendTest, RealHeadShapesBf16) {
       begin, end);
   Positions slice_positions;
   slice_positions.offset = positions.offset + begin;
-  for (int l = 0; l < 4; ++l) {
+  for (int l = 0; l < layers; ++l) {
     for (Kind kind : {Kind::kK, Kind::kV}) {
       EXPECT_LE(MaxRelError(ReadLayer(result.mutable_view, l, kind),
                             ReadLayer(cpu_target.mutable_view, l, kind)),
@@ -498,6 +341,13 @@ TEST_F(CudaBackendTest, RealHeadShapesBf16) {
           << "vs reference, layer " << l;
     }
   }
+}
+
+TEST_F(CudaBackendTest, RealHeadShapesBf16) {
+  const uint64_t seed = FreshSeed("RealHeadShapesBf16");
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  CheckLongCache(RealHeadShapes(RandomMapperSpec(), 4), /*tokens=*/1500, /*offset=*/123,
+                 /*begin=*/1000, /*end=*/1048, seed);
 }
 
 // Concurrent calls on one backend each take their own stream and workspace.
@@ -590,101 +440,8 @@ TEST_F(CudaBackendTest, StreamedPrepareTranslatesLayerByLayer) {
 }
 
 // ---- MLP mappers (kind: mlp): the ridge gather / strip and epilogue (c3 as its bias) around
-// three cuBLAS GEMMs with bias + ReLU kernels between them.
-
-RandomMapperSpec MlpSpec(bool per_head, int hidden) {
-  RandomMapperSpec spec;
-  spec.kind = MapKind::kMlp;
-  spec.mlp_per_head = per_head;
-  spec.mlp_hidden = hidden;
-  return spec;
-}
-
-// Both granularities, |sigma_k| != |sigma_v| (A1 rows zero-padded on the device), hidden widths
-// below and above a warp, fp32 and bf16 (X and the hidden activations in bf16 on the tensor
-// cores), through the device, host-staged and mixed paths.
-TEST_F(CudaBackendTest, MlpBothGranularitiesFp32AndBf16) {
-  for (bool per_head : {false, true}) {
-    for (int hidden : {1, 8, 37}) {
-      for (DType dtype : {DType::kFP32, DType::kBF16}) {
-        Case c;
-        c.spec = MlpSpec(per_head, hidden);
-        c.spec.source_layers = 3;
-        c.spec.target_layers = 2;
-        c.spec.target_heads = 3;
-        c.spec.target_head_dim = 8;
-        c.spec.k = hidden == 8 ? 3 : 1;
-        c.spec.k_v = 4 - c.spec.k;
-        c.spec.weight_dtype = dtype;
-        c.spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
-        c.spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kGptj);
-        c.in_dtype = c.out_dtype = dtype;
-        c.in_layout = per_head ? Layout::kNHD : Layout::kHND;
-        c.out_layout = hidden == 37 ? Layout::kNHD : Layout::kHND;
-        c.offset = 40;
-        c.tokens = 45;
-        SCOPED_TRACE(absl::StrCat(per_head ? "per_head" : "per_layer", " H=", hidden));
-        CheckCase(c);
-      }
-    }
-  }
-}
-
-// Weights of another dtype than the cache (converted to fp32 on the device per step, A1, A2 and
-// A3), fp16, and an fp32 output of a bf16 cache.
-TEST_F(CudaBackendTest, MlpMixedDtypesConvertWeights) {
-  struct Dtypes {
-    DType weights, in, out;
-  };
-  for (bool per_head : {false, true}) {
-    for (const Dtypes& d : {Dtypes{DType::kBF16, DType::kFP32, DType::kFP32},
-                            Dtypes{DType::kFP16, DType::kFP16, DType::kFP16},
-                            Dtypes{DType::kBF16, DType::kBF16, DType::kFP32},
-                            Dtypes{DType::kFP32, DType::kBF16, DType::kBF16}}) {
-      Case c;
-      c.spec = MlpSpec(per_head, 24);
-      c.spec.source_heads = 2;
-      c.spec.target_heads = 2;
-      c.spec.weight_dtype = d.weights;
-      c.spec.source_rope = MakeTestRope(RopeScalingType::kLinear);
-      c.spec.target_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj, 4);
-      c.in_dtype = d.in;
-      c.out_dtype = d.out;
-      c.tokens = 19;
-      SCOPED_TRACE(per_head ? "per_head" : "per_layer");
-      CheckCase(c);
-    }
-  }
-}
-
-// Small workspaces and token caps: the hidden activations force token chunks and layer groups.
-TEST_F(CudaBackendTest, MlpChunksAndLayerGroups) {
-  for (bool per_head : {false, true}) {
-    for (int64_t tokens : {1, 65, 300}) {
-      for (int64_t chunk : {0, 7}) {
-        for (int64_t workspace : {int64_t{0}, int64_t{96} << 10}) {
-          Case c;
-          c.spec = MlpSpec(per_head, 40);
-          c.spec.source_layers = 4;
-          c.spec.target_layers = 5;
-          c.spec.k = 3;
-          c.spec.k_v = 2;
-          c.spec.source_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj);
-          c.spec.target_rope = MakeTestRope(RopeScalingType::kNone);
-          c.tokens = tokens;
-          c.chunk = chunk;
-          c.workspace_bytes = workspace;
-          c.offset = 5;
-          c.in_layout = Layout::kNHD;
-          c.in_dtype = DType::kFP32;
-          c.out_dtype = DType::kFP32;
-          SCOPED_TRACE(per_head ? "per_head" : "per_layer");
-          CheckCase(c);
-        }
-      }
-    }
-  }
-}
+// three cuBLAS GEMMs with bias + ReLU kernels between them. Their case table is the shared
+// suite's; here the real shapes, streaming and refusals.
 
 // Real head shapes (8 x 128), bf16, the format's default hidden width per_layer and a smaller
 // one per_head: CUDA vs CPU on every token, the float64 reference on a slice of 16 tokens.
@@ -693,66 +450,8 @@ TEST_F(CudaBackendTest, MlpRealHeadShapesBf16) {
     const uint64_t seed = FreshSeed(per_head ? "MlpRealHeadShapesBf16 per_head"
                                              : "MlpRealHeadShapesBf16 per_layer");
     SCOPED_TRACE(absl::StrCat(per_head ? "per_head" : "per_layer", " seed=", seed));
-    std::mt19937_64 rng(seed);
-    RandomMapperSpec spec = MlpSpec(per_head, per_head ? 256 : 1024);
-    spec.source_layers = 6;
-    spec.source_heads = 8;
-    spec.source_head_dim = 128;
-    spec.target_layers = 3;
-    spec.target_heads = 8;
-    spec.target_head_dim = 128;
-    spec.k = 3;
-    spec.weight_dtype = DType::kBF16;
-    spec.source_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kNeox, 0, 1000000);
-    spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
-    const RandomMapper mapper = MakeRandomMapper(spec, rng());
-    const int64_t tokens = 700;
-    const OwnedCache source =
-        MakeRandomCache(6, 8, 128, tokens, DType::kBF16, Layout::kHND, rng());
-    Positions positions;
-    positions.offset = 321;
-    TranslateOptions options;
-
-    std::unique_ptr<Backend> cpu = NewCpuBackend();
-    auto cpu_prepared = cpu->Prepare(mapper.view);
-    ASSERT_TRUE(cpu_prepared.ok()) << cpu_prepared.status();
-    OwnedCache cpu_target = MakeOutputCache(3, 8, 128, tokens, DType::kBF16, Layout::kNHD);
-    ASSERT_TRUE(cpu->Translate(**cpu_prepared, source.view, positions, options,
-                               &cpu_target.mutable_view)
-                    .ok());
-
-    std::unique_ptr<Backend> backend = MakeCuda();
-    ASSERT_NE(backend, nullptr);
-    auto prepared = backend->Prepare(mapper.view);
-    ASSERT_TRUE(prepared.ok()) << prepared.status();
-    auto device_source = DeviceCache::Upload(source.view);
-    auto device_target = DeviceCache::Poisoned(3, 8, 128, tokens, DType::kBF16, Layout::kNHD);
-    absl::Status status = backend->Translate(**prepared, device_source->view, positions, options,
-                                             &device_target->mutable_view);
-    ASSERT_TRUE(status.ok()) << status;
-    const OwnedCache result = device_target->Download();
-
-    const int64_t begin = 500, end = 516;
-    const OwnedCache slice = SliceTokens(source.view, begin, end);
-    const OwnedCache result_slice = SliceTokens(
-        CacheView{result.view.dtype, result.view.layout, result.view.num_kv_heads,
-                  result.view.head_dim, result.view.num_tokens, result.view.k, result.view.v},
-        begin, end);
-    Positions slice_positions;
-    slice_positions.offset = positions.offset + begin;
-    for (int l = 0; l < 3; ++l) {
-      for (Kind kind : {Kind::kK, Kind::kV}) {
-        EXPECT_LE(MaxRelError(ReadLayer(result.mutable_view, l, kind),
-                              ReadLayer(cpu_target.mutable_view, l, kind)),
-                  2 * TranslationTolerance(DType::kBF16))
-            << "vs cpu, layer " << l;
-        EXPECT_LE(
-            MaxRelError(ReadLayer(result_slice.view, l, kind),
-                        ReferenceTranslate(mapper.view, l, kind, slice.view, slice_positions)),
-            TranslationTolerance(DType::kBF16))
-            << "vs reference, layer " << l;
-      }
-    }
+    CheckLongCache(RealHeadShapes(MlpSpec(per_head, per_head ? 256 : 1024), 3), /*tokens=*/700,
+                   /*offset=*/321, /*begin=*/500, /*end=*/516, seed);
   }
 }
 

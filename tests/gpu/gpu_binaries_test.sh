@@ -6,12 +6,15 @@ cd "${TEST_SRCDIR}/${TEST_WORKSPACE}"
 bash -n tests/gpu/run.sh
 
 tests=$(kernels/cuda/cuda_backend_test --gtest_list_tests)
-for name in EveryRopeTypeAndStyle EveryDtypeLayoutAndWeightDtype UnmatchedShapesAndOddHeadDim \
-            SeparateSigmaLengths LargeAndExplicitPositions ChunksAndLayerGroups \
+# The backend conformance suite's tests are listed as Name/Cuda (kernels/testing/backend_conformance.cc).
+for name in EveryRopeTypeAndStyle YarnWithExplicitAttentionFactor EveryDtypeLayoutAndWeightDtype \
+            UnmatchedShapesAndOddHeadDim SeparateSigmaLengths NoBias LargeAndExplicitPositions \
+            ChunksAndLayerGroups \
             RealHeadShapesBf16 ConcurrentCalls StreamedPrepareTranslatesLayerByLayer BadInputsNameTheField \
-            MlpBothGranularitiesFp32AndBf16 MlpMixedDtypesConvertWeights MlpChunksAndLayerGroups \
+            MlpBothGranularitiesFp32AndBf16 MlpDtypesLayoutsAndChunks MlpMixedDtypesConvertWeights \
+            MlpChunksAndLayerGroups \
             MlpRealHeadShapesBf16 MlpStreamedPrepareCountsEveryWeight MlpBadMappersNameTheField; do
-  if ! grep -q "^  $name\$" <<<"$tests"; then
+  if ! grep -qE "^  $name(/Cuda  #.*)?\$" <<<"$tests"; then
     echo "cuda_backend_test does not list $name:"
     echo "$tests"
     exit 1
