@@ -86,6 +86,9 @@ KIND_NAMES = {"ridge": "ridge", "ridge_refined": "ridge refined", "mlp": "MLP"}
 # Below this copy gain of the target's own cache (nats/byte) the share of the long-range
 # benefit a mapper recovers is a ratio of noise: it is shown as undefined.
 MIN_COPY_GAIN = 0.1
+# Likewise the benefit recovered where the target's own cache beats no context by less than this
+# (nats/byte; on today's windows the members gain 0.05-0.11).
+MIN_BENEFIT = 0.02
 
 
 def triple(vals, d=3, higher=True):
@@ -235,7 +238,8 @@ def long_range_tables(r):
         f"what the condition draws from context far back. **Long-range share** = copy gain of "
         f"the mapper / copy gain of the target's own cache; shown as undefined where the own "
         f"copy gain is below {MIN_COPY_GAIN} nats/byte. Benefit recovered is the old figure "
-        f"(against no context), which on these windows measures mostly the local context.\n")
+        f"(against no context; the token-identity and untrained-source columns are that figure "
+        f"too), shown as undefined where CE_none - CE_own is below {MIN_BENEFIT} nats/byte.\n")
     own = {}
     for kind, pairs in lr.items():
         for name, p in pairs.items():
@@ -265,13 +269,17 @@ def long_range_tables(r):
         out.append("|---|---|---|---|---|---|---|")
         for name, p in pairs.items():
             g, b = p["copy_gain"], p["benefit"]
+            gap = p["ce"]["none"]["all"] - p["ce"]["own"]["all"]
+            benefit = (f"{slash(b, KINDS, 'all')} ({slash(b, KINDS, 'first')})"
+                       if gap >= MIN_BENEFIT else f"undefined (CE none - own = {f(gap)})")
+            ident = f(b["identity"]["all"]) if "identity" in b and gap >= MIN_BENEFIT else "-"
+            untrained = (slash(b, [c + "_untrained" for c in KINDS], "all")
+                         if gap >= MIN_BENEFIT else "-")
             share = ("undefined (own gain " + f(g["own"]) + ")" if abs(g["own"]) < MIN_COPY_GAIN
                      else slash(p["long_range"], KINDS))
             out.append(
-                f"| {name} | {f(g['own'])} | {slash(g, KINDS)} | {share} | "
-                f"{slash(b, KINDS, 'all')} ({slash(b, KINDS, 'first')}) | "
-                f"{f(b['identity']['all']) if 'identity' in b else 'n/a'} | "
-                f"{slash(b, [c + '_untrained' for c in KINDS], 'all')} |")
+                f"| {name} | {f(g['own'])} | {slash(g, KINDS)} | {share} | {benefit} | {ident} | "
+                f"{untrained} |")
     return out
 
 
