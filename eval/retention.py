@@ -15,6 +15,10 @@ translated cache with the target RoPE not re-applied (ablation).
 context benefit recovered = (CE_none - CE_x) / (CE_none - CE_own), on all continuation tokens
 and on the first 16 after the cache boundary; the perplexity ratio exp(CE_x - CE_own) is the
 secondary figure (EVAL-NOTES 3: it overstates retention).
+
+Long-range windows (issue 22): copy_windows (a passage repeated after a gap) and lookup_windows
+(key -> value pairs planted in the context), each with a control window that differs only in
+what lies far back; evaluate_long_range measures every condition on both (the copy gain).
 """
 
 import hashlib
@@ -160,6 +164,39 @@ def copy_windows(context, continuation, count, seed=0):
     return windows, controls
 
 
+def lookup_windows(context, continuation, count, seed=0):
+    """Held-out windows with key -> value lookups planted in the context: "abc=12345;" pairs (a
+    random 3-letter key, a random 5-digit value) at random places in held-out text, and the
+    continuation the same pairs again in another order, so only the context can tell the values.
+    Returns (windows, controls): each control is its window with other values planted in the
+    context (the continuation unchanged), so the two differ only in what the lookup finds."""
+    stream = [t for ids in token_stream("heldout") for t in ids]
+    tok = dump_kv.ByteTokenizer()
+    rng = np.random.default_rng(seed)
+    n = continuation + 1
+    pairs = -(-n // 10)  # each "abc=12345;" is 10 bytes
+    windows, controls = [], []
+    for _ in range(count):
+        keys = ["".join(chr(97 + int(c)) for c in rng.integers(0, 26, 3)) for _ in range(pairs)]
+        values = [[f"{int(v):05d}" for v in rng.integers(0, 100000, pairs)] for _ in range(2)]
+        f = int(rng.integers(0, len(stream) - context))
+        filler = stream[f:f + context - 10 * pairs]
+        places = sorted(int(x) for x in rng.choice(len(filler) + 1, pairs, replace=False))
+        order = rng.permutation(pairs)
+        cont = tok.encode("".join(f"{keys[i]}={values[0][i]};" for i in order))[:n]
+        out = []
+        for vals in values:
+            ctx = []
+            for i, (a, b) in enumerate(zip([0] + places, places + [len(filler)])):
+                ctx += filler[a:b]
+                if i < pairs:
+                    ctx += tok.encode(f"{keys[i]}={vals[i]};")
+            out.append(ctx + cont)
+        windows.append(out[0])
+        controls.append(out[1])
+    return windows, controls
+
+
 def copy_gain(member, windows, controls, context):
     """Mean nats/byte the earlier copy saves on the continuation (controls minus windows), on
     the member's own prefill: how much the model can use context far back."""
@@ -208,9 +245,11 @@ MLP_FLAGS = {"mlp_hidden": 256, "mlp_epochs": 10, "mlp_batch": 256, "mlp_lr": 1e
 
 
 def fit(source_dump, target_dump, source_name, target_name, k, out, stride=1, kind="ridge",
-        mlp_flags=None):
+        mlp_flags=None, refine=False):
     """`kvt fit` of one ordered pair into `out` (kind both: out/ridge, out/mlp and
-    out/fit_report.json, whose dict this returns; else the mapper directory)."""
+    out/fit_report.json, whose dict this returns; else the mapper directory). refine: `kvt fit
+    --refine=attention` (the ridge refined on the target's attention outputs, its default
+    steps; the target dump must carry queries)."""
     cmd = [runfile("cli/kvt"), "fit", f"--source_config={source_dump}",
            f"--target_config={target_dump}", f"--source_model={source_name}",
            f"--target_model={target_name}", f"--source_dumps={source_dump}",
@@ -219,6 +258,8 @@ def fit(source_dump, target_dump, source_name, target_name, k, out, stride=1, ki
            f"--kind={kind}"]
     if kind != "ridge":
         cmd += [f"--{key}={value}" for key, value in (mlp_flags or MLP_FLAGS).items()]
+    if refine:
+        cmd.append("--refine=attention")
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"kvt fit failed ({done.returncode}): {' '.join(cmd)}\n"
@@ -366,10 +407,13 @@ def evaluate_pair(client, source, target, mapper_id, windows, context, extra):
     return result
 
 
-def evaluate_kinds(client, source, target, mapper_ids, windows, context):
+def evaluate_kinds(client, source, target, mapper_ids, windows, context, sources=None):
     """Side by side for several mappers of one pair ({label: mapper_id}, e.g. ridge and mlp):
     per label the context benefit recovered (all, first 16), the perplexity ratio and kvtd's
-    ValidateKV figures (attention-output cosine, c_K, c_V, R^2) on the same held-out windows."""
+    ValidateKV figures (attention-output cosine, c_K, c_V, R^2) on the same held-out windows.
+    sources {label: Member}: labels whose mapper reads another source (the untrained-source
+    controls); the others read `source`."""
+    sources = sources or {}
     nll = {}
     quality = {label: [] for label in mapper_ids}
 
@@ -379,12 +423,19 @@ def evaluate_kinds(client, source, target, mapper_ids, windows, context):
     for ids in windows:
         ctx, cont, tgt = ids[:context], ids[context:-1], ids[context + 1:]
         own, queries = target.prefill(ctx, queries=True)
-        src = source.prefill(ctx)
+        prefills = {}
         add("own", target.continuation_nll(own, cont, tgt))
         add("none", target.continuation_nll(None, cont, tgt))
         q = adapters.from_torch([(qq, qq) for qq in queries])
         for label, mid in mapper_ids.items():
-            add(label, target.continuation_nll(translate(client, mid, src), cont, tgt))
+            member = sources.get(label, source)
+            if member.dir not in prefills:
+                prefills[member.dir] = member.prefill(ctx)
+            src = prefills[member.dir]
+            mapped = translate(client, mid, src)
+            add(label, target.continuation_nll(mapped, cont, tgt))
+            add(label + NO_ROPE, target.continuation_nll(strip_target_rope(target, mapped), cont,
+                                                         tgt))
             quality[label].append(client.validate(adapters.from_torch(src),
                                                   adapters.from_torch(own), q, mapper_id=mid))
     ce = summarize(nll)
@@ -397,9 +448,66 @@ def evaluate_kinds(client, source, target, mapper_ids, windows, context):
             [r.overall_without_layer0.attention_cosine for r in rs]))
         out[label] = {"ce": ce[label]["all"], "benefit": benefit(ce, label),
                       "benefit_first": benefit(ce, label, "first"),
-                      "ppl_ratio": math.exp(ce[label]["all"] - ce["own"]["all"]), "validate": v}
+                      "ppl_ratio": math.exp(ce[label]["all"] - ce["own"]["all"]), "validate": v,
+                      "benefit_no_target_rope": benefit(ce, label + NO_ROPE),
+                      "benefit_no_target_rope_first": benefit(ce, label + NO_ROPE, "first")}
     out["ce"] = {"own": ce["own"]["all"], "none": ce["none"]["all"]}
     return out
+
+
+NO_ROPE = "_no_target_rope"
+CONTROL = "control_"
+
+
+def evaluate_long_range(client, source, target, mapper_ids, windows, controls, context,
+                        identity=None, untrained=None):
+    """The long-range windows (copy_windows, lookup_windows) for several mappers of one pair.
+
+    mapper_ids {label: mapper_id}; identity: the target's TokenIdentityMap; untrained {label:
+    (Member, mapper_id)}: the untrained-source control of each mapper kind. Per condition the
+    CE (nats/byte; all, first 16) on the windows, the benefit recovered against no context, and
+    for own and each mapper the copy gain: CE on the control windows (the earlier copy or the
+    planted values replaced) minus CE on the windows, i.e. how much of the continuation comes
+    from context far back. long_range[label] = copy gain of the label / copy gain of own: the
+    share of the long-range benefit recovered (undefined when own gains ~0)."""
+    nll = {}
+
+    def add(key, values):
+        nll.setdefault(key, []).append(values)
+
+    for ids, ctrl in zip(windows, controls):
+        for prefix, w in (("", ids), (CONTROL, ctrl)):
+            ctx, cont, tgt = w[:context], w[context:-1], w[context + 1:]
+            src = source.prefill(ctx)
+            add(prefix + "own", target.continuation_nll(target.prefill(ctx), cont, tgt))
+            for label, mid in mapper_ids.items():
+                mapped = translate(client, mid, src)
+                add(prefix + label, target.continuation_nll(mapped, cont, tgt))
+                if not prefix:
+                    add(label + NO_ROPE, target.continuation_nll(
+                        strip_target_rope(target, mapped), cont, tgt))
+            if prefix:
+                continue
+            add("none", target.continuation_nll(None, cont, tgt))
+            if identity is not None:
+                add("identity", target.continuation_nll(identity.predict(ctx), cont, tgt))
+            for label, (member, mid) in (untrained or {}).items():
+                add(label + "_untrained", target.continuation_nll(
+                    translate(client, mid, member.prefill(ctx)), cont, tgt))
+    ce = summarize(nll)
+    shown = [key for key in ce if not key.startswith(CONTROL)]
+    gain = {key: ce[CONTROL + key]["all"] - ce[key]["all"] for key in shown
+            if CONTROL + key in ce}
+    return {"ce": {key: ce[key] for key in shown},
+            "control_ce": {key[len(CONTROL):]: v for key, v in ce.items()
+                           if key.startswith(CONTROL)},
+            "benefit": {key: {"all": benefit(ce, key), "first": benefit(ce, key, "first")}
+                        for key in shown if key not in ("own", "none")},
+            "copy_gain": gain,
+            "long_range": {key: gain[key] / gain["own"] if gain["own"] != 0 else float("nan")
+                           for key in gain if key != "own"},
+            "windows": len(windows), "context": context,
+            "continuation": len(windows[0]) - context - 1}
 
 
 def multi_turn(client, a, b, mapper_ab, mapper_ba, windows, segment, turns):

@@ -6,12 +6,15 @@
 
 (the venv only on the program's PATH: on Bazel's, it would change every action's environment).
 
-Dumps, fits (every ordered matched pair, several k, plus the untrained-source controls), one
-kvtd for all mappers, then the measures of eval/retention.py; results.json and the SVG plots go
-next to the Markdown (docs/eval/).
+Dumps, fits (every ordered matched pair, several k, plus the untrained-source controls; per
+kind pair the ridge, the ridge refined on attention outputs and the MLP), one kvtd for all
+mappers, then the measures of eval/retention.py on today's held-out windows and on the
+long-range windows (a passage repeated after a gap; planted key -> value lookups); results.json
+and the SVG plots go next to the Markdown (docs/eval/).
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import sys
@@ -19,6 +22,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import retention as R  # noqa: E402
+
+
+# The mapper kinds of each kind pair and their store-id suffixes (after "{a}-to-{b}-k{k}").
+KINDS = {"ridge": "", "ridge_refined": "-refined", "mlp": "-mlp"}
+
+
+def run_all(jobs, workers):
+    """Calls every job, `workers` at a time (they wait on `kvt fit` processes); the first error
+    is raised."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
 
 
 def fmt(x, digits=3):
@@ -48,6 +63,20 @@ def main():
     p.add_argument("--mlp_control_targets", default="L",
                    help="for kind pairs into these members also fit an MLP from the untrained "
                         "source (the untrained-source control of the MLP); '' none")
+    p.add_argument("--jobs", type=int, default=1, help="kvt fit processes at once")
+    p.add_argument("--mlp_pairs", default="all",
+                   help="kind pairs that also get the MLP (kvt fit --kind both); the others get "
+                        "the refined ridge alone (--kind ridge --refine=attention): 'all' or "
+                        "A:B,...")
+    p.add_argument("--refined_control_targets", default="all",
+                   help="kind pairs into these members also get the refined ridge from the "
+                        "untrained source: 'all' or a list")
+    p.add_argument("--reuse_fits", action="store_true",
+                   help="keep ridge mappers already in --work's store (from an interrupted run "
+                        "with the same settings: the fits are deterministic)")
+    p.add_argument("--long_windows", type=int, default=16,
+                   help="long-range windows per kind (copy, lookup); 0: none")
+    p.add_argument("--long_seed", type=int, default=0)
     p.add_argument("--drift_pair", default="S:L")
     p.add_argument("--drift_windows", type=int, default=8)
     p.add_argument("--segment", type=int, default=40)
@@ -82,48 +111,65 @@ def main():
                           args.calib_windows, queries=m in targets)
     store = os.path.join(args.work, "store")
     untrained = {}
-    controls = [(a, b) for a, b in kind_pairs if b in args.mlp_control_targets.split(",")]
-    for s in sorted({a for a, _ in pairs} | {a for a, _ in controls}):
+    mlp_pairs = (kind_pairs if args.mlp_pairs == "all" else
+                 [p for p in kind_pairs if f"{p[0]}:{p[1]}" in args.mlp_pairs.split(",")])
+    controls = [(a, b) for a, b in mlp_pairs if b in args.mlp_control_targets.split(",")]
+    refined_controls = [(a, b) for a, b in kind_pairs if args.refined_control_targets == "all"
+                        or b in args.refined_control_targets.split(",")]
+    for s in sorted({a for a, _ in pairs} | {a for a, _ in kind_pairs}):
         udir = R.make_untrained(members[s].dir, os.path.join(args.work, "untrained", s))
         untrained[s] = R.Member(udir)
         dumps[s + "0"] = R.dump(udir, calib, os.path.join(args.work, "dumps", s + "0"),
                                 args.calib_tokens, args.calib_windows)
-    ks = args.ks.split(",")
-    for a, b in pairs:
-        for k in ks:
-            R.fit(dumps[a], dumps[b], members[a].name, members[b].name, k,
-                  os.path.join(store, f"{a}-to-{b}-k{k}"))
-        R.fit(dumps[a + "0"], dumps[b], untrained[a].name, members[b].name, args.main_k,
-              os.path.join(store, f"{a}0-to-{b}-k{args.main_k}"))
-    da, db = args.drift_pair.split(":")
-    for a, b in ((da, db), (db, da)):
-        if (a, b) not in pairs:
-            R.fit(dumps[a], dumps[b], members[a].name, members[b].name, args.main_k,
-                  os.path.join(store, f"{a}-to-{b}-k{args.main_k}"))
-    print(f"eval: dumps and ridge fits done in {time.time() - start:.0f} s", flush=True)
-    # Ridge vs MLP: kvt fit --kind both per pair (its ridge half is the k = main_k ridge mapper
-    # above, refitted identically); both go into the store under their own ids.
     mlp_flags = {"mlp_hidden": args.mlp_hidden, "mlp_epochs": args.mlp_epochs,
                  "mlp_batch": args.mlp_batch, "mlp_lr": R.MLP_FLAGS["mlp_lr"],
                  "mlp_max_observations": args.mlp_max_observations}
+    k2 = args.main_k
+    ks = args.ks.split(",")
+
+    def fit(a, b, suffix, k=k2, **kw):  # a "0": the untrained source
+        member = untrained[a[0]] if a.endswith("0") else members[a]
+        dest = os.path.join(store, f"{a}-to-{b}-k{k}{suffix}")
+        if args.reuse_fits and not suffix and os.path.exists(os.path.join(dest, "manifest.yaml")):
+            return lambda: dest
+        return lambda: R.fit(dumps[a], dumps[b], member.name, members[b].name, k, dest, **kw)
+
+    # The fits are independent `kvt fit` processes (one thread each): --jobs of them at once.
+    ridge_fits = []
+    da, db = args.drift_pair.split(":")
+    for a, b in dict.fromkeys(pairs + [(da, db), (db, da)] + kind_pairs):
+        for k in (ks if (a, b) in pairs else [k2]):
+            ridge_fits.append(fit(a, b, "", k))
+    for a, b in sorted(set(pairs) | set(kind_pairs)):
+        ridge_fits.append(fit(a + "0", b, ""))
+    run_all(ridge_fits, args.jobs)
+    print(f"eval: dumps and ridge fits done in {time.time() - start:.0f} s", flush=True)
+    # Ridge vs refined ridge vs MLP: kvt fit --kind both --refine=attention per pair (its ridge
+    # half refined, the recommendation then between the refined ridge and the MLP) beside the
+    # plain ridge above; the untrained-source controls of the refined ridge (and, into
+    # --mlp_control_targets, of the MLP).
     fit_reports = {}
     mlp_start = time.time()
-    for a, b in kind_pairs:
+
+    def fit_both(a, b):
         t0 = time.time()
         both = os.path.join(args.work, "both", f"{a}-to-{b}")
-        fit_reports[(a, b)] = R.fit(dumps[a], dumps[b], members[a].name, members[b].name,
-                                    args.main_k, both, kind="both", mlp_flags=mlp_flags)
-        fit_reports[(a, b)]["seconds"] = round(time.time() - t0, 1)
-        for kind, suffix in (("ridge", ""), ("mlp", "-mlp")):
-            dest = os.path.join(store, f"{a}-to-{b}-k{args.main_k}{suffix}")
+        report = R.fit(dumps[a], dumps[b], members[a].name, members[b].name, k2, both,
+                       kind="both", mlp_flags=mlp_flags, refine=True)
+        report["seconds"] = round(time.time() - t0, 1)
+        for kind, suffix in (("ridge", KINDS["ridge_refined"]), ("mlp", KINDS["mlp"])):
+            dest = os.path.join(store, f"{a}-to-{b}-k{k2}{suffix}")
             R.shutil.rmtree(dest, ignore_errors=True)
             R.shutil.copytree(os.path.join(both, kind), dest)
-        print(f"eval: kvt fit --kind both {a}->{b}: recommends {fit_reports[(a, b)]['recommended']}"
-              f" ({fit_reports[(a, b)]['seconds']:.0f} s)", flush=True)
-    for a, b in controls:
-        R.fit(dumps[a + "0"], dumps[b], untrained[a].name, members[b].name, args.main_k,
-              os.path.join(store, f"{a}0-to-{b}-k{args.main_k}-mlp"), kind="mlp",
-              mlp_flags=mlp_flags)
+        fit_reports[(a, b)] = report
+        print(f"eval: kvt fit --kind both {a}->{b}: recommends {report['recommended']}"
+              f" ({report['seconds']:.0f} s)", flush=True)
+    run_all([lambda a=a, b=b: fit_both(a, b) for a, b in mlp_pairs] +
+            [fit(a, b, KINDS["ridge_refined"], refine=True) for a, b in kind_pairs
+             if (a, b) not in mlp_pairs] +
+            [fit(a + "0", b, KINDS["ridge_refined"], refine=True) for a, b in refined_controls] +
+            [fit(a + "0", b, KINDS["mlp"], kind="mlp", mlp_flags=mlp_flags)
+             for a, b in controls], args.jobs)
     kind_fit_seconds = round(time.time() - mlp_start)
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
 
@@ -150,21 +196,42 @@ def main():
                 print(f"eval: {a}->{b} k={k}: benefit {r['benefit']['mapped']['all']:.3f} "
                       f"({time.time() - start:.0f} s)", flush=True)
         results["kinds"] = {}
+        long_range = {}
+        if args.long_windows > 0:
+            n, c = args.long_windows, args.context
+            long_range = {"copy": R.copy_windows(c, args.continuation, n, args.long_seed),
+                          "lookup": R.lookup_windows(c, args.continuation, n, args.long_seed)}
+            results["long_range"] = {kind: {} for kind in long_range}
         for a, b in kind_pairs:
-            r = R.evaluate_kinds(client, members[a], members[b],
-                                 {"ridge": f"{a}-to-{b}-k{args.main_k}",
-                                  "mlp": f"{a}-to-{b}-k{args.main_k}-mlp"},
-                                 windows, args.context)
-            r["fit_report"] = fit_reports[(a, b)]
-            if (a, b) in controls:
-                label = "mlp_untrained"
-                r[label] = R.evaluate_kinds(client, untrained[a], members[b],
-                                            {label: f"{a}0-to-{b}-k{args.main_k}-mlp"}, windows,
-                                            args.context)[label]
+            if b not in identity:
+                identity[b] = R.TokenIdentityMap(members[b], calib_windows)
+            ids = {kind: f"{a}-to-{b}-k{args.main_k}{suffix}" for kind, suffix in KINDS.items()
+                   if kind != "mlp" or (a, b) in mlp_pairs}
+            controls_of = {kind: (untrained[a], f"{a}0-to-{b}-k{args.main_k}{suffix}")
+                           for kind, suffix in KINDS.items()
+                           if {"mlp": (a, b) in controls,
+                               "ridge_refined": (a, b) in refined_controls}.get(kind, True)}
+            labels = dict(ids, **{kind + "_untrained": mid
+                                  for kind, (_, mid) in controls_of.items()})
+            r = R.evaluate_kinds(client, members[a], members[b], labels, windows, args.context,
+                                 {kind + "_untrained": member
+                                  for kind, (member, _) in controls_of.items()})
+            if (a, b) in fit_reports:
+                r["fit_report"] = fit_reports[(a, b)]
             results["kinds"][f"{a}->{b}"] = r
-            print(f"eval: {a}->{b} ridge vs mlp: benefit {r['ridge']['benefit']:.3f} / "
-                  f"{r['mlp']['benefit']:.3f}, recommended {r['fit_report']['recommended']} "
+            print(f"eval: {a}->{b} ridge / refined / mlp: benefit "
+                  + " / ".join(f"{r[kind]['benefit']:.3f}" for kind in ids)
+                  + f", recommended {r.get('fit_report', {}).get('recommended')} "
                   f"({time.time() - start:.0f} s)", flush=True)
+            for kind, (lw, lc) in long_range.items():
+                lr = R.evaluate_long_range(client, members[a], members[b], ids, lw, lc,
+                                           args.context, identity[b], controls_of)
+                results["long_range"][kind][f"{a}->{b}"] = lr
+                print(f"eval: {a}->{b} {kind} windows: copy gain own {lr['copy_gain']['own']:.3f}"
+                      f" nats/byte ({time.time() - start:.0f} s)", flush=True)
+            # A long run interrupted keeps what it measured (not read back by anything).
+            with open(os.path.join(args.work, "results.partial.json"), "w") as f:
+                json.dump(results, f, indent=1)
         results["kind_fit_seconds"] = kind_fit_seconds
         drift_windows = R.heldout_windows(args.segment * (args.turns + 1) + 1,
                                           args.drift_windows)

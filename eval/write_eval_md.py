@@ -64,54 +64,9 @@ def tables(r):
                    f"{f(v['r2_k'])} / {f(v['r2_v'])} | {f(v0['r2_k'])} / {f(v0['r2_v'])} | "
                    f"{f(v['attention_cosine'], 4)} | {f(v['c_k'])} | {f(v['c_v'])} |")
     if r.get("kinds"):
-        out.append(f"\n### Ridge vs MLP (k = {k})\n")
-        out.append(
-            f"`kvt fit --kind both` per ordered pair: ridge and an MLP mapper (per layer, hidden "
-            f"{st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch {st.get('mlp_batch')}, "
-            f"at most {st.get('mlp_max_observations')} training rows per chain; "
-            f"{r.get('kind_fit_seconds', 'n/a')} s for all pairs' fits, one core), both served "
-            f"by kvtd and measured on the same held-out windows as above. \"fit cos\" is the "
-            f"held-out attention-output cosine `kvt fit` measures on held-out *calibration* "
-            f"sequences and recommends from; the other columns are on held-out documents. "
-            f"Each cell: ridge / MLP; **bold**: the better of the two.\n")
-        out.append("| pair | benefit recovered | (first 16) | ppl ratio | attention-output cosine | "
-                   "c_K | fit cos (held-out calib.) | recommended | better benefit |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
-
-        def pair_cell(a, b, d=3, higher=True):
-            if a is None or b is None or a != a or b != b:
-                return f"{f(a, d)} / {f(b, d)}"
-            if abs(a - b) < 10 ** -d:
-                return f"{f(a, d)} / {f(b, d)}"
-            if (a > b) == higher:
-                return f"**{f(a, d)}** / {f(b, d)}"
-            return f"{f(a, d)} / **{f(b, d)}**"
-        for name, p in r["kinds"].items():
-            rr, mm, fr = p["ridge"], p["mlp"], p["fit_report"]
-            winner = "mlp" if mm["benefit"] > rr["benefit"] else "ridge"
-            agree = "yes" if winner == fr["recommended"] else "no"
-            out.append(
-                f"| {name} | {pair_cell(rr['benefit'], mm['benefit'])} | "
-                f"{pair_cell(rr['benefit_first'], mm['benefit_first'])} | "
-                f"{pair_cell(rr['ppl_ratio'], mm['ppl_ratio'], 4, higher=False)} | "
-                f"{pair_cell(rr['validate']['attention_cosine'], mm['validate']['attention_cosine'], 4)} | "
-                f"{f(rr['validate']['c_k'])} / {f(mm['validate']['c_k'])} | "
-                f"{pair_cell(fr['ridge']['attention_cosine'], fr['mlp']['attention_cosine'], 4)} | "
-                f"{fr['recommended']} | {winner} (recommendation {'agrees' if agree == 'yes' else 'differs'}) |")
-        controls = {n: p["mlp_untrained"] for n, p in r["kinds"].items() if "mlp_untrained" in p}
-        if controls:
-            out.append("\nThe MLP's untrained-source control: the same MLP fit from an untrained "
-                       "model of the source's shape (random weights); a trained source's MLP must "
-                       "beat it to be transferring more than token identity.\n")
-            out.append("| pair | MLP benefit (first 16) | untrained-source MLP benefit (first 16) | "
-                       "token identity (ridge table) |")
-            out.append("|---|---|---|---|")
-            for n, c in controls.items():
-                m = r["kinds"][n]["mlp"]
-                ident = r["pairs"].get(f"{n} k={k}", {}).get("benefit", {}).get("identity")
-                out.append(f"| {n} | {f(m['benefit'])} ({f(m['benefit_first'])}) | "
-                           f"{f(c['benefit'])} ({f(c['benefit_first'])}) | "
-                           f"{f(ident['all']) if ident else 'n/a'} |")
+        out.extend(kinds_tables(r, k, st))
+    if r.get("long_range"):
+        out.extend(long_range_tables(r))
     d = r["drift"]
     out.append(f"\n### Multi-turn drift ({st['drift_pair'].replace(':', ' <-> ')}, "
                f"{st['turns']} alternating handoffs, {st['segment']}-byte segments, "
@@ -125,6 +80,207 @@ def tables(r):
     out.append("\n![benefit recovered](eval/benefit.svg)\n\n![drift](eval/drift.svg)\n")
     out.append(f"Generated in {r['seconds']} s by `{st.get('command', 'eval/run_eval.py')}`.")
     return "\n".join(out)
+
+KINDS = ["ridge", "ridge_refined", "mlp"]
+KIND_NAMES = {"ridge": "ridge", "ridge_refined": "ridge refined", "mlp": "MLP"}
+# Below this copy gain of the target's own cache (nats/byte) the share of the long-range
+# benefit a mapper recovers is a ratio of noise: it is shown as undefined.
+MIN_COPY_GAIN = 0.1
+# Likewise the benefit recovered where the target's own cache beats no context by less than this
+# (nats/byte; on today's windows the members gain 0.05-0.11).
+MIN_BENEFIT = 0.02
+
+
+def triple(vals, d=3, higher=True):
+    """a / b / c ("-" where a kind was not fitted) with the best in bold (none when all are
+    equal at the printed precision)."""
+    shown = ["-" if v is None else f(v, d) for v in vals]
+    finite = [i for i, v in enumerate(vals) if v is not None and v == v]
+    if len(finite) > 1 and len({shown[i] for i in finite}) > 1:
+        best = (max if higher else min)(finite, key=lambda i: vals[i])
+        shown[best] = f"**{shown[best]}**"
+    return " / ".join(shown)
+
+
+def field(p, kind, key, sub=None):
+    """p[kind][key] (or [sub] of it), None where the kind was not fitted for the pair."""
+    if kind not in p:
+        return None
+    return p[kind][key] if sub is None else p[kind][key][sub]
+
+
+def identity_of(r, target, k):
+    """The token-identity benefit into `target` on today's windows (it depends on the target
+    only): from any ridge-table pair into it."""
+    for name, p in r["pairs"].items():
+        if name.split(" ")[0].endswith("->" + target) and name.endswith(f"k={k}"):
+            return p["benefit"].get("identity")
+    return None
+
+
+def kinds_tables(r, k, st):
+    out = [f"\n### Ridge, ridge refined, MLP (k = {k})\n"]
+    mlp_pairs = [n for n, p in r["kinds"].items() if "mlp" in p]
+    mlp_where = ("every pair" if len(mlp_pairs) == len(r["kinds"]) else
+                 f"{', '.join(mlp_pairs)} only (`--mlp_pairs`; the other pairs: `--kind ridge "
+                 f"--refine=attention`)")
+    refined_controls = [n for n, p in r["kinds"].items() if "ridge_refined_untrained" in p]
+    mlp_controls = [n for n, p in r["kinds"].items() if "mlp_untrained" in p]
+    out.append(
+        f"Per ordered pair the plain closed-form ridge and the ridge refined on the target's "
+        f"attention outputs (`kvt fit --refine=attention`, its defaults: 100 steps x 2 sequences "
+        f"x 32 queries, docs/FIT.md); the MLP (`kvt fit --kind both --refine=attention`: per "
+        f"layer, hidden {st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch "
+        f"{st.get('mlp_batch')}, at most {st.get('mlp_max_observations')} training rows per "
+        f"chain) on {mlp_where}. {r.get('kind_fit_seconds', 'n/a')} s for these fits and their "
+        f"controls ({st.get('jobs', 1)} `kvt fit` processes at once, one thread each). MLP "
+        f"refined is not implemented (`kvt fit` refines the ridge only). All served by kvtd and "
+        f"measured on the same held-out windows as above. Each cell: ridge / ridge refined / "
+        f"MLP (\"-\": not fitted), **bold** the best. Token identity depends on the target "
+        f"only (the ridge table's figure for that target). Untrained source: the same kind "
+        f"fitted from an untrained model of the source's shape (ridge: every pair; ridge "
+        f"refined: {', '.join(refined_controls) or 'none'}; MLP: "
+        f"{', '.join(mlp_controls) or 'none'}).\n")
+    out.append("| pair | CE own / none | benefit recovered | (first 16) | token identity (first 16) "
+               "| untrained source | no target RoPE |")
+    out.append("|---|---|---|---|---|---|---|")
+    for name, p in r["kinds"].items():
+        ident = identity_of(r, name.split("->")[1], k)
+        untrained = " / ".join(f(p[c + "_untrained"]["benefit"]) if c + "_untrained" in p
+                               else "-" for c in KINDS)
+        out.append(
+            f"| {name} | {f(p['ce']['own'])} / {f(p['ce']['none'])} | "
+            f"{triple([field(p, c, 'benefit') for c in KINDS])} | "
+            f"{triple([field(p, c, 'benefit_first') for c in KINDS])} | "
+            f"{f(ident['all']) + ' (' + f(ident['first']) + ')' if ident else 'n/a'} | "
+            f"{untrained} | "
+            f"{triple([field(p, c, 'benefit_no_target_rope') for c in KINDS])} |")
+    out.append("\nQuality on the same windows (kvtd's ValidateKV) and `kvt fit --kind both`'s "
+               "recommendation, now between the refined ridge and the MLP, from its held-out "
+               "*calibration* attention-output cosine (\"fit cos\"), checked against the "
+               "measured benefit of the two.\n")
+    out.append("| pair | ppl ratio | attention-output cosine | c_K | fit cos refined / MLP | "
+               "recommended | better measured benefit |")
+    out.append("|---|---|---|---|---|---|---|")
+    for name, p in r["kinds"].items():
+        row = (f"| {name} | {triple([field(p, c, 'ppl_ratio') for c in KINDS], 4, higher=False)}"
+               f" | {triple([field(p, c, 'validate', 'attention_cosine') for c in KINDS], 4)} | "
+               f"{triple([field(p, c, 'validate', 'c_k') for c in KINDS], higher=False)} | ")
+        fr = p.get("fit_report")
+        if fr is None:
+            out.append(row + "- | (no MLP fitted) | - |")
+            continue
+        better = "mlp" if p["mlp"]["benefit"] > p["ridge_refined"]["benefit"] else "ridge"
+        agree = "agrees" if better == fr["recommended"] else "differs"
+        out.append(
+            row + f"{f(fr['ridge']['attention_cosine'], 4)} / "
+            f"{f(fr['mlp']['attention_cosine'], 4)} | {fr['recommended']} | "
+            f"{'ridge refined' if better == 'ridge' else 'mlp'} (recommendation {agree}) |")
+    out.append("\nIssue 22's goals on today's windows, as measured:\n")
+    out.extend(goal_lines(r, k))
+    return out
+
+
+def goal_lines(r, k):
+    kinds = r["kinds"]
+    beat_identity, refined_better, agree = [], [], []
+    for name, p in kinds.items():
+        ident = identity_of(r, name.split("->")[1], k)
+        best = max((c for c in KINDS if c in p), key=lambda c: p[c]["benefit"])
+        beat_identity.append((name, best, p[best]["benefit"], ident["all"] if ident else None))
+        refined_better.append((name, p["ridge"]["benefit"], p["ridge_refined"]["benefit"]))
+        if "fit_report" in p:
+            better = "mlp" if p["mlp"]["benefit"] > p["ridge_refined"]["benefit"] else "ridge"
+            agree.append(better == p["fit_report"]["recommended"])
+    n = len(kinds)
+    wins = [x for x in beat_identity if x[3] is not None and x[2] > x[3]]
+    misses = [x for x in beat_identity if x not in wins]
+    with_mlp = sum("mlp" in p for p in kinds.values())
+    lines = [f"- Best served mapper ({'ridge, ridge refined or MLP' if with_mlp == n else f'MLP fitted on {with_mlp} of the pairs'})"
+             f" beats token identity: **{len(wins)} of {n}** pairs" +
+             ("." if not misses else "; not on " + ", ".join(
+                 f"{x[0]} ({KIND_NAMES[x[1]]} {f(x[2])} vs {f(x[3])})" for x in misses) + ".")]
+    ups = [x for x in refined_better if x[2] > x[1]]
+    downs = [x for x in refined_better if x not in ups]
+    gains = [x[2] - x[1] for x in refined_better]
+    lines.append(f"- Refined ridge beats plain ridge: **{len(ups)} of {n}** pairs (change in "
+                 f"benefit recovered {min(gains):+.3f} to {max(gains):+.3f})" +
+                 ("." if not downs else "; not on " + ", ".join(
+                     f"{x[0]} ({f(x[1])} -> {f(x[2])})" for x in downs) + "."))
+    lines.append(f"- `kvt fit --kind both` recommendation (refined ridge vs MLP) agrees with the "
+                 f"measured benefit on **{sum(agree)} of {len(agree)}** pairs with an MLP.")
+    lines.append("- MLP refined: not implemented (`kvt fit --refine=attention` refines the ridge "
+                 "only), so not measured.")
+    return lines
+
+
+def slash(d, keys, sub=None):
+    """d[k] (or d[k][sub]) for each key, "/"-joined, "-" where a key is missing."""
+    return " / ".join("-" if k not in d else f(d[k] if sub is None else d[k][sub])
+                      for k in keys)
+
+
+def long_range_tables(r):
+    lr = r["long_range"]
+    st = r["settings"]
+    out = ["\n### Long-range windows\n"]
+    any_pair = next(iter(next(iter(lr.values())).values()))
+    c, n = any_pair["context"], any_pair["continuation"]
+    out.append(
+        f"{any_pair['windows']} windows per kind (seed {st.get('long_seed', 0)}) of {c} context "
+        f"+ {n} continuation bytes from held-out documents. **copy**: the continuation is a "
+        f"passage that also opens the context, {c - n - 1} bytes earlier, with unrelated "
+        f"held-out text between (retention.copy_windows). **lookup**: \"abc=12345;\" key -> "
+        f"value pairs planted in held-out text in the context, looked up again in another "
+        f"order in the continuation (retention.lookup_windows). Each window has a control that "
+        f"differs only in what lies far back (the earlier copy replaced by other text; other "
+        f"values planted). **Copy gain** = CE on the control - CE on the window (nats/byte): "
+        f"what the condition draws from context far back. **Long-range share** = copy gain of "
+        f"the mapper / copy gain of the target's own cache; shown as undefined where the own "
+        f"copy gain is below {MIN_COPY_GAIN} nats/byte. Benefit recovered is the old figure "
+        f"(against no context; the token-identity and untrained-source columns are that figure "
+        f"too), shown as undefined where CE_none - CE_own is below {MIN_BENEFIT} nats/byte.\n")
+    own = {}
+    for kind, pairs in lr.items():
+        for name, p in pairs.items():
+            own.setdefault(name.split("->")[1], {})[kind] = p["copy_gain"]["own"]
+    out.append("What each member's own cache gains from context far back (nats/byte; the "
+               "issue's gate for these windows is >= 1):\n")
+    out.append("| member | " + " | ".join(f"copy gain, {kind} windows" for kind in lr) + " |")
+    out.append("|---|" + "---|" * len(lr))
+    for m, g in sorted(own.items()):
+        out.append(f"| {m} | " + " | ".join(f(g.get(kind)) for kind in lr) + " |")
+    for kind, pairs in lr.items():
+        out.append(f"\n#### {kind} windows: CE (nats/byte) per condition\n")
+        out.append("Each multi-value cell: ridge / ridge refined / MLP.\n")
+        out.append("| pair | own | none | mapped | token identity | untrained source | "
+                   "no target RoPE |")
+        out.append("|---|---|---|---|---|---|---|")
+        for name, p in pairs.items():
+            ce = {key: v["all"] for key, v in p["ce"].items()}
+            out.append(
+                f"| {name} | {f(ce['own'])} | {f(ce['none'])} | "
+                f"{slash(ce, KINDS)} | {f(ce.get('identity'))} | "
+                f"{slash(ce, [c + '_untrained' for c in KINDS])} | "
+                f"{slash(ce, [c + '_no_target_rope' for c in KINDS])} |")
+        out.append(f"\n#### {kind} windows: copy gain, long-range share, benefit recovered\n")
+        out.append("| pair | copy gain own | copy gain ridge / refined / MLP | long-range share | "
+                   "benefit recovered (first 16) | token identity | untrained source |")
+        out.append("|---|---|---|---|---|---|---|")
+        for name, p in pairs.items():
+            g, b = p["copy_gain"], p["benefit"]
+            gap = p["ce"]["none"]["all"] - p["ce"]["own"]["all"]
+            benefit = (f"{slash(b, KINDS, 'all')} ({slash(b, KINDS, 'first')})"
+                       if gap >= MIN_BENEFIT else f"undefined (CE none - own = {f(gap)})")
+            ident = f(b["identity"]["all"]) if "identity" in b and gap >= MIN_BENEFIT else "-"
+            untrained = (slash(b, [c + "_untrained" for c in KINDS], "all")
+                         if gap >= MIN_BENEFIT else "-")
+            share = ("undefined (own gain " + f(g["own"]) + ")" if abs(g["own"]) < MIN_COPY_GAIN
+                     else slash(p["long_range"], KINDS))
+            out.append(
+                f"| {name} | {f(g['own'])} | {slash(g, KINDS)} | {share} | {benefit} | {ident} | "
+                f"{untrained} |")
+    return out
 
 
 def main():
