@@ -41,6 +41,73 @@ def byte_stream(docs):
     return np.concatenate(parts).astype(np.int64)
 
 
+def copy_row(rng, data, length):
+    """A training row where context far back matters: a passage (32-160 bytes) of the training
+    text, unrelated text (16-320 bytes), the same passage again, then ordinary text to the end.
+    The second copy is only predictable by looking back (induction), which plain prose rarely
+    rewards; eval/retention.copy_windows measures the same skill on held-out text. Returns the
+    row and the mask of its targets inside the second copy (the training log's copy figure)."""
+    n, gap = int(rng.integers(32, 161)), int(rng.integers(16, 321))
+    lead = int(rng.integers(0, 65))
+    s, f, t = (int(rng.integers(0, len(data) - length - 1)) for _ in range(3))
+    passage = data[s:s + n]
+    row = np.concatenate([data[t:t + lead], passage, data[f:f + gap], passage])
+    row = np.concatenate([row, data[t + lead:t + lead + length]])[:length]
+    # Targets only an earlier copy predicts: the second copy after its first byte.
+    second = lead + n + gap
+    copied = np.zeros(length - 1, dtype=bool)
+    copied[second:min(second + n - 1, length - 1)] = True
+    return row, copied
+
+
+def lookup_row(rng, data, length):
+    """A training row with key -> value lookups: "abc=12345;" pairs (random 3-letter key, random
+    5-digit value) planted at random places in training text, then the same pairs again in
+    another order, so the values are only predictable from the context
+    (eval/retention.lookup_windows). Returns the row and its mask of copy targets (none)."""
+    pairs = int(rng.integers(2, 13))
+    keys = ["".join(chr(97 + int(c)) for c in rng.integers(0, 26, 3)) for _ in range(pairs)]
+    items = [np.frombuffer(f"{k}={int(v):05d};".encode(), dtype=np.uint8).astype(np.int64)
+             for k, v in zip(keys, rng.integers(0, 100000, pairs))]
+    body = int(rng.integers(pairs, length - 20 * pairs))  # text around the planted pairs
+    f = int(rng.integers(0, len(data) - length - 1))
+    filler = data[f:f + body]
+    places = sorted(int(x) for x in rng.choice(len(filler) + 1, pairs, replace=False))
+    parts = []
+    for i, (a, b) in enumerate(zip([0] + places, places + [len(filler)])):
+        parts.append(filler[a:b])
+        if i < pairs:
+            parts.append(items[i])
+    parts += [items[i] for i in rng.permutation(pairs)]
+    row = np.concatenate(parts)
+    row = np.concatenate([row, data[f + body:f + body + length]])[:length]
+    return row, np.zeros(length - 1, dtype=bool)
+
+
+def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction):
+    """(x, y, copied): batch rows of seq + 1 bytes as inputs and targets, plain text or, with
+    the given probabilities, a copy row or a lookup row (the mix that teaches the family to use
+    context far back, issue 22); copied marks the targets inside second copies."""
+    if copy_fraction == 0 and lookup_fraction == 0:  # the draws of the runs before the mix
+        starts = rng.integers(0, len(data) - seq - 1, size=batch)
+        return (torch.from_numpy(np.stack([data[s:s + seq] for s in starts])),
+                torch.from_numpy(np.stack([data[s + 1:s + seq + 1] for s in starts])),
+                torch.zeros(batch, seq, dtype=torch.bool))
+    rows, masks = [], []
+    for u in rng.random(batch):
+        if u < copy_fraction:
+            row, copied = copy_row(rng, data, seq + 1)
+        elif u < copy_fraction + lookup_fraction:
+            row, copied = lookup_row(rng, data, seq + 1)
+        else:
+            s = int(rng.integers(0, len(data) - seq - 1))
+            row, copied = data[s:s + seq + 1], np.zeros(seq, dtype=bool)
+        rows.append(row)
+        masks.append(copied)
+    rows = torch.from_numpy(np.stack(rows))
+    return rows[:, :-1], rows[:, 1:], torch.from_numpy(np.stack(masks))
+
+
 def heldout_bpb(model, data, seq, max_windows=None):
     """Bits per byte over consecutive non-overlapping windows (each a fresh forward from 0)."""
     model.eval()
@@ -90,7 +157,7 @@ class Student:
         self.log = open(os.path.join(out, "train_log.csv"), "w", newline="")
         self.writer = csv.writer(self.log)
         self.writer.writerow(["step", "seconds", "tokens", "lr", "loss", "ce_bits_per_byte",
-                              "heldout_bits_per_byte"])
+                              "heldout_bits_per_byte", "copy_bits_per_byte"])
 
 
 def parse_student(spec, seed, lr):
@@ -137,6 +204,10 @@ def main():
     p.add_argument("--checkpoint_minutes", type=float, default=5)
     p.add_argument("--eval_every", type=int, default=200, help="steps between held-out checks")
     p.add_argument("--corpus_root", default=corpus.SOURCES)
+    p.add_argument("--copy_fraction", type=float, default=0.0,
+                   help="share of rows with a passage repeated after a gap (copy_row)")
+    p.add_argument("--lookup_fraction", type=float, default=0.0,
+                   help="share of rows with planted key=value lookups (lookup_row)")
     args = p.parse_args()
     ce_weight = args.ce_weight if args.ce_weight is not None else (0.1 if args.teacher else 1.0)
 
@@ -171,9 +242,8 @@ def main():
         frac = step / args.steps if args.steps else elapsed / budget
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * \
             (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        starts = rng.integers(0, len(train) - args.seq - 1, size=args.batch)
-        x = torch.from_numpy(np.stack([train[s:s + args.seq] for s in starts]))
-        y = torch.from_numpy(np.stack([train[s + 1:s + args.seq + 1] for s in starts]))
+        x, y, copied = training_batch(rng, train, args.batch, args.seq, args.copy_fraction,
+                                      args.lookup_fraction)
         t_logp = None
         if teacher is not None:
             with torch.no_grad():
@@ -184,7 +254,11 @@ def main():
             for g in st.opt.param_groups:
                 g["lr"] = lr
             logits = st.model(x).reshape(-1, tiny.VOCAB)
-            ce = F.cross_entropy(logits, y.reshape(-1))
+            per_byte = F.cross_entropy(logits, y.reshape(-1), reduction="none")
+            ce = per_byte.mean()
+            mask = copied.reshape(-1)
+            copy_bpb = (f"{per_byte[mask].mean().item() / math.log(2):.4f}" if mask.any()
+                        else "")
             loss = ce_weight * ce
             if t_logp is not None:
                 kl = F.kl_div(F.log_softmax(logits, dim=-1), t_logp, log_target=True,
@@ -198,9 +272,11 @@ def main():
             if step % args.eval_every == 0:
                 held = f"{heldout_bpb(st.model, heldout, args.seq, max_windows=64):.4f}"
             if step % 10 == 0 or held:
+                print(f"{st.name} step {step} {time.time() - start:.0f}s ce_bpb "
+                      f"{ce.item() / math.log(2):.3f} copy_bpb {copy_bpb or '-'}", flush=True)
                 st.writer.writerow([step, f"{time.time() - start:.1f}", tokens, f"{lr:.6f}",
                                     f"{loss.item():.4f}", f"{ce.item() / math.log(2):.4f}",
-                                    held])
+                                    held, copy_bpb])
                 st.log.flush()
             if held:
                 print(f"{st.name} step {step} {time.time() - start:.0f}s tokens {tokens} ce_bpb "
@@ -216,7 +292,8 @@ def main():
         summary = {"name": st.name, "parameters": st.params, "steps": step, "tokens": tokens,
                    "train_seconds": round(train_seconds), "batch": args.batch, "seq": args.seq,
                    "lr": args.lr, "teacher": args.teacher, "kl_weight": args.kl_weight,
-                   "ce_weight": ce_weight, "heldout_bits_per_byte": round(bpb, 4),
+                   "ce_weight": ce_weight, "copy_fraction": args.copy_fraction,
+                   "lookup_fraction": args.lookup_fraction, "heldout_bits_per_byte": round(bpb, 4),
                    "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
                    "trained_with": [o.name for o in students if o is not st],
                    "command": " ".join(sys.argv)}
