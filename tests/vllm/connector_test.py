@@ -96,6 +96,9 @@ def setUpModule():
         # The identity mappers of MechanicsTest (kvt-tiny-L-twin -> kvt-tiny-L).
         family.identity_mapper(Suite.store, "Ltwin-to-L")
         family.identity_mapper(Suite.store, "Ltwin-to-L-zero-v", zero_v=True)
+        # The reverse (kvt-tiny-L -> the twin): reads back what engine L published.
+        family.identity_mapper(Suite.store, "L-to-Ltwin", source_name=family.NAMES["L"],
+                               target_name=family.TWIN_L)
         Suite.config = family.kvtd_yaml(os.path.join(WORK, "kvtd.yaml"))
         start_kvtd()
         for engine in Suite.engines.values():
@@ -391,8 +394,9 @@ class KvtConnectorTest(unittest.TestCase):
         # (LLM.get_metrics names a counter family without its _total suffix.)
         metrics = {k[:-len("_total")] if k.endswith("_total") else k: v
                    for k, v in Suite.engines["L"].metrics().items()}
+        # publishes_shm: the publishes went through the worker's region, not inline chunks.
         for name in ("applied", "fallback_reprefill", "unsupported", "tokens_reused", "lookups",
-                     "publishes"):
+                     "publishes", "publishes_shm"):
             self.assertGreater(metrics.get(f"vllm:kvt_{name}", 0), 0, metrics)
 
 
@@ -411,7 +415,11 @@ class MechanicsTest(unittest.TestCase):
         1 ms prefix_cache.lease_seconds: the lease is gone when TranslateKV comes) goes through
         vLLM's load-failure path (recompute): the output equals a plain run;
       * kvtd stopped (SIGSTOP) while publishes queue up: the bounded queue drops and counts,
-        and every request is served.
+        and every request is served;
+      * what engine L publishes (copied from its paged blocks into the worker's publish region,
+        read there by kvtd) is L's own cache: read back through the reverse identity
+        (kvt-tiny-L -> the twin), it equals transformers' cache of the prompt within float
+        rounding.
     A lookup past its deadline and the salting of translated blocks are tests c1 and d1.
     """
 
@@ -478,6 +486,30 @@ class MechanicsTest(unittest.TestCase):
         finally:
             stop_kvtd()
             start_kvtd()
+
+    def test_engine_publish_through_shared_memory_is_its_own_cache(self):
+        before = self.engine.metrics().get("vllm:kvt_publishes_shm", 0)
+        prompt = list(b"Shared memory publish: " * 4) + self.PROMPT[:100]
+        with kvt.Client(Suite.kvtd.address, timeout=60) as c:
+            known = family.entry_ids(c, family.NAMES["L"])
+            self.engine.one(prompt, 2, kvt={"reuse": "forbid"}, cache_salt="mech-publish")
+            family.wait_for_entries(c, family.NAMES["L"], len(prompt) // 16 * 16, exclude=known)
+            hit = PrefixCache(c).lookup(family.TWIN_L, prompt, mapper_id="L-to-Ltwin",
+                                        max_tokens=len(prompt) - 1, policy="force")
+            self.assertTrue(hit.hit, hit)
+            got = c.translate_cached(hit.lease_id, hit.mapper_id, hit.matched_tokens,
+                                     dtype=DTYPE_NAMES[hit.dtype], output_dtype="fp32").target
+        self.assertGreater(self.engine.metrics().get("vllm:kvt_publishes_shm", 0), before)
+        member = R.Member(family.model_dir("L"))
+        with torch.no_grad():
+            out = member.hf(input_ids=torch.tensor([prompt]), use_cache=True)
+        want = adapters.from_dynamic_cache(out.past_key_values, dtype="fp32").to_layout("NHD")
+        got = got.to_layout("NHD")
+        n = hit.matched_tokens
+        for layer in range(want.num_layers):
+            for ours, theirs in ((got.k[layer], want.k[layer]), (got.v[layer], want.v[layer])):
+                np.testing.assert_allclose(np.asarray(ours)[:n], np.asarray(theirs)[:n],
+                                           rtol=1e-3, atol=1e-3)
 
     def test_publish_queue_full_drops_and_counts(self):
         before = self.engine.metrics().get("vllm:kvt_publish_dropped", 0)

@@ -40,7 +40,8 @@ def fit_store(work: str, pairs=PAIRS) -> str:
 
 
 def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Optional[Dict] = None,
-              min_mapper_quality: float = 0.0, lease_seconds: float = 30) -> str:
+              min_mapper_quality: float = 0.0, lease_seconds: float = 30,
+              allow_client_regions: bool = True) -> str:
     lines = ["prefix_cache:", "  enabled: true", f"  max_bytes: {max_bytes}",
              "  ttl_seconds: 600", "  block_tokens: 16", f"  lease_seconds: {lease_seconds}",
              f"  min_mapper_quality: {min_mapper_quality}"]
@@ -50,7 +51,8 @@ def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Option
     else:
         lines.append("  pair_min_quality: {}")
     # Engines on this node may hand kvtd a shared-memory region for translated loads.
-    lines += ["shared_memory:", "  allow_client_regions: true"]
+    lines += ["shared_memory:",
+              f"  allow_client_regions: {'true' if allow_client_regions else 'false'}"]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path
@@ -95,13 +97,15 @@ TWIN_L = "kvt-tiny-L-twin"  # a second name for L's weights: the source of the i
 
 
 def identity_mapper(store: str, mapper: str, member: str = "L", source_name: str = TWIN_L,
-                    zero_v: bool = False) -> str:
+                    zero_v: bool = False, target_name: Optional[str] = None) -> str:
     """A real mapper directory (manifest, safetensors weights, SHA256SUMS) from `source_name` to
     `member` that copies each layer's K (and V, unless zero_v) unchanged: k = 1, W = I, b = 0.
     kvtd serves it like any fitted mapper (RoPE stripped and re-applied at the same positions),
     so a cache `member` computed itself comes back within float rounding: the connector's
     paged load can be checked against a plain run independently of any fitted mapper's
-    quality. zero_v writes V's weights as zeros (the load must then change the output)."""
+    quality. zero_v writes V's weights as zeros (the load must then change the output).
+    target_name: the target model's name (default `member`'s own; the reverse identity, from
+    `member` to the twin, reads back what an engine of `member` published)."""
     import hashlib
     import json
 
@@ -128,7 +132,7 @@ def identity_mapper(store: str, mapper: str, member: str = "L", source_name: str
                 f"  head_dim: {dim}", f"  rope: {rope}"]
 
     manifest = (["format_version: 1", "kind: ridge", "synthetic: false", "source:"]
-                + model(source_name) + ["target:"] + model(NAMES[member])
+                + model(source_name) + ["target:"] + model(target_name or NAMES[member])
                 + ["k: 1", "lambda: 0", "lambda_scale: covariance",
                    "weights: {file: weights.safetensors, dtype: fp32}", "layers:"]
                 + [f"  - {{target_layer: {l}, sigma_k: [{l}], sigma_v: [{l}]}}"

@@ -130,6 +130,40 @@ class PrefixCache:
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
+    def publish_region(self, model: str, token_ids: Sequence[int], region: common_pb2.RegionRef,
+                       *, num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: str = "fp32", ttl_seconds: int = 0, request_id: str = "",
+                       wait_for_ready: bool = False, timeout: Optional[float] = None
+                       ) -> prefix_cache_pb2.PublishResponse:
+        """Stores `model`'s cache of `token_ids` from a registered shared-memory region
+        (`kvt.shm.SharedMemoryRegion.ref(offset, size)`) instead of inline chunks: packed, per
+        layer K then V, each [tokens, heads, head_dim] of `dtype` (bf16 as its bit patterns).
+        kvtd copies it into its tier before answering, so the region may be reused as soon as
+        this returns. No cache bytes go through protobuf or the socket."""
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype: unknown dtype {dtype!r}")
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise InvalidArgumentError("token_ids: empty")
+        expected = 2 * num_layers * len(tokens) * num_kv_heads * head_dim * ELEMENT_SIZE[dtype]
+        if region.byte_size != expected:
+            raise InvalidArgumentError(f"region.byte_size={region.byte_size}, but {num_layers} "
+                                       f"layers x {len(tokens)} tokens x {num_kv_heads} x "
+                                       f"{head_dim} {dtype} are {expected} bytes")
+        header = prefix_cache_pb2.PublishHeader(
+            request_id=request_id or uuid.uuid4().hex, model=model, token_ids=tokens,
+            dtype=DTYPES[dtype], layout=common_pb2.LAYOUT_NHD,
+            shape=common_pb2.CacheShape(num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                        head_dim=head_dim),
+            input=common_pb2.Transport(region=region), ttl_seconds=ttl_seconds)
+        try:
+            return self._stub.Publish(iter([prefix_cache_pb2.PublishRequest(header=header)]),
+                                      timeout=self._timeout(timeout),
+                                      metadata=self.client._metadata,
+                                      wait_for_ready=wait_for_ready)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
     # -- LookupPrefix --------------------------------------------------------------------------
 
     def lookup(self, target_model: str, token_ids: Sequence[int], *, policy: str = "auto",

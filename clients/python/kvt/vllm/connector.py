@@ -55,7 +55,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
                                                                     KVConnectorStats)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvt.vllm.paged import PagedLayout, gather_tokens, layer_order
+from kvt.vllm.paged import PagedLayout, gather_rows, gather_tokens, layer_order, scatter_rows
+from kvt.vllm.regions import PublishRing, WorkerRegion
+from kvt.vllm.regions import describe_error as _describe
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,6 +86,10 @@ DEFAULTS: Dict[str, Any] = {
     "publish": True,                    # publish after prefill
     "publish_final": True,              # publish prompt + generated when a request ends
     "publish_queue_size": 8,            # pending publishes; beyond it they are dropped
+    # Bytes of the shared-memory region publishes are copied into for kvtd to read (transport
+    # auto/shm); a publish that does not fit in what is free goes inline. 0: four requests of
+    # max_model_len tokens, at most 256 MiB.
+    "publish_region_bytes": 0,
     "block_tokens": 16,                 # kvtd's prefix_cache.block_tokens
     "min_reuse_tokens": 0,              # 0 = one vLLM block
     "reuse": "auto",                    # default policy of requests without kvt params
@@ -151,7 +157,7 @@ def validate_kv_transfer_params(params: Any) -> None:
 
 _COUNTERS = ("requests", "lookups", "lookup_errors", "hits", "applied", "fallback_reprefill",
              "unsupported", "tokens_reused", "load_failures", "publishes", "publish_dropped",
-             "publish_failed", "publish_bytes")
+             "publish_failed", "publish_bytes", "publishes_shm", "publish_region_full")
 
 
 @dataclass
@@ -195,6 +201,9 @@ _COUNTER_HELP = {
     "publish_dropped": "Publishes dropped because the publish queue was full.",
     "publish_failed": "Publishes that failed.",
     "publish_bytes": "Bytes of KV published to kvtd.",
+    "publishes_shm": "Publishes kvtd read from the worker's shared-memory region (no inline "
+                     "chunks).",
+    "publish_region_full": "Publishes sent inline because the publish region had no room.",
 }
 
 
@@ -342,10 +351,11 @@ class KvtConnector(KVConnectorBase_V1):
             self._done_loads: Dict[str, Dict[str, Any]] = {}
             self._finals_copied: set = set()
             self._failed_this_step: set = set()
-            self._region: Any = None          # kvt.SharedMemoryRegion for translated loads
-            self._region_ok = False           # registered with the kvtd we talk to now
-            self._region_lock = threading.Lock()
-            self._region_retry_at = 0.0
+            # Shared memory for translated loads and for publishes (kvt/vllm/regions.py),
+            # made in register_kv_caches once the cache's size is known; None: inline.
+            self._load_region: Optional[WorkerRegion] = None
+            self._publish_region: Optional[WorkerRegion] = None
+            self._publish_ring: Optional[PublishRing] = None
             self._publish_queue: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue(
                 maxsize=max(1, int(self.config["publish_queue_size"])))
             self._publisher = threading.Thread(target=self._publish_loop, name="kvt-publish",
@@ -401,11 +411,9 @@ class KvtConnector(KVConnectorBase_V1):
                 self._publish_queue.put_nowait(None)
             except queue.Full:
                 pass
-            if self._region is not None:
-                try:
-                    self._region.close()
-                except Exception:
-                    pass
+            for region in (self._load_region, self._publish_region):
+                if region is not None:
+                    region.close()
         if self._client is not None:
             self._client.close()
 
@@ -665,8 +673,30 @@ class KvtConnector(KVConnectorBase_V1):
         self._paged = {name: PagedLayout(kv_caches[name], self.num_kv_heads, self.head_dim)
                        for name in self._layers}
         first = self._paged[self._layers[0]]
-        logger.info("kvt: %d attention layers, paged layout %s (ISA %s), block size %d",
-                    len(self._layers), first.kind, first.isa or "-", first.block_size)
+        # On CPU, numpy views of whole blocks (None per layer where the kernel's order is not
+        # affine): loads and publishes copy block by block instead of element by element.
+        flats = [self._kv_caches[name].view(-1) for name in self._layers]
+        self._host = _host_views(flats, self.engine_dtype) if flats[0].device.type == "cpu" \
+            else None
+        self._block_views = ([self._paged[name].block_views(h)
+                              for name, h in zip(self._layers, self._host)]
+                             if self._host is not None else [None] * len(self._layers))
+        logger.info("kvt: %d attention layers, paged layout %s (ISA %s), block size %d, %s "
+                    "copies", len(self._layers), first.kind, first.isa or "-", first.block_size,
+                    "block" if self._block_views[0] is not None else "indexed")
+        if self.config["transport"] != "inline":
+            request_bytes = self._cache_bytes(self.max_model_len)
+            warn = self.config["transport"] == "shm"
+            client_fn = lambda: self._kvt()[0]  # noqa: E731
+            self._load_region = WorkerRegion(client_fn, request_bytes, "translated loads", warn)
+            ring = int(self.config["publish_region_bytes"]) or min(4 * request_bytes, 256 << 20)
+            self._publish_region = WorkerRegion(client_fn, ring, "publishes", warn)
+            self._publish_ring = PublishRing(ring)
+
+    def _cache_bytes(self, tokens: int) -> int:
+        """Bytes of this engine's cache of `tokens` tokens, all layers, K and V."""
+        return (2 * len(self._layers) * self.num_kv_heads * self.head_dim *
+                _ELEMENT_BYTES[self.engine_dtype] * tokens)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -702,72 +732,63 @@ class KvtConnector(KVConnectorBase_V1):
                     self._finals_copied.add(spec["req_id"])
 
     def _copy_and_queue(self, spec: Dict[str, Any]) -> None:
+        if self._publish_queue.full():  # only this thread adds: the put below cannot fail
+            self._count("publish_dropped")
+            logger.warning("kvt: publish queue full, dropped the %s publish of %s",
+                           spec["kind"], spec["req_id"])
+            return
+        item = {"req_id": spec["req_id"], "kind": spec["kind"], "token_ids": spec["token_ids"]}
+        slot = self._copy_to_publish_region(spec)
+        if slot is not None:
+            item["slot"] = slot
+        else:
+            item["layers"] = self._copy_to_arrays(spec)
+        self._publish_queue.put_nowait(item)
+
+    def _copy_to_publish_region(self, spec: Dict[str, Any]) -> Optional[Tuple[int, int]]:
+        """Copies the publish's tokens out of the paged cache into free bytes of the publish
+        region (packed: per layer K then V, [tokens, heads, head_dim], the engine's dtype) and
+        returns (offset, size), or None (no region, no room, or no block copies): inline."""
+        n = len(spec["token_ids"])
+        nbytes = self._cache_bytes(n)
+        if self._publish_ring is None or None in self._block_views:
+            return None
+        region = self._publish_region.ready(nbytes)  # registered by the publish thread
+        if region is None:
+            return None
+        offset = self._publish_ring.allocate(nbytes)
+        if offset is None:
+            self._count("publish_region_full")
+            return None
+        try:
+            packed = np.frombuffer(region.buf, dtype=_WIRE_NUMPY[self.engine_dtype],
+                                   count=nbytes // _ELEMENT_BYTES[self.engine_dtype],
+                                   offset=offset).reshape(len(self._layers), 2, n,
+                                                          self.num_kv_heads, self.head_dim)
+            for layer, (name, views) in enumerate(zip(self._layers, self._block_views)):
+                rows = gather_rows(views, self._paged[name], spec["block_ids"], 0, n)
+                packed[layer, 0], packed[layer, 1] = rows
+        except BaseException:
+            self._publish_ring.free(offset)
+            raise
+        return offset, nbytes
+
+    def _copy_to_arrays(self, spec: Dict[str, Any]) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """The publish's tokens as float numpy arrays per layer (K, V), for an inline publish."""
         n = len(spec["token_ids"])
         layers = []
-        for name in self._layers:
+        for name, views in zip(self._layers, self._block_views):
+            rows = (gather_rows(views, self._paged[name], spec["block_ids"], 0, n)
+                    if views is not None else None)
+            if rows is not None:
+                layers.append(tuple(_bits_to_float(r) if self.engine_dtype == "bf16" else r
+                                    for r in rows))
+                continue
             k, v = gather_tokens(self._kv_caches[name], self._paged[name], spec["block_ids"],
                                  0, n)
             layers.append((k.float().numpy() if self.engine_dtype == "bf16" else k.numpy(),
                            v.float().numpy() if self.engine_dtype == "bf16" else v.numpy()))
-        item = {"req_id": spec["req_id"], "kind": spec["kind"], "token_ids": spec["token_ids"],
-                "layers": layers}
-        try:
-            self._publish_queue.put_nowait(item)
-        except queue.Full:
-            self._count("publish_dropped")
-            logger.warning("kvt: publish queue full, dropped the %s publish of %s",
-                           spec["kind"], spec["req_id"])
-
-    def _acquire_region(self, nbytes: int) -> Any:
-        """The worker's shared-memory region, registered with kvtd and locked for one load, or
-        None (inline transport, kvtd refuses client regions, or another load holds it)."""
-        mode = self.config["transport"]
-        if mode == "inline" or not self._region_lock.acquire(blocking=False):
-            return None
-        try:
-            if time.monotonic() < self._region_retry_at:
-                raise _NoRegion()
-            client, _ = self._kvt()
-            if self._region is None:
-                from kvt.shm import SharedMemoryRegion
-                size = (2 * self.num_layers * self.num_kv_heads * self.head_dim *
-                        _ELEMENT_BYTES[self.engine_dtype] * self.max_model_len)
-                self._region = SharedMemoryRegion(client, size, timeout=2.0)
-                self._region_ok = True
-                # kvtd forgets registrations when it restarts: any connectivity change of the
-                # channel means registering again before the next load.
-                client._channel.subscribe(self._on_channel_state, try_to_connect=False)
-                logger.info("kvt: translated loads through shared memory (%s, %d bytes)",
-                            self._region.name, size)
-            elif not self._region_ok:
-                from kvt.errors import AlreadyExistsError
-                try:
-                    client.register_system_memory(self._region.name, self._region.key,
-                                                  self._region.byte_size, 0, timeout=2.0)
-                except AlreadyExistsError:
-                    pass
-                self._region_ok = True
-            if nbytes > self._region.byte_size:
-                raise _NoRegion()
-            return self._region
-        except Exception as error:
-            if not isinstance(error, _NoRegion):
-                self._region_retry_at = time.monotonic() + 30.0
-                (logger.warning if mode == "shm" else logger.info)(
-                    "kvt: no shared-memory region for translated loads (%s); inline chunks "
-                    "for 30 s", _describe(error))
-            self._region_lock.release()
-            return None
-
-    def _release_region(self, failed: bool) -> None:
-        if failed:
-            self._region_ok = False  # re-register (or find out why) before the next use
-        self._region_lock.release()
-
-    def _on_channel_state(self, state: Any) -> None:
-        import grpc
-        if state != grpc.ChannelConnectivity.READY:
-            self._region_ok = False
+        return layers
 
     def _publish_loop(self) -> None:
         while True:
@@ -775,17 +796,57 @@ class KvtConnector(KVConnectorBase_V1):
             if item is None:
                 return
             try:
-                _, prefix = self._kvt()
-                prefix.publish(self.model_name, item["token_ids"], item["layers"],
-                               dtype=self.engine_dtype, layout="NHD",
-                               request_id=f"{item['req_id']}/{item['kind']}",
-                               wait_for_ready=True, timeout=float(self.config["publish_timeout_s"]))
-                self._count("publishes")
-                self._count("publish_bytes", sum(k.nbytes + v.nbytes for k, v in item["layers"]))
+                self._publish(item)
+                if self._publish_region is not None:
+                    self._publish_region.get(0)  # registers it here, not in an engine step
             except Exception as error:
                 self._count("publish_failed")
                 logger.warning("kvt: publish of %s (%s, %d tokens) failed: %s", item["req_id"],
                                item["kind"], len(item["token_ids"]), _describe(error))
+
+    def _publish(self, item: Dict[str, Any]) -> None:
+        _, prefix = self._kvt()
+        request_id = f"{item['req_id']}/{item['kind']}"
+        timeout = float(self.config["publish_timeout_s"])
+        if "slot" in item:
+            from kvt.errors import KvtError
+            offset, nbytes = item["slot"]
+            region = self._publish_region.memory
+            try:
+                try:
+                    prefix.publish_region(
+                        self.model_name, item["token_ids"], region.ref(offset, nbytes),
+                        num_layers=len(self._layers), num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, dtype=self.engine_dtype, request_id=request_id,
+                        wait_for_ready=True, timeout=timeout)
+                    self._count("publishes_shm")
+                except KvtError as error:
+                    if "header.input.region" not in str(error):
+                        raise
+                    # kvtd lost or refuses the region (restarted, client regions off): the same
+                    # bytes inline, and register again before the next publish.
+                    self._publish_region.mark_failed()
+                    packed = np.frombuffer(region.buf,
+                                           dtype=_WIRE_NUMPY[self.engine_dtype],
+                                           count=nbytes // _ELEMENT_BYTES[self.engine_dtype],
+                                           offset=offset).reshape(
+                        len(self._layers), 2, len(item["token_ids"]), self.num_kv_heads,
+                        self.head_dim)
+                    floats = _bits_to_float if self.engine_dtype == "bf16" else np.asarray
+                    prefix.publish(self.model_name, item["token_ids"],
+                                   [(floats(k), floats(v)) for k, v in packed],
+                                   dtype=self.engine_dtype, layout="NHD", request_id=request_id,
+                                   wait_for_ready=True, timeout=timeout)
+            finally:
+                self._publish_ring.free(offset)
+            self._count("publishes")
+            self._count("publish_bytes", nbytes)
+            return
+        prefix.publish(self.model_name, item["token_ids"], item["layers"],
+                       dtype=self.engine_dtype, layout="NHD", request_id=request_id,
+                       wait_for_ready=True, timeout=timeout)
+        self._count("publishes")
+        self._count("publish_bytes", sum(k.nbytes + v.nbytes for k, v in item["layers"]))
 
     def get_transfer_results(self, finished_req_ids: set) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
@@ -830,6 +891,7 @@ class _Load:
     def __init__(self, connector: KvtConnector, spec: Dict[str, Any]) -> None:
         self.c = connector
         self.spec = spec
+        self._indexed: Optional[tuple] = None  # _targets(), made on first use
 
     def start(self) -> None:
         self.c._load_pool.submit(self._run)
@@ -848,9 +910,8 @@ class _Load:
     def _translate(self) -> Dict[str, Any]:
         spec, c = self.spec, self.c
         matched = spec["matched_tokens"]
-        nbytes = (2 * len(c._layers) * c.num_kv_heads * c.head_dim *
-                  _ELEMENT_BYTES[c.engine_dtype] * matched)
-        region = c._acquire_region(nbytes)
+        nbytes = c._cache_bytes(matched)
+        region = c._load_region.acquire(nbytes) if c._load_region is not None else None
         if region is None:
             return self._translate_inline()
         failed = True
@@ -859,24 +920,68 @@ class _Load:
             failed = False
             return result
         finally:
-            c._release_region(failed)
+            c._load_region.release(failed)
 
     def _targets(self) -> Tuple[List[torch.Tensor], Optional[List[np.ndarray]], torch.Tensor,
                                 torch.Tensor, np.ndarray, np.ndarray]:
         """Per layer the flat cache tensor (and its numpy view on CPU), and the flat indices of
         the request's rows [start, end): one index serves every layer (same block table, same
-        kernel element order)."""
+        kernel element order). Only for rows that block copies (_write_rows) cannot take."""
+        if self._indexed is None:
+            spec, c = self.spec, self.c
+            index_k, index_v = c._paged[c._layers[0]].index(spec["block_ids"], spec["start"],
+                                                            spec["end"])
+            flats = [c._kv_caches[name].view(-1) for name in c._layers]
+            device = flats[0].device
+            # On CPU rows are written with numpy into views of the cache (single-threaded: a
+            # torch index_put here would start an OpenMP region beside the model runner's, on
+            # the same cores, and wait in it for milliseconds per chunk).
+            self._indexed = (flats, c._host, index_k.to(device), index_v.to(device),
+                             index_k.cpu().numpy(), index_v.cpu().numpy())
+        return self._indexed
+
+    def _write_rows(self, layer: int, is_k: bool, lo: int, rows: np.ndarray, wire: str) -> None:
+        """Writes target rows [lo, lo + len(rows)) of the request (numpy [n, heads, dim] of wire
+        dtype `wire`) into one layer's K or V blocks: a block copy where the rows are whole
+        blocks in the engine's dtype, else through the element indices."""
         spec, c = self.spec, self.c
-        index_k, index_v = c._paged[c._layers[0]].index(spec["block_ids"], spec["start"],
-                                                        spec["end"])
-        flats = [c._kv_caches[name].view(-1) for name in c._layers]
-        device = flats[0].device
-        # On CPU rows are written with numpy into views of the cache (single-threaded: a torch
-        # index_put here would start an OpenMP region beside the model runner's, on the same
-        # cores, and wait in it for milliseconds per chunk).
-        host = _host_views(flats, c.engine_dtype) if device.type == "cpu" else None
-        return (flats, host, index_k.to(device), index_v.to(device), index_k.cpu().numpy(),
-                index_v.cpu().numpy())
+        views = c._block_views[layer]
+        if (views is not None and wire == c.engine_dtype and
+                scatter_rows(views[0 if is_k else 1], c._paged[c._layers[layer]],
+                             spec["block_ids"], lo, rows)):
+            return
+        flats, host, index_k, index_v, np_k, np_v = self._targets()
+        n, start = rows.shape[0], spec["start"]
+        if host is not None and wire == c.engine_dtype:
+            host[layer][(np_k if is_k else np_v)[lo - start:lo - start + n]] = rows
+            return
+        part = _rows(np.ascontiguousarray(rows).tobytes(), wire, n, c.num_kv_heads, c.head_dim,
+                     0, n)
+        flat = flats[layer]
+        flat[(index_k if is_k else index_v)[lo - start:lo - start + n]] = part.to(
+            device=flat.device, dtype=flat.dtype)
+
+    def _check_target_header(self, header: Any, call: Any) -> str:
+        """The response header's shape, layout and dtype against this engine's cache (the call
+        cancelled and an error raised on a mismatch); returns the wire dtype of the rows."""
+        from kvt._proto import common_pb2
+        from kvt.cache import DTYPE_NAMES
+        c = self.c
+        shape, dtype = header.target_shape, DTYPE_NAMES.get(header.output_dtype)
+        layers, heads, dim = len(c._layers), c.num_kv_heads, c.head_dim
+        problem = None
+        if (shape.num_layers, shape.num_kv_heads, shape.head_dim) != (layers, heads, dim):
+            problem = (f"mapper {self.spec['mapper_id']} produces {shape.num_layers}x"
+                       f"{shape.num_kv_heads}x{shape.head_dim}, this engine's cache is "
+                       f"{layers}x{heads}x{dim}")
+        elif header.output_layout != common_pb2.LAYOUT_NHD:
+            problem = "kvtd answered a layout other than NHD"
+        elif dtype not in _WIRE_NUMPY:
+            problem = f"kvtd answered output dtype {header.output_dtype}"
+        if problem:
+            call.cancel()
+            raise RuntimeError(problem)
+        return dtype
 
     def _translate_region(self, region: Any, nbytes: int) -> Dict[str, Any]:
         """TranslateKV with the result written by kvtd into the worker's shared-memory region
@@ -907,24 +1012,15 @@ class _Load:
         packed = np.frombuffer(region.buf, dtype=_WIRE_NUMPY[c.engine_dtype],
                                count=nbytes // _ELEMENT_BYTES[c.engine_dtype]).reshape(
                                    layers, 2, matched, heads, dim)
-        targets = None
         loaded = np.zeros((layers, 2), dtype=bool)
         load_s = 0.0
         response_header = trailer = None
 
         def load(layer: int, kind: int) -> None:
-            nonlocal targets, load_s
+            nonlocal load_s
             t = time.monotonic()
-            if targets is None:
-                targets = self._targets()
-            flats, host, index_k, index_v, np_k, np_v = targets
-            rows = packed[layer, kind, start:end]
-            if host is not None:
-                host[layer][np_k if kind == 0 else np_v] = rows
-            else:
-                flats[layer][index_k if kind == 0 else index_v] = _rows(
-                    rows.tobytes(), c.engine_dtype, end - start, heads, dim, 0,
-                    end - start).to(flats[layer].device)
+            self._write_rows(layer, kind == 0, start, packed[layer, kind, start:end],
+                             c.engine_dtype)
             loaded[layer, kind] = True
             load_s += time.monotonic() - t
 
@@ -933,16 +1029,11 @@ class _Load:
                 which = response.WhichOneof("msg")
                 if which == "header":
                     response_header = response.header
-                    shape = response_header.target_shape
-                    if (shape.num_layers != layers or shape.num_kv_heads != heads
-                            or shape.head_dim != dim
-                            or response_header.output_layout != common_pb2.LAYOUT_NHD
-                            or DTYPE_NAMES.get(response_header.output_dtype) != c.engine_dtype):
+                    if self._check_target_header(response_header, call) != c.engine_dtype:
                         call.cancel()
                         raise RuntimeError(
-                            f"kvtd writes {shape.num_layers}x{shape.num_kv_heads}x"
-                            f"{shape.head_dim} {DTYPE_NAMES.get(response_header.output_dtype)}; "
-                            f"this engine's cache is {layers}x{heads}x{dim} {c.engine_dtype} NHD")
+                            f"kvtd wrote {DTYPE_NAMES.get(response_header.output_dtype)} into "
+                            f"the region; this engine's cache is {c.engine_dtype}")
                 elif which == "chunk":
                     notice = response.chunk
                     if (response_header is None or notice.layer >= layers or notice.data
@@ -982,27 +1073,13 @@ class _Load:
         layers = c._layers
         heads, dim = c.num_kv_heads, c.head_dim
         covered = np.zeros((len(layers), 2, end - start), dtype=bool)
-        flats, host, index_k, index_v, np_k, np_v = self._targets()
-        device = flats[0].device
         header = trailer = None
         load_s = 0.0
         out_dtype = "fp32"
         for which, message in stream:
             if which == "header":
                 header = message
-                shape = header.target_shape
-                if (shape.num_layers != len(layers) or shape.num_kv_heads != heads or
-                        shape.head_dim != dim):
-                    stream.cancel()
-                    raise RuntimeError(
-                        f"mapper {spec['mapper_id']} produces {shape.num_layers}x"
-                        f"{shape.num_kv_heads}x{shape.head_dim}, this engine's cache is "
-                        f"{len(layers)}x{heads}x{dim}")
-                from kvt.cache import DTYPE_NAMES
-                out_dtype = DTYPE_NAMES.get(header.output_dtype, c.engine_dtype)
-                if header.output_layout != common_pb2.LAYOUT_NHD:
-                    stream.cancel()
-                    raise RuntimeError("kvtd answered a layout other than NHD")
+                out_dtype = self._check_target_header(header, stream)
             elif which == "chunk":
                 if header is None:
                     raise RuntimeError("a target chunk before the response header")
@@ -1015,19 +1092,9 @@ class _Load:
                     continue
                 t = time.monotonic()
                 is_k = chunk.kind == common_pb2.CACHE_KIND_K
-                if host is not None and out_dtype == c.engine_dtype:
-                    wire = _WIRE_NUMPY[out_dtype]
-                    part_np = np.frombuffer(chunk.data, dtype=wire).reshape(
-                        chunk.token_count, heads, dim)[lo - chunk.token_start:
-                                                       hi - chunk.token_start]
-                    rows_np = (np_k if is_k else np_v)[lo - start:hi - start]
-                    host[chunk.layer][rows_np] = part_np
-                else:
-                    part = _rows(chunk.data, out_dtype, chunk.token_count, heads, dim,
-                                 lo - chunk.token_start, hi - chunk.token_start)
-                    flat = flats[chunk.layer]
-                    rows = (index_k if is_k else index_v)[lo - start:hi - start]
-                    flat[rows] = part.to(device=device, dtype=flat.dtype)
+                rows = np.frombuffer(chunk.data, dtype=_WIRE_NUMPY[out_dtype]).reshape(
+                    chunk.token_count, heads, dim)[lo - chunk.token_start:hi - chunk.token_start]
+                self._write_rows(chunk.layer, is_k, lo, rows, out_dtype)
                 covered[chunk.layer, 0 if is_k else 1, lo - start:hi - start] = True
                 load_s += time.monotonic() - t
             elif which == "trailer":
@@ -1050,10 +1117,6 @@ class _Load:
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-class _NoRegion(Exception):
-    """No shared-memory region for this load (busy or too small): inline chunks instead."""
-
-
 _WIRE_NUMPY: Dict[str, Any] = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"),
                                "bf16": np.dtype("<i2")}
 
@@ -1066,6 +1129,11 @@ def _host_views(flats: List[torch.Tensor], dtype: str) -> Optional[List[np.ndarr
         return [f.numpy() for f in flats]
     except Exception:
         return None
+
+
+def _bits_to_float(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (int16) as the float32 values they encode (exact)."""
+    return (bits.astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def _wait(future: Future, seconds: float) -> bool:
@@ -1087,11 +1155,3 @@ def _rows(data: bytes, dtype: str, count: int, heads: int, dim: int, lo: int, hi
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffer: only read here
         return torch.from_numpy(array.reshape(count, heads, dim)[lo:hi])
-
-
-def _describe(error: BaseException) -> str:
-    code = getattr(error, "code", None)
-    details = getattr(error, "details", None)
-    if code is not None and details is not None and not callable(code):
-        return f"{getattr(code, 'name', code)}: {details}"
-    return f"{type(error).__name__}: {error}"

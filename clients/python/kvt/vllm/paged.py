@@ -9,7 +9,11 @@ still round-tripping exactly, so this module never guesses the order: it asks th
 bit patterns of every element's index into a one-block scratch cache through
 `cpu_attn_reshape_and_cache` and reading where they landed gives, per (ISA, dtype, block size,
 heads, head_dim), the memory offset of every (token offset, head, dim) of K and V within a block.
-Gathers and scatters are then plain indexed copies of the layer tensor.
+Gathers and scatters are then plain indexed copies of the layer tensor, or, where the kernel's
+order within a block is affine in (token offset, head, dim), as it is for every ISA seen here,
+strided copies of whole blocks through numpy views (`block_views`): no index array per element
+to build (0.6-1.3 ms per load of 2K tokens of kvt-tiny-L) or read (the copy itself 1.8x faster;
+tests/vllm/paged_test.py prints both). The connector's loads and publishes use them.
 
 The common GPU layout [2, num_blocks, block_size, num_kv_heads, head_dim] (flash attention) is
 handled from its strides.
@@ -21,6 +25,7 @@ import math
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 _PERMS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -69,6 +74,18 @@ def _kernel_offsets(dtype: torch.dtype, heads: int, block_size: int, dim: int, i
     return offsets
 
 
+def _affine(offsets: torch.Tensor) -> Optional[Tuple[int, Tuple[int, int, int]]]:
+    """(base, (token, head, dim) strides) when offsets [block_size, heads, dim] are
+    base + t * a + h * b + d * c, else None."""
+    t, h, d = offsets.shape
+    base = int(offsets[0, 0, 0])
+    strides = tuple(int(offsets[tuple(1 if i == axis else 0 for i in range(3))]) - base
+                    if n > 1 else 0 for axis, n in enumerate((t, h, d)))
+    grid = (base + torch.arange(t).view(t, 1, 1) * strides[0] +
+            torch.arange(h).view(1, h, 1) * strides[1] + torch.arange(d).view(1, 1, d) * strides[2])
+    return (base, strides) if torch.equal(grid, offsets) else None
+
+
 class PagedLayout:
     """Where token t of a request (block table `block_ids`) lives in one layer's paged cache."""
 
@@ -79,6 +96,7 @@ class PagedLayout:
             raise ValueError(f"paged KV cache of shape {shape} is not contiguous")
         if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_dim:
             self.kind = "cpu_attn"
+            self.num_blocks = shape[0]
             self.block_size = shape[2]
             self.block_elems = num_kv_heads * 2 * self.block_size * head_dim
             isa = _cpu_isa(kv_cache.dtype, self.block_size, head_dim)
@@ -91,6 +109,7 @@ class PagedLayout:
               shape[4] == head_dim):
             self.kind = "nhd_blocks"
             self.isa = ""
+            self.num_blocks = shape[1]
             self.block_size = shape[2]
             self.block_elems = self.block_size * num_kv_heads * head_dim
             local = torch.arange(self.block_elems).view(self.block_size, num_kv_heads, head_dim)
@@ -99,6 +118,28 @@ class PagedLayout:
         else:
             raise ValueError(f"unsupported paged KV cache shape {shape} for {num_kv_heads} KV "
                              f"heads x {head_dim}")
+        self._affine_kv = (_affine(self._k), _affine(self._v))
+
+    def block_views(self, flat: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """(K, V) numpy views [num_blocks, block_size, heads, dim] sharing the memory of one
+        layer's flat cache `flat` (its numpy view, any element type), or None when the kernel's
+        order within a block is not affine (then use `index`)."""
+        if None in self._affine_kv or flat.size != self.num_blocks * self.block_elems * (
+                2 if self.kind == "nhd_blocks" else 1):
+            return None
+        item = flat.itemsize
+        return tuple(np.lib.stride_tricks.as_strided(
+            flat[base:], shape=(self.num_blocks, self.block_size, self.heads, self.dim),
+            strides=tuple(n * item for n in (self.block_elems,) + strides))
+            for base, strides in self._affine_kv)
+
+    def whole_blocks(self, block_ids: Sequence[int], start: int, end: int) -> Optional[np.ndarray]:
+        """The block ids covering tokens [start, end) when both ends are block boundaries (or
+        end is the last token of a partly filled last block), else None."""
+        if start % self.block_size:
+            return None
+        last = -(-end // self.block_size)
+        return np.asarray(block_ids[start // self.block_size:last], dtype=np.int64)
 
     def index(self, block_ids: Sequence[int], start: int, end: int
               ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +174,32 @@ def scatter_tokens(kv_cache: torch.Tensor, layout: PagedLayout, block_ids: Seque
         flat[ik.to(flat.device)] = k.to(dtype=kv_cache.dtype, device=kv_cache.device)
     if v is not None:
         flat[iv.to(flat.device)] = v.to(dtype=kv_cache.dtype, device=kv_cache.device)
+
+
+def gather_rows(views: Tuple[np.ndarray, np.ndarray], layout: PagedLayout,
+                block_ids: Sequence[int], start: int, end: int
+                ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """Copies (K, V), each [end - start, heads, dim], of tokens [start, end) through a layer's
+    block views, or None when start is not a block boundary."""
+    blocks = layout.whole_blocks(block_ids, start, end)
+    if blocks is None:
+        return None
+    n = end - start
+    return tuple(view[blocks].reshape(-1, layout.heads, layout.dim)[:n] for view in views)
+
+
+def scatter_rows(view: np.ndarray, layout: PagedLayout, block_ids: Sequence[int], start: int,
+                 rows: np.ndarray) -> bool:
+    """Writes rows [n, heads, dim] (same element type as the view) of tokens [start, start + n)
+    through one K or V block view; False (nothing written) unless the range is whole blocks."""
+    n = rows.shape[0]
+    if n % layout.block_size:
+        return False
+    blocks = layout.whole_blocks(block_ids, start, start + n)
+    if blocks is None:
+        return False
+    view[blocks] = rows.reshape(-1, layout.block_size, layout.heads, layout.dim)
+    return True
 
 
 def layer_order(names: Sequence[str]) -> List[str]:
