@@ -41,7 +41,7 @@ def byte_stream(docs):
     return np.concatenate(parts).astype(np.int64)
 
 
-def copy_row(rng, data, length):
+def copy_row(rng, data, length, random_share=0.0):
     """A training row where context far back matters: a passage (32-160 bytes) of the training
     text, unrelated text (16-320 bytes), the same passage again, then ordinary text to the end.
     The second copy is only predictable by looking back (induction), which plain prose rarely
@@ -51,6 +51,10 @@ def copy_row(rng, data, length):
     lead = int(rng.integers(0, 65))
     s, f, t = (int(rng.integers(0, len(data) - length - 1)) for _ in range(3))
     passage = data[s:s + n]
+    if rng.random() < random_share:
+        # Random printable bytes: nothing but the earlier copy predicts them, so the gradient
+        # asks for copying alone (natural passages are half predictable from local statistics).
+        passage = rng.integers(32, 127, n).astype(np.int64)
     row = np.concatenate([data[t:t + lead], passage, data[f:f + gap], passage])
     row = np.concatenate([row, data[t + lead:t + lead + length]])[:length]
     # Targets only an earlier copy predicts: the second copy after its first byte.
@@ -84,7 +88,8 @@ def lookup_row(rng, data, length):
     return row, np.zeros(length - 1, dtype=bool)
 
 
-def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction):
+def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
+                   random_copy_share=0.0):
     """(x, y, copied): batch rows of seq + 1 bytes as inputs and targets, plain text or, with
     the given probabilities, a copy row or a lookup row (the mix that teaches the family to use
     context far back, issue 22); copied marks the targets inside second copies."""
@@ -96,7 +101,7 @@ def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction):
     rows, masks = [], []
     for u in rng.random(batch):
         if u < copy_fraction:
-            row, copied = copy_row(rng, data, seq + 1)
+            row, copied = copy_row(rng, data, seq + 1, random_copy_share)
         elif u < copy_fraction + lookup_fraction:
             row, copied = lookup_row(rng, data, seq + 1)
         else:
@@ -206,6 +211,8 @@ def main():
     p.add_argument("--corpus_root", default=corpus.SOURCES)
     p.add_argument("--copy_fraction", type=float, default=0.0,
                    help="share of rows with a passage repeated after a gap (copy_row)")
+    p.add_argument("--random_copy_share", type=float, default=0.0,
+                   help="share of copy rows whose passage is random printable bytes")
     p.add_argument("--lookup_fraction", type=float, default=0.0,
                    help="share of rows with planted key=value lookups (lookup_row)")
     args = p.parse_args()
@@ -243,7 +250,7 @@ def main():
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * \
             (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         x, y, copied = training_batch(rng, train, args.batch, args.seq, args.copy_fraction,
-                                      args.lookup_fraction)
+                                      args.lookup_fraction, args.random_copy_share)
         t_logp = None
         if teacher is not None:
             with torch.no_grad():
@@ -293,6 +300,7 @@ def main():
                    "train_seconds": round(train_seconds), "batch": args.batch, "seq": args.seq,
                    "lr": args.lr, "teacher": args.teacher, "kl_weight": args.kl_weight,
                    "ce_weight": ce_weight, "copy_fraction": args.copy_fraction,
+                   "random_copy_share": args.random_copy_share,
                    "lookup_fraction": args.lookup_fraction, "heldout_bits_per_byte": round(bpb, 4),
                    "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
                    "trained_with": [o.name for o in students if o is not st],
