@@ -47,6 +47,8 @@ def main():
                         help="how L receives translated KV (kv_connector_extra_config)")
     parser.add_argument("--idle_wait_ms", type=float, default=None,
                         help="kv_connector_extra_config.idle_wait_ms (default: the connector's)")
+    parser.add_argument("--layer_notices", choices=("on", "off"), default=None,
+                        help="kv_connector_extra_config.layer_notices (default: the connector's)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="kvt-ttft-")
     os.makedirs(work, exist_ok=True)
@@ -55,6 +57,8 @@ def main():
               "translate_timeout_s": 60.0, "publish_final": False, "transport": args.transport}
     if args.idle_wait_ms is not None:
         common["idle_wait_ms"] = args.idle_wait_ms
+    if args.layer_notices is not None:
+        common["layer_notices"] = args.layer_notices == "on"
     L = E.Engine("L", family.model_dir("L"), {**common, "model_name": family.NAMES["L"]}, work,
                  max_model_len=2048).start()
     M = E.Engine("M", family.model_dir("M"), {**common, "model_name": family.NAMES["M"]}, work,
@@ -129,6 +133,7 @@ def main():
         kvtd.__exit__(None, None, None)
     print(f"TTFT on engine {family.NAMES['L']} (vLLM {vllm_version()}, CPU, block size 32, "
           f"transport {args.transport}, idle_wait_ms {common.get('idle_wait_ms', 'default')}, "
+          f"layer_notices {common.get('layer_notices', 'default')}, "
           f"median of {args.repeat}; ms)")
     print("| prompt tokens | own prefill | translated prefix | no reuse (miss) | reused | "
           "lookup | translate (worker) | load | transfer | kvtd total | tail prefill | "

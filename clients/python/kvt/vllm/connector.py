@@ -102,6 +102,10 @@ DEFAULTS: Dict[str, Any] = {
     # arriving request can see in such a step; 0 turns the wait off.
     "idle_wait_ms": 5.0,
     "load_threads": 2,                  # concurrent translated loads per worker
+    # With a shared-memory load, ask kvtd for a notice per layer and kind as it lands in the
+    # region and copy each into the blocks while kvtd computes the next; off: one copy of all
+    # layers after the trailer (fewer messages through gRPC and the GIL; docs/VLLM.md).
+    "layer_notices": True,
 }
 
 _PARAM_KEYS = {"reuse", "mapper_id", "min_tokens"}
@@ -1001,7 +1005,7 @@ class _Load:
                                          output_layout="NHD",
                                          request_id=f"{spec['req_id']}/load")
         header.output.region.CopyFrom(region.ref(0, nbytes))
-        header.region_layer_notices = True
+        header.region_layer_notices = bool(c.config["layer_notices"])
         # wait_for_ready: the scheduler's lookup just got the lease, so kvtd is up; this
         # process's channel may still be reconnecting (e.g. after a kvtd restart).
         call = client.stub.TranslateKV(
