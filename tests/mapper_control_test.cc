@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
+#include "host_cache/host_cache_testing.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
@@ -42,24 +43,9 @@ SynthOptions Pair(const std::string& source, const std::string& target, uint64_t
   return o;
 }
 
+// An fp32 NHD cache of `model`'s shape (what these tests send).
 HostCache RandomCache(const ModelSpec& model, int64_t tokens, uint64_t seed) {
-  HostCache cache;
-  cache.dtype = DType::kFP32;
-  cache.layout = Layout::kNHD;
-  cache.num_layers = model.num_layers;
-  cache.num_kv_heads = model.num_kv_heads;
-  cache.head_dim = model.head_dim;
-  cache.num_tokens = tokens;
-  cache.Allocate();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  for (int l = 0; l < model.num_layers; ++l) {
-    for (auto* layer : {&cache.k[l], &cache.v[l]}) {
-      float* f = reinterpret_cast<float*>(layer->data());
-      for (size_t i = 0; i < layer->size() / sizeof(float); ++i) f[i] = normal(rng);
-    }
-  }
-  return cache;
+  return testing::RandomHostCache(model, tokens, DType::kFP32, Layout::kNHD, seed);
 }
 
 // Max relative error of `target` against the float64 reference of the mapper in `dir`.
@@ -67,17 +53,8 @@ double ErrorAgainst(const std::string& dir, const HostCache& source, const HostC
                     uint64_t offset) {
   absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(dir);
   EXPECT_TRUE(mapper.ok()) << mapper.status();
-  double worst = 0;
-  for (int l = 0; l < target.num_layers; ++l) {
-    for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
-      worst = std::max(
-          worst, testing::MaxRelError(testing::ReadLayer(target.view(), l, kind),
-                                      testing::ReferenceTranslate((*mapper)->view(), l, kind,
-                                                                  source.view(),
-                                                                  Positions{offset})));
-    }
-  }
-  return worst;
+  return testing::MaxErrorAgainstReference((*mapper)->view(), source.view(), target.view(),
+                                           Positions{offset});
 }
 
 class MapperControlTest : public ::testing::Test {

@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
+#include "host_cache/host_cache_testing.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
@@ -66,28 +67,6 @@ SynthOptions Ridge() {
   return o;
 }
 
-HostCache RandomCache(const ModelSpec& model, int64_t tokens, DType dtype, Layout layout,
-                      uint64_t seed) {
-  HostCache cache;
-  cache.dtype = dtype;
-  cache.layout = layout;
-  cache.num_layers = model.num_layers;
-  cache.num_kv_heads = model.num_kv_heads;
-  cache.head_dim = model.head_dim;
-  cache.num_tokens = tokens;
-  cache.Allocate();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> normal;
-  const int64_t elements = cache.layer_bytes() / static_cast<int64_t>(DTypeSize(dtype));
-  for (int layer = 0; layer < cache.num_layers; ++layer) {
-    for (int64_t i = 0; i < elements; ++i) {
-      StoreFromDouble(dtype, cache.k[layer].data(), i, normal(rng));
-      StoreFromDouble(dtype, cache.v[layer].data(), i, normal(rng));
-    }
-  }
-  return cache;
-}
-
 class MlpServingTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -128,21 +107,6 @@ class MlpServingTest : public ::testing::Test {
                       mapper.manifest().weights_dtype != DType::kFP32;
     const double tolerance = testing::TranslationTolerance(output);
     return bf16 ? std::max(tolerance, testing::TranslationTolerance(DType::kBF16)) : tolerance;
-  }
-
-  // Max relative error of `target` against the float64 reference, every layer, K and V.
-  static double ErrorAgainstReference(const MapperView& mapper, const HostCache& source,
-                                      const CacheView& target, const Positions& positions) {
-    double worst = 0;
-    for (int l = 0; l < mapper.target.num_layers; ++l) {
-      for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
-        worst = std::max(worst, testing::MaxRelError(
-                                    testing::ReadLayer(target, l, kind),
-                                    testing::ReferenceTranslate(mapper, l, kind, source.view(),
-                                                                positions)));
-      }
-    }
-    return worst;
   }
 
   grpc::Status Load(const std::string& id, const std::string& device, v1::MapperInfo* info) {
@@ -191,7 +155,7 @@ TEST_F(MlpServingTest, InlineTranslationsMatchTheFloat64Reference) {
     EXPECT_EQ(mapper->view().kind, c.mapper == "ridge" ? MapKind::kRidge : MapKind::kMlp);
     const uint64_t seed = testing::FreshSeed("mlp serving inline");
     const HostCache source =
-        RandomCache(mapper->view().source, c.tokens, c.dtype, c.layout, seed);
+        testing::RandomHostCache(mapper->view().source, c.tokens, c.dtype, c.layout, seed);
     v1::TranslateHeader header;
     header.set_source_model(mapper->view().source.name);  // found by pair, like any mapper
     header.set_target_model(mapper->view().target.name);
@@ -218,7 +182,7 @@ TEST_F(MlpServingTest, InlineTranslationsMatchTheFloat64Reference) {
     EXPECT_EQ(result->trailer.num_tokens(), static_cast<uint64_t>(c.tokens));
     // The reference reads the same rounded inputs and weights: what remains is fp32 arithmetic
     // and the output's rounding (SPEC 3), or on the oneDNN bf16 path bf16's 1e-2.
-    EXPECT_LE(ErrorAgainstReference(mapper->view(), source, result->target.view(), positions),
+    EXPECT_LE(testing::MaxErrorAgainstReference(mapper->view(), source.view(), result->target.view(), positions),
               Tolerance(*mapper, c.output_dtype));
   }
   // The MLP is really served as one: GetMapper reports the kind.
@@ -234,7 +198,7 @@ TEST_F(MlpServingTest, SharedMemoryEqualsInlineAndTheReference) {
   const ModelSpec& src = mapper->view().source;
   const ModelSpec& dst = mapper->view().target;
   const int64_t tokens = 75;
-  const HostCache source = RandomCache(src, tokens, DType::kBF16, Layout::kHND,
+  const HostCache source = testing::RandomHostCache(src, tokens, DType::kBF16, Layout::kHND,
                                        testing::FreshSeed("mlp serving shm"));
   v1::TranslateHeader inline_header;
   inline_header.set_mapper_id("per-layer");
@@ -288,7 +252,7 @@ TEST_F(MlpServingTest, SharedMemoryEqualsInlineAndTheReference) {
   }
   Positions positions;
   positions.offset = 33;
-  EXPECT_LE(ErrorAgainstReference(mapper->view(), source, shm_view, positions),
+  EXPECT_LE(testing::MaxErrorAgainstReference(mapper->view(), source.view(), shm_view, positions),
             testing::TranslationTolerance(DType::kBF16));
   KVT_EXPECT_OK(kvtd_->client().UnregisterSystemMemory(""));
 }
@@ -339,7 +303,7 @@ TEST_F(MlpServingTest, PagingCountsTheMlpBytes) {
     config.mapper_store.acquire_timeout_seconds = 0.1;
     Start(config);
     const HostCache source =
-        RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 1);
+        testing::RandomHostCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 1);
     v1::TranslateHeader header;
     header.set_mapper_id("per-layer");
     absl::StatusOr<TranslateResult> refused = kvtd_->client().Translate(header, source);

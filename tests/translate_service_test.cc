@@ -17,6 +17,7 @@
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "host_cache/host_cache_testing.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
 #include "mapper_store/mapper.h"
@@ -49,45 +50,6 @@ std::unique_ptr<InProcessKvtd> Serve(const std::string& store_dir,
   InProcessKvtdOptions options;
   options.drain_grace_seconds = 0.3;
   return StartKvtdForTest(store_dir, std::move(config), std::move(options));
-}
-
-HostCache RandomCache(const ModelSpec& model, int64_t tokens, DType dtype, Layout layout,
-                      uint64_t seed) {
-  HostCache cache;
-  cache.dtype = dtype;
-  cache.layout = layout;
-  cache.num_layers = model.num_layers;
-  cache.num_kv_heads = model.num_kv_heads;
-  cache.head_dim = model.head_dim;
-  cache.num_tokens = tokens;
-  cache.Allocate();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> normal;
-  const int64_t elements = cache.layer_bytes() / static_cast<int64_t>(DTypeSize(dtype));
-  for (int layer = 0; layer < cache.num_layers; ++layer) {
-    for (int64_t i = 0; i < elements; ++i) {
-      StoreFromDouble(dtype, cache.k[layer].data(), i, normal(rng));
-      StoreFromDouble(dtype, cache.v[layer].data(), i, normal(rng));
-    }
-  }
-  return cache;
-}
-
-// Max relative error of a translated cache against the float64 reference, all layers and kinds.
-double ErrorAgainstReference(const MapperView& mapper, const HostCache& source,
-                             const HostCache& target, const Positions& positions) {
-  double worst = 0;
-  const CacheView source_view = source.view();
-  const CacheView target_view = target.view();
-  for (int layer = 0; layer < mapper.target.num_layers; ++layer) {
-    for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
-      worst = std::max(worst, testing::MaxRelError(
-                                  testing::ReadLayer(target_view, layer, kind),
-                                  testing::ReferenceTranslate(mapper, layer, kind, source_view,
-                                                              positions)));
-    }
-  }
-  return worst;
 }
 
 class TranslateServiceTest : public ::testing::Test {
@@ -194,7 +156,7 @@ TEST_F(TranslateServiceTest, UnknownPairIsNotFoundNamingThePair) {
   v1::TranslateHeader header;
   header.set_source_model("Qwen/Qwen3-14B");
   header.set_target_model("Qwen/Qwen3-32B");
-  HostCache cache = RandomCache(NeoxModelSpec("x", 1, 1, 8, 1e4), 4, DType::kBF16, Layout::kHND, 1);
+  HostCache cache = testing::RandomHostCache(NeoxModelSpec("x", 1, 1, 8, 1e4), 4, DType::kBF16, Layout::kHND, 1);
   absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, cache);
   ASSERT_EQ(result.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(result.status().message()),
@@ -228,7 +190,7 @@ TEST_F(TranslateServiceTest, TranslationsMatchTheFloat64Reference) {
                               " T=", c.tokens));
     std::unique_ptr<LoadedMapper> mapper = Local(c.mapper);
     const uint64_t seed = testing::FreshSeed("service translate");
-    HostCache source = RandomCache(mapper->view().source, c.tokens, c.dtype, c.layout, seed);
+    HostCache source = testing::RandomHostCache(mapper->view().source, c.tokens, c.dtype, c.layout, seed);
     v1::TranslateHeader header;
     header.set_source_model(mapper->view().source.name);
     header.set_target_model(mapper->view().target.name);
@@ -259,7 +221,8 @@ TEST_F(TranslateServiceTest, TranslationsMatchTheFloat64Reference) {
          mapper->manifest().weights_dtype == DType::kFP32)
             ? 1e-5
             : 1e-2;
-    EXPECT_LE(ErrorAgainstReference(mapper->view(), source, result->target, positions),
+    EXPECT_LE(testing::MaxErrorAgainstReference(mapper->view(), source.view(),
+                                                 result->target.view(), positions),
               tolerance);
   }
 }
@@ -380,7 +343,7 @@ TEST_F(TranslateServiceTest, MalformedStreamsGetClearErrorsAndTheServerKeepsServ
   }
   // Still serving, and the failed requests released their admission.
   std::unique_ptr<LoadedMapper> mapper = Local("matched");
-  HostCache source = RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 3);
+  HostCache source = testing::RandomHostCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 3);
   v1::TranslateHeader header;
   header.set_mapper_id("matched");
   absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, source);
@@ -416,7 +379,7 @@ TEST_F(TranslateServiceTest, AdmissionLimitGivesResourceExhaustedAndDeadlinesFre
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::unique_ptr<LoadedMapper> mapper = Local("matched");
-  HostCache source = RandomCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 4);
+  HostCache source = testing::RandomHostCache(mapper->view().source, 8, DType::kFP32, Layout::kHND, 4);
   v1::TranslateHeader header;
   header.set_mapper_id("matched");
   EXPECT_TRUE(kvtd->client().Translate(header, source).ok());
@@ -425,7 +388,7 @@ TEST_F(TranslateServiceTest, AdmissionLimitGivesResourceExhaustedAndDeadlinesFre
 TEST_F(TranslateServiceTest, ShutdownDrainsInFlightStreamsAndRefusesNewOnes) {
   std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_);
   std::unique_ptr<LoadedMapper> mapper = Local("matched");
-  HostCache source = RandomCache(mapper->view().source, 16, DType::kFP32, Layout::kHND, 5);
+  HostCache source = testing::RandomHostCache(mapper->view().source, 16, DType::kFP32, Layout::kHND, 5);
 
   RawStream inflight(kvtd->client());
   v1::TranslateKVRequest header = HeaderMessage(16);
@@ -545,7 +508,7 @@ TEST_F(TranslateServiceTest, ValidateKvMatchesTheFloat64ReferenceAndFeedsTheQual
   const ModelSpec& target = view.target;
   const int64_t T = 24;
   const int heads = target.num_kv_heads, dim = target.head_dim, query_heads = 4;
-  HostCache source = RandomCache(view.source, T, DType::kFP32, Layout::kHND, 21);
+  HostCache source = testing::RandomHostCache(view.source, T, DType::kFP32, Layout::kHND, 21);
   Positions positions;
   positions.offset = 300;
   // The target's "true" cache: the exact translation plus noise; random queries.
@@ -725,7 +688,7 @@ TEST_F(TranslateServiceTest, TrailerCarriesInputShiftAndSpeedupAndMetricsCountEv
 
   // Random N(0, 1) caches are in distribution: keys stay N(0, 1) in content space (a rotation
   // of an isotropic Gaussian). Three times the scale: about 9.
-  HostCache source = RandomCache(options.source, 300, DType::kFP32, Layout::kNHD, 31);
+  HostCache source = testing::RandomHostCache(options.source, 300, DType::kFP32, Layout::kNHD, 31);
   v1::TranslateHeader header;
   header.set_mapper_id("with-stats");
   absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, source);
