@@ -1,5 +1,8 @@
 #include "tests/in_process_kvtd.h"
 
+#include <cstdlib>
+#include <map>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -49,6 +52,18 @@ std::unique_ptr<InProcessKvtd> StartKvtdForTest(const std::string& store_dir, Kv
     return nullptr;
   }
   return std::move(*kvtd);
+}
+
+std::string SynthStoreForTest(const std::string& name, const SynthOptions& options) {
+  static std::mutex mutex;
+  static std::map<std::string, bool>* written = new std::map<std::string, bool>();
+  const char* root = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(root ? root : "/tmp", "/", name);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto [it, first] = written->emplace(name, false);
+  if (first) it->second = WriteSynthMapper(dir + "/m", options).ok();
+  EXPECT_TRUE(it->second) << "writing the synthetic mapper of " << dir;
+  return dir;
 }
 
 }  // namespace kvt

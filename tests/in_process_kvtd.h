@@ -9,6 +9,7 @@
 #include "client/client.h"
 #include "kernels/backend.h"
 #include "mapper_store/store.h"
+#include "mapper_store/synth.h"
 #include "server/config.h"
 #include "server/kvtd_server.h"
 
@@ -61,5 +62,10 @@ class InProcessKvtd {
 std::unique_ptr<InProcessKvtd> StartKvtdForTest(
     const std::string& store_dir, KvtdConfig config = KvtdConfig(),
     InProcessKvtdOptions options = InProcessKvtdOptions());
+
+// A store directory under $TEST_TMPDIR/`name` holding one synthetic mapper "m" written from
+// `options`, written once per process (later calls with the same name return the same
+// directory); a failed write is a test failure.
+std::string SynthStoreForTest(const std::string& name, const SynthOptions& options);
 
 }  // namespace kvt

@@ -33,19 +33,13 @@ using ::testing::HasSubstr;
 constexpr int kSourceLayers = 8;
 
 std::string StoreDir() {
-  const char* root = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(root ? root : "/tmp", "/pipelined_store");
-  static const bool written = [&] {
-    SynthOptions options;
-    options.source = NeoxModelSpec("test/src", kSourceLayers, 2, 32, 10000);
-    options.target = NeoxModelSpec("test/dst", 6, 4, 16, 500000);
-    options.k = 2;
-    options.dtype = DType::kFP32;
-    options.seed = 11;
-    return WriteSynthMapper(dir + "/m", options).ok();
-  }();
-  EXPECT_TRUE(written);
-  return dir;
+  SynthOptions options;
+  options.source = NeoxModelSpec("test/src", kSourceLayers, 2, 32, 10000);
+  options.target = NeoxModelSpec("test/dst", 6, 4, 16, 500000);
+  options.k = 2;
+  options.dtype = DType::kFP32;
+  options.seed = 11;
+  return SynthStoreForTest("pipelined_store", options);
 }
 
 // A kvtd over the test store with the given pipelining threshold, and a client that sends many

@@ -31,19 +31,13 @@ constexpr int kSourceHeads = 2;
 constexpr int kSourceDim = 32;
 
 std::string StoreDir() {
-  const char* root = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(root ? root : "/tmp", "/prefix_cache_store");
-  static const bool written = [&] {
-    SynthOptions options;
-    options.source = NeoxModelSpec("test/src", kSourceLayers, kSourceHeads, kSourceDim, 10000);
-    options.target = NeoxModelSpec("test/dst", 4, 3, 16, 500000);
-    options.k = 2;
-    options.dtype = DType::kFP32;
-    options.seed = 5;
-    return WriteSynthMapper(dir + "/m", options).ok();
-  }();
-  EXPECT_TRUE(written);
-  return dir;
+  SynthOptions options;
+  options.source = NeoxModelSpec("test/src", kSourceLayers, kSourceHeads, kSourceDim, 10000);
+  options.target = NeoxModelSpec("test/dst", 4, 3, 16, 500000);
+  options.k = 2;
+  options.dtype = DType::kFP32;
+  options.seed = 5;
+  return SynthStoreForTest("prefix_cache_store", options);
 }
 
 std::vector<uint32_t> Tokens(int n, uint32_t seed) {

@@ -26,19 +26,13 @@ namespace {
 using ::testing::HasSubstr;
 
 std::string StoreDir() {
-  const char* root = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(root ? root : "/tmp", "/zero_copy_store");
-  static const bool written = [&] {
-    SynthOptions options;
-    options.source = NeoxModelSpec("test/src", 3, 2, 32, 10000);
-    options.target = NeoxModelSpec("test/dst", 4, 3, 16, 500000);
-    options.k = 2;
-    options.dtype = DType::kFP32;
-    options.seed = 5;
-    return WriteSynthMapper(dir + "/m", options).ok();
-  }();
-  EXPECT_TRUE(written);
-  return dir;
+  SynthOptions options;
+  options.source = NeoxModelSpec("test/src", 3, 2, 32, 10000);
+  options.target = NeoxModelSpec("test/dst", 4, 3, 16, 500000);
+  options.k = 2;
+  options.dtype = DType::kFP32;
+  options.seed = 5;
+  return SynthStoreForTest("zero_copy_store", options);
 }
 
 class ZeroCopyTransportTest : public ::testing::Test {

@@ -19,13 +19,6 @@ using testing::TinyStore;
 
 class ResponseWriterTest : public ::testing::Test {
  protected:
-  TranslatePlan PlanOf(const v1::TranslateHeader& header) {
-    PairLabels pair = PairLabels::Unknown();
-    absl::StatusOr<TranslatePlan> plan =
-        PlanTranslate(header, tiny_.context(), absl::InfiniteFuture(), &pair);
-    EXPECT_TRUE(plan.ok()) << plan.status();
-    return std::move(*plan);
-  }
   std::shared_ptr<LayerBuffer> Buffer(const std::string& bytes) {
     auto buffer = std::make_shared<LayerBuffer>(pool_.get(), bytes.size());
     std::memcpy(buffer->bytes.get(), bytes.data(), bytes.size());
@@ -39,7 +32,7 @@ class ResponseWriterTest : public ::testing::Test {
 TEST_F(ResponseWriterTest, HeaderNamesMapperShapeAndBackend) {
   v1::TranslateHeader header = TinyHeader(9);
   header.set_output_layout(v1::LAYOUT_HND);
-  const TranslatePlan plan = PlanOf(header);
+  const TranslatePlan plan = tiny_.Plan(header);
   const TranslateResponseMessage message = ResponseHeader("r-7", plan, *tiny_.backend());
   const v1::TranslateResponseHeader& out = message.proto.header();
   EXPECT_EQ(out.request_id(), "r-7");
@@ -54,7 +47,7 @@ TEST_F(ResponseWriterTest, HeaderNamesMapperShapeAndBackend) {
 TEST_F(ResponseWriterTest, InlineChunksCarryTheLayerZeroCopy) {
   v1::TranslateHeader header = TinyHeader(10);
   header.mutable_output()->mutable_inline_()->set_chunk_tokens(4);
-  const TranslatePlan plan = PlanOf(header);
+  const TranslatePlan plan = tiny_.Plan(header);
   const testing::Layers layers = testing::RandomLayers(1, plan.target_geometry, 6);
   const std::shared_ptr<LayerBuffer> k = Buffer(layers.k[0]), v = Buffer(layers.v[0]);
   std::vector<v1::KVChunk> chunks;
@@ -93,7 +86,7 @@ TEST_F(ResponseWriterTest, InlineChunksCarryTheLayerZeroCopy) {
 }
 
 TEST_F(ResponseWriterTest, RegionSinks) {
-  const TranslatePlan plan = PlanOf(TinyHeader(6));
+  const TranslatePlan plan = tiny_.Plan(TinyHeader(6));
   const int64_t layer_bytes = plan.target_geometry.layer_bytes();
   std::string packed(2 * 6 * layer_bytes, '\0');
   PackedRegionSink in_place(&packed[0], layer_bytes);
@@ -119,7 +112,7 @@ TEST_F(ResponseWriterTest, RegionSinks) {
 }
 
 TEST_F(ResponseWriterTest, LayerNoticesFollowEachRegionLayer) {
-  const TranslatePlan plan = PlanOf(TinyHeader(6));
+  const TranslatePlan plan = tiny_.Plan(TinyHeader(6));
   const int64_t layer_bytes = plan.target_geometry.layer_bytes();
   std::string packed(2 * 6 * layer_bytes, '\0');
   std::vector<TranslateResponseMessage> sent;
@@ -155,7 +148,7 @@ TEST_F(ResponseWriterTest, LayerNoticesFollowEachRegionLayer) {
 
 TEST_F(ResponseWriterTest, MakeLayerSinkFollowsTheOutputKind) {
   const v1::TranslateHeader header = TinyHeader(6);
-  const TranslatePlan plan = PlanOf(header);
+  const TranslatePlan plan = tiny_.Plan(header);
   SystemMemoryRegistry system;
   CudaMemoryRegistry cuda;
   absl::StatusOr<std::unique_ptr<RequestStaging>> staging =

@@ -19,13 +19,6 @@ using testing::TinyStore;
 
 class StagingTest : public ::testing::Test {
  protected:
-  TranslatePlan PlanOf(const v1::TranslateHeader& header) {
-    PairLabels pair = PairLabels::Unknown();
-    absl::StatusOr<TranslatePlan> plan =
-        PlanTranslate(header, tiny_.context(), absl::InfiniteFuture(), &pair);
-    EXPECT_TRUE(plan.ok()) << plan.status();
-    return std::move(*plan);
-  }
   void Register(const std::string& name, const test::ShmObject& object) {
     KVT_ASSERT_OK(system_.Register(name, object.key(), 0, object.size()));
   }
@@ -38,7 +31,7 @@ class StagingTest : public ::testing::Test {
 
 TEST_F(StagingTest, InlineSourceGetsLayerBuffers) {
   const v1::TranslateHeader header = TinyHeader(16);
-  const TranslatePlan plan = PlanOf(header);
+  const TranslatePlan plan = tiny_.Plan(header);
   absl::StatusOr<std::unique_ptr<RequestStaging>> staging =
       RequestStaging::Lease(plan, header, &system_, &cuda_);
   ASSERT_TRUE(staging.ok()) << staging.status();
@@ -59,7 +52,7 @@ TEST_F(StagingTest, InlineSourceGetsLayerBuffers) {
 
 TEST_F(StagingTest, PackedRegionsAreReadAndWrittenInPlace) {
   v1::TranslateHeader header = TinyHeader(16);
-  TranslatePlan probe = PlanOf(header);
+  TranslatePlan probe = tiny_.Plan(header);
   test::ShmObject input(probe.source_bytes), output(probe.target_bytes);
   const testing::Layers layers = testing::RandomLayers(4, probe.source_geometry, 1);
   const std::string packed = testing::Packed(layers);
@@ -72,7 +65,7 @@ TEST_F(StagingTest, PackedRegionsAreReadAndWrittenInPlace) {
   v1::RegionRef* out = header.mutable_output()->mutable_region();
   out->set_region("out");
   out->set_byte_size(probe.target_bytes);
-  const TranslatePlan plan = PlanOf(header);
+  const TranslatePlan plan = tiny_.Plan(header);
   absl::StatusOr<std::unique_ptr<RequestStaging>> staging =
       RequestStaging::Lease(plan, header, &system_, &cuda_);
   ASSERT_TRUE(staging.ok()) << staging.status();
@@ -96,7 +89,7 @@ TEST_F(StagingTest, PackedRegionsAreReadAndWrittenInPlace) {
 
 TEST_F(StagingTest, PagedInputIsGatheredIntoLayerBuffers) {
   v1::TranslateHeader header = TinyHeader(6);
-  const TranslatePlan probe = PlanOf(header);
+  const TranslatePlan probe = tiny_.Plan(header);
   // Blocks of 4 slots, 3 blocks per layer tensor; the request's tokens in blocks 2 then 0.
   const PagedLayout pages{Layout::kNHD, 3, 4, 2, 32, 4};
   const uint32_t table[] = {2, 0};
@@ -114,7 +107,7 @@ TEST_F(StagingTest, PagedInputIsGatheredIntoLayerBuffers) {
   in->mutable_paged()->set_num_blocks(3);
   in->mutable_paged()->set_block_size(4);
   for (uint32_t block : table) in->mutable_paged()->add_block_table(block);
-  const TranslatePlan plan = PlanOf(header);
+  const TranslatePlan plan = tiny_.Plan(header);
   absl::StatusOr<std::unique_ptr<RequestStaging>> staging =
       RequestStaging::Lease(plan, header, &system_, &cuda_);
   ASSERT_TRUE(staging.ok()) << staging.status();
@@ -130,19 +123,19 @@ TEST_F(StagingTest, PagedInputIsGatheredIntoLayerBuffers) {
 
 TEST_F(StagingTest, RegionErrorsNameTheField) {
   v1::TranslateHeader header = TinyHeader(16);
-  const TranslatePlan probe = PlanOf(header);
+  const TranslatePlan probe = tiny_.Plan(header);
   test::ShmObject input(probe.source_bytes);
   Register("in", input);
   v1::RegionRef* in = header.mutable_input()->mutable_region();
   in->set_region("in");
   in->set_byte_size(probe.source_bytes - 4);
-  TranslatePlan plan = PlanOf(header);
+  TranslatePlan plan = tiny_.Plan(header);
   KVT_EXPECT_ERROR(RequestStaging::Lease(plan, header, &system_, &cuda_),
                    absl::StatusCode::kInvalidArgument, "header.input.region.byte_size=");
 
   in->set_byte_size(probe.source_bytes);
   in->set_region("missing");
-  plan = PlanOf(header);
+  plan = tiny_.Plan(header);
   EXPECT_FALSE(RequestStaging::Lease(plan, header, &system_, &cuda_).ok());
 
   v1::TranslateHeader paged = TinyHeader(16);
@@ -150,7 +143,7 @@ TEST_F(StagingTest, RegionErrorsNameTheField) {
   out->set_region("in");
   out->mutable_paged()->set_num_blocks(1);
   out->mutable_paged()->set_block_size(4);  // 16 tokens need 4 blocks
-  plan = PlanOf(paged);
+  plan = tiny_.Plan(paged);
   KVT_EXPECT_ERROR(RequestStaging::Lease(plan, paged, &system_, &cuda_),
                    absl::StatusCode::kInvalidArgument, "header.output.region.paged");
 }

@@ -41,6 +41,14 @@ const MapperView& TinyStore::view() {
   return mapper_->view();
 }
 
+TranslatePlan TinyStore::Plan(const v1::TranslateHeader& header) {
+  PairLabels pair = PairLabels::Unknown();
+  absl::StatusOr<TranslatePlan> plan =
+      PlanTranslate(header, context(), absl::InfiniteFuture(), &pair);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.ok() ? std::move(*plan) : TranslatePlan();
+}
+
 v1::TranslateHeader TinyHeader(int64_t num_tokens, v1::Layout layout) {
   v1::TranslateHeader header;
   header.set_mapper_id(kTinyMapper);

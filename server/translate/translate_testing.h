@@ -31,6 +31,9 @@ class TinyStore {
   KvtdConfig& config() { return config_; }
   PlanContext context() { return PlanContext{&config_, store_.get(), nullptr}; }
   const MapperView& view();
+  // PlanTranslate of `header` against this store, no deadline; a failure is a test failure
+  // (and the plan returned is then empty).
+  TranslatePlan Plan(const v1::TranslateHeader& header);
 
  private:
   KvtdConfig config_;
