@@ -24,6 +24,7 @@
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
 #include "tests/in_process_kvtd.h"
+#include "tests/translation_case.h"
 #include "tests/shm_object.h"
 #include "transport/proto_convert.h"
 
@@ -128,17 +129,7 @@ class MlpServingTest : public ::testing::Test {
 
 TEST_F(MlpServingTest, InlineTranslationsMatchTheFloat64Reference) {
   Start();
-  struct Case {
-    std::string mapper;
-    DType dtype;
-    Layout layout;
-    DType output_dtype;
-    Layout output_layout;
-    int64_t tokens;
-    uint64_t offset;
-    bool explicit_positions;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<testing::TranslationCase> cases = {
       {"per-layer", DType::kFP32, Layout::kHND, DType::kFP32, Layout::kHND, 70, 0, false},
       {"per-layer", DType::kBF16, Layout::kNHD, DType::kBF16, Layout::kHND, 129, 1000, false},
       {"per-layer", DType::kFP16, Layout::kHND, DType::kFP32, Layout::kNHD, 33, 5, true},
@@ -146,44 +137,14 @@ TEST_F(MlpServingTest, InlineTranslationsMatchTheFloat64Reference) {
       {"per-head", DType::kBF16, Layout::kHND, DType::kFP16, Layout::kHND, 17, 0, true},
       {"ridge", DType::kFP32, Layout::kHND, DType::kFP32, Layout::kHND, 40, 7, false},
   };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(absl::StrCat(c.mapper, " ", DTypeName(c.dtype), " ", LayoutName(c.layout),
-                              " -> ", DTypeName(c.output_dtype), " ", LayoutName(c.output_layout),
-                              " T=", c.tokens));
+  for (const testing::TranslationCase& c : cases) {
     std::unique_ptr<LoadedMapper> mapper = Local(c.mapper);
     ASSERT_NE(mapper, nullptr);
     EXPECT_EQ(mapper->view().kind, c.mapper == "ridge" ? MapKind::kRidge : MapKind::kMlp);
-    const uint64_t seed = testing::FreshSeed("mlp serving inline");
-    const HostCache source =
-        testing::RandomHostCache(mapper->view().source, c.tokens, c.dtype, c.layout, seed);
-    v1::TranslateHeader header;
-    header.set_source_model(mapper->view().source.name);  // found by pair, like any mapper
-    header.set_target_model(mapper->view().target.name);
-    header.set_output_dtype(DTypeToProto(c.output_dtype));
-    header.set_output_layout(LayoutToProto(c.output_layout));
-    std::vector<uint64_t> explicit_positions;
-    Positions positions;
-    if (c.explicit_positions) {
-      std::mt19937_64 rng(seed);
-      for (int64_t i = 0; i < c.tokens; ++i) {
-        explicit_positions.push_back(rng() % 100000);
-        header.add_positions(explicit_positions.back());
-      }
-      positions.explicit_positions = explicit_positions.data();
-    } else {
-      header.set_position_offset(c.offset);
-      positions.offset = c.offset;
-    }
-    absl::StatusOr<TranslateResult> result = kvtd_->client().Translate(header, source);
-    ASSERT_TRUE(result.ok()) << result.status();
-    EXPECT_EQ(result->header.mapper_id(), c.mapper);
-    EXPECT_EQ(result->target.dtype, c.output_dtype);
-    EXPECT_EQ(result->target.layout, c.output_layout);
-    EXPECT_EQ(result->trailer.num_tokens(), static_cast<uint64_t>(c.tokens));
-    // The reference reads the same rounded inputs and weights: what remains is fp32 arithmetic
-    // and the output's rounding (SPEC 3), or on the oneDNN bf16 path bf16's 1e-2.
-    EXPECT_LE(testing::MaxErrorAgainstReference(mapper->view(), source.view(), result->target.view(), positions),
-              Tolerance(*mapper, c.output_dtype));
+    // SPEC 3's tolerance, or on the oneDNN bf16 path bf16's 1e-2.
+    testing::ExpectTranslationMatchesReference(kvtd_->client(), *mapper, c,
+                                               testing::FreshSeed("mlp serving inline"),
+                                               Tolerance(*mapper, c.output_dtype));
   }
   // The MLP is really served as one: GetMapper reports the kind.
   absl::StatusOr<v1::MapperInfo> info = kvtd_->client().GetMapper("per-head");

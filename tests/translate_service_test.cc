@@ -27,6 +27,7 @@
 #include "quality/stats_testing.h"
 #include "server/kvtd_server.h"
 #include "tests/in_process_kvtd.h"
+#include "tests/translation_case.h"
 #include "transport/proto_convert.h"
 
 namespace kvt {
@@ -167,63 +168,23 @@ TEST_F(TranslateServiceTest, TranslationsMatchTheFloat64Reference) {
   KvtdConfig config;
   config.limits.response_chunk_bytes = 4096;  // several response chunks per layer
   std::unique_ptr<InProcessKvtd> kvtd = Serve(*store_dir_, config);
-  struct Case {
-    std::string mapper;
-    DType dtype;
-    Layout layout;
-    DType output_dtype;
-    Layout output_layout;
-    int64_t tokens;
-    uint64_t offset;
-    bool explicit_positions;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<testing::TranslationCase> cases = {
       {"matched", DType::kFP32, Layout::kHND, DType::kFP32, Layout::kHND, 70, 0, false},
       {"matched", DType::kBF16, Layout::kNHD, DType::kBF16, Layout::kHND, 129, 1000, false},
       {"matched", DType::kFP16, Layout::kHND, DType::kFP32, Layout::kNHD, 33, 5, true},
       {"unmatched", DType::kBF16, Layout::kHND, DType::kBF16, Layout::kNHD, 257, 123456, false},
       {"unmatched", DType::kFP32, Layout::kNHD, DType::kFP16, Layout::kNHD, 17, 0, true},
   };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(absl::StrCat(c.mapper, " ", DTypeName(c.dtype), " ", LayoutName(c.layout),
-                              " -> ", DTypeName(c.output_dtype), " ", LayoutName(c.output_layout),
-                              " T=", c.tokens));
+  for (const testing::TranslationCase& c : cases) {
     std::unique_ptr<LoadedMapper> mapper = Local(c.mapper);
-    const uint64_t seed = testing::FreshSeed("service translate");
-    HostCache source = testing::RandomHostCache(mapper->view().source, c.tokens, c.dtype, c.layout, seed);
-    v1::TranslateHeader header;
-    header.set_source_model(mapper->view().source.name);
-    header.set_target_model(mapper->view().target.name);
-    header.set_output_dtype(DTypeToProto(c.output_dtype));
-    header.set_output_layout(LayoutToProto(c.output_layout));
-    std::vector<uint64_t> explicit_positions;
-    Positions positions;
-    if (c.explicit_positions) {
-      std::mt19937_64 rng(seed);
-      for (int64_t i = 0; i < c.tokens; ++i) {
-        explicit_positions.push_back(rng() % 100000);
-        header.add_positions(explicit_positions.back());
-      }
-      positions.explicit_positions = explicit_positions.data();
-    } else {
-      header.set_position_offset(c.offset);
-      positions.offset = c.offset;
-    }
-    absl::StatusOr<TranslateResult> result = kvtd->client().Translate(header, source);
-    ASSERT_TRUE(result.ok()) << result.status();
-    EXPECT_EQ(result->target.dtype, c.output_dtype);
-    EXPECT_EQ(result->target.layout, c.output_layout);
-    EXPECT_EQ(result->header.mapper_id(), c.mapper);
-    EXPECT_EQ(result->trailer.num_tokens(), static_cast<uint64_t>(c.tokens));
-    EXPECT_GT(result->trailer.timings().total_ms(), 0);
     const double tolerance =
         (c.dtype == DType::kFP32 && c.output_dtype == DType::kFP32 &&
          mapper->manifest().weights_dtype == DType::kFP32)
             ? 1e-5
             : 1e-2;
-    EXPECT_LE(testing::MaxErrorAgainstReference(mapper->view(), source.view(),
-                                                 result->target.view(), positions),
-              tolerance);
+    testing::ExpectTranslationMatchesReference(kvtd->client(), *mapper, c,
+                                               testing::FreshSeed("service translate"),
+                                               tolerance);
   }
 }
 
