@@ -74,6 +74,9 @@ ABSL_FLAG(int32_t, refine_queries, 32,
           "0: every token).");
 ABSL_FLAG(double, refine_lr, 0.01,
           "kvt fit --refine=attention: Adam step size, relative to each tensor's RMS.");
+ABSL_FLAG(double, refine_mlp_lr, 0.001,
+          "kvt fit --kind mlp|both --refine=attention: the MLP's Adam step size, relative to "
+          "each tensor's RMS.");
 ABSL_FLAG(std::string, unrefined_mlp_out, "",
           "kvt fit --kind mlp|both --refine=attention: also write the MSE-trained MLP as it was "
           "before refinement to this mapper directory (no second training).");
@@ -243,6 +246,7 @@ int RunFit(const std::vector<std::string>& args) {
   options.refine.batch = absl::GetFlag(FLAGS_refine_batch);
   options.refine.queries = absl::GetFlag(FLAGS_refine_queries);
   options.refine.learning_rate = absl::GetFlag(FLAGS_refine_lr);
+  options.refine.mlp_learning_rate = absl::GetFlag(FLAGS_refine_mlp_lr);
   options.refine.seed = options.seed;
   options.refine.unrefined_mlp_out = absl::GetFlag(FLAGS_unrefined_mlp_out);
   if (!options.refine.unrefined_mlp_out.empty() &&
@@ -250,8 +254,10 @@ int RunFit(const std::vector<std::string>& args) {
     return Fail("--unrefined_mlp_out needs --kind mlp|both and --refine=attention", 1);
   }
   if (options.refine.attention &&
-      (options.refine.steps < 1 || options.refine.batch < 1 || !(options.refine.learning_rate > 0))) {
-    return Fail("--refine_steps and --refine_batch must be >= 1 and --refine_lr > 0", 1);
+      (options.refine.steps < 1 || options.refine.batch < 1 ||
+       !(options.refine.learning_rate > 0) || !(options.refine.mlp_learning_rate > 0))) {
+    return Fail("--refine_steps and --refine_batch must be >= 1, --refine_lr and --refine_mlp_lr "
+                "> 0", 1);
   }
   options.corpus = absl::GetFlag(FLAGS_corpus);
   options.num_threads = absl::GetFlag(FLAGS_threads);

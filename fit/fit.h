@@ -64,6 +64,9 @@ struct RefineOptions {
   int batch = 2;    // sequences per step
   int queries = 32;  // query tokens per sequence and step (a seeded sample); <= 0: every token
   double learning_rate = 0.01;  // relative: times each tensor's RMS at the start
+  // The MLP's (relative likewise): a chain's output moves with every hidden unit, so a step of
+  // the ridge's size overshoots; measured on the bundled family (docs/FIT.md).
+  double mlp_learning_rate = 0.001;
   uint64_t seed = 1;
   // Kind mlp or both: also write the MSE-trained MLP as it was before refinement to this mapper
   // directory (the same training: no second one); empty: not written.

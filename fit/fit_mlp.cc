@@ -305,7 +305,9 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
                    "attention-output error, training batches)\n",
                    options.refine.steps, log->seconds, log->loss.front(), log->loss.back());
     }
-    for (auto& fact : RefineFacts(options.refine, *log, before ? &*before : nullptr,
+    RefineOptions shown = options.refine;
+    shown.learning_rate = options.refine.mlp_learning_rate;  // the step the MLP took
+    for (auto& fact : RefineFacts(shown, *log, before ? &*before : nullptr,
                                   "the MSE-trained MLP")) {
       facts.push_back(std::move(fact));
     }

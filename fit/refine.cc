@@ -417,9 +417,9 @@ struct RefineTarget {
 absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFinal& parsed,
                                      const RefineTarget& target) {
   const RefineOptions& ro = options.refine;
-  if (ro.steps < 1 || ro.batch < 1 || !(ro.learning_rate > 0)) {
+  if (ro.steps < 1 || ro.batch < 1 || !(ro.learning_rate > 0) || !(ro.mlp_learning_rate > 0)) {
     return absl::InvalidArgumentError(
-        "--refine_steps and --refine_batch must be >= 1 and --refine_lr > 0");
+        "--refine_steps and --refine_batch must be >= 1, --refine_lr and --refine_mlp_lr > 0");
   }
   const auto start = std::chrono::steady_clock::now();
   const FitShape& shape = parsed.shape;
@@ -563,7 +563,7 @@ absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal
   std::vector<Adam<float>> adam(L);
   for (int l = 0; l < L; ++l) {
     grads[l] = MlpMaps::ZerosLike((*layers)[l]);
-    adam[l].Init((*layers)[l].Tensors(), options.refine.learning_rate);
+    adam[l].Init((*layers)[l].Tensors(), options.refine.mlp_learning_rate);
   }
   RefineTarget target;
   target.accumulate = [&](int l, const AttentionProblem& p) {

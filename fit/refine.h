@@ -112,7 +112,7 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
 
 // The same for MLP chains (one MlpMaps per target layer, float32 as trained, before rounding to
 // the weight dtype): the same sequences, query sampling, seeded order and Adam (step
-// --refine_lr x each tensor's RMS at the start).
+// options.refine.mlp_learning_rate x each tensor's RMS at the start).
 absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal& parsed,
                                     std::vector<MlpMaps>* layers);
 
