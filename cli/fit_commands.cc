@@ -63,9 +63,10 @@ ABSL_FLAG(std::string, mlp_granularity, "per_layer",
 ABSL_FLAG(int64_t, mlp_max_observations, 200000,
           "kvt fit --kind mlp|both: training rows per chain (a seeded subsample beyond; 0: all).");
 ABSL_FLAG(std::string, refine, "none",
-          "kvt fit --kind ridge|both: none, or attention (Adam from the closed-form ridge on the "
-          "error of the target's attention outputs under its own queries; needs training target "
-          "dumps with queries: tools/dump_kv.py --queries). The mapper stays kind: ridge.");
+          "kvt fit: none, or attention (Adam from the closed-form ridge, or the MSE-trained MLP, "
+          "on the error of the target's attention outputs under its own queries; --kind both "
+          "refines both; needs training target dumps with queries: tools/dump_kv.py --queries). "
+          "The mapper keeps its kind.");
 ABSL_FLAG(int32_t, refine_steps, 100, "kvt fit --refine=attention: Adam steps.");
 ABSL_FLAG(int32_t, refine_batch, 2, "kvt fit --refine=attention: sequences per step.");
 ABSL_FLAG(int32_t, refine_queries, 32,
@@ -73,6 +74,12 @@ ABSL_FLAG(int32_t, refine_queries, 32,
           "0: every token).");
 ABSL_FLAG(double, refine_lr, 0.01,
           "kvt fit --refine=attention: Adam step size, relative to each tensor's RMS.");
+ABSL_FLAG(double, refine_mlp_lr, 0.001,
+          "kvt fit --kind mlp|both --refine=attention: the MLP's Adam step size, relative to "
+          "each tensor's RMS.");
+ABSL_FLAG(std::string, unrefined_mlp_out, "",
+          "kvt fit --kind mlp|both --refine=attention: also write the MSE-trained MLP as it was "
+          "before refinement to this mapper directory (no second training).");
 ABSL_FLAG(bool, overwrite, false,
           "kvt fit / merge / import: replace an existing mapper directory.");
 
@@ -239,13 +246,18 @@ int RunFit(const std::vector<std::string>& args) {
   options.refine.batch = absl::GetFlag(FLAGS_refine_batch);
   options.refine.queries = absl::GetFlag(FLAGS_refine_queries);
   options.refine.learning_rate = absl::GetFlag(FLAGS_refine_lr);
+  options.refine.mlp_learning_rate = absl::GetFlag(FLAGS_refine_mlp_lr);
   options.refine.seed = options.seed;
-  if (options.refine.attention && options.kind == fit::FitKind::kMlp) {
-    return Fail("--refine=attention refines the ridge mapper: use --kind ridge or both", 1);
+  options.refine.unrefined_mlp_out = absl::GetFlag(FLAGS_unrefined_mlp_out);
+  if (!options.refine.unrefined_mlp_out.empty() &&
+      (!options.refine.attention || options.kind == fit::FitKind::kRidge)) {
+    return Fail("--unrefined_mlp_out needs --kind mlp|both and --refine=attention", 1);
   }
   if (options.refine.attention &&
-      (options.refine.steps < 1 || options.refine.batch < 1 || !(options.refine.learning_rate > 0))) {
-    return Fail("--refine_steps and --refine_batch must be >= 1 and --refine_lr > 0", 1);
+      (options.refine.steps < 1 || options.refine.batch < 1 ||
+       !(options.refine.learning_rate > 0) || !(options.refine.mlp_learning_rate > 0))) {
+    return Fail("--refine_steps and --refine_batch must be >= 1, --refine_lr and --refine_mlp_lr "
+                "> 0", 1);
   }
   options.corpus = absl::GetFlag(FLAGS_corpus);
   options.num_threads = absl::GetFlag(FLAGS_threads);
@@ -318,6 +330,7 @@ int RunFit(const std::vector<std::string>& args) {
     if (!both.ok()) return Fail(both.status().ToString());
     PrintSummary(both->ridge);
     PrintSummary(both->mlp);
+    if (both->mlp_unrefined.has_value()) PrintSummary(*both->mlp_unrefined);
     std::printf("held-out (%d sequences, %lld tokens)   attention-output cosine (without layer 0)"
                 "   c_K     c_V\n",
                 both->ridge_quality.sequences,

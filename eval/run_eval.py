@@ -7,7 +7,8 @@
 (the venv only on the program's PATH: on Bazel's, it would change every action's environment).
 
 Dumps, fits (every ordered matched pair, several k, plus the untrained-source controls; per
-kind pair the ridge, the ridge refined on attention outputs and the MLP), one kvtd for all
+kind pair the ridge, the ridge refined on attention outputs, the MLP and the MLP refined on
+attention outputs), one kvtd for all
 mappers, then the measures of eval/retention.py on today's held-out windows and on the
 long-range windows (a passage repeated after a gap; planted key -> value lookups); results.json
 and the SVG plots go next to the Markdown (docs/eval/).
@@ -25,7 +26,8 @@ import retention as R  # noqa: E402
 
 
 # The mapper kinds of each kind pair and their store-id suffixes (after "{a}-to-{b}-k{k}").
-KINDS = {"ridge": "", "ridge_refined": "-refined", "mlp": "-mlp"}
+KINDS = {"ridge": "", "ridge_refined": "-refined", "mlp": "-mlp", "mlp_refined": "-mlp-refined"}
+MLP_KINDS = ("mlp", "mlp_refined")
 
 
 def run_all(jobs, workers):
@@ -62,12 +64,13 @@ def main():
                    default=R.MLP_FLAGS["mlp_max_observations"])
     p.add_argument("--mlp_control_targets", default="L",
                    help="for kind pairs into these members also fit an MLP from the untrained "
-                        "source (the untrained-source control of the MLP); '' none")
+                        "source (the untrained-source control of the MLP and, from the same "
+                        "fit, of the refined MLP); '' none")
     p.add_argument("--jobs", type=int, default=1, help="kvt fit processes at once")
     p.add_argument("--mlp_pairs", default="all",
-                   help="kind pairs that also get the MLP (kvt fit --kind both); the others get "
-                        "the refined ridge alone (--kind ridge --refine=attention): 'all' or "
-                        "A:B,...")
+                   help="kind pairs that also get the MLP and the refined MLP (kvt fit --kind "
+                        "both --refine=attention); the others get the refined ridge alone "
+                        "(--kind ridge --refine=attention): 'all' or A:B,...")
     p.add_argument("--refined_control_targets", default="all",
                    help="kind pairs into these members also get the refined ridge from the "
                         "untrained source: 'all' or a list")
@@ -144,10 +147,12 @@ def main():
         ridge_fits.append(fit(a + "0", b, ""))
     run_all(ridge_fits, args.jobs)
     print(f"eval: dumps and ridge fits done in {time.time() - start:.0f} s", flush=True)
-    # Ridge vs refined ridge vs MLP: kvt fit --kind both --refine=attention per pair (its ridge
-    # half refined, the recommendation then between the refined ridge and the MLP) beside the
-    # plain ridge above; the untrained-source controls of the refined ridge (and, into
-    # --mlp_control_targets, of the MLP).
+    # Ridge vs refined ridge vs MLP vs refined MLP: kvt fit --kind both --refine=attention per
+    # pair (both halves refined, the recommendation then between the refined ridge and the
+    # refined MLP; --unrefined_mlp_out also writes the MSE-trained MLP it started from, so the
+    # plain MLP costs no second training) beside the plain ridge above (the k sweep fits it
+    # anyway); the untrained-source controls of the refined ridge (and, into
+    # --mlp_control_targets, of the MLP and the refined MLP, from one --kind mlp fit).
     fit_reports = {}
     mlp_start = time.time()
 
@@ -155,9 +160,11 @@ def main():
         t0 = time.time()
         both = os.path.join(args.work, "both", f"{a}-to-{b}")
         report = R.fit(dumps[a], dumps[b], members[a].name, members[b].name, k2, both,
-                       kind="both", mlp_flags=mlp_flags, refine=True)
+                       kind="both", mlp_flags=mlp_flags, refine=True,
+                       unrefined_mlp_out=os.path.join(both, "mlp-unrefined"))
         report["seconds"] = round(time.time() - t0, 1)
-        for kind, suffix in (("ridge", KINDS["ridge_refined"]), ("mlp", KINDS["mlp"])):
+        for kind, suffix in (("ridge", KINDS["ridge_refined"]), ("mlp", KINDS["mlp_refined"]),
+                             ("mlp-unrefined", KINDS["mlp"])):
             dest = os.path.join(store, f"{a}-to-{b}-k{k2}{suffix}")
             R.shutil.rmtree(dest, ignore_errors=True)
             R.shutil.copytree(os.path.join(both, kind), dest)
@@ -168,7 +175,8 @@ def main():
             [fit(a, b, KINDS["ridge_refined"], refine=True) for a, b in kind_pairs
              if (a, b) not in mlp_pairs] +
             [fit(a + "0", b, KINDS["ridge_refined"], refine=True) for a, b in refined_controls] +
-            [fit(a + "0", b, KINDS["mlp"], kind="mlp", mlp_flags=mlp_flags)
+            [fit(a + "0", b, KINDS["mlp_refined"], kind="mlp", mlp_flags=mlp_flags, refine=True,
+                 unrefined_mlp_out=os.path.join(store, f"{a}0-to-{b}-k{k2}{KINDS['mlp']}"))
              for a, b in controls], args.jobs)
     kind_fit_seconds = round(time.time() - mlp_start)
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
@@ -206,10 +214,10 @@ def main():
             if b not in identity:
                 identity[b] = R.TokenIdentityMap(members[b], calib_windows)
             ids = {kind: f"{a}-to-{b}-k{args.main_k}{suffix}" for kind, suffix in KINDS.items()
-                   if kind != "mlp" or (a, b) in mlp_pairs}
+                   if kind not in MLP_KINDS or (a, b) in mlp_pairs}
             controls_of = {kind: (untrained[a], f"{a}0-to-{b}-k{args.main_k}{suffix}")
                            for kind, suffix in KINDS.items()
-                           if {"mlp": (a, b) in controls,
+                           if {"mlp": (a, b) in controls, "mlp_refined": (a, b) in controls,
                                "ridge_refined": (a, b) in refined_controls}.get(kind, True)}
             labels = dict(ids, **{kind + "_untrained": mid
                                   for kind, (_, mid) in controls_of.items()})
@@ -219,7 +227,7 @@ def main():
             if (a, b) in fit_reports:
                 r["fit_report"] = fit_reports[(a, b)]
             results["kinds"][f"{a}->{b}"] = r
-            print(f"eval: {a}->{b} ridge / refined / mlp: benefit "
+            print(f"eval: {a}->{b} " + " / ".join(ids) + ": benefit "
                   + " / ".join(f"{r[kind]['benefit']:.3f}" for kind in ids)
                   + f", recommended {r.get('fit_report', {}).get('recommended')} "
                   f"({time.time() - start:.0f} s)", flush=True)

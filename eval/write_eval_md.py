@@ -81,8 +81,15 @@ def tables(r):
     out.append(f"Generated in {r['seconds']} s by `{st.get('command', 'eval/run_eval.py')}`.")
     return "\n".join(out)
 
-KINDS = ["ridge", "ridge_refined", "mlp"]
-KIND_NAMES = {"ridge": "ridge", "ridge_refined": "ridge refined", "mlp": "MLP"}
+KINDS = ["ridge", "ridge_refined", "mlp", "mlp_refined"]
+KIND_NAMES = {"ridge": "ridge", "ridge_refined": "ridge refined", "mlp": "MLP",
+              "mlp_refined": "MLP refined"}
+
+
+def mlp_candidate(p):
+    """The MLP that `kvt fit --kind both` compared with the refined ridge: the refined MLP where
+    the pair has one (both halves refined), else the plain MLP (results from before it)."""
+    return "mlp_refined" if "mlp_refined" in p else "mlp"
 # Below this copy gain of the target's own cache (nats/byte) the share of the long-range
 # benefit a mapper recovers is a ratio of noise: it is shown as undefined.
 MIN_COPY_GAIN = 0.1
@@ -119,28 +126,32 @@ def identity_of(r, target, k):
 
 
 def kinds_tables(r, k, st):
-    out = [f"\n### Ridge, ridge refined, MLP (k = {k})\n"]
+    out = [f"\n### Ridge, ridge refined, MLP, MLP refined (k = {k})\n"]
     mlp_pairs = [n for n, p in r["kinds"].items() if "mlp" in p]
     mlp_where = ("every pair" if len(mlp_pairs) == len(r["kinds"]) else
                  f"{', '.join(mlp_pairs)} only (`--mlp_pairs`; the other pairs: `--kind ridge "
                  f"--refine=attention`)")
     refined_controls = [n for n, p in r["kinds"].items() if "ridge_refined_untrained" in p]
     mlp_controls = [n for n, p in r["kinds"].items() if "mlp_untrained" in p]
+    mlp_refined_controls = [n for n, p in r["kinds"].items() if "mlp_refined_untrained" in p]
     out.append(
         f"Per ordered pair the plain closed-form ridge and the ridge refined on the target's "
         f"attention outputs (`kvt fit --refine=attention`, its defaults: 100 steps x 2 sequences "
-        f"x 32 queries, docs/FIT.md); the MLP (`kvt fit --kind both --refine=attention`: per "
-        f"layer, hidden {st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch "
-        f"{st.get('mlp_batch')}, at most {st.get('mlp_max_observations')} training rows per "
-        f"chain) on {mlp_where}. {r.get('kind_fit_seconds', 'n/a')} s for these fits and their "
-        f"controls ({st.get('jobs', 1)} `kvt fit` processes at once, one thread each). MLP "
-        f"refined is not implemented (`kvt fit` refines the ridge only). All served by kvtd and "
-        f"measured on the same held-out windows as above. Each cell: ridge / ridge refined / "
-        f"MLP (\"-\": not fitted), **bold** the best. Token identity depends on the target "
-        f"only (the ridge table's figure for that target). Untrained source: the same kind "
-        f"fitted from an untrained model of the source's shape (ridge: every pair; ridge "
-        f"refined: {', '.join(refined_controls) or 'none'}; MLP: "
-        f"{', '.join(mlp_controls) or 'none'}).\n")
+        f"x 32 queries, docs/FIT.md); the MLP trained on K/V MSE (per layer, hidden "
+        f"{st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch {st.get('mlp_batch')}, at "
+        f"most {st.get('mlp_max_observations')} training rows per chain) and the same MLP then "
+        f"refined on the attention outputs (the same objective, defaults and query sample as the "
+        f"ridge), both from one `kvt fit --kind both --refine=attention "
+        f"--unrefined_mlp_out=...` per pair (one MSE training; the plain MLP is its start), on "
+        f"{mlp_where}. {r.get('kind_fit_seconds', 'n/a')} s for these fits and their "
+        f"controls ({st.get('jobs', 1)} `kvt fit` processes at once, one thread each). All "
+        f"served by kvtd and measured on the same held-out windows as above. Each cell: ridge / "
+        f"ridge refined / MLP / MLP refined (\"-\": not fitted), **bold** the best. Token "
+        f"identity depends on the target only (the ridge table's figure for that target). "
+        f"Untrained source: the same kind fitted from an untrained model of the source's shape "
+        f"(ridge: every pair; ridge refined: {', '.join(refined_controls) or 'none'}; MLP: "
+        f"{', '.join(mlp_controls) or 'none'}; MLP refined: "
+        f"{', '.join(mlp_refined_controls) or 'none'}).\n")
     out.append("| pair | CE own / none | benefit recovered | (first 16) | token identity (first 16) "
                "| untrained source | no target RoPE |")
     out.append("|---|---|---|---|---|---|---|")
@@ -156,10 +167,12 @@ def kinds_tables(r, k, st):
             f"{untrained} | "
             f"{triple([field(p, c, 'benefit_no_target_rope') for c in KINDS])} |")
     out.append("\nQuality on the same windows (kvtd's ValidateKV) and `kvt fit --kind both`'s "
-               "recommendation, now between the refined ridge and the MLP, from its held-out "
+               "recommendation, now between the refined ridge and the refined MLP, from its "
+               "held-out "
                "*calibration* attention-output cosine (\"fit cos\"), checked against the "
                "measured benefit of the two.\n")
-    out.append("| pair | ppl ratio | attention-output cosine | c_K | fit cos refined / MLP | "
+    out.append("| pair | ppl ratio | attention-output cosine | c_K | "
+               "fit cos ridge refined / MLP refined | "
                "recommended | better measured benefit |")
     out.append("|---|---|---|---|---|---|---|")
     for name, p in r["kinds"].items():
@@ -170,12 +183,14 @@ def kinds_tables(r, k, st):
         if fr is None:
             out.append(row + "- | (no MLP fitted) | - |")
             continue
-        better = "mlp" if p["mlp"]["benefit"] > p["ridge_refined"]["benefit"] else "ridge"
+        m = mlp_candidate(p)
+        better = "mlp" if p[m]["benefit"] > p["ridge_refined"]["benefit"] else "ridge"
         agree = "agrees" if better == fr["recommended"] else "differs"
         out.append(
             row + f"{f(fr['ridge']['attention_cosine'], 4)} / "
             f"{f(fr['mlp']['attention_cosine'], 4)} | {fr['recommended']} | "
-            f"{'ridge refined' if better == 'ridge' else 'mlp'} (recommendation {agree}) |")
+            f"{'ridge refined' if better == 'ridge' else KIND_NAMES[m]} (recommendation "
+            f"{agree}) |")
     out.append("\nIssue 22's goals on today's windows, as measured:\n")
     out.extend(goal_lines(r, k))
     return out
@@ -183,20 +198,23 @@ def kinds_tables(r, k, st):
 
 def goal_lines(r, k):
     kinds = r["kinds"]
-    beat_identity, refined_better, agree = [], [], []
+    beat_identity, refined_better, agree, mlp_refined_better = [], [], [], []
     for name, p in kinds.items():
         ident = identity_of(r, name.split("->")[1], k)
         best = max((c for c in KINDS if c in p), key=lambda c: p[c]["benefit"])
         beat_identity.append((name, best, p[best]["benefit"], ident["all"] if ident else None))
         refined_better.append((name, p["ridge"]["benefit"], p["ridge_refined"]["benefit"]))
+        if "mlp" in p and "mlp_refined" in p:
+            mlp_refined_better.append((name, p["mlp"]["benefit"], p["mlp_refined"]["benefit"]))
         if "fit_report" in p:
-            better = "mlp" if p["mlp"]["benefit"] > p["ridge_refined"]["benefit"] else "ridge"
+            m = mlp_candidate(p)
+            better = "mlp" if p[m]["benefit"] > p["ridge_refined"]["benefit"] else "ridge"
             agree.append(better == p["fit_report"]["recommended"])
     n = len(kinds)
     wins = [x for x in beat_identity if x[3] is not None and x[2] > x[3]]
     misses = [x for x in beat_identity if x not in wins]
     with_mlp = sum("mlp" in p for p in kinds.values())
-    lines = [f"- Best served mapper ({'ridge, ridge refined or MLP' if with_mlp == n else f'MLP fitted on {with_mlp} of the pairs'})"
+    lines = [f"- Best served mapper ({'ridge, ridge refined, MLP or MLP refined' if with_mlp == n else f'MLP fitted on {with_mlp} of the pairs'})"
              f" beats token identity: **{len(wins)} of {n}** pairs" +
              ("." if not misses else "; not on " + ", ".join(
                  f"{x[0]} ({KIND_NAMES[x[1]]} {f(x[2])} vs {f(x[3])})" for x in misses) + ".")]
@@ -207,10 +225,20 @@ def goal_lines(r, k):
                  f"benefit recovered {min(gains):+.3f} to {max(gains):+.3f})" +
                  ("." if not downs else "; not on " + ", ".join(
                      f"{x[0]} ({f(x[1])} -> {f(x[2])})" for x in downs) + "."))
-    lines.append(f"- `kvt fit --kind both` recommendation (refined ridge vs MLP) agrees with the "
-                 f"measured benefit on **{sum(agree)} of {len(agree)}** pairs with an MLP.")
-    lines.append("- MLP refined: not implemented (`kvt fit --refine=attention` refines the ridge "
-                 "only), so not measured.")
+    if mlp_refined_better:
+        ups = [x for x in mlp_refined_better if x[2] > x[1]]
+        downs = [x for x in mlp_refined_better if x not in ups]
+        gains = [x[2] - x[1] for x in mlp_refined_better]
+        lines.append(f"- Refined MLP beats the MSE-trained MLP: **{len(ups)} of "
+                     f"{len(mlp_refined_better)}** pairs (change in benefit recovered "
+                     f"{min(gains):+.3f} to {max(gains):+.3f})" +
+                     ("." if not downs else "; not on " + ", ".join(
+                         f"{x[0]} ({f(x[1])} -> {f(x[2])})" for x in downs) + "."))
+    else:
+        lines.append("- MLP refined: not in these results.")
+    lines.append(f"- `kvt fit --kind both` recommendation (refined ridge vs refined MLP) agrees "
+                 f"with the measured benefit on **{sum(agree)} of {len(agree)}** pairs with an "
+                 f"MLP.")
     return lines
 
 
@@ -252,7 +280,7 @@ def long_range_tables(r):
         out.append(f"| {m} | " + " | ".join(f(g.get(kind)) for kind in lr) + " |")
     for kind, pairs in lr.items():
         out.append(f"\n#### {kind} windows: CE (nats/byte) per condition\n")
-        out.append("Each multi-value cell: ridge / ridge refined / MLP.\n")
+        out.append("Each multi-value cell: ridge / ridge refined / MLP / MLP refined.\n")
         out.append("| pair | own | none | mapped | token identity | untrained source | "
                    "no target RoPE |")
         out.append("|---|---|---|---|---|---|---|")
@@ -264,7 +292,8 @@ def long_range_tables(r):
                 f"{slash(ce, [c + '_untrained' for c in KINDS])} | "
                 f"{slash(ce, [c + '_no_target_rope' for c in KINDS])} |")
         out.append(f"\n#### {kind} windows: copy gain, long-range share, benefit recovered\n")
-        out.append("| pair | copy gain own | copy gain ridge / refined / MLP | long-range share | "
+        out.append("| pair | copy gain own | copy gain ridge / refined / MLP / MLP refined | "
+                   "long-range share | "
                    "benefit recovered (first 16) | token identity | untrained source |")
         out.append("|---|---|---|---|---|---|---|")
         for name, p in pairs.items():

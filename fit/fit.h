@@ -56,22 +56,28 @@ struct MlpFitOptions {
   MlpGranularity granularity = MlpGranularity::kPerLayer;
 };
 
-// `kvt fit --refine=attention` (fit/refine.h): Adam from the closed-form ridge on the error of
-// the target's attention outputs under its own queries.
+// `kvt fit --refine=attention` (fit/refine.h): Adam from the closed-form ridge (or the
+// MSE-trained MLP) on the error of the target's attention outputs under its own queries.
 struct RefineOptions {
   bool attention = false;
   int steps = 100;
   int batch = 2;    // sequences per step
   int queries = 32;  // query tokens per sequence and step (a seeded sample); <= 0: every token
   double learning_rate = 0.01;  // relative: times each tensor's RMS at the start
+  // The MLP's (relative likewise): a chain's output moves with every hidden unit, so a step of
+  // the ridge's size overshoots; measured on the bundled family (docs/FIT.md).
+  double mlp_learning_rate = 0.001;
   uint64_t seed = 1;
+  // Kind mlp or both: also write the MSE-trained MLP as it was before refinement to this mapper
+  // directory (the same training: no second one); empty: not written.
+  std::string unrefined_mlp_out;
 };
 
 struct FitOptions {
   FitModel source, target;
   FitKind kind = FitKind::kRidge;
   MlpFitOptions mlp;
-  RefineOptions refine;  // the ridge mapper's (of --kind ridge and both)
+  RefineOptions refine;  // of every kind fitted (--kind both: the ridge and the MLP)
   // The calibration set (of this shard, for --partial), held-out marks already assigned.
   std::vector<SequencePair> sequences;
   int stride = 4;
@@ -144,11 +150,15 @@ absl::StatusOr<bool> HeldoutHasQueries(const FitOptions& options);
 
 // `--kind both`: `out_dir`/ridge and `out_dir`/mlp, and `out_dir`/fit_report.json with both
 // kinds' held-out figures and the choice (higher held-out attention-output cosine; ridge on a
-// tie within 1e-4, as the cheaper map). Needs target queries (dump_kv.py --queries) in at least
-// one held-out sequence: checked before any training (FAILED_PRECONDITION naming the fix).
+// tie within 1e-4, as the cheaper map). With refine.attention both are refined and the choice is
+// between the refined mappers; refine.unrefined_mlp_out adds the MLP's MSE-trained start (its
+// figures in the report as "mlp_unrefined", not a candidate). Needs target queries (dump_kv.py
+// --queries) in at least one held-out sequence: checked before any training
+// (FAILED_PRECONDITION naming the fix).
 struct BothResult {
   FitResult ridge, mlp;
   HeldoutQuality ridge_quality, mlp_quality;
+  std::optional<FitResult> mlp_unrefined;  // when refine.unrefined_mlp_out is set
   std::string recommended;  // "ridge" or "mlp"
   std::string report_json_path;
 };

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,16 +69,27 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
     const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
     const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits);
 
+// The held-out quality (MeasureHeldout) of a mapper in memory: `manifest` with its layers, the
+// mapping tensors' bytes in MapperTensorSpecs order; nullopt when no held-out target dump has
+// queries. Logs it as `what`'s when progress is shown. The refinement's "before".
+absl::StatusOr<std::optional<HeldoutQuality>> MeasureInMemory(
+    const FitOptions& options, const Manifest& manifest,
+    const std::vector<std::vector<uint8_t>>& storage, const std::string& what);
+
 // The MapperView of a manifest and its tensors in memory, built as LoadMapperDir builds it from
 // the written file (the same bytes): what the held-out evaluation serves.
 absl::StatusOr<MapperView> MapperViewOf(const Manifest& manifest,
                                         const std::vector<TensorRef>& tensors);
 
 // The MLP mapper from final statistics (sigma, split, calibration facts) and a third pass over
-// the sequences that keeps the feature rows in memory for training.
+// the sequences that keeps the feature rows in memory for training; with
+// options.refine.attention, refined on the attention-output error (fit/refine.h) from the
+// MSE-trained chains, which are also written to options.refine.unrefined_mlp_out when set (their
+// FitResult into `unrefined`, optional).
 absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const StatSet& final_stats,
                                            const std::string& out_dir,
-                                           std::vector<std::string> warnings);
+                                           std::vector<std::string> warnings,
+                                           FitResult* unrefined = nullptr);
 
 }  // namespace fit
 }  // namespace kvt

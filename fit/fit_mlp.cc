@@ -9,6 +9,7 @@
 #include "fit/fit.h"
 #include "fit/fit_internal.h"
 #include "fit/progress.h"
+#include "fit/refine.h"
 #include "fit/report.h"
 #include "kernels/backend.h"
 #include "kernels/rope.h"
@@ -129,7 +130,8 @@ json QualityJson(const HeldoutQuality& q, const FitResult& fit) {
 
 absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const StatSet& final_stats,
                                            const std::string& out_dir,
-                                           std::vector<std::string> warnings) {
+                                           std::vector<std::string> warnings,
+                                           FitResult* unrefined) {
   absl::Status valid = ValidateMlpOptions(options.mlp.train);
   if (!valid.ok()) return valid;
   absl::StatusOr<ParsedFinal> parsed = ParseFinal(final_stats);
@@ -154,40 +156,32 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
   const int64_t dt = shape.dt(), ds = shape.ds(), out_h = per_head ? d_t : dt;
   const int64_t H = options.mlp.train.hidden;
   const DType dtype = options.solve.weight_dtype;
-  Manifest manifest = BaseManifest(*parsed, options.solve, MapperKind::kMlp);
-  manifest.mlp = MlpConfig{H, options.mlp.granularity};
-  std::vector<std::vector<uint8_t>> storage;
+  const int L = shape.target.num_layers;
   std::vector<double> first_loss, last_loss;
   std::unique_ptr<Progress> progress;
   if (options.solve.show_progress) {
-    progress = std::make_unique<Progress>("mlp", int64_t{shape.target.num_layers} * 2 * heads,
-                                          "chains", options.solve.log);
+    progress = std::make_unique<Progress>("mlp", int64_t{L} * 2 * heads, "chains",
+                                          options.solve.log);
   }
-  for (int l = 0; l < shape.target.num_layers; ++l) {
+  // Every chain first (float32, as trained): the refinement needs all layers' before any is
+  // rounded to the weight dtype and written.
+  std::vector<MlpMaps> chains(L);
+  for (int l = 0; l < L; ++l) {
     const std::vector<int>& sigma = parsed->sigma[l];
     const int64_t in = static_cast<int64_t>(sigma.size()) * ds;
-    LayerEntry entry;
-    entry.target_layer = l;
-    entry.sigma_k = sigma;
-    entry.sigma_v = sigma;
-    std::array<std::vector<MlpWeights>, 2> layer_chains;
     for (int c = 0; c < 2; ++c) {
-      std::vector<float> x[2], y[2], pred[2];
-      for (int s = 0; s < 2; ++s) {
-        x[s] = GatherSource(split[s].source[c].data(), split[s].rows, split[s].source_cols, ds,
-                            sigma);
-        y[s] = Columns(split[s].target[c].data(), split[s].rows, split[s].target_cols,
-                       int64_t{l} * dt, dt);
-        pred[s].assign(split[s].rows * dt, 0.0f);
-      }
+      const std::vector<float> x = GatherSource(split[0].source[c].data(), split[0].rows,
+                                                split[0].source_cols, ds, sigma);
+      const std::vector<float> y = Columns(split[0].target[c].data(), split[0].rows,
+                                           split[0].target_cols, int64_t{l} * dt, dt);
       for (int h = 0; h < heads; ++h) {
         MlpOptions train = options.mlp.train;
         train.seed = MixSeed(options.mlp.train.seed, l, c, h);
         const std::vector<float> yh =
-            per_head ? Columns(y[0].data(), split[0].rows, dt, int64_t{h} * d_t, d_t) : y[0];
+            per_head ? Columns(y.data(), split[0].rows, dt, int64_t{h} * d_t, d_t) : y;
         MlpTrainLog train_log;
         absl::StatusOr<MlpWeights> chain =
-            TrainMlp(x[0], yh, split[0].rows, in, out_h, train, &train_log);
+            TrainMlp(x, yh, split[0].rows, in, out_h, train, &train_log);
         if (!chain.ok()) {
           return absl::Status(chain.status().code(),
                               absl::StrCat("target layer ", l, " ", KindName(c),
@@ -196,38 +190,10 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
         }
         first_loss.push_back(train_log.epoch_loss.front());
         last_loss.push_back(train_log.epoch_loss.back());
-        MlpWeights rounded = Rounded(*chain, dtype);
-        for (int s = 0; s < 2; ++s) {
-          if (split[s].rows == 0) continue;
-          std::vector<float> part(split[s].rows * out_h);
-          MlpForward(rounded, x[s].data(), split[s].rows, part.data());
-          for (int64_t r = 0; r < split[s].rows; ++r) {
-            std::copy(&part[r * out_h], &part[r * out_h] + out_h,
-                      &pred[s][r * dt + int64_t{h} * out_h]);
-          }
-        }
-        layer_chains[c].push_back(std::move(rounded));
+        (c == 0 ? chains[l].k : chains[l].v).push_back(std::move(*chain));
         if (progress) progress->Advance(1, train_log.rows_used);
       }
-      (c == 0 ? entry.r2_k : entry.r2_v) = R2Of(pred[0], y[0], split[0].rows, n_t, d_t);
-      if (split[1].rows > 0) {
-        (c == 0 ? entry.r2_k_heldout : entry.r2_v_heldout) =
-            R2Of(pred[1], y[1], split[1].rows, n_t, d_t);
-      }
-      // Canonical order: fc1.weight, fc1.bias, fc2..., fc3...; per_head stacks the heads.
-      for (int fc = 0; fc < 3; ++fc) {
-        for (int bias = 0; bias < 2; ++bias) {
-          std::vector<float> values;
-          for (const MlpWeights& w : layer_chains[c]) {
-            const std::vector<float>* part[3][2] = {
-                {&w.a1, &w.c1}, {&w.a2, &w.c2}, {&w.a3, &w.c3}};
-            values.insert(values.end(), part[fc][bias]->begin(), part[fc][bias]->end());
-          }
-          AppendFloats(values, dtype, &storage);
-        }
-      }
     }
-    manifest.layers.push_back(entry);
   }
   if (progress) progress->Finish();
   double mean_first = 0, mean_last = 0;
@@ -249,8 +215,108 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
                                         "standardised scale)",
                                         mean_first, mean_last)},
   };
+
+  // The chains as the weight dtype holds them, the manifest's layers and the mapping tensors'
+  // bytes (canonical order: fc1.weight, fc1.bias, fc2..., fc3...; per_head stacks the heads);
+  // with `r2`, each layer's R^2 on both splits from the rounded chains' predictions.
+  auto served = [&](const std::vector<MlpMaps>& layers, bool r2, Manifest* manifest) {
+    *manifest = BaseManifest(*parsed, options.solve, MapperKind::kMlp);
+    manifest->mlp = MlpConfig{H, options.mlp.granularity};
+    std::vector<std::vector<uint8_t>> storage;
+    for (int l = 0; l < L; ++l) {
+      const std::vector<int>& sigma = parsed->sigma[l];
+      LayerEntry entry;
+      entry.target_layer = l;
+      entry.sigma_k = sigma;
+      entry.sigma_v = sigma;
+      for (int c = 0; c < 2; ++c) {
+        std::vector<MlpWeights> rounded;
+        for (const MlpWeights& w : c == 0 ? layers[l].k : layers[l].v) {
+          rounded.push_back(Rounded(w, dtype));
+        }
+        if (r2) {
+          for (int s = 0; s < 2; ++s) {
+            if (split[s].rows == 0) continue;
+            const std::vector<float> x = GatherSource(split[s].source[c].data(), split[s].rows,
+                                                      split[s].source_cols, ds, sigma);
+            const std::vector<float> y = Columns(split[s].target[c].data(), split[s].rows,
+                                                 split[s].target_cols, int64_t{l} * dt, dt);
+            std::vector<float> pred(split[s].rows * dt), part(split[s].rows * out_h);
+            for (int h = 0; h < heads; ++h) {
+              MlpForward(rounded[h], x.data(), split[s].rows, part.data());
+              for (int64_t r = 0; r < split[s].rows; ++r) {
+                std::copy(&part[r * out_h], &part[r * out_h] + out_h,
+                          &pred[r * dt + int64_t{h} * out_h]);
+              }
+            }
+            const std::optional<double> value = R2Of(pred, y, split[s].rows, n_t, d_t);
+            if (s == 0) {
+              (c == 0 ? entry.r2_k : entry.r2_v) = value;
+            } else {
+              (c == 0 ? entry.r2_k_heldout : entry.r2_v_heldout) = value;
+            }
+          }
+        }
+        for (int fc = 0; fc < 3; ++fc) {
+          for (int bias = 0; bias < 2; ++bias) {
+            std::vector<float> values;
+            for (const MlpWeights& w : rounded) {
+              const std::vector<float>* part[3][2] = {
+                  {&w.a1, &w.c1}, {&w.a2, &w.c2}, {&w.a3, &w.c3}};
+              values.insert(values.end(), part[fc][bias]->begin(), part[fc][bias]->end());
+            }
+            AppendFloats(values, dtype, &storage);
+          }
+        }
+      }
+      manifest->layers.push_back(entry);
+    }
+    return storage;
+  };
+
+  if (options.refine.attention) {
+    // The MSE-trained start as served, then (optionally) written as a mapper of its own.
+    Manifest start;
+    std::vector<std::vector<uint8_t>> storage =
+        served(chains, /*r2=*/!options.refine.unrefined_mlp_out.empty(), &start);
+    std::optional<HeldoutQuality> before;
+    if (!options.refine.unrefined_mlp_out.empty()) {
+      std::vector<std::pair<std::string, std::string>> start_facts = facts;
+      start_facts.push_back({"refinement", absl::StrCat("none: the MSE-trained start of the "
+                                                        "attention-refined MLP written to ",
+                                                        out_dir)});
+      absl::StatusOr<FitResult> written =
+          WriteFitted(final_stats, *parsed, std::move(start), std::move(storage), options.solve,
+                      options.refine.unrefined_mlp_out, warnings, start_facts, &options);
+      if (!written.ok()) return written.status();
+      before = written->heldout;
+      if (unrefined != nullptr) *unrefined = std::move(*written);
+    } else {
+      absl::StatusOr<std::optional<HeldoutQuality>> measured =
+          MeasureInMemory(options, start, storage, "MSE-trained MLP");
+      if (!measured.ok()) return measured.status();
+      before = *measured;
+    }
+    absl::StatusOr<RefineLog> log = RefineMlp(options, *parsed, &chains);
+    if (!log.ok()) return log.status();
+    if (options.solve.show_progress) {
+      std::fprintf(options.solve.log,
+                   "kvt fit: refined the MLP %d steps in %.2f s: loss %.5f -> %.5f (relative "
+                   "attention-output error, training batches)\n",
+                   options.refine.steps, log->seconds, log->loss.front(), log->loss.back());
+    }
+    RefineOptions shown = options.refine;
+    shown.learning_rate = options.refine.mlp_learning_rate;  // the step the MLP took
+    for (auto& fact : RefineFacts(shown, *log, before ? &*before : nullptr,
+                                  "the MSE-trained MLP")) {
+      facts.push_back(std::move(fact));
+    }
+  }
+  Manifest manifest;
+  std::vector<std::vector<uint8_t>> storage = served(chains, /*r2=*/true, &manifest);
   // The training rows are done with: free them before the held-out evaluation reads sequences.
   for (FloatRows& rows : split) rows = FloatRows();
+  chains.clear();
   return WriteFitted(final_stats, *parsed, std::move(manifest), std::move(storage), options.solve,
                      out_dir, std::move(warnings), facts, &options);
 }
@@ -302,10 +368,14 @@ absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::stri
       SolveAndWrite(*final_stats, options.solve, JoinPath(out_dir, "ridge"), warnings, &options);
   if (!ridge.ok()) return ridge.status();
   both.ridge = std::move(*ridge);
+  FitResult unrefined;
   absl::StatusOr<FitResult> mlp =
-      TrainAndWriteMlp(options, *final_stats, JoinPath(out_dir, "mlp"), warnings);
+      TrainAndWriteMlp(options, *final_stats, JoinPath(out_dir, "mlp"), warnings, &unrefined);
   if (!mlp.ok()) return mlp.status();
   both.mlp = std::move(*mlp);
+  if (options.refine.attention && !options.refine.unrefined_mlp_out.empty()) {
+    both.mlp_unrefined = std::move(unrefined);
+  }
   // Each mapper was measured as served before it was written (the numbers in its manifest).
   if (!both.ridge.heldout.has_value() || !both.mlp.heldout.has_value()) {
     return absl::InternalError("kvt fit --kind both: a mapper was written without its held-out "
@@ -324,10 +394,14 @@ absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::stri
       {"criterion",
        "held-out attention-output cosine, mean over target layers and held-out sequences "
        "(higher wins; ridge on a tie within 1e-4)"},
+      {"refined", options.refine.attention},
       {"heldout_sequences", rq->sequences},
       {"heldout_tokens", rq->tokens},
       {"ridge", QualityJson(*rq, both.ridge)},
       {"mlp", QualityJson(*mq, both.mlp)}};
+  if (both.mlp_unrefined.has_value() && both.mlp_unrefined->heldout.has_value()) {
+    report["mlp_unrefined"] = QualityJson(*both.mlp_unrefined->heldout, *both.mlp_unrefined);
+  }
   both.report_json_path = JoinPath(out_dir, kCompareFileName);
   absl::Status written = WriteStringToFile(both.report_json_path, report.dump(1) + "\n");
   if (!written.ok()) return written;

@@ -35,19 +35,6 @@ void FillUniform(Rng* rng, double bound, std::vector<float>* values) {
   for (float& v : *values) v = static_cast<float>((2.0 * rng->Uniform() - 1.0) * bound);
 }
 
-// Activations and gradients of one batch, reused across batches.
-struct Workspace {
-  std::vector<float> h1, h2, yhat, dy, dh2, dh1;
-  void Resize(int64_t rows, int64_t hidden, int64_t out) {
-    h1.resize(rows * hidden);
-    h2.resize(rows * hidden);
-    yhat.resize(rows * out);
-    dy.resize(rows * out);
-    dh2.resize(rows * hidden);
-    dh1.resize(rows * hidden);
-  }
-};
-
 // out[rows, n] = in[rows, k] a[k, n] + c (broadcast), then ReLU if asked.
 void Affine(const float* in, int64_t rows, int64_t k, const std::vector<float>& a,
             const std::vector<float>& c, int64_t n, bool relu, float* out) {
@@ -59,14 +46,16 @@ void Affine(const float* in, int64_t rows, int64_t k, const std::vector<float>& 
   }
 }
 
-void Forward(const MlpWeights& w, const float* x, int64_t rows, Workspace* ws, float* y) {
+void Forward(const MlpWeights& w, const float* x, int64_t rows, MlpWorkspace* ws, float* y) {
   Affine(x, rows, w.in, w.a1, w.c1, w.hidden, true, ws->h1.data());
   Affine(ws->h1.data(), rows, w.hidden, w.a2, w.c2, w.hidden, true, ws->h2.data());
   Affine(ws->h2.data(), rows, w.hidden, w.a3, w.c3, w.out, false, y);
 }
 
-void ColumnSums(const float* m, int64_t rows, int64_t cols, std::vector<float>* sums) {
-  std::fill(sums->begin(), sums->end(), 0.0f);
+// sums (+)= column sums of m [rows, cols].
+void ColumnSums(const float* m, int64_t rows, int64_t cols, bool accumulate,
+                std::vector<float>* sums) {
+  if (!accumulate) std::fill(sums->begin(), sums->end(), 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) (*sums)[c] += m[r * cols + c];
   }
@@ -74,29 +63,53 @@ void ColumnSums(const float* m, int64_t rows, int64_t cols, std::vector<float>* 
 
 // Forward, loss and backward of one batch: grad holds d loss / d parameter.
 double LossAndGradient(const MlpWeights& w, const float* x, const float* y, int64_t rows,
-                       Workspace* ws, MlpWeights* grad) {
-  const int64_t H = w.hidden, out = w.out;
-  Forward(w, x, rows, ws, ws->yhat.data());
+                       MlpWorkspace* ws, std::vector<float>* yhat, std::vector<float>* dy,
+                       MlpWeights* grad) {
+  const int64_t out = w.out;
+  Forward(w, x, rows, ws, yhat->data());
   const double scale = 1.0 / (static_cast<double>(rows) * out);
   double loss = 0;
   for (int64_t i = 0; i < rows * out; ++i) {
-    const double e = static_cast<double>(ws->yhat[i]) - y[i];
+    const double e = static_cast<double>((*yhat)[i]) - y[i];
     loss += e * e;
-    ws->dy[i] = static_cast<float>(2.0 * e * scale);
+    (*dy)[i] = static_cast<float>(2.0 * e * scale);
   }
+  MlpBackward(w, x, rows, dy->data(), ws, grad);
+  return loss * scale;
+}
+
+}  // namespace
+
+void MlpWorkspace::Resize(int64_t rows, int64_t hidden) {
+  h1.resize(rows * hidden);
+  h2.resize(rows * hidden);
+  dh1.resize(rows * hidden);
+  dh2.resize(rows * hidden);
+}
+
+void MlpForwardKeep(const MlpWeights& w, const float* x, int64_t rows, MlpWorkspace* ws,
+                    float* y) {
+  ws->Resize(rows, w.hidden);
+  Forward(w, x, rows, ws, y);
+}
+
+void MlpBackward(const MlpWeights& w, const float* x, int64_t rows, const float* dy,
+                 MlpWorkspace* ws, MlpWeights* grad, bool accumulate) {
+  const int64_t H = w.hidden, out = w.out;
+  const float beta = accumulate ? 1.0f : 0.0f;
   // fc3: dA3 = H2^T dY, dc3 = colsum dY, dH2 = dY A3^T masked by ReLU.
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, out, rows, 1.0f, ws->h2.data(), H,
-              ws->dy.data(), out, 0.0f, grad->a3.data(), out);
-  ColumnSums(ws->dy.data(), rows, out, &grad->c3);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, H, out, 1.0f, ws->dy.data(), out,
-              w.a3.data(), out, 0.0f, ws->dh2.data(), H);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, out, rows, 1.0f, ws->h2.data(), H, dy,
+              out, beta, grad->a3.data(), out);
+  ColumnSums(dy, rows, out, accumulate, &grad->c3);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, H, out, 1.0f, dy, out, w.a3.data(),
+              out, 0.0f, ws->dh2.data(), H);
   for (int64_t i = 0; i < rows * H; ++i) {
     if (!(ws->h2[i] > 0.0f)) ws->dh2[i] = 0.0f;
   }
   // fc2.
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, H, rows, 1.0f, ws->h1.data(), H,
-              ws->dh2.data(), H, 0.0f, grad->a2.data(), H);
-  ColumnSums(ws->dh2.data(), rows, H, &grad->c2);
+              ws->dh2.data(), H, beta, grad->a2.data(), H);
+  ColumnSums(ws->dh2.data(), rows, H, accumulate, &grad->c2);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, H, H, 1.0f, ws->dh2.data(), H,
               w.a2.data(), H, 0.0f, ws->dh1.data(), H);
   for (int64_t i = 0; i < rows * H; ++i) {
@@ -104,16 +117,13 @@ double LossAndGradient(const MlpWeights& w, const float* x, const float* y, int6
   }
   // fc1.
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, w.in, H, rows, 1.0f, x, w.in,
-              ws->dh1.data(), H, 0.0f, grad->a1.data(), H);
-  ColumnSums(ws->dh1.data(), rows, H, &grad->c1);
-  return loss * scale;
+              ws->dh1.data(), H, beta, grad->a1.data(), H);
+  ColumnSums(ws->dh1.data(), rows, H, accumulate, &grad->c1);
 }
 
-std::vector<std::vector<float>*> Params(MlpWeights* w) {
+std::vector<std::vector<float>*> MlpParams(MlpWeights* w) {
   return {&w->a1, &w->c1, &w->a2, &w->c2, &w->a3, &w->c3};
 }
-
-}  // namespace
 
 absl::Status ValidateMlpOptions(const MlpOptions& o) {
   if (o.hidden < 1) return absl::InvalidArgumentError("--mlp_hidden must be >= 1");
@@ -138,8 +148,8 @@ void MlpWeights::Resize(int64_t in_, int64_t hidden_, int64_t out_) {
 void MlpForward(const MlpWeights& w, const float* x, int64_t rows, float* y) {
   // In slices, so that a whole calibration set does not need rows x hidden floats at once.
   constexpr int64_t kSlice = 4096;
-  Workspace ws;
-  ws.Resize(std::min(rows, kSlice), w.hidden, w.out);
+  MlpWorkspace ws;
+  ws.Resize(std::min(rows, kSlice), w.hidden);
   for (int64_t r = 0; r < rows; r += kSlice) {
     const int64_t n = std::min(kSlice, rows - r);
     Forward(w, x + r * w.in, n, &ws, y + r * w.out);
@@ -148,10 +158,11 @@ void MlpForward(const MlpWeights& w, const float* x, int64_t rows, float* y) {
 
 double MlpLossAndGradient(const MlpWeights& w, const float* x, const float* y, int64_t rows,
                           MlpWeights* grad) {
-  Workspace ws;
-  ws.Resize(rows, w.hidden, w.out);
+  MlpWorkspace ws;
+  ws.Resize(rows, w.hidden);
+  std::vector<float> yhat(rows * w.out), dy(rows * w.out);
   grad->Resize(w.in, w.hidden, w.out);
-  return LossAndGradient(w, x, y, rows, &ws, grad);
+  return LossAndGradient(w, x, y, rows, &ws, &yhat, &dy, grad);
 }
 
 MlpWeights InitMlp(int64_t in, int64_t hidden, int64_t out, uint64_t seed) {
@@ -236,9 +247,9 @@ absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x_in, const std::v
   m.Resize(in, H, out);
   v.Resize(in, H, out);
   const int64_t batch = std::min(options.batch, n);
-  Workspace ws;
-  ws.Resize(batch, H, out);
-  std::vector<float> bx(batch * in), by(batch * out);
+  MlpWorkspace ws;
+  ws.Resize(batch, H);
+  std::vector<float> bx(batch * in), by(batch * out), yhat(batch * out), dy(batch * out);
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   constexpr double kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8;
@@ -257,7 +268,8 @@ absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x_in, const std::v
         std::copy(&x[r * in], &x[r * in] + in, &bx[i * in]);
         std::copy(&y[r * out], &y[r * out] + out, &by[i * out]);
       }
-      const double loss = LossAndGradient(w, bx.data(), by.data(), b, &ws, &grad);
+      const double loss =
+          LossAndGradient(w, bx.data(), by.data(), b, &ws, &yhat, &dy, &grad);
       if (!std::isfinite(loss)) {
         return absl::InternalError(absl::StrCat(
             "MLP training diverged (loss ", loss, ") in epoch ", epoch + 1,
@@ -267,8 +279,8 @@ absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x_in, const std::v
       ++step;
       const double lr_t = options.learning_rate * std::sqrt(1.0 - std::pow(kBeta2, step)) /
                           (1.0 - std::pow(kBeta1, step));
-      std::vector<std::vector<float>*> p = Params(&w), g = Params(&grad), pm = Params(&m),
-                                       pv = Params(&v);
+      std::vector<std::vector<float>*> p = MlpParams(&w), g = MlpParams(&grad),
+                                       pm = MlpParams(&m), pv = MlpParams(&v);
       for (size_t t = 0; t < p.size(); ++t) {
         float* pp = p[t]->data();
         const float* gg = g[t]->data();

@@ -44,6 +44,26 @@ struct MlpWeights {
 // y[rows, out] = chain(x[rows, in]) through sgemm.
 void MlpForward(const MlpWeights& w, const float* x, int64_t rows, float* y);
 
+// The activations of one forward pass, which MlpBackward reads.
+struct MlpWorkspace {
+  std::vector<float> h1, h2, dh1, dh2;
+  void Resize(int64_t rows, int64_t hidden);
+};
+
+// y[rows, out] = chain(x[rows, in]), keeping the activations in `ws` (resized).
+void MlpForwardKeep(const MlpWeights& w, const float* x, int64_t rows, MlpWorkspace* ws,
+                    float* y);
+
+// Backpropagation of an arbitrary output gradient dy = d loss / d y [rows, out] of the forward
+// pass that filled `ws` (same w, x, rows): d loss / d parameters into `grad` (sized like w),
+// added to it when `accumulate`, else overwriting it. Three sgemm each way. The MSE trainer and
+// the attention refinement (fit/refine.h) both use it.
+void MlpBackward(const MlpWeights& w, const float* x, int64_t rows, const float* dy,
+                 MlpWorkspace* ws, MlpWeights* grad, bool accumulate = false);
+
+// The six parameter tensors in the format's order (a1, c1, a2, c2, a3, c3): weight, bias pairs.
+std::vector<std::vector<float>*> MlpParams(MlpWeights* w);
+
 // Loss = mean over rows and output columns of (chain(x) - y)^2, and its gradient with respect to
 // every parameter (into `grad`, resized). Exposed for the gradient check.
 double MlpLossAndGradient(const MlpWeights& w, const float* x, const float* y, int64_t rows,

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -134,27 +135,26 @@ void RopeRows::Rotate(int64_t tokens, int heads, int head_dim, bool transpose, d
   }
 }
 
-AttentionError AttentionErrorAndGradient(const AttentionProblem& p, const RidgeMaps& maps,
-                                         RidgeMaps* grad) {
+AttentionError AttentionOutputErrorAndGradient(const AttentionProblem& p, const double* k_in,
+                                               const double* v_hat, double* dk_hat,
+                                               double* dv_hat) {
   AttentionError result;
   if (p.rows.empty()) return result;
   const int d = p.head_dim, group = p.query_heads / p.kv_heads;
-  const int64_t out = maps.out, in = maps.in;
+  const int64_t out = int64_t{p.kv_heads} * d;
   // Keys past the last query row are never seen: only the first `te` tokens matter.
-  const int64_t te = p.rows.back() + 1, m = p.rows.size(), n = group * m;
-  std::vector<double> k_hat(te * out), v_hat(te * out);
-  Affine(te, in, out, p.x_k, maps.w_k, maps.b_k, k_hat.data());
-  Affine(te, in, out, p.x_v, maps.w_v, maps.b_v, v_hat.data());
+  const int64_t te = VisibleTokens(p), m = p.rows.size(), n = group * m;
+  const bool grad = dk_hat != nullptr && dv_hat != nullptr;
+  std::vector<double> k_hat(k_in, k_in + te * out);
   p.rope->Rotate(te, p.kv_heads, d, /*transpose=*/false, k_hat.data());
 
   std::vector<int64_t> last(n);
   for (int g = 0; g < group; ++g) std::copy(p.rows.begin(), p.rows.end(), last.begin() + g * m);
   std::vector<double> q(n * d), p_true(n * te), o_true(n * d), p_hat(n * te), o_hat(n * d);
   std::vector<double> d_o(n * d), d_p(n * te);
-  std::vector<double> dk_hat, dv_hat;
-  if (grad != nullptr) {
-    dk_hat.assign(te * out, 0.0);
-    dv_hat.assign(te * out, 0.0);
+  if (grad) {
+    std::fill(dk_hat, dk_hat + te * out, 0.0);
+    std::fill(dv_hat, dv_hat + te * out, 0.0);
   }
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int h = 0; h < p.kv_heads; ++h) {
@@ -169,7 +169,7 @@ AttentionError AttentionErrorAndGradient(const AttentionProblem& p, const RidgeM
     const int64_t col = int64_t{h} * d;
     Attend(n, te, d, q.data(), p.k_true + col, p.v_true + col, out, last, p_true.data(),
            o_true.data());
-    Attend(n, te, d, q.data(), k_hat.data() + col, v_hat.data() + col, out, last, p_hat.data(),
+    Attend(n, te, d, q.data(), k_hat.data() + col, v_hat + col, out, last, p_hat.data(),
            o_hat.data());
     for (int64_t i = 0; i < n * d; ++i) {
       const double e = o_hat[i] - o_true[i];
@@ -177,12 +177,12 @@ AttentionError AttentionErrorAndGradient(const AttentionProblem& p, const RidgeM
       result.norm += o_true[i] * o_true[i];
       d_o[i] = 2.0 * e;
     }
-    if (grad == nullptr) continue;
+    if (!grad) continue;
     // dV^ = P^T dO; dP = dO V^T; dS = P (dP - rowsum(P dP)); dK^ = scale dS^T Q.
     cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, te, d, n, 1.0, p_hat.data(), te,
-                d_o.data(), d, 1.0, dv_hat.data() + col, out);
+                d_o.data(), d, 1.0, dv_hat + col, out);
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, te, d, 1.0, d_o.data(), d,
-                v_hat.data() + col, out, 0.0, d_p.data(), te);
+                v_hat + col, out, 0.0, d_p.data(), te);
     for (int64_t i = 0; i < n; ++i) {
       double* dp = d_p.data() + i * te;
       const double* pr = p_hat.data() + i * te;
@@ -191,12 +191,97 @@ AttentionError AttentionErrorAndGradient(const AttentionProblem& p, const RidgeM
       for (int64_t s = 0; s < te; ++s) dp[s] = pr[s] * (dp[s] - dot);
     }
     cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, te, d, n, scale, d_p.data(), te,
-                q.data(), d, 1.0, dk_hat.data() + col, out);
+                q.data(), d, 1.0, dk_hat + col, out);
   }
-  if (grad != nullptr) {
-    p.rope->Rotate(te, p.kv_heads, d, /*transpose=*/true, dk_hat.data());
-    AffineBackward(te, in, out, p.x_k, dk_hat.data(), &grad->w_k, &grad->b_k);
-    AffineBackward(te, in, out, p.x_v, dv_hat.data(), &grad->w_v, &grad->b_v);
+  // Back to content space: d / d (content K^) = R^T d / d (rotated K^).
+  if (grad) p.rope->Rotate(te, p.kv_heads, d, /*transpose=*/true, dk_hat);
+  return result;
+}
+
+AttentionError AttentionErrorAndGradient(const AttentionProblem& p, const RidgeMaps& maps,
+                                         RidgeMaps* grad) {
+  if (p.rows.empty()) return AttentionError();
+  const int64_t out = maps.out, in = maps.in, te = VisibleTokens(p);
+  std::vector<double> k_hat(te * out), v_hat(te * out);
+  Affine(te, in, out, p.x_k, maps.w_k, maps.b_k, k_hat.data());
+  Affine(te, in, out, p.x_v, maps.w_v, maps.b_v, v_hat.data());
+  if (grad == nullptr) {
+    return AttentionOutputErrorAndGradient(p, k_hat.data(), v_hat.data(), nullptr, nullptr);
+  }
+  std::vector<double> dk_hat(te * out), dv_hat(te * out);
+  const AttentionError result =
+      AttentionOutputErrorAndGradient(p, k_hat.data(), v_hat.data(), dk_hat.data(), dv_hat.data());
+  AffineBackward(te, in, out, p.x_k, dk_hat.data(), &grad->w_k, &grad->b_k);
+  AffineBackward(te, in, out, p.x_v, dv_hat.data(), &grad->w_v, &grad->b_v);
+  return result;
+}
+
+MlpMaps MlpMaps::ZerosLike(const MlpMaps& like) {
+  MlpMaps z;
+  for (int c = 0; c < 2; ++c) {
+    for (const MlpWeights& w : c == 0 ? like.k : like.v) {
+      MlpWeights zero;
+      zero.Resize(w.in, w.hidden, w.out);
+      (c == 0 ? z.k : z.v).push_back(std::move(zero));
+    }
+  }
+  return z;
+}
+
+std::vector<std::vector<float>*> MlpMaps::Tensors() {
+  std::vector<std::vector<float>*> t;
+  for (std::vector<MlpWeights>* chains : {&k, &v}) {
+    for (MlpWeights& w : *chains) {
+      for (std::vector<float>* p : MlpParams(&w)) t.push_back(p);
+    }
+  }
+  return t;
+}
+
+AttentionError MlpAttentionErrorAndGradient(const AttentionProblem& p, const MlpMaps& maps,
+                                            MlpMaps* grad) {
+  if (p.rows.empty()) return AttentionError();
+  const int64_t te = VisibleTokens(p), out = int64_t{p.kv_heads} * p.head_dim;
+  const int64_t in = maps.k.front().in;
+  // Forward: every chain on the visible tokens, outputs placed at its columns (float64).
+  std::vector<float> x[2];
+  std::vector<double> y[2];
+  std::vector<MlpWorkspace> ws[2];
+  for (int c = 0; c < 2; ++c) {
+    const double* src = c == 0 ? p.x_k : p.x_v;
+    x[c].assign(src, src + te * in);
+    y[c].assign(te * out, 0.0);
+    const std::vector<MlpWeights>& chains = c == 0 ? maps.k : maps.v;
+    ws[c].resize(chains.size());
+    const int64_t width = out / static_cast<int64_t>(chains.size());
+    std::vector<float> part(te * width);
+    for (size_t h = 0; h < chains.size(); ++h) {
+      MlpForwardKeep(chains[h], x[c].data(), te, &ws[c][h], part.data());
+      for (int64_t t = 0; t < te; ++t) {
+        std::copy(&part[t * width], &part[t * width] + width, &y[c][t * out + h * width]);
+      }
+    }
+  }
+  if (grad == nullptr) {
+    return AttentionOutputErrorAndGradient(p, y[0].data(), y[1].data(), nullptr, nullptr);
+  }
+  std::vector<double> dy[2] = {std::vector<double>(te * out), std::vector<double>(te * out)};
+  const AttentionError result =
+      AttentionOutputErrorAndGradient(p, y[0].data(), y[1].data(), dy[0].data(), dy[1].data());
+  for (int c = 0; c < 2; ++c) {
+    const std::vector<MlpWeights>& chains = c == 0 ? maps.k : maps.v;
+    std::vector<MlpWeights>& grads = c == 0 ? grad->k : grad->v;
+    const int64_t width = out / static_cast<int64_t>(chains.size());
+    std::vector<float> part(te * width);
+    for (size_t h = 0; h < chains.size(); ++h) {
+      for (int64_t t = 0; t < te; ++t) {
+        for (int64_t j = 0; j < width; ++j) {
+          part[t * width + j] = static_cast<float>(dy[c][t * out + h * width + j]);
+        }
+      }
+      MlpBackward(chains[h], x[c].data(), te, part.data(), &ws[c][h], &grads[h],
+                  /*accumulate=*/true);
+    }
   }
   return result;
 }
@@ -278,54 +363,63 @@ void GatherLayer(const LoadedSequence& s, const FitShape& shape, int l,
   p.rows = std::move(rows);
 }
 
-// Adam over one layer's four tensors, each with its own step size lr x RMS(start).
+// Adam over one layer's tensors ((weight, bias) pairs), each with its own step size lr x
+// RMS(start); float64 moments whatever the parameters' type.
+template <typename T>
 struct Adam {
   std::vector<std::vector<double>> m, v;
   std::vector<double> step;
   int t = 0;
-  void Init(RidgeMaps* maps, double lr) {
-    std::vector<std::vector<double>*> tensors = maps->Tensors();
-    double rms_w[2] = {0, 0};
-    for (int c = 0; c < 2; ++c) {
-      const std::vector<double>& w = *tensors[2 * c];
-      for (double x : w) rms_w[c] += x * x;
-      rms_w[c] = std::sqrt(rms_w[c] / std::max<size_t>(1, w.size()));
-    }
-    for (size_t i = 0; i < tensors.size(); ++i) {
+  void Init(const std::vector<std::vector<T>*>& tensors, double lr) {
+    auto rms_of = [](const std::vector<T>& w) {
       double rms = 0;
-      for (double x : *tensors[i]) rms += x * x;
-      rms = std::sqrt(rms / std::max<size_t>(1, tensors[i]->size()));
+      for (T x : w) rms += static_cast<double>(x) * x;
+      return std::sqrt(rms / std::max<size_t>(1, w.size()));
+    };
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      double rms = rms_of(*tensors[i]);
       // A zero bias moves on its weights' scale.
-      if (rms == 0) rms = rms_w[i / 2];
+      if (rms == 0 && i % 2 == 1) rms = rms_of(*tensors[i - 1]);
       step.push_back(lr * rms);
       m.emplace_back(tensors[i]->size(), 0.0);
       v.emplace_back(tensors[i]->size(), 0.0);
     }
   }
-  void Update(RidgeMaps* maps, RidgeMaps* grad) {
+  void Update(const std::vector<std::vector<T>*>& tensors,
+              const std::vector<std::vector<T>*>& grads) {
     constexpr double kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-12;
     ++t;
     const double c1 = 1 - std::pow(kBeta1, t), c2 = 1 - std::pow(kBeta2, t);
-    std::vector<std::vector<double>*> tensors = maps->Tensors(), grads = grad->Tensors();
     for (size_t i = 0; i < tensors.size(); ++i) {
       for (size_t j = 0; j < tensors[i]->size(); ++j) {
         const double g = (*grads[i])[j];
         m[i][j] = kBeta1 * m[i][j] + (1 - kBeta1) * g;
         v[i][j] = kBeta2 * v[i][j] + (1 - kBeta2) * g * g;
-        (*tensors[i])[j] -= step[i] * (m[i][j] / c1) / (std::sqrt(v[i][j] / c2) + kEps);
+        (*tensors[i])[j] = static_cast<T>(
+            (*tensors[i])[j] - step[i] * (m[i][j] / c1) / (std::sqrt(v[i][j] / c2) + kEps));
       }
     }
   }
 };
 
-}  // namespace
+// One mapper kind's side of the refinement, per target layer.
+struct RefineTarget {
+  // Adds the layer's batch gradient for `problem` and returns its error.
+  std::function<AttentionError(int l, const AttentionProblem& problem)> accumulate;
+  // Zeroes every layer's gradient (before a step's batch).
+  std::function<void()> zero;
+  // Divides layer l's gradient by `norm`, then takes its Adam step.
+  std::function<void(int l, double norm)> update;
+};
 
-absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
-                                      std::vector<LayerFit>* fits) {
+// The loop both kinds share: seeded epochs over the training sequences with queries, `batch`
+// sequences a step, a seeded sample of query rows, every target layer, one Adam step a layer.
+absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFinal& parsed,
+                                     const RefineTarget& target) {
   const RefineOptions& ro = options.refine;
-  if (ro.steps < 1 || ro.batch < 1 || !(ro.learning_rate > 0)) {
+  if (ro.steps < 1 || ro.batch < 1 || !(ro.learning_rate > 0) || !(ro.mlp_learning_rate > 0)) {
     return absl::InvalidArgumentError(
-        "--refine_steps and --refine_batch must be >= 1 and --refine_lr > 0");
+        "--refine_steps and --refine_batch must be >= 1, --refine_lr and --refine_mlp_lr > 0");
   }
   const auto start = std::chrono::steady_clock::now();
   const FitShape& shape = parsed.shape;
@@ -339,35 +433,20 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
     if (!pair.heldout) train.push_back(&pair);
   }
   const int L = shape.target.num_layers;
-  const int64_t out = shape.dt();
-  std::vector<RidgeMaps> maps(L), grads(L);
-  std::vector<Adam> adam(L);
-  for (int l = 0; l < L; ++l) {
-    const LayerFit& f = (*fits)[l];
-    maps[l].in = static_cast<int64_t>(parsed.sigma[l].size()) * shape.ds();
-    maps[l].out = out;
-    maps[l].w_k = f.w_k;
-    maps[l].b_k = f.b_k;
-    maps[l].w_v = f.w_v;
-    maps[l].b_v = f.b_v;
-    grads[l].Resize(maps[l].in, out);
-    adam[l].Init(&maps[l], ro.learning_rate);
-  }
   std::unique_ptr<Progress> progress;
   if (options.solve.show_progress) {
     progress = std::make_unique<Progress>("refine", ro.steps, "steps", options.solve.log);
   }
   RefineLog log;
-  // Its own stream: the MLP and the split hash the same seed differently.
+  // A stream of its own (the MLP trainer and the split hash the same seed differently); the
+  // same for both kinds, so they see the same sequences and query rows.
   uint64_t rng = ro.seed ^ 0x5265666996e65ull;
   std::vector<const SequencePair*> order;
   size_t next = 0;
   LayerInputs inputs;
   for (int step = 0; step < ro.steps; ++step) {
     std::vector<AttentionError> err(L);
-    for (RidgeMaps& g : grads) {
-      for (std::vector<double>* t : g.Tensors()) std::fill(t->begin(), t->end(), 0.0);
-    }
+    target.zero();
     for (int b = 0; b < ro.batch; ++b) {
       absl::StatusOr<LoadedSequence> s = absl::NotFoundError("");
       while (!s.ok()) {
@@ -393,7 +472,7 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
       const std::vector<int64_t> rows = SampleRows(s->rows.rows, ro.queries, &rng);
       for (int l = 0; l < L; ++l) {
         GatherLayer(*s, shape, l, parsed.sigma[l], rows, &inputs);
-        const AttentionError e = AttentionErrorAndGradient(inputs.problem, maps[l], &grads[l]);
+        const AttentionError e = target.accumulate(l, inputs.problem);
         err[l].error += e.error;
         err[l].norm += e.norm;
       }
@@ -403,16 +482,66 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
       // Relative error: each layer's loss is scale-free, so one learning rate suits every layer.
       const double norm = std::max(err[l].norm, std::numeric_limits<double>::min());
       loss += err[l].error / norm / L;
-      for (std::vector<double>* t : grads[l].Tensors()) {
-        for (double& x : *t) x /= norm;
-      }
-      adam[l].Update(&maps[l], &grads[l]);
+      target.update(l, norm);
+    }
+    if (!std::isfinite(loss)) {
+      return absl::InternalError(absl::StrCat("kvt fit --refine=attention diverged (loss ", loss,
+                                              ") at step ", step + 1, "; lower --refine_lr"));
     }
     log.loss.push_back(loss);
     if (progress) progress->Advance(1, 0);
   }
   if (progress) progress->Finish();
   log.sequences = static_cast<int>(train.size());
+  log.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return log;
+}
+
+template <typename T>
+void DivideAll(const std::vector<std::vector<T>*>& tensors, double norm) {
+  for (std::vector<T>* t : tensors) {
+    for (T& x : *t) x = static_cast<T>(x / norm);
+  }
+}
+
+template <typename T>
+void ZeroAll(const std::vector<std::vector<T>*>& tensors) {
+  for (std::vector<T>* t : tensors) std::fill(t->begin(), t->end(), T(0));
+}
+
+}  // namespace
+
+absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
+                                      std::vector<LayerFit>* fits) {
+  const FitShape& shape = parsed.shape;
+  const int L = shape.target.num_layers;
+  const int64_t out = shape.dt();
+  std::vector<RidgeMaps> maps(L), grads(L);
+  std::vector<Adam<double>> adam(L);
+  for (int l = 0; l < L; ++l) {
+    const LayerFit& f = (*fits)[l];
+    maps[l].in = static_cast<int64_t>(parsed.sigma[l].size()) * shape.ds();
+    maps[l].out = out;
+    maps[l].w_k = f.w_k;
+    maps[l].b_k = f.b_k;
+    maps[l].w_v = f.w_v;
+    maps[l].b_v = f.b_v;
+    grads[l].Resize(maps[l].in, out);
+    adam[l].Init(maps[l].Tensors(), options.refine.learning_rate);
+  }
+  RefineTarget target;
+  target.accumulate = [&](int l, const AttentionProblem& p) {
+    return AttentionErrorAndGradient(p, maps[l], &grads[l]);
+  };
+  target.zero = [&] {
+    for (RidgeMaps& g : grads) ZeroAll(g.Tensors());
+  };
+  target.update = [&](int l, double norm) {
+    DivideAll(grads[l].Tensors(), norm);
+    adam[l].Update(maps[l].Tensors(), grads[l].Tensors());
+  };
+  absl::StatusOr<RefineLog> log = RefineLoop(options, parsed, target);
+  if (!log.ok()) return log.status();
   for (int l = 0; l < L; ++l) {
     LayerFit& f = (*fits)[l];
     f.w_k = std::move(maps[l].w_k);
@@ -420,37 +549,71 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
     f.w_v = std::move(maps[l].w_v);
     f.b_v = std::move(maps[l].b_v);
   }
-  log.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return log;
+}
+
+absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal& parsed,
+                                    std::vector<MlpMaps>* layers) {
+  const int L = parsed.shape.target.num_layers;
+  if (static_cast<int>(layers->size()) != L) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RefineMlp: ", layers->size(), " layers of chains for ", L, " target layers"));
+  }
+  std::vector<MlpMaps> grads(L);
+  std::vector<Adam<float>> adam(L);
+  for (int l = 0; l < L; ++l) {
+    grads[l] = MlpMaps::ZerosLike((*layers)[l]);
+    adam[l].Init((*layers)[l].Tensors(), options.refine.mlp_learning_rate);
+  }
+  RefineTarget target;
+  target.accumulate = [&](int l, const AttentionProblem& p) {
+    return MlpAttentionErrorAndGradient(p, (*layers)[l], &grads[l]);
+  };
+  target.zero = [&] {
+    for (MlpMaps& g : grads) ZeroAll(g.Tensors());
+  };
+  target.update = [&](int l, double norm) {
+    DivideAll(grads[l].Tensors(), norm);
+    adam[l].Update((*layers)[l].Tensors(), grads[l].Tensors());
+  };
+  return RefineLoop(options, parsed, target);
+}
+
+absl::StatusOr<std::optional<HeldoutQuality>> MeasureInMemory(
+    const FitOptions& options, const Manifest& manifest,
+    const std::vector<std::vector<uint8_t>>& storage, const std::string& what) {
+  absl::StatusOr<bool> have = HeldoutHasQueries(options);
+  if (!have.ok()) return have.status();
+  if (!*have) return std::optional<HeldoutQuality>();
+  const std::vector<TensorSpec> specs = MapperTensorSpecs(manifest);
+  std::vector<TensorRef> tensors;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    tensors.push_back({specs[i], absl::Span<const uint8_t>(storage[i].data(), storage[i].size())});
+  }
+  absl::StatusOr<MapperView> view = MapperViewOf(manifest, tensors);
+  if (!view.ok()) return view.status();
+  absl::StatusOr<HeldoutQuality> measured = MeasureHeldout(options, *view);
+  if (!measured.ok()) return measured.status();
+  if (options.solve.show_progress) {
+    std::fprintf(options.solve.log,
+                 "kvt fit: %s: held-out attention-output cosine %.6f without layer 0, %.6f all "
+                 "layers\n",
+                 what.c_str(), measured->attention_cosine_without_layer0,
+                 measured->attention_cosine);
+  }
+  return std::optional<HeldoutQuality>(*measured);
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
     const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
     const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits) {
   // The start as served: its bytes through the CPU backend, as WriteFitted measures the result.
-  std::optional<HeldoutQuality> before;
-  absl::StatusOr<bool> have = HeldoutHasQueries(options);
-  if (!have.ok()) return have.status();
-  if (*have) {
-    Manifest start = manifest;
-    std::vector<std::vector<uint8_t>> storage = RidgeStorage(parsed.sigma, *fits, dtype, &start);
-    const std::vector<TensorSpec> specs = MapperTensorSpecs(start);
-    std::vector<TensorRef> tensors;
-    for (size_t i = 0; i < specs.size(); ++i) {
-      tensors.push_back({specs[i], absl::Span<const uint8_t>(storage[i].data(), storage[i].size())});
-    }
-    absl::StatusOr<MapperView> view = MapperViewOf(start, tensors);
-    if (!view.ok()) return view.status();
-    absl::StatusOr<HeldoutQuality> measured = MeasureHeldout(options, *view);
-    if (!measured.ok()) return measured.status();
-    before = *measured;
-    if (options.solve.show_progress) {
-      std::fprintf(options.solve.log,
-                   "kvt fit: closed-form ridge: held-out attention-output cosine %.6f without "
-                   "layer 0, %.6f all layers\n",
-                   before->attention_cosine_without_layer0, before->attention_cosine);
-    }
-  }
+  Manifest start = manifest;
+  const std::vector<std::vector<uint8_t>> storage =
+      RidgeStorage(parsed.sigma, *fits, dtype, &start);
+  absl::StatusOr<std::optional<HeldoutQuality>> before =
+      MeasureInMemory(options, start, storage, "closed-form ridge");
+  if (!before.ok()) return before.status();
   absl::StatusOr<RefineLog> log = RefineRidge(options, parsed, fits);
   if (!log.ok()) return log.status();
   for (int l = 0; l < static_cast<int>(fits->size()); ++l) {
@@ -462,12 +625,14 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
                  "output error, training batches)\n",
                  options.refine.steps, log->seconds, log->loss.front(), log->loss.back());
   }
-  return RefineFacts(options.refine, *log, before ? &*before : nullptr);
+  return RefineFacts(options.refine, *log, *before ? &**before : nullptr,
+                     "the closed-form ridge");
 }
 
 std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions& options,
                                                              const RefineLog& log,
-                                                             const HeldoutQuality* before) {
+                                                             const HeldoutQuality* before,
+                                                             const std::string& start) {
   // The curve at ~10 evenly spaced steps, each the mean of the steps around it (batches vary).
   std::vector<std::string> points;
   const int n = static_cast<int>(log.loss.size());
@@ -480,7 +645,7 @@ std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions
   }
   std::vector<std::pair<std::string, std::string>> facts = {
       {"refinement",
-       absl::StrCat("attention: Adam from the closed-form ridge on ||o^ - o||^2 / ||o||^2 of the "
+       absl::StrCat("attention: Adam from ", start, " on ||o^ - o||^2 / ||o||^2 of the "
                     "target's causal attention outputs (its own post-RoPE queries), per layer, "
                     "K and V jointly; ",
                     options.steps, " steps of ", options.batch, " sequences x ",
@@ -493,8 +658,9 @@ std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions
   if (before != nullptr) {
     facts.push_back(
         {"held-out attention-output cosine before refinement",
-         absl::StrFormat("%.6f without layer 0, %.6f all layers (the closed-form ridge as served)",
-                         before->attention_cosine_without_layer0, before->attention_cosine)});
+         absl::StrFormat("%.6f without layer 0, %.6f all layers (%s as served)",
+                         before->attention_cosine_without_layer0, before->attention_cosine,
+                         start)});
   }
   return facts;
 }

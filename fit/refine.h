@@ -1,6 +1,9 @@
-// `kvt fit --refine=attention`: moves a closed-form ridge mapper towards what the target reads,
-// the error of its causal attention outputs under its own post-RoPE queries (SPEC 5), per target
-// layer with the K and V maps jointly, by Adam over the calibration sequences (streamed).
+// `kvt fit --refine=attention`: moves a closed-form ridge mapper, or an MSE-trained MLP mapper,
+// towards what the target reads, the error of its causal attention outputs under its own
+// post-RoPE queries (SPEC 5), per target layer with the K and V maps jointly, by Adam over the
+// calibration sequences (streamed). The attention error and its gradient with respect to the
+// mapped keys and values have one home (AttentionOutputErrorAndGradient); each mapper kind
+// backpropagates that through its own maps.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "fit/fit.h"
 #include "fit/fit_internal.h"
+#include "fit/mlp.h"
 #include "fit/solve.h"
 #include "kernels/rope.h"
 
@@ -56,10 +60,41 @@ struct AttentionError {
   double error = 0, norm = 0;
 };
 
+// Tokens whose mapped keys and values the error reads: [0, last counted query row].
+inline int64_t VisibleTokens(const AttentionProblem& p) {
+  return p.rows.empty() ? 0 : p.rows.back() + 1;
+}
+
+// The shared part: the error of the attention outputs that mapped keys and values give against
+// the target's own. k_hat, v_hat [VisibleTokens(p), kv_heads * head_dim] in content space (K^
+// before the target's RoPE, which this applies, as kvtd does); when dk_hat and dv_hat are set
+// (same shape) they receive d error / d k_hat and d error / d v_hat (overwritten). Ignores
+// p.x_k and p.x_v.
+AttentionError AttentionOutputErrorAndGradient(const AttentionProblem& p, const double* k_hat,
+                                               const double* v_hat, double* dk_hat,
+                                               double* dv_hat);
+
 // The error of `maps`' attention outputs against the target's own, and (when `grad` is set,
 // sized like `maps`) adds d error / d maps to it.
 AttentionError AttentionErrorAndGradient(const AttentionProblem& problem, const RidgeMaps& maps,
                                          RidgeMaps* grad);
+
+// One target layer's MLP chains (kind: mlp): per_layer one chain each for K and V of
+// kv_heads * head_dim outputs; per_head kv_heads chains each of head_dim outputs (head h's
+// columns). K^ = chain(x_k) in content space, V^ = chain(x_v).
+struct MlpMaps {
+  std::vector<MlpWeights> k, v;
+  // Sized like `like`, zero-filled.
+  static MlpMaps ZerosLike(const MlpMaps& like);
+  // Every chain's six tensors, K chains first: (weight, bias) pairs.
+  std::vector<std::vector<float>*> Tensors();
+};
+
+// As AttentionErrorAndGradient for MLP chains: forward through sgemm (float32 inputs, outputs
+// widened to float64 for the shared error), d error / d K^, V^ backpropagated by MlpBackward;
+// adds d error / d parameters to `grad` (sized like `maps`) when set.
+AttentionError MlpAttentionErrorAndGradient(const AttentionProblem& problem, const MlpMaps& maps,
+                                            MlpMaps* grad);
 
 struct RefineLog {
   // Per step: the mean over target layers of error / norm of that step's batch.
@@ -75,11 +110,19 @@ struct RefineLog {
 absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
                                       std::vector<LayerFit>* fits);
 
+// The same for MLP chains (one MlpMaps per target layer, float32 as trained, before rounding to
+// the weight dtype): the same sequences, query sampling, seeded order and Adam (step
+// options.refine.mlp_learning_rate x each tensor's RMS at the start).
+absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal& parsed,
+                                    std::vector<MlpMaps>* layers);
+
 // The report facts of a refinement: settings, loss curve, wall time and the held-out cosine of
-// the closed-form start (`before`; the refined mapper's is the report's usual fact).
+// the start (`before`; the refined mapper's is the report's usual fact). `start` names it: "the
+// closed-form ridge", "the MSE-trained MLP".
 std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions& options,
                                                              const RefineLog& log,
-                                                             const HeldoutQuality* before);
+                                                             const HeldoutQuality* before,
+                                                             const std::string& start);
 
 }  // namespace fit
 }  // namespace kvt

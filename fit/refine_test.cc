@@ -1,6 +1,7 @@
 // The attention refinement's math: the float64 RoPE rows against the kernels' RoPE, and the
 // analytic gradient of the attention-output error against float64 central differences, on
-// fresh random problems (GQA, partial rotary, both styles, yarn's attention factor).
+// fresh random problems (GQA, partial rotary, both styles, yarn's attention factor), for the
+// ridge maps and for MLP chains (per layer and per head) through the shared attention part.
 #include "fit/refine.h"
 
 #include <cmath>
@@ -159,6 +160,137 @@ TEST(AttentionRefineTest, ExactMapsHaveZeroErrorAndGradient) {
   EXPECT_LT(e.error, 1e-20 * e.norm);
   for (std::vector<double>* g : grad.Tensors()) {
     for (double v : *g) EXPECT_NEAR(v, 0.0, 1e-9);
+  }
+}
+
+// Float64 reference of MLP chains on x [T, in] -> y [T, out] (chain h's outputs at columns
+// h * width ...), plain loops; `pattern` receives every ReLU's on/off state.
+void RefChains(const std::vector<std::vector<double>>& params, const std::vector<MlpWeights>& like,
+               const std::vector<double>& x, int64_t T, int64_t out, std::vector<double>* y,
+               std::vector<bool>* pattern) {
+  y->assign(T * out, 0.0);
+  const int64_t width = out / static_cast<int64_t>(like.size());
+  for (size_t c = 0; c < like.size(); ++c) {
+    const int64_t in = like[c].in, H = like[c].hidden;
+    const double* a1 = params[c].data();
+    const double* c1 = a1 + in * H;
+    const double* a2 = c1 + H;
+    const double* c2 = a2 + H * H;
+    const double* a3 = c2 + H;
+    const double* c3 = a3 + H * width;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> h1(H), h2(H);
+      for (int64_t h = 0; h < H; ++h) {
+        double z = c1[h];
+        for (int64_t j = 0; j < in; ++j) z += x[t * in + j] * a1[j * H + h];
+        h1[h] = z > 0 ? z : 0;
+        pattern->push_back(z > 0);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        double z = c2[h];
+        for (int64_t j = 0; j < H; ++j) z += h1[j] * a2[j * H + h];
+        h2[h] = z > 0 ? z : 0;
+        pattern->push_back(z > 0);
+      }
+      for (int64_t o = 0; o < width; ++o) {
+        double z = c3[o];
+        for (int64_t j = 0; j < H; ++j) z += h2[j] * a3[j * width + o];
+        (*y)[t * out + c * width + o] = z;
+      }
+    }
+  }
+}
+
+std::vector<double> FlattenChain(MlpWeights w) {
+  std::vector<double> p;
+  for (std::vector<float>* v : MlpParams(&w)) p.insert(p.end(), v->begin(), v->end());
+  return p;
+}
+
+// The error of float64 chains (K chains' flattened parameters, then V's) through the shared
+// attention part, all in float64.
+double RefMlpError(const RandomProblem& r, const MlpMaps& like,
+                   const std::vector<std::vector<double>>& params, std::vector<bool>* pattern) {
+  pattern->clear();
+  const int64_t T = VisibleTokens(r.problem), out = r.maps.out;
+  const size_t nk = like.k.size();
+  std::vector<double> y[2];
+  RefChains({params.begin(), params.begin() + nk}, like.k, r.x_k, T, out, &y[0], pattern);
+  RefChains({params.begin() + nk, params.end()}, like.v, r.x_v, T, out, &y[1], pattern);
+  return AttentionOutputErrorAndGradient(r.problem, y[0].data(), y[1].data(), nullptr, nullptr)
+      .error;
+}
+
+TEST(AttentionRefineTest, MlpGradientMatchesFloat64FiniteDifferences) {
+  std::mt19937_64 rng(FreshSeed("AttentionRefineTest.MlpGradientMatchesFloat64FiniteDifferences"));
+  for (int heads : {1, 2}) {  // per_layer, per_head (2 KV heads)
+    SCOPED_TRACE(heads == 1 ? "per_layer" : "per_head");
+    absl::StatusOr<Rope> rope =
+        Rope::Create(MakeTestRope(RopeScalingType::kYarn, RopeStyle::kNeox, /*rotary_dim=*/6), 8);
+    ASSERT_TRUE(rope.ok()) << rope.status();
+    RandomProblem r;
+    MakeProblem(&rng, *rope, 9, 8, &r);
+    // Inputs float32-exact: the chains read them as float32.
+    for (std::vector<double>* x : {&r.x_k, &r.x_v}) {
+      for (double& v : *x) v = static_cast<float>(v);
+    }
+    const int64_t in = r.maps.in, out = r.maps.out, H = 6;
+    std::normal_distribution<double> normal(0.0, 1.0);
+    MlpMaps maps;
+    for (int c = 0; c < 2; ++c) {
+      for (int h = 0; h < heads; ++h) {
+        MlpWeights w = InitMlp(in, H, out / heads, rng());
+        // Biases, so that units are on and off across tokens.
+        for (std::vector<float>* b : {&w.c1, &w.c2, &w.c3}) {
+          for (float& v : *b) v = static_cast<float>(0.3 * normal(rng));
+        }
+        (c == 0 ? maps.k : maps.v).push_back(w);
+      }
+    }
+    MlpMaps grad = MlpMaps::ZerosLike(maps);
+    const AttentionError base = MlpAttentionErrorAndGradient(r.problem, maps, &grad);
+    ASSERT_GT(base.error, 0);
+    EXPECT_EQ(MlpAttentionErrorAndGradient(r.problem, maps, nullptr).error, base.error);
+    std::vector<std::vector<double>> params, grads;
+    for (int c = 0; c < 2; ++c) {
+      for (int h = 0; h < heads; ++h) {
+        params.push_back(FlattenChain((c == 0 ? maps.k : maps.v)[h]));
+        grads.push_back(FlattenChain((c == 0 ? grad.k : grad.v)[h]));
+      }
+    }
+    std::vector<bool> base_pattern, plus_pattern, minus_pattern;
+    const double ref = RefMlpError(r, maps, params, &base_pattern);
+    // The float32 chains' error against the float64 reference's.
+    EXPECT_NEAR(base.error, ref, 1e-4 * ref);
+    double max_fd = 0;
+    std::vector<std::vector<double>> fds(params.size());
+    int checked = 0, total = 0;
+    for (size_t t = 0; t < params.size(); ++t) {
+      fds[t].assign(params[t].size(), std::nan(""));
+      for (size_t i = 0; i < params[t].size(); ++i, ++total) {
+        const double h = 1e-6, keep = params[t][i];
+        params[t][i] = keep + h;
+        const double plus = RefMlpError(r, maps, params, &plus_pattern);
+        params[t][i] = keep - h;
+        const double minus = RefMlpError(r, maps, params, &minus_pattern);
+        params[t][i] = keep;
+        if (plus_pattern != base_pattern || minus_pattern != base_pattern) continue;  // a kink
+        fds[t][i] = (plus - minus) / (2 * h);
+        max_fd = std::max(max_fd, std::fabs(fds[t][i]));
+        ++checked;
+      }
+    }
+    // float32 backpropagation against float64 differences: a relative tolerance of float32's
+    // accumulated rounding, far below the size of any dropped or mis-signed term.
+    for (size_t t = 0; t < params.size(); ++t) {
+      for (size_t i = 0; i < params[t].size(); ++i) {
+        if (std::isnan(fds[t][i])) continue;
+        EXPECT_NEAR(grads[t][i], fds[t][i], 1e-3 * std::fabs(fds[t][i]) + 1e-5 * max_fd)
+            << "chain " << t << " parameter " << i;
+      }
+    }
+    EXPECT_GT(max_fd, 0);
+    EXPECT_GT(checked, total * 9 / 10);
   }
 }
 
