@@ -41,26 +41,34 @@ def byte_stream(docs):
     return np.concatenate(parts).astype(np.int64)
 
 
-def copy_row(rng, data, length, random_share=0.0):
+def copy_row(rng, data, length, random_share=0.0, dense=False):
     """A training row where context far back matters: a passage (32-160 bytes) of the training
     text, unrelated text (16-320 bytes), the same passage again, then ordinary text to the end.
     The second copy is only predictable by looking back (induction), which plain prose rarely
-    rewards; eval/retention.copy_windows measures the same skill on held-out text. Returns the
-    row and the mask of its targets inside the second copy (the training log's copy figure)."""
-    n, gap = int(rng.integers(32, 161)), int(rng.integers(16, 321))
+    rewards; eval/retention.copy_windows measures the same skill on held-out text. dense: such
+    units one after another to the end of the row (more copy targets per row). Returns the row
+    and the mask of its targets inside second copies (the training log's copy figure)."""
     lead = int(rng.integers(0, 65))
-    s, f, t = (int(rng.integers(0, len(data) - length - 1)) for _ in range(3))
-    passage = data[s:s + n]
-    if rng.random() < random_share:
-        # Random printable bytes: nothing but the earlier copy predicts them, so the gradient
-        # asks for copying alone (natural passages are half predictable from local statistics).
-        passage = rng.integers(32, 127, n).astype(np.int64)
-    row = np.concatenate([data[t:t + lead], passage, data[f:f + gap], passage])
-    row = np.concatenate([row, data[t + lead:t + lead + length]])[:length]
-    # Targets only an earlier copy predicts: the second copy after its first byte.
-    second = lead + n + gap
-    copied = np.zeros(length - 1, dtype=bool)
-    copied[second:min(second + n - 1, length - 1)] = True
+    t = int(rng.integers(0, len(data) - length - 1))
+    parts, copied = [data[t:t + lead]], np.zeros(length - 1, dtype=bool)
+    at = lead
+    while at < length:
+        n, gap = int(rng.integers(32, 161)), int(rng.integers(16, 321))
+        s, f = (int(rng.integers(0, len(data) - length - 1)) for _ in range(2))
+        passage = data[s:s + n]
+        if rng.random() < random_share:
+            # Random printable bytes: nothing but the earlier copy predicts them, so the
+            # gradient asks for copying alone (natural passages are half predictable from
+            # local statistics).
+            passage = rng.integers(32, 127, n).astype(np.int64)
+        parts += [passage, data[f:f + gap], passage]
+        # Targets only an earlier copy predicts: the second copy after its first byte.
+        second = at + n + gap
+        copied[min(second, length - 1):min(second + n - 1, length - 1)] = True
+        at = second + n
+        if not dense:
+            break
+    row = np.concatenate(parts + [data[t + lead:t + lead + length]])[:length]
     return row, copied
 
 
@@ -89,7 +97,7 @@ def lookup_row(rng, data, length):
 
 
 def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
-                   random_copy_share=0.0):
+                   random_copy_share=0.0, dense_copies=False):
     """(x, y, copied): batch rows of seq + 1 bytes as inputs and targets, plain text or, with
     the given probabilities, a copy row or a lookup row (the mix that teaches the family to use
     context far back, issue 22); copied marks the targets inside second copies."""
@@ -101,7 +109,7 @@ def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
     rows, masks = [], []
     for u in rng.random(batch):
         if u < copy_fraction:
-            row, copied = copy_row(rng, data, seq + 1, random_copy_share)
+            row, copied = copy_row(rng, data, seq + 1, random_copy_share, dense_copies)
         elif u < copy_fraction + lookup_fraction:
             row, copied = lookup_row(rng, data, seq + 1)
         else:
@@ -213,6 +221,8 @@ def main():
                    help="share of rows with a passage repeated after a gap (copy_row)")
     p.add_argument("--random_copy_share", type=float, default=0.0,
                    help="share of copy rows whose passage is random printable bytes")
+    p.add_argument("--dense_copies", action="store_true",
+                   help="copy rows hold passage/gap/passage units to their end, not one")
     p.add_argument("--lookup_fraction", type=float, default=0.0,
                    help="share of rows with planted key=value lookups (lookup_row)")
     args = p.parse_args()
@@ -250,7 +260,8 @@ def main():
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * \
             (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         x, y, copied = training_batch(rng, train, args.batch, args.seq, args.copy_fraction,
-                                      args.lookup_fraction, args.random_copy_share)
+                                      args.lookup_fraction, args.random_copy_share,
+                                      args.dense_copies)
         t_logp = None
         if teacher is not None:
             with torch.no_grad():
@@ -301,6 +312,7 @@ def main():
                    "lr": args.lr, "teacher": args.teacher, "kl_weight": args.kl_weight,
                    "ce_weight": ce_weight, "copy_fraction": args.copy_fraction,
                    "random_copy_share": args.random_copy_share,
+                   "dense_copies": args.dense_copies,
                    "lookup_fraction": args.lookup_fraction, "heldout_bits_per_byte": round(bpb, 4),
                    "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
                    "trained_with": [o.name for o in students if o is not st],
