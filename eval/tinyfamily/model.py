@@ -156,11 +156,11 @@ class Llama(nn.Module):
 
     def forward(self, ids, return_kv=False):
         t = ids.shape[1]
-        pos = torch.arange(t, dtype=torch.float32)
+        pos = torch.arange(t, dtype=torch.float32, device=ids.device)
         freqs = torch.outer(pos, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
-        mask = torch.full((t, t), float("-inf")).triu(1)
+        mask = torch.full((t, t), float("-inf"), device=ids.device).triu(1)
         x = self.model.embed_tokens(ids)
         kvs = []
         for layer in self.model.layers:
@@ -173,7 +173,7 @@ class Llama(nn.Module):
 def save(model, directory):
     """Writes model.safetensors (float32) and config.json, as LlamaForCausalLM expects."""
     os.makedirs(directory, exist_ok=True)
-    tensors = {k: v.detach().float() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     dump_kv.write_safetensors(os.path.join(directory, "model.safetensors"), tensors,
                               {"format": "pt"})
     tmp = os.path.join(directory, "config.json.tmp")

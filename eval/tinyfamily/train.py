@@ -124,6 +124,7 @@ def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
 def heldout_bpb(model, data, seq, max_windows=None):
     """Bits per byte over consecutive non-overlapping windows (each a fresh forward from 0)."""
     model.eval()
+    device = next(model.parameters()).device
     n = (len(data) - 1) // seq
     if max_windows:
         n = min(n, max_windows)
@@ -133,8 +134,8 @@ def heldout_bpb(model, data, seq, max_windows=None):
             idx = range(i, min(n, i + 8))
             x = torch.stack([torch.from_numpy(data[j * seq:j * seq + seq]) for j in idx])
             y = torch.stack([torch.from_numpy(data[j * seq + 1:j * seq + seq + 1]) for j in idx])
-            logits = model(x)
-            total += F.cross_entropy(logits.reshape(-1, tiny.VOCAB), y.reshape(-1),
+            logits = model(x.to(device))
+            total += F.cross_entropy(logits.reshape(-1, tiny.VOCAB), y.to(device).reshape(-1),
                                      reduction="sum").item()
             count += y.numel()
     model.train()
@@ -145,7 +146,7 @@ class Student:
     """One model being trained: its weights, optimizer, log and output directory."""
 
     def __init__(self, out, name, layers, hidden, heads, kv_heads, head_dim, ffn, seed, lr,
-                 init=""):
+                 init="", device="cpu"):
         self.out, self.name = out, name
         self.model = tiny.Llama(tiny.hf_config(layers, hidden, heads, kv_heads, head_dim, ffn,
                                                name))
@@ -160,6 +161,7 @@ class Student:
             self.model.load_state_dict(previous.state_dict())
             with open(os.path.join(init, "summary.json")) as f:
                 self.previous = json.load(f)
+        self.model.to(device)
         self.params = sum(q.numel() for q in self.model.parameters())
         decay = [q for q in self.model.parameters() if q.dim() >= 2]
         no_decay = [q for q in self.model.parameters() if q.dim() < 2]
@@ -173,14 +175,14 @@ class Student:
                               "heldout_bits_per_byte", "copy_bits_per_byte"])
 
 
-def parse_student(spec, seed, lr):
+def parse_student(spec, seed, lr, device="cpu"):
     """OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN[:INIT_DIR]"""
     parts = spec.split(":")
     if len(parts) not in (8, 9):
         raise SystemExit(f"--also: expected OUT:NAME:LAYERS:HIDDEN:HEADS:KV_HEADS:HEAD_DIM:FFN"
                          f"[:INIT_DIR], got {spec!r}")
     return Student(parts[0], parts[1], *map(int, parts[2:8]), seed=seed, lr=lr,
-                   init=parts[8] if len(parts) == 9 else "")
+                   init=parts[8] if len(parts) == 9 else "", device=device)
 
 
 def main():
@@ -214,6 +216,9 @@ def main():
     p.add_argument("--warmup_steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu",
+                   help="torch device to train on (cpu, cuda); weights are written as float32 "
+                        "from the CPU either way")
     p.add_argument("--checkpoint_minutes", type=float, default=5)
     p.add_argument("--eval_every", type=int, default=200, help="steps between held-out checks")
     p.add_argument("--corpus_root", default=corpus.SOURCES)
@@ -236,11 +241,12 @@ def main():
     heldout = byte_stream(splits["heldout"])
 
     students = [Student(args.out, args.name, args.layers, args.hidden, args.heads, args.kv_heads,
-                        args.head_dim, args.ffn, args.seed, args.lr, init=args.init)]
-    students += [parse_student(spec, args.seed, args.lr) for spec in args.also]
+                        args.head_dim, args.ffn, args.seed, args.lr, init=args.init,
+                        device=args.device)]
+    students += [parse_student(spec, args.seed, args.lr, args.device) for spec in args.also]
     teacher = None
     if args.teacher:
-        teacher = tiny.load(args.teacher).eval()
+        teacher = tiny.load(args.teacher).eval().to(args.device)
         for q in teacher.parameters():
             q.requires_grad_(False)
     for st in students:
@@ -262,6 +268,7 @@ def main():
         x, y, copied = training_batch(rng, train, args.batch, args.seq, args.copy_fraction,
                                       args.lookup_fraction, args.random_copy_share,
                                       args.dense_copies)
+        x, y, copied = x.to(args.device), y.to(args.device), copied.to(args.device)
         t_logp = None
         if teacher is not None:
             with torch.no_grad():
