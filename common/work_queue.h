@@ -1,7 +1,7 @@
 // The one worker-queue type: a FIFO of tasks served by a fixed set of threads, optionally
 // bounded by the cost of what is queued, that finishes every queued task before it is destroyed.
-// The CPU backend's ThreadPool, kvtd's ComputeExecutor and the transport's ScatterWorker are
-// built on it.
+// The CPU backend's ThreadPool, kvtd's ComputeExecutor, the transport's ScatterWorker and the
+// mapper store's per-device page-in worker are built on it.
 #pragma once
 
 #include <cstddef>

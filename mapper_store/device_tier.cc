@@ -11,43 +11,11 @@
 namespace kvt {
 namespace store_internal {
 
-// --- DeviceWorker ---
-
-void DeviceWorker::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stop, and nothing left
-    std::function<void()> job = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
-    job();
-    lock.lock();
-  }
-}
-
-void DeviceWorker::Post(std::function<void()> job) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(job));
-  }
-  cv_.notify_one();
-}
-
-void DeviceWorker::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_one();
-  if (thread_.joinable()) thread_.join();
-}
-
 // --- Devices ---
 
 void DeviceTier::StopAll() {
   for (int d = 0; d < num_devices(); ++d) {
-    if (!devices_[d]->removed) devices_[d]->worker.Stop();
+    if (!devices_[d]->removed) devices_[d]->worker.reset();
   }
 }
 
@@ -91,7 +59,7 @@ absl::Status DeviceTier::Remove(const std::string& name, absl::Time deadline) {
     state_->changed.notify_all();
   }
   state_->Fire(after);
-  removed->worker.Stop();
+  removed->worker.reset();
   return absl::OkStatus();
 }
 
@@ -347,7 +315,7 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::StartCopy(
   state_->changed.notify_all();
   lock.unlock();
   state_->Fire(after);
-  dev.worker.Post([this, version, copy, start] { StreamLayers(version, copy, start); });
+  dev.worker->Submit([this, version, copy, start] { StreamLayers(version, copy, start); });
   return copy;
 }
 

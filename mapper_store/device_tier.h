@@ -5,48 +5,24 @@
 
 #include <array>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/work_queue.h"
 #include "kernels/backend.h"
 #include "mapper_store/store_state.h"
 #include "mapper_store/store_types.h"
 
 namespace kvt {
 namespace store_internal {
-
-// Runs posted jobs in order on its own thread: a device's page-in worker.
-class DeviceWorker {
- public:
-  DeviceWorker() : thread_([this] { Run(); }) {}
-  ~DeviceWorker() { Stop(); }
-  DeviceWorker(const DeviceWorker&) = delete;
-  DeviceWorker& operator=(const DeviceWorker&) = delete;
-
-  void Post(std::function<void()> job) ABSL_LOCKS_EXCLUDED(mu_);
-  // Runs what is queued, then joins the thread; idempotent.
-  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
-
- private:
-  void Run() ABSL_LOCKS_EXCLUDED(mu_);
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;  // last: starts once the fields above exist
-};
 
 // One device the store pages onto. backend, name and budget never change after Add; the
 // accounting fields are guarded by StoreState::mu.
@@ -58,7 +34,10 @@ struct Device {
   uint64_t reserved = 0;
   int pins = 0;  // the load a device choice balances
   std::atomic<bool> removed{false};  // Remove: skipped everywhere, slot kept
-  DeviceWorker worker;
+  // The page-in worker: one thread streaming page-ins' layers in order. reset() (Remove,
+  // StopAll) runs what is queued, then joins; nothing is submitted after (a page-in holds a
+  // device pin from before its Submit until it ends, and Remove waits for the pins).
+  std::optional<WorkQueue> worker{std::in_place, WorkQueue::Options{}};
 };
 
 // What the device tier needs of the host tier: a page-in pins the host version it reads from,

@@ -18,15 +18,13 @@ namespace {
 
 using ::absl::StatusCode;
 
-TEST(DeviceWorkerTest, RunsJobsInOrderAndStopDrainsTheQueue) {
+TEST(DeviceWorkerTest, RunsJobsInOrderAndResetDrainsTheQueue) {
   std::vector<int> ran;
-  {
-    DeviceWorker worker;
-    for (int i = 0; i < 5; ++i) worker.Post([&ran, i] { ran.push_back(i); });
-    worker.Stop();
-    EXPECT_EQ(ran, (std::vector<int>{0, 1, 2, 3, 4}));
-    worker.Stop();  // idempotent
-  }
+  Device device;
+  for (int i = 0; i < 5; ++i) device.worker->Submit([&ran, i] { ran.push_back(i); });
+  device.worker.reset();
+  EXPECT_EQ(ran, (std::vector<int>{0, 1, 2, 3, 4}));
+  device.worker.reset();  // idempotent
   EXPECT_EQ(ran.size(), 5u);
 }
 
