@@ -7,7 +7,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 #include "common/work_queue.h"
 #include "kernels/backend.h"
 #include "mapper_store/store_state.h"
@@ -107,13 +107,16 @@ class DeviceTier {
   // One TierUsage per live device.
   void AppendUsage(std::vector<TierUsage>* usage) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
 
+  // The store's lock as this tier's annotations name it (for SameLock, store_state.h).
+  const Mutex& mu() const ABSL_LOCK_RETURNED(state_->mu) { return state_->mu; }
+
  private:
   int num_devices() const { return num_devices_.load(std::memory_order_acquire); }
   // The devices a pin on `device` may use; INVALID_ARGUMENT for an unknown name.
   absl::StatusOr<std::vector<int>> Candidates(const std::string& device) const;
   // Waits for an existing (or paging) copy and pins it; OK with a null copy when there is none.
-  absl::StatusOr<std::shared_ptr<DeviceCopy>> ShareCopy(std::unique_lock<std::mutex>& lock,
-                                                        Version& version,
+  // The lock is held on return (the caller lets it go and fires `after`).
+  absl::StatusOr<std::shared_ptr<DeviceCopy>> ShareCopy(Version& version,
                                                         const std::vector<int>& candidates,
                                                         absl::Time deadline, Aftermath& after)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
@@ -121,10 +124,12 @@ class DeviceTier {
   absl::StatusOr<int> Choose(const std::vector<int>& candidates, uint64_t bytes,
                              const std::string& who, bool* must_wait) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
-  // A new copy on `device`: reserves, prepares (without the lock) and posts the layer stream.
-  absl::StatusOr<std::shared_ptr<DeviceCopy>> StartCopy(std::unique_lock<std::mutex>& lock,
-                                                        const std::shared_ptr<Version>& version,
-                                                        int device, Aftermath& after)
+  // A new copy on `device`: reserves and prepares (the lock let go meanwhile, held again on
+  // return). On success the caller lets the lock go, fires `after` and submits
+  // StreamLayers(version, copy, *started) to the device's worker.
+  absl::StatusOr<std::shared_ptr<DeviceCopy>> StartCopy(const std::shared_ptr<Version>& version,
+                                                        int device, Aftermath& after,
+                                                        absl::Time* started)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   uint64_t EvictableBytes(int device) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Detaches unpinned LRU copies on `device` until `bytes` more fit its budget (or none is left).
