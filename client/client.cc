@@ -1,20 +1,19 @@
 #include "client/client.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "common/allocator.h"
 #include "common/grpc_status.h"
+#include "common/mutex.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "absl/base/thread_annotations.h"
 #include "grpcpp/support/sync_stream.h"
 #include "transport/chunk_wire.h"
 #include "transport/kv_chunks.h"
@@ -126,12 +125,12 @@ absl::StatusOr<v1::MapperInfo> Client::GetMapper(const std::string& mapper_id) {
 
 // Signals when gRPC has dropped the last slice pointing into the caller's source buffers.
 struct SendRelease {
-  std::mutex mutex;
-  std::condition_variable changed;
+  Mutex mutex;
+  CondVar changed;
   bool released ABSL_GUARDED_BY(mutex) = false;
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mutex);
-    changed.wait(lock, [this] { return released; });
+  void Wait() ABSL_LOCKS_EXCLUDED(mutex) {
+    MutexLock lock(&mutex);
+    while (!released) changed.Wait(&mutex);
   }
 };
 
@@ -336,10 +335,10 @@ absl::StatusOr<std::unique_ptr<TranslateStream>> Client::StartTranslate(
   state->source_lease = std::shared_ptr<const void>(new char(0), [release](const void* token) {
     delete static_cast<const char*>(token);
     {
-      std::lock_guard<std::mutex> lock(release->mutex);
+      MutexLock lock(&release->mutex);
       release->released = true;
     }
-    release->changed.notify_all();
+    release->changed.SignalAll();
   });
 
   Prepare(state->context.get());

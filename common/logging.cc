@@ -3,17 +3,18 @@
 #include <atomic>
 #include <cstdio>
 
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 
 namespace kvt {
 namespace {
 
 std::atomic<int> g_min_level{static_cast<int>(LogLevel::kInfo)};
 
-absl::Mutex& OutputMutex() {
-  static absl::Mutex* mutex = new absl::Mutex();
+// kvt::Mutex (common/mutex.h): one line at a time on stderr, whichever thread logs.
+Mutex& OutputMutex() {
+  static Mutex* mutex = new Mutex();
   return *mutex;
 }
 
@@ -61,7 +62,7 @@ LogLine::~LogLine() {
   // Invalid UTF-8 in a field (a client's request id, say) must not throw from a destructor.
   const std::string text =
       fields_.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  absl::MutexLock lock(&OutputMutex());
+  MutexLock lock(&OutputMutex());
   std::fprintf(stderr, "%s\n", text.c_str());
   std::fflush(stderr);
 }

@@ -1,7 +1,8 @@
 // The one strict reader under kvt's hand-written YAML and JSON parsers (mapper manifests,
-// kvtd.yaml, imported semantic-router manifests): every key known and given once, every value of
-// its type, required keys present, integers in range; each error names the document, the line
-// (YAML) and the field's full path, in one wording for every document.
+// kvtd.yaml, imported semantic-router manifests, Hugging Face config.json): every key known and
+// given once, every value of its type, required keys present, integers in range; each error
+// names the document, the line (YAML) and the field's full path, in one wording for every
+// document. (config.json alone allows unknown keys: Hugging Face writes many kvt does not read.)
 #pragma once
 
 #include <cstdint>

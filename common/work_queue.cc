@@ -13,7 +13,7 @@ WorkQueue::WorkQueue(Options options) : max_queued_cost_(options.max_queued_cost
 
 WorkQueue::~WorkQueue() {
   {
-    absl::MutexLock lock(&mutex_);
+    MutexLock lock(&mutex_);
     stopping_ = true;
     changed_.SignalAll();
   }
@@ -21,7 +21,7 @@ WorkQueue::~WorkQueue() {
 }
 
 void WorkQueue::Submit(std::function<void()> task, int64_t cost) {
-  absl::MutexLock lock(&mutex_);
+  MutexLock lock(&mutex_);
   while (max_queued_cost_ > 0 && queued_cost_ > 0 && queued_cost_ + cost > max_queued_cost_) {
     changed_.Wait(&mutex_);
   }
@@ -31,27 +31,27 @@ void WorkQueue::Submit(std::function<void()> task, int64_t cost) {
 }
 
 void WorkQueue::Drain() {
-  absl::MutexLock lock(&mutex_);
+  MutexLock lock(&mutex_);
   while (!queue_.empty() || running_ > 0) changed_.Wait(&mutex_);
 }
 
 size_t WorkQueue::queued() const {
-  absl::MutexLock lock(&mutex_);
+  MutexLock lock(&mutex_);
   return queue_.size();
 }
 
 void WorkQueue::Loop() {
-  absl::MutexLock lock(&mutex_);
+  UniqueLock lock(&mutex_);
   while (true) {
     while (queue_.empty() && !stopping_) changed_.Wait(&mutex_);
     if (queue_.empty()) return;  // stopping, and every queued task has run
     Entry entry = std::move(queue_.front());
     queue_.pop_front();
     ++running_;
-    mutex_.Unlock();
+    lock.Unlock();
     entry.task();
     entry.task = nullptr;  // releases what it captured before its cost is given back
-    mutex_.Lock();
+    lock.Lock();
     --running_;
     queued_cost_ -= entry.cost;
     changed_.SignalAll();

@@ -1,7 +1,7 @@
 // The one worker-queue type: a FIFO of tasks served by a fixed set of threads, optionally
 // bounded by the cost of what is queued, that finishes every queued task before it is destroyed.
-// The CPU backend's ThreadPool, kvtd's ComputeExecutor and the transport's ScatterWorker are
-// built on it.
+// The CPU backend's ThreadPool, kvtd's ComputeExecutor, the transport's ScatterWorker and the
+// mapper store's per-device page-in worker are built on it.
 #pragma once
 
 #include <cstddef>
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 
 namespace kvt {
 
@@ -34,13 +34,13 @@ class WorkQueue {
   // Queues `task`; tasks start in submission order. A task whose cost alone passes the bound
   // still goes through (when nothing else is queued), or it would wait forever. A task is
   // destroyed (and whatever it captured released) before its cost is given back.
-  void Submit(std::function<void()> task, int64_t cost = 0);
+  void Submit(std::function<void()> task, int64_t cost = 0) ABSL_LOCKS_EXCLUDED(mutex_);
 
   // Returns when every task submitted so far has run and been destroyed.
-  void Drain();
+  void Drain() ABSL_LOCKS_EXCLUDED(mutex_);
 
   // Tasks waiting to start (not the running ones).
-  size_t queued() const;
+  size_t queued() const ABSL_LOCKS_EXCLUDED(mutex_);
 
   int num_threads() const { return static_cast<int>(threads_.size()); }
 
@@ -49,11 +49,12 @@ class WorkQueue {
     std::function<void()> task;
     int64_t cost = 0;
   };
-  void Loop();
+  void Loop() ABSL_LOCKS_EXCLUDED(mutex_);
 
   const int64_t max_queued_cost_;
-  mutable absl::Mutex mutex_;
-  absl::CondVar changed_;
+  // kvt::Mutex, not absl::Mutex: TSan sees it (common/mutex.h).
+  mutable Mutex mutex_;
+  CondVar changed_;
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mutex_);
   int64_t queued_cost_ ABSL_GUARDED_BY(mutex_) = 0;  // including the running tasks
   int running_ ABSL_GUARDED_BY(mutex_) = 0;

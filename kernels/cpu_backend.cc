@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/mutex.h"
 #include "kernels/dtype.h"
 #include "kernels/onednn_matmul.h"
 #include "kernels/rope.h"
@@ -633,7 +633,7 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
                           RoundUp(chunk, kRowQuantum));
     pieces = (num_tokens + piece_rows - 1) / piece_rows;
   }
-  std::mutex error_mu;
+  Mutex error_mu;
   absl::Status error;
   pool_->ParallelFor(pieces, 1, [&](int64_t begin, int64_t end) {
     // oneDNN runs single-threaded inside each piece (see onednn_matmul.h).
@@ -650,7 +650,7 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
         rows = num_tokens * (piece + 1) / pieces - t0;
       }
       if (absl::Status s = run_piece(t0, rows, &ws); !s.ok()) {
-        std::lock_guard<std::mutex> lock(error_mu);
+        MutexLock lock(&error_mu);
         if (error.ok()) error = s;
         return;
       }

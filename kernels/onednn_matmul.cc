@@ -3,7 +3,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <set>
 #include <tuple>
 #include <unordered_map>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/mutex.h"
 #include "kernels/dtype.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -44,8 +44,9 @@ dnnl::engine& Engine() {
 }
 
 struct Caches {
-  std::mutex mu;
-  std::map<std::pair<int64_t, int64_t>, memory::desc> weights;  // (k, n) -> blocked layout
+  Mutex mu;
+  std::map<std::pair<int64_t, int64_t>, memory::desc> weights  // (k, n) -> blocked layout
+      ABSL_GUARDED_BY(mu);
   struct Entry {
     dnnl::matmul primitive;
     memory::desc weights;
@@ -54,8 +55,8 @@ struct Caches {
   };
   // (m, k, n, lda, ldy, bias, relu, bf16_out)
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool>;
-  std::map<Key, std::shared_ptr<const Entry>> primitives;
-  std::set<std::string> implementations;
+  std::map<Key, std::shared_ptr<const Entry>> primitives ABSL_GUARDED_BY(mu);
+  std::set<std::string> implementations ABSL_GUARDED_BY(mu);
 };
 
 Caches& GetCaches() {
@@ -72,7 +73,7 @@ absl::Status FromDnnl(const dnnl::error& e, const char* what) {
 absl::StatusOr<memory::desc> WeightsDesc(int64_t k, int64_t n) {
   Caches& caches = GetCaches();
   {
-    std::lock_guard<std::mutex> lock(caches.mu);
+    MutexLock lock(&caches.mu);
     auto it = caches.weights.find({k, n});
     if (it != caches.weights.end()) return it->second;
   }
@@ -85,7 +86,7 @@ absl::StatusOr<memory::desc> WeightsDesc(int64_t k, int64_t n) {
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, weights, dst), attr, Engine());
     memory::desc chosen = pd.weights_desc();
-    std::lock_guard<std::mutex> lock(GetCaches().mu);
+    MutexLock lock(&caches.mu);
     caches.weights.emplace(std::make_pair(k, n), chosen);
     return chosen;
   } catch (const dnnl::error& e) {
@@ -246,7 +247,7 @@ absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedB
   const Caches::Key key{m, k, n, lda, ldy, bias != nullptr, relu, bf16_out};
   std::shared_ptr<const Caches::Entry> entry;
   {
-    std::lock_guard<std::mutex> lock(caches.mu);
+    MutexLock lock(&caches.mu);
     auto it = caches.primitives.find(key);
     if (it != caches.primitives.end()) entry = it->second;
   }
@@ -262,7 +263,7 @@ absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedB
       created->scratchpad = pd.scratchpad_desc();
       created->scratchpad_bytes = pd.scratchpad_desc().get_size();
       entry = created;
-      std::lock_guard<std::mutex> lock(caches.mu);
+      MutexLock lock(&caches.mu);
       if (caches.primitives.size() >= kMaxPrimitives) caches.primitives.clear();
       caches.primitives.emplace(key, entry);
       caches.implementations.insert(pd.impl_info_str());
@@ -296,13 +297,13 @@ absl::Status Bf16Matmul(int64_t m, const uint16_t* x, int64_t lda, const PackedB
 
 std::vector<std::string> OnednnImplementations() {
   Caches& caches = GetCaches();
-  std::lock_guard<std::mutex> lock(caches.mu);
+  MutexLock lock(&caches.mu);
   return std::vector<std::string>(caches.implementations.begin(), caches.implementations.end());
 }
 
 int64_t OnednnCachedPrimitives() {
   Caches& caches = GetCaches();
-  std::lock_guard<std::mutex> lock(caches.mu);
+  MutexLock lock(&caches.mu);
   return static_cast<int64_t>(caches.primitives.size());
 }
 

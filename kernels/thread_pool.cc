@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <thread>
 
-#include "absl/synchronization/blocking_counter.h"
-
 namespace kvt {
 namespace {
 
@@ -30,16 +28,14 @@ void ThreadPool::ParallelFor(int64_t n, int64_t min_grain,
     fn(0, n);
     return;
   }
-  absl::MutexLock run_lock(&run_mu_);
-  absl::BlockingCounter pending(parts - 1);
+  MutexLock run_lock(&run_mu_);
   for (int part = 1; part < parts; ++part) {
-    workers_->Submit([&fn, &pending, n, parts, part] {
-      fn(PartBegin(n, parts, part), PartBegin(n, parts, part + 1));
-      pending.DecrementCount();
-    });
+    workers_->Submit(
+        [&fn, n, parts, part] { fn(PartBegin(n, parts, part), PartBegin(n, parts, part + 1)); });
   }
   fn(PartBegin(n, parts, 0), PartBegin(n, parts, 1));
-  pending.Wait();
+  // run_mu_ keeps other jobs out, so the queue holds this job's parts alone.
+  workers_->Drain();
 }
 
 }  // namespace kvt

@@ -7,7 +7,7 @@
 #include <optional>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "common/work_queue.h"
 
 namespace kvt {
@@ -25,10 +25,12 @@ class ThreadPool {
   // Calls fn(begin, end) on disjoint contiguous ranges covering [0, n), at most num_threads of
   // them and none shorter than `min_grain` items (except when n itself is), and returns when all
   // are done. Concurrent callers are served one after another.
-  void ParallelFor(int64_t n, int64_t min_grain, const std::function<void(int64_t, int64_t)>& fn);
+  void ParallelFor(int64_t n, int64_t min_grain, const std::function<void(int64_t, int64_t)>& fn)
+      ABSL_LOCKS_EXCLUDED(run_mu_);
 
  private:
-  absl::Mutex run_mu_;                // held for a whole ParallelFor: one job at a time
+  // Held for a whole ParallelFor: one job at a time, so the queue holds only that job's parts.
+  Mutex run_mu_;
   std::optional<WorkQueue> workers_;  // none for a pool of one
 };
 

@@ -8,7 +8,6 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -18,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "common/mutex.h"
 #include "kernels/dtype.h"
 
 namespace kvt {
@@ -164,7 +164,7 @@ absl::StatusOr<LoadResult> RunLoad(const LoadOptions& options) {
   const Clock::time_point start = Clock::now();
   std::atomic<int64_t> issued{0};
   std::atomic<bool> stop_sampling{false};
-  std::mutex samples_mutex;
+  Mutex samples_mutex;
   std::vector<Sample> samples;
   LoadResult result;
 
@@ -175,7 +175,7 @@ absl::StatusOr<LoadResult> RunLoad(const LoadOptions& options) {
         absl::StatusOr<ResourcePoint> point = SampleProcess(options.server_pid);
         if (point.ok()) {
           point->t_s = SecondsSince(start);
-          std::lock_guard<std::mutex> lock(samples_mutex);
+          MutexLock lock(&samples_mutex);
           result.resources.push_back(*point);
         }
         for (int i = 0; i < 10 && !stop_sampling.load(); ++i) {
@@ -231,7 +231,7 @@ absl::StatusOr<LoadResult> RunLoad(const LoadOptions& options) {
       }
       local.push_back(sample);
     }
-    std::lock_guard<std::mutex> lock(samples_mutex);
+    MutexLock lock(&samples_mutex);
     samples.insert(samples.end(), local.begin(), local.end());
   };
   std::vector<std::thread> workers;

@@ -11,48 +11,16 @@
 namespace kvt {
 namespace store_internal {
 
-// --- DeviceWorker ---
-
-void DeviceWorker::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stop, and nothing left
-    std::function<void()> job = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
-    job();
-    lock.lock();
-  }
-}
-
-void DeviceWorker::Post(std::function<void()> job) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(job));
-  }
-  cv_.notify_one();
-}
-
-void DeviceWorker::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_one();
-  if (thread_.joinable()) thread_.join();
-}
-
 // --- Devices ---
 
 void DeviceTier::StopAll() {
   for (int d = 0; d < num_devices(); ++d) {
-    if (!devices_[d]->removed) devices_[d]->worker.Stop();
+    if (!devices_[d]->removed) devices_[d]->worker.reset();
   }
 }
 
 absl::Status DeviceTier::Add(const StoreDevice& spec) {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(&state_->mu);
   const int n = num_devices();
   const std::string name = spec.backend->device();
   if (Find(name) >= 0) {
@@ -74,12 +42,12 @@ absl::Status DeviceTier::Remove(const std::string& name, absl::Time deadline) {
   Aftermath after;
   Device* removed = nullptr;
   {
-    std::unique_lock<std::mutex> lock(state_->mu);
+    MutexLock lock(&state_->mu);
     const int index = Find(name);
     if (index < 0) return absl::NotFoundError(absl::StrCat("no device '", name, "'"));
     Device& dev = *devices_[index];
     // Requests and page-ins still using it (a page-in's worker holds a pin until it ends).
-    if (!WaitUntil(state_->changed, lock, deadline, [&] { return dev.pins == 0; })) {
+    if (!state_->changed.AwaitWithDeadline(&state_->mu, deadline, [&] { return dev.pins == 0; })) {
       return absl::DeadlineExceededError(absl::StrCat(
           "device '", name, "' is still used by ", dev.pins, " request(s) or page-ins"));
     }
@@ -88,10 +56,10 @@ absl::Status DeviceTier::Remove(const std::string& name, absl::Time deadline) {
     }
     dev.removed = true;
     removed = &dev;
-    state_->changed.notify_all();
+    state_->changed.SignalAll();
   }
   state_->Fire(after);
-  removed->worker.Stop();
+  removed->worker.reset();
   return absl::OkStatus();
 }
 
@@ -227,13 +195,17 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::Pin(
   absl::StatusOr<std::vector<int>> candidates = Candidates(device);
   if (!candidates.ok()) return candidates.status();
   Aftermath after;
-  std::unique_lock<std::mutex> lock(state_->mu);
+  UniqueLock lock(&state_->mu);
   const std::string& who = version->id;
   while (true) {
     // A copy that exists, or is paging in for another request: share it.
     absl::StatusOr<std::shared_ptr<DeviceCopy>> shared =
-        ShareCopy(lock, *version, *candidates, deadline, after);
-    if (!shared.ok() || *shared != nullptr) return shared;
+        ShareCopy(*version, *candidates, deadline, after);
+    if (!shared.ok() || *shared != nullptr) {
+      lock.Unlock();
+      state_->Fire(after);
+      return shared;
+    }
     // A new copy: on the device with room and the least load.
     const MapperView& view = version->mapper->view();
     bool must_wait = false;
@@ -243,7 +215,18 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::Pin(
     }
     absl::StatusOr<int> chosen = Choose(*candidates, estimate, who, &must_wait);
     if (!chosen.ok()) return chosen.status();
-    if (!must_wait) return StartCopy(lock, version, *chosen, after);
+    if (!must_wait) {
+      absl::Time started;
+      absl::StatusOr<std::shared_ptr<DeviceCopy>> copy =
+          StartCopy(version, *chosen, after, &started);
+      lock.Unlock();
+      state_->Fire(after);
+      if (copy.ok()) {
+        devices_[*chosen]->worker->Submit(
+            [this, version, copy = *copy, started] { StreamLayers(version, copy, started); });
+      }
+      return copy;
+    }
     if (absl::Now() >= deadline) {
       const Device& dev = *devices_[*chosen];
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -252,13 +235,12 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::Pin(
           " held by mappers in use (pinned by in-flight requests) or paging in; mapper '", who,
           "' needs ", Bytes(estimate), "; retry later or raise ", budget_key_));
     }
-    WaitOnce(state_->changed, lock, deadline);
+    WaitOnce(state_->changed, &state_->mu, deadline);
   }
 }
 
 absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::ShareCopy(
-    std::unique_lock<std::mutex>& lock, Version& version, const std::vector<int>& candidates,
-    absl::Time deadline, Aftermath& after) {
+    Version& version, const std::vector<int>& candidates, absl::Time deadline, Aftermath& after) {
   std::shared_ptr<DeviceCopy> copy;
   for (int d : candidates) {
     auto it = version.copies.find(d);
@@ -269,8 +251,8 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::ShareCopy(
   ++copy->pins;
   ++devices_[copy->device]->pins;
   copy->last_use = ++state_->tick;
-  const bool done = WaitUntil(state_->changed, lock, deadline,
-                              [&] { return copy->started || !copy->error.ok(); });
+  const bool done = state_->changed.AwaitWithDeadline(
+      &state_->mu, deadline, [&] { return copy->started || !copy->error.ok(); });
   if (!done || !copy->error.ok()) {
     --copy->pins;
     --devices_[copy->device]->pins;
@@ -280,20 +262,15 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::ShareCopy(
              : absl::DeadlineExceededError(absl::StrCat("deadline passed while mapper '",
                                                         version.id, "' was paging in onto ",
                                                         devices_[copy->device]->name));
-    state_->changed.notify_all();
-    lock.unlock();
-    state_->Fire(after);
+    state_->changed.SignalAll();
     return error;
   }
   after.accesses.push_back({version.mapper, devices_[copy->device]->name, 0, true});
-  lock.unlock();
-  state_->Fire(after);
   return copy;
 }
 
 absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::StartCopy(
-    std::unique_lock<std::mutex>& lock, const std::shared_ptr<Version>& version, int device,
-    Aftermath& after) {
+    const std::shared_ptr<Version>& version, int device, Aftermath& after, absl::Time* started) {
   Device& dev = *devices_[device];
   const std::string& who = version->id;
   const uint64_t need = dev.backend->PreparedBytesEstimate(version->mapper->view());
@@ -308,14 +285,15 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::StartCopy(
   dev.reserved += need;
   version->copies[device] = copy;
   ++version->pins;  // the worker's
-  lock.unlock();
+  // The caller's lock, let go while the backend prepares and taken again.
+  state_->mu.Unlock();
   state_->Fire(after);
 
-  const absl::Time start = absl::Now();
+  *started = absl::Now();
   absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared =
       dev.backend->BeginPrepare(version->mapper->view());
 
-  lock.lock();
+  state_->mu.Lock();
   dev.reserved -= need;
   if (!prepared.ok()) {
     copy->error = absl::Status(prepared.status().code(),
@@ -329,11 +307,8 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::StartCopy(
     copy->detached = true;
     FreeCopy(*copy, after);
     host_->UnpinVersion(*version, after);
-    state_->changed.notify_all();
-    absl::Status error = copy->error;
-    lock.unlock();
-    state_->Fire(after);
-    return error;
+    state_->changed.SignalAll();
+    return copy->error;
   }
   copy->prepared = *prepared;
   copy->bytes = copy->prepared->bytes();
@@ -344,10 +319,7 @@ absl::StatusOr<std::shared_ptr<DeviceCopy>> DeviceTier::StartCopy(
     ++it->second.info.page_ins;
   }
   after.accesses.push_back({version->mapper, dev.name, 0, false});
-  state_->changed.notify_all();
-  lock.unlock();
-  state_->Fire(after);
-  dev.worker.Post([this, version, copy, start] { StreamLayers(version, copy, start); });
+  state_->changed.SignalAll();
   return copy;
 }
 
@@ -358,13 +330,13 @@ void DeviceTier::StreamLayers(std::shared_ptr<Version> version, std::shared_ptr<
   for (int layer = 0; layer < copy->num_layers; ++layer) {
     status = dev.backend->PrepareLayer(*copy->prepared, layer);
     if (!status.ok()) break;
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(&state_->mu);
     copy->layers_ready = layer + 1;
-    state_->changed.notify_all();
+    state_->changed.SignalAll();
   }
   Aftermath after;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(&state_->mu);
     copy->paging = false;
     if (!status.ok()) {
       copy->error = absl::Status(status.code(),
@@ -382,7 +354,7 @@ void DeviceTier::StreamLayers(std::shared_ptr<Version> version, std::shared_ptr<
     --dev.pins;
     if (copy->detached && copy->pins == 0) FreeCopy(*copy, after);
     host_->UnpinVersion(*version, after);
-    state_->changed.notify_all();
+    state_->changed.SignalAll();
   }
   // The worker's references go before the aftermath, so it really frees.
   copy.reset();
@@ -391,9 +363,9 @@ void DeviceTier::StreamLayers(std::shared_ptr<Version> version, std::shared_ptr<
 }
 
 absl::Status DeviceTier::WaitLayer(const DeviceCopy& copy, int layer, absl::Time deadline) const {
-  std::unique_lock<std::mutex> lock(state_->mu);
-  const bool done = WaitUntil(state_->changed, lock, deadline,
-                              [&] { return copy.layers_ready > layer || !copy.error.ok(); });
+  MutexLock lock(&state_->mu);
+  const bool done = state_->changed.AwaitWithDeadline(
+      &state_->mu, deadline, [&] { return copy.layers_ready > layer || !copy.error.ok(); });
   if (!copy.error.ok()) return copy.error;
   if (!done) {
     return absl::DeadlineExceededError(absl::StrCat("deadline passed while target layer ", layer,

@@ -5,48 +5,24 @@
 
 #include <array>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <functional>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
+#include "common/work_queue.h"
 #include "kernels/backend.h"
 #include "mapper_store/store_state.h"
 #include "mapper_store/store_types.h"
 
 namespace kvt {
 namespace store_internal {
-
-// Runs posted jobs in order on its own thread: a device's page-in worker.
-class DeviceWorker {
- public:
-  DeviceWorker() : thread_([this] { Run(); }) {}
-  ~DeviceWorker() { Stop(); }
-  DeviceWorker(const DeviceWorker&) = delete;
-  DeviceWorker& operator=(const DeviceWorker&) = delete;
-
-  void Post(std::function<void()> job) ABSL_LOCKS_EXCLUDED(mu_);
-  // Runs what is queued, then joins the thread; idempotent.
-  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
-
- private:
-  void Run() ABSL_LOCKS_EXCLUDED(mu_);
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;  // last: starts once the fields above exist
-};
 
 // One device the store pages onto. backend, name and budget never change after Add; the
 // accounting fields are guarded by StoreState::mu.
@@ -58,7 +34,10 @@ struct Device {
   uint64_t reserved = 0;
   int pins = 0;  // the load a device choice balances
   std::atomic<bool> removed{false};  // Remove: skipped everywhere, slot kept
-  DeviceWorker worker;
+  // The page-in worker: one thread streaming page-ins' layers in order. reset() (Remove,
+  // StopAll) runs what is queued, then joins; nothing is submitted after (a page-in holds a
+  // device pin from before its Submit until it ends, and Remove waits for the pins).
+  std::optional<WorkQueue> worker{std::in_place, WorkQueue::Options{}};
 };
 
 // What the device tier needs of the host tier: a page-in pins the host version it reads from,
@@ -128,13 +107,16 @@ class DeviceTier {
   // One TierUsage per live device.
   void AppendUsage(std::vector<TierUsage>* usage) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
 
+  // The store's lock as this tier's annotations name it (for SameLock, store_state.h).
+  const Mutex& mu() const ABSL_LOCK_RETURNED(state_->mu) { return state_->mu; }
+
  private:
   int num_devices() const { return num_devices_.load(std::memory_order_acquire); }
   // The devices a pin on `device` may use; INVALID_ARGUMENT for an unknown name.
   absl::StatusOr<std::vector<int>> Candidates(const std::string& device) const;
   // Waits for an existing (or paging) copy and pins it; OK with a null copy when there is none.
-  absl::StatusOr<std::shared_ptr<DeviceCopy>> ShareCopy(std::unique_lock<std::mutex>& lock,
-                                                        Version& version,
+  // The lock is held on return (the caller lets it go and fires `after`).
+  absl::StatusOr<std::shared_ptr<DeviceCopy>> ShareCopy(Version& version,
                                                         const std::vector<int>& candidates,
                                                         absl::Time deadline, Aftermath& after)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
@@ -142,10 +124,12 @@ class DeviceTier {
   absl::StatusOr<int> Choose(const std::vector<int>& candidates, uint64_t bytes,
                              const std::string& who, bool* must_wait) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
-  // A new copy on `device`: reserves, prepares (without the lock) and posts the layer stream.
-  absl::StatusOr<std::shared_ptr<DeviceCopy>> StartCopy(std::unique_lock<std::mutex>& lock,
-                                                        const std::shared_ptr<Version>& version,
-                                                        int device, Aftermath& after)
+  // A new copy on `device`: reserves and prepares (the lock let go meanwhile, held again on
+  // return). On success the caller lets the lock go, fires `after` and submits
+  // StreamLayers(version, copy, *started) to the device's worker.
+  absl::StatusOr<std::shared_ptr<DeviceCopy>> StartCopy(const std::shared_ptr<Version>& version,
+                                                        int device, Aftermath& after,
+                                                        absl::Time* started)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   uint64_t EvictableBytes(int device) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Detaches unpinned LRU copies on `device` until `bytes` more fit its budget (or none is left).

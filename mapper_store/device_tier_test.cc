@@ -18,15 +18,13 @@ namespace {
 
 using ::absl::StatusCode;
 
-TEST(DeviceWorkerTest, RunsJobsInOrderAndStopDrainsTheQueue) {
+TEST(DeviceWorkerTest, RunsJobsInOrderAndResetDrainsTheQueue) {
   std::vector<int> ran;
-  {
-    DeviceWorker worker;
-    for (int i = 0; i < 5; ++i) worker.Post([&ran, i] { ran.push_back(i); });
-    worker.Stop();
-    EXPECT_EQ(ran, (std::vector<int>{0, 1, 2, 3, 4}));
-    worker.Stop();  // idempotent
-  }
+  Device device;
+  for (int i = 0; i < 5; ++i) device.worker->Submit([&ran, i] { ran.push_back(i); });
+  device.worker.reset();
+  EXPECT_EQ(ran, (std::vector<int>{0, 1, 2, 3, 4}));
+  device.worker.reset();  // idempotent
   EXPECT_EQ(ran.size(), 5u);
 }
 
@@ -61,7 +59,7 @@ class DeviceTierTest : public ::testing::Test {
     version->id = id;
     version->mapper = std::shared_ptr<const LoadedMapper>(std::move(*loaded));
     version->pins = 1;  // the caller's, as a handle would hold
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
     state_.entries[id].current = version;
     return version;
   }
@@ -74,13 +72,15 @@ class DeviceTierTest : public ::testing::Test {
 
   void Unpin(DeviceCopy& copy) {
     Aftermath after;
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
+    SameLock tier_lock(Held(state_.mu), tier_.mu());
     tier_.Unpin(copy, after);
   }
 
   TierUsage Usage() {
     std::vector<TierUsage> usage;
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
+    SameLock tier_lock(Held(state_.mu), tier_.mu());
     tier_.AppendUsage(&usage);
     EXPECT_EQ(usage.size(), 1u);
     return usage.empty() ? TierUsage() : usage[0];
@@ -125,7 +125,8 @@ TEST_F(DeviceTierTest, PinPagesInStreamsEveryLayerAndSharesTheCopy) {
   EXPECT_GT(usage.used_bytes, 0u);
   EXPECT_EQ(usage.pinned_bytes, usage.used_bytes);
   {
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
+    SameLock tier_lock(Held(state_.mu), tier_.mu());
     MapperInfo info;
     tier_.AddPlacements(*version, &info);
     EXPECT_EQ(info.devices, (std::vector<std::string>{"cpu"}));
@@ -152,7 +153,8 @@ TEST_F(DeviceTierTest, FullBudgetEvictsTheLeastRecentlyUsedUnpinnedCopy) {
   absl::StatusOr<std::shared_ptr<DeviceCopy>> b = tier_.Pin(second, "", absl::InfiniteFuture());
   ASSERT_TRUE(b.ok()) << b.status();
   tier_.StopAll();
-  std::lock_guard<std::mutex> lock(state_.mu);
+  MutexLock lock(&state_.mu);
+  SameLock tier_lock(Held(state_.mu), tier_.mu());
   EXPECT_EQ(state_.entries["first"].info.evictions, 1u);
   EXPECT_TRUE((*a)->freed);
   EXPECT_TRUE(first->copies.empty());

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/strict_reader.h"
 #include "kernels/rope.h"
 #include "mapper_store/format/file_util.h"
 #include "nlohmann/json.hpp"
@@ -12,91 +13,91 @@ namespace kvt {
 namespace {
 
 using nlohmann::json;
+using strict::JsonReader;
+using strict::Path;
 
-absl::Status Error(absl::string_view label, absl::string_view message) {
-  return absl::InvalidArgumentError(absl::StrCat(label, ": ", message));
-}
-
-// A positive integer at `key` of `object`; `present` reports whether the key exists (null counts
-// as absent: HF writes "head_dim": null for "derive it").
-absl::StatusOr<int> PositiveInt(const json& object, const std::string& key,
-                                absl::string_view label, absl::string_view prefix,
-                                bool* present) {
-  *present = false;
+// Hugging Face configs carry many keys kvt does not read, so unknown keys are allowed; null
+// counts as absent (HF writes "head_dim": null for "derive it").
+const json* Find(const json& object, const std::string& key) {
   auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return 0;
-  *present = true;
-  if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > (1 << 24)) {
-    return Error(label, absl::StrCat(prefix, key, " must be a positive integer, got ", it->dump()));
-  }
-  return static_cast<int>(it->get<int64_t>());
+  return it == object.end() || it->is_null() ? nullptr : &*it;
 }
 
-absl::StatusOr<int> RequiredInt(const json& object, const std::string& key,
-                                absl::string_view label, absl::string_view prefix) {
-  bool present = false;
-  absl::StatusOr<int> value = PositiveInt(object, key, label, prefix, &present);
-  if (value.ok() && !present) {
-    return Error(label, absl::StrCat("missing required key ", prefix, key));
+// A positive integer at `path`.`key` of `object`; `present` reports whether the key is given.
+absl::StatusOr<int> PositiveInt(const JsonReader& reader, const json& object,
+                                absl::string_view path, const std::string& key, bool* present) {
+  *present = false;
+  const json* value = Find(object, key);
+  if (value == nullptr) return 0;
+  *present = true;
+  absl::StatusOr<int> parsed = reader.Int(*value, Path(path, key), 1);
+  if (!parsed.ok() || *parsed > (1 << 24)) {
+    return reader.WrongType(*value, Path(path, key), "a positive integer");
   }
+  return *parsed;
+}
+
+absl::StatusOr<int> RequiredInt(const JsonReader& reader, const json& object,
+                                absl::string_view path, const std::string& key) {
+  bool present = false;
+  absl::StatusOr<int> value = PositiveInt(reader, object, path, key, &present);
+  if (value.ok() && !present) return reader.Error(strict::MissingKeyMessage(Path(path, key)));
   return value;
 }
 
-// A number at `key`, or `fallback` when absent or null.
-absl::StatusOr<double> Number(const json& object, const std::string& key, double fallback,
-                              absl::string_view label, absl::string_view prefix) {
-  auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return fallback;
-  if (!it->is_number()) {
-    return Error(label, absl::StrCat(prefix, key, " must be a number, got ", it->dump()));
-  }
-  return it->get<double>();
+// A number at `path`.`key`, or `fallback` when absent or null.
+absl::StatusOr<double> Number(const JsonReader& reader, const json& object, absl::string_view path,
+                              const std::string& key, double fallback) {
+  const json* value = Find(object, key);
+  if (value == nullptr) return fallback;
+  if (!value->is_number()) return reader.WrongType(*value, Path(path, key), "a number");
+  return value->get<double>();
 }
 
-absl::StatusOr<RopeScaling> ParseScaling(const json& scaling, const json& config,
-                                         absl::string_view label, absl::string_view prefix) {
+// `scaling` is the value at `path` (rope_scaling, or rope_parameters without rope_theta).
+absl::StatusOr<RopeScaling> ParseScaling(const JsonReader& reader, const json& scaling,
+                                         const json& config, absl::string_view config_path,
+                                         absl::string_view path) {
   RopeScaling out;
   if (scaling.is_null()) return out;
-  if (!scaling.is_object()) {
-    return Error(label, absl::StrCat(prefix, " must be an object or null, got ", scaling.dump()));
-  }
-  const std::string dot = absl::StrCat(prefix, ".");
+  if (!scaling.is_object()) return reader.WrongType(scaling, path, "an object or null");
   // transformers >= 4.45 writes rope_type; older files (and some models) write type.
   std::string type;
   for (const char* key : {"rope_type", "type"}) {
-    auto it = scaling.find(key);
-    if (it != scaling.end() && !it->is_null()) {
-      if (!it->is_string()) {
-        return Error(label, absl::StrCat(dot, key, " must be a string, got ", it->dump()));
-      }
-      type = it->get<std::string>();
+    if (const json* value = Find(scaling, key)) {
+      if (!value->is_string()) return reader.WrongType(*value, Path(path, key), "a string");
+      type = value->get<std::string>();
       break;
     }
   }
   if (type.empty()) {
-    return Error(label, absl::StrCat("missing required key ", dot, "rope_type (or ", dot, "type)"));
+    return reader.Error(absl::StrCat(strict::MissingKeyMessage(Path(path, "rope_type")), " (or '",
+                                     Path(path, "type"), "')"));
   }
   absl::StatusOr<RopeScalingType> parsed = ParseRopeScalingType(type);
   if (!parsed.ok()) {
-    return Error(label, absl::StrCat(dot, "rope_type '", type,
+    return reader.Error(absl::StrCat(Path(path, "rope_type"), " '", type,
                                      "' is not supported (supported: default, linear, llama3, "
                                      "yarn; dynamic NTK, longrope and mrope are refused)"));
   }
   out.type = *parsed;
   if (out.type == RopeScalingType::kNone) return out;
-  absl::StatusOr<double> factor = Number(scaling, "factor", 0.0, label, dot);
+  absl::StatusOr<double> factor = Number(reader, scaling, path, "factor", 0.0);
   if (!factor.ok()) return factor.status();
-  if (*factor <= 0) return Error(label, absl::StrCat("missing or non-positive ", dot, "factor"));
+  if (*factor <= 0) {
+    return reader.Error(absl::StrCat("missing or non-positive '", Path(path, "factor"), "'"));
+  }
   out.factor = *factor;
   if (out.type == RopeScalingType::kLlama3) {
-    for (auto [key, field] : {std::pair<const char*, double*>{"low_freq_factor", &out.low_freq_factor},
-                              {"high_freq_factor", &out.high_freq_factor},
-                              {"original_max_position_embeddings",
-                               &out.original_max_position_embeddings}}) {
+    for (auto [key, field] :
+         {std::pair<const char*, double*>{"low_freq_factor", &out.low_freq_factor},
+          {"high_freq_factor", &out.high_freq_factor},
+          {"original_max_position_embeddings", &out.original_max_position_embeddings}}) {
       if (scaling.find(key) == scaling.end()) {
-        return Error(label, absl::StrCat("missing required key ", dot, key, " (llama3 scaling)"));
+        return reader.Error(
+            absl::StrCat(strict::MissingKeyMessage(Path(path, key)), " (llama3 scaling)"));
       }
-      absl::StatusOr<double> value = Number(scaling, key, *field, label, dot);
+      absl::StatusOr<double> value = Number(reader, scaling, path, key, *field);
       if (!value.ok()) return value.status();
       *field = *value;
     }
@@ -104,30 +105,30 @@ absl::StatusOr<RopeScaling> ParseScaling(const json& scaling, const json& config
     // DeepSeek-style mscale changes the attention factor by a rule kvt does not implement.
     for (const char* key : {"mscale", "mscale_all_dim"}) {
       if (scaling.find(key) != scaling.end()) {
-        return Error(label, absl::StrCat(dot, key, " is not supported (DeepSeek yarn variant)"));
+        return reader.Error(
+            absl::StrCat("key '", Path(path, key), "' is not supported (DeepSeek yarn variant)"));
       }
     }
-    absl::StatusOr<double> beta_fast = Number(scaling, "beta_fast", out.beta_fast, label, dot);
-    absl::StatusOr<double> beta_slow = Number(scaling, "beta_slow", out.beta_slow, label, dot);
+    absl::StatusOr<double> beta_fast = Number(reader, scaling, path, "beta_fast", out.beta_fast);
+    absl::StatusOr<double> beta_slow = Number(reader, scaling, path, "beta_slow", out.beta_slow);
     absl::StatusOr<double> max_positions =
-        Number(config, "max_position_embeddings", 0.0, label, "");
+        Number(reader, config, config_path, "max_position_embeddings", 0.0);
     if (!beta_fast.ok()) return beta_fast.status();
     if (!beta_slow.ok()) return beta_slow.status();
     if (!max_positions.ok()) return max_positions.status();
     absl::StatusOr<double> original =
-        Number(scaling, "original_max_position_embeddings", *max_positions, label, dot);
+        Number(reader, scaling, path, "original_max_position_embeddings", *max_positions);
     if (!original.ok()) return original.status();
     if (*original <= 0) {
-      return Error(label, absl::StrCat("missing ", dot,
-                                       "original_max_position_embeddings (and no "
-                                       "max_position_embeddings to fall back on)"));
+      return reader.Error(absl::StrCat(
+          strict::MissingKeyMessage(Path(path, "original_max_position_embeddings")), " (and no '",
+          Path(config_path, "max_position_embeddings"), "' to fall back on)"));
     }
     out.beta_fast = *beta_fast;
     out.beta_slow = *beta_slow;
     out.original_max_position_embeddings = *original;
-    auto attention = scaling.find("attention_factor");
-    if (attention != scaling.end() && !attention->is_null()) {
-      absl::StatusOr<double> value = Number(scaling, "attention_factor", 1.0, label, dot);
+    if (Find(scaling, "attention_factor") != nullptr) {
+      absl::StatusOr<double> value = Number(reader, scaling, path, "attention_factor", 1.0);
       if (!value.ok()) return value.status();
       out.has_attention_factor = true;
       out.attention_factor = *value;
@@ -140,15 +141,16 @@ absl::StatusOr<RopeScaling> ParseScaling(const json& scaling, const json& config
 
 absl::StatusOr<ModelSpec> ParseHfConfig(absl::string_view json_text, absl::string_view label,
                                         const std::string& name) {
-  json root = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return Error(label, "not valid JSON");
-  if (!root.is_object()) return Error(label, "top level is not a JSON object");
+  const JsonReader reader(label);
+  absl::StatusOr<json> parsed_root = reader.Parse(json_text);
+  if (!parsed_root.ok()) return parsed_root.status();
+  const json& root = *parsed_root;
   const json* config = &root;
-  std::string prefix;
+  std::string path;  // of the language model's keys: "" or "text_config"
   if (root.find("num_hidden_layers") == root.end() && root.contains("text_config") &&
       root["text_config"].is_object()) {
     config = &root["text_config"];
-    prefix = "text_config.";
+    path = "text_config";
   }
   ModelSpec spec;
   spec.name = name;
@@ -157,18 +159,17 @@ absl::StatusOr<ModelSpec> ParseHfConfig(absl::string_view json_text, absl::strin
     if (it != root.end() && it->is_string()) spec.name = it->get<std::string>();
   }
   if (spec.name.empty()) {
-    return Error(label, "no model name: the file has no _name_or_path; pass the name explicitly");
+    return reader.Error("no model name: the file has no _name_or_path; pass the name explicitly");
   }
-  absl::StatusOr<int> layers = RequiredInt(*config, "num_hidden_layers", label, prefix);
+  absl::StatusOr<int> layers = RequiredInt(reader, *config, path, "num_hidden_layers");
   if (!layers.ok()) return layers.status();
   spec.num_layers = *layers;
   bool has_heads = false, has_kv_heads = false, has_head_dim = false, has_hidden = false;
-  absl::StatusOr<int> heads =
-      PositiveInt(*config, "num_attention_heads", label, prefix, &has_heads);
+  absl::StatusOr<int> heads = PositiveInt(reader, *config, path, "num_attention_heads", &has_heads);
   absl::StatusOr<int> kv_heads =
-      PositiveInt(*config, "num_key_value_heads", label, prefix, &has_kv_heads);
-  absl::StatusOr<int> head_dim = PositiveInt(*config, "head_dim", label, prefix, &has_head_dim);
-  absl::StatusOr<int> hidden = PositiveInt(*config, "hidden_size", label, prefix, &has_hidden);
+      PositiveInt(reader, *config, path, "num_key_value_heads", &has_kv_heads);
+  absl::StatusOr<int> head_dim = PositiveInt(reader, *config, path, "head_dim", &has_head_dim);
+  absl::StatusOr<int> hidden = PositiveInt(reader, *config, path, "hidden_size", &has_hidden);
   for (const auto* status : {&heads, &kv_heads, &head_dim, &hidden}) {
     if (!status->ok()) return status->status();
   }
@@ -177,65 +178,67 @@ absl::StatusOr<ModelSpec> ParseHfConfig(absl::string_view json_text, absl::strin
   } else if (has_heads) {
     spec.num_kv_heads = *heads;
   } else {
-    return Error(label, absl::StrCat("missing required key ", prefix, "num_key_value_heads (and no ",
-                                     prefix, "num_attention_heads to fall back on)"));
+    return reader.Error(absl::StrCat(strict::MissingKeyMessage(Path(path, "num_key_value_heads")),
+                                     " (and no '", Path(path, "num_attention_heads"),
+                                     "' to fall back on)"));
   }
   if (has_head_dim) {
     spec.head_dim = *head_dim;
   } else if (has_hidden && has_heads) {
     if (*hidden % *heads != 0) {
-      return Error(label, absl::StrCat(prefix, "hidden_size ", *hidden,
+      return reader.Error(absl::StrCat(Path(path, "hidden_size"), " ", *hidden,
                                        " is not a multiple of num_attention_heads ", *heads,
                                        "; give head_dim"));
     }
     spec.head_dim = *hidden / *heads;
   } else {
-    return Error(label, absl::StrCat("missing required key ", prefix, "head_dim (and no ", prefix,
-                                     "hidden_size / num_attention_heads to derive it)"));
+    return reader.Error(absl::StrCat(strict::MissingKeyMessage(Path(path, "head_dim")),
+                                     " (and no '", Path(path, "hidden_size"), "' / '",
+                                     Path(path, "num_attention_heads"), "' to derive it)"));
   }
   // transformers 5 moves theta and the scaling rule into one rope_parameters map.
   const json* rope_map = nullptr;
   bool from_parameters = false;
-  std::string rope_prefix = absl::StrCat(prefix, "rope_scaling");
+  std::string rope_path = Path(path, "rope_scaling");
   auto parameters = config->find("rope_parameters");
   if (parameters != config->end() && parameters->is_object()) {
     rope_map = &*parameters;
     from_parameters = true;
-    rope_prefix = absl::StrCat(prefix, "rope_parameters");
+    rope_path = Path(path, "rope_parameters");
   } else {
     auto scaling = config->find("rope_scaling");
     if (scaling != config->end()) rope_map = &*scaling;
   }
-  const json& theta_holder =
-      rope_map != nullptr && rope_map->is_object() && rope_map->contains("rope_theta") ? *rope_map
-                                                                                      : *config;
-  absl::StatusOr<double> theta = Number(theta_holder, "rope_theta", 10000.0, label,
-                                        &theta_holder == config ? prefix : rope_prefix + ".");
+  const bool theta_in_rope_map =
+      rope_map != nullptr && rope_map->is_object() && rope_map->contains("rope_theta");
+  absl::StatusOr<double> theta = theta_in_rope_map
+                                     ? Number(reader, *rope_map, rope_path, "rope_theta", 10000.0)
+                                     : Number(reader, *config, path, "rope_theta", 10000.0);
   if (!theta.ok()) return theta.status();
   spec.rope.theta = *theta;
-  absl::StatusOr<double> partial = Number(*config, "partial_rotary_factor", 1.0, label, prefix);
+  absl::StatusOr<double> partial = Number(reader, *config, path, "partial_rotary_factor", 1.0);
   if (!partial.ok()) return partial.status();
   if (*partial <= 0 || *partial > 1) {
-    return Error(label, absl::StrCat(prefix, "partial_rotary_factor must be in (0, 1], got ",
-                                     *partial));
+    return reader.Error(absl::StrCat("key '", Path(path, "partial_rotary_factor"),
+                                     "' must be in (0, 1], got ", *partial));
   }
   // HF: int(head_dim * partial_rotary_factor); RoPE pairs dimensions, so it must be even.
   spec.rope.rotary_dim = static_cast<int>(spec.head_dim * *partial + 1e-9);
   if (spec.rope.rotary_dim % 2 != 0 || spec.rope.rotary_dim == 0) {
-    return Error(label, absl::StrCat(prefix, "partial_rotary_factor ", *partial, " x head_dim ",
-                                     spec.head_dim, " gives rotary_dim ", spec.rope.rotary_dim,
-                                     ", which is not a positive even number"));
+    return reader.Error(absl::StrCat(
+        Path(path, "partial_rotary_factor"), " ", *partial, " x head_dim ", spec.head_dim,
+        " gives rotary_dim ", spec.rope.rotary_dim, ", which is not a positive even number"));
   }
   spec.rope.style = RopeStyle::kNeox;
   if (rope_map != nullptr) {
     json scaling = *rope_map;
     if (from_parameters) scaling.erase("rope_theta");
-    absl::StatusOr<RopeScaling> parsed = ParseScaling(scaling, *config, label, rope_prefix);
+    absl::StatusOr<RopeScaling> parsed = ParseScaling(reader, scaling, *config, path, rope_path);
     if (!parsed.ok()) return parsed.status();
     spec.rope.scaling = *parsed;
   }
   absl::Status valid = ValidateRopeConfig(spec.rope, spec.head_dim);
-  if (!valid.ok()) return Error(label, valid.message());
+  if (!valid.ok()) return reader.Error(valid.message());
   return spec;
 }
 

@@ -19,8 +19,10 @@ namespace kvt {
 // Multimodal wrappers that nest the language model under "text_config" are read from there, and
 // transformers 5's "rope_parameters" is accepted in place of rope_theta + rope_scaling.
 // RoPE style is neox (rotate_half), which every supported family uses.
-// Errors are INVALID_ARGUMENT "<label>: <key> ..." naming the key; unsupported scaling types
-// (dynamic, longrope, mrope, ...) are refused naming the type.
+// Read with common/strict_reader.h's JsonReader: errors are INVALID_ARGUMENT "<label>: ..."
+// naming the key by its full path ("key 'text_config.head_dim' must be a positive integer, got
+// 0", "missing required key 'num_hidden_layers'"); unsupported scaling types (dynamic, longrope,
+// mrope, ...) are refused naming the type. Keys kvt does not read are ignored.
 // `name`: the ModelSpec name; empty takes "_name_or_path" from the file.
 absl::StatusOr<ModelSpec> ParseHfConfig(absl::string_view json_text, absl::string_view label,
                                         const std::string& name = "");

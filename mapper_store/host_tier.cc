@@ -24,9 +24,9 @@ absl::Status HostTier::UnknownMapper(const std::string& mapper_id) const {
 
 // --- Pins ---
 
-absl::StatusOr<std::shared_ptr<Version>> HostTier::AcquireLocked(
-    std::unique_lock<std::mutex>& lock, const std::string& mapper_id, absl::Time deadline,
-    Aftermath& after) {
+absl::StatusOr<std::shared_ptr<Version>> HostTier::AcquireLocked(const std::string& mapper_id,
+                                                                 absl::Time deadline,
+                                                                 Aftermath& after) {
   bool missed = false;
   while (true) {
     auto it = state_->entries.find(mapper_id);
@@ -47,10 +47,11 @@ absl::StatusOr<std::shared_ptr<Version>> HostTier::AcquireLocked(
       return entry.current;
     }
     if (entry.loading) {  // single flight: wait for the load in progress
-      const bool done = WaitUntil(state_->changed, lock, deadline, [&] {
-        auto found = state_->entries.find(mapper_id);
-        return found == state_->entries.end() || !found->second.loading;
-      });
+      const bool done = state_->changed.AwaitWithDeadline(
+          &state_->mu, deadline, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+            auto found = state_->entries.find(mapper_id);
+            return found == state_->entries.end() || !found->second.loading;
+          });
       if (!done) {
         return absl::DeadlineExceededError(
             absl::StrCat("deadline passed while mapper '", mapper_id, "' was loading"));
@@ -59,8 +60,7 @@ absl::StatusOr<std::shared_ptr<Version>> HostTier::AcquireLocked(
     }
     missed = true;
     const uint64_t need = entry.expected_bytes;
-    if (absl::Status room = Reserve(lock, need, mapper_id, /*evict=*/true, deadline, after);
-        !room.ok()) {
+    if (absl::Status room = Reserve(need, mapper_id, /*evict=*/true, deadline, after); !room.ok()) {
       return room;
     }
     // Reserve may have waited: look again.
@@ -68,10 +68,10 @@ absl::StatusOr<std::shared_ptr<Version>> HostTier::AcquireLocked(
     if (it == state_->entries.end() || it->second.current || it->second.loading ||
         it->second.info.state == MapperState::kFailed) {
       reserved_ -= need;
-      state_->changed.notify_all();
+      state_->changed.SignalAll();
       continue;
     }
-    LoadReserved(lock, mapper_id, need, after);
+    LoadReserved(mapper_id, need, after);
   }
 }
 
@@ -90,7 +90,7 @@ void HostTier::UnpinVersion(Version& version, Aftermath& after) {
 
 void HostTier::ScanLoad(const std::string& id) {
   Aftermath after;
-  std::unique_lock<std::mutex> lock(state_->mu);
+  UniqueLock lock(&state_->mu);
   auto it = state_->entries.find(id);
   if (it == state_->entries.end() || it->second.loading ||
       it->second.info.state == MapperState::kFailed) {
@@ -99,26 +99,26 @@ void HostTier::ScanLoad(const std::string& id) {
   const bool replacing = it->second.current != nullptr;
   const uint64_t need = it->second.expected_bytes;
   // No waiting here: a scan must not stall on requests.
-  absl::Status room = Reserve(lock, need, id, /*evict=*/replacing, absl::Now(), after);
+  absl::Status room = Reserve(need, id, /*evict=*/replacing, absl::Now(), after);
   it = state_->entries.find(id);  // (scans alone erase entries, and this is the scan)
   if (!room.ok()) {
     DropCurrent(it->second, after);
-    state_->changed.notify_all();
-    lock.unlock();
+    state_->changed.SignalAll();
+    lock.Unlock();
     state_->Fire(after);
     return;
   }
-  LoadReserved(lock, id, need, after);
-  lock.unlock();
+  LoadReserved(id, need, after);
+  lock.Unlock();
   state_->Fire(after);
 }
 
-void HostTier::LoadReserved(std::unique_lock<std::mutex>& lock, const std::string& id,
-                            uint64_t reserved, Aftermath& after) {
+void HostTier::LoadReserved(const std::string& id, uint64_t reserved, Aftermath& after) {
   Entry& entry = state_->entries.find(id)->second;
   entry.loading = true;
   const Fingerprint fingerprint = entry.fingerprint;
-  lock.unlock();
+  // The caller's lock, let go for the disk read and taken again before returning.
+  state_->mu.Unlock();
   state_->Fire(after);
   const absl::Time start = absl::Now();
   absl::StatusOr<std::unique_ptr<LoadedMapper>> read = LoadMapperDir(JoinPath(root_, id), load_);
@@ -126,7 +126,7 @@ void HostTier::LoadReserved(std::unique_lock<std::mutex>& lock, const std::strin
       read.ok() ? absl::StatusOr<std::shared_ptr<const LoadedMapper>>(std::move(*read))
                 : read.status();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  lock.lock();
+  state_->mu.Lock();
   FinishLoad(id, reserved, fingerprint, std::move(loaded), seconds, after);
 }
 
@@ -135,7 +135,7 @@ void HostTier::FinishLoad(const std::string& id, uint64_t reserved,
                           absl::StatusOr<std::shared_ptr<const LoadedMapper>> loaded,
                           double seconds, Aftermath& after) {
   reserved_ -= reserved;
-  state_->changed.notify_all();
+  state_->changed.SignalAll();
   auto it = state_->entries.find(id);
   if (it == state_->entries.end()) {  // removed while loading
     if (loaded.ok()) after.mappers.push_back(std::move(*loaded));
@@ -169,9 +169,8 @@ void HostTier::FinishLoad(const std::string& id, uint64_t reserved,
 
 // --- Budget and eviction ---
 
-absl::Status HostTier::Reserve(std::unique_lock<std::mutex>& lock, uint64_t bytes,
-                               const std::string& who, bool evict, absl::Time deadline,
-                               Aftermath& after) {
+absl::Status HostTier::Reserve(uint64_t bytes, const std::string& who, bool evict,
+                               absl::Time deadline, Aftermath& after) {
   if (budget_ == 0) {
     reserved_ += bytes;
     return absl::OkStatus();
@@ -194,7 +193,7 @@ absl::Status HostTier::Reserve(std::unique_lock<std::mutex>& lock, uint64_t byte
           reserved_ > 0 ? absl::StrCat(" and ", Bytes(reserved_), " being loaded") : "",
           "; mapper '", who, "' needs ", Bytes(bytes), "; retry later or raise ", budget_key_));
     }
-    WaitOnce(state_->changed, lock, deadline);  // then re-evaluate from the top
+    WaitOnce(state_->changed, &state_->mu, deadline);  // then re-evaluate from the top
   }
 }
 
@@ -215,7 +214,7 @@ bool HostTier::EvictLru(Aftermath& after) {
   after.evictions.push_back({version.mapper, "host", 0, false});
   ++victim->info.evictions;
   DropCurrent(*victim, after);
-  state_->changed.notify_all();
+  state_->changed.SignalAll();
   return true;
 }
 
@@ -225,6 +224,7 @@ void HostTier::FreeVersion(Version& version, Aftermath& after) {
   if (version.freed) return;
   version.freed = true;
   used_ -= version.bytes;
+  SameLock devices_lock(Held(state_->mu), devices_->mu());
   for (auto& [device, copy] : version.copies) devices_->FreeCopy(*copy, after);
   version.copies.clear();
   if (version.mapper) after.mappers.push_back(std::move(version.mapper));
@@ -261,6 +261,7 @@ MapperInfo HostTier::InfoLocked(const Entry& entry) const {
   info.weight_bytes = version.bytes;
   info.devices.push_back("host");
   info.placements.push_back({"host", version.bytes, version.pins, true});
+  SameLock devices_lock(Held(state_->mu), devices_->mu());
   devices_->AddPlacements(version, &info);
   return info;
 }

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -30,10 +29,9 @@ class HostTier : public VersionUnpinner {
   HostTier& operator=(const HostTier&) = delete;
 
   // Pins the current version of `mapper_id`, loading it first if needed (evicting unpinned
-  // least-recently-used versions to make room) and counting a hit. `lock` holds state->mu on
-  // entry and on return; it is released during a disk read. Errors as MapperStore::Acquire.
-  absl::StatusOr<std::shared_ptr<Version>> AcquireLocked(std::unique_lock<std::mutex>& lock,
-                                                         const std::string& mapper_id,
+  // least-recently-used versions to make room) and counting a hit. state->mu is held on entry
+  // and on return; it is let go during a disk read. Errors as MapperStore::Acquire.
+  absl::StatusOr<std::shared_ptr<Version>> AcquireLocked(const std::string& mapper_id,
                                                          absl::Time deadline, Aftermath& after)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Scan's load of a new or changed directory. Never waits: a new mapper that does not fit
@@ -58,18 +56,20 @@ class HostTier : public VersionUnpinner {
   // NOT_FOUND "no mapper with id 'x' in ROOT".
   absl::Status UnknownMapper(const std::string& mapper_id) const;
 
+  // The store's lock as this tier's annotations name it (for SameLock, store_state.h).
+  const Mutex& mu() const ABSL_LOCK_RETURNED(state_->mu) { return state_->mu; }
+
  private:
   // Reserves `bytes` in the host budget, evicting unpinned LRU versions if `evict`, waiting for
   // room until `deadline`. `who` names the mapper in messages.
-  absl::Status Reserve(std::unique_lock<std::mutex>& lock, uint64_t bytes, const std::string& who,
-                       bool evict, absl::Time deadline, Aftermath& after)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  absl::Status Reserve(uint64_t bytes, const std::string& who, bool evict, absl::Time deadline,
+                       Aftermath& after) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Drops the least recently used unpinned version (and its copies); false if there is none.
   bool EvictLru(Aftermath& after) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
-  // Loads entry `id`, whose `reserved` bytes are held, from disk with the lock released, then
-  // installs or fails the result.
-  void LoadReserved(std::unique_lock<std::mutex>& lock, const std::string& id, uint64_t reserved,
-                    Aftermath& after) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // Loads entry `id`, whose `reserved` bytes are held, from disk with the lock let go (and
+  // taken again), then installs or fails the result.
+  void LoadReserved(const std::string& id, uint64_t reserved, Aftermath& after)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   void FinishLoad(const std::string& id, uint64_t reserved, const Fingerprint& fingerprint,
                   absl::StatusOr<std::shared_ptr<const LoadedMapper>> loaded, double seconds,
                   Aftermath& after) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);

@@ -29,7 +29,7 @@ class HostTierTest : public ::testing::Test {
     const std::string dir = JoinPath(root_, id);
     EXPECT_TRUE(WriteSynthMapper(dir, o).ok());
     const Fingerprint fingerprint = *FingerprintDirectory(dir);
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
     Entry& entry = state_.entries[id];
     entry.info.id = id;
     entry.fingerprint = fingerprint;
@@ -48,10 +48,13 @@ class HostTierTest : public ::testing::Test {
   absl::StatusOr<std::shared_ptr<Version>> Acquire(const std::string& id,
                                                    absl::Time deadline = absl::InfiniteFuture()) {
     Aftermath after;
-    std::unique_lock<std::mutex> lock(state_.mu);
-    absl::StatusOr<std::shared_ptr<Version>> version =
-        host_->AcquireLocked(lock, id, deadline, after);
-    lock.unlock();
+    UniqueLock lock(&state_.mu);
+    absl::StatusOr<std::shared_ptr<Version>> version;
+    {
+      SameLock host_lock(Held(state_.mu), host_->mu());
+      version = host_->AcquireLocked(id, deadline, after);
+    }
+    lock.Unlock();
     state_.Fire(after);
     return version;
   }
@@ -59,19 +62,22 @@ class HostTierTest : public ::testing::Test {
   void Release(Version& version) {
     Aftermath after;
     {
-      std::lock_guard<std::mutex> lock(state_.mu);
+      MutexLock lock(&state_.mu);
+      SameLock host_lock(Held(state_.mu), host_->mu());
       host_->Release(version, after);
     }
     state_.Fire(after);
   }
 
   MapperInfo Info(const std::string& id) {
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
+    SameLock host_lock(Held(state_.mu), host_->mu());
     return host_->InfoLocked(state_.entries.at(id));
   }
 
   TierUsage Usage() {
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
+    SameLock host_lock(Held(state_.mu), host_->mu());
     return host_->Usage();
   }
 
@@ -147,7 +153,7 @@ TEST_F(HostTierTest, ScanLoadNeverWaitsAndABrokenDirectoryFails) {
   ASSERT_TRUE(RemoveTree(JoinPath(root_, "a")).ok());
   ASSERT_TRUE(MakeDirs(JoinPath(root_, "a")).ok());
   {
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
     state_.entries["a"].fingerprint = Fingerprint();  // as Scan relists a changed directory
   }
   host_->ScanLoad("a");  // the reload fails: the stale version stops serving too

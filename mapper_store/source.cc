@@ -73,35 +73,36 @@ uint64_t ExpectedWeightBytes(const std::string& dir, const std::string& weights_
 }
 
 void Poller::Start(absl::Duration interval) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   interval_ = interval;
   if (!thread_.joinable() && !stopping_) thread_ = std::thread([this] { Loop(); });
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void Poller::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   if (thread_.joinable()) thread_.join();
 }
 
 absl::Status Poller::last_status() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return last_status_;
 }
 
 void Poller::Loop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  UniqueLock lock(&mu_);
   while (!stopping_) {
-    const auto until = std::chrono::steady_clock::now() +
-                       absl::ToChronoNanoseconds(std::max(interval_, absl::Milliseconds(1)));
-    if (cv_.wait_until(lock, until, [this] { return stopping_; })) break;
-    lock.unlock();
+    if (cv_.AwaitWithTimeout(&mu_, std::max(interval_, absl::Milliseconds(1)),
+                             [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; })) {
+      break;
+    }
+    lock.Unlock();
     absl::Status status = poll_();
-    lock.lock();
+    lock.Lock();
     last_status_ = status;
   }
 }

@@ -2,11 +2,9 @@
 // whether one changed since it was last read, and the thread that polls for changes (hot reload).
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -16,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 
 namespace kvt {
 
@@ -70,9 +69,9 @@ class Poller {
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::function<absl::Status()> poll_;
-  // std mutex, as everywhere in the store: see store_state.h.
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  // kvt::Mutex, as everywhere in the store: see store_state.h.
+  mutable Mutex mu_;
+  CondVar cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Duration interval_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   absl::Status last_status_ ABSL_GUARDED_BY(mu_);

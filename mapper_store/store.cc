@@ -13,6 +13,8 @@ namespace kvt {
 using store_internal::Aftermath;
 using store_internal::DeviceCopy;
 using store_internal::Entry;
+using store_internal::Held;
+using store_internal::SameLock;
 using store_internal::Version;
 
 // --- MapperHandle ---
@@ -91,14 +93,14 @@ absl::Status MapperStore::RemoveDevice(const std::string& name, absl::Time deadl
 std::vector<std::string> MapperStore::DeviceNames() const { return devices_.Names(); }
 
 void MapperStore::SetEvents(StoreEvents events) {
-  std::lock_guard<std::mutex> lock(state_.events_mu);
+  MutexLock lock(&state_.events_mu);
   state_.events = std::move(events);
 }
 
 // --- Scanning and hot reload: the source's directories into the host tier ---
 
 absl::Status MapperStore::Scan() {
-  std::lock_guard<std::mutex> scan_lock(scan_mu_);
+  MutexLock scan_lock(&scan_mu_);
   absl::StatusOr<std::map<std::string, Fingerprint>> present = ScanMapperDirectories(root_);
   if (!present.ok()) return present.status();
   for (const std::string& id : Reconcile(*present)) {
@@ -112,7 +114,8 @@ std::vector<std::string> MapperStore::Reconcile(
   std::vector<std::string> to_read;  // new or changed
   Aftermath after;
   {
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
+    SameLock host_lock(Held(state_.mu), host_.mu());
     for (auto it = state_.entries.begin(); it != state_.entries.end();) {
       if (present.count(it->first) > 0) {
         ++it;
@@ -129,7 +132,7 @@ std::vector<std::string> MapperStore::Reconcile(
         to_read.push_back(id);
       }
     }
-    state_.changed.notify_all();
+    state_.changed.SignalAll();
   }
   state_.Fire(after);
   return to_read;
@@ -141,7 +144,7 @@ bool MapperStore::Relist(const std::string& id, const Fingerprint& fingerprint) 
   // are reported by the loader (which checks SHA256SUMS first) when it runs.
   absl::StatusOr<Manifest> manifest = ReadManifestFile(JoinPath(dir, kManifestFileName));
   bool load = options_.load_on_scan;
-  std::lock_guard<std::mutex> lock(state_.mu);
+  MutexLock lock(&state_.mu);
   Entry& entry = state_.entries[id];
   entry.info.id = id;
   entry.info.path = dir;
@@ -164,12 +167,12 @@ bool MapperStore::Relist(const std::string& id, const Fingerprint& fingerprint) 
 
 // --- Acquisition ---
 
-absl::StatusOr<MapperHandle> MapperStore::AcquireLocked(std::unique_lock<std::mutex>& lock,
-                                                        const std::string& mapper_id,
+absl::StatusOr<MapperHandle> MapperStore::AcquireLocked(const std::string& mapper_id,
                                                         const AcquireOptions& options,
                                                         Aftermath& after) {
+  SameLock host_lock(Held(state_.mu), host_.mu());
   absl::StatusOr<std::shared_ptr<Version>> version =
-      host_.AcquireLocked(lock, mapper_id, options.deadline, after);
+      host_.AcquireLocked(mapper_id, options.deadline, after);
   if (!version.ok()) return version.status();
   MapperHandle handle;
   handle.store_ = this;
@@ -183,9 +186,9 @@ absl::StatusOr<MapperHandle> MapperStore::Acquire(const std::string& mapper_id,
   // Before anything is loaded for a request that cannot be served.
   if (absl::Status s = devices_.CheckDevice(options.device); !s.ok()) return s;
   Aftermath after;
-  std::unique_lock<std::mutex> lock(state_.mu);
-  absl::StatusOr<MapperHandle> handle = AcquireLocked(lock, mapper_id, options, after);
-  lock.unlock();
+  UniqueLock lock(&state_.mu);
+  absl::StatusOr<MapperHandle> handle = AcquireLocked(mapper_id, options, after);
+  lock.Unlock();
   state_.Fire(after);
   if (handle.ok() && !options.device.empty()) {
     if (absl::Status s = PinOnDevice(&*handle, options); !s.ok()) return s;
@@ -198,7 +201,7 @@ absl::StatusOr<MapperHandle> MapperStore::AcquirePair(const std::string& source_
                                                       const AcquireOptions& options) {
   if (absl::Status s = devices_.CheckDevice(options.device); !s.ok()) return s;
   Aftermath after;
-  std::unique_lock<std::mutex> lock(state_.mu);
+  UniqueLock lock(&state_.mu);
   std::vector<const Entry*> serving;
   std::vector<const Entry*> failed;
   for (const auto& [id, entry] : state_.entries) {
@@ -223,8 +226,8 @@ absl::StatusOr<MapperHandle> MapperStore::AcquirePair(const std::string& source_
         " (", absl::StrJoin(ids, ", "), "); request one by mapper id or remove the others"));
   }
   const std::string id = serving[0]->info.id;
-  absl::StatusOr<MapperHandle> handle = AcquireLocked(lock, id, options, after);
-  lock.unlock();
+  absl::StatusOr<MapperHandle> handle = AcquireLocked(id, options, after);
+  lock.Unlock();
   state_.Fire(after);
   if (handle.ok() && !options.device.empty()) {
     if (absl::Status s = PinOnDevice(&*handle, options); !s.ok()) return s;
@@ -265,10 +268,12 @@ absl::StatusOr<std::shared_ptr<const LoadedMapper>> MapperStore::Find(
 void MapperStore::Release(MapperHandle& handle) {
   Aftermath after;
   {
-    std::lock_guard<std::mutex> lock(state_.mu);
+    MutexLock lock(&state_.mu);
+    SameLock host_lock(Held(state_.mu), host_.mu());
+    SameLock devices_lock(Held(state_.mu), devices_.mu());
     if (handle.copy_) devices_.Unpin(*handle.copy_, after);
     host_.Release(*handle.version_, after);
-    state_.changed.notify_all();
+    state_.changed.SignalAll();
   }
   // The handle's own references go before the aftermath, so it really frees.
   handle.copy_.reset();
@@ -280,7 +285,8 @@ void MapperStore::Release(MapperHandle& handle) {
 // --- Reporting and model control ---
 
 std::vector<MapperInfo> MapperStore::List() const {
-  std::lock_guard<std::mutex> lock(state_.mu);
+  MutexLock lock(&state_.mu);
+  SameLock host_lock(Held(state_.mu), host_.mu());
   std::vector<MapperInfo> infos;
   infos.reserve(state_.entries.size());
   for (const auto& [id, entry] : state_.entries) infos.push_back(host_.InfoLocked(entry));
@@ -288,14 +294,17 @@ std::vector<MapperInfo> MapperStore::List() const {
 }
 
 absl::StatusOr<MapperInfo> MapperStore::Info(const std::string& mapper_id) const {
-  std::lock_guard<std::mutex> lock(state_.mu);
+  MutexLock lock(&state_.mu);
+  SameLock host_lock(Held(state_.mu), host_.mu());
   auto it = state_.entries.find(mapper_id);
   if (it == state_.entries.end()) return host_.UnknownMapper(mapper_id);
   return host_.InfoLocked(it->second);
 }
 
 std::vector<TierUsage> MapperStore::Usage() const {
-  std::lock_guard<std::mutex> lock(state_.mu);
+  MutexLock lock(&state_.mu);
+  SameLock host_lock(Held(state_.mu), host_.mu());
+  SameLock devices_lock(Held(state_.mu), devices_.mu());
   std::vector<TierUsage> usage = {host_.Usage()};
   devices_.AppendUsage(&usage);
   return usage;
@@ -322,43 +331,48 @@ absl::StatusOr<MapperInfo> MapperStore::Load(const std::string& mapper_id,
 absl::StatusOr<MapperInfo> MapperStore::Unload(const std::string& mapper_id,
                                                const std::string& device, absl::Time deadline) {
   Aftermath after;
-  std::unique_lock<std::mutex> lock(state_.mu);
-  auto it = state_.entries.find(mapper_id);
-  if (it == state_.entries.end()) return host_.UnknownMapper(mapper_id);
-  Entry& entry = it->second;
+  UniqueLock lock(&state_.mu);
   std::shared_ptr<Version> version;
   std::shared_ptr<DeviceCopy> copy;
   std::string place = "host";
-  if (device.empty() || device == "host") {
-    version = entry.current;
-    host_.DropCurrent(entry, after);
-  } else {
-    const int index = devices_.Find(device);
-    if (index < 0) {
-      const std::vector<std::string> names = DeviceNames();
-      return absl::InvalidArgumentError(
-          absl::StrCat("device='", device, "' is not a device of this server (devices: host",
-                       names.empty() ? "" : ", ", absl::StrJoin(names, ", "), ")"));
-    }
-    place = device;
-    if (entry.current) {
-      auto found = entry.current->copies.find(index);
-      if (found != entry.current->copies.end()) {
-        copy = found->second;
-        devices_.DetachCopy(*entry.current, index, after);
-      }
-    }
-  }
-  state_.changed.notify_all();
-  const auto pins = [&] { return (version ? version->pins : 0) + (copy ? copy->pins : 0); };
-  store_internal::WaitUntil(state_.changed, lock, deadline, [&] { return pins() == 0; });
-  const int still = pins();
+  int still = 0;
   absl::StatusOr<MapperInfo> info = absl::NotFoundError(
       absl::StrCat("mapper '", mapper_id, "' was removed from ", root_, " meanwhile"));
-  if (auto now = state_.entries.find(mapper_id); now != state_.entries.end()) {
-    info = host_.InfoLocked(now->second);
+  {
+    SameLock host_lock(Held(state_.mu), host_.mu());
+    SameLock devices_lock(Held(state_.mu), devices_.mu());
+    auto it = state_.entries.find(mapper_id);
+    if (it == state_.entries.end()) return host_.UnknownMapper(mapper_id);
+    Entry& entry = it->second;
+    if (device.empty() || device == "host") {
+      version = entry.current;
+      host_.DropCurrent(entry, after);
+    } else {
+      const int index = devices_.Find(device);
+      if (index < 0) {
+        const std::vector<std::string> names = DeviceNames();
+        return absl::InvalidArgumentError(
+            absl::StrCat("device='", device, "' is not a device of this server (devices: host",
+                         names.empty() ? "" : ", ", absl::StrJoin(names, ", "), ")"));
+      }
+      place = device;
+      if (entry.current) {
+        auto found = entry.current->copies.find(index);
+        if (found != entry.current->copies.end()) {
+          copy = found->second;
+          devices_.DetachCopy(*entry.current, index, after);
+        }
+      }
+    }
+    state_.changed.SignalAll();
+    const auto pins = [&] { return (version ? version->pins : 0) + (copy ? copy->pins : 0); };
+    state_.changed.AwaitWithDeadline(&state_.mu, deadline, [&] { return pins() == 0; });
+    still = pins();
+    if (auto now = state_.entries.find(mapper_id); now != state_.entries.end()) {
+      info = host_.InfoLocked(now->second);
+    }
   }
-  lock.unlock();
+  lock.Unlock();
   state_.Fire(after);
   if (still > 0) {
     return absl::DeadlineExceededError(absl::StrCat(

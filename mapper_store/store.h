@@ -8,7 +8,6 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -167,8 +166,8 @@ class MapperStore {
   friend class MapperHandle;
 
   // Pins the version Acquire / AcquirePair chose, then (with options.device) a device copy.
-  absl::StatusOr<MapperHandle> AcquireLocked(std::unique_lock<std::mutex>& lock,
-                                             const std::string& mapper_id,
+  // state_.mu is held on entry and on return (let go while a load reads the disk).
+  absl::StatusOr<MapperHandle> AcquireLocked(const std::string& mapper_id,
                                              const AcquireOptions& options,
                                              store_internal::Aftermath& after)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
@@ -183,7 +182,7 @@ class MapperStore {
   const std::string root_;
   const StoreOptions options_;
   // Serialises scans, so two concurrent Scan() calls never load one directory twice.
-  std::mutex scan_mu_ ABSL_ACQUIRED_BEFORE(state_.mu);
+  Mutex scan_mu_ ABSL_ACQUIRED_BEFORE(state_.mu);
   store_internal::StoreState state_;
   store_internal::DeviceTier devices_;
   store_internal::HostTier host_;

@@ -1,6 +1,7 @@
 #include "mapper_store/store_state.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -10,7 +11,7 @@ namespace store_internal {
 
 void StoreState::Fire(Aftermath& after) {
   {
-    std::lock_guard<std::mutex> lock(events_mu);
+    MutexLock lock(&events_mu);
     if (events.page_in) {
       for (const auto& e : after.page_ins) events.page_in(*e.mapper, e.place, e.seconds);
     }
@@ -24,10 +25,13 @@ void StoreState::Fire(Aftermath& after) {
   after = Aftermath();
 }
 
-void WaitOnce(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
-              absl::Time deadline) {
+SameLock::SameLock(const Mutex& held, const Mutex& alias) {
+  if (&held != &alias) std::abort();  // two mutexes: the annotations would lie
+}
+
+void WaitOnce(CondVar& changed, Mutex* mu, absl::Time deadline) {
   // Bounded even without a deadline, so a missed wake-up costs a second, not a hang.
-  cv.wait_until(lock, absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Seconds(1))));
+  changed.WaitWithDeadline(mu, std::min(deadline, absl::Now() + absl::Seconds(1)));
 }
 
 void FillFromManifest(const Manifest& m, MapperInfo* info) {

@@ -3,11 +3,9 @@
 // released. Internal to mapper_store (host_tier, device_tier, store); callers use store.h.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -15,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 #include "kernels/backend.h"
 #include "mapper_store/format/manifest.h"
 #include "mapper_store/mapper.h"
@@ -84,36 +83,40 @@ struct Aftermath {
 struct StoreState {
   explicit StoreState(StoreEvents initial_events) : events(std::move(initial_events)) {}
 
-  // std mutexes rather than absl::Mutex: the system's absl is not built with ThreadSanitizer,
-  // so TSan cannot see absl::Mutex handoffs and reports false races (same choice as
-  // kernels/thread_pool.h). The annotations still document which lock guards what.
-  mutable std::mutex mu;
+  // kvt::Mutex (common/mutex.h): TSan sees it, and clang's analysis (--config=tsa) checks
+  // the annotations. The fields of Entry, Version and DeviceCopy are guarded by it too, which
+  // the analysis cannot see (they are reached through the maps and shared_ptrs below).
+  mutable Mutex mu;
   // Signalled on every change a waiter could be waiting for (load done, unpin, layer ready).
-  mutable std::condition_variable changed;
+  mutable CondVar changed;
   std::map<std::string, Entry> entries ABSL_GUARDED_BY(mu);
   uint64_t tick ABSL_GUARDED_BY(mu) = 0;  // LRU clock
 
-  mutable std::mutex events_mu;
+  mutable Mutex events_mu;
   StoreEvents events ABSL_GUARDED_BY(events_mu);
 
   // Reports `after`'s events and frees its memory; call without `mu` held.
   void Fire(Aftermath& after) ABSL_LOCKS_EXCLUDED(mu, events_mu);
 };
 
-// Waits on `cv` until `done` or `deadline`; false if the deadline passed first.
-template <typename Predicate>
-bool WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
-               absl::Time deadline, Predicate done) {
-  if (deadline == absl::InfiniteFuture()) {
-    cv.wait(lock, done);
-    return true;
-  }
-  return cv.wait_until(lock, absl::ToChronoTime(deadline), done);
-}
+// The store's one lock under the name another component's annotations give it, for a scope.
+// The analysis compares lock expressions, so it cannot tell that the facade's state_.mu and a
+// tier's state_->mu (HostTier::mu(), DeviceTier::mu()) are one mutex. SameLock says so after
+// checking it at run time (one address); `held` must be held (Held() checks that statically):
+//   SameLock host_lock(Held(state_.mu), host_.mu());
+class ABSL_SCOPED_LOCKABLE SameLock {
+ public:
+  SameLock(const Mutex& held, const Mutex& alias) ABSL_EXCLUSIVE_LOCK_FUNCTION(alias);
+  ~SameLock() ABSL_UNLOCK_FUNCTION() {}
+  SameLock(const SameLock&) = delete;
+  SameLock& operator=(const SameLock&) = delete;
+};
+// `mu`, which the caller must hold (not an annotation on SameLock's constructor: clang reads
+// that as "adopts the lock" and would drop `held` at the scope's end).
+inline const Mutex& Held(const Mutex& mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return mu; }
 
 // One wait for a change (an unpin, a finished load), at most until `deadline`; callers loop.
-void WaitOnce(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
-              absl::Time deadline);
+void WaitOnce(CondVar& changed, Mutex* mu, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
 // The manifest's fields of a MapperInfo.
 void FillFromManifest(const Manifest& manifest, MapperInfo* info);

@@ -208,7 +208,7 @@ absl::Status PrefixCache::MakeRoom(int64_t bytes, std::vector<Removed>* removed)
 }
 
 void PrefixCache::ReleaseReservation(const PrefixEntry& entry) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   UnreserveLocked(entry);
 }
 
@@ -229,7 +229,7 @@ void PrefixCache::ForgetModelIfUnused(const std::string& model) {
 std::pair<PrefixCache::Slot*, int64_t> PrefixCache::BestMatchLocked(
     absl::string_view model, absl::Span<const uint32_t> tokens,
     const std::vector<BlockHash>& hashes, absl::Time now) {
-  auto usable = [&](uint64_t seq) {
+  auto usable = [&](uint64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
     const Slot& slot = *slots_.at(seq);
     return slot.live(now) && slot.entry->model() == model;
   };
@@ -423,7 +423,7 @@ absl::StatusOr<std::unique_ptr<PendingEntry>> PrefixCache::Reserve(
   std::vector<Removed> removed;
   absl::Status status;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     SweepLocked(Now(), &removed);
     const size_t swept = removed.size();
     status = CheckShape(model, shape);
@@ -461,7 +461,7 @@ absl::StatusOr<PublishResult> PrefixCache::Commit(std::unique_ptr<PendingEntry> 
   result.stored_tokens = entry->num_tokens();
   std::vector<Removed> removed;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     const absl::Time now = Now();
     SweepLocked(now, &removed);
     auto [best, reused] = BestMatchLocked(entry->model_, entry->tokens_, entry->hashes_, now);
@@ -500,7 +500,7 @@ std::optional<PrefixMatch> PrefixCache::Longest(absl::string_view model,
   std::optional<PrefixMatch> match;
   std::vector<Removed> removed;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     const absl::Time now = Now();
     SweepLocked(now, &removed);
     auto [best, blocks] = BestMatchLocked(model, tokens, hashes, now);
@@ -519,7 +519,7 @@ std::optional<PrefixMatch> PrefixCache::Longest(absl::string_view model,
 
 std::string PrefixCache::Lease(const PrefixMatch& match) {
   if (match.entry == nullptr) return "";
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   const absl::Time now = Now();
   SweepLeasesLocked(now);
   auto record = std::make_unique<LeaseRecord>();
@@ -536,7 +536,7 @@ std::string PrefixCache::Lease(const PrefixMatch& match) {
 }
 
 absl::StatusOr<PrefixLease> PrefixCache::Take(absl::string_view lease_id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   const absl::Time now = Now();
   SweepLeasesLocked(now);
   auto it = leases_.find(lease_id);
@@ -562,7 +562,7 @@ std::vector<std::string> PrefixCache::Models() {
   std::vector<std::string> models;
   std::vector<Removed> removed;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     SweepLocked(Now(), &removed);
     for (const auto& [model, state] : models_) {
       if (state.entries > 0) models.push_back(model);
@@ -577,7 +577,7 @@ std::vector<EntryInfo> PrefixCache::List(absl::string_view model) {
   std::vector<EntryInfo> infos;
   std::vector<Removed> removed;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     SweepLocked(Now(), &removed);
     std::vector<const Slot*> slots;
     for (const auto& [seq, slot] : slots_) {
@@ -610,7 +610,7 @@ EvictResult PrefixCache::Evict(absl::string_view model, absl::string_view entry_
   EvictResult result;
   std::vector<Removed> removed;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     SweepLocked(Now(), &removed);
     const size_t swept = removed.size();
     std::vector<Slot*> targets;
@@ -642,19 +642,19 @@ EvictResult PrefixCache::Evict(absl::string_view model, absl::string_view entry_
 void PrefixCache::SweepExpired() {
   std::vector<Removed> removed;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     SweepLocked(Now(), &removed);
   }
   Notify(std::move(removed));
 }
 
 int64_t PrefixCache::bytes_held() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   return bytes_held_;
 }
 
 PrefixCacheStats PrefixCache::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   PrefixCacheStats stats = stats_;
   stats.entries = static_cast<int64_t>(slots_.size());
   stats.bytes_held = bytes_held_;

@@ -9,7 +9,6 @@
 #include <limits>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -23,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/mutex.h"
 #include "kernels/backend.h"
 #include "kernels/types.h"
 #include "mapper_store/format/host_buffer.h"
@@ -225,40 +225,44 @@ class PrefixCache {
   absl::StatusOr<std::unique_ptr<PendingEntry>> Reserve(absl::string_view model,
                                                         absl::Span<const uint32_t> tokens,
                                                         const EntryShape& shape,
-                                                        absl::Duration ttl = absl::ZeroDuration());
+                                                        absl::Duration ttl = absl::ZeroDuration())
+      ABSL_LOCKS_EXCLUDED(mutex_);
   // Phase two: makes the filled entry visible. Entries of the model whose whole sequence is a
   // prefix of this one (earlier turns of the conversation) are dropped unless leased; if an
   // entry already holds this whole sequence the new copy is dropped and that entry refreshed.
-  absl::StatusOr<PublishResult> Commit(std::unique_ptr<PendingEntry> pending);
+  absl::StatusOr<PublishResult> Commit(std::unique_ptr<PendingEntry> pending)
+      ABSL_LOCKS_EXCLUDED(mutex_);
 
   // The longest whole-block prefix of `tokens`, at most `max_tokens` (rounded down to blocks),
   // held for `model` and not expired; every token verified against the entry. Counts a hit or a
   // miss and touches the entry's LRU position.
   std::optional<PrefixMatch> Longest(absl::string_view model, absl::Span<const uint32_t> tokens,
-                                     int64_t max_tokens = std::numeric_limits<int64_t>::max());
+                                     int64_t max_tokens = std::numeric_limits<int64_t>::max())
+      ABSL_LOCKS_EXCLUDED(mutex_);
 
   // Pins match.entry for one Take within options.lease_duration; returns an unguessable id
   // (128 random bits, hex). An empty string for a match without an entry.
-  std::string Lease(const PrefixMatch& match);
+  std::string Lease(const PrefixMatch& match) ABSL_LOCKS_EXCLUDED(mutex_);
   // Single use. NOT_FOUND "lease ... unknown or already used"; FAILED_PRECONDITION naming the
   // lease and its age once it has expired.
-  absl::StatusOr<PrefixLease> Take(absl::string_view lease_id);
+  absl::StatusOr<PrefixLease> Take(absl::string_view lease_id) ABSL_LOCKS_EXCLUDED(mutex_);
 
   // Models with at least one entry now, sorted.
-  std::vector<std::string> Models();
+  std::vector<std::string> Models() ABSL_LOCKS_EXCLUDED(mutex_);
   // Entries of `model` (empty = all), oldest first.
-  std::vector<EntryInfo> List(absl::string_view model);
+  std::vector<EntryInfo> List(absl::string_view model) ABSL_LOCKS_EXCLUDED(mutex_);
   // By entry id (when given, and only if it belongs to `model` when that is given too); else
   // every entry of `model`; both empty = every entry. Leased entries are never evicted.
-  EvictResult Evict(absl::string_view model, absl::string_view entry_id);
+  EvictResult Evict(absl::string_view model, absl::string_view entry_id)
+      ABSL_LOCKS_EXCLUDED(mutex_);
   // Removes expired unleased entries and expired leases now (every call also does it lazily).
-  void SweepExpired();
+  void SweepExpired() ABSL_LOCKS_EXCLUDED(mutex_);
 
-  int64_t bytes_held() const;  // committed entries
+  int64_t bytes_held() const ABSL_LOCKS_EXCLUDED(mutex_);  // committed entries
   int64_t max_bytes() const { return options_.max_bytes; }
   int block_tokens() const { return options_.block_tokens; }
   absl::Duration lease_duration() const { return options_.lease_duration; }
-  PrefixCacheStats stats() const;
+  PrefixCacheStats stats() const ABSL_LOCKS_EXCLUDED(mutex_);
 
  private:
   friend class PendingEntry;
@@ -304,8 +308,8 @@ class PrefixCache {
   void Notify(std::vector<Removed> removed);
 
   const PrefixCacheOptions options_;
-  // std::mutex rather than absl::Mutex: Debian's absl is not TSan-instrumented, std::mutex is.
-  mutable std::mutex mutex_;
+  // kvt::Mutex, not absl::Mutex: Debian's absl is not TSan-instrumented (common/mutex.h).
+  mutable Mutex mutex_;
   uint64_t next_id_ ABSL_GUARDED_BY(mutex_) = 1;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mutex_);
   // Chain hash of block j -> entries holding it at block j. The chain is seeded with the model

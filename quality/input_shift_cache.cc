@@ -9,7 +9,7 @@ namespace kvt {
 
 std::shared_ptr<const InputShiftStats> InputShiftCache::Get(
     const std::shared_ptr<const LoadedMapper>& mapper) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   auto it = stats_.find(mapper.get());
   if (it != stats_.end() && it->second.first.lock() == mapper) return it->second.second;
   for (auto old = stats_.begin(); old != stats_.end();) {

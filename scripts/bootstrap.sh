@@ -31,7 +31,7 @@ PACKAGES=(
   libgtest-dev
   libgmock-dev
   libbenchmark-dev         # Google Benchmark programs
-  clang                    # clang 14: libFuzzer targets (fuzz/build.sh)
+  clang                    # clang 14: libFuzzer targets (fuzz/build.sh), --config=tsa
   libclang-rt-14-dev       # libFuzzer + ASan/UBSan runtimes for clang 14
   make                     # fuzz/Makefile
   prometheus               # promtool + a real Prometheus for the integration test

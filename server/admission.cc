@@ -27,7 +27,7 @@ AdmissionController::Ticket::~Ticket() {
 }
 
 absl::StatusOr<AdmissionController::Ticket> AdmissionController::TryAdmit(int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   if (requests_ + 1 > max_requests_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("server busy: ", requests_, " translations in flight (limit "
@@ -44,18 +44,18 @@ absl::StatusOr<AdmissionController::Ticket> AdmissionController::TryAdmit(int64_
 }
 
 void AdmissionController::Release(int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   --requests_;
   bytes_ -= bytes;
 }
 
 int64_t AdmissionController::inflight_requests() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   return requests_;
 }
 
 int64_t AdmissionController::inflight_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   return bytes_;
 }
 

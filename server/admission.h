@@ -6,8 +6,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include <mutex>
-
+#include "common/mutex.h"
 
 namespace kvt {
 
@@ -31,19 +30,19 @@ class AdmissionController {
   };
 
   // RESOURCE_EXHAUSTED (saying which limit, and to retry) when admitting would exceed a limit.
-  absl::StatusOr<Ticket> TryAdmit(int64_t bytes);
+  absl::StatusOr<Ticket> TryAdmit(int64_t bytes) ABSL_LOCKS_EXCLUDED(mutex_);
 
-  int64_t inflight_requests() const;
-  int64_t inflight_bytes() const;
+  int64_t inflight_requests() const ABSL_LOCKS_EXCLUDED(mutex_);
+  int64_t inflight_bytes() const ABSL_LOCKS_EXCLUDED(mutex_);
 
  private:
-  void Release(int64_t bytes);
+  void Release(int64_t bytes) ABSL_LOCKS_EXCLUDED(mutex_);
 
   const int64_t max_requests_;
   const int64_t max_bytes_;
-  // std::mutex rather than absl::Mutex: Debian's absl is not TSan-instrumented, std::mutex is
-  // (through pthread), so TSan can check this state.
-  mutable std::mutex mutex_;
+  // kvt::Mutex rather than absl::Mutex: Debian's absl is not TSan-instrumented, std::mutex is
+  // (through pthread), so TSan can check this state (common/mutex.h).
+  mutable Mutex mutex_;
   int64_t requests_ ABSL_GUARDED_BY(mutex_) = 0;
   int64_t bytes_ ABSL_GUARDED_BY(mutex_) = 0;
 };

@@ -174,7 +174,7 @@ void KvtdServer::Shutdown() {
   // Start() failed to bind (port in use): nothing was served, so there is nothing to drain.
   if (server_ == nullptr) return;
   {
-    std::lock_guard<std::mutex> lock(shutdown_mutex_);
+    MutexLock lock(&shutdown_mutex_);
     if (shut_down_) return;
     shut_down_ = true;
   }

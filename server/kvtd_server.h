@@ -3,17 +3,16 @@
 #pragma once
 
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "grpcpp/server.h"
 #include "kernels/backend.h"
 #include "mapper_store/store.h"
+#include "prefix_cache/prefix_cache.h"
 #include "server/auth.h"
 #include "server/config.h"
-#include "prefix_cache/prefix_cache.h"
 #include "server/metrics.h"
 #include "server/prefix_cache_service.h"
 #include "server/translator_service.h"
@@ -55,7 +54,7 @@ class KvtdServer {
   std::unique_ptr<PrefixCacheService> prefix_service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  std::mutex shutdown_mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex
+  Mutex shutdown_mutex_;  // kvt::Mutex: TSan sees it, unlike Debian's absl::Mutex
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mutex_) = false;
 };
 

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/mutex.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
 
@@ -81,14 +82,15 @@ prometheus::ClientMetric::Label Label(std::string name, std::string value) {
 // they can never disagree with their source.
 class Metrics::ScrapeCollector : public prometheus::Collectable {
  public:
-  void Set(const MapperStore* store, std::function<int64_t()> inflight) {
-    absl::MutexLock lock(&mutex_);
+  void Set(const MapperStore* store, std::function<int64_t()> inflight)
+      ABSL_LOCKS_EXCLUDED(mutex_) {
+    MutexLock lock(&mutex_);
     store_ = store;
     inflight_ = std::move(inflight);
   }
 
-  std::vector<prometheus::MetricFamily> Collect() const override {
-    absl::MutexLock lock(&mutex_);
+  std::vector<prometheus::MetricFamily> Collect() const override ABSL_LOCKS_EXCLUDED(mutex_) {
+    MutexLock lock(&mutex_);
     std::vector<prometheus::MetricFamily> families;
     prometheus::MetricFamily inflight;
     inflight.name = "kvt_inflight_requests";
@@ -140,7 +142,7 @@ class Metrics::ScrapeCollector : public prometheus::Collectable {
   }
 
  private:
-  mutable absl::Mutex mutex_;
+  mutable Mutex mutex_;
   const MapperStore* store_ ABSL_GUARDED_BY(mutex_) = nullptr;
   std::function<int64_t()> inflight_ ABSL_GUARDED_BY(mutex_);
 };

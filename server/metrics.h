@@ -11,7 +11,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/mapper_view.h"
 #include "mapper_store/store.h"
 #include "prometheus/counter.h"

@@ -8,30 +8,28 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/backend.h"
 #include "mapper_store/store.h"
-#include "proto/kvt/v1/service.grpc.pb.h"
 #include "prefix_cache/prefix_cache.h"
+#include "proto/kvt/v1/service.grpc.pb.h"
 #include "quality/input_shift.h"
 #include "quality/input_shift_cache.h"
 #include "server/admission.h"
-#include "server/compute_executor.h"
 #include "server/auth.h"
+#include "server/compute_executor.h"
 #include "server/config.h"
-#include "transport/buffer_pool.h"
-#include "transport/chunk_wire.h"
-#include "transport/cuda_registry.h"
-#include "transport/shm_registry.h"
 #include "server/mapper_control_service.h"
 #include "server/memory_service.h"
 #include "server/metrics.h"
 #include "server/translate/request_plan.h"
 #include "server/translate/translate_kv.h"
+#include "transport/buffer_pool.h"
+#include "transport/chunk_wire.h"
+#include "transport/cuda_registry.h"
+#include "transport/shm_registry.h"
 
 namespace kvt {
 

@@ -68,7 +68,7 @@ BufferPool::~BufferPool() {
 std::shared_ptr<BufferPool::Buffer> BufferPool::Get(int64_t size) {
   char* data = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     auto it = idle_.find(size);
     if (it != idle_.end()) {
       data = it->second;
@@ -82,7 +82,7 @@ std::shared_ptr<BufferPool::Buffer> BufferPool::Get(int64_t size) {
 
 void BufferPool::Return(char* data, int64_t size) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     if (idle_bytes_ + size <= max_idle_bytes_) {
       idle_.emplace(size, data);
       idle_bytes_ += size;
@@ -93,7 +93,7 @@ void BufferPool::Return(char* data, int64_t size) {
 }
 
 int64_t BufferPool::idle_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   return idle_bytes_;
 }
 

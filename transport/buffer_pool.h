@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 
 namespace kvt {
 
@@ -38,15 +38,15 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   ~BufferPool();
 
   // Uninitialised memory (old contents when reused).
-  std::shared_ptr<Buffer> Get(int64_t size);
-  int64_t idle_bytes() const;
+  std::shared_ptr<Buffer> Get(int64_t size) ABSL_LOCKS_EXCLUDED(mutex_);
+  int64_t idle_bytes() const ABSL_LOCKS_EXCLUDED(mutex_);
 
  private:
   explicit BufferPool(int64_t max_idle_bytes) : max_idle_bytes_(max_idle_bytes) {}
-  void Return(char* data, int64_t size);
+  void Return(char* data, int64_t size) ABSL_LOCKS_EXCLUDED(mutex_);
 
   const int64_t max_idle_bytes_;
-  mutable std::mutex mutex_;
+  mutable Mutex mutex_;
   std::multimap<int64_t, char*> idle_ ABSL_GUARDED_BY(mutex_);  // by exact size
   int64_t idle_bytes_ ABSL_GUARDED_BY(mutex_) = 0;
 };

@@ -9,8 +9,8 @@ namespace kvt {
 
 struct RegionRegistry::Lease::Entry {
   Region region;
-  std::mutex mutex;
-  std::condition_variable idle;
+  Mutex mutex;
+  CondVar idle;
   int in_use ABSL_GUARDED_BY(mutex) = 0;
   bool retired ABSL_GUARDED_BY(mutex) = false;
 
@@ -25,10 +25,10 @@ RegionRegistry::Lease::Lease(std::shared_ptr<Entry> entry, char* data, uint64_t 
 void RegionRegistry::Lease::Release() {
   if (entry_ == nullptr) return;
   {
-    std::lock_guard<std::mutex> lock(entry_->mutex);
+    MutexLock lock(&entry_->mutex);
     --entry_->in_use;
   }
-  entry_->idle.notify_all();
+  entry_->idle.SignalAll();
   entry_.reset();
 }
 
@@ -53,7 +53,7 @@ RegionRegistry::RegionRegistry(std::string kind) : kind_(std::move(kind)) {}
 RegionRegistry::~RegionRegistry() = default;
 
 bool RegionRegistry::Contains(const std::string& name) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   return regions_.count(name) > 0;
 }
 
@@ -61,7 +61,7 @@ absl::Status RegionRegistry::Add(Region region) {
   auto entry = std::make_shared<Lease::Entry>();
   const std::string name = region.name;
   entry->region = std::move(region);
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   if (!regions_.emplace(name, entry).second) {
     return absl::AlreadyExistsError(
         absl::StrCat("a ", kind_, " region named '", name, "' is registered"));
@@ -72,7 +72,7 @@ absl::Status RegionRegistry::Add(Region region) {
 absl::Status RegionRegistry::Unregister(const std::string& name, absl::Time deadline) {
   std::vector<std::shared_ptr<Lease::Entry>> retiring;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     if (name.empty()) {
       for (auto& [region_name, entry] : regions_) retiring.push_back(entry);
     } else {
@@ -83,20 +83,22 @@ absl::Status RegionRegistry::Unregister(const std::string& name, absl::Time dead
       retiring.push_back(it->second);
     }
     for (const auto& entry : retiring) {
-      std::lock_guard<std::mutex> entry_lock(entry->mutex);
+      MutexLock entry_lock(&entry->mutex);
       entry->retired = true;  // no new leases from here on
     }
   }
   for (const auto& entry : retiring) {
-    std::unique_lock<std::mutex> entry_lock(entry->mutex);
-    if (!entry->idle.wait_until(entry_lock, absl::ToChronoTime(deadline),
-                                [&entry] { return entry->in_use == 0; })) {
+    MutexLock entry_lock(&entry->mutex);
+    if (!entry->idle.AwaitWithDeadline(&entry->mutex, deadline,
+                                       [&entry]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(entry->mutex) {
+                                         return entry->in_use == 0;
+                                       })) {
       return absl::DeadlineExceededError(absl::StrCat(
           kind_, " region '", entry->region.name, "' is still used by ", entry->in_use,
           " request(s); it accepts no new ones and is released when they finish"));
     }
   }
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   for (const auto& entry : retiring) {
     auto it = regions_.find(entry->region.name);
     if (it != regions_.end() && it->second == entry) regions_.erase(it);
@@ -107,10 +109,10 @@ absl::Status RegionRegistry::Unregister(const std::string& name, absl::Time dead
 absl::StatusOr<std::vector<RegionRegistry::RegionInfo>> RegionRegistry::Status(
     const std::string& name) const {
   std::vector<RegionInfo> infos;
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   for (const auto& [region_name, entry] : regions_) {
     if (!name.empty() && region_name != name) continue;
-    std::lock_guard<std::mutex> entry_lock(entry->mutex);
+    MutexLock entry_lock(&entry->mutex);
     const Region& r = entry->region;
     infos.push_back({r.name, r.key, r.offset, r.byte_size, r.device_id, entry->in_use});
   }
@@ -126,7 +128,7 @@ absl::StatusOr<RegionRegistry::Lease> RegionRegistry::Acquire(const std::string&
                                                               const std::string& field) {
   std::shared_ptr<Lease::Entry> entry;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     auto it = regions_.find(name);
     if (it == regions_.end()) {
       return absl::NotFoundError(absl::StrCat(field, ": no ", kind_, " region named '", name,
@@ -140,7 +142,7 @@ absl::StatusOr<RegionRegistry::Lease> RegionRegistry::Acquire(const std::string&
         field, ": offset=", offset, " + byte_size=", byte_size, " lies outside region '", name,
         "' of ", region_size, " bytes"));
   }
-  std::lock_guard<std::mutex> entry_lock(entry->mutex);
+  MutexLock entry_lock(&entry->mutex);
   if (entry->retired) {
     return absl::FailedPreconditionError(
         absl::StrCat(field, ": region '", name, "' is being unregistered"));

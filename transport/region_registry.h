@@ -4,18 +4,17 @@
 // it before its memory is released.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 
 namespace kvt {
 
@@ -65,23 +64,24 @@ class RegionRegistry {
   explicit RegionRegistry(std::string kind);
   ~RegionRegistry();
 
-  bool Contains(const std::string& name) const;
+  bool Contains(const std::string& name) const ABSL_LOCKS_EXCLUDED(mutex_);
   // ALREADY_EXISTS when the name is taken (then `region.release` runs at once).
-  absl::Status Add(Region region);
+  absl::Status Add(Region region) ABSL_LOCKS_EXCLUDED(mutex_);
   // Removes `name` ("" = every region): no new leases at once; waits until the requests
   // holding it finish (DEADLINE_EXCEEDED, region kept unusable, if they outlast `deadline`),
   // then releases the memory. NOT_FOUND for an unknown name.
-  absl::Status Unregister(const std::string& name, absl::Time deadline);
+  absl::Status Unregister(const std::string& name, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mutex_);
   // Regions by name ("" = all); NOT_FOUND for an unknown name.
-  absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const;
+  absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const
+      ABSL_LOCKS_EXCLUDED(mutex_);
   // [offset, offset + byte_size) of region `name`, overflow- and bounds-checked; `field` names
   // the request field in errors (e.g. "header.input.region").
   absl::StatusOr<Lease> Acquire(const std::string& name, uint64_t offset, uint64_t byte_size,
-                                const std::string& field);
+                                const std::string& field) ABSL_LOCKS_EXCLUDED(mutex_);
 
  private:
   const std::string kind_;
-  mutable std::mutex mutex_;  // std::mutex: visible to TSan, unlike Debian's absl::Mutex
+  mutable Mutex mutex_;  // kvt::Mutex: TSan sees it, unlike Debian's absl::Mutex
   std::map<std::string, std::shared_ptr<Lease::Entry>> regions_ ABSL_GUARDED_BY(mutex_);
 };
 

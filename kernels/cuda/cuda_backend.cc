@@ -10,11 +10,11 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/cuda_plan.h"
 #include "kernels/cuda/device.h"
@@ -288,7 +288,7 @@ class CudaBackend : public Backend {
   void ReleaseContext(std::unique_ptr<Context> context);
 
   CudaBackendOptions options_;
-  std::mutex mu_;
+  Mutex mu_;
   std::vector<std::unique_ptr<Context>> idle_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -499,7 +499,7 @@ absl::StatusOr<const CudaPreparedMapper*> CudaBackend::Cast(const PreparedMapper
 
 absl::StatusOr<std::unique_ptr<Context>> CudaBackend::AcquireContext() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!idle_.empty()) {
       std::unique_ptr<Context> context = std::move(idle_.back());
       idle_.pop_back();
@@ -517,7 +517,7 @@ void CudaBackend::ReleaseContext(std::unique_ptr<Context> context) {
   // A call that failed half-way may have left copies into its pinned buffers in flight; the
   // next call on this context must not refill them before they finish.
   cudaStreamSynchronize(context->stream);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   idle_.push_back(std::move(context));
 }
 

@@ -15,33 +15,33 @@ double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
 LayerArrivals::LayerArrivals(const std::vector<LayerMapView>* layer_maps, int source_layers,
                              bool all_arrived)
     : layer_maps_(layer_maps) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   complete_.assign(2 * source_layers, all_arrived ? 1 : 0);
   taken_.assign(layer_maps->size(), 0);
 }
 
 void LayerArrivals::Arrived(int layer, int kind) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     complete_[2 * layer + kind] = 1;
   }
-  changed_.notify_all();
+  changed_.SignalAll();
 }
 
 void LayerArrivals::AllArrived() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     std::fill(complete_.begin(), complete_.end(), 1);
   }
-  changed_.notify_all();
+  changed_.SignalAll();
 }
 
 void LayerArrivals::Abort() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(&mutex_);
     abort_ = true;
   }
-  changed_.notify_all();
+  changed_.SignalAll();
 }
 
 bool LayerArrivals::SourcesArrived(int layer) const {
@@ -62,18 +62,16 @@ int LayerArrivals::FirstReady() const {
 }
 
 int LayerArrivals::TakeReadyNow() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   const int layer = FirstReady();
   if (layer >= 0) taken_[layer] = 1;
   return layer;
 }
 
 int LayerArrivals::WaitAndTake() {
-  std::unique_lock<std::mutex> lock(mutex_);
+  MutexLock lock(&mutex_);
   int layer = -1;
-  changed_.wait(lock, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return abort_ || (layer = FirstReady()) >= 0;
-  });
+  while (!abort_ && (layer = FirstReady()) < 0) changed_.Wait(&mutex_);
   if (abort_) return -1;
   taken_[layer] = 1;
   return layer;

@@ -6,11 +6,9 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <functional>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -18,6 +16,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 #include "grpcpp/support/status.h"
 #include "kernels/backend.h"
 #include "kernels/mapper_view.h"
@@ -37,24 +36,24 @@ class LayerArrivals {
   LayerArrivals(const std::vector<LayerMapView>* layer_maps, int source_layers,
                 bool all_arrived);
 
-  void Arrived(int layer, int kind);
-  void AllArrived();
+  void Arrived(int layer, int kind) ABSL_LOCKS_EXCLUDED(mutex_);
+  void AllArrived() ABSL_LOCKS_EXCLUDED(mutex_);
   // Wakes a waiting producer and makes every later wait return -1.
-  void Abort();
+  void Abort() ABSL_LOCKS_EXCLUDED(mutex_);
 
   // Target layers go in the order their sources complete (lowest index first among the ready
   // ones), not strictly 0, 1, ...: a mapper's sigma lists need not grow with depth. Each
   // returns a ready layer not taken before, and takes it.
-  int TakeReadyNow();  // -1: none ready yet
-  int WaitAndTake();   // blocks; -1: aborted
+  int TakeReadyNow() ABSL_LOCKS_EXCLUDED(mutex_);  // -1: none ready yet
+  int WaitAndTake() ABSL_LOCKS_EXCLUDED(mutex_);   // blocks; -1: aborted
 
  private:
   bool SourcesArrived(int layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   int FirstReady() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
 
   const std::vector<LayerMapView>* const layer_maps_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
+  Mutex mutex_;
+  CondVar changed_;
   std::vector<char> complete_ ABSL_GUARDED_BY(mutex_);  // [layer * 2 + kind]
   std::vector<char> taken_ ABSL_GUARDED_BY(mutex_);     // per target layer
   bool abort_ ABSL_GUARDED_BY(mutex_) = false;
