@@ -17,7 +17,7 @@ absl::Status CudaMemoryRegistry::Register(const std::string& name, const std::st
                                                    cuda::kIpcHandleBytes));
   }
   if (byte_size == 0) return absl::InvalidArgumentError("byte_size must be > 0");
-  if (regions_.Contains(name)) {
+  if (Contains(name)) {
     return absl::AlreadyExistsError(
         absl::StrCat("a CUDA memory region named '", name, "' is registered"));
   }
@@ -29,7 +29,7 @@ absl::Status CudaMemoryRegistry::Register(const std::string& name, const std::st
   region.device_id = device_id;
   region.base = mapping->device_ptr;
   region.release = [mapping = *mapping] { cuda::CloseIpcHandle(mapping); };
-  return regions_.Add(std::move(region));
+  return Add(std::move(region));
 }
 
 }  // namespace kvt

@@ -23,7 +23,7 @@ absl::Status SystemMemoryRegistry::Register(const std::string& name, const std::
     return absl::InvalidArgumentError(
         absl::StrCat("offset=", offset, " + byte_size=", byte_size, " overflows"));
   }
-  if (regions_.Contains(name)) {
+  if (Contains(name)) {
     return absl::AlreadyExistsError(
         absl::StrCat("a system memory region named '", name, "' is registered"));
   }
@@ -64,7 +64,7 @@ absl::Status SystemMemoryRegistry::Register(const std::string& name, const std::
   region.byte_size = byte_size;
   region.base = static_cast<char*>(mapping) + (offset - aligned);
   region.release = [mapping, mapping_size] { munmap(mapping, mapping_size); };
-  return regions_.Add(std::move(region));
+  return Add(std::move(region));
 }
 
 }  // namespace kvt

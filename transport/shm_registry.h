@@ -14,12 +14,14 @@
 
 namespace kvt {
 
-class SystemMemoryRegistry {
+// Unregister, Status, Contains and Acquire are RegionRegistry's (see there); only the
+// registration, which maps the object, is this class's own.
+class SystemMemoryRegistry : private RegionRegistry {
  public:
-  using RegionInfo = RegionRegistry::RegionInfo;
-  using Lease = RegionRegistry::Lease;
+  using RegionRegistry::Lease;
+  using RegionRegistry::RegionInfo;
 
-  SystemMemoryRegistry() = default;
+  SystemMemoryRegistry() : RegionRegistry("system memory") {}
 
   // Maps [offset, offset + byte_size) of the shm object `key`. Errors: ALREADY_EXISTS (name
   // taken), NOT_FOUND (no such object), INVALID_ARGUMENT (empty name or key, zero size, range
@@ -27,29 +29,10 @@ class SystemMemoryRegistry {
   absl::Status Register(const std::string& name, const std::string& key, uint64_t offset,
                         uint64_t byte_size);
 
-  // Removes `name` ("" = every region): new requests can no longer use it at once; waits until
-  // the requests holding it finish (DEADLINE_EXCEEDED, region kept unusable, if they outlast
-  // `deadline`), then unmaps. NOT_FOUND for an unknown name.
-  absl::Status Unregister(const std::string& name, absl::Time deadline) {
-    return regions_.Unregister(name, deadline);
-  }
-
-  // Regions by name ("" = all); NOT_FOUND for an unknown name.
-  absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const {
-    return regions_.Status(name);
-  }
-
-  bool Contains(const std::string& name) const { return regions_.Contains(name); }
-
-  // [offset, offset + byte_size) of region `name`, overflow- and bounds-checked; `field` names
-  // the request field in errors (e.g. "header.input.region").
-  absl::StatusOr<Lease> Acquire(const std::string& name, uint64_t offset, uint64_t byte_size,
-                                const std::string& field) {
-    return regions_.Acquire(name, offset, byte_size, field);
-  }
-
- private:
-  RegionRegistry regions_{"system memory"};
+  using RegionRegistry::Acquire;
+  using RegionRegistry::Contains;
+  using RegionRegistry::Status;
+  using RegionRegistry::Unregister;
 };
 
 }  // namespace kvt
