@@ -18,22 +18,18 @@
 #include "kernels/mapper_view.h"
 #include "kernels/types.h"
 #include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 
 namespace kvt {
 namespace {
 
+using ::kvt::testing::MakeTempDir;
+
 using ::testing::HasSubstr;
 
 std::string Runfile(const std::string& path) {
   return absl::StrCat(std::getenv("TEST_SRCDIR"), "/kvt/", path);
-}
-
-std::string TempDir(const std::string& name) {
-  const char* root = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(root ? root : "/tmp", "/", name);
-  EXPECT_EQ(std::system(absl::StrCat("rm -rf '", dir, "' && mkdir -p '", dir, "'").c_str()), 0);
-  return dir;
 }
 
 // The known truth: target layer l is a linear map of source layers true_sigma[l] plus 5% noise.
@@ -55,7 +51,7 @@ struct ShardResult {
 class FitJobTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    data_ = new std::string(TempDir("calibration"));
+    data_ = new std::string(MakeTempDir("calibration"));
     const fit::testing::Family family = fit::testing::MakeFamily(Family());
     ASSERT_TRUE(fit::testing::WriteSequences(family, *data_, 0, 24, 64, DType::kFP32).ok());
     ASSERT_TRUE(WriteStringToFile(JoinPath(*data_, "src.json"),
@@ -103,7 +99,7 @@ class FitJobTest : public ::testing::Test {
   }
 
   void SetUp() override {
-    root_ = TempDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+    root_ = MakeTempDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
     work_ = JoinPath(root_, "work");
   }
 

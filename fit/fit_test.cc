@@ -18,6 +18,7 @@
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
 #include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "quality/quality_reference.h"
 
@@ -25,16 +26,11 @@ namespace kvt {
 namespace fit {
 namespace {
 
+using ::kvt::testing::MakeTempDir;
+
 using ::testing::HasSubstr;
 using testing::Family;
 using testing::FamilyOptions;
-
-std::string TempDir(const std::string& name) {
-  const char* root = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(root ? root : "/tmp", "/", name);
-  EXPECT_EQ(std::system(absl::StrCat("rm -rf '", dir, "' && mkdir -p '", dir, "'").c_str()), 0);
-  return dir;
-}
 
 // Matched shapes (2 heads x 8 dims both sides), different RoPE: plain neox on the source,
 // llama3-scaled on the target. Every target layer is fed by two source layers.
@@ -125,10 +121,10 @@ class FitFamilyTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     matched_ = new Family(testing::MakeFamily(MatchedFamily()));
-    matched_dir_ = new std::string(TempDir("matched"));
+    matched_dir_ = new std::string(MakeTempDir("matched"));
     ASSERT_TRUE(testing::WriteSequences(*matched_, *matched_dir_, 0, 40, 128, DType::kFP32).ok());
     unmatched_ = new Family(testing::MakeFamily(UnmatchedFamily()));
-    unmatched_dir_ = new std::string(TempDir("unmatched"));
+    unmatched_dir_ = new std::string(MakeTempDir("unmatched"));
     ASSERT_TRUE(
         testing::WriteSequences(*unmatched_, *unmatched_dir_, 0, 30, 128, DType::kFP32).ok());
   }
@@ -219,7 +215,7 @@ TEST_F(FitFamilyTest, MatchedPairRecoversLayersWeightsAndR2) {
   for (const SequencePair& pair : options.sequences) heldout += pair.heldout;
   ASSERT_GT(heldout, 3);
   ASSERT_LT(heldout, 15);
-  const std::string out = JoinPath(TempDir("matched_out"), "fitted");
+  const std::string out = JoinPath(MakeTempDir("matched_out"), "fitted");
   absl::StatusOr<FitResult> result = RunFit(options, out);
   ASSERT_TRUE(result.ok()) << result.status();
   CheckAgainstTruth(*matched_, *result);
@@ -252,7 +248,7 @@ TEST_F(FitFamilyTest, MlpKindFitsTheFamilyDeterministically) {
   options.mlp.train.epochs = 30;
   options.mlp.train.batch = 64;
   options.mlp.train.seed = 3;
-  const std::string dir = TempDir("mlp");
+  const std::string dir = MakeTempDir("mlp");
   absl::StatusOr<FitResult> a = RunFit(options, JoinPath(dir, "a"));
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ(a->manifest.kind, MapperKind::kMlp);
@@ -297,7 +293,7 @@ TEST_F(FitFamilyTest, MlpPerHeadStacksHeadChains) {
   options.mlp.train.hidden = 32;
   options.mlp.train.epochs = 30;
   options.mlp.train.batch = 64;
-  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("mlp_per_head"), "m"));
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(MakeTempDir("mlp_per_head"), "m"));
   ASSERT_TRUE(result.ok()) << result.status();
   absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(result->mapper_dir);
   ASSERT_TRUE(mapper.ok()) << mapper.status();
@@ -317,20 +313,20 @@ TEST_F(FitFamilyTest, MlpBadOptionsAreNamed) {
   FitOptions options = Options(*matched_, *matched_dir_, 2);
   options.kind = FitKind::kMlp;
   options.mlp.train.epochs = 0;
-  absl::StatusOr<FitResult> result = RunFit(options, TempDir("mlp_bad"));
+  absl::StatusOr<FitResult> result = RunFit(options, MakeTempDir("mlp_bad"));
   EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(result.status().message(), HasSubstr("--mlp_epochs"));
   // --kind both refuses up front without target queries in the held-out dumps.
   options = Options(*matched_, *matched_dir_, 2);
   options.kind = FitKind::kBoth;
-  absl::StatusOr<BothResult> both = RunFitBoth(options, TempDir("both_no_queries"));
+  absl::StatusOr<BothResult> both = RunFitBoth(options, MakeTempDir("both_no_queries"));
   EXPECT_EQ(both.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(both.status().message(), HasSubstr("--queries"));
 }
 
 TEST_F(FitFamilyTest, UnmatchedPairUsesFullLayerProbe) {
   FitOptions options = Options(*unmatched_, *unmatched_dir_, 1);
-  const std::string out = JoinPath(TempDir("unmatched_out"), "fitted");
+  const std::string out = JoinPath(MakeTempDir("unmatched_out"), "fitted");
   absl::StatusOr<FitResult> result = RunFit(options, out);
   ASSERT_TRUE(result.ok()) << result.status();
   CheckAgainstTruth(*unmatched_, *result);
@@ -339,7 +335,7 @@ TEST_F(FitFamilyTest, UnmatchedPairUsesFullLayerProbe) {
 
 TEST_F(FitFamilyTest, KAllKeepsTrueBlocksAndZeroesTheRest) {
   FitOptions options = Options(*unmatched_, *unmatched_dir_, 0);
-  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("kall"), "fitted"));
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(MakeTempDir("kall"), "fitted"));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->manifest.k, 4);
   absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(result->mapper_dir);
@@ -359,13 +355,13 @@ TEST_F(FitFamilyTest, KAllKeepsTrueBlocksAndZeroesTheRest) {
 TEST_F(FitFamilyTest, LambdaScaleSumIsCovarianceScaleTimesN) {
   FitOptions options = Options(*unmatched_, *unmatched_dir_, 1);
   options.solve.ridge.lambda = 0.5;
-  absl::StatusOr<FitResult> cov = RunFit(options, JoinPath(TempDir("cov"), "fitted"));
+  absl::StatusOr<FitResult> cov = RunFit(options, JoinPath(MakeTempDir("cov"), "fitted"));
   ASSERT_TRUE(cov.ok()) << cov.status();
   const std::string calibration = cov->manifest.calibration_yaml;
   const double n = std::stod(calibration.substr(calibration.find("\"train\":") + 8));
   options.solve.ridge.lambda = 0.5 * n;
   options.solve.ridge.scale = LambdaScale::kSum;
-  absl::StatusOr<FitResult> sum = RunFit(options, JoinPath(TempDir("sum"), "fitted"));
+  absl::StatusOr<FitResult> sum = RunFit(options, JoinPath(MakeTempDir("sum"), "fitted"));
   ASSERT_TRUE(sum.ok()) << sum.status();
   EXPECT_EQ(sum->manifest.lambda_scale, LambdaScale::kSum);
   auto a = LoadMapperDir(cov->mapper_dir), b = LoadMapperDir(sum->mapper_dir);
@@ -376,11 +372,11 @@ TEST_F(FitFamilyTest, LambdaScaleSumIsCovarianceScaleTimesN) {
 
 TEST_F(FitFamilyTest, MergedShardsEqualSingleRun) {
   FitOptions options = Options(*matched_, *matched_dir_, 2);
-  absl::StatusOr<FitResult> single = RunFit(options, JoinPath(TempDir("single"), "fitted"));
+  absl::StatusOr<FitResult> single = RunFit(options, JoinPath(MakeTempDir("single"), "fitted"));
   ASSERT_TRUE(single.ok()) << single.status();
 
   // Phase 1: probe shards -> plan. Phase 2: final shards with the plan -> mapper.
-  const std::string shards = TempDir("shards");
+  const std::string shards = MakeTempDir("shards");
   std::vector<std::string> probe_files, final_files;
   for (int i = 0; i < 3; ++i) {
     FitOptions shard = options;
@@ -498,7 +494,7 @@ class FitQueryTest : public ::testing::Test {
   static void SetUpTestSuite() {
     for (int i = 0; i < 2; ++i) {
       families_[i] = new Family(testing::MakeFamily(QueryFamily(i == 0 ? 0.0 : 0.3)));
-      dirs_[i] = new std::string(TempDir(i == 0 ? "queries_exact" : "queries_noisy"));
+      dirs_[i] = new std::string(MakeTempDir(i == 0 ? "queries_exact" : "queries_noisy"));
       ASSERT_TRUE(
           testing::WriteSequences(*families_[i], *dirs_[i], 0, 12, 64, DType::kFP32).ok());
     }
@@ -513,7 +509,7 @@ TEST_F(FitQueryTest, RecordedCosineEqualsFloat64ReferenceForRidgeAndMlp) {
   const Family& family = *families_[1];
   FitOptions options = QueryOptions(family, *dirs_[1]);
   options.kind = FitKind::kBoth;
-  const std::string out = TempDir("queries_both");
+  const std::string out = MakeTempDir("queries_both");
   absl::StatusOr<BothResult> both = RunFitBoth(options, out);
   ASSERT_TRUE(both.ok()) << both.status();
   const SequencePair& heldout = options.sequences.back();
@@ -563,7 +559,7 @@ TEST_F(FitQueryTest, NearOneForAnExactLinearFamilyLowerForANoisyOne) {
   for (int i = 0; i < 2; ++i) {
     FitOptions options = QueryOptions(*families_[i], *dirs_[i]);
     absl::StatusOr<FitResult> result =
-        RunFit(options, JoinPath(TempDir(absl::StrCat("queries_ridge", i)), "fitted"));
+        RunFit(options, JoinPath(MakeTempDir(absl::StrCat("queries_ridge", i)), "fitted"));
     ASSERT_TRUE(result.ok()) << result.status();
     ASSERT_TRUE(result->manifest.quality.attention_cosine_heldout.has_value());
     cosine[i] = *result->manifest.quality.attention_cosine_heldout;
@@ -633,7 +629,7 @@ TEST_F(FitQueryTest, AttentionRefinementLowersItsLossDeterministically) {
   EXPECT_NE(*r.r2_k, *start[1].r2_k);
 
   absl::StatusOr<FitResult> result =
-      RunFit(options, JoinPath(TempDir("queries_refined"), "fitted"));
+      RunFit(options, JoinPath(MakeTempDir("queries_refined"), "fitted"));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->manifest.kind, MapperKind::kRidge);
   ASSERT_TRUE(result->heldout.has_value());
@@ -659,7 +655,7 @@ TEST_F(FitQueryTest, MlpAttentionRefinementLowersTheHeldoutErrorDeterministicall
     options.refine.seed = 3;
     // This family's best step (the bundled family's default is 10x smaller: docs/FIT.md).
     options.refine.mlp_learning_rate = 0.01;
-    const std::string out = TempDir(absl::StrCat("queries_both_refined", i));
+    const std::string out = MakeTempDir(absl::StrCat("queries_both_refined", i));
     options.refine.unrefined_mlp_out = JoinPath(out, "mlp-unrefined");
     absl::StatusOr<BothResult> both = RunFitBoth(options, out);
     ASSERT_TRUE(both.ok()) << both.status();
@@ -706,14 +702,15 @@ TEST_F(FitQueryTest, MlpAttentionRefinementLowersTheHeldoutErrorDeterministicall
 TEST_F(FitFamilyTest, AttentionRefinementNeedsTrainingQueries) {
   FitOptions options = Options(*matched_, *matched_dir_, 2);
   options.refine.attention = true;
-  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("no_queries_refine"), "f"));
+  absl::StatusOr<FitResult> result =
+      RunFit(options, JoinPath(MakeTempDir("no_queries_refine"), "f"));
   EXPECT_TRUE(absl::IsFailedPrecondition(result.status())) << result.status();
   EXPECT_THAT(std::string(result.status().message()), HasSubstr("--queries"));
 }
 
 TEST_F(FitFamilyTest, WithoutQueriesOnlyR2HeldoutIsRecorded) {
   FitOptions options = Options(*matched_, *matched_dir_, 2);
-  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("no_queries"), "fitted"));
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(MakeTempDir("no_queries"), "fitted"));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_FALSE(result->heldout.has_value());
   EXPECT_FALSE(result->manifest.quality.attention_cosine_heldout.has_value());
@@ -728,7 +725,7 @@ TEST(FitDegenerateTest, ConstantFeatureWarnsAndGetsZeroWeightLambdaZeroRefuses) 
   FamilyOptions o = UnmatchedFamily();
   o.seed = 21;
   Family family = testing::MakeFamily(o);
-  const std::string dir = TempDir("constant");
+  const std::string dir = MakeTempDir("constant");
   ASSERT_TRUE(testing::WriteSequences(family, dir, 0, 12, 64, DType::kFP32).ok());
   // Source layer 2's V, head 0 dim 3: the same value at every token of every sequence.
   for (int s = 0; s < 12; ++s) {
@@ -740,7 +737,7 @@ TEST(FitDegenerateTest, ConstantFeatureWarnsAndGetsZeroWeightLambdaZeroRefuses) 
     ASSERT_TRUE(WriteCacheFile(path, *cache).ok());
   }
   FitOptions options = Options(family, dir, 1);
-  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("constant_out"), "m"));
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(MakeTempDir("constant_out"), "m"));
   ASSERT_TRUE(result.ok()) << result.status();
   bool warned = false;
   for (const std::string& w : result->warnings) {
@@ -759,24 +756,24 @@ TEST(FitDegenerateTest, ConstantFeatureWarnsAndGetsZeroWeightLambdaZeroRefuses) 
   EXPECT_NEAR(*result->manifest.layers[0].r2_v, (1 - o.noise_share) * 15 / 16, 0.03);
 
   options.solve.ridge.lambda = 0;
-  absl::StatusOr<FitResult> singular = RunFit(options, JoinPath(TempDir("constant_l0"), "m"));
+  absl::StatusOr<FitResult> singular = RunFit(options, JoinPath(MakeTempDir("constant_l0"), "m"));
   ASSERT_FALSE(singular.ok());
   EXPECT_THAT(singular.status().message(), HasSubstr("singular"));
   EXPECT_THAT(singular.status().message(), HasSubstr("constant features"));
   EXPECT_THAT(singular.status().message(), HasSubstr("--lambda"));
-  EXPECT_FALSE(PathExists(JoinPath(TempDir("constant_l0"), "m")));
+  EXPECT_FALSE(PathExists(JoinPath(MakeTempDir("constant_l0"), "m")));
 }
 
 TEST(FitDegenerateTest, FewerTokensThanFeatures) {
   FamilyOptions o = MatchedFamily();
   Family family = testing::MakeFamily(o);
-  const std::string dir = TempDir("few");
+  const std::string dir = MakeTempDir("few");
   // 3 sequences x 12 tokens; k = all gives 5 x 16 = 80 features.
   ASSERT_TRUE(testing::WriteSequences(family, dir, 0, 3, 12, DType::kFP32).ok());
   FitOptions options = Options(family, dir, 0);
   for (SequencePair& pair : options.sequences) pair.heldout = false;
   options.solve.ridge.lambda = 0.01;
-  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(TempDir("few_out"), "m"));
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(MakeTempDir("few_out"), "m"));
   ASSERT_TRUE(result.ok()) << result.status();
   bool warned = false;
   for (const std::string& w : result->warnings) warned |= w.find("training tokens for") != std::string::npos;
@@ -788,7 +785,7 @@ TEST(FitDegenerateTest, FewerTokensThanFeatures) {
     EXPECT_FALSE(result->manifest.layers[l].r2_k_heldout.has_value());
   }
   options.solve.ridge.lambda = 0;
-  absl::StatusOr<FitResult> singular = RunFit(options, JoinPath(TempDir("few_l0"), "m"));
+  absl::StatusOr<FitResult> singular = RunFit(options, JoinPath(MakeTempDir("few_l0"), "m"));
   ASSERT_FALSE(singular.ok());
   EXPECT_THAT(singular.status().message(), HasSubstr("36 training tokens, 80 features"));
 }
@@ -796,7 +793,7 @@ TEST(FitDegenerateTest, FewerTokensThanFeatures) {
 TEST(FitInputTest, MismatchedTokensShapesAndMetadataNameTheFile) {
   FamilyOptions o = UnmatchedFamily();
   Family family = testing::MakeFamily(o);
-  const std::string dir = TempDir("bad_inputs");
+  const std::string dir = MakeTempDir("bad_inputs");
   ASSERT_TRUE(testing::WriteSequences(family, dir, 0, 2, 16, DType::kFP32).ok());
   FitOptions options = Options(family, dir, 1);
   const std::string target1 = JoinPath(JoinPath(dir, "target"), testing::SequenceFileName(1));
@@ -825,7 +822,7 @@ TEST(FitInputTest, MismatchedTokensShapesAndMetadataNameTheFile) {
 }
 
 TEST(CalibrationSetTest, PairsFromDirsAndListFile) {
-  const std::string dir = TempDir("pairs");
+  const std::string dir = MakeTempDir("pairs");
   Family family = testing::MakeFamily(UnmatchedFamily());
   ASSERT_TRUE(testing::WriteSequences(family, dir, 0, 3, 4, DType::kBF16).ok());
   absl::StatusOr<std::vector<SequencePair>> pairs =

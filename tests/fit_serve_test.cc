@@ -17,6 +17,7 @@
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
 #include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "server/kvtd_server.h"
@@ -25,14 +26,9 @@
 namespace kvt {
 namespace {
 
-using ::testing::HasSubstr;
+using ::kvt::testing::MakeTempDir;
 
-std::string TempDir(const std::string& name) {
-  const char* root = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(root ? root : "/tmp", "/", name);
-  EXPECT_EQ(std::system(absl::StrCat("rm -rf '", dir, "' && mkdir -p '", dir, "'").c_str()), 0);
-  return dir;
-}
+using ::testing::HasSubstr;
 
 // Source neox theta 1e4; target yarn-scaled theta 1e6 (its attention factor scales cached keys).
 fit::testing::FamilyOptions Family() {
@@ -93,12 +89,12 @@ struct ErrorSums {
 class FitServeTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    data_ = new std::string(TempDir("family"));
+    data_ = new std::string(MakeTempDir("family"));
     family_ = new fit::testing::Family(fit::testing::MakeFamily(Family()));
     ASSERT_TRUE(fit::testing::WriteSequences(*family_, *data_, 0, 30, 96, DType::kFP32,
                                              /*clean=*/true)
                     .ok());
-    configs_ = new std::string(TempDir("configs"));
+    configs_ = new std::string(MakeTempDir("configs"));
     ASSERT_TRUE(WriteStringToFile(JoinPath(*configs_, "src.json"),
                                   fit::testing::HfConfigJson(Family().source))
                     .ok());
@@ -129,7 +125,7 @@ TEST_F(FitServeTest, KvtdTranslatesHeldOutSequencesWithTheExpectedError) {
   options.solve.weight_dtype = DType::kFP32;
   options.solve.show_progress = false;
   options.num_threads = 2;
-  const std::string store = TempDir("store");
+  const std::string store = MakeTempDir("store");
   absl::StatusOr<fit::FitResult> fitted = fit::RunFit(options, JoinPath(store, "fitted"));
   ASSERT_TRUE(fitted.ok()) << fitted.status();
   for (size_t l = 0; l < 4; ++l) {
@@ -200,7 +196,7 @@ CommandResult RunKvt(const std::string& arguments) {
 }
 
 TEST_F(FitServeTest, CommandLineSingleRunShardsAndErrors) {
-  const std::string out = TempDir("cli");
+  const std::string out = MakeTempDir("cli");
   const std::string common = absl::StrCat(
       "fit --source_config=", *configs_, "/src.json --target_config=", *configs_,
       "/dst.json --source_dumps=", *data_, "/source --target_dumps=", *data_,

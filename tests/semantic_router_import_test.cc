@@ -19,6 +19,7 @@
 #include "kernels/rope.h"
 #include "kernels/testing/reference.h"
 #include "mapper_store/format/file_util.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/hf_config.h"
 #include "mapper_store/format/safetensors.h"
 #include "mapper_store/mapper.h"
@@ -27,18 +28,13 @@
 namespace kvt {
 namespace {
 
+using ::kvt::testing::MakeTempDir;
+
 using nlohmann::json;
 using testing::Kind;
 
 std::string Runfile(const std::string& path) {
   return absl::StrCat(std::getenv("TEST_SRCDIR"), "/kvt/", path);
-}
-
-std::string TempDir(const std::string& name) {
-  const char* root = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(root ? root : "/tmp", "/", name);
-  EXPECT_EQ(std::system(absl::StrCat("rm -rf '", dir, "' && mkdir -p '", dir, "'").c_str()), 0);
-  return dir;
 }
 
 struct RunResult {
@@ -96,7 +92,7 @@ TEST_P(SemanticRouterImportTest, ImportedMapperTranslatesLikeTheArtifact) {
   ASSERT_FALSE(python.empty()) << "no python3 with numpy and safetensors on PATH (run "
                                   "scripts/bootstrap.sh --python and put .venv/bin first on "
                                   "PATH, as scripts/test.sh does)";
-  const std::string dir = TempDir(c.name);
+  const std::string dir = MakeTempDir(c.name);
   const std::string in = JoinPath(dir, "artifact"), out = JoinPath(dir, "kvt");
   const std::string source_config = JoinPath(dir, "source/config.json");
   const std::string target_config = JoinPath(dir, "target/config.json");
@@ -248,7 +244,7 @@ TEST(SemanticRouterImportCli, RefusesBadInputWithClearErrors) {
   ASSERT_FALSE(python.empty()) << "no python3 with numpy and safetensors on PATH (run "
                                   "scripts/bootstrap.sh --python and put .venv/bin first on "
                                   "PATH, as scripts/test.sh does)";
-  const std::string dir = TempDir("cli_errors");
+  const std::string dir = MakeTempDir("cli_errors");
   const std::string in = JoinPath(dir, "artifact");
   ASSERT_EQ(RunCommand({python, Runfile("tools/write_semantic_router_mapper.py"), "--out", in}).rc,
             0);

@@ -20,6 +20,7 @@
 #include "host_cache/host_cache_testing.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
@@ -33,16 +34,10 @@
 namespace kvt {
 namespace {
 
+using ::kvt::testing::MakeTempDir;
+
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-std::string TempDir(const std::string& name) {
-  const char* root = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(root ? root : "/tmp", "/", name);
-  std::string command = absl::StrCat("rm -rf '", dir, "' && mkdir -p '", dir, "'");
-  EXPECT_EQ(std::system(command.c_str()), 0);
-  return dir;
-}
 
 // A running kvtd over a store directory, plus a client (null, and a test failure, if it does not
 // start).
@@ -56,7 +51,7 @@ std::unique_ptr<InProcessKvtd> Serve(const std::string& store_dir,
 class TranslateServiceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    store_dir_ = new std::string(TempDir("store"));
+    store_dir_ = new std::string(MakeTempDir("store"));
     // Matched shapes, and an unmatched pair (heads, head_dim, RoPE all differ).
     SynthOptions matched;
     matched.source = NeoxModelSpec("test/src", 3, 2, 16, 10000);
@@ -132,7 +127,7 @@ TEST_F(TranslateServiceTest, ServesOnAUnixSocketToo) {
 }
 
 TEST_F(TranslateServiceTest, ListMappersOnAnEmptyStore) {
-  std::unique_ptr<InProcessKvtd> kvtd = Serve(TempDir("empty_store"));
+  std::unique_ptr<InProcessKvtd> kvtd = Serve(MakeTempDir("empty_store"));
   absl::StatusOr<v1::ListMappersResponse> list = kvtd->client().ListMappers();
   ASSERT_TRUE(list.ok()) << list.status();
   EXPECT_EQ(list->mappers_size(), 0);
@@ -628,7 +623,7 @@ TEST_F(TranslateServiceTest, ValidateKvRejectsMalformedStreamsNamingTheField) {
 
 TEST_F(TranslateServiceTest, TrailerCarriesInputShiftAndSpeedupAndMetricsCountEveryOutcome) {
   // A store of its own: a mapper with calibration statistics N(0, 1) for every feature.
-  const std::string store = TempDir("shift-store");
+  const std::string store = MakeTempDir("shift-store");
   SynthOptions options;
   options.source = NeoxModelSpec("shift/src", 2, 2, 16, 10000);
   options.target = NeoxModelSpec("shift/dst", 2, 2, 16, 10000);
