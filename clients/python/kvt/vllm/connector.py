@@ -755,7 +755,7 @@ class KvtConnector(KVConnectorBase_V1):
         returns (offset, size), or None (no region, no room, or no block copies): inline."""
         n = len(spec["token_ids"])
         nbytes = self._cache_bytes(n)
-        if self._publish_ring is None or None in self._block_views:
+        if self._publish_ring is None or self._publish_region is None:
             return None
         region = self._publish_region.ready(nbytes)  # registered by the publish thread
         if region is None:
@@ -770,7 +770,11 @@ class KvtConnector(KVConnectorBase_V1):
                                    offset=offset).reshape(len(self._layers), 2, n,
                                                           self.num_kv_heads, self.head_dim)
             for layer, (name, views) in enumerate(zip(self._layers, self._block_views)):
-                rows = gather_rows(views, self._paged[name], spec["block_ids"], 0, n)
+                rows = (gather_rows(views, self._paged[name], spec["block_ids"], 0, n)
+                        if views is not None else None)
+                if rows is None:  # no block copies for this layer: an inline publish
+                    self._publish_ring.free(offset)
+                    return None
                 packed[layer, 0], packed[layer, 1] = rows
         except BaseException:
             self._publish_ring.free(offset)
@@ -785,13 +789,14 @@ class KvtConnector(KVConnectorBase_V1):
             rows = (gather_rows(views, self._paged[name], spec["block_ids"], 0, n)
                     if views is not None else None)
             if rows is not None:
-                layers.append(tuple(_bits_to_float(r) if self.engine_dtype == "bf16" else r
-                                    for r in rows))
+                k, v = rows
+                layers.append((_bits_to_float(k), _bits_to_float(v))
+                              if self.engine_dtype == "bf16" else (k, v))
                 continue
-            k, v = gather_tokens(self._kv_caches[name], self._paged[name], spec["block_ids"],
-                                 0, n)
-            layers.append((k.float().numpy() if self.engine_dtype == "bf16" else k.numpy(),
-                           v.float().numpy() if self.engine_dtype == "bf16" else v.numpy()))
+            tk, tv = gather_tokens(self._kv_caches[name], self._paged[name], spec["block_ids"],
+                                   0, n)
+            layers.append((tk.float().numpy() if self.engine_dtype == "bf16" else tk.numpy(),
+                           tv.float().numpy() if self.engine_dtype == "bf16" else tv.numpy()))
         return layers
 
     def _publish_loop(self) -> None:
@@ -815,6 +820,7 @@ class KvtConnector(KVConnectorBase_V1):
         if "slot" in item:
             from kvt.errors import KvtError
             offset, nbytes = item["slot"]
+            assert self._publish_region is not None and self._publish_ring is not None
             region = self._publish_region.memory
             try:
                 try:
@@ -915,8 +921,9 @@ class _Load:
         spec, c = self.spec, self.c
         matched = spec["matched_tokens"]
         nbytes = c._cache_bytes(matched)
-        region = c._load_region.acquire(nbytes) if c._load_region is not None else None
-        if region is None:
+        holder = c._load_region
+        region = holder.acquire(nbytes) if holder is not None else None
+        if holder is None or region is None:
             return self._translate_inline()
         failed = True
         try:
@@ -924,7 +931,7 @@ class _Load:
             failed = False
             return result
         finally:
-            c._load_region.release(failed)
+            holder.release(failed)
 
     def _targets(self) -> Tuple[List[torch.Tensor], Optional[List[np.ndarray]], torch.Tensor,
                                 torch.Tensor, np.ndarray, np.ndarray]:
@@ -980,9 +987,9 @@ class _Load:
                        f"{layers}x{heads}x{dim}")
         elif header.output_layout != common_pb2.LAYOUT_NHD:
             problem = "kvtd answered a layout other than NHD"
-        elif dtype not in _WIRE_NUMPY:
+        elif dtype is None or dtype not in _WIRE_NUMPY:
             problem = f"kvtd answered output dtype {header.output_dtype}"
-        if problem:
+        if problem or dtype is None:
             call.cancel()
             raise RuntimeError(problem)
         return dtype

@@ -79,8 +79,9 @@ def _affine(offsets: torch.Tensor) -> Optional[Tuple[int, Tuple[int, int, int]]]
     base + t * a + h * b + d * c, else None."""
     t, h, d = offsets.shape
     base = int(offsets[0, 0, 0])
-    strides = tuple(int(offsets[tuple(1 if i == axis else 0 for i in range(3))]) - base
-                    if n > 1 else 0 for axis, n in enumerate((t, h, d)))
+    def step(axis: int, n: int) -> int:
+        return int(offsets[tuple(1 if i == axis else 0 for i in range(3))]) - base if n > 1 else 0
+    strides = (step(0, t), step(1, h), step(2, d))
     grid = (base + torch.arange(t).view(t, 1, 1) * strides[0] +
             torch.arange(h).view(1, h, 1) * strides[1] + torch.arange(d).view(1, 1, d) * strides[2])
     return (base, strides) if torch.equal(grid, offsets) else None
@@ -124,14 +125,17 @@ class PagedLayout:
         """(K, V) numpy views [num_blocks, block_size, heads, dim] sharing the memory of one
         layer's flat cache `flat` (its numpy view, any element type), or None when the kernel's
         order within a block is not affine (then use `index`)."""
-        if None in self._affine_kv or flat.size != self.num_blocks * self.block_elems * (
-                2 if self.kind == "nhd_blocks" else 1):
+        affine_k, affine_v = self._affine_kv
+        if affine_k is None or affine_v is None or flat.size != (
+                self.num_blocks * self.block_elems * (2 if self.kind == "nhd_blocks" else 1)):
             return None
         item = flat.itemsize
-        return tuple(np.lib.stride_tricks.as_strided(
-            flat[base:], shape=(self.num_blocks, self.block_size, self.heads, self.dim),
-            strides=tuple(n * item for n in (self.block_elems,) + strides))
-            for base, strides in self._affine_kv)
+
+        def view(base: int, strides: Tuple[int, int, int]) -> np.ndarray:
+            return np.lib.stride_tricks.as_strided(
+                flat[base:], shape=(self.num_blocks, self.block_size, self.heads, self.dim),
+                strides=tuple(n * item for n in (self.block_elems,) + strides))
+        return view(*affine_k), view(*affine_v)
 
     def whole_blocks(self, block_ids: Sequence[int], start: int, end: int) -> Optional[np.ndarray]:
         """The block ids covering tokens [start, end) when both ends are block boundaries (or
@@ -185,7 +189,8 @@ def gather_rows(views: Tuple[np.ndarray, np.ndarray], layout: PagedLayout,
     if blocks is None:
         return None
     n = end - start
-    return tuple(view[blocks].reshape(-1, layout.heads, layout.dim)[:n] for view in views)
+    k, v = (view[blocks].reshape(-1, layout.heads, layout.dim)[:n] for view in views)
+    return k, v
 
 
 def scatter_rows(view: np.ndarray, layout: PagedLayout, block_ids: Sequence[int], start: int,
