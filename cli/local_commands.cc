@@ -84,22 +84,13 @@ int RunSynth(const std::vector<std::string>& args) {
   options.seed = absl::GetFlag(FLAGS_seed);
   const std::string kind = absl::GetFlag(FLAGS_kind);
   if (kind == "mlp") {
-    MlpConfig mlp;
-    mlp.hidden = absl::GetFlag(FLAGS_mlp_hidden);
-    const std::string granularity = absl::GetFlag(FLAGS_mlp_granularity);
-    if (std::optional<MlpGranularity> parsed = ParseMlpGranularity(granularity)) {
-      mlp.granularity = *parsed;
-    } else {
-      std::fprintf(stderr, "kvt synth: --mlp_granularity='%s' must be per_layer or per_head\n",
-                   granularity.c_str());
+    absl::StatusOr<MlpConfig> mlp =
+        MakeMlpConfig(absl::GetFlag(FLAGS_mlp_hidden), absl::GetFlag(FLAGS_mlp_granularity));
+    if (!mlp.ok()) {
+      std::fprintf(stderr, "kvt synth: %s\n", std::string(mlp.status().message()).c_str());
       return 1;
     }
-    if (mlp.hidden < 1) {
-      std::fprintf(stderr, "kvt synth: --mlp_hidden=%lld must be >= 1\n",
-                   static_cast<long long>(mlp.hidden));
-      return 1;
-    }
-    options.mlp = mlp;
+    options.mlp = *mlp;
   } else if (kind != "ridge") {
     std::fprintf(stderr, "kvt synth: --kind='%s' must be ridge or mlp\n", kind.c_str());
     return 1;

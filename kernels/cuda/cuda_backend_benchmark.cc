@@ -356,20 +356,13 @@ int Main() {
   std::vector<uint16_t> pattern(size_t{1} << 24);  // 32 MiB of N(0, 1) bf16
   for (uint16_t& x : pattern) x = FloatToBF16(normal(rng));
 
-  MlpConfig mlp;
-  mlp.hidden = absl::GetFlag(FLAGS_mlp_hidden);
-  const std::string granularity = absl::GetFlag(FLAGS_mlp_granularity);
-  if (std::optional<MlpGranularity> parsed = ParseMlpGranularity(granularity)) {
-    mlp.granularity = *parsed;
-  } else {
-    std::fprintf(stderr, "--mlp_granularity: '%s' is not per_layer or per_head\n",
-                 granularity.c_str());
+  absl::StatusOr<MlpConfig> mlp_config =
+      MakeMlpConfig(absl::GetFlag(FLAGS_mlp_hidden), absl::GetFlag(FLAGS_mlp_granularity));
+  if (!mlp_config.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(mlp_config.status().message()).c_str());
     return 1;
   }
-  if (mlp.hidden < 1) {
-    std::fprintf(stderr, "--mlp_hidden: %lld must be >= 1\n", static_cast<long long>(mlp.hidden));
-    return 1;
-  }
+  const MlpConfig mlp = *mlp_config;
   std::vector<std::string> mlp_presets;
   for (absl::string_view preset :
        absl::StrSplit(absl::GetFlag(FLAGS_mlp_presets), ',', absl::SkipEmpty())) {

@@ -601,6 +601,21 @@ const char* MlpGranularityName(MlpGranularity granularity) {
   return granularity == MlpGranularity::kPerLayer ? "per_layer" : "per_head";
 }
 
+absl::StatusOr<MlpConfig> MakeMlpConfig(int64_t hidden, absl::string_view granularity) {
+  MlpConfig config;
+  if (std::optional<MlpGranularity> parsed = ParseMlpGranularity(granularity)) {
+    config.granularity = *parsed;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mlp_granularity='", granularity, "' must be per_layer or per_head"));
+  }
+  if (hidden < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--mlp_hidden=", hidden, " must be >= 1"));
+  }
+  config.hidden = hidden;
+  return config;
+}
+
 std::optional<MlpGranularity> ParseMlpGranularity(absl::string_view name) {
   for (MlpGranularity granularity : {MlpGranularity::kPerLayer, MlpGranularity::kPerHead}) {
     if (name == MlpGranularityName(granularity)) return granularity;

@@ -38,6 +38,9 @@ struct MlpConfig {
   int64_t hidden = 1024;  // H, the width of both hidden layers
   MlpGranularity granularity = MlpGranularity::kPerLayer;
 };
+// An MlpConfig from command-line values: INVALID_ARGUMENT naming the flag (--mlp_hidden,
+// --mlp_granularity) when hidden < 1 or the granularity is not per_layer / per_head.
+absl::StatusOr<MlpConfig> MakeMlpConfig(int64_t hidden, absl::string_view granularity);
 
 // Where the ridge penalty lambda was added (SPEC 4.1).
 enum class LambdaScale {

@@ -97,6 +97,17 @@ TEST(ManifestTest, MlpGranularityNamesRoundTrip) {
   EXPECT_EQ(ParseMlpGranularity(""), std::nullopt);
 }
 
+TEST(ManifestTest, MakeMlpConfigNamesTheBadFlag) {
+  absl::StatusOr<MlpConfig> config = MakeMlpConfig(64, "per_head");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->hidden, 64);
+  EXPECT_EQ(config->granularity, MlpGranularity::kPerHead);
+  KVT_EXPECT_ERROR(MakeMlpConfig(0, "per_layer"), absl::StatusCode::kInvalidArgument,
+                   "--mlp_hidden=0 must be >= 1");
+  KVT_EXPECT_ERROR(MakeMlpConfig(8, "per_token"), absl::StatusCode::kInvalidArgument,
+                   "--mlp_granularity='per_token' must be per_layer or per_head");
+}
+
 TEST(ManifestTest, EmitThenParseIsIdentity) {
   absl::StatusOr<Manifest> m = ParseManifest(Join(ExampleLines()));
   ASSERT_TRUE(m.ok()) << m.status();
