@@ -220,6 +220,21 @@ int RowBlocks(int64_t rows) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{1} << 30)));
 }
 
+// Calls launch(T{}) with T the element type that `type` names (kBF16, kFP16, kFP32): the one
+// place the launchers map an ElementType to a C++ type.
+template <typename Launch>
+cudaError_t ByElementType(int type, Launch&& launch) {
+  switch (type) {
+    case kBF16:
+      return launch(__nv_bfloat16{});
+    case kFP16:
+      return launch(__half{});
+    case kFP32:
+      return launch(float{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 // X is the cache's dtype or fp32 (cuda_plan.h GemmDType): only those pairs are built.
 template <typename In>
 cudaError_t LaunchGatherFrom(const GatherParams& p, int64_t rows, cudaStream_t stream) {
@@ -237,49 +252,27 @@ cudaError_t LaunchGather(const GatherParams& p, cudaStream_t stream) {
   if (p.x_type != kFP32 && p.x_type != p.source_type) return cudaErrorInvalidValue;
   const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
   if (rows == 0 || p.max_blocks == 0 || p.heads == 0 || p.head_dim == 0) return cudaSuccess;
-  switch (p.source_type) {
-    case kBF16:
-      return LaunchGatherFrom<__nv_bfloat16>(p, rows, stream);
-    case kFP16:
-      return LaunchGatherFrom<__half>(p, rows, stream);
-    case kFP32:
-      return LaunchGatherFrom<float>(p, rows, stream);
-  }
-  return cudaErrorInvalidValue;
+  return ByElementType(p.source_type, [&](auto in) {
+    return LaunchGatherFrom<decltype(in)>(p, rows, stream);
+  });
 }
 
 cudaError_t LaunchEpilogue(const EpilogueParams& p, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
   if (rows == 0 || p.heads == 0 || p.head_dim == 0) return cudaSuccess;
-  switch (p.target_type) {
-    case kBF16:
-      EpilogueKernel<__nv_bfloat16><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    case kFP16:
-      EpilogueKernel<__half><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    case kFP32:
-      EpilogueKernel<float><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-  }
-  return cudaErrorInvalidValue;
+  return ByElementType(p.target_type, [&](auto out) {
+    EpilogueKernel<decltype(out)><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchBiasRelu(const BiasReluParams& p, cudaStream_t stream) {
   const int64_t rows = p.rows * p.chunk_tokens;
   if (rows == 0 || p.heads == 0 || p.hidden == 0) return cudaSuccess;
-  switch (p.out_type) {
-    case kBF16:
-      BiasReluKernel<__nv_bfloat16><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    case kFP16:
-      BiasReluKernel<__half><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    case kFP32:
-      BiasReluKernel<float><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-  }
-  return cudaErrorInvalidValue;
+  return ByElementType(p.out_type, [&](auto out) {
+    BiasReluKernel<decltype(out)><<<RowBlocks(rows), kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchToFloat(const void* src, int src_type, float* dst, int64_t count,
