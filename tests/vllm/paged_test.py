@@ -85,6 +85,13 @@ class PagedTest(unittest.TestCase):
                     for got, want in ((gk, k[lo:hi]), (gv, v[lo:hi])):
                         want = (want.view(torch.int16) if dtype == torch.bfloat16 else want)
                         np.testing.assert_array_equal(got, want.numpy())
+                # Straight into caller's arrays (the publish region): the same rows.
+                out = tuple(np.zeros((150, heads, dim), dtype=views[0].dtype) for _ in range(2))
+                got = gather_rows(views, layout, blocks, 0, 150, out=out)
+                self.assertIs(got[0], out[0])
+                for array, want in ((out[0], k), (out[1], v)):
+                    want = (want.view(torch.int16) if dtype == torch.bfloat16 else want)
+                    np.testing.assert_array_equal(array, want.numpy())
                 self.assertIsNone(gather_rows(views, layout, blocks, 1, 150))  # not a boundary
 
     def test_block_scatter_writes_like_the_kernel(self):

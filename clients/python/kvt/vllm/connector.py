@@ -765,21 +765,26 @@ class KvtConnector(KVConnectorBase_V1):
             self._count("publish_region_full")
             return None
         try:
-            packed = np.frombuffer(region.buf, dtype=_WIRE_NUMPY[self.engine_dtype],
-                                   count=nbytes // _ELEMENT_BYTES[self.engine_dtype],
-                                   offset=offset).reshape(len(self._layers), 2, n,
-                                                          self.num_kv_heads, self.head_dim)
+            packed = self._packed(region, offset, n)
             for layer, (name, views) in enumerate(zip(self._layers, self._block_views)):
-                rows = (gather_rows(views, self._paged[name], spec["block_ids"], 0, n)
+                rows = (gather_rows(views, self._paged[name], spec["block_ids"], 0, n,
+                                    out=(packed[layer, 0], packed[layer, 1]))
                         if views is not None else None)
                 if rows is None:  # no block copies for this layer: an inline publish
                     self._publish_ring.free(offset)
                     return None
-                packed[layer, 0], packed[layer, 1] = rows
         except BaseException:
             self._publish_ring.free(offset)
             raise
         return offset, nbytes
+
+    def _packed(self, region: Any, offset: int, tokens: int) -> np.ndarray:
+        """The publish at `offset` of the publish region as [layers, 2, tokens, heads, dim] of
+        the engine's wire dtype (a view, no copy)."""
+        count = len(self._layers) * 2 * tokens * self.num_kv_heads * self.head_dim
+        return np.frombuffer(region.buf, dtype=_WIRE_NUMPY[self.engine_dtype], count=count,
+                             offset=offset).reshape(len(self._layers), 2, tokens,
+                                                    self.num_kv_heads, self.head_dim)
 
     def _copy_to_arrays(self, spec: Dict[str, Any]) -> List[Tuple[np.ndarray, np.ndarray]]:
         """The publish's tokens as float numpy arrays per layer (K, V), for an inline publish."""
@@ -836,12 +841,7 @@ class KvtConnector(KVConnectorBase_V1):
                     # kvtd lost or refuses the region (restarted, client regions off): the same
                     # bytes inline, and register again before the next publish.
                     self._publish_region.mark_failed()
-                    packed = np.frombuffer(region.buf,
-                                           dtype=_WIRE_NUMPY[self.engine_dtype],
-                                           count=nbytes // _ELEMENT_BYTES[self.engine_dtype],
-                                           offset=offset).reshape(
-                        len(self._layers), 2, len(item["token_ids"]), self.num_kv_heads,
-                        self.head_dim)
+                    packed = self._packed(region, offset, len(item["token_ids"]))
                     floats = _bits_to_float if self.engine_dtype == "bf16" else np.asarray
                     prefix.publish(self.model_name, item["token_ids"],
                                    [(floats(k), floats(v)) for k, v in packed],

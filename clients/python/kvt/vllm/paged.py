@@ -181,16 +181,29 @@ def scatter_tokens(kv_cache: torch.Tensor, layout: PagedLayout, block_ids: Seque
 
 
 def gather_rows(views: Tuple[np.ndarray, np.ndarray], layout: PagedLayout,
-                block_ids: Sequence[int], start: int, end: int
+                block_ids: Sequence[int], start: int, end: int,
+                out: Optional[Tuple[np.ndarray, np.ndarray]] = None
                 ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-    """Copies (K, V), each [end - start, heads, dim], of tokens [start, end) through a layer's
-    block views, or None when start is not a block boundary."""
+    """(K, V), each [end - start, heads, dim], of tokens [start, end) through a layer's block
+    views, or None when start is not a block boundary. `out`: contiguous arrays of that shape
+    and the views' dtype to write into (e.g. a shared-memory region), with no copy between."""
     blocks = layout.whole_blocks(block_ids, start, end)
     if blocks is None:
         return None
-    n = end - start
-    k, v = (view[blocks].reshape(-1, layout.heads, layout.dim)[:n] for view in views)
-    return k, v
+    n, bs, heads, dim = end - start, layout.block_size, layout.heads, layout.dim
+    full = n // bs
+    rows = []
+    for i, view in enumerate(views):
+        dst = out[i] if out is not None else np.empty((n, heads, dim), dtype=view.dtype)
+        if full:
+            # mode="clip": numpy writes straight into `out` ("raise" buffers it first); the
+            # block ids are the request's own, in range.
+            np.take(view, blocks[:full], axis=0, mode="clip",
+                    out=dst[:full * bs].reshape(full, bs, heads, dim))
+        if n > full * bs:
+            dst[full * bs:] = view[blocks[full], :n - full * bs]
+        rows.append(dst)
+    return rows[0], rows[1]
 
 
 def scatter_rows(view: np.ndarray, layout: PagedLayout, block_ids: Sequence[int], start: int,
