@@ -1,5 +1,7 @@
 #include "kernels/types.h"
 
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -52,6 +54,131 @@ absl::StatusOr<Layout> ParseLayout(absl::string_view name) {
   if (upper == "NHD") return Layout::kNHD;
   return absl::InvalidArgumentError(
       absl::StrCat("unsupported layout '", name, "' (expected HND or NHD)"));
+}
+
+BlockStrides PagedLayout::Strides(int kind) const {
+  if (engine_order) return engine_order->kv[kind];
+  BlockStrides s;
+  s.offset = kind * num_blocks * BlockStride();  // V blocks follow all K blocks
+  s.dim_stride = 1;
+  if (block_layout == Layout::kNHD) {
+    s.slot_stride = num_kv_heads * head_dim;
+    s.head_stride = head_dim;
+  } else {
+    s.head_stride = block_size * head_dim;
+    s.slot_stride = head_dim;
+  }
+  return s;
+}
+
+namespace {
+
+// Largest element offset of `kind` inside a block (strides checked non-negative).
+int64_t LastElement(const PagedLayout& p, int kind) {
+  const BlockStrides s = p.Strides(kind);
+  return s.offset + (p.block_size - 1) * s.slot_stride + (p.num_kv_heads - 1) * s.head_stride +
+         (p.head_dim - 1) * s.dim_stride;
+}
+
+// Bytes of one layer's tensor in an engine order: up to the last element of the last block.
+int64_t EngineLayerExtent(const PagedLayout& p) {
+  const int64_t last = std::max(LastElement(p, 0), LastElement(p, 1));
+  return ((p.num_blocks - 1) * p.BlockStride() + last + 1) * p.element_size;
+}
+
+}  // namespace
+
+int64_t PagedLayout::RequiredBytes(int num_layers) const {
+  if (!engine_order) return num_layers * layer_bytes();
+  int64_t end = 0;
+  for (int l = 0; l < num_layers; ++l) end = std::max(end, LayerOffset(l) + EngineLayerExtent(*this));
+  return end;
+}
+
+absl::Status CheckEngineBlockOrder(const PagedLayout& paged, int num_layers, int64_t range_bytes,
+                                   const std::string& field) {
+  const EngineBlockOrder& order = *paged.engine_order;
+  if (static_cast<int64_t>(order.layer_offsets.size()) != num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".layer_offsets has ",
+                                                   order.layer_offsets.size(), " entries; the model has ",
+                                                   num_layers, " layers"));
+  }
+  // Every value is bounded first, so that no offset computed below can overflow.
+  constexpr int64_t kMaxElements = int64_t{1} << 40;
+  const int64_t block_elements = 2 * paged.block_size * paged.num_kv_heads * paged.head_dim;
+  if (paged.block_size <= 0 || paged.num_blocks <= 0 || paged.block_size > (1 << 16) ||
+      paged.num_blocks > kMaxElements || block_elements > (int64_t{1} << 22)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": num_blocks=", paged.num_blocks, " x block_size=", paged.block_size,
+        " is outside what an engine order supports (block_size <= 65536, ",
+        "2 * block_size * heads * head_dim <= 4194304 elements)"));
+  }
+  const std::pair<const char*, int64_t> values[] = {
+      {"block_stride", order.block_stride},
+      {"k.offset", order.kv[0].offset},       {"k.slot_stride", order.kv[0].slot_stride},
+      {"k.head_stride", order.kv[0].head_stride}, {"k.dim_stride", order.kv[0].dim_stride},
+      {"v.offset", order.kv[1].offset},       {"v.slot_stride", order.kv[1].slot_stride},
+      {"v.head_stride", order.kv[1].head_stride}, {"v.dim_stride", order.kv[1].dim_stride}};
+  for (const auto& [name, value] : values) {
+    if (value < 0 || value > kMaxElements) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".", name, "=", value, " is outside [0, 2^40] elements"));
+    }
+  }
+  if (int64_t{1} << 56 <= static_cast<__int128>(paged.num_blocks) * order.block_stride) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".block_stride=", order.block_stride,
+                                                   " overflows over ", paged.num_blocks, " blocks"));
+  }
+  // No two elements of one block on the same bytes: mark each in a bitmap of the block's span.
+  const int64_t first = std::min(paged.Strides(0).offset, paged.Strides(1).offset);
+  const int64_t last = std::max(LastElement(paged, 0), LastElement(paged, 1));
+  if (last - first >= (int64_t{1} << 26)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": one block spans ", last - first + 1,
+        " elements; an engine order's block must span at most 2^26"));
+  }
+  std::vector<bool> used(static_cast<size_t>(last - first + 1), false);
+  for (int kind = 0; kind < 2; ++kind) {
+    for (int64_t slot = 0; slot < paged.block_size; ++slot) {
+      for (int64_t head = 0; head < paged.num_kv_heads; ++head) {
+        for (int64_t dim = 0; dim < paged.head_dim; ++dim) {
+          const int64_t at = paged.ElementOffset(kind, 0, slot, head, dim) / paged.element_size;
+          if (used[static_cast<size_t>(at - first)]) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                field, ": ", kind == 0 ? "k" : "v", " element (slot ", slot, ", head ", head,
+                ", dim ", dim, ") lands on another element of the block"));
+          }
+          used[static_cast<size_t>(at - first)] = true;
+        }
+      }
+    }
+  }
+  if (paged.num_blocks > 1 && order.block_stride < last - first + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".block_stride=", order.block_stride,
+                                                   " is shorter than one block's span of ",
+                                                   last - first + 1, " elements"));
+  }
+  // Layers on disjoint byte ranges, all inside the range.
+  const int64_t extent = EngineLayerExtent(paged);
+  std::vector<std::pair<int64_t, int>> starts;
+  for (int l = 0; l < num_layers; ++l) {
+    const int64_t at = order.layer_offsets[static_cast<size_t>(l)];
+    if (at < 0 || at > range_bytes || extent > range_bytes - at) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".layer_offsets[", l, "]=", at, ": the layer's ", extent,
+          " bytes end past the region range of ", range_bytes, " bytes"));
+    }
+    starts.emplace_back(at, l);
+  }
+  std::sort(starts.begin(), starts.end());
+  for (size_t i = 1; i < starts.size(); ++i) {
+    if (starts[i].first < starts[i - 1].first + extent) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".layer_offsets[", starts[i].second, "]=", starts[i].first, " overlaps layer ",
+          starts[i - 1].second, " (", extent, " bytes from ", starts[i - 1].first, ")"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckBlockTable(const PagedLayout& paged, const uint32_t* table, int64_t table_size,

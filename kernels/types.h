@@ -4,7 +4,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -38,10 +40,32 @@ inline int64_t CacheOffset(Layout layout, int64_t num_heads, int64_t num_tokens,
                                 : (token * num_heads + head) * head_dim + dim;
 }
 
-// vLLM's paged KV cache: per layer one (2, num_blocks, block_size, num_kv_heads, head_dim)
-// tensor, K blocks then V blocks; a request's token t sits in block block_table[t / block_size]
-// at slot t % block_size. `block_layout` orders one block: NHD -> [block_size, heads, head_dim]
-// (vLLM / FlashAttention), HND -> [heads, block_size, head_dim] (FlashInfer's HND).
+// Where element (slot, head, dim) of K or of V lies inside one block of a paged layer, in
+// elements from the block's start: offset + slot * slot_stride + head * head_stride +
+// dim * dim_stride.
+struct BlockStrides {
+  int64_t offset = 0;
+  int64_t slot_stride = 0;
+  int64_t head_stride = 0;
+  int64_t dim_stride = 1;
+};
+
+// An engine-specific paged order (vLLM's CPU attention kernels pack K transposed, [head_dim,
+// block_size] per head, then V): each layer's byte offset inside the range, the element stride
+// from one block to the next, and each kind's order inside a block.
+struct EngineBlockOrder {
+  std::vector<int64_t> layer_offsets;  // bytes, one per layer
+  int64_t block_stride = 0;            // elements
+  BlockStrides kv[2];                  // K, V
+};
+
+// vLLM's paged KV cache. The standard order (engine_order empty): per layer one (2, num_blocks,
+// block_size, num_kv_heads, head_dim) tensor, K blocks then V blocks, layers back to back;
+// `block_layout` orders one block: NHD -> [block_size, heads, head_dim] (vLLM /
+// FlashAttention), HND -> [heads, block_size, head_dim] (FlashInfer's HND). With
+// `engine_order` set, that order instead (block_layout unused). Either way a request's token t
+// sits in block block_table[t / block_size] at slot t % block_size. All offset math of paged
+// caches lives here.
 struct PagedLayout {
   Layout block_layout = Layout::kNHD;
   int64_t num_blocks = 0;
@@ -49,20 +73,41 @@ struct PagedLayout {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   int64_t element_size = 0;
+  std::optional<EngineBlockOrder> engine_order;
 
   int64_t block_bytes() const { return block_size * num_kv_heads * head_dim * element_size; }
-  // One layer's tensor, K and V.
+  // One layer's tensor, K and V, in the standard order.
   int64_t layer_bytes() const { return 2 * num_blocks * block_bytes(); }
-  // Byte offset inside one layer's tensor of head `head`'s vector (head_dim elements,
-  // contiguous) at `slot` of block `block`, kind 0 = K / 1 = V.
-  int64_t HeadOffset(int kind, int64_t block, int64_t slot, int64_t head) const {
-    return (kind * num_blocks + block) * block_bytes() +
-           CacheOffset(block_layout, num_kv_heads, block_size, head_dim, head, slot, 0) *
-               element_size;
+  // Byte offset of layer `layer`'s tensor inside the range.
+  int64_t LayerOffset(int layer) const {
+    return engine_order ? engine_order->layer_offsets[static_cast<size_t>(layer)]
+                        : layer * layer_bytes();
+  }
+  // Elements from one block of a layer to the next, and each kind's order inside a block.
+  int64_t BlockStride() const {
+    return engine_order ? engine_order->block_stride : block_size * num_kv_heads * head_dim;
+  }
+  BlockStrides Strides(int kind) const;
+  // Byte offset inside one layer's tensor of element (slot, head, dim) of block `block`,
+  // kind 0 = K / 1 = V.
+  int64_t ElementOffset(int kind, int64_t block, int64_t slot, int64_t head, int64_t dim) const {
+    const BlockStrides s = Strides(kind);
+    return (block * BlockStride() + s.offset + slot * s.slot_stride + head * s.head_stride +
+            dim * s.dim_stride) *
+           element_size;
   }
   // Blocks a request of `num_tokens` tokens occupies.
   int64_t BlocksFor(int64_t num_tokens) const { return (num_tokens + block_size - 1) / block_size; }
+  // Bytes a range must hold for `num_layers` layers: exactly this many in the standard order,
+  // at least this many in an engine order.
+  int64_t RequiredBytes(int num_layers) const;
 };
+
+// An engine order against its layout: one offset per layer, every element of every block
+// inside `range_bytes`, and no two elements of a block (K and V) nor two blocks on the same
+// bytes, so that writes never land on each other. INVALID_ARGUMENT naming `field`.
+absl::Status CheckEngineBlockOrder(const PagedLayout& paged, int num_layers, int64_t range_bytes,
+                                   const std::string& field);
 
 // A request's block table against `paged`: block_size and num_blocks > 0, at least
 // BlocksFor(num_tokens) entries, each used one < num_blocks and (when `distinct`, as an output

@@ -175,20 +175,15 @@ absl::Status PrefixCacheService::PublishImpl(grpc::ServerReader<v1::PublishReque
           "(shared_memory.allow_client_regions); send KV inline");
     }
     const v1::RegionRef& ref = header.input().region();
-    int64_t expected = 2 * spec->num_layers * geometry.layer_bytes();
     PagedLayout pages;
     if (ref.has_paged()) {
-      pages = PagedLayout{*layout, ref.paged().num_blocks(), ref.paged().block_size(),
-                          geometry.num_heads, geometry.head_dim, geometry.element_size};
-      if (absl::Status table = CheckBlockTable(pages, ref.paged().block_table().data(),
-                                               ref.paged().block_table_size(), num_tokens,
-                                               /*output=*/false, "header.input.region.paged");
-          !table.ok()) {
-        return table;
-      }
-      expected = spec->num_layers * pages.layer_bytes();
-    }
-    if (ref.byte_size() != static_cast<uint64_t>(expected)) {
+      absl::StatusOr<PagedLayout> paged = PagedLayoutFromProto(
+          ref, *layout, spec->num_layers, geometry.num_heads, geometry.head_dim,
+          geometry.element_size, num_tokens, /*output=*/false, "header.input.region");
+      if (!paged.ok()) return paged.status();
+      pages = *std::move(paged);
+    } else if (const int64_t expected = 2 * spec->num_layers * geometry.layer_bytes();
+               ref.byte_size() != static_cast<uint64_t>(expected)) {
       return absl::InvalidArgumentError(absl::StrCat("header.input.region.byte_size=",
                                                      ref.byte_size(), " but the cache is ",
                                                      expected, " bytes"));
@@ -204,7 +199,7 @@ absl::Status PrefixCacheService::PublishImpl(grpc::ServerReader<v1::PublishReque
           char* dst = static_cast<char*>(kind == 0 ? (*pending)->k(l) : (*pending)->v(l));
           if (ref.has_paged()) {
             GatherPaged(pages, ref.paged().block_table().data(), kind,
-                        region->data() + l * pages.layer_bytes(), entry_layer, dst);
+                        region->data() + pages.LayerOffset(l), entry_layer, dst);
           } else {
             const char* src = region->data() + (2 * l + kind) * geometry.layer_bytes();
             CopyTokensToNhd(*layout, src, num_tokens, 0, stored, geometry.num_heads, head_bytes,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <set>
 #include <string>
@@ -286,7 +287,7 @@ TEST_F(ShmTransportTest, PagedRegionsEqualInlineTranslation) {
       for (int64_t t = 0; t < kTokens; ++t) {
         for (int h = 0; h < 2; ++h) {
           std::memcpy(in_object.data() + l * in_pages.layer_bytes() +
-                          in_pages.HeadOffset(kind, in_table[t / 16], t % 16, h),
+                          in_pages.ElementOffset(kind, in_table[t / 16], t % 16, h, 0),
                       layer.data() + CacheOffset(Layout::kHND, 2, kTokens, 32, h, t, 0) * 2,
                       vector_bytes);
         }
@@ -316,7 +317,7 @@ TEST_F(ShmTransportTest, PagedRegionsEqualInlineTranslation) {
       for (int64_t t = 0; t < kTokens; ++t) {
         for (int h = 0; h < 2; ++h) {
           const int64_t at = l * out_pages.layer_bytes() +
-                             out_pages.HeadOffset(kind, out_table[t / 16], t % 16, h);
+                             out_pages.ElementOffset(kind, out_table[t / 16], t % 16, h, 0);
           ASSERT_EQ(std::memcmp(out_object.data() + at,
                                 layer.data() + CacheOffset(Layout::kNHD, 2, kTokens, 32, h, t, 0) * 2,
                                 vector_bytes),
@@ -355,6 +356,123 @@ TEST_F(ShmTransportTest, PagedRegionsEqualInlineTranslation) {
   v1::TranslateHeader wrong_bytes = header;
   wrong_bytes.mutable_input()->mutable_region()->mutable_paged()->set_num_blocks(13);
   expect_error(wrong_bytes, "header.input.region.byte_size=");
+  EXPECT_TRUE(client->UnregisterSystemMemory("").ok());
+}
+
+// An engine's own block order (vLLM's CPU attention kernels, "vec" ISA: per block and head K
+// transposed, [head_dim, block_size], then V, [block_size, head_dim]), layers apart with gaps, as
+// the vLLM connector writes a translated prefix straight into the engine's cache; first_token
+// leaves the request's first two blocks (the engine's own prefix hits) untouched.
+TEST_F(ShmTransportTest, EngineOrderPagedOutputEqualsInlineTranslation) {
+  auto kvtd = StartKvtd(true);
+  const int port = kvtd->WaitForPort();
+  ASSERT_GT(port, 0);
+  std::unique_ptr<Client> client = Client::Create(absl::StrCat("127.0.0.1:", port));
+  const HostCache source = Source();
+  v1::TranslateHeader inline_header;
+  inline_header.set_mapper_id("demo-tiny");
+  inline_header.set_position_offset(33);
+  inline_header.set_output_layout(v1::LAYOUT_NHD);
+  absl::StatusOr<TranslateResult> inline_result = client->Translate(inline_header, source);
+  ASSERT_TRUE(inline_result.ok()) << inline_result.status();
+  const HostCache& expected = inline_result->target;
+
+  constexpr int64_t kBlocks = 10, kBlockSize = 16, kHeads = 2, kDim = 32, kFirst = 32;
+  const int64_t block_elements = kHeads * 2 * kBlockSize * kDim;
+  const int64_t layer_bytes = kBlocks * block_elements * 2 + 96;  // 96 bytes of gap
+  const int64_t out_bytes = 64 + 6 * layer_bytes;
+  const std::vector<uint32_t> out_table = {4, 9, 0, 6, 1, 8, 3};
+  ShmObject in_object(kSourceBytes), out_object(out_bytes);
+  for (int l = 0; l < 4; ++l) {
+    std::memcpy(in_object.data() + (2 * l) * source.layer_bytes(), source.k[l].data(),
+                source.layer_bytes());
+    std::memcpy(in_object.data() + (2 * l + 1) * source.layer_bytes(), source.v[l].data(),
+                source.layer_bytes());
+  }
+  std::memset(out_object.data(), 0x7f, out_bytes);
+  ASSERT_TRUE(client->RegisterSystemMemory("in", in_object.key(), 0, kSourceBytes).ok());
+  ASSERT_TRUE(client->RegisterSystemMemory("engine", out_object.key(), 0, out_bytes).ok());
+  v1::TranslateHeader header = RegionHeader("in", 0, kSourceBytes, "engine");
+  header.set_output_layout(v1::LAYOUT_NHD);
+  header.mutable_output()->mutable_region()->set_byte_size(out_bytes);
+  v1::PagedBlocks* paged = header.mutable_output()->mutable_region()->mutable_paged();
+  paged->set_num_blocks(kBlocks);
+  paged->set_block_size(kBlockSize);
+  paged->set_first_token(kFirst);
+  for (uint32_t b : out_table) paged->add_block_table(b);
+  v1::EngineBlockOrder* order = paged->mutable_engine_order();
+  for (int l = 0; l < 6; ++l) order->add_layer_offsets(64 + l * layer_bytes);
+  order->set_block_stride(block_elements);
+  order->mutable_k()->set_slot_stride(1);
+  order->mutable_k()->set_head_stride(2 * kBlockSize * kDim);
+  order->mutable_k()->set_dim_stride(kBlockSize);
+  order->mutable_v()->set_offset(kBlockSize * kDim);
+  order->mutable_v()->set_slot_stride(kDim);
+  order->mutable_v()->set_head_stride(2 * kBlockSize * kDim);
+  order->mutable_v()->set_dim_stride(1);
+  absl::StatusOr<TranslateResult> result = client->TranslateRegions(header);
+  ASSERT_TRUE(result.ok()) << result.status();
+
+  // The element of (layer, kind, token, head, dim), written out independently of PagedLayout.
+  auto at = [&](int l, int kind, int64_t t, int64_t h, int64_t d) {
+    const int64_t block = out_table[t / kBlockSize], slot = t % kBlockSize;
+    const int64_t inner = kind == 0 ? d * kBlockSize + slot : kBlockSize * kDim + slot * kDim + d;
+    return 64 + l * layer_bytes + (block * block_elements + h * 2 * kBlockSize * kDim + inner) * 2;
+  };
+  std::vector<bool> written(static_cast<size_t>(out_bytes), false);
+  for (int l = 0; l < 6; ++l) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const std::vector<char>& layer = (kind == 0 ? expected.k : expected.v)[l];
+      for (int64_t t = kFirst; t < kTokens; ++t) {
+        for (int64_t h = 0; h < kHeads; ++h) {
+          for (int64_t d = 0; d < kDim; ++d) {
+            const int64_t byte = at(l, kind, t, h, d);
+            ASSERT_EQ(std::memcmp(out_object.data() + byte,
+                                  layer.data() +
+                                      CacheOffset(Layout::kNHD, kHeads, kTokens, kDim, h, t, d) * 2,
+                                  2),
+                      0)
+                << "layer " << l << " kind " << kind << " token " << t << " head " << h;
+            written[byte] = written[byte + 1] = true;
+          }
+        }
+      }
+    }
+  }
+  // Nothing else moved: the first two blocks, the other blocks, the gaps, the tail.
+  int64_t changed = 0;
+  for (int64_t i = 0; i < out_bytes; ++i) changed += !written[i] && out_object.data()[i] != 0x7f;
+  EXPECT_EQ(changed, 0);
+
+  auto expect_error = [&](v1::TranslateHeader bad, const std::string& words) {
+    absl::StatusOr<TranslateResult> refused = client->TranslateRegions(bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << words;
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr(words));
+  };
+  const auto bad_order = [&](const std::function<void(v1::EngineBlockOrder*)>& edit) {
+    v1::TranslateHeader bad = header;
+    edit(bad.mutable_output()->mutable_region()->mutable_paged()->mutable_engine_order());
+    return bad;
+  };
+  expect_error(bad_order([](v1::EngineBlockOrder* o) { o->mutable_v()->set_offset(0); }),
+               "header.output.region.paged.engine_order: v element (slot 0, head 0, dim 0) lands "
+               "on another element of the block");
+  expect_error(bad_order([&](v1::EngineBlockOrder* o) { o->set_layer_offsets(5, out_bytes - 100); }),
+               "header.output.region.paged.engine_order.layer_offsets[5]=");
+  expect_error(bad_order([&](v1::EngineBlockOrder* o) { o->set_layer_offsets(3, 64 + 2 * layer_bytes + 8); }),
+               "overlaps layer 2");
+  expect_error(bad_order([](v1::EngineBlockOrder* o) { o->set_block_stride(100); }),
+               "header.output.region.paged.engine_order.block_stride=100 is shorter than one "
+               "block's span of 2048 elements");
+  expect_error(bad_order([](v1::EngineBlockOrder* o) { o->mutable_k()->set_dim_stride(uint64_t{1} << 50); }),
+               "header.output.region.paged.engine_order.k.dim_stride=");
+  expect_error(bad_order([](v1::EngineBlockOrder* o) { o->clear_layer_offsets(); }),
+               "header.output.region.paged.engine_order.layer_offsets has 0 entries; the model "
+               "has 6 layers");
+  v1::TranslateHeader past_end = header;
+  past_end.mutable_output()->mutable_region()->mutable_paged()->set_first_token(kTokens);
+  expect_error(past_end, "header.output.region.paged.first_token=100 must be below the "
+                         "request's 100 tokens");
   EXPECT_TRUE(client->UnregisterSystemMemory("").ok());
 }
 

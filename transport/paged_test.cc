@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -52,6 +53,57 @@ TEST(PagedTest, ScatterPlacesEveryElementWhereVllmLooksAndGatherInverts) {
       for (float x : tensor) untouched += x == -7.0f;
       EXPECT_EQ(untouched, 2 * (9 * 4 - 10) * 3 * 5);
     }
+  }
+}
+
+// vLLM's CPU attention order ("vec" ISA, fp32): per block and head K transposed, [head_dim,
+// block_size], then V, [block_size, head_dim]. Tokens before first_token stay untouched.
+TEST(PagedTest, EngineOrderScatterAndGather) {
+  std::mt19937 rng(std::random_device{}());
+  constexpr int64_t kBlocks = 6, kBlockSize = 4, kHeads = 3, kDim = 5, kTokens = 10, kFirst = 4;
+  PagedLayout paged{Layout::kNHD, kBlocks, kBlockSize, kHeads, kDim, /*element_size=*/4};
+  EngineBlockOrder order;
+  order.layer_offsets = {0};
+  order.block_stride = kHeads * 2 * kBlockSize * kDim;
+  order.kv[0] = BlockStrides{0, 1, 2 * kBlockSize * kDim, kBlockSize};
+  order.kv[1] = BlockStrides{kBlockSize * kDim, kDim, 2 * kBlockSize * kDim, 1};
+  paged.engine_order = order;
+  const int64_t bytes = kBlocks * order.block_stride * 4;
+  ASSERT_EQ(paged.RequiredBytes(1), bytes);
+  ASSERT_TRUE(CheckEngineBlockOrder(paged, 1, bytes, "f").ok());
+  EXPECT_EQ(std::string(CheckEngineBlockOrder(paged, 1, bytes - 4, "f").message()),
+            "f.layer_offsets[0]=0: the layer's 2880 bytes end past the region range of 2876 bytes");
+  const std::vector<uint32_t> table = {5, 0, 3};
+  const LayerGeometry layer{Layout::kHND, kHeads, kTokens, kDim, 4};
+  std::vector<float> contiguous(kHeads * kTokens * kDim);
+  for (float& x : contiguous) x = std::uniform_real_distribution<float>(-1, 1)(rng);
+  for (int kind = 0; kind < 2; ++kind) {
+    std::vector<float> tensor(static_cast<size_t>(bytes / 4), -7.0f);
+    ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data(), kFirst);
+    int64_t written = 0;
+    for (int64_t t = 0; t < kTokens; ++t) {
+      for (int64_t h = 0; h < kHeads; ++h) {
+        for (int64_t d = 0; d < kDim; ++d) {
+          const int64_t slot = t % kBlockSize;
+          const int64_t inner = kind == 0 ? d * kBlockSize + slot : kBlockSize * kDim + slot * kDim + d;
+          const float got = tensor[table[t / kBlockSize] * order.block_stride +
+                                   h * 2 * kBlockSize * kDim + inner];
+          if (t < kFirst) {
+            ASSERT_EQ(got, -7.0f);
+          } else {
+            ASSERT_EQ(got, contiguous[CacheOffset(Layout::kHND, kHeads, kTokens, kDim, h, t, d)]);
+            ++written;
+          }
+        }
+      }
+    }
+    int64_t untouched = 0;
+    for (float x : tensor) untouched += x == -7.0f;
+    EXPECT_EQ(untouched, bytes / 4 - written);
+    std::vector<float> back(contiguous.size(), 0);
+    ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data());
+    GatherPaged(paged, table.data(), kind, tensor.data(), layer, back.data());
+    EXPECT_EQ(back, contiguous);
   }
 }
 

@@ -1,5 +1,10 @@
 #include "transport/proto_convert.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
@@ -45,6 +50,68 @@ absl::StatusOr<Layout> LayoutFromProto(v1::Layout layout, absl::string_view fiel
 
 v1::Layout LayoutToProto(Layout layout) {
   return layout == Layout::kHND ? v1::LAYOUT_HND : v1::LAYOUT_NHD;
+}
+
+}  // namespace kvt
+
+namespace kvt {
+
+absl::StatusOr<PagedLayout> PagedLayoutFromProto(const v1::RegionRef& ref, Layout block_layout,
+                                                 int num_layers, int64_t heads, int64_t head_dim,
+                                                 int64_t element_size, int64_t num_tokens,
+                                                 bool output, const std::string& field) {
+  const v1::PagedBlocks& paged = ref.paged();
+  const std::string paged_field = field + ".paged";
+  PagedLayout pages{block_layout, paged.num_blocks(), paged.block_size(), heads, head_dim,
+                    element_size};
+  if (absl::Status table = CheckBlockTable(pages, paged.block_table().data(),
+                                           paged.block_table_size(), num_tokens, output,
+                                           paged_field);
+      !table.ok()) {
+    return table;
+  }
+  if (paged.first_token() != 0 && (!output || paged.first_token() >= num_tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        paged_field, ".first_token=", paged.first_token(),
+        output ? absl::StrCat(" must be below the request's ", num_tokens, " tokens")
+               : std::string(" is for output regions only")));
+  }
+  // Above this no byte offset fits an int64 once added to the rest.
+  constexpr uint64_t kMaxBytes = uint64_t{1} << 60;
+  if (ref.byte_size() > kMaxBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".byte_size=", ref.byte_size(), " is beyond 2^60"));
+  }
+  if (!paged.has_engine_order()) {
+    if (ref.byte_size() != static_cast<uint64_t>(pages.RequiredBytes(num_layers))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".byte_size=", ref.byte_size(), " but the paged cache is ",
+          pages.RequiredBytes(num_layers),
+          " bytes (per layer a (2, num_blocks, block_size, num_kv_heads, head_dim) tensor)"));
+    }
+    return pages;
+  }
+  const v1::EngineBlockOrder& wire = paged.engine_order();
+  EngineBlockOrder order;
+  for (const uint64_t offset : wire.layer_offsets()) {
+    order.layer_offsets.push_back(static_cast<int64_t>(std::min(offset, kMaxBytes + 1)));
+  }
+  const auto clamp = [](uint64_t v) { return static_cast<int64_t>(std::min(v, uint64_t{1} << 41)); };
+  order.block_stride = clamp(wire.block_stride());
+  const v1::BlockStrides* kinds[2] = {&wire.k(), &wire.v()};
+  for (int kind = 0; kind < 2; ++kind) {
+    order.kv[kind] = BlockStrides{clamp(kinds[kind]->offset()), clamp(kinds[kind]->slot_stride()),
+                                  clamp(kinds[kind]->head_stride()),
+                                  clamp(kinds[kind]->dim_stride())};
+  }
+  pages.engine_order = std::move(order);
+  if (absl::Status checked =
+          CheckEngineBlockOrder(pages, num_layers, static_cast<int64_t>(ref.byte_size()),
+                                paged_field + ".engine_order");
+      !checked.ok()) {
+    return checked;
+  }
+  return pages;
 }
 
 }  // namespace kvt

@@ -96,14 +96,18 @@ grpc::Status PackedRegionSink::Deliver(int layer, const std::shared_ptr<LayerBuf
 }
 
 PagedRegionSink::PagedRegionSink(const PagedLayout& pages, const uint32_t* block_table,
-                                 char* base, const LayerGeometry& geometry)
-    : pages_(pages), block_table_(block_table), base_(base), geometry_(geometry) {}
+                                 int64_t first_token, char* base, const LayerGeometry& geometry)
+    : pages_(pages),
+      block_table_(block_table),
+      first_token_(first_token),
+      base_(base),
+      geometry_(geometry) {}
 
 grpc::Status PagedRegionSink::Deliver(int layer, const std::shared_ptr<LayerBuffer>& k,
                                       const std::shared_ptr<LayerBuffer>& v) {
-  char* paged_layer = base_ + layer * pages_.layer_bytes();
-  ScatterPaged(pages_, block_table_, 0, k->bytes.get(), geometry_, paged_layer);
-  ScatterPaged(pages_, block_table_, 1, v->bytes.get(), geometry_, paged_layer);
+  char* paged_layer = base_ + pages_.LayerOffset(layer);
+  ScatterPaged(pages_, block_table_, 0, k->bytes.get(), geometry_, paged_layer, first_token_);
+  ScatterPaged(pages_, block_table_, 1, v->bytes.get(), geometry_, paged_layer, first_token_);
   output_bytes_ += 2 * geometry_.layer_bytes();
   return grpc::Status::OK;
 }
@@ -141,9 +145,9 @@ std::unique_ptr<LayerSink> MakeRegionSink(const TranslatePlan& plan,
                                           const RequestStaging& staging,
                                           const StreamHooks& hooks) {
   if (plan.output_paged) {
-    return std::make_unique<PagedRegionSink>(staging.output_pages(),
-                                             staging.output_block_table(),
-                                             staging.output_base(), plan.target_geometry);
+    return std::make_unique<PagedRegionSink>(
+        staging.output_pages(), staging.output_block_table(), staging.output_first_token(),
+        staging.output_base(), plan.target_geometry);
   }
   const bool cuda = staging.output_cuda();
   return std::make_unique<PackedRegionSink>(

@@ -71,18 +71,20 @@ class PackedRegionSink : public LayerSink {
   const std::function<grpc::Status(const absl::Status&)> fail_;
 };
 
-// A paged output region: each target layer scattered from its buffers into the request's
-// blocks of layer tensor `layer` (PagedLayout, block table checked by staging).
+// A paged output region: each target layer's tokens [first_token, num_tokens) scattered from
+// its buffers into the request's blocks of layer tensor `layer` (PagedLayout, block table
+// checked by staging).
 class PagedRegionSink : public LayerSink {
  public:
-  PagedRegionSink(const PagedLayout& pages, const uint32_t* block_table, char* base,
-                  const LayerGeometry& geometry);
+  PagedRegionSink(const PagedLayout& pages, const uint32_t* block_table, int64_t first_token,
+                  char* base, const LayerGeometry& geometry);
   grpc::Status Deliver(int layer, const std::shared_ptr<LayerBuffer>& k,
                        const std::shared_ptr<LayerBuffer>& v) override;
 
  private:
   const PagedLayout pages_;
   const uint32_t* const block_table_;
+  const int64_t first_token_;
   char* const base_;
   const LayerGeometry geometry_;
 };

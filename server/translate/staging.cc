@@ -5,25 +5,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/ipc.h"
+#include "transport/proto_convert.h"
 
 namespace kvt {
 namespace {
-
-// A paged side: its block table checked and `*pages` set; the bytes its region must hold.
-absl::StatusOr<int64_t> PagedBytes(const v1::RegionRef& ref, const std::string& field,
-                                   const ModelSpec& model, const LayerGeometry& geometry,
-                                   int64_t num_tokens, bool output, PagedLayout* pages) {
-  const v1::PagedBlocks& paged = ref.paged();
-  *pages = PagedLayout{geometry.layout,     paged.num_blocks(), paged.block_size(),
-                       geometry.num_heads, geometry.head_dim,  geometry.element_size};
-  if (absl::Status table = CheckBlockTable(*pages, paged.block_table().data(),
-                                           paged.block_table_size(), num_tokens, output,
-                                           field + ".paged");
-      !table.ok()) {
-    return table;
-  }
-  return model.num_layers * pages->layer_bytes();
-}
 
 }  // namespace
 
@@ -55,17 +40,13 @@ absl::Status RequestStaging::LeaseOne(const v1::RegionRef& ref, const char* fiel
                                       CudaMemoryRegistry* cuda_memory) {
   const int64_t expected = output ? plan_.target_bytes : plan_.source_bytes;
   if (ref.has_paged()) {
-    absl::StatusOr<int64_t> bytes =
-        output ? PagedBytes(ref, field, plan_.target_model(), plan_.target_geometry,
-                            plan_.num_tokens, true, &output_pages_)
-               : PagedBytes(ref, field, plan_.source_model(), plan_.source_geometry,
-                            plan_.num_tokens, false, &input_pages_);
-    if (!bytes.ok()) return bytes.status();
-    if (ref.byte_size() != static_cast<uint64_t>(*bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".byte_size=", ref.byte_size(), " but the paged cache is ", *bytes,
-          " bytes (per layer a (2, num_blocks, block_size, num_kv_heads, head_dim) tensor)"));
-    }
+    const ModelSpec& model = output ? plan_.target_model() : plan_.source_model();
+    const LayerGeometry& geometry = output ? plan_.target_geometry : plan_.source_geometry;
+    absl::StatusOr<PagedLayout> pages = PagedLayoutFromProto(
+        ref, geometry.layout, model.num_layers, geometry.num_heads, geometry.head_dim,
+        geometry.element_size, plan_.num_tokens, output, field);
+    if (!pages.ok()) return pages.status();
+    (output ? output_pages_ : input_pages_) = *std::move(pages);
   } else if (ref.byte_size() != static_cast<uint64_t>(expected)) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".byte_size=", ref.byte_size(), " but the cache is ", expected,
@@ -126,7 +107,7 @@ void RequestStaging::StageSource(BufferPool* pool) {
   if (plan_.input_paged) {
     const uint32_t* table = header_.input().region().paged().block_table().data();
     for (int l = 0; l < src_model.num_layers; ++l) {
-      const char* layer = input_base_ + l * input_pages_.layer_bytes();
+      const char* layer = input_base_ + input_pages_.LayerOffset(l);
       GatherPaged(input_pages_, table, 0, layer, geometry, source_k_[l].bytes.get());
       GatherPaged(input_pages_, table, 1, layer, geometry, source_v_[l].bytes.get());
     }

@@ -67,6 +67,8 @@ class RequestStaging {
   const SystemMemoryRegistry::Lease& output_region() const { return output_region_; }
   const PagedLayout& output_pages() const { return output_pages_; }
   const uint32_t* output_block_table() const;
+  // Paged output: the first token written (header.output.region.paged.first_token).
+  int64_t output_first_token() const { return header_.output().region().paged().first_token(); }
 
  private:
   RequestStaging(const TranslatePlan& plan, const v1::TranslateHeader& header)
