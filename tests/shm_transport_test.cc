@@ -471,8 +471,31 @@ TEST_F(ShmTransportTest, EngineOrderPagedOutputEqualsInlineTranslation) {
                "has 6 layers");
   v1::TranslateHeader past_end = header;
   past_end.mutable_output()->mutable_region()->mutable_paged()->set_first_token(kTokens);
-  expect_error(past_end, "header.output.region.paged.first_token=100 must be below the "
-                         "request's 100 tokens");
+  expect_error(past_end, "header.output.region.paged: first_token=100, end_token=0 do not name "
+                         "a non-empty token range inside the request's 100 tokens");
+  // end_token: the block table need cover only [0, end_token); nothing past it is written.
+  v1::TranslateHeader partial = header;
+  v1::PagedBlocks* partial_paged = partial.mutable_output()->mutable_region()->mutable_paged();
+  partial_paged->set_end_token(64);
+  partial_paged->mutable_block_table()->Truncate(4);
+  std::memset(out_object.data(), 0x7f, out_bytes);
+  ASSERT_TRUE(client->TranslateRegions(partial).ok());
+  for (int l = 0; l < 6; ++l) {
+    for (int64_t t = 0; t < kTokens; ++t) {
+      const int64_t byte = at(l, 1, t, 1, 7);
+      if (t >= kFirst && t < 64) {
+        EXPECT_EQ(std::memcmp(out_object.data() + byte,
+                              expected.v[l].data() +
+                                  CacheOffset(Layout::kNHD, kHeads, kTokens, kDim, 1, t, 7) * 2,
+                              2),
+                  0)
+            << "layer " << l << " token " << t;
+      } else {
+        EXPECT_EQ(out_object.data()[byte], 0x7f) << "layer " << l << " token " << t
+                                                 << " outside [first_token, end_token) written";
+      }
+    }
+  }
   EXPECT_TRUE(client->UnregisterSystemMemory("").ok());
 }
 

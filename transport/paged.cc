@@ -22,10 +22,10 @@ void CopyStrided(char* p, char* c, int64_t head_dim, int64_t dim_stride) {
 
 template <bool kToPaged>
 void Copy(const PagedLayout& paged, const uint32_t* block_table, int kind, const LayerGeometry& g,
-          char* paged_layer, char* contiguous, int64_t first_token) {
+          char* paged_layer, char* contiguous, int64_t first_token, int64_t end_token) {
   const size_t vector_bytes = static_cast<size_t>(g.head_dim * g.element_size);
   const int64_t dim_stride = paged.Strides(kind).dim_stride;
-  for (int64_t token = first_token; token < g.num_tokens; ++token) {
+  for (int64_t token = first_token; token < end_token; ++token) {
     const int64_t block = block_table[token / paged.block_size];
     const int64_t slot = token % paged.block_size;
     for (int64_t head = 0; head < g.num_heads; ++head) {
@@ -50,14 +50,14 @@ void GatherPaged(const PagedLayout& paged, const uint32_t* block_table, int kind
                  const void* paged_layer, const LayerGeometry& layer, void* dst) {
   Copy<false>(paged, block_table, kind, layer,
               const_cast<char*>(static_cast<const char*>(paged_layer)), static_cast<char*>(dst),
-              0);
+              0, layer.num_tokens);
 }
 
 void ScatterPaged(const PagedLayout& paged, const uint32_t* block_table, int kind,
                   const void* src, const LayerGeometry& layer, void* paged_layer,
-                  int64_t first_token) {
+                  int64_t first_token, int64_t end_token) {
   Copy<true>(paged, block_table, kind, layer, static_cast<char*>(paged_layer),
-             const_cast<char*>(static_cast<const char*>(src)), first_token);
+             const_cast<char*>(static_cast<const char*>(src)), first_token, end_token);
 }
 
 }  // namespace kvt

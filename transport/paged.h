@@ -15,11 +15,11 @@ namespace kvt {
 // layer tensor `paged_layer` into the contiguous `dst` (layer.layout).
 void GatherPaged(const PagedLayout& paged, const uint32_t* block_table, int kind,
                  const void* paged_layer, const LayerGeometry& layer, void* dst);
-// The inverse for tokens [first_token, layer.num_tokens) of the contiguous `src`, leaving every
-// other slot untouched (the slots before first_token may be blocks the engine shares with
-// other requests).
+// The inverse for tokens [first_token, end_token) of the contiguous `src` (of layer.num_tokens
+// tokens), leaving every other slot untouched (the slots before first_token may be blocks the
+// engine shares with other requests).
 void ScatterPaged(const PagedLayout& paged, const uint32_t* block_table, int kind,
                   const void* src, const LayerGeometry& layer, void* paged_layer,
-                  int64_t first_token = 0);
+                  int64_t first_token, int64_t end_token);
 
 }  // namespace kvt

@@ -35,7 +35,7 @@ TEST(PagedTest, ScatterPlacesEveryElementWhereVllmLooksAndGatherInverts) {
       for (float& x : contiguous) x = std::uniform_real_distribution<float>(-1, 1)(rng);
       std::vector<float> tensor(paged.layer_bytes() / 4, -7.0f);
       for (int kind = 0; kind < 2; ++kind) {
-        ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data());
+        ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data(), 0, tokens);
         for (int64_t t = 0; t < tokens; ++t) {
           for (int64_t h = 0; h < 3; ++h) {
             for (int64_t d = 0; d < 5; ++d) {
@@ -79,7 +79,7 @@ TEST(PagedTest, EngineOrderScatterAndGather) {
   for (float& x : contiguous) x = std::uniform_real_distribution<float>(-1, 1)(rng);
   for (int kind = 0; kind < 2; ++kind) {
     std::vector<float> tensor(static_cast<size_t>(bytes / 4), -7.0f);
-    ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data(), kFirst);
+    ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data(), kFirst, kTokens);
     int64_t written = 0;
     for (int64_t t = 0; t < kTokens; ++t) {
       for (int64_t h = 0; h < kHeads; ++h) {
@@ -101,7 +101,7 @@ TEST(PagedTest, EngineOrderScatterAndGather) {
     for (float x : tensor) untouched += x == -7.0f;
     EXPECT_EQ(untouched, bytes / 4 - written);
     std::vector<float> back(contiguous.size(), 0);
-    ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data());
+    ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data(), 0, kTokens);
     GatherPaged(paged, table.data(), kind, tensor.data(), layer, back.data());
     EXPECT_EQ(back, contiguous);
   }

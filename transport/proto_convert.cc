@@ -64,17 +64,21 @@ absl::StatusOr<PagedLayout> PagedLayoutFromProto(const v1::RegionRef& ref, Layou
   const std::string paged_field = field + ".paged";
   PagedLayout pages{block_layout, paged.num_blocks(), paged.block_size(), heads, head_dim,
                     element_size};
+  if (!output && (paged.first_token() != 0 || paged.end_token() != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(paged_field, ".first_token and .end_token are for output regions only"));
+  }
+  // An output writes tokens [first_token, end); the table need cover only them.
+  const int64_t end = paged.end_token() ? paged.end_token() : num_tokens;
+  if (end > num_tokens || paged.first_token() >= end) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        paged_field, ": first_token=", paged.first_token(), ", end_token=", paged.end_token(),
+        " do not name a non-empty token range inside the request's ", num_tokens, " tokens"));
+  }
   if (absl::Status table = CheckBlockTable(pages, paged.block_table().data(),
-                                           paged.block_table_size(), num_tokens, output,
-                                           paged_field);
+                                           paged.block_table_size(), end, output, paged_field);
       !table.ok()) {
     return table;
-  }
-  if (paged.first_token() != 0 && (!output || paged.first_token() >= num_tokens)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        paged_field, ".first_token=", paged.first_token(),
-        output ? absl::StrCat(" must be below the request's ", num_tokens, " tokens")
-               : std::string(" is for output regions only")));
   }
   // Above this no byte offset fits an int64 once added to the rest.
   constexpr uint64_t kMaxBytes = uint64_t{1} << 60;

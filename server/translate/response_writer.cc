@@ -96,18 +96,21 @@ grpc::Status PackedRegionSink::Deliver(int layer, const std::shared_ptr<LayerBuf
 }
 
 PagedRegionSink::PagedRegionSink(const PagedLayout& pages, const uint32_t* block_table,
-                                 int64_t first_token, char* base, const LayerGeometry& geometry)
+                                 std::pair<int64_t, int64_t> tokens, char* base,
+                                 const LayerGeometry& geometry)
     : pages_(pages),
       block_table_(block_table),
-      first_token_(first_token),
+      tokens_(tokens),
       base_(base),
       geometry_(geometry) {}
 
 grpc::Status PagedRegionSink::Deliver(int layer, const std::shared_ptr<LayerBuffer>& k,
                                       const std::shared_ptr<LayerBuffer>& v) {
   char* paged_layer = base_ + pages_.LayerOffset(layer);
-  ScatterPaged(pages_, block_table_, 0, k->bytes.get(), geometry_, paged_layer, first_token_);
-  ScatterPaged(pages_, block_table_, 1, v->bytes.get(), geometry_, paged_layer, first_token_);
+  ScatterPaged(pages_, block_table_, 0, k->bytes.get(), geometry_, paged_layer, tokens_.first,
+               tokens_.second);
+  ScatterPaged(pages_, block_table_, 1, v->bytes.get(), geometry_, paged_layer, tokens_.first,
+               tokens_.second);
   output_bytes_ += 2 * geometry_.layer_bytes();
   return grpc::Status::OK;
 }
@@ -146,7 +149,7 @@ std::unique_ptr<LayerSink> MakeRegionSink(const TranslatePlan& plan,
                                           const StreamHooks& hooks) {
   if (plan.output_paged) {
     return std::make_unique<PagedRegionSink>(
-        staging.output_pages(), staging.output_block_table(), staging.output_first_token(),
+        staging.output_pages(), staging.output_block_table(), staging.output_tokens(),
         staging.output_base(), plan.target_geometry);
   }
   const bool cuda = staging.output_cuda();

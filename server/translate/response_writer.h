@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <optional>
 #include <string>
 
@@ -71,20 +72,20 @@ class PackedRegionSink : public LayerSink {
   const std::function<grpc::Status(const absl::Status&)> fail_;
 };
 
-// A paged output region: each target layer's tokens [first_token, num_tokens) scattered from
-// its buffers into the request's blocks of layer tensor `layer` (PagedLayout, block table
+// A paged output region: each target layer's tokens [tokens.first, tokens.second) scattered
+// from its buffers into the request's blocks of layer tensor `layer` (PagedLayout, block table
 // checked by staging).
 class PagedRegionSink : public LayerSink {
  public:
-  PagedRegionSink(const PagedLayout& pages, const uint32_t* block_table, int64_t first_token,
-                  char* base, const LayerGeometry& geometry);
+  PagedRegionSink(const PagedLayout& pages, const uint32_t* block_table,
+                  std::pair<int64_t, int64_t> tokens, char* base, const LayerGeometry& geometry);
   grpc::Status Deliver(int layer, const std::shared_ptr<LayerBuffer>& k,
                        const std::shared_ptr<LayerBuffer>& v) override;
 
  private:
   const PagedLayout pages_;
   const uint32_t* const block_table_;
-  const int64_t first_token_;
+  const std::pair<int64_t, int64_t> tokens_;
   char* const base_;
   const LayerGeometry geometry_;
 };

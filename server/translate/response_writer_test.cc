@@ -98,7 +98,8 @@ TEST_F(ResponseWriterTest, RegionSinks) {
   const PagedLayout pages{Layout::kNHD, 4, 2, 2, 32, 4};
   const uint32_t table[] = {3, 1, 0};
   std::string region(6 * pages.layer_bytes(), '\0');
-  PagedRegionSink paged(pages, table, /*first_token=*/0, &region[0], plan.target_geometry);
+  PagedRegionSink paged(pages, table, {0, plan.target_geometry.num_tokens}, &region[0],
+                        plan.target_geometry);
   EXPECT_FALSE(paged.in_place());
   const testing::Layers layers = testing::RandomLayers(1, plan.target_geometry, 8);
   ASSERT_TRUE(paged.Deliver(4, Buffer(layers.k[0]), Buffer(layers.v[0])).ok());

@@ -67,6 +67,11 @@ absl::Status RequestStaging::LeaseOne(const v1::RegionRef& ref, const char* fiel
   return absl::OkStatus();
 }
 
+std::pair<int64_t, int64_t> RequestStaging::output_tokens() const {
+  const v1::PagedBlocks& paged = header_.output().region().paged();
+  return {paged.first_token(), paged.end_token() ? paged.end_token() : plan_.num_tokens};
+}
+
 int64_t RequestStaging::AdmissionBytes() const {
   return (plan_.input_in_place() && !plan_.input_paged ? 0 : plan_.source_bytes) +
          (plan_.output_in_region && !plan_.output_paged

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -67,8 +68,9 @@ class RequestStaging {
   const SystemMemoryRegistry::Lease& output_region() const { return output_region_; }
   const PagedLayout& output_pages() const { return output_pages_; }
   const uint32_t* output_block_table() const;
-  // Paged output: the first token written (header.output.region.paged.first_token).
-  int64_t output_first_token() const { return header_.output().region().paged().first_token(); }
+  // Paged output: the tokens written, [first_token, end_token or num_tokens)
+  // (header.output.region.paged).
+  std::pair<int64_t, int64_t> output_tokens() const;
 
  private:
   RequestStaging(const TranslatePlan& plan, const v1::TranslateHeader& header)

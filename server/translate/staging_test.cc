@@ -97,8 +97,10 @@ TEST_F(StagingTest, PagedInputIsGatheredIntoLayerBuffers) {
   const testing::Layers layers = testing::RandomLayers(4, probe.source_geometry, 2);
   for (int l = 0; l < 4; ++l) {
     char* layer = region.data() + l * pages.layer_bytes();
-    ScatterPaged(pages, table, 0, layers.k[l].data(), probe.source_geometry, layer);
-    ScatterPaged(pages, table, 1, layers.v[l].data(), probe.source_geometry, layer);
+    ScatterPaged(pages, table, 0, layers.k[l].data(), probe.source_geometry, layer, 0,
+                 probe.source_geometry.num_tokens);
+    ScatterPaged(pages, table, 1, layers.v[l].data(), probe.source_geometry, layer, 0,
+                 probe.source_geometry.num_tokens);
   }
   Register("paged", region);
   v1::RegionRef* in = header.mutable_input()->mutable_region();
