@@ -82,7 +82,9 @@ def setUpModule():
     address = f"127.0.0.1:{Suite.port}"
     common = {"kvtd_address": address, "lookup_timeout_s": 2.0, "translate_timeout_s": 30.0}
     specs = {
-        "S": {"model_name": family.NAMES["S"]},
+        # S keeps its cache private: its loads go through the packed load region (layer
+        # notices, copies); M and L share theirs and kvtd writes loads in place.
+        "S": {"model_name": family.NAMES["S"], "load_in_place": False},
         # M opts in to sharing translated blocks through its own prefix cache (test (d)).
         "M": {"model_name": family.NAMES["M"], "allow_translated_prefix_cache": True},
         "L": {"model_name": family.NAMES["L"]},
@@ -171,9 +173,12 @@ class KvtConnectorTest(unittest.TestCase):
         self.assertEqual(o["mapper_id"], "M-to-L")
         reused = o["tokens_reused"]
         self.assertEqual(reused, CONTEXT // 32 * 32)  # whole vLLM blocks of M's published prefix
-        for key in ("lookup_ms", "translate_ms", "load_ms"):
+        for key in ("lookup_ms", "translate_ms"):
             self.assertGreater(o["timings"][key], 0.0, o)
-        self.assertEqual(o["transport"], "shm", o)  # kvtd allows client regions here
+        # kvtd allows client regions here: it wrote into L's own shared cache, so the worker
+        # had nothing to copy.
+        self.assertEqual(o["transport"], "in_place", o)
+        self.assertEqual(o["timings"]["load_ms"], 0.0, o)
         # The same translated cache through the Python client and transformers.
         with self.client() as c:
             hit = PrefixCache(c).lookup(family.NAMES["L"], prompt, max_tokens=len(prompt) - 1)
@@ -223,18 +228,42 @@ class KvtConnectorTest(unittest.TestCase):
             r = engine.one(conversation, 24)
             o = outcome(r)
             turns.append((engine.name, o.get("outcome"), o.get("source_model"),
-                          o.get("tokens_reused", 0), o.get("reason")))
+                          o.get("tokens_reused", 0), o.get("reason"), o.get("transport")))
             conversation += r["token_ids"]
             with self.client() as c:  # the final publish (prompt + generated) is in kvtd
                 family.wait_for_entries(c, family.NAMES[engine.name],
                                         len(conversation) // 16 * 16 - 16, exclude=before)
         print("\n(b) turns: " + json.dumps(turns), file=sys.stderr)
         self.assertNotEqual(turns[0][1], "applied")  # nothing published yet
-        for name, out, source, reused, _ in turns[1:]:
+        for name, out, source, reused, _, transport in turns[1:]:
             other = family.NAMES["S" if name == "L" else "L"]
             self.assertEqual(out, "applied", turns)
             self.assertEqual(source, other, turns)
             self.assertGreater(reused, 0)
+            # Both load transports: in place into L's shared cache, the load region into S's.
+            self.assertEqual(transport, "in_place" if name == "L" else "shm", turns)
+
+    def test_a2_in_place_load_behind_a_local_prefix_hit_leaves_shared_blocks_alone(self):
+        """kvtd writes only the tokens past the engine's own prefix-cache hit (first_token):
+        the hit's blocks, shared with other requests, keep L's own KV."""
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        own, more, tail = text(160, 30000), text(160, 30160), text(40, 30320)
+        L.one(own, 2, kvt={"reuse": "forbid"})  # no salt: its blocks are hits for later requests
+        self.publish_via(M, own + more)
+        got = L.one(own + more + tail, GEN)
+        o = outcome(got)
+        self.assertEqual(o.get("outcome"), "applied", o)
+        self.assertEqual(o["transport"], "in_place", o)
+        local = len(own) // 32 * 32
+        self.assertEqual(o["prefix_tokens"], len(own + more) // 32 * 32, o)
+        self.assertEqual(o["tokens_reused"], o["prefix_tokens"] - local, o)
+        again = L.one(own + tail, GEN, kvt={"reuse": "forbid"}, logprobs=5)
+        self.assertEqual(again["num_cached_tokens"], local)
+        reference = plain(L, own + tail, GEN, logprobs=5)
+        self.assertEqual(again["token_ids"], reference["token_ids"])
+        for mine, want in zip(again["logprobs"], reference["logprobs"]):
+            for token, value in want.items():
+                self.assertAlmostEqual(mine[token], value, places=4)
 
     # -- (c) ------------------------------------------------------------------------------------
 

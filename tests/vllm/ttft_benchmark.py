@@ -7,6 +7,12 @@ prompts, in one run (issue 19, Benchmark):
                 translates it (M-to-L) and L loads it, then prefills the rest
   no_reuse      the connector looks up a prompt kvtd holds nothing of (miss), L prefills all
 
+L shares its KV cache with kvtd (load_in_place, the default): kvtd writes the translated prefix
+straight into L's blocks. A second engine, Lr (load_in_place off), receives the same translated
+prefixes through the packed load region with layer notices and copies them into its blocks;
+both are timed in the same repetitions, so the two load paths compare side by side
+(--no_region_engine skips Lr).
+
 TTFT is the wall time of a 1-token generate call on the engine (median of --repeat). For the
 translated prompts the request's outcome gives the breakdown: lookup (scheduler, LookupPrefix),
 translate (worker: the TranslateKV stream of the lease from its start to the last chunk loaded),
@@ -49,6 +55,8 @@ def main():
                         help="kv_connector_extra_config.idle_wait_ms (default: the connector's)")
     parser.add_argument("--layer_notices", choices=("on", "off"), default=None,
                         help="kv_connector_extra_config.layer_notices (default: the connector's)")
+    parser.add_argument("--no_region_engine", action="store_true",
+                        help="do not start Lr (the load-region comparison engine)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="kvt-ttft-")
     os.makedirs(work, exist_ok=True)
@@ -63,6 +71,9 @@ def main():
                  max_model_len=2048).start()
     M = E.Engine("M", family.model_dir("M"), {**common, "model_name": family.NAMES["M"]}, work,
                  max_model_len=2048).start()
+    Lr = None if args.no_region_engine else E.Engine(
+        "Lr", family.model_dir("L"), {**common, "model_name": family.NAMES["L"],
+                                      "load_in_place": False}, work, max_model_len=2048).start()
     store = args.store or family.fit_store(os.path.join(work, "fit"), pairs=(("M", "L"),))
     kvtd = family.start_kvtd(store, port, family.kvtd_yaml(os.path.join(work, "kvtd.yaml"),
                                                            max_bytes=1 << 30)).__enter__()
@@ -70,6 +81,8 @@ def main():
     try:
         L.wait_ready()
         M.wait_ready()
+        if Lr is not None:
+            Lr.wait_ready()
         import kvt
         from kvt.prefix import PrefixCache
         client = kvt.Client(kvtd.address, timeout=60)
@@ -78,13 +91,17 @@ def main():
         offset = 0
         # Warm-up (first requests of an engine are slower).
         for _ in range(2):
-            L.one(family.heldout_text(300, 0), 1, kvt={"reuse": "forbid"}, cache_salt=f"w{next(salt)}")
+            for engine in (L, Lr) if Lr is not None else (L,):
+                engine.one(family.heldout_text(300, 0), 1, kvt={"reuse": "forbid"},
+                           cache_salt=f"w{next(salt)}")
         for n in LENGTHS:
             row = {"tokens": n, "own_prefill": [], "translated": [], "no_reuse": [],
                    "tail_prefill": [], "lookup_ms": [], "translate_ms": [], "load_ms": [],
                    "kvtd_total_ms": [], "kvtd_compute_ms": [], "tokens_reused": 0,
                    "client_lookup_ms": [], "client_translate_ms": [],
-                   "client_kvtd_total_ms": []}
+                   "client_kvtd_total_ms": [], "transport": "",
+                   "region_translated": [], "region_translate_ms": [], "region_load_ms": [],
+                   "region_kvtd_total_ms": []}
             for _ in range(args.repeat):
                 offset += n + 7
                 prompt = family.heldout_text(n, 40000 + offset)
@@ -105,8 +122,16 @@ def main():
                 assert o["outcome"] == "applied", o
                 row["translated"].append(got["wall_s"])
                 row["tokens_reused"] = o["tokens_reused"]
+                row["transport"] = o.get("transport", "")
                 for key in ("lookup_ms", "translate_ms", "load_ms", "kvtd_total_ms"):
                     row[key].append(o["timings"][key])
+                if Lr is not None:  # the same prefix through the load region
+                    got_r = Lr.one(prompt, 1, cache_salt=f"tr{next(salt)}")
+                    o_r = E_outcome(got_r)
+                    assert o_r["outcome"] == "applied" and o_r.get("transport") == "shm", o_r
+                    row["region_translated"].append(got_r["wall_s"])
+                    for key in ("translate_ms", "load_ms", "kvtd_total_ms"):
+                        row["region_" + key].append(o_r["timings"][key])
                 # The same lookup + translation from a plain Python client outside vLLM
                 # (inline result): what gRPC and the client cost without the connector.
                 t0 = time.perf_counter()
@@ -130,6 +155,8 @@ def main():
     finally:
         L.stop()
         M.stop()
+        if Lr is not None:
+            Lr.stop()
         kvtd.__exit__(None, None, None)
     print(f"TTFT on engine {family.NAMES['L']} (vLLM {vllm_version()}, CPU, block size 32, "
           f"transport {args.transport}, idle_wait_ms {common.get('idle_wait_ms', 'default')}, "
@@ -175,6 +202,19 @@ def main():
               f"{best['load_ms']:.1f} | {best['kvtd_total_ms']:.1f} | "
               f"{best['tail_prefill']:.1f} | {best['client_lookup_ms']:.1f} | "
               f"{best['client_translate_ms']:.1f} | {best['client_kvtd_total_ms']:.1f} |")
+    print("\nThe goal (worker TranslateKV time at most 1.2x kvtd's own total of the same "
+          "request), per repetition: median (min, max) of the ratio, repetitions within 1.2")
+    for n, row in results.items():
+        for name, tl_key, kv_key in (("L, in place", "translate_ms", "kvtd_total_ms"),
+                                     ("Lr, load region", "region_translate_ms",
+                                      "region_kvtd_total_ms")):
+            ratios = [t / k for t, k in zip(row[tl_key], row[kv_key]) if k > 0]
+            if not ratios:
+                continue
+            summary[n].setdefault("goal", {})[name] = ratios
+            print(f"  {n:5d} tokens, {name:16s}: {median(ratios):.2f}x ({min(ratios):.2f}, "
+                  f"{max(ratios):.2f}), {sum(r <= 1.2 for r in ratios)}/{len(ratios)}; worker "
+                  f"{median(row[tl_key]):.2f} ms, kvtd {median(row[kv_key]):.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

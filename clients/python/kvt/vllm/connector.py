@@ -41,7 +41,7 @@ import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -55,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
                                                                     KVConnectorStats)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvt.vllm.engine_cache import engine_block_order, share_in_place
 from kvt.vllm.paged import PagedLayout, gather_rows, gather_tokens, layer_order, scatter_rows
 from kvt.vllm.regions import PublishRing, WorkerRegion
 from kvt.vllm.regions import describe_error as _describe
@@ -106,6 +107,11 @@ DEFAULTS: Dict[str, Any] = {
     # region and copy each into the blocks while kvtd computes the next; off: one copy of all
     # layers after the trailer (fewer messages through gRPC and the GIL; docs/VLLM.md).
     "layer_notices": True,
+    # Transport auto/shm on a CPU engine: share the engine's own KV cache with kvtd, in place
+    # (kvt/vllm/engine_cache.py), so kvtd writes translated prefixes straight into the
+    # request's blocks and the worker copies nothing; falls back to the region above when the
+    # cache cannot be shared. Needs a kvtd of this release (RegionRef.paged.engine_order).
+    "load_in_place": True,
 }
 
 _PARAM_KEYS = {"reuse", "mapper_id", "min_tokens"}
@@ -359,6 +365,10 @@ class KvtConnector(KVConnectorBase_V1):
             # made in register_kv_caches once the cache's size is known; None: inline.
             self._load_region: Optional[WorkerRegion] = None
             self._publish_region: Optional[WorkerRegion] = None
+            # The engine's cache shared in place, and its EngineBlockOrder fields; None: the
+            # load region above.
+            self._engine_region: Optional[WorkerRegion] = None
+            self._engine_order: Optional[Dict[str, Any]] = None
             self._publish_ring: Optional[PublishRing] = None
             self._publish_queue: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue(
                 maxsize=max(1, int(self.config["publish_queue_size"])))
@@ -415,7 +425,7 @@ class KvtConnector(KVConnectorBase_V1):
                 self._publish_queue.put_nowait(None)
             except queue.Full:
                 pass
-            for region in (self._load_region, self._publish_region):
+            for region in (self._load_region, self._publish_region, self._engine_region):
                 if region is not None:
                     region.close()
         if self._client is not None:
@@ -696,6 +706,33 @@ class KvtConnector(KVConnectorBase_V1):
             ring = int(self.config["publish_region_bytes"]) or min(4 * request_bytes, 256 << 20)
             self._publish_region = WorkerRegion(client_fn, ring, "publishes", warn)
             self._publish_ring = PublishRing(ring)
+            if self.config["load_in_place"] and self._host is not None:
+                self._share_engine_cache(client_fn, warn)
+
+    def _share_engine_cache(self, client_fn: Any, warn: bool) -> None:
+        """Makes the engine's KV cache a shared-memory region kvtd writes loads into (in place,
+        before the engine's first step); on any refusal the load region serves instead."""
+        first = self._paged[self._layers[0]]
+        try:
+            tensors = [self._kv_caches[name] for name in self._layers]
+            if any(self._paged[name].affine_kv != first.affine_kv for name in self._layers):
+                raise ValueError("the layers' block orders differ")
+            memory = share_in_place(tensors)
+            try:
+                order = engine_block_order(memory, tensors, first.affine_kv, first.block_elems)
+            except BaseException:
+                memory.close()
+                raise
+        except Exception as error:
+            (logger.warning if warn else logger.info)(
+                "kvt: the engine's KV cache stays private (%s); translated loads go through a "
+                "region of their own", error)
+            return
+        self._engine_order = order
+        self._engine_region = WorkerRegion(client_fn, memory.byte_size, "in-place loads",
+                                           warn, memory=memory)
+        logger.info("kvt: the engine's KV cache (%d bytes) is shared with kvtd (%s): translated "
+                    "loads are written in place", memory.byte_size, memory.key)
 
     def _cache_bytes(self, tokens: int) -> int:
         """Bytes of this engine's cache of `tokens` tokens, all layers, K and V."""
@@ -919,6 +956,17 @@ class _Load:
 
     def _translate(self) -> Dict[str, Any]:
         spec, c = self.spec, self.c
+        holder = c._engine_region
+        engine = holder.get(0) if holder is not None else None
+        if holder is not None and engine is not None:
+            failed = True
+            try:
+                result = self._translate_in_place(engine)
+                failed = False
+                return result
+            finally:
+                if failed:
+                    holder.mark_failed()
         matched = spec["matched_tokens"]
         nbytes = c._cache_bytes(matched)
         holder = c._load_region
@@ -994,47 +1042,25 @@ class _Load:
             raise RuntimeError(problem)
         return dtype
 
-    def _translate_region(self, region: Any, nbytes: int) -> Dict[str, Any]:
-        """TranslateKV with the result written by kvtd into the worker's shared-memory region
-        (packed: per layer K then V, [tokens, heads, head_dim]); each layer is copied into the
-        blocks as soon as kvtd says it is there (header.region_layer_notices), while kvtd
-        computes the next ones."""
-        spec, c = self.spec, self.c
+    def _region_call(self, header: Any,
+                     on_layer: Optional[Callable[[int, int], None]]) -> Tuple[Any, Any]:
+        """Runs TranslateKV for `header` (output in a region, no chunks to send) and returns
+        (response header, trailer); `on_layer(layer, kind)` for each layer notice."""
         import grpc
         from kvt._proto import common_pb2, translate_pb2
         from kvt.cache import DTYPE_NAMES
         from kvt.errors import from_rpc_error
-        from kvt.prefix import cached_translate_header
+        c = self.c
         client, _ = c._kvt()
-        start, end, matched = spec["start"], spec["end"], spec["matched_tokens"]
-        header = cached_translate_header(spec["lease_id"], spec["mapper_id"], matched,
-                                         dtype=spec["dtype"], output_dtype=c.engine_dtype,
-                                         output_layout="NHD",
-                                         request_id=f"{spec['req_id']}/load")
-        header.output.region.CopyFrom(region.ref(0, nbytes))
-        header.region_layer_notices = bool(c.config["layer_notices"])
+        matched = self.spec["matched_tokens"]
         # wait_for_ready: the scheduler's lookup just got the lease, so kvtd is up; this
         # process's channel may still be reconnecting (e.g. after a kvtd restart).
         call = client.stub.TranslateKV(
             iter([translate_pb2.TranslateKVRequest(header=header)]),
             timeout=float(c.config["translate_timeout_s"]), metadata=client._metadata,
             wait_for_ready=True)
-        layers, heads, dim = len(c._layers), c.num_kv_heads, c.head_dim
-        packed = np.frombuffer(region.buf, dtype=_WIRE_NUMPY[c.engine_dtype],
-                               count=nbytes // _ELEMENT_BYTES[c.engine_dtype]).reshape(
-                                   layers, 2, matched, heads, dim)
-        loaded = np.zeros((layers, 2), dtype=bool)
-        load_s = 0.0
+        layers = len(c._layers)
         response_header = trailer = None
-
-        def load(layer: int, kind: int) -> None:
-            nonlocal load_s
-            t = time.monotonic()
-            self._write_rows(layer, kind == 0, start, packed[layer, kind, start:end],
-                             c.engine_dtype)
-            loaded[layer, kind] = True
-            load_s += time.monotonic() - t
-
         try:
             for response in call:
                 which = response.WhichOneof("msg")
@@ -1047,29 +1073,92 @@ class _Load:
                             f"the region; this engine's cache is {c.engine_dtype}")
                 elif which == "chunk":
                     notice = response.chunk
-                    if (response_header is None or notice.layer >= layers or notice.data
-                            or notice.token_start != 0 or notice.token_count != matched):
+                    if (response_header is None or on_layer is None or notice.layer >= layers
+                            or notice.data or notice.token_start != 0
+                            or notice.token_count != matched):
                         call.cancel()
                         raise RuntimeError(f"unexpected region notice {notice.layer}/"
                                            f"{notice.kind} [{notice.token_start}, +"
                                            f"{notice.token_count})")
-                    load(notice.layer, 0 if notice.kind == common_pb2.CACHE_KIND_K else 1)
+                    on_layer(notice.layer, 0 if notice.kind == common_pb2.CACHE_KIND_K else 1)
                 elif which == "trailer":
                     trailer = response.trailer
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         if response_header is None or trailer is None:
             raise RuntimeError("kvtd ended the stream without a header and trailer")
-        # A kvtd without notices wrote everything by the trailer.
-        for layer, kind in zip(*np.nonzero(~loaded)):
-            load(int(layer), int(kind))
-        out: Dict[str, Any] = {"ok": True, "transport": "shm",
+        return response_header, trailer
+
+    def _header(self) -> Any:
+        spec, c = self.spec, self.c
+        from kvt.prefix import cached_translate_header
+        return cached_translate_header(spec["lease_id"], spec["mapper_id"],
+                                       spec["matched_tokens"], dtype=spec["dtype"],
+                                       output_dtype=c.engine_dtype, output_layout="NHD",
+                                       request_id=f"{spec['req_id']}/load")
+
+    @staticmethod
+    def _result(transport: str, load_s: float, trailer: Any) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"ok": True, "transport": transport,
                                "load_ms": round(load_s * 1e3, 3),
                                "kvtd_total_ms": round(trailer.timings.total_ms, 3),
                                "kvtd_compute_ms": round(trailer.timings.compute_ms, 3)}
         if trailer.HasField("input_shift_score"):
             out["input_shift_score"] = trailer.input_shift_score
         return out
+
+    def _translate_in_place(self, engine: Any) -> Dict[str, Any]:
+        """TranslateKV with kvtd writing the request's tokens [start, end) straight into its
+        blocks of the engine's shared cache, in the kernels' order: nothing to copy here."""
+        spec, c = self.spec, self.c
+        layout = c._paged[c._layers[0]]
+        start, end = spec["start"], spec["end"]
+        header = self._header()
+        ref = header.output.region
+        ref.region, ref.offset, ref.byte_size = engine.name, 0, engine.byte_size
+        paged = ref.paged
+        paged.num_blocks, paged.block_size = layout.num_blocks, layout.block_size
+        paged.block_table.extend(spec["block_ids"][:-(-end // layout.block_size)])
+        paged.first_token, paged.end_token = start, end
+        order = c._engine_order or {}
+        paged.engine_order.layer_offsets.extend(order["layer_offsets"])
+        paged.engine_order.block_stride = order["block_stride"]
+        for kind in ("k", "v"):
+            for name, value in order[kind].items():
+                setattr(getattr(paged.engine_order, kind), name, value)
+        _, trailer = self._region_call(header, None)
+        return self._result("in_place", 0.0, trailer)
+
+    def _translate_region(self, region: Any, nbytes: int) -> Dict[str, Any]:
+        """TranslateKV with the result written by kvtd into the worker's shared-memory region
+        (packed: per layer K then V, [tokens, heads, head_dim]); each layer is copied into the
+        blocks as soon as kvtd says it is there (header.region_layer_notices), while kvtd
+        computes the next ones."""
+        spec, c = self.spec, self.c
+        start, end, matched = spec["start"], spec["end"], spec["matched_tokens"]
+        header = self._header()
+        header.output.region.CopyFrom(region.ref(0, nbytes))
+        header.region_layer_notices = bool(c.config["layer_notices"])
+        layers, heads, dim = len(c._layers), c.num_kv_heads, c.head_dim
+        packed = np.frombuffer(region.buf, dtype=_WIRE_NUMPY[c.engine_dtype],
+                               count=nbytes // _ELEMENT_BYTES[c.engine_dtype]).reshape(
+                                   layers, 2, matched, heads, dim)
+        loaded = np.zeros((layers, 2), dtype=bool)
+        load_s = 0.0
+
+        def load(layer: int, kind: int) -> None:
+            nonlocal load_s
+            t = time.monotonic()
+            self._write_rows(layer, kind == 0, start, packed[layer, kind, start:end],
+                             c.engine_dtype)
+            loaded[layer, kind] = True
+            load_s += time.monotonic() - t
+
+        _, trailer = self._region_call(header, load)
+        # A kvtd without notices wrote everything by the trailer.
+        for layer, kind in zip(*np.nonzero(~loaded)):
+            load(int(layer), int(kind))
+        return self._result("shm", load_s, trailer)
 
     def _translate_inline(self) -> Dict[str, Any]:
         spec, c = self.spec, self.c
@@ -1114,13 +1203,7 @@ class _Load:
             raise RuntimeError("kvtd ended the stream without a header and trailer")
         if not covered.all():
             raise RuntimeError(f"kvtd's result misses {int((~covered).sum())} token rows")
-        result: Dict[str, Any] = {"ok": True, "transport": "inline",
-                                  "load_ms": round(load_s * 1e3, 3),
-                                  "kvtd_total_ms": round(trailer.timings.total_ms, 3),
-                                  "kvtd_compute_ms": round(trailer.timings.compute_ms, 3)}
-        if trailer.HasField("input_shift_score"):
-            result["input_shift_score"] = trailer.input_shift_score
-        return result
+        return self._result("inline", load_s, trailer)
 
 
 # Wire element types as numpy reads them, matching the engine's storage bit for bit (bf16 as

@@ -119,13 +119,13 @@ class PagedLayout:
         else:
             raise ValueError(f"unsupported paged KV cache shape {shape} for {num_kv_heads} KV "
                              f"heads x {head_dim}")
-        self._affine_kv = (_affine(self._k), _affine(self._v))
+        self.affine_kv = (_affine(self._k), _affine(self._v))
 
     def block_views(self, flat: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         """(K, V) numpy views [num_blocks, block_size, heads, dim] sharing the memory of one
         layer's flat cache `flat` (its numpy view, any element type), or None when the kernel's
         order within a block is not affine (then use `index`)."""
-        affine_k, affine_v = self._affine_kv
+        affine_k, affine_v = self.affine_kv
         if affine_k is None or affine_v is None or flat.size != (
                 self.num_blocks * self.block_elems * (2 if self.kind == "nhd_blocks" else 1)):
             return None

@@ -20,13 +20,17 @@ logger = logging.getLogger("kvt.vllm")
 
 class WorkerRegion:
     """A kvt.shm.SharedMemoryRegion of `byte_size` bytes registered with the kvtd behind
-    `client_fn()` (a kvt.Client). `acquire`/`release` hold it for one user at a time (the load
+    `client_fn()` (a kvt.Client), or, with `memory`, an object of the process's own that is
+    already shared (name, key, byte_size, close(): the engine's cache made shared in place,
+    kvt/vllm/engine_cache.py). `acquire`/`release` hold it for one user at a time (the load
     region: one translated load writes it); `get` only makes sure it is registered (the publish
-    region, whose ranges PublishRing hands out)."""
+    region, whose ranges PublishRing hands out; the engine cache, whose blocks are the loads'
+    own)."""
 
     def __init__(self, client_fn: Callable[[], Any], byte_size: int, purpose: str,
-                 warn: bool, retry_s: float = 30.0) -> None:
+                 warn: bool, retry_s: float = 30.0, memory: Any = None) -> None:
         self._client_fn = client_fn
+        self._memory = memory
         self.byte_size = byte_size
         self.purpose = purpose
         self._warn = warn  # log failures as warnings (transport "shm") or info ("auto")
@@ -91,8 +95,13 @@ class WorkerRegion:
     def _ensure_registered(self) -> None:
         client = self._client_fn()
         if self._region is None:
-            from kvt.shm import SharedMemoryRegion
-            self._region = SharedMemoryRegion(client, self.byte_size, timeout=2.0)
+            if self._memory is not None:
+                client.register_system_memory(self._memory.name, self._memory.key,
+                                              self._memory.byte_size, 0, timeout=2.0)
+                self._region = self._memory
+            else:
+                from kvt.shm import SharedMemoryRegion
+                self._region = SharedMemoryRegion(client, self.byte_size, timeout=2.0)
             self._registered = True
             # kvtd forgets registrations when it restarts: any connectivity change of the
             # channel means registering again before the next use.
@@ -116,6 +125,13 @@ class WorkerRegion:
     def close(self) -> None:
         with self._state:
             region, self._region = self._region, None
+        if self._memory is not None:  # SharedMemoryRegion.close() unregisters itself
+            try:
+                if region is not None:
+                    self._client_fn().unregister_system_memory(self._memory.name, timeout=2.0)
+            except Exception:
+                pass
+            region = self._memory
         if region is not None:
             try:
                 region.close()
