@@ -1,21 +1,32 @@
 #include "transport/paged.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace kvt {
 namespace {
 
-// One head vector (head_dim elements) between the paged side `p` (elements `dim_stride` apart)
-// and the contiguous side `c`.
+// Tokens [first, end) of one block (slots first % block_size on) when a head vector is not
+// contiguous in the block (an engine order such as vLLM's CPU kernels, which keep K transposed:
+// dim stride = block size, slot stride 1): the slot loop innermost, so that the paged side is
+// walked with its smallest stride.
 template <typename Element, bool kToPaged>
-void CopyStrided(char* p, char* c, int64_t head_dim, int64_t dim_stride) {
-  Element* paged = reinterpret_cast<Element*>(p);
-  Element* contiguous = reinterpret_cast<Element*>(c);
-  for (int64_t d = 0; d < head_dim; ++d) {
-    if (kToPaged) {
-      std::memcpy(paged + d * dim_stride, contiguous + d, sizeof(Element));
-    } else {
-      std::memcpy(contiguous + d, paged + d * dim_stride, sizeof(Element));
+void CopyBlockStrided(const PagedLayout& paged, int kind, const LayerGeometry& g, int64_t block,
+                      int64_t first, int64_t end, char* paged_layer, char* contiguous) {
+  const BlockStrides s = paged.Strides(kind);
+  Element* block_base = reinterpret_cast<Element*>(paged_layer) + block * paged.BlockStride() +
+                        s.offset;
+  Element* flat = reinterpret_cast<Element*>(contiguous);
+  for (int64_t head = 0; head < g.num_heads; ++head) {
+    for (int64_t dim = 0; dim < g.head_dim; ++dim) {
+      Element* p = block_base + head * s.head_stride + dim * s.dim_stride;
+      for (int64_t token = first; token < end; ++token) {
+        Element* slot = p + (token % paged.block_size) * s.slot_stride;
+        Element* c = flat + CacheOffset(g.layout, g.num_heads, g.num_tokens, g.head_dim, head,
+                                        token, dim);
+        // memcpy: a region's offsets need not be aligned to the element size.
+        std::memcpy(kToPaged ? slot : c, kToPaged ? c : slot, sizeof(Element));
+      }
     }
   }
 }
@@ -24,7 +35,22 @@ template <bool kToPaged>
 void Copy(const PagedLayout& paged, const uint32_t* block_table, int kind, const LayerGeometry& g,
           char* paged_layer, char* contiguous, int64_t first_token, int64_t end_token) {
   const size_t vector_bytes = static_cast<size_t>(g.head_dim * g.element_size);
-  const int64_t dim_stride = paged.Strides(kind).dim_stride;
+  if (paged.Strides(kind).dim_stride != 1) {
+    for (int64_t token = first_token; token < end_token;) {
+      const int64_t block_end =
+          std::min(end_token, (token / paged.block_size + 1) * paged.block_size);
+      const int64_t block = block_table[token / paged.block_size];
+      if (g.element_size == 4) {
+        CopyBlockStrided<uint32_t, kToPaged>(paged, kind, g, block, token, block_end,
+                                             paged_layer, contiguous);
+      } else {
+        CopyBlockStrided<uint16_t, kToPaged>(paged, kind, g, block, token, block_end,
+                                             paged_layer, contiguous);
+      }
+      token = block_end;
+    }
+    return;
+  }
   for (int64_t token = first_token; token < end_token; ++token) {
     const int64_t block = block_table[token / paged.block_size];
     const int64_t slot = token % paged.block_size;
@@ -33,13 +59,7 @@ void Copy(const PagedLayout& paged, const uint32_t* block_table, int kind, const
       char* c = contiguous +
                 CacheOffset(g.layout, g.num_heads, g.num_tokens, g.head_dim, head, token, 0) *
                     g.element_size;
-      if (dim_stride == 1) {
-        std::memcpy(kToPaged ? p : c, kToPaged ? c : p, vector_bytes);
-      } else if (g.element_size == 4) {
-        CopyStrided<uint32_t, kToPaged>(p, c, g.head_dim, dim_stride);
-      } else {
-        CopyStrided<uint16_t, kToPaged>(p, c, g.head_dim, dim_stride);
-      }
+      std::memcpy(kToPaged ? p : c, kToPaged ? c : p, vector_bytes);
     }
   }
 }

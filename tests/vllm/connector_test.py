@@ -378,9 +378,12 @@ class KvtConnectorTest(unittest.TestCase):
             self.assertEqual(o.get("outcome"), "unsupported", o)
             self.assertIn(key, o.get("detail", ""))
             self.assertEqual(got["token_ids"], reference["token_ids"])
+        from kvt.vllm.connector import validate_kv_transfer_params
         with self.assertRaisesRegex(ValueError, "kv_transfer_params.kvt.reuse"):
-            from kvt.vllm.connector import validate_kv_transfer_params
             validate_kv_transfer_params({"kvt": {"reuse": 3}})
+        with self.assertRaisesRegex(ValueError, "kv_transfer_params.kvt.load: 'pigeon' is not "
+                                                "one of auto, region, inline"):
+            validate_kv_transfer_params({"kvt": {"load": "pigeon"}})
 
     # -- (d) ------------------------------------------------------------------------------------
 
@@ -484,14 +487,18 @@ class MechanicsTest(unittest.TestCase):
                 self.assertAlmostEqual(got[token], value, places=3)
 
     def test_own_cache_through_the_identity_mapper_equals_a_plain_run(self):
+        """Every load path puts each element where L's attention kernels read it: in place
+        (kvtd writes the blocks), the load region (the worker copies), inline chunks."""
         self.publish_twin()
-        r = self.run_salted("exact", self.IDENTITY)
-        o = outcome(r)
-        self.assertEqual(o.get("outcome"), "applied", o)
-        self.assertEqual(o["source_model"], family.TWIN_L)
-        self.assertEqual(o["tokens_reused"], (len(self.PROMPT) - 1) // 32 * 32)
-        self.assertEqual(r["num_cached_tokens"], o["tokens_reused"])
-        self.assert_like_reference(r)
+        for load, transport in (("auto", "in_place"), ("region", "shm"), ("inline", "inline")):
+            r = self.run_salted(f"exact-{load}", {**self.IDENTITY, "load": load})
+            o = outcome(r)
+            self.assertEqual(o.get("outcome"), "applied", o)
+            self.assertEqual(o["transport"], transport, o)
+            self.assertEqual(o["source_model"], family.TWIN_L)
+            self.assertEqual(o["tokens_reused"], (len(self.PROMPT) - 1) // 32 * 32)
+            self.assertEqual(r["num_cached_tokens"], o["tokens_reused"])
+            self.assert_like_reference(r)
 
     def test_zeroed_values_change_the_output(self):
         self.publish_twin()

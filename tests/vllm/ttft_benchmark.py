@@ -8,10 +8,9 @@ prompts, in one run (issue 19, Benchmark):
   no_reuse      the connector looks up a prompt kvtd holds nothing of (miss), L prefills all
 
 L shares its KV cache with kvtd (load_in_place, the default): kvtd writes the translated prefix
-straight into L's blocks. A second engine, Lr (load_in_place off), receives the same translated
-prefixes through the packed load region with layer notices and copies them into its blocks;
-both are timed in the same repetitions, so the two load paths compare side by side
-(--no_region_engine skips Lr).
+straight into L's blocks. Each repetition also loads the same prefix through the packed load
+region (kv_transfer_params kvt.load = "region": layer notices, the worker copies into the
+blocks) on the same engine, so the two load paths compare side by side (--no_region skips it).
 
 TTFT is the wall time of a 1-token generate call on the engine (median of --repeat). For the
 translated prompts the request's outcome gives the breakdown: lookup (scheduler, LookupPrefix),
@@ -55,8 +54,8 @@ def main():
                         help="kv_connector_extra_config.idle_wait_ms (default: the connector's)")
     parser.add_argument("--layer_notices", choices=("on", "off"), default=None,
                         help="kv_connector_extra_config.layer_notices (default: the connector's)")
-    parser.add_argument("--no_region_engine", action="store_true",
-                        help="do not start Lr (the load-region comparison engine)")
+    parser.add_argument("--no_region", action="store_true",
+                        help="do not time the load-region path next to the in-place one")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="kvt-ttft-")
     os.makedirs(work, exist_ok=True)
@@ -71,9 +70,6 @@ def main():
                  max_model_len=2048).start()
     M = E.Engine("M", family.model_dir("M"), {**common, "model_name": family.NAMES["M"]}, work,
                  max_model_len=2048).start()
-    Lr = None if args.no_region_engine else E.Engine(
-        "Lr", family.model_dir("L"), {**common, "model_name": family.NAMES["L"],
-                                      "load_in_place": False}, work, max_model_len=2048).start()
     store = args.store or family.fit_store(os.path.join(work, "fit"), pairs=(("M", "L"),))
     kvtd = family.start_kvtd(store, port, family.kvtd_yaml(os.path.join(work, "kvtd.yaml"),
                                                            max_bytes=1 << 30)).__enter__()
@@ -81,8 +77,6 @@ def main():
     try:
         L.wait_ready()
         M.wait_ready()
-        if Lr is not None:
-            Lr.wait_ready()
         import kvt
         from kvt.prefix import PrefixCache
         client = kvt.Client(kvtd.address, timeout=60)
@@ -91,9 +85,7 @@ def main():
         offset = 0
         # Warm-up (first requests of an engine are slower).
         for _ in range(2):
-            for engine in (L, Lr) if Lr is not None else (L,):
-                engine.one(family.heldout_text(300, 0), 1, kvt={"reuse": "forbid"},
-                           cache_salt=f"w{next(salt)}")
+            L.one(family.heldout_text(300, 0), 1, kvt={"reuse": "forbid"}, cache_salt=f"w{next(salt)}")
         for n in LENGTHS:
             row = {"tokens": n, "own_prefill": [], "translated": [], "no_reuse": [],
                    "tail_prefill": [], "lookup_ms": [], "translate_ms": [], "load_ms": [],
@@ -125,8 +117,9 @@ def main():
                 row["transport"] = o.get("transport", "")
                 for key in ("lookup_ms", "translate_ms", "load_ms", "kvtd_total_ms"):
                     row[key].append(o["timings"][key])
-                if Lr is not None:  # the same prefix through the load region
-                    got_r = Lr.one(prompt, 1, cache_salt=f"tr{next(salt)}")
+                if not args.no_region:  # the same prefix through the load region
+                    got_r = L.one(prompt, 1, kvt={"load": "region"},
+                                  cache_salt=f"tr{next(salt)}")
                     o_r = E_outcome(got_r)
                     assert o_r["outcome"] == "applied" and o_r.get("transport") == "shm", o_r
                     row["region_translated"].append(got_r["wall_s"])
@@ -155,8 +148,6 @@ def main():
     finally:
         L.stop()
         M.stop()
-        if Lr is not None:
-            Lr.stop()
         kvtd.__exit__(None, None, None)
     print(f"TTFT on engine {family.NAMES['L']} (vLLM {vllm_version()}, CPU, block size 32, "
           f"transport {args.transport}, idle_wait_ms {common.get('idle_wait_ms', 'default')}, "
@@ -205,8 +196,8 @@ def main():
     print("\nThe goal (worker TranslateKV time at most 1.2x kvtd's own total of the same "
           "request), per repetition: median (min, max) of the ratio, repetitions within 1.2")
     for n, row in results.items():
-        for name, tl_key, kv_key in (("L, in place", "translate_ms", "kvtd_total_ms"),
-                                     ("Lr, load region", "region_translate_ms",
+        for name, tl_key, kv_key in (("in place", "translate_ms", "kvtd_total_ms"),
+                                     ("load region", "region_translate_ms",
                                       "region_kvtd_total_ms")):
             ratios = [t / k for t, k in zip(row[tl_key], row[kv_key]) if k > 0]
             if not ratios:

@@ -114,16 +114,19 @@ DEFAULTS: Dict[str, Any] = {
     "load_in_place": True,
 }
 
-_PARAM_KEYS = {"reuse", "mapper_id", "min_tokens"}
+_PARAM_KEYS = {"reuse", "mapper_id", "min_tokens", "load"}
 _POLICIES = ("auto", "forbid", "force")
+# How a request's translated prefix reaches its blocks: "auto" (in place when the engine's
+# cache is shared, else the load region, else inline), "region" (never in place), "inline".
+_LOADS = ("auto", "region", "inline")
 
 
 # -- kv_transfer_params -----------------------------------------------------------------------
 
 def parse_kv_transfer_params(params: Any, default_reuse: str = "auto") -> Dict[str, Any]:
     """The kvt options of a request's kv_transfer_params ({"kvt": {...}}): reuse, mapper_id,
-    min_tokens. Raises ValueError naming the offending key."""
-    out = {"reuse": default_reuse, "mapper_id": "", "min_tokens": 0}
+    min_tokens, load. Raises ValueError naming the offending key."""
+    out = {"reuse": default_reuse, "mapper_id": "", "min_tokens": 0, "load": "auto"}
     if params is None:
         return out
     if not isinstance(params, dict):
@@ -155,6 +158,12 @@ def parse_kv_transfer_params(params: Any, default_reuse: str = "auto") -> Dict[s
             raise ValueError(f"kv_transfer_params.kvt.min_tokens: {value!r} is not an "
                              "integer >= 0")
         out["min_tokens"] = value
+    if "load" in kvt:
+        load = kvt["load"]
+        if not isinstance(load, str) or load not in _LOADS:
+            raise ValueError(f"kv_transfer_params.kvt.load: {load!r} is not one of "
+                             f"{', '.join(_LOADS)}")
+        out["load"] = load
     return out
 
 
@@ -529,7 +538,7 @@ class KvtConnector(KVConnectorBase_V1):
         st.load = {"req_id": request.request_id, "lease_id": response.lease_id,
                    "mapper_id": response.mapper_id, "matched_tokens": response.matched_tokens,
                    "dtype": DTYPE_NAMES.get(response.dtype, "fp32"),
-                   "start": num_computed_tokens, "end": end,
+                   "start": num_computed_tokens, "end": end, "load": st.options["load"],
                    "source_model": response.source_model,
                    "gate": {"passed": response.gate.passed,
                             "mapper_quality": response.gate.mapper_quality,
@@ -956,7 +965,7 @@ class _Load:
 
     def _translate(self) -> Dict[str, Any]:
         spec, c = self.spec, self.c
-        holder = c._engine_region
+        holder = c._engine_region if spec.get("load", "auto") == "auto" else None
         engine = holder.get(0) if holder is not None else None
         if holder is not None and engine is not None:
             failed = True
@@ -969,7 +978,7 @@ class _Load:
                     holder.mark_failed()
         matched = spec["matched_tokens"]
         nbytes = c._cache_bytes(matched)
-        holder = c._load_region
+        holder = c._load_region if spec.get("load", "auto") != "inline" else None
         region = holder.acquire(nbytes) if holder is not None else None
         if holder is None or region is None:
             return self._translate_inline()
