@@ -14,18 +14,24 @@ template <typename Element, bool kToPaged>
 void CopyBlockStrided(const PagedLayout& paged, int kind, const LayerGeometry& g, int64_t block,
                       int64_t first, int64_t end, char* paged_layer, char* contiguous) {
   const BlockStrides s = paged.Strides(kind);
-  Element* block_base = reinterpret_cast<Element*>(paged_layer) + block * paged.BlockStride() +
-                        s.offset;
-  Element* flat = reinterpret_cast<Element*>(contiguous);
+  // Element strides of the contiguous side (layer layout NHD or HND).
+  const int64_t token_stride = g.layout == Layout::kNHD ? g.num_heads * g.head_dim : g.head_dim;
+  const int64_t head_stride = g.layout == Layout::kNHD ? g.head_dim : g.num_tokens * g.head_dim;
+  const int64_t count = end - first;
+  Element* paged_first = reinterpret_cast<Element*>(paged_layer) + block * paged.BlockStride() +
+                         s.offset + (first % paged.block_size) * s.slot_stride;
+  Element* flat_first = reinterpret_cast<Element*>(contiguous) + first * token_stride;
   for (int64_t head = 0; head < g.num_heads; ++head) {
     for (int64_t dim = 0; dim < g.head_dim; ++dim) {
-      Element* p = block_base + head * s.head_stride + dim * s.dim_stride;
-      for (int64_t token = first; token < end; ++token) {
-        Element* slot = p + (token % paged.block_size) * s.slot_stride;
-        Element* c = flat + CacheOffset(g.layout, g.num_heads, g.num_tokens, g.head_dim, head,
-                                        token, dim);
+      Element* p = paged_first + head * s.head_stride + dim * s.dim_stride;
+      Element* c = flat_first + head * head_stride + dim;
+      for (int64_t i = 0; i < count; ++i) {
         // memcpy: a region's offsets need not be aligned to the element size.
-        std::memcpy(kToPaged ? slot : c, kToPaged ? c : slot, sizeof(Element));
+        if (kToPaged) {
+          std::memcpy(p + i * s.slot_stride, c + i * token_stride, sizeof(Element));
+        } else {
+          std::memcpy(c + i * token_stride, p + i * s.slot_stride, sizeof(Element));
+        }
       }
     }
   }
