@@ -152,5 +152,63 @@ class PagedTest(unittest.TestCase):
                                               for i in (0, 1, 2, 10)])
 
 
+class EngineCacheTest(unittest.TestCase):
+    """kvt.vllm.engine_cache: the engine's cache shared in place, and the EngineBlockOrder the
+    connector sends kvtd, against what the CPU attention kernel itself wrote."""
+
+    def test_shared_in_place_keeps_bytes_and_describes_the_kernels_order(self):
+        import mmap
+        import os
+        from kvt.vllm.engine_cache import engine_block_order, share_in_place
+        for dtype, block_size, heads, dim in CASES:
+            with self.subTest(dtype=dtype, block_size=block_size, heads=heads, dim=dim):
+                # Like vLLM's allocate_kv_cache: one backing buffer (large enough for glibc to
+                # map it on its own), per-layer views.
+                per_layer = 40 * heads * block_size * 2 * dim
+                backing = torch.zeros(max(2 * per_layer, 40 << 20) // 2, dtype=dtype)
+                layers = [backing[i * per_layer:(i + 1) * per_layer].view(
+                    40, heads, block_size, 2 * dim) for i in range(2)]
+                layout = PagedLayout(layers[0], heads, dim)
+                blocks = random.sample(range(1, 40), 5)
+                tokens = 5 * block_size - 3
+                k = torch.randn(tokens, heads, dim).to(dtype)
+                v = torch.randn(tokens, heads, dim).to(dtype)
+                kernel_write(layers[0], layout, blocks, 0, -k, -v)
+                before = backing.clone()
+                address = backing.data_ptr()
+                region = share_in_place(layers)
+                try:
+                    self.assertEqual(backing.data_ptr(), address)
+                    self.assertTrue(torch.equal(backing, before))  # same bytes, same place
+                    kernel_write(layers[1], layout, blocks, 0, k, v)  # after sharing
+                    order = engine_block_order(region, layers, layout.affine_kv,
+                                               layout.block_elems)
+                    self.assertEqual(order["layer_offsets"][1] - order["layer_offsets"][0],
+                                     per_layer * layers[0].element_size())
+                    fd = os.open("/dev/shm/" + region.key.lstrip("/"), os.O_RDWR)
+                    with mmap.mmap(fd, region.byte_size) as other:  # kvtd's view
+                        os.close(fd)
+                        flat = np.frombuffer(other, dtype=np.uint16 if dtype == torch.bfloat16
+                                             else np.float32)
+                        for kind, rows in (("k", k), ("v", v)):
+                            s = order[kind]
+                            t = np.arange(tokens).reshape(-1, 1, 1)
+                            h = np.arange(heads).reshape(1, -1, 1)
+                            d = np.arange(dim).reshape(1, 1, -1)
+                            at = (order["layer_offsets"][1] // layers[0].element_size() +
+                                  np.array(blocks)[t // block_size] * order["block_stride"] +
+                                  s["offset"] + (t % block_size) * s["slot_stride"] +
+                                  h * s["head_stride"] + d * s["dim_stride"])
+                            want = rows.view(torch.int16).numpy().view(np.uint16) \
+                                if dtype == torch.bfloat16 else rows.numpy()
+                            np.testing.assert_array_equal(flat[at], want)
+                        del flat
+                finally:
+                    region.close()
+        small = torch.zeros(1000)
+        with self.assertRaisesRegex(ValueError, "mapping of its own"):
+            share_in_place([small])
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

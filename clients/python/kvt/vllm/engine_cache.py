@@ -31,7 +31,8 @@ import torch
 logger = logging.getLogger("kvt.vllm")
 
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
-_MAP_SHARED, _MAP_FIXED = 0x01, 0x10
+_MAP_SHARED, _MAP_FIXED, _MAP_POPULATE = 0x01, 0x10, 0x8000
+_CHUNK_BYTES = 64 << 20
 
 
 class EngineCacheRegion:
@@ -107,8 +108,9 @@ def _own_pages(address: int, nbytes: int, maps: List[Tuple[int, int, str]]) -> T
 
 def share_in_place(tensors: Sequence[torch.Tensor]) -> EngineCacheRegion:
     """Moves the CPU storage behind `tensors` onto a new POSIX shared-memory object, in place
-    (same address, same bytes). Raises ValueError or OSError, the memory untouched, when it
-    cannot be done safely. Call before the engine runs (nothing may write the cache meanwhile)."""
+    (same address, same bytes). Raises ValueError, the memory untouched, when it cannot be done
+    safely; OSError if a mapping fails midway (the chunks already moved stay shared, with their
+    bytes). Call before the engine runs (nothing may write the cache meanwhile)."""
     if not sys.platform.startswith("linux"):
         raise ValueError("in-place shared KV cache needs Linux")
     if not tensors or any(t.device.type != "cpu" for t in tensors):
@@ -121,25 +123,40 @@ def share_in_place(tensors: Sequence[torch.Tensor]) -> EngineCacheRegion:
     region = EngineCacheRegion(key, start, length)
     try:
         os.ftruncate(fd, length)
-        with mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as staging:
-            window = ctypes.c_char.from_buffer(staging)
-            ctypes.memmove(ctypes.addressof(window), start, length)
-            del window  # the buffer export must end before the mmap closes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                               ctypes.c_int, ctypes.c_long]
-        placed = libc.mmap(start, length, _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED,
-                           fd, 0)
-        if placed != start:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"mmap MAP_FIXED over the KV cache: {os.strerror(errno)}")
+        with mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as staging:
+            window = ctypes.c_char.from_buffer(staging)
+            try:
+                _move_chunks(libc, fd, start, length, ctypes.addressof(window))
+            finally:
+                del window  # the buffer export must end before the mmap closes
     except BaseException:
         region.close()
         raise
     finally:
         os.close(fd)
     return region
+
+
+def _move_chunks(libc: ctypes.CDLL, fd: int, start: int, length: int, staging: int) -> None:
+    """Copies [start, +length) into the object (mapped at `staging`) and maps the object over
+    it, chunk by chunk: each chunk's private pages are released as soon as the object's pages
+    replace them, so the cache is never held twice (a CPU cache can be most of the host's
+    memory)."""
+    for offset in range(0, length, _CHUNK_BYTES):
+        size = min(_CHUNK_BYTES, length - offset)
+        ctypes.memmove(staging + offset, start + offset, size)
+        # MAP_POPULATE: the engine's page tables filled now, as torch.zeros left them for the
+        # private pages, not by a fault on each page's first use in a step.
+        placed = libc.mmap(start + offset, size, _PROT_READ | _PROT_WRITE,
+                           _MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, fd, offset)
+        if placed != start + offset:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"mmap MAP_FIXED over the KV cache at +{offset}: "
+                                 f"{os.strerror(errno)}")
 
 
 def engine_block_order(region: EngineCacheRegion, tensors: List[torch.Tensor],
