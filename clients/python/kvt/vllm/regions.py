@@ -31,6 +31,9 @@ class WorkerRegion:
                  warn: bool, retry_s: float = 30.0, memory: Any = None) -> None:
         self._client_fn = client_fn
         self._memory = memory
+        # kvtd maps a region with MAP_POPULATE (no page faults in its requests): ~80 ms per GiB
+        # at registration on the dev machine; a second per GiB leaves room for slower hosts.
+        self._register_timeout_s = 2.0 + byte_size / float(1 << 30)
         self.byte_size = byte_size
         self.purpose = purpose
         self._warn = warn  # log failures as warnings (transport "shm") or info ("auto")
@@ -97,11 +100,13 @@ class WorkerRegion:
         if self._region is None:
             if self._memory is not None:
                 client.register_system_memory(self._memory.name, self._memory.key,
-                                              self._memory.byte_size, 0, timeout=2.0)
+                                              self._memory.byte_size, 0,
+                                              timeout=self._register_timeout_s)
                 self._region = self._memory
             else:
                 from kvt.shm import SharedMemoryRegion
-                self._region = SharedMemoryRegion(client, self.byte_size, timeout=2.0)
+                self._region = SharedMemoryRegion(client, self.byte_size,
+                                                  timeout=self._register_timeout_s)
             self._registered = True
             # kvtd forgets registrations when it restarts: any connectivity change of the
             # channel means registering again before the next use.
@@ -112,7 +117,8 @@ class WorkerRegion:
             from kvt.errors import AlreadyExistsError
             try:
                 client.register_system_memory(self._region.name, self._region.key,
-                                              self._region.byte_size, 0, timeout=2.0)
+                                              self._region.byte_size, 0,
+                                              timeout=self._register_timeout_s)
             except AlreadyExistsError:
                 pass
             self._registered = True
