@@ -72,6 +72,21 @@ def copy_row(rng, data, length, random_share=0.0, dense=False):
     return row, copied
 
 
+def repeat_row(rng, length, max_period):
+    """A row of random printable bytes with period P (uniform in 16..max_period): a random
+    block repeated to the end of the row, so every byte after the first period is predictable
+    only by finding its earlier copy P bytes back (and nothing else in the row predicts
+    anything). The cheapest dense signal for induction: most targets are copy targets, at every
+    distance up to max_period. Returns the row and the mask of its copy targets (those after
+    the first byte of the second period, as in copy_row)."""
+    period = int(rng.integers(16, max_period + 1))
+    block = rng.integers(32, 127, period).astype(np.int64)
+    row = np.tile(block, length // period + 1)[:length]
+    copied = np.zeros(length - 1, dtype=bool)
+    copied[period:] = True
+    return row, copied
+
+
 def lookup_row(rng, data, length):
     """A training row with key -> value lookups: "abc=12345;" pairs (random 3-letter key, random
     5-digit value) planted at random places in training text, then the same pairs again in
@@ -97,11 +112,13 @@ def lookup_row(rng, data, length):
 
 
 def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
-                   random_copy_share=0.0, dense_copies=False):
+                   random_copy_share=0.0, dense_copies=False, repeat_fraction=0.0,
+                   max_period=400):
     """(x, y, copied): batch rows of seq + 1 bytes as inputs and targets, plain text or, with
-    the given probabilities, a copy row or a lookup row (the mix that teaches the family to use
-    context far back, issue 22); copied marks the targets inside second copies."""
-    if copy_fraction == 0 and lookup_fraction == 0:  # the draws of the runs before the mix
+    the given probabilities, a copy row, a lookup row or a repeat row (the mix that teaches the
+    family to use context far back, issue 22); copied marks the targets inside second copies."""
+    if copy_fraction == 0 and lookup_fraction == 0 and repeat_fraction == 0:
+        # The draws of the runs before the mix.
         starts = rng.integers(0, len(data) - seq - 1, size=batch)
         return (torch.from_numpy(np.stack([data[s:s + seq] for s in starts])),
                 torch.from_numpy(np.stack([data[s + 1:s + seq + 1] for s in starts])),
@@ -112,6 +129,8 @@ def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
             row, copied = copy_row(rng, data, seq + 1, random_copy_share, dense_copies)
         elif u < copy_fraction + lookup_fraction:
             row, copied = lookup_row(rng, data, seq + 1)
+        elif u < copy_fraction + lookup_fraction + repeat_fraction:
+            row, copied = repeat_row(rng, seq + 1, max_period)
         else:
             s = int(rng.integers(0, len(data) - seq - 1))
             row, copied = data[s:s + seq + 1], np.zeros(seq, dtype=bool)
@@ -159,8 +178,10 @@ class Student:
             if previous.config != self.model.config:
                 raise SystemExit(f"--init {init}: its config.json does not match {name}'s shape")
             self.model.load_state_dict(previous.state_dict())
-            with open(os.path.join(init, "summary.json")) as f:
-                self.previous = json.load(f)
+            # A --checkpoint_every directory (step-N) has no summary: then only its weights.
+            if os.path.exists(os.path.join(init, "summary.json")):
+                with open(os.path.join(init, "summary.json")) as f:
+                    self.previous = json.load(f)
         self.model.to(device)
         self.params = sum(q.numel() for q in self.model.parameters())
         decay = [q for q in self.model.parameters() if q.dim() >= 2]
@@ -230,6 +251,14 @@ def main():
                    help="copy rows hold passage/gap/passage units to their end, not one")
     p.add_argument("--lookup_fraction", type=float, default=0.0,
                    help="share of rows with planted key=value lookups (lookup_row)")
+    p.add_argument("--repeat_fraction", type=float, default=0.0,
+                   help="share of rows of random printable bytes repeated with a period "
+                        "(repeat_row): the dense, copy-only signal of an induction curriculum")
+    p.add_argument("--max_period", type=int, default=400,
+                   help="longest period of a repeat row (periods are uniform from 16)")
+    p.add_argument("--checkpoint_every", type=int, default=0,
+                   help="also save the weights every N steps into OUT/step-N (to measure "
+                        "eval/copy_gain.py along the run: --family OUT --members step-N)")
     args = p.parse_args()
     ce_weight = args.ce_weight if args.ce_weight is not None else (0.1 if args.teacher else 1.0)
 
@@ -267,7 +296,7 @@ def main():
             (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         x, y, copied = training_batch(rng, train, args.batch, args.seq, args.copy_fraction,
                                       args.lookup_fraction, args.random_copy_share,
-                                      args.dense_copies)
+                                      args.dense_copies, args.repeat_fraction, args.max_period)
         x, y, copied = x.to(args.device), y.to(args.device), copied.to(args.device)
         t_logp = None
         if teacher is not None:
@@ -306,6 +335,9 @@ def main():
             if held:
                 print(f"{st.name} step {step} {time.time() - start:.0f}s tokens {tokens} ce_bpb "
                       f"{ce.item() / math.log(2):.3f} heldout_bpb {held}", flush=True)
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            for st in students:
+                tiny.save(st.model, os.path.join(st.out, f"step-{step}"))
         if time.time() - last_checkpoint > args.checkpoint_minutes * 60:
             for st in students:
                 tiny.save(st.model, os.path.join(st.out, "checkpoint"))
@@ -320,7 +352,9 @@ def main():
                    "ce_weight": ce_weight, "copy_fraction": args.copy_fraction,
                    "random_copy_share": args.random_copy_share,
                    "dense_copies": args.dense_copies,
-                   "lookup_fraction": args.lookup_fraction, "heldout_bits_per_byte": round(bpb, 4),
+                   "lookup_fraction": args.lookup_fraction,
+                   "repeat_fraction": args.repeat_fraction, "max_period": args.max_period,
+                   "heldout_bits_per_byte": round(bpb, 4),
                    "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
                    "trained_with": [o.name for o in students if o is not st],
                    "command": " ".join(sys.argv)}
