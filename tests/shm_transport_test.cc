@@ -76,6 +76,14 @@ class ShmTransportTest : public ::testing::Test {
     return cache;
   }
 
+  // `cache` packed layer-major (per layer K then V, no padding) at `dst`, as regions hold it.
+  static void WritePacked(const HostCache& cache, char* dst) {
+    for (int l = 0; l < cache.num_layers; ++l) {
+      std::memcpy(dst + (2 * l) * cache.layer_bytes(), cache.k[l].data(), cache.layer_bytes());
+      std::memcpy(dst + (2 * l + 1) * cache.layer_bytes(), cache.v[l].data(), cache.layer_bytes());
+    }
+  }
+
   static v1::TranslateHeader RegionHeader(const std::string& in, uint64_t in_offset,
                                           uint64_t in_size, const std::string& out) {
     v1::TranslateHeader header;
@@ -111,12 +119,7 @@ TEST_F(ShmTransportTest, RoundTripEqualsInlineTranslation) {
 
   // The input region starts 100 bytes into its object (not page aligned).
   ShmObject in_object(kSourceBytes + 100), out_object(kTargetBytes);
-  for (int l = 0; l < 4; ++l) {
-    std::memcpy(in_object.data() + 100 + (2 * l) * source.layer_bytes(), source.k[l].data(),
-                source.layer_bytes());
-    std::memcpy(in_object.data() + 100 + (2 * l + 1) * source.layer_bytes(), source.v[l].data(),
-                source.layer_bytes());
-  }
+  WritePacked(source, in_object.data() + 100);
   std::memset(out_object.data(), 0xff, kTargetBytes);
   ASSERT_TRUE(client->RegisterSystemMemory("in", in_object.key(), 0, kSourceBytes + 100).ok());
   ASSERT_TRUE(client->RegisterSystemMemory("out", out_object.key(), 0, kTargetBytes).ok());
@@ -383,12 +386,7 @@ TEST_F(ShmTransportTest, EngineOrderPagedOutputEqualsInlineTranslation) {
   const int64_t out_bytes = 64 + 6 * layer_bytes;
   const std::vector<uint32_t> out_table = {4, 9, 0, 6, 1, 8, 3};
   ShmObject in_object(kSourceBytes), out_object(out_bytes);
-  for (int l = 0; l < 4; ++l) {
-    std::memcpy(in_object.data() + (2 * l) * source.layer_bytes(), source.k[l].data(),
-                source.layer_bytes());
-    std::memcpy(in_object.data() + (2 * l + 1) * source.layer_bytes(), source.v[l].data(),
-                source.layer_bytes());
-  }
+  WritePacked(source, in_object.data());
   std::memset(out_object.data(), 0x7f, out_bytes);
   ASSERT_TRUE(client->RegisterSystemMemory("in", in_object.key(), 0, kSourceBytes).ok());
   ASSERT_TRUE(client->RegisterSystemMemory("engine", out_object.key(), 0, out_bytes).ok());
