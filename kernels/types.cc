@@ -90,8 +90,9 @@ int64_t EngineLayerExtent(const PagedLayout& p) {
 
 int64_t PagedLayout::RequiredBytes(int num_layers) const {
   if (!engine_order) return num_layers * layer_bytes();
+  const int64_t extent = EngineLayerExtent(*this);
   int64_t end = 0;
-  for (int l = 0; l < num_layers; ++l) end = std::max(end, LayerOffset(l) + EngineLayerExtent(*this));
+  for (int l = 0; l < num_layers; ++l) end = std::max(end, LayerOffset(l) + extent);
   return end;
 }
 

@@ -90,6 +90,10 @@ def _own_pages(address: int, nbytes: int, maps: List[Tuple[int, int, str]]) -> T
               if any(name in os.path.basename(path) for name in ("tcmalloc", "jemalloc",
                                                                   "mimalloc"))]
     if not others:  # glibc malloc
+        # The header is read only where it can be: a storage that starts a mapping (torch's
+        # from_blob of an mmap, say) has no readable bytes before it.
+        if not any(s <= address - 16 and address <= e for s, e, _ in maps):
+            raise ValueError("the KV cache has no malloc chunk header before it")
         size_field = ctypes.c_size_t.from_address(address - 8).value
         prev_size = ctypes.c_size_t.from_address(address - 16).value
         if not size_field & 0x2:
