@@ -72,7 +72,14 @@ ABSL_FLAG(int32_t, refine_batch, 2, "kvt fit --refine=attention: sequences per s
 ABSL_FLAG(int32_t, refine_queries, 32,
           "kvt fit --refine=attention: query tokens per sequence and step (a seeded sample; "
           "0: every token).");
-ABSL_FLAG(double, refine_lr, 0.01,
+ABSL_FLAG(std::string, refine_queries_from, "handoff",
+          "kvt fit --refine=attention: handoff (queries after a seeded boundary read the mapped "
+          "keys before it and the target's own from it on, as after a real handoff) or prefix "
+          "(queries inside the mapped prefix, reading mapped keys only).");
+ABSL_FLAG(int64_t, refine_cache_mb, 1024,
+          "kvt fit --refine=attention: training sequences kept in memory after their first "
+          "read, up to this many MiB; the rest is re-read from disk when it comes up again.");
+ABSL_FLAG(double, refine_lr, 0.003,
           "kvt fit --refine=attention: Adam step size, relative to each tensor's RMS.");
 ABSL_FLAG(double, refine_mlp_lr, 0.001,
           "kvt fit --kind mlp|both --refine=attention: the MLP's Adam step size, relative to "
@@ -245,6 +252,13 @@ int RunFit(const std::vector<std::string>& args) {
   options.refine.steps = absl::GetFlag(FLAGS_refine_steps);
   options.refine.batch = absl::GetFlag(FLAGS_refine_batch);
   options.refine.queries = absl::GetFlag(FLAGS_refine_queries);
+  const std::string queries_from = absl::GetFlag(FLAGS_refine_queries_from);
+  if (queries_from != "handoff" && queries_from != "prefix") {
+    return Fail(absl::StrCat("--refine_queries_from must be handoff or prefix, got '",
+                             queries_from, "'"), 1);
+  }
+  options.refine.handoff = queries_from == "handoff";
+  options.refine.cache_bytes = std::max<int64_t>(0, absl::GetFlag(FLAGS_refine_cache_mb)) << 20;
   options.refine.learning_rate = absl::GetFlag(FLAGS_refine_lr);
   options.refine.mlp_learning_rate = absl::GetFlag(FLAGS_refine_mlp_lr);
   options.refine.seed = options.seed;

@@ -63,7 +63,18 @@ struct RefineOptions {
   int steps = 100;
   int batch = 2;    // sequences per step
   int queries = 32;  // query tokens per sequence and step (a seeded sample); <= 0: every token
-  double learning_rate = 0.01;  // relative: times each tensor's RMS at the start
+  // The queries: after a seeded handoff boundary per sequence and step (uniform in the second
+  // half), reading the mapped keys and values before it and the target's own from it on, as
+  // the target does after a real handoff; false: queries inside the mapped prefix, reading
+  // mapped keys only (blind to a shift of every mapped score; docs/FIT.md compares the two).
+  bool handoff = true;
+  // Training sequences kept in memory after their first read, up to this many bytes (the rest
+  // is read from disk each time it comes up): a bound, so a large model's set still streams.
+  int64_t cache_bytes = int64_t{1} << 30;
+  // Keep the start (closed-form ridge, MSE-trained MLP) when the objective does not fall on
+  // the held-out sequences; false: keep the refined maps regardless (tests of the mechanics).
+  bool keep_start_unless_better = true;
+  double learning_rate = 0.003;  // relative: times each tensor's RMS at the start (docs/FIT.md)
   // The MLP's (relative likewise): a chain's output moves with every hidden unit, so a step of
   // the ridge's size overshoots; measured on the bundled family (docs/FIT.md).
   double mlp_learning_rate = 0.001;

@@ -29,6 +29,7 @@ namespace {
 using ::kvt::testing::MakeTempDir;
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Family;
 using testing::FamilyOptions;
 
@@ -588,6 +589,8 @@ TEST_F(FitQueryTest, AttentionRefinementLowersItsLossDeterministically) {
   options.refine.batch = 2;
   options.refine.queries = 16;
   options.refine.seed = 3;
+  // The mechanics, whatever the held-out sequences say (the guard is checked below).
+  options.refine.keep_start_unless_better = false;
   absl::StatusOr<StatSet> probe = AccumulateProbe(options);
   ASSERT_TRUE(probe.ok()) << probe.status();
   std::vector<std::string> warnings;
@@ -617,6 +620,11 @@ TEST_F(FitQueryTest, AttentionRefinementLowersItsLossDeterministically) {
   }
   ASSERT_EQ(log[0]->loss.size(), 40u);
   EXPECT_EQ(log[0]->loss, log[1]->loss);
+  // The held-out objective is measured before and after.
+  ASSERT_TRUE(log[0]->heldout_before.has_value() && log[0]->heldout_after.has_value());
+  std::printf("held-out refinement loss: %.5f -> %.5f\n", *log[0]->heldout_before,
+              *log[0]->heldout_after);
+  EXPECT_FALSE(log[0]->kept_start);
   EXPECT_EQ(refined[0][1].w_k, refined[1][1].w_k);
   EXPECT_NE(refined[0][1].w_k, start[1].w_k);
   double first = 0, last = 0;
@@ -637,6 +645,20 @@ TEST_F(FitQueryTest, AttentionRefinementLowersItsLossDeterministically) {
   ASSERT_TRUE(report.ok());
   EXPECT_THAT(*report, HasSubstr("refinement loss"));
   EXPECT_THAT(*report, HasSubstr("held-out attention-output cosine before refinement"));
+  EXPECT_THAT(*report, HasSubstr("held-out refinement loss"));
+}
+
+// The held-out refinement loss the report of `path` states: {before, after}.
+std::pair<double, double> ReportedHeldoutLoss(const std::string& path) {
+  absl::StatusOr<std::string> report = ReadFileToString(path);
+  const std::string key = "held-out refinement loss</td><td class=\"l\">";
+  const size_t at = report.ok() ? report->find(key) : std::string::npos;
+  double before = 0, after = 0;
+  if (at == std::string::npos ||
+      std::sscanf(report->c_str() + at + key.size(), "%lf -&gt; %lf", &before, &after) != 2) {
+    ADD_FAILURE() << path << " states no held-out refinement loss";
+  }
+  return {before, after};
 }
 
 // --kind both --refine=attention: the MLP half is refined too, from the MSE-trained chains that
@@ -655,6 +677,9 @@ TEST_F(FitQueryTest, MlpAttentionRefinementLowersTheHeldoutErrorDeterministicall
     options.refine.seed = 3;
     // This family's best step (the bundled family's default is 10x smaller: docs/FIT.md).
     options.refine.mlp_learning_rate = 0.01;
+    // Queries inside the prefix: the objective the held-out cosine below measures (the handoff
+    // objective's own held-out figure is checked after this loop).
+    options.refine.handoff = false;
     const std::string out = MakeTempDir(absl::StrCat("queries_both_refined", i));
     options.refine.unrefined_mlp_out = JoinPath(out, "mlp-unrefined");
     absl::StatusOr<BothResult> both = RunFitBoth(options, out);
@@ -695,6 +720,41 @@ TEST_F(FitQueryTest, MlpAttentionRefinementLowersTheHeldoutErrorDeterministicall
       for (size_t l = 0; l < after.manifest.layers.size(); ++l) {
         EXPECT_EQ(again->manifest.layers[l].r2_k, after.manifest.layers[l].r2_k);
       }
+    }
+  }
+  // The handoff objective (the default) and its guard: on this family, whose truth is linear
+  // plus noise, the closed form is already the best linear map and the refinement overfits the
+  // training sequences (measured: held-out 0.0423 -> 0.0431 ridge, 0.0751 -> 0.0773 MLP), so
+  // each kind keeps its start, and says so.
+  FitOptions options = QueryOptions(*families_[1], *dirs_[1]);
+  options.kind = FitKind::kBoth;
+  options.refine.attention = true;
+  options.refine.steps = 60;
+  options.refine.batch = 2;
+  options.refine.queries = 16;
+  options.refine.seed = 3;
+  options.refine.mlp_learning_rate = 0.01;
+  const std::string out = MakeTempDir("queries_both_handoff");
+  options.refine.unrefined_mlp_out = JoinPath(out, "mlp-unrefined");
+  absl::StatusOr<BothResult> both = RunFitBoth(options, out);
+  ASSERT_TRUE(both.ok()) << both.status();
+  absl::StatusOr<FitResult> plain_ridge = RunFit(QueryOptions(*families_[1], *dirs_[1]),
+                                                 JoinPath(out, "plain-ridge"));
+  ASSERT_TRUE(plain_ridge.ok()) << plain_ridge.status();
+  ASSERT_TRUE(both->mlp_unrefined.has_value());
+  const std::pair<const FitResult*, const FitResult*> kinds[] = {
+      {&both->ridge, &*plain_ridge}, {&both->mlp, &*both->mlp_unrefined}};
+  for (const auto& [result, start] : kinds) {
+    const auto [before, after] = ReportedHeldoutLoss(result->report_path);
+    std::printf("handoff refinement, held-out loss: %.6f -> %.6f\n", before, after);
+    absl::StatusOr<std::string> report = ReadFileToString(result->report_path);
+    ASSERT_TRUE(report.ok());
+    ASSERT_TRUE(result->heldout.has_value() && start->heldout.has_value());
+    if (after < before) {
+      EXPECT_THAT(*report, Not(HasSubstr("the start is kept")));
+    } else {
+      EXPECT_THAT(*report, HasSubstr("the start is kept"));
+      EXPECT_EQ(result->heldout->attention_cosine, start->heldout->attention_cosine);
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -147,6 +148,15 @@ AttentionError AttentionOutputErrorAndGradient(const AttentionProblem& p, const 
   const bool grad = dk_hat != nullptr && dv_hat != nullptr;
   std::vector<double> k_hat(k_in, k_in + te * out);
   p.rope->Rotate(te, p.kv_heads, d, /*transpose=*/false, k_hat.data());
+  // Past a handoff boundary the target's own rows (K post-RoPE already) replace the mapped ones.
+  const int64_t own = p.own_from < 0 ? te : std::min(p.own_from, te);
+  std::vector<double> v_mixed;
+  if (own < te) {
+    std::copy(p.k_true + own * out, p.k_true + te * out, k_hat.begin() + own * out);
+    v_mixed.assign(v_hat, v_hat + own * out);
+    v_mixed.insert(v_mixed.end(), p.v_true + own * out, p.v_true + te * out);
+    v_hat = v_mixed.data();
+  }
 
   std::vector<int64_t> last(n);
   for (int g = 0; g < group; ++g) std::copy(p.rows.begin(), p.rows.end(), last.begin() + g * m);
@@ -193,26 +203,32 @@ AttentionError AttentionOutputErrorAndGradient(const AttentionProblem& p, const 
     cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, te, d, n, scale, d_p.data(), te,
                 q.data(), d, 1.0, dk_hat + col, out);
   }
+  if (!grad) return result;
+  // The target's own rows are not the mapper's output: nothing flows back through them.
+  std::fill(dk_hat + own * out, dk_hat + te * out, 0.0);
+  std::fill(dv_hat + own * out, dv_hat + te * out, 0.0);
   // Back to content space: d / d (content K^) = R^T d / d (rotated K^).
-  if (grad) p.rope->Rotate(te, p.kv_heads, d, /*transpose=*/true, dk_hat);
+  p.rope->Rotate(te, p.kv_heads, d, /*transpose=*/true, dk_hat);
   return result;
 }
 
 AttentionError AttentionErrorAndGradient(const AttentionProblem& p, const RidgeMaps& maps,
                                          RidgeMaps* grad) {
   if (p.rows.empty()) return AttentionError();
-  const int64_t out = maps.out, in = maps.in, te = VisibleTokens(p);
+  // Rows past the mapped ones are the target's own (AttentionOutputErrorAndGradient fills
+  // them): the maps run on the mapped rows only.
+  const int64_t out = maps.out, in = maps.in, te = VisibleTokens(p), tm = MappedTokens(p);
   std::vector<double> k_hat(te * out), v_hat(te * out);
-  Affine(te, in, out, p.x_k, maps.w_k, maps.b_k, k_hat.data());
-  Affine(te, in, out, p.x_v, maps.w_v, maps.b_v, v_hat.data());
+  Affine(tm, in, out, p.x_k, maps.w_k, maps.b_k, k_hat.data());
+  Affine(tm, in, out, p.x_v, maps.w_v, maps.b_v, v_hat.data());
   if (grad == nullptr) {
     return AttentionOutputErrorAndGradient(p, k_hat.data(), v_hat.data(), nullptr, nullptr);
   }
   std::vector<double> dk_hat(te * out), dv_hat(te * out);
   const AttentionError result =
       AttentionOutputErrorAndGradient(p, k_hat.data(), v_hat.data(), dk_hat.data(), dv_hat.data());
-  AffineBackward(te, in, out, p.x_k, dk_hat.data(), &grad->w_k, &grad->b_k);
-  AffineBackward(te, in, out, p.x_v, dv_hat.data(), &grad->w_v, &grad->b_v);
+  AffineBackward(tm, in, out, p.x_k, dk_hat.data(), &grad->w_k, &grad->b_k);
+  AffineBackward(tm, in, out, p.x_v, dv_hat.data(), &grad->w_v, &grad->b_v);
   return result;
 }
 
@@ -241,23 +257,24 @@ std::vector<std::vector<float>*> MlpMaps::Tensors() {
 AttentionError MlpAttentionErrorAndGradient(const AttentionProblem& p, const MlpMaps& maps,
                                             MlpMaps* grad) {
   if (p.rows.empty()) return AttentionError();
-  const int64_t te = VisibleTokens(p), out = int64_t{p.kv_heads} * p.head_dim;
-  const int64_t in = maps.k.front().in;
-  // Forward: every chain on the visible tokens, outputs placed at its columns (float64).
+  const int64_t te = VisibleTokens(p), tm = MappedTokens(p);
+  const int64_t out = int64_t{p.kv_heads} * p.head_dim, in = maps.k.front().in;
+  // Forward: every chain on the mapped tokens, outputs placed at its columns (float64); the
+  // rows after them are the target's own (AttentionOutputErrorAndGradient fills them).
   std::vector<float> x[2];
   std::vector<double> y[2];
   std::vector<MlpWorkspace> ws[2];
   for (int c = 0; c < 2; ++c) {
     const double* src = c == 0 ? p.x_k : p.x_v;
-    x[c].assign(src, src + te * in);
+    x[c].assign(src, src + tm * in);
     y[c].assign(te * out, 0.0);
     const std::vector<MlpWeights>& chains = c == 0 ? maps.k : maps.v;
     ws[c].resize(chains.size());
     const int64_t width = out / static_cast<int64_t>(chains.size());
-    std::vector<float> part(te * width);
+    std::vector<float> part(tm * width);
     for (size_t h = 0; h < chains.size(); ++h) {
-      MlpForwardKeep(chains[h], x[c].data(), te, &ws[c][h], part.data());
-      for (int64_t t = 0; t < te; ++t) {
+      MlpForwardKeep(chains[h], x[c].data(), tm, &ws[c][h], part.data());
+      for (int64_t t = 0; t < tm; ++t) {
         std::copy(&part[t * width], &part[t * width] + width, &y[c][t * out + h * width]);
       }
     }
@@ -272,14 +289,14 @@ AttentionError MlpAttentionErrorAndGradient(const AttentionProblem& p, const Mlp
     const std::vector<MlpWeights>& chains = c == 0 ? maps.k : maps.v;
     std::vector<MlpWeights>& grads = c == 0 ? grad->k : grad->v;
     const int64_t width = out / static_cast<int64_t>(chains.size());
-    std::vector<float> part(te * width);
+    std::vector<float> part(tm * width);
     for (size_t h = 0; h < chains.size(); ++h) {
-      for (int64_t t = 0; t < te; ++t) {
+      for (int64_t t = 0; t < tm; ++t) {
         for (int64_t j = 0; j < width; ++j) {
           part[t * width + j] = static_cast<float>(dy[c][t * out + h * width + j]);
         }
       }
-      MlpBackward(chains[h], x[c].data(), te, part.data(), &ws[c][h], &grads[h],
+      MlpBackward(chains[h], x[c].data(), tm, part.data(), &ws[c][h], &grads[h],
                   /*accumulate=*/true);
     }
   }
@@ -294,6 +311,15 @@ struct LoadedSequence {
   FeatureRows rows;
   DumpQueries queries;
   RopeRows rope;
+
+  int64_t Bytes() const {
+    int64_t floats = 0;
+    for (const std::vector<float>& q : queries.layers) floats += q.size();
+    return 8 * static_cast<int64_t>(rows.source_k.size() + rows.source_v.size() +
+                                    rows.target_k.size() + rows.target_v.size() +
+                                    rope.cos.size() + rope.sin.size()) +
+           4 * floats;
+  }
 };
 
 absl::StatusOr<LoadedSequence> LoadSequence(const SequencePair& pair, const FitShape& shape,
@@ -444,11 +470,15 @@ absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFina
   std::vector<const SequencePair*> order;
   size_t next = 0;
   LayerInputs inputs;
+  // Sequences read once stay in memory while they fit in ro.cache_bytes, so later epochs skip
+  // the disk and the parsing (the tiny family's whole calibration set); beyond, they stream.
+  std::map<const SequencePair*, std::shared_ptr<const LoadedSequence>> cache;
+  int64_t cached_bytes = 0;
   for (int step = 0; step < ro.steps; ++step) {
     std::vector<AttentionError> err(L);
     target.zero();
     for (int b = 0; b < ro.batch; ++b) {
-      absl::StatusOr<LoadedSequence> s = absl::NotFoundError("");
+      absl::StatusOr<std::shared_ptr<const LoadedSequence>> s = absl::NotFoundError("");
       while (!s.ok()) {
         if (train.empty()) {
           return absl::FailedPreconditionError(
@@ -462,16 +492,37 @@ absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFina
         }
         const SequencePair* pair = order[next++];
         if (std::find(train.begin(), train.end(), pair) == train.end()) continue;  // dropped
-        s = LoadSequence(*pair, shape, *rope);
-        if (absl::IsNotFound(s.status())) {
-          train.erase(std::find(train.begin(), train.end(), pair));
-        } else if (!s.ok()) {
-          return s.status();
+        if (auto hit = cache.find(pair); hit != cache.end()) {
+          s = hit->second;
+          break;
         }
+        absl::StatusOr<LoadedSequence> loaded = LoadSequence(*pair, shape, *rope);
+        if (absl::IsNotFound(loaded.status())) {
+          train.erase(std::find(train.begin(), train.end(), pair));
+          continue;
+        }
+        if (!loaded.ok()) return loaded.status();
+        auto shared = std::make_shared<const LoadedSequence>(std::move(*loaded));
+        if (cached_bytes + shared->Bytes() <= ro.cache_bytes) {
+          cached_bytes += shared->Bytes();
+          cache.emplace(pair, shared);
+        }
+        s = std::move(shared);
       }
-      const std::vector<int64_t> rows = SampleRows(s->rows.rows, ro.queries, &rng);
+      const LoadedSequence& seq = **s;
+      const int64_t T = seq.rows.rows;
+      int64_t own_from = -1;
+      std::vector<int64_t> rows;
+      if (ro.handoff && T >= 2) {
+        own_from = T / 2 + static_cast<int64_t>(NextRandom(&rng) % (T - T / 2));
+        rows = SampleRows(T - own_from, ro.queries, &rng);
+        for (int64_t& r : rows) r += own_from;
+      } else {
+        rows = SampleRows(T, ro.queries, &rng);
+      }
       for (int l = 0; l < L; ++l) {
-        GatherLayer(*s, shape, l, parsed.sigma[l], rows, &inputs);
+        GatherLayer(seq, shape, l, parsed.sigma[l], rows, &inputs);
+        inputs.problem.own_from = own_from;
         const AttentionError e = target.accumulate(l, inputs.problem);
         err[l].error += e.error;
         err[l].norm += e.norm;
@@ -494,6 +545,67 @@ absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFina
   if (progress) progress->Finish();
   log.sequences = static_cast<int>(train.size());
   log.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return log;
+}
+
+using ErrorOf = std::function<AttentionError(int l, const AttentionProblem& problem)>;
+
+// The refinement's objective on the held-out sequences with target queries, deterministic: the
+// handoff boundary at 3/4 of each sequence and every query after it (or every query, for the
+// prefix objective); the mean over target layers of summed error / summed norm. nullopt when no
+// held-out sequence has queries.
+absl::StatusOr<std::optional<double>> HeldoutLoss(const FitOptions& options,
+                                                  const ParsedFinal& parsed,
+                                                  const ErrorOf& error) {
+  const FitShape& shape = parsed.shape;
+  absl::StatusOr<Rope> rope = Rope::Create(shape.target.rope, shape.target.head_dim);
+  if (!rope.ok()) return rope.status();
+  const int L = shape.target.num_layers;
+  std::vector<AttentionError> err(L);
+  bool any = false;
+  LayerInputs inputs;
+  for (const SequencePair& pair : options.sequences) {
+    if (!pair.heldout) continue;
+    absl::StatusOr<LoadedSequence> s = LoadSequence(pair, shape, *rope);
+    if (absl::IsNotFound(s.status())) continue;
+    if (!s.ok()) return s.status();
+    const int64_t T = s->rows.rows;
+    const int64_t own_from = options.refine.handoff && T >= 2 ? T * 3 / 4 : -1;
+    std::vector<int64_t> rows = SampleRows(T - std::max<int64_t>(own_from, 0), 0, nullptr);
+    for (int64_t& r : rows) r += std::max<int64_t>(own_from, 0);
+    for (int l = 0; l < L; ++l) {
+      GatherLayer(*s, shape, l, parsed.sigma[l], rows, &inputs);
+      inputs.problem.own_from = own_from;
+      const AttentionError e = error(l, inputs.problem);
+      err[l].error += e.error;
+      err[l].norm += e.norm;
+    }
+    any = true;
+  }
+  if (!any) return std::optional<double>();
+  double loss = 0;
+  for (const AttentionError& e : err) {
+    loss += e.error / std::max(e.norm, std::numeric_limits<double>::min()) / L;
+  }
+  return std::optional<double>(loss);
+}
+
+// RefineLoop between two held-out measurements of its objective.
+absl::StatusOr<RefineLog> MeasuredRefineLoop(const FitOptions& options,
+                                             const ParsedFinal& parsed,
+                                             const RefineTarget& target, const ErrorOf& error) {
+  absl::StatusOr<std::optional<double>> before = HeldoutLoss(options, parsed, error);
+  if (!before.ok()) return before.status();
+  absl::StatusOr<RefineLog> log = RefineLoop(options, parsed, target);
+  if (!log.ok()) return log.status();
+  absl::StatusOr<std::optional<double>> after = HeldoutLoss(options, parsed, error);
+  if (!after.ok()) return after.status();
+  log->heldout_before = *before;
+  log->heldout_after = *after;
+  // Held-out sequences are the only evidence the steps generalise: when they say no, the
+  // caller keeps its start.
+  log->kept_start = options.refine.keep_start_unless_better && *before && *after &&
+                    !(**after < **before);
   return log;
 }
 
@@ -540,8 +652,12 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
     DivideAll(grads[l].Tensors(), norm);
     adam[l].Update(maps[l].Tensors(), grads[l].Tensors());
   };
-  absl::StatusOr<RefineLog> log = RefineLoop(options, parsed, target);
+  absl::StatusOr<RefineLog> log =
+      MeasuredRefineLoop(options, parsed, target, [&](int l, const AttentionProblem& p) {
+        return AttentionErrorAndGradient(p, maps[l], nullptr);
+      });
   if (!log.ok()) return log.status();
+  if (log->kept_start) return log;  // `fits` still hold the closed form
   for (int l = 0; l < L; ++l) {
     LayerFit& f = (*fits)[l];
     f.w_k = std::move(maps[l].w_k);
@@ -565,6 +681,7 @@ absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal
     grads[l] = MlpMaps::ZerosLike((*layers)[l]);
     adam[l].Init((*layers)[l].Tensors(), options.refine.mlp_learning_rate);
   }
+  const std::vector<MlpMaps> start = *layers;
   RefineTarget target;
   target.accumulate = [&](int l, const AttentionProblem& p) {
     return MlpAttentionErrorAndGradient(p, (*layers)[l], &grads[l]);
@@ -576,7 +693,12 @@ absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal
     DivideAll(grads[l].Tensors(), norm);
     adam[l].Update((*layers)[l].Tensors(), grads[l].Tensors());
   };
-  return RefineLoop(options, parsed, target);
+  absl::StatusOr<RefineLog> log =
+      MeasuredRefineLoop(options, parsed, target, [&](int l, const AttentionProblem& p) {
+        return MlpAttentionErrorAndGradient(p, (*layers)[l], nullptr);
+      });
+  if (log.ok() && log->kept_start) *layers = start;
+  return log;
 }
 
 absl::StatusOr<std::optional<HeldoutQuality>> MeasureInMemory(
@@ -622,8 +744,14 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
   if (options.solve.show_progress) {
     std::fprintf(options.solve.log,
                  "kvt fit: refined %d steps in %.2f s: loss %.5f -> %.5f (relative attention-"
-                 "output error, training batches)\n",
-                 options.refine.steps, log->seconds, log->loss.front(), log->loss.back());
+                 "output error, training batches)%s\n",
+                 options.refine.steps, log->seconds, log->loss.front(), log->loss.back(),
+                 log->heldout_after
+                     ? absl::StrFormat("; held-out %.5f -> %.5f%s", *log->heldout_before,
+                                       *log->heldout_after,
+                                       log->kept_start ? ", so the closed form is kept" : "")
+                           .c_str()
+                     : "");
   }
   return RefineFacts(options.refine, *log, *before ? &**before : nullptr,
                      "the closed-form ridge");
@@ -648,6 +776,9 @@ std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions
        absl::StrCat("attention: Adam from ", start, " on ||o^ - o||^2 / ||o||^2 of the "
                     "target's causal attention outputs (its own post-RoPE queries), per layer, "
                     "K and V jointly; ",
+                    options.handoff ? "queries after a handoff boundary (mapped keys before "
+                                      "it, the target's own from it on); "
+                                    : "queries inside the mapped prefix; ",
                     options.steps, " steps of ", options.batch, " sequences x ",
                     options.queries > 0 ? absl::StrCat(options.queries) : std::string("all"),
                     " query tokens, lr ", options.learning_rate, " x tensor RMS, seed ",
@@ -655,6 +786,17 @@ std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions
                     absl::StrFormat("%.2f s", log.seconds))},
       {"refinement loss (mean over layers)", absl::StrJoin(points, ", ")},
   };
+  if (log.heldout_before && log.heldout_after) {
+    facts.push_back(
+        {"held-out refinement loss",
+         absl::StrFormat("%.6f -> %.6f (the objective on the held-out sequences, %s)%s",
+                         *log.heldout_before, *log.heldout_after,
+                         options.handoff ? "boundary at 3/4, every query after it"
+                                         : "every query",
+                         log.kept_start ? "; not lower, so the start is kept: this mapper is "
+                                          "the unrefined one"
+                                        : "")});
+  }
   if (before != nullptr) {
     facts.push_back(
         {"held-out attention-output cosine before refinement",

@@ -6,7 +6,9 @@
 // backpropagates that through its own maps.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,6 +55,11 @@ struct AttentionProblem {
   const double* queries = nullptr;  // [tokens, query_heads, head_dim], post-RoPE
   const RopeRows* rope = nullptr;
   std::vector<int64_t> rows;  // query tokens whose outputs count, ascending
+  // Tokens from here on keep the target's own keys and values, as after a handoff: a translated
+  // prefix, then tokens the target computed itself. Queries past the boundary then weigh the
+  // mapped keys against real ones, which a loss over the prefix alone cannot see (a shift of
+  // every mapped score cancels in its softmax). -1: every visible token is mapped.
+  int64_t own_from = -1;
 };
 
 // Sums over `rows` and query heads: error = ||o^ - o||^2, norm = ||o||^2.
@@ -65,11 +72,17 @@ inline int64_t VisibleTokens(const AttentionProblem& p) {
   return p.rows.empty() ? 0 : p.rows.back() + 1;
 }
 
+// Tokens whose keys and values come from the mapper: the visible ones before p.own_from.
+inline int64_t MappedTokens(const AttentionProblem& p) {
+  const int64_t te = VisibleTokens(p);
+  return p.own_from < 0 ? te : std::min(p.own_from, te);
+}
+
 // The shared part: the error of the attention outputs that mapped keys and values give against
 // the target's own. k_hat, v_hat [VisibleTokens(p), kv_heads * head_dim] in content space (K^
 // before the target's RoPE, which this applies, as kvtd does); when dk_hat and dv_hat are set
-// (same shape) they receive d error / d k_hat and d error / d v_hat (overwritten). Ignores
-// p.x_k and p.x_v.
+// (same shape) they receive d error / d k_hat and d error / d v_hat (overwritten; zero from
+// p.own_from on, where the target's own keys and values stand in). Ignores p.x_k and p.x_v.
 AttentionError AttentionOutputErrorAndGradient(const AttentionProblem& p, const double* k_hat,
                                                const double* v_hat, double* dk_hat,
                                                double* dv_hat);
@@ -101,6 +114,12 @@ struct RefineLog {
   std::vector<double> loss;
   int sequences = 0;  // training sequences with target queries (of those read)
   double seconds = 0;
+  // The same objective on the held-out sequences with queries (HeldoutLoss), before and after;
+  // unset when none has queries.
+  std::optional<double> heldout_before, heldout_after;
+  // The refinement raised the held-out objective, so the start was kept (the mapper is then
+  // the closed-form ridge or the MSE-trained MLP, as if not refined).
+  bool kept_start = false;
 };
 
 // Refines `fits` (one per target layer, sigma from `parsed`) in place on the training sequences

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/testing/reference.h"
 
@@ -102,8 +103,11 @@ TEST(AttentionRefineTest, GradientMatchesFloat64FiniteDifferences) {
     absl::StatusOr<Rope> rope =
         Rope::Create(MakeTestRope(RopeScalingType::kYarn, style, /*rotary_dim=*/6), 8);
     ASSERT_TRUE(rope.ok()) << rope.status();
+    for (int64_t own_from : {int64_t{-1}, int64_t{5}}) {
+    SCOPED_TRACE(absl::StrCat("own_from ", own_from));
     RandomProblem r;
     MakeProblem(&rng, *rope, 9, 8, &r);
+    r.problem.own_from = own_from;  // 5: the last counted query (6) reads its own keys 5 and 6
     RidgeMaps grad;
     grad.Resize(r.maps.in, r.maps.out);
     const AttentionError base = AttentionErrorAndGradient(r.problem, r.maps, &grad);
@@ -128,7 +132,36 @@ TEST(AttentionRefineTest, GradientMatchesFloat64FiniteDifferences) {
       }
     }
     EXPECT_EQ(checked, 2 * (5 * 16 + 16));
+    }
   }
+}
+
+TEST(AttentionRefineTest, RowsFromTheHandoffAreTheTargetsOwn) {
+  std::mt19937_64 rng(FreshSeed("AttentionRefineTest.RowsFromTheHandoffAreTheTargetsOwn"));
+  absl::StatusOr<Rope> rope =
+      Rope::Create(MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 8), 8);
+  ASSERT_TRUE(rope.ok()) << rope.status();
+  RandomProblem r;
+  MakeProblem(&rng, *rope, 10, 8, &r);
+  RidgeMaps grad;
+  grad.Resize(r.maps.in, r.maps.out);
+  // Every row the target's own: nothing to get wrong, nothing to move.
+  r.problem.own_from = 0;
+  AttentionError e = AttentionErrorAndGradient(r.problem, r.maps, &grad);
+  EXPECT_EQ(e.error, 0.0);
+  EXPECT_GT(e.norm, 0.0);
+  for (std::vector<double>* g : grad.Tensors()) {
+    for (double v : *g) EXPECT_EQ(v, 0.0);
+  }
+  // From row 5 on the source's features are never read; row 4's are.
+  r.problem.own_from = 5;
+  const double before = AttentionErrorAndGradient(r.problem, r.maps, nullptr).error;
+  EXPECT_GT(before, 0.0);
+  const int64_t in = r.maps.in;
+  for (int64_t i = 5 * in; i < 10 * in; ++i) r.x_k[i] += 1.0, r.x_v[i] -= 1.0;
+  EXPECT_EQ(AttentionErrorAndGradient(r.problem, r.maps, nullptr).error, before);
+  for (int64_t i = 4 * in; i < 5 * in; ++i) r.x_v[i] += 1.0;
+  EXPECT_NE(AttentionErrorAndGradient(r.problem, r.maps, nullptr).error, before);
 }
 
 TEST(AttentionRefineTest, ExactMapsHaveZeroErrorAndGradient) {
@@ -230,6 +263,8 @@ TEST(AttentionRefineTest, MlpGradientMatchesFloat64FiniteDifferences) {
     ASSERT_TRUE(rope.ok()) << rope.status();
     RandomProblem r;
     MakeProblem(&rng, *rope, 9, 8, &r);
+    // per_head also past a handoff boundary: the chains then run on rows 0-4 only.
+    if (heads == 2) r.problem.own_from = 5;
     // Inputs float32-exact: the chains read them as float32.
     for (std::vector<double>* x : {&r.x_k, &r.x_v}) {
       for (double& v : *x) v = static_cast<float>(v);

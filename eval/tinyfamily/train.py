@@ -72,15 +72,27 @@ def copy_row(rng, data, length, random_share=0.0, dense=False):
     return row, copied
 
 
-def repeat_row(rng, length, max_period):
+def repeat_row(rng, length, max_period, data=None, prose_share=0.0, small_alphabet_share=0.0):
     """A row of random printable bytes with period P (uniform in 16..max_period): a random
     block repeated to the end of the row, so every byte after the first period is predictable
     only by finding its earlier copy P bytes back (and nothing else in the row predicts
     anything). The cheapest dense signal for induction: most targets are copy targets, at every
-    distance up to max_period. Returns the row and the mask of its copy targets (those after
-    the first byte of the second period, as in copy_row)."""
+    distance up to max_period. prose_share: the share of rows whose block is training text
+    instead; random bytes are told apart by one or two earlier bytes, prose only by a longer
+    match, and a model taught on random blocks alone copies them but keeps trusting its prose
+    prior on prose. small_alphabet_share: the share of the random blocks drawn from 2-8
+    printable bytes, where, as in prose, only a match of several earlier bytes finds the copy.
+    Returns the row and the mask of its copy targets (those after the first byte of the second
+    period, as in copy_row)."""
     period = int(rng.integers(16, max_period + 1))
-    block = rng.integers(32, 127, period).astype(np.int64)
+    if data is not None and rng.random() < prose_share:
+        s = int(rng.integers(0, len(data) - period))
+        block = data[s:s + period]
+    elif rng.random() < small_alphabet_share:
+        alphabet = rng.choice(np.arange(32, 127), int(rng.integers(2, 9)), replace=False)
+        block = rng.choice(alphabet, period).astype(np.int64)
+    else:
+        block = rng.integers(32, 127, period).astype(np.int64)
     row = np.tile(block, length // period + 1)[:length]
     copied = np.zeros(length - 1, dtype=bool)
     copied[period:] = True
@@ -113,7 +125,7 @@ def lookup_row(rng, data, length):
 
 def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
                    random_copy_share=0.0, dense_copies=False, repeat_fraction=0.0,
-                   max_period=400):
+                   max_period=400, prose_repeat_share=0.0, small_alphabet_share=0.0):
     """(x, y, copied): batch rows of seq + 1 bytes as inputs and targets, plain text or, with
     the given probabilities, a copy row, a lookup row or a repeat row (the mix that teaches the
     family to use context far back, issue 22); copied marks the targets inside second copies."""
@@ -130,7 +142,8 @@ def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
         elif u < copy_fraction + lookup_fraction:
             row, copied = lookup_row(rng, data, seq + 1)
         elif u < copy_fraction + lookup_fraction + repeat_fraction:
-            row, copied = repeat_row(rng, seq + 1, max_period)
+            row, copied = repeat_row(rng, seq + 1, max_period, data, prose_repeat_share,
+                                     small_alphabet_share)
         else:
             s = int(rng.integers(0, len(data) - seq - 1))
             row, copied = data[s:s + seq + 1], np.zeros(seq, dtype=bool)
@@ -256,6 +269,11 @@ def main():
                         "(repeat_row): the dense, copy-only signal of an induction curriculum")
     p.add_argument("--max_period", type=int, default=400,
                    help="longest period of a repeat row (periods are uniform from 16)")
+    p.add_argument("--prose_repeat_share", type=float, default=0.0,
+                   help="share of repeat rows whose repeated block is training text, not "
+                        "random bytes (copying prose needs a longer match than random bytes)")
+    p.add_argument("--small_alphabet_share", type=float, default=0.0,
+                   help="share of the random repeat blocks drawn from 2-8 printable bytes")
     p.add_argument("--checkpoint_every", type=int, default=0,
                    help="also save the weights every N steps into OUT/step-N (to measure "
                         "eval/copy_gain.py along the run: --family OUT --members step-N)")
@@ -296,7 +314,8 @@ def main():
             (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         x, y, copied = training_batch(rng, train, args.batch, args.seq, args.copy_fraction,
                                       args.lookup_fraction, args.random_copy_share,
-                                      args.dense_copies, args.repeat_fraction, args.max_period)
+                                      args.dense_copies, args.repeat_fraction, args.max_period,
+                                      args.prose_repeat_share, args.small_alphabet_share)
         x, y, copied = x.to(args.device), y.to(args.device), copied.to(args.device)
         t_logp = None
         if teacher is not None:
@@ -354,6 +373,8 @@ def main():
                    "dense_copies": args.dense_copies,
                    "lookup_fraction": args.lookup_fraction,
                    "repeat_fraction": args.repeat_fraction, "max_period": args.max_period,
+                   "prose_repeat_share": args.prose_repeat_share,
+                   "small_alphabet_share": args.small_alphabet_share,
                    "heldout_bits_per_byte": round(bpb, 4),
                    "heldout_bytes": len(heldout), "corpus": corpus.PACKAGE,
                    "trained_with": [o.name for o in students if o is not st],
