@@ -69,7 +69,7 @@ ABSL_FLAG(std::string, refine, "none",
           "The mapper keeps its kind.");
 ABSL_FLAG(int32_t, refine_steps, 100, "kvt fit --refine=attention: Adam steps.");
 ABSL_FLAG(int32_t, refine_batch, 2, "kvt fit --refine=attention: sequences per step.");
-ABSL_FLAG(int32_t, refine_queries, 32,
+ABSL_FLAG(int32_t, refine_queries, 16,
           "kvt fit --refine=attention: query tokens per sequence and step (a seeded sample; "
           "0: every token).");
 ABSL_FLAG(std::string, refine_queries_from, "handoff",

@@ -62,7 +62,7 @@ struct RefineOptions {
   bool attention = false;
   int steps = 100;
   int batch = 2;    // sequences per step
-  int queries = 32;  // query tokens per sequence and step (a seeded sample); <= 0: every token
+  int queries = 16;  // query tokens per sequence and step (a seeded sample); <= 0: every token
   // The queries: after a seeded handoff boundary per sequence and step (uniform in the second
   // half), reading the mapped keys and values before it and the target's own from it on, as
   // the target does after a real handoff; false: queries inside the mapped prefix, reading
