@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Side by side: `kvt fit` variants of each ordered pair, measured as docs/EVAL.md measures.
+
+    bazel build //eval:compare_fits && PATH=$PWD/.venv/bin:$PATH bazel-bin/eval/compare_fits \
+        --work=/tmp/kvt-compare --pairs=M:S,S:L \
+        --variants='{"ridge": [], "refined": ["--refine=attention"]}'
+
+Per pair and variant (a label and the extra `kvt fit` flags; k = 2, stride 1, one thread): the
+fit's wall time, then, served by one kvtd, the context benefit recovered on the evaluation's
+held-out windows (retention.evaluate_kinds: 16 windows of 384 + 96 bytes), the perplexity ratio
+and kvtd's attention-output cosine per target layer. The tool behind docs/FIT.md's comparison of
+refinement objectives; a JSON line per pair and variant on stdout.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import retention as R  # noqa: E402
+
+
+def kvt_fit(dumps, members, a, b, out, extra):
+    cmd = [R.runfile("cli/kvt"), "fit", f"--source_config={dumps[a]}",
+           f"--target_config={dumps[b]}", f"--source_model={members[a].name}",
+           f"--target_model={members[b].name}", f"--source_dumps={dumps[a]}",
+           f"--target_dumps={dumps[b]}", "--top_k=2", "--stride=1",
+           f"--corpus={R.corpus.PACKAGE}", "--threads=1", "--overwrite", f"--out={out}"] + extra
+    start = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"kvt fit failed: {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
+    return time.time() - start
+
+
+def layer_cosines(client, source, target, mapper_id, windows, context):
+    """Mean attention-output cosine per target layer (ValidateKV) over `windows`."""
+    per = []
+    for ids in windows:
+        own, queries = target.prefill(ids[:context], queries=True)
+        v = client.validate(R.adapters.from_torch(source.prefill(ids[:context])),
+                            R.adapters.from_torch(own),
+                            R.adapters.from_torch([(q, q) for q in queries]), mapper_id=mapper_id)
+        per.append([layer.attention_cosine for layer in v.layers])
+    return [round(sum(c) / len(c), 4) for c in zip(*per)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--pairs", required=True, help="SOURCE:TARGET,...")
+    p.add_argument("--variants", required=True,
+                   help='JSON {label: [extra kvt fit flags]}, e.g. {"ridge": []}')
+    p.add_argument("--work", required=True)
+    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--context", type=int, default=384)
+    p.add_argument("--continuation", type=int, default=96)
+    args = p.parse_args()
+    caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
+    work = os.path.join(caller, args.work)
+    os.makedirs(work, exist_ok=True)
+    R.torch.set_num_threads(1)
+    pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
+    variants = json.loads(args.variants)
+    calib = R.write_split("calib", os.path.join(work, "calib.jsonl"))
+    members, dumps = {}, {}
+    for m in sorted({x for pair in pairs for x in pair}):
+        members[m] = R.Member(os.path.join(args.family, m))
+        dumps[m] = R.dump(members[m].dir, calib, os.path.join(work, "dumps", m), 512, 64,
+                          queries=True)
+    store = os.path.join(work, "store")
+    seconds = {}
+    for a, b in pairs:
+        for label, extra in variants.items():
+            seconds[(a, b, label)] = kvt_fit(dumps, members, a, b,
+                                             os.path.join(store, f"{a}-to-{b}-{label}"), extra)
+    windows = R.heldout_windows(args.context + args.continuation + 1, args.windows)
+    with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
+        for a, b in pairs:
+            ids = {label: f"{a}-to-{b}-{label}" for label in variants}
+            r = R.evaluate_kinds(client, members[a], members[b], ids, windows, args.context)
+            for label, mid in ids.items():
+                print(json.dumps({
+                    "pair": f"{a}->{b}", "variant": label, "fit_seconds": round(
+                        seconds[(a, b, label)], 2),
+                    "benefit": round(r[label]["benefit"], 4),
+                    "ppl_ratio": round(r[label]["ppl_ratio"], 4),
+                    "attention_cosine": round(r[label]["validate"]["attention_cosine"], 4),
+                    "layer_cosines": layer_cosines(client, members[a], members[b], mid,
+                                                   windows[:4], args.context)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
