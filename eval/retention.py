@@ -469,9 +469,9 @@ def evaluate_long_range(client, source, target, mapper_ids, windows, controls, c
     mapper_ids {label: mapper_id}; identity: the target's TokenIdentityMap; untrained {label:
     (Member, mapper_id)}: the untrained-source control of each mapper kind. Per condition the
     CE (nats/byte; all, first 16) on the windows, the benefit recovered against no context, and
-    for own and each mapper the copy gain: CE on the control windows (the earlier copy or the
-    planted values replaced) minus CE on the windows, i.e. how much of the continuation comes
-    from context far back. long_range[label] = copy gain of the label / copy gain of own: the
+    for own, each mapper and each control (token identity, untrained source, no target RoPE) the
+    copy gain: CE on the control windows (the earlier copy or the planted values replaced) minus
+    CE on the windows, i.e. how much of the continuation comes from context far back. long_range[label] = copy gain of the label / copy gain of own: the
     share of the long-range benefit recovered (undefined when own gains ~0)."""
     nll = {}
 
@@ -486,17 +486,18 @@ def evaluate_long_range(client, source, target, mapper_ids, windows, controls, c
             for label, mid in mapper_ids.items():
                 mapped = translate(client, mid, src)
                 add(prefix + label, target.continuation_nll(mapped, cont, tgt))
-                if not prefix:
-                    add(label + NO_ROPE, target.continuation_nll(
-                        strip_target_rope(target, mapped), cont, tgt))
-            if prefix:
-                continue
-            add("none", target.continuation_nll(None, cont, tgt))
+                add(prefix + label + NO_ROPE, target.continuation_nll(
+                    strip_target_rope(target, mapped), cont, tgt))
+            # The controls on the control windows too: their copy gain is the issue's test
+            # (near 0 for token identity and an untrained source, collapsed without RoPE).
             if identity is not None:
-                add("identity", target.continuation_nll(identity.predict(ctx), cont, tgt))
+                add(prefix + "identity", target.continuation_nll(identity.predict(ctx), cont,
+                                                                 tgt))
             for label, (member, mid) in (untrained or {}).items():
-                add(label + "_untrained", target.continuation_nll(
+                add(prefix + label + "_untrained", target.continuation_nll(
                     translate(client, mid, member.prefill(ctx)), cont, tgt))
+            if not prefix:
+                add("none", target.continuation_nll(None, cont, tgt))
     ce = summarize(nll)
     shown = [key for key in ce if not key.startswith(CONTROL)]
     gain = {key: ce[CONTROL + key]["all"] - ce[key]["all"] for key in shown

@@ -55,6 +55,13 @@ class RetentionCiTest(unittest.TestCase):
             cls.long = R.evaluate_long_range(client, source, target, {"mapped": "mapped"},
                                              *cls.lookup, CONTEXT, identity,
                                              {"mapped": (untrained, "untrained")})
+            cls.copy = R.evaluate_long_range(client, source, target, {"mapped": "mapped"},
+                                             *R.copy_windows(CONTEXT, CONTINUATION, LONG_WINDOWS),
+                                             CONTEXT, identity,
+                                             {"mapped": (untrained, "untrained")})
+        print("retention_ci: copy windows, copy gain (nats/byte) " +
+              ", ".join(f"{k} {v:.3f}" for k, v in cls.copy["copy_gain"].items()),
+              file=sys.stderr)
         b = cls.result["benefit"]
         print("\nretention_ci: CE (nats) " +
               ", ".join(f"{k} {v['all']:.4f}" for k, v in cls.result["ce"].items()) +
@@ -106,7 +113,18 @@ class RetentionCiTest(unittest.TestCase):
         gain = self.long["copy_gain"]
         self.assertAlmostEqual(gain["own"], self.long["control_ce"]["own"]["all"] -
                                ce["own"]["all"])
-        self.assertEqual(set(gain), {"own", "mapped"})
+        self.assertEqual(set(gain), {"own", "mapped", "mapped_no_target_rope", "identity",
+                                     "mapped_untrained"})
+
+    def test_the_translated_cache_carries_a_copy_from_far_back(self):
+        # Issue 22: the family copies (an earlier copy of the passage, CONTEXT - CONTINUATION - 1
+        # bytes back, saves the target's own cache about a nat per byte), and a translated cache
+        # must carry that where token identity and an untrained source cannot.
+        gain = self.copy["copy_gain"]
+        self.assertGreater(gain["own"], 0.5)
+        self.assertGreater(gain["mapped"], 0.5 * gain["own"])
+        for control in ("identity", "mapped_untrained", "mapped_no_target_rope"):
+            self.assertLess(gain[control], gain["mapped"] - 0.2 * gain["own"], control)
 
 
 if __name__ == "__main__":
