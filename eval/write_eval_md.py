@@ -136,8 +136,9 @@ def kinds_tables(r, k, st):
     mlp_refined_controls = [n for n, p in r["kinds"].items() if "mlp_refined_untrained" in p]
     out.append(
         f"Per ordered pair the plain closed-form ridge and the ridge refined on the target's "
-        f"attention outputs (`kvt fit --refine=attention`, its defaults: 100 steps x 2 sequences "
-        f"x 32 queries, docs/FIT.md); the MLP trained on K/V MSE (per layer, hidden "
+        f"attention outputs (`kvt fit --refine=attention`, its defaults: the handoff objective, "
+        f"100 steps x 2 sequences x 16 queries, the start kept unless the held-out objective "
+        f"falls, docs/FIT.md); the MLP trained on K/V MSE (per layer, hidden "
         f"{st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch {st.get('mlp_batch')}, at "
         f"most {st.get('mlp_max_observations')} training rows per chain) and the same MLP then "
         f"refined on the attention outputs (the same objective, defaults and query sample as the "
