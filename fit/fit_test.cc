@@ -500,6 +500,21 @@ class FitQueryTest : public ::testing::Test {
           testing::WriteSequences(*families_[i], *dirs_[i], 0, 12, 64, DType::kFP32).ok());
     }
   }
+  // --kind both --refine=attention on family i with the settings these tests share, the
+  // MSE-trained start written to out/mlp-unrefined.
+  static FitOptions BothRefined(int i, const std::string& out) {
+    FitOptions options = QueryOptions(*families_[i], *dirs_[i]);
+    options.kind = FitKind::kBoth;
+    options.refine.attention = true;
+    options.refine.steps = 60;
+    options.refine.batch = 2;
+    options.refine.queries = 16;
+    options.refine.seed = 3;
+    // This family's best step (the bundled family's default is 10x smaller: docs/FIT.md).
+    options.refine.mlp_learning_rate = 0.01;
+    options.refine.unrefined_mlp_out = JoinPath(out, "mlp-unrefined");
+    return options;
+  }
   static Family* families_[2];  // exact linear, noisy (30% of the variance noise)
   static std::string* dirs_[2];
 };
@@ -668,20 +683,11 @@ std::pair<double, double> ReportedHeldoutLoss(const std::string& path) {
 TEST_F(FitQueryTest, MlpAttentionRefinementLowersTheHeldoutErrorDeterministically) {
   for (int i = 0; i < 2; ++i) {
     SCOPED_TRACE(i == 0 ? "exact" : "noisy");
-    FitOptions options = QueryOptions(*families_[i], *dirs_[i]);
-    options.kind = FitKind::kBoth;
-    options.refine.attention = true;
-    options.refine.steps = 60;
-    options.refine.batch = 2;
-    options.refine.queries = 16;
-    options.refine.seed = 3;
-    // This family's best step (the bundled family's default is 10x smaller: docs/FIT.md).
-    options.refine.mlp_learning_rate = 0.01;
+    const std::string out = MakeTempDir(absl::StrCat("queries_both_refined", i));
+    FitOptions options = BothRefined(i, out);
     // Queries inside the prefix: the objective the held-out cosine below measures (the handoff
     // objective's own held-out figure is checked after this loop).
     options.refine.handoff = false;
-    const std::string out = MakeTempDir(absl::StrCat("queries_both_refined", i));
-    options.refine.unrefined_mlp_out = JoinPath(out, "mlp-unrefined");
     absl::StatusOr<BothResult> both = RunFitBoth(options, out);
     ASSERT_TRUE(both.ok()) << both.status();
     ASSERT_TRUE(both->mlp_unrefined.has_value());
@@ -726,17 +732,8 @@ TEST_F(FitQueryTest, MlpAttentionRefinementLowersTheHeldoutErrorDeterministicall
   // plus noise, the closed form is already the best linear map and the refinement overfits the
   // training sequences (measured: held-out 0.0423 -> 0.0431 ridge, 0.0751 -> 0.0773 MLP), so
   // each kind keeps its start, and says so.
-  FitOptions options = QueryOptions(*families_[1], *dirs_[1]);
-  options.kind = FitKind::kBoth;
-  options.refine.attention = true;
-  options.refine.steps = 60;
-  options.refine.batch = 2;
-  options.refine.queries = 16;
-  options.refine.seed = 3;
-  options.refine.mlp_learning_rate = 0.01;
   const std::string out = MakeTempDir("queries_both_handoff");
-  options.refine.unrefined_mlp_out = JoinPath(out, "mlp-unrefined");
-  absl::StatusOr<BothResult> both = RunFitBoth(options, out);
+  absl::StatusOr<BothResult> both = RunFitBoth(BothRefined(1, out), out);
   ASSERT_TRUE(both.ok()) << both.status();
   absl::StatusOr<FitResult> plain_ridge = RunFit(QueryOptions(*families_[1], *dirs_[1]),
                                                  JoinPath(out, "plain-ridge"));
