@@ -71,6 +71,10 @@ BENEFIT_TOL = 0.02                     # issue 19
 # vLLM against transformers, both float32 on CPU (measured: 2e-7 per window, 1.2e-5 per byte).
 CE_TOL = 1e-4                          # mean CE of one window and condition, nats per byte
 BYTE_TOL = 1e-3                        # one byte's -log p, nats
+# The mapped condition translates M's cache as each side computed it (vLLM's kernels, or
+# transformers'): float32 noise in the source, through the mapper and L. On the family retrained
+# to copy (issue 22; sharper attention) measured 1.0e-5 per window but 1.5e-3 on one byte.
+MAPPED_BYTE_TOL = 5e-3
 
 
 class Suite:
@@ -196,7 +200,8 @@ class BenefitTest(unittest.TestCase):
         print("\n".join(lines), file=sys.stderr)
         for key, (per_window, per_byte) in worst.items():
             self.assertLessEqual(per_window, CE_TOL, f"CE {key}, one window (nats/byte)")
-            self.assertLessEqual(per_byte, BYTE_TOL, f"CE {key}, one byte (nats)")
+            self.assertLessEqual(per_byte, MAPPED_BYTE_TOL if key == "mapped" else BYTE_TOL,
+                                 f"CE {key}, one byte (nats)")
         # The comparison means something: L uses its context on these windows, and the mapped
         # cache is neither L's own nor no context.
         self.assertGreater(ce_h["none"]["all"] - ce_h["own"]["all"], 0.05)
