@@ -24,7 +24,11 @@ CE = mean negative log-probability (nats per byte) of the scored bytes; benefit 
 
 The harness's figure for the same mapper and windows comes from the harness's functions
 (retention.Member through transformers, retention.translate through the same kvtd,
-Member.continuation_nll).
+Member.continuation_nll). Per byte, vLLM's mapped condition is compared with the harness scoring
+the translation of the source cache engine M published (a lease on kvtd's source-cache tier),
+i.e. the prefix vLLM loaded: measured 9e-6 nats. Against the harness's own M prefill the bytes
+differ by up to 1.5e-3 (two implementations' float32 M caches, amplified by the mapper and L),
+which the per-window and benefit bounds cover.
 
 The prefix boundary. vLLM loads an external prefix in whole blocks of its paged cache only (32
 tokens here: the CPU attention backend takes multiples of 32 only and refuses 16; kvtd's
@@ -71,10 +75,6 @@ BENEFIT_TOL = 0.02                     # issue 19
 # vLLM against transformers, both float32 on CPU (measured: 2e-7 per window, 1.2e-5 per byte).
 CE_TOL = 1e-4                          # mean CE of one window and condition, nats per byte
 BYTE_TOL = 1e-3                        # one byte's -log p, nats
-# The mapped condition translates M's cache as each side computed it (vLLM's kernels, or
-# transformers'): float32 noise in the source, through the mapper and L. On the family retrained
-# to copy (issue 22; sharper attention) measured 1.0e-5 per window but 1.5e-3 on one byte.
-MAPPED_BYTE_TOL = 5e-3
 
 
 class Suite:
@@ -170,7 +170,16 @@ class BenefitTest(unittest.TestCase):
             # -- the harness, same mapper, same window, same boundary --
             p = reused
             translated = R.translate(client, family.mapper_id("M", "L"), member_m.prefill(w[:p]))
+            # The same again from the source cache engine M published (what vLLM loaded): L
+            # through transformers on exactly the prefix vLLM used, so any per-byte difference is
+            # vLLM's loading and scoring, not the two implementations' M caches.
+            hit = prefix.lookup(family.NAMES["L"], w[:p], max_tokens=p)
+            self.assertTrue(hit.hit and hit.matched_tokens == p, hit)
+            engine_source = R.adapters.to_torch(client.translate_cached(
+                hit.lease_id, hit.mapper_id, p, dtype=kvt.cache.DTYPE_NAMES[hit.dtype]).target)
+            self.assertEqual(hit.mapper_id, family.mapper_id("M", "L"))
             for key, layers, start in (("mapped", translated, p),
+                                       ("mapped_engine_source", engine_source, p),
                                        ("own", member_l.prefill(w[:p]), p),
                                        ("none", None, CONTEXT)):
                 nll = member_l.continuation_nll(layers, w[start:-1], w[start + 1:])
@@ -190,18 +199,25 @@ class BenefitTest(unittest.TestCase):
                  f"none {ce_h['none']['all']:.4f} mapped {ce_h['mapped']['all']:.4f}",
                  f"  |difference| {abs(b_v - b_h):.4f} (tolerance {BENEFIT_TOL})"]
         worst = {}
-        for key in ("own", "none", "mapped"):
+        # (vLLM condition, harness condition): the mapped condition per byte against the harness
+        # on engine M's own source cache; the harness's M prefill (transformers) differs from
+        # vLLM's by float32 noise that the mapper and L amplify (measured on the family retrained
+        # in issue 22: 1.5e-3 nats on one byte, 1.0e-5 per window), so against it the
+        # per-window bound and the benefit bound apply, not the per-byte one.
+        for key, other, per_byte_bound in (("own", "own", True), ("none", "none", True),
+                                           ("mapped", "mapped_engine_source", True),
+                                           ("mapped", "mapped", False)):
             per_window = max(abs(float(np.mean(a)) - float(np.mean(b)))
-                             for a, b in zip(vllm[key], harness[key]))
-            per_byte = max(float(np.max(np.abs(a - b))) for a, b in zip(vllm[key], harness[key]))
-            worst[key] = (per_window, per_byte)
-            lines.append(f"  CE {key:6s}: per-window |vLLM - harness| max {per_window:.2e} "
+                             for a, b in zip(vllm[key], harness[other]))
+            per_byte = max(float(np.max(np.abs(a - b))) for a, b in zip(vllm[key], harness[other]))
+            worst[(key, other)] = (per_window, per_byte if per_byte_bound else None)
+            lines.append(f"  CE {key:6s} vs harness {other:20s}: per-window max {per_window:.2e} "
                          f"nats/byte, per-byte max {per_byte:.2e} nats")
         print("\n".join(lines), file=sys.stderr)
-        for key, (per_window, per_byte) in worst.items():
-            self.assertLessEqual(per_window, CE_TOL, f"CE {key}, one window (nats/byte)")
-            self.assertLessEqual(per_byte, MAPPED_BYTE_TOL if key == "mapped" else BYTE_TOL,
-                                 f"CE {key}, one byte (nats)")
+        for (key, other), (per_window, per_byte) in worst.items():
+            self.assertLessEqual(per_window, CE_TOL, f"CE {key} vs {other}, one window")
+            if per_byte is not None:
+                self.assertLessEqual(per_byte, BYTE_TOL, f"CE {key} vs {other}, one byte (nats)")
         # The comparison means something: L uses its context on these windows, and the mapped
         # cache is neither L's own nor no context.
         self.assertGreater(ce_h["none"]["all"] - ce_h["own"]["all"], 0.05)
