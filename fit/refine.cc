@@ -52,6 +52,13 @@ std::vector<int64_t> SampleRows(int64_t tokens, int count, uint64_t* state) {
   return rows;
 }
 
+// `count` distinct query rows of [from, tokens), ascending (all when count <= 0).
+std::vector<int64_t> RowsFrom(int64_t from, int64_t tokens, int count, uint64_t* state) {
+  std::vector<int64_t> rows = SampleRows(tokens - from, count, state);
+  for (int64_t& r : rows) r += from;
+  return rows;
+}
+
 // Causal attention of `n` query rows over keys [0, visible_end): P (row i sees keys <=
 // last[i]) and O = P V. Q [n, d], K/V rows at stride `ld`.
 void Attend(int64_t n, int64_t visible_end, int d, const double* q, const double* k,
@@ -512,14 +519,11 @@ absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFina
       const LoadedSequence& seq = **s;
       const int64_t T = seq.rows.rows;
       int64_t own_from = -1;
-      std::vector<int64_t> rows;
       if (ro.handoff && T >= 2) {
         own_from = T / 2 + static_cast<int64_t>(NextRandom(&rng) % (T - T / 2));
-        rows = SampleRows(T - own_from, ro.queries, &rng);
-        for (int64_t& r : rows) r += own_from;
-      } else {
-        rows = SampleRows(T, ro.queries, &rng);
       }
+      const std::vector<int64_t> rows =
+          RowsFrom(std::max<int64_t>(own_from, 0), T, ro.queries, &rng);
       for (int l = 0; l < L; ++l) {
         GatherLayer(seq, shape, l, parsed.sigma[l], rows, &inputs);
         inputs.problem.own_from = own_from;
@@ -571,8 +575,7 @@ absl::StatusOr<std::optional<double>> HeldoutLoss(const FitOptions& options,
     if (!s.ok()) return s.status();
     const int64_t T = s->rows.rows;
     const int64_t own_from = options.refine.handoff && T >= 2 ? T * 3 / 4 : -1;
-    std::vector<int64_t> rows = SampleRows(T - std::max<int64_t>(own_from, 0), 0, nullptr);
-    for (int64_t& r : rows) r += std::max<int64_t>(own_from, 0);
+    const std::vector<int64_t> rows = RowsFrom(std::max<int64_t>(own_from, 0), T, 0, nullptr);
     for (int l = 0; l < L; ++l) {
       GatherLayer(*s, shape, l, parsed.sigma[l], rows, &inputs);
       inputs.problem.own_from = own_from;
