@@ -258,7 +258,11 @@ int RunFit(const std::vector<std::string>& args) {
                              queries_from, "'"), 1);
   }
   options.refine.handoff = queries_from == "handoff";
-  options.refine.cache_bytes = std::max<int64_t>(0, absl::GetFlag(FLAGS_refine_cache_mb)) << 20;
+  const int64_t cache_mb = absl::GetFlag(FLAGS_refine_cache_mb);
+  if (cache_mb < 0 || cache_mb > (int64_t{1} << 40)) {
+    return Fail(absl::StrCat("--refine_cache_mb must be in [0, 2^40], got ", cache_mb), 1);
+  }
+  options.refine.cache_bytes = cache_mb << 20;
   options.refine.learning_rate = absl::GetFlag(FLAGS_refine_lr);
   options.refine.mlp_learning_rate = absl::GetFlag(FLAGS_refine_mlp_lr);
   options.refine.seed = options.seed;

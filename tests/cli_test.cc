@@ -269,6 +269,15 @@ TEST(KvtCliTest, UnknownCommandAndMissingFlagsAreUsageErrors) {
   EXPECT_EQ(translate.exit_code, 1);
   EXPECT_THAT(translate.output, HasSubstr("--in and --result are required"));
   EXPECT_THAT(translate.output, HasSubstr("usage: kvt translate"));
+  // Bad refinement settings are refused by name before any file is read.
+  const std::string fit = "fit --source_config=/nonexistent --target_config=/nonexistent "
+                          "--out=/tmp/never --refine=attention ";
+  CommandResult queries_from = RunKvt(fit + "--refine_queries_from=sideways");
+  EXPECT_EQ(queries_from.exit_code, 1);
+  EXPECT_THAT(queries_from.output, HasSubstr("--refine_queries_from must be handoff or prefix"));
+  CommandResult cache = RunKvt(fit + "--refine_cache_mb=-1");
+  EXPECT_EQ(cache.exit_code, 1);
+  EXPECT_THAT(cache.output, HasSubstr("--refine_cache_mb must be in [0, 2^40], got -1"));
 }
 
 }  // namespace
