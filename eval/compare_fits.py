@@ -15,7 +15,6 @@ refinement objectives; a JSON line per pair and variant on stdout.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -24,15 +23,9 @@ import retention as R  # noqa: E402
 
 
 def kvt_fit(dumps, members, a, b, out, extra):
-    cmd = [R.runfile("cli/kvt"), "fit", f"--source_config={dumps[a]}",
-           f"--target_config={dumps[b]}", f"--source_model={members[a].name}",
-           f"--target_model={members[b].name}", f"--source_dumps={dumps[a]}",
-           f"--target_dumps={dumps[b]}", "--top_k=2", "--stride=1",
-           f"--corpus={R.corpus.PACKAGE}", "--threads=1", "--overwrite", f"--out={out}"] + extra
+    """retention.fit of one variant (k = 2, stride 1); returns its wall time."""
     start = time.time()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"kvt fit failed: {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
+    R.fit(dumps[a], dumps[b], members[a].name, members[b].name, 2, out, extra=extra)
     return time.time() - start
 
 

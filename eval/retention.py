@@ -245,12 +245,13 @@ MLP_FLAGS = {"mlp_hidden": 256, "mlp_epochs": 10, "mlp_batch": 256, "mlp_lr": 1e
 
 
 def fit(source_dump, target_dump, source_name, target_name, k, out, stride=1, kind="ridge",
-        mlp_flags=None, refine=False, unrefined_mlp_out=None):
+        mlp_flags=None, refine=False, unrefined_mlp_out=None, extra=()):
     """`kvt fit` of one ordered pair into `out` (kind both: out/ridge, out/mlp and
     out/fit_report.json, whose dict this returns; else the mapper directory). refine: `kvt fit
     --refine=attention` (the mapper, for kind both each half, refined on the target's attention
     outputs, its default steps; the target dump must carry queries). unrefined_mlp_out (kind
-    mlp or both, with refine): also write the MSE-trained MLP, the refinement's start, there."""
+    mlp or both, with refine): also write the MSE-trained MLP, the refinement's start, there.
+    extra: more `kvt fit` flags (eval/compare_fits's variants)."""
     cmd = [runfile("cli/kvt"), "fit", f"--source_config={source_dump}",
            f"--target_config={target_dump}", f"--source_model={source_name}",
            f"--target_model={target_name}", f"--source_dumps={source_dump}",
@@ -263,6 +264,7 @@ def fit(source_dump, target_dump, source_name, target_name, k, out, stride=1, ki
         cmd.append("--refine=attention")
     if unrefined_mlp_out:
         cmd.append(f"--unrefined_mlp_out={unrefined_mlp_out}")
+    cmd += list(extra)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"kvt fit failed ({done.returncode}): {' '.join(cmd)}\n"
