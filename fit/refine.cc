@@ -355,6 +355,35 @@ absl::StatusOr<LoadedSequence> LoadSequence(const SequencePair& pair, const FitS
   return s;
 }
 
+// The calibration sequences the refinement reads, kept in memory while they fit in a byte
+// budget (the tiny family's whole calibration set), so that later epochs and the second held-out
+// pass skip the disk and the parsing; beyond the budget they stream (read again at each use).
+class SequenceCache {
+ public:
+  SequenceCache(const FitShape& shape, const Rope& rope, int64_t budget_bytes)
+      : shape_(shape), rope_(rope), budget_(budget_bytes) {}
+
+  // NOT_FOUND: the target dump has no queries.
+  absl::StatusOr<std::shared_ptr<const LoadedSequence>> Get(const SequencePair& pair) {
+    if (auto hit = kept_.find(&pair); hit != kept_.end()) return hit->second;
+    absl::StatusOr<LoadedSequence> loaded = LoadSequence(pair, shape_, rope_);
+    if (!loaded.ok()) return loaded.status();
+    auto shared = std::make_shared<const LoadedSequence>(std::move(*loaded));
+    if (used_ + shared->Bytes() <= budget_) {
+      used_ += shared->Bytes();
+      kept_.emplace(&pair, shared);
+    }
+    return shared;
+  }
+
+ private:
+  const FitShape& shape_;
+  const Rope& rope_;
+  const int64_t budget_;
+  int64_t used_ = 0;
+  std::map<const SequencePair*, std::shared_ptr<const LoadedSequence>> kept_;
+};
+
 // Per target layer: the problem's inputs gathered from a loaded sequence.
 struct LayerInputs {
   std::vector<double> x_k, x_v, k_true, v_true, queries;
@@ -448,17 +477,10 @@ struct RefineTarget {
 // The loop both kinds share: seeded epochs over the training sequences with queries, `batch`
 // sequences a step, a seeded sample of query rows, every target layer, one Adam step a layer.
 absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFinal& parsed,
-                                     const RefineTarget& target) {
+                                     const RefineTarget& target, SequenceCache* sequences) {
   const RefineOptions& ro = options.refine;
-  if (ro.steps < 1 || ro.batch < 1 || !(ro.learning_rate > 0) || !(ro.mlp_learning_rate > 0)) {
-    return absl::InvalidArgumentError(
-        "--refine_steps and --refine_batch must be >= 1, --refine_lr and --refine_mlp_lr > 0");
-  }
   const auto start = std::chrono::steady_clock::now();
   const FitShape& shape = parsed.shape;
-  absl::StatusOr<Rope> rope = Rope::Create(shape.target.rope, shape.target.head_dim);
-  if (!rope.ok()) return rope.status();
-  SetBlasThreads(options.num_threads);
   // Training sequences; one whose target dump turns out to have no queries is dropped when it
   // is first read (reading every dump up front would cost a pass of its own).
   std::vector<const SequencePair*> train;
@@ -477,10 +499,6 @@ absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFina
   std::vector<const SequencePair*> order;
   size_t next = 0;
   LayerInputs inputs;
-  // Sequences read once stay in memory while they fit in ro.cache_bytes, so later epochs skip
-  // the disk and the parsing (the tiny family's whole calibration set); beyond, they stream.
-  std::map<const SequencePair*, std::shared_ptr<const LoadedSequence>> cache;
-  int64_t cached_bytes = 0;
   for (int step = 0; step < ro.steps; ++step) {
     std::vector<AttentionError> err(L);
     target.zero();
@@ -499,22 +517,12 @@ absl::StatusOr<RefineLog> RefineLoop(const FitOptions& options, const ParsedFina
         }
         const SequencePair* pair = order[next++];
         if (std::find(train.begin(), train.end(), pair) == train.end()) continue;  // dropped
-        if (auto hit = cache.find(pair); hit != cache.end()) {
-          s = hit->second;
-          break;
-        }
-        absl::StatusOr<LoadedSequence> loaded = LoadSequence(*pair, shape, *rope);
-        if (absl::IsNotFound(loaded.status())) {
+        s = sequences->Get(*pair);
+        if (absl::IsNotFound(s.status())) {
           train.erase(std::find(train.begin(), train.end(), pair));
           continue;
         }
-        if (!loaded.ok()) return loaded.status();
-        auto shared = std::make_shared<const LoadedSequence>(std::move(*loaded));
-        if (cached_bytes + shared->Bytes() <= ro.cache_bytes) {
-          cached_bytes += shared->Bytes();
-          cache.emplace(pair, shared);
-        }
-        s = std::move(shared);
+        if (!s.ok()) return s.status();
       }
       const LoadedSequence& seq = **s;
       const int64_t T = seq.rows.rows;
@@ -559,25 +567,24 @@ using ErrorOf = std::function<AttentionError(int l, const AttentionProblem& prob
 // prefix objective); the mean over target layers of summed error / summed norm. nullopt when no
 // held-out sequence has queries.
 absl::StatusOr<std::optional<double>> HeldoutLoss(const FitOptions& options,
-                                                  const ParsedFinal& parsed,
-                                                  const ErrorOf& error) {
+                                                  const ParsedFinal& parsed, const ErrorOf& error,
+                                                  SequenceCache* sequences) {
   const FitShape& shape = parsed.shape;
-  absl::StatusOr<Rope> rope = Rope::Create(shape.target.rope, shape.target.head_dim);
-  if (!rope.ok()) return rope.status();
   const int L = shape.target.num_layers;
   std::vector<AttentionError> err(L);
   bool any = false;
   LayerInputs inputs;
   for (const SequencePair& pair : options.sequences) {
     if (!pair.heldout) continue;
-    absl::StatusOr<LoadedSequence> s = LoadSequence(pair, shape, *rope);
+    absl::StatusOr<std::shared_ptr<const LoadedSequence>> s = sequences->Get(pair);
     if (absl::IsNotFound(s.status())) continue;
     if (!s.ok()) return s.status();
-    const int64_t T = s->rows.rows;
+    const LoadedSequence& seq = **s;
+    const int64_t T = seq.rows.rows;
     const int64_t own_from = options.refine.handoff && T >= 2 ? T * 3 / 4 : -1;
     const std::vector<int64_t> rows = RowsFrom(std::max<int64_t>(own_from, 0), T, 0, nullptr);
     for (int l = 0; l < L; ++l) {
-      GatherLayer(*s, shape, l, parsed.sigma[l], rows, &inputs);
+      GatherLayer(seq, shape, l, parsed.sigma[l], rows, &inputs);
       inputs.problem.own_from = own_from;
       const AttentionError e = error(l, inputs.problem);
       err[l].error += e.error;
@@ -597,11 +604,21 @@ absl::StatusOr<std::optional<double>> HeldoutLoss(const FitOptions& options,
 absl::StatusOr<RefineLog> MeasuredRefineLoop(const FitOptions& options,
                                              const ParsedFinal& parsed,
                                              const RefineTarget& target, const ErrorOf& error) {
-  absl::StatusOr<std::optional<double>> before = HeldoutLoss(options, parsed, error);
+  const RefineOptions& ro = options.refine;
+  if (ro.steps < 1 || ro.batch < 1 || !(ro.learning_rate > 0) || !(ro.mlp_learning_rate > 0)) {
+    return absl::InvalidArgumentError(
+        "--refine_steps and --refine_batch must be >= 1, --refine_lr and --refine_mlp_lr > 0");
+  }
+  const FitShape& shape = parsed.shape;
+  absl::StatusOr<Rope> rope = Rope::Create(shape.target.rope, shape.target.head_dim);
+  if (!rope.ok()) return rope.status();
+  SetBlasThreads(options.num_threads);
+  SequenceCache sequences(shape, *rope, ro.cache_bytes);
+  absl::StatusOr<std::optional<double>> before = HeldoutLoss(options, parsed, error, &sequences);
   if (!before.ok()) return before.status();
-  absl::StatusOr<RefineLog> log = RefineLoop(options, parsed, target);
+  absl::StatusOr<RefineLog> log = RefineLoop(options, parsed, target, &sequences);
   if (!log.ok()) return log.status();
-  absl::StatusOr<std::optional<double>> after = HeldoutLoss(options, parsed, error);
+  absl::StatusOr<std::optional<double>> after = HeldoutLoss(options, parsed, error, &sequences);
   if (!after.ok()) return after.status();
   log->heldout_before = *before;
   log->heldout_after = *after;
