@@ -100,17 +100,54 @@ class Member:
              for c in captured]
         return layers, q
 
-    def continuation_nll(self, layers, cont, targets):
-        """Per-token negative log-likelihood (nats, float64) of `targets` after feeding `cont`
-        on top of the cache `layers` (None: no context, positions from 0)."""
+    def continuation_logprobs(self, layers, cont):
+        """Next-token log-probabilities [len(cont), vocab] (float64) after feeding `cont` on top
+        of the cache `layers` (None: no context, positions from 0)."""
         cache = None
         if layers is not None:
             cache = adapters.to_dynamic_cache(adapters.from_torch(layers))
         with torch.no_grad():
             out = self.hf(input_ids=torch.tensor([cont]), past_key_values=cache,
                           use_cache=cache is not None)
-        logp = F.log_softmax(out.logits[0].double(), dim=-1)
-        return -logp.gather(1, torch.tensor(targets)[:, None])[:, 0].numpy()
+        return F.log_softmax(out.logits[0].double(), dim=-1)
+
+    def continuation_nll(self, layers, cont, targets):
+        """Per-token negative log-likelihood (nats, float64) of `targets` after feeding `cont`
+        on top of the cache `layers` (None: no context, positions from 0)."""
+        return nll_of(self.continuation_logprobs(layers, cont), targets)
+
+
+def nll_of(logp, targets):
+    return -logp.gather(1, torch.tensor(targets)[:, None])[:, 0].numpy()
+
+
+class Scores:
+    """Per condition and window, the target's per-token NLL of the continuation and the KL
+    divergence KL(own || condition) of its next-token distribution from the one its own prefill
+    gives. CE on the text rewards a cache for any shift that happens to suit the text; the KL
+    measures what a translated cache is for, making the target behave as after its own prefill
+    (docs/EVAL.md, "Reading the numbers")."""
+
+    def __init__(self, target):
+        self.target = target
+        self.nll, self.kl = {}, {}
+
+    def window(self, own_layers, cont, targets, prefix=""):
+        """Starts a window: scores `own` (its KL is 0) and keeps its distribution; `prefix`
+        goes before every key of the window (the long-range control windows)."""
+        self.cont, self.targets, self.prefix = cont, targets, prefix
+        self.own = self.target.continuation_logprobs(own_layers, cont)
+        self._record("own", self.own)
+
+    def add(self, key, layers):
+        self._record(key, self.target.continuation_logprobs(layers, self.cont))
+
+    def _record(self, key, logp):
+        key = self.prefix + key
+        self.nll.setdefault(key, []).append(nll_of(logp, self.targets))
+        p_own = self.own.exp()
+        self.kl.setdefault(key, []).append(
+            (p_own * (self.own - logp)).sum(-1).numpy())
 
 
 def make_untrained(source_dir, out_dir, seed=7):
@@ -362,36 +399,30 @@ def evaluate_pair(client, source, target, mapper_id, windows, context, extra):
 
     extra: {"identity": TokenIdentityMap, "untrained": (Member, mapper_id)} (either may be
     missing). Returns {"ce": summarize(...), "benefit": ..., "validate": ...}."""
-    nll = {}
+    scores = Scores(target)
     quality = []
-
-    def add(key, values):
-        nll.setdefault(key, []).append(values)
-
     for ids in windows:
         ctx, cont, tgt = ids[:context], ids[context:-1], ids[context + 1:]
         own, queries = target.prefill(ctx, queries=True)
         src = source.prefill(ctx)
         mapped = translate(client, mapper_id, src)
-        add("own", target.continuation_nll(own, cont, tgt))
-        add("none", target.continuation_nll(None, cont, tgt))
-        add("mapped", target.continuation_nll(mapped, cont, tgt))
-        add("no_target_rope", target.continuation_nll(strip_target_rope(target, mapped), cont,
-                                                      tgt))
+        scores.window(own, cont, tgt)
+        scores.add("none", None)
+        scores.add("mapped", mapped)
+        scores.add("no_target_rope", strip_target_rope(target, mapped))
         if "identity" in extra:
-            add("identity", target.continuation_nll(extra["identity"].predict(ctx), cont, tgt))
+            scores.add("identity", extra["identity"].predict(ctx))
         if "untrained" in extra:
             member, mid = extra["untrained"]
-            add("untrained", target.continuation_nll(
-                translate(client, mid, member.prefill(ctx)), cont, tgt))
+            scores.add("untrained", translate(client, mid, member.prefill(ctx)))
         if source.n_kv == target.n_kv and source.head_dim == target.head_dim:
-            add("untranslated", target.continuation_nll(untranslated(src, target), cont, tgt))
+            scores.add("untranslated", untranslated(src, target))
         q = [(qq, qq) for qq in queries]
         response = client.validate(adapters.from_torch(src), adapters.from_torch(own),
                                    adapters.from_torch(q), mapper_id=mapper_id)
         quality.append(response)
-    ce = summarize(nll)
-    result = {"ce": ce, "windows": len(windows), "context": context,
+    ce = summarize(scores.nll)
+    result = {"ce": ce, "kl": summarize(scores.kl), "windows": len(windows), "context": context,
               "continuation": len(windows[0]) - context - 1}
     result["benefit"] = {key: {"all": benefit(ce, key), "first": benefit(ce, key, "first")}
                          for key in ce if key not in ("own", "none")}
@@ -419,18 +450,14 @@ def evaluate_kinds(client, source, target, mapper_ids, windows, context, sources
     sources {label: Member}: labels whose mapper reads another source (the untrained-source
     controls); the others read `source`."""
     sources = sources or {}
-    nll = {}
+    scores = Scores(target)
     quality = {label: [] for label in mapper_ids}
-
-    def add(key, values):
-        nll.setdefault(key, []).append(values)
-
     for ids in windows:
         ctx, cont, tgt = ids[:context], ids[context:-1], ids[context + 1:]
         own, queries = target.prefill(ctx, queries=True)
         prefills = {}
-        add("own", target.continuation_nll(own, cont, tgt))
-        add("none", target.continuation_nll(None, cont, tgt))
+        scores.window(own, cont, tgt)
+        scores.add("none", None)
         q = adapters.from_torch([(qq, qq) for qq in queries])
         for label, mid in mapper_ids.items():
             member = sources.get(label, source)
@@ -438,12 +465,11 @@ def evaluate_kinds(client, source, target, mapper_ids, windows, context, sources
                 prefills[member.dir] = member.prefill(ctx)
             src = prefills[member.dir]
             mapped = translate(client, mid, src)
-            add(label, target.continuation_nll(mapped, cont, tgt))
-            add(label + NO_ROPE, target.continuation_nll(strip_target_rope(target, mapped), cont,
-                                                         tgt))
+            scores.add(label, mapped)
+            scores.add(label + NO_ROPE, strip_target_rope(target, mapped))
             quality[label].append(client.validate(adapters.from_torch(src),
                                                   adapters.from_torch(own), q, mapper_id=mid))
-    ce = summarize(nll)
+    ce, kl = summarize(scores.nll), summarize(scores.kl)
     out = {}
     for label in mapper_ids:
         rs = quality[label]
@@ -455,8 +481,11 @@ def evaluate_kinds(client, source, target, mapper_ids, windows, context, sources
                       "benefit_first": benefit(ce, label, "first"),
                       "ppl_ratio": math.exp(ce[label]["all"] - ce["own"]["all"]), "validate": v,
                       "benefit_no_target_rope": benefit(ce, label + NO_ROPE),
-                      "benefit_no_target_rope_first": benefit(ce, label + NO_ROPE, "first")}
+                      "benefit_no_target_rope_first": benefit(ce, label + NO_ROPE, "first"),
+                      "kl": kl[label]["all"], "kl_first": kl[label]["first"],
+                      "kl_no_target_rope": kl[label + NO_ROPE]["all"]}
     out["ce"] = {"own": ce["own"]["all"], "none": ce["none"]["all"]}
+    out["kl"] = {"none": kl["none"]["all"]}
     return out
 
 
@@ -470,37 +499,31 @@ def evaluate_long_range(client, source, target, mapper_ids, windows, controls, c
 
     mapper_ids {label: mapper_id}; identity: the target's TokenIdentityMap; untrained {label:
     (Member, mapper_id)}: the untrained-source control of each mapper kind. Per condition the
-    CE (nats/byte; all, first 16) on the windows, the benefit recovered against no context, and
+    CE (nats/byte; all, first 16) and KL to own (Scores) on the windows, the benefit recovered
+    against no context, and
     for own, each mapper and each control (token identity, untrained source, no target RoPE) the
     copy gain: CE on the control windows (the earlier copy or the planted values replaced) minus
     CE on the windows, i.e. how much of the continuation comes from context far back. long_range[label] = copy gain of the label / copy gain of own: the
     share of the long-range benefit recovered (undefined when own gains ~0)."""
-    nll = {}
-
-    def add(key, values):
-        nll.setdefault(key, []).append(values)
-
+    scores = Scores(target)
     for ids, ctrl in zip(windows, controls):
         for prefix, w in (("", ids), (CONTROL, ctrl)):
             ctx, cont, tgt = w[:context], w[context:-1], w[context + 1:]
             src = source.prefill(ctx)
-            add(prefix + "own", target.continuation_nll(target.prefill(ctx), cont, tgt))
+            scores.window(target.prefill(ctx), cont, tgt, prefix)
             for label, mid in mapper_ids.items():
                 mapped = translate(client, mid, src)
-                add(prefix + label, target.continuation_nll(mapped, cont, tgt))
-                add(prefix + label + NO_ROPE, target.continuation_nll(
-                    strip_target_rope(target, mapped), cont, tgt))
+                scores.add(label, mapped)
+                scores.add(label + NO_ROPE, strip_target_rope(target, mapped))
             # The controls on the control windows too: their copy gain is the issue's test
             # (near 0 for token identity and an untrained source, collapsed without RoPE).
             if identity is not None:
-                add(prefix + "identity", target.continuation_nll(identity.predict(ctx), cont,
-                                                                 tgt))
+                scores.add("identity", identity.predict(ctx))
             for label, (member, mid) in (untrained or {}).items():
-                add(prefix + label + "_untrained", target.continuation_nll(
-                    translate(client, mid, member.prefill(ctx)), cont, tgt))
+                scores.add(label + "_untrained", translate(client, mid, member.prefill(ctx)))
             if not prefix:
-                add("none", target.continuation_nll(None, cont, tgt))
-    ce = summarize(nll)
+                scores.add("none", None)
+    ce, kl = summarize(scores.nll), summarize(scores.kl)
     shown = [key for key in ce if not key.startswith(CONTROL)]
     gain = {key: ce[CONTROL + key]["all"] - ce[key]["all"] for key in shown
             if CONTROL + key in ce}
@@ -510,10 +533,40 @@ def evaluate_long_range(client, source, target, mapper_ids, windows, controls, c
             "benefit": {key: {"all": benefit(ce, key), "first": benefit(ce, key, "first")}
                         for key in shown if key not in ("own", "none")},
             "copy_gain": gain,
+            "kl": {key: kl[key] for key in shown if key != "own"},
             "long_range": {key: gain[key] / gain["own"] if gain["own"] != 0 else float("nan")
                            for key in gain if key != "own"},
             "windows": len(windows), "context": context,
             "continuation": len(windows[0]) - context - 1}
+
+
+def copy_layer_probe(client, source, target, mapper_id, windows, controls, context):
+    """Where a translated cache loses the copy: per target layer l, the long-range share (copy
+    gain / own copy gain) of the translated cache with the target's own keys at layer l (`k`)
+    and with its own keys and values there (`kv`), every other layer translated. A layer whose
+    own keys bring the share near 1 is where the target looks the copy up (its induction
+    heads); the mapper's error there is what the share pays for."""
+    ce = {}
+    for prefix, group in (("", windows), (CONTROL, controls)):
+        for w in group:
+            ctx, cont, tgt = w[:context], w[context:-1], w[context + 1:]
+            own = target.prefill(ctx)
+            mapped = translate(client, mapper_id, source.prefill(ctx))
+            conditions = {"own": own, "mapped": mapped}
+            for l in range(target.layers):
+                conditions[f"k{l}"] = [(own[i][0], mapped[i][1]) if i == l else mapped[i]
+                                       for i in range(target.layers)]
+                conditions[f"kv{l}"] = [own[i] if i == l else mapped[i]
+                                        for i in range(target.layers)]
+            for key, layers in conditions.items():
+                ce.setdefault(prefix + key, []).append(
+                    float(np.mean(target.continuation_nll(layers, cont, tgt))))
+    gain = {key: np.mean(ce[CONTROL + key]) - np.mean(ce[key]) for key in ce
+            if not key.startswith(CONTROL)}
+    share = {key: float(g / gain["own"]) for key, g in gain.items() if key != "own"}
+    return {"own_copy_gain": float(gain["own"]), "mapped": share["mapped"],
+            "k": [share[f"k{l}"] for l in range(target.layers)],
+            "kv": [share[f"kv{l}"] for l in range(target.layers)]}
 
 
 def multi_turn(client, a, b, mapper_ab, mapper_ba, windows, segment, turns):

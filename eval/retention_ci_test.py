@@ -5,7 +5,8 @@ untrained SOURCE through tools/dump_kv.py, fits both mappers with `kvt fit`, ser
 kvtd process and measures on held-out documents through the Python client. Asserts that the
 translated cache recovers more of the context benefit than the token-identity ridge and than the
 untrained source's translated cache, and more than the same translation with the target RoPE
-not re-applied; and that the long-range windows (issue 22) are built as documented and run
+not re-applied; that it leaves the target's next-token distribution closer to the one its own
+prefill gives (KL) than every control does; and that the long-range windows (issue 22) are built as documented and run
 through the same conditions, and that on copy windows the target draws from the earlier copy
 and the translated cache carries more of it than the controls. torch and transformers must be importable (scripts/test.sh runs the project
 venv): a missing one fails this test.
@@ -64,6 +65,9 @@ class RetentionCiTest(unittest.TestCase):
               ", ".join(f"{k} {v:.3f}" for k, v in cls.copy["copy_gain"].items()),
               file=sys.stderr)
         b = cls.result["benefit"]
+        print("\nretention_ci: KL to own (nats) " +
+              ", ".join(f"{k} {v['all']:.4f}" for k, v in cls.result["kl"].items()),
+              file=sys.stderr)
         print("\nretention_ci: CE (nats) " +
               ", ".join(f"{k} {v['all']:.4f}" for k, v in cls.result["ce"].items()) +
               "\nretention_ci: benefit recovered " +
@@ -85,6 +89,14 @@ class RetentionCiTest(unittest.TestCase):
 
     def test_target_rope_matters(self):
         self.assertGreater(self.benefit("mapped"), self.benefit("no_target_rope"))
+
+    def test_translation_is_closest_to_the_targets_own_distribution(self):
+        # KL(own || x) of the target's next-token distribution: 0 for its own cache (the
+        # reference), and the translated cache closer than every control and than no context.
+        kl = {key: v["all"] for key, v in self.result["kl"].items()}
+        self.assertEqual(kl["own"], 0.0)
+        for control in ("none", "identity", "untrained", "no_target_rope"):
+            self.assertLess(kl["mapped"], kl[control], control)
 
     def test_validate_reports_quality(self):
         v = self.result["validate"]

@@ -234,6 +234,13 @@ def main():
             for kind, (lw, lc) in long_range.items():
                 lr = R.evaluate_long_range(client, members[a], members[b], ids, lw, lc,
                                            args.context, identity[b], controls_of)
+                if kind == "copy":
+                    # Where the copy is lost (per target layer), for the paper's mapper and the
+                    # MLP (when fitted).
+                    lr["layer_probe"] = {
+                        label: R.copy_layer_probe(client, members[a], members[b], ids[label],
+                                                  lw, lc, args.context)
+                        for label in ("ridge", "mlp") if label in ids}
                 results["long_range"][kind][f"{a}->{b}"] = lr
                 print(f"eval: {a}->{b} {kind} windows: copy gain own {lr['copy_gain']['own']:.3f}"
                       f" nats/byte ({time.time() - start:.0f} s)", flush=True)

@@ -116,12 +116,12 @@ def field(p, kind, key, sub=None):
     return p[kind][key] if sub is None else p[kind][key][sub]
 
 
-def identity_of(r, target, k):
-    """The token-identity benefit into `target` on today's windows (it depends on the target
-    only): from any ridge-table pair into it."""
+def identity_of(r, target, k, measure="benefit"):
+    """The token-identity figure into `target` on today's windows (it depends on the target
+    only): from any ridge-table pair into it. measure: "benefit" or "kl"."""
     for name, p in r["pairs"].items():
         if name.split(" ")[0].endswith("->" + target) and name.endswith(f"k={k}"):
-            return p["benefit"].get("identity")
+            return p.get(measure, {}).get("identity")
     return None
 
 
@@ -192,8 +192,31 @@ def kinds_tables(r, k, st):
             f"{f(fr['mlp']['attention_cosine'], 4)} | {fr['recommended']} | "
             f"{'ridge refined' if better == 'ridge' else KIND_NAMES[m]} (recommendation "
             f"{agree}) |")
+    if all("kl" in p.get("ridge", {}) for p in r["kinds"].values()):
+        out.extend(kl_table(r, k))
     out.append("\nIssue 22's goals on today's windows, as measured:\n")
     out.extend(goal_lines(r, k))
+    return out
+
+
+def kl_table(r, k):
+    out = ["\nFidelity to the target's own next-token distribution on the same windows: "
+           "KL(own || x) in nats per byte, the divergence of the target's next-token "
+           "distribution after cache x from the one after its own prefill, averaged over the "
+           "continuation (in parentheses: the first 16 bytes). 0 is a perfect translation; "
+           "lower is better. Unlike CE on the text, it cannot reward a cache for a shift that "
+           "happens to suit the text (\"Reading the numbers\").\n",
+           "| pair | KL none | KL ridge / ridge refined / MLP / MLP refined | (first 16) | "
+           "token identity | no target RoPE |",
+           "|---|---|---|---|---|---|"]
+    for name, p in r["kinds"].items():
+        ident = identity_of(r, name.split("->")[1], k, "kl")
+        out.append(
+            f"| {name} | {f(p['kl']['none'])} | "
+            f"{triple([field(p, c, 'kl') for c in KINDS], higher=False)} | "
+            f"{triple([field(p, c, 'kl_first') for c in KINDS], higher=False)} | "
+            f"{f(ident['all']) + ' (' + f(ident['first']) + ')' if ident else 'n/a'} | "
+            f"{triple([field(p, c, 'kl_no_target_rope') for c in KINDS], higher=False)} |")
     return out
 
 
@@ -226,26 +249,61 @@ def goal_lines(r, k):
                                   len(mlp_refined_better), "the MSE-trained MLP"))
     else:
         lines.append("- MLP refined: not in these results.")
+    if all("kl" in p.get("ridge", {}) for p in kinds.values()):
+        lines.extend(kl_goal_lines(r, k))
     lines.append(f"- `kvt fit --kind both` recommendation (refined ridge vs refined MLP) agrees "
                  f"with the measured benefit on **{sum(agree)} of {len(agree)}** pairs with an "
                  f"MLP.")
     return lines
 
 
-def refined_line(title, pairs, n, start):
-    """pairs: (name, start benefit, refined benefit). Equal figures are the same mapper: kvt fit
-    keeps its start when the refinement does not lower the held-out objective (docs/FIT.md)."""
+def kl_goal_lines(r, k):
+    """The same goals measured by KL to the target's own distribution (lower is better)."""
+    kinds = r["kinds"]
+    n = len(kinds)
+    beat, misses = 0, []
+    for name, p in kinds.items():
+        ident = identity_of(r, name.split("->")[1], k, "kl")
+        best = min((c for c in KINDS if c in p), key=lambda c: p[c]["kl"])
+        if ident and p[best]["kl"] < ident["all"]:
+            beat += 1
+        else:
+            misses.append(f"{name} ({KIND_NAMES[best]} {f(p[best]['kl'])} vs "
+                          f"{f(ident['all'] if ident else None)})")
+    lines = [f"- By KL to the target's own distribution, the best served mapper is closer than "
+             f"token identity on **{beat} of {n}** pairs" +
+             ("." if not misses else "; not on " + ", ".join(misses) + ".")]
+    for title, start, refined, start_name in (
+            ("the refined ridge is closer than the plain ridge", "ridge", "ridge_refined",
+             "the closed form"),
+            ("the refined MLP is closer than the MSE-trained MLP", "mlp", "mlp_refined",
+             "the MSE-trained MLP")):
+        # Negated so that refined_line's "higher is better" reads "lower KL is better".
+        pairs = [(name, -p[start]["kl"], -p[refined]["kl"]) for name, p in kinds.items()
+                 if start in p and refined in p]
+        if pairs:
+            lines.append(refined_line(f"By KL, {title}", pairs, len(pairs), start_name,
+                                      "change in KL", sign=-1))
+    return lines
+
+
+def refined_line(title, pairs, n, start, measure="change in benefit recovered", sign=1):
+    """pairs: (name, start figure, refined figure), higher better (a lower-is-better measure
+    passes its negation and sign=-1, which turns the figures back for printing). Equal figures
+    are the same mapper: kvt fit keeps its start when the refinement does not lower the held-out
+    objective (docs/FIT.md)."""
     ups = [x for x in pairs if x[2] > x[1]]
     kept = [x for x in pairs if x[2] == x[1]]
     downs = [x for x in pairs if x[2] < x[1]]
-    gains = [x[2] - x[1] for x in pairs]
-    line = (f"- {title}: **{len(ups)} of {n}** pairs (change in benefit recovered "
-            f"{min(gains):+.3f} to {max(gains):+.3f})")
+    gains = sorted(sign * (x[2] - x[1]) for x in pairs)
+    line = (f"- {title}: **{len(ups)} of {n}** pairs ({measure} "
+            f"{gains[0]:+.3f} to {gains[-1]:+.3f})")
     if kept:
         line += (f"; {start} kept, the refinement not lowering its held-out objective, on "
                  + ", ".join(x[0] for x in kept))
     if downs:
-        line += "; below it on " + ", ".join(f"{x[0]} ({f(x[1])} -> {f(x[2])})" for x in downs)
+        line += "; worse on " + ", ".join(
+            f"{x[0]} ({f(sign * x[1])} -> {f(sign * x[2])})" for x in downs)
     return line + "."
 
 
@@ -329,6 +387,19 @@ def long_range_tables(r):
                 f"{slash(ce, KINDS)} | {f(ce.get('identity'))} | "
                 f"{slash(ce, [c + '_untrained' for c in KINDS])} | "
                 f"{slash(ce, [c + '_no_target_rope' for c in KINDS])} |")
+        if all("kl" in p for p in pairs.values()):
+            out.append(f"\n#### {kind} windows: KL to the target's own distribution "
+                       f"(nats/byte)\n")
+            out.append("| pair | none | mapped (ridge / ridge refined / MLP / MLP refined) | "
+                       "token identity | untrained source | no target RoPE |")
+            out.append("|---|---|---|---|---|---|")
+            for name, p in pairs.items():
+                kl = {key: v["all"] for key, v in p["kl"].items()}
+                out.append(
+                    f"| {name} | {f(kl['none'])} | {slash(kl, KINDS)} | "
+                    f"{f(kl.get('identity'))} | "
+                    f"{slash(kl, [c + '_untrained' for c in KINDS])} | "
+                    f"{slash(kl, [c + '_no_target_rope' for c in KINDS])} |")
         out.append(f"\n#### {kind} windows: copy gain, long-range share, benefit recovered\n")
         out.append("| pair | copy gain own | copy gain ridge / refined / MLP / MLP refined | "
                    "long-range share | "
@@ -347,6 +418,26 @@ def long_range_tables(r):
             out.append(
                 f"| {name} | {f(g['own'])} | {slash(g, KINDS)} | {share} | {benefit} | {ident} | "
                 f"{untrained} |")
+        if any("layer_probe" in p for p in pairs.values()):
+            out.extend(layer_probe_table(pairs))
+    return out
+
+
+def layer_probe_table(pairs):
+    """retention.copy_layer_probe: the long-range share with the target's own keys (K) or keys
+    and values (KV) at one layer, every other layer translated."""
+    out = ["\n#### copy windows: where the copy is lost\n",
+           "Long-range share of the translated cache with the target's own keys at one layer "
+           "(every other layer translated), per target layer: K / K and V "
+           "(retention.copy_layer_probe). The layer whose own keys restore the share is where "
+           "the target looks the copy up; the mapper's error in those keys is what the share "
+           "pays for.\n",
+           "| pair | mapper | translated | own K / own K and V at layer 0, 1, ... |",
+           "|---|---|---|---|"]
+    for name, p in pairs.items():
+        for label, probe in p.get("layer_probe", {}).items():
+            cells = ", ".join(f"{f(k, 2)} / {f(kv, 2)}" for k, kv in zip(probe["k"], probe["kv"]))
+            out.append(f"| {name} | {KIND_NAMES[label]} | {f(probe['mapped'], 2)} | {cells} |")
     return out
 
 
