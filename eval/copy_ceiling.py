@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""What map of the source cache could carry a copy: one target layer's keys, several maps.
+
+    bazel build //eval:copy_ceiling && PATH=$PWD/.venv/bin:$PATH bazel-bin/eval/copy_ceiling \
+        --store=/tmp/kvt-eval/store --pair=M:L
+
+The evaluation's layer probe (retention.copy_layer_probe, docs/EVAL.md) finds the target layer
+whose own keys restore a translated cache's copy (where the target's induction heads look the
+copy up). This tool keeps the served mapper everywhere else and replaces that layer's keys with
+the keys of alternative maps, fitted here (float64, centred ridge as SPEC 4.1, lambda 0.01) on
+the calibration windows, then reports each one's long-range share on the copy windows (copy
+gain over the target's own, as the evaluation computes it):
+
+- served: the store's mapper (`{A}-to-{B}-k{k}`) unchanged;
+- ridge, sigma: the served mapper's source layers, refitted here (matches served up to bf16);
+- ridge, all layers: every source layer's keys (RoPE stripped) and values;
+- ridge, all layers at p..p-w+1: the same features of the w - 1 previous tokens too, which
+  SPEC 3's token-wise map cannot see;
+- MLP, all layers (and at p..p-w+1, the widest w): two hidden ReLU layers, MSE-trained (Adam);
+- own keys: the target's own (the ceiling for this layer).
+
+A research tool for the mapper work issue 22 leaves open; nothing here is served.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import retention as R  # noqa: E402
+
+torch = R.torch
+
+
+def flat(x):
+    """[1, heads, T, d] -> [T, heads * d] float64 (head-major, as SPEC 3 flattens)."""
+    return x[0].transpose(0, 1).reshape(x.shape[2], -1).double()
+
+
+def source_features(source, ids, layers):
+    """Per token, the source's stripped keys then values of `layers`, concatenated."""
+    cache = source.prefill(ids)
+    keys = [flat(source.rope(cache[j][0], 0, inverse=True)) for j in layers]
+    return torch.cat(keys + [flat(cache[j][1]) for j in layers], 1)
+
+
+def with_previous(x, width):
+    """x's rows at p, p-1, ..., p-width+1 side by side (zeros before the first token)."""
+    parts = [x] + [torch.cat([torch.zeros(s, x.shape[1], dtype=x.dtype), x[:-s]])
+                   for s in range(1, width)]
+    return torch.cat(parts, 1)
+
+
+def ridge(x, y, lam=0.01):
+    """Centred ridge on the covariance scale (SPEC 4.1); returns the predictor."""
+    mx, my = x.mean(0), y.mean(0)
+    xc = x - mx
+    gram = xc.T @ xc / len(x) + lam * torch.eye(x.shape[1], dtype=x.dtype)
+    w = torch.linalg.solve(gram, xc.T @ (y - my) / len(x))
+    return lambda z: (z - mx) @ w + my
+
+
+def mlp(x, y, hidden, steps, seed=0):
+    """Two hidden ReLU layers on standardised inputs and outputs, MSE, Adam (float32)."""
+    x, y = x.float(), y.float()
+    mx, sx, my, sy = x.mean(0), x.std(0) + 1e-6, y.mean(0), y.std(0) + 1e-6
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(hidden, y.shape[1]))
+    opt = torch.optim.Adam(net.parameters(), 1e-3)
+    xn, yn = (x - mx) / sx, (y - my) / sy
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        i = torch.randint(0, len(x), (512,), generator=generator)
+        loss = ((net(xn[i]) - yn[i]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    def predict(z):
+        with torch.no_grad():
+            return (net((z.float() - mx) / sx) * sy + my).double()
+    return predict
+
+
+def share(client, source, target, mapper_id, layer, keys_of, windows, controls, context):
+    """Long-range share with `layer`'s keys from keys_of(context ids) (content space, [T,
+    n * d]; None: the served mapper's), every other layer as served."""
+    ce = {"window": [], "control": [], "own_window": [], "own_control": []}
+    for kind, group in (("window", windows), ("control", controls)):
+        for w in group:
+            ctx, cont, tgt = w[:context], w[context:-1], w[context + 1:]
+            mapped = R.translate(client, mapper_id, source.prefill(ctx))
+            if keys_of is not None:
+                content = keys_of(ctx).float().reshape(len(ctx), target.n_kv, -1)
+                mapped[layer] = (target.rope(content.transpose(0, 1)[None], 0), mapped[layer][1])
+            ce[kind].append(np.mean(target.continuation_nll(mapped, cont, tgt)))
+            ce["own_" + kind].append(np.mean(target.continuation_nll(target.prefill(ctx), cont,
+                                                                     tgt)))
+    gain = np.mean(ce["control"]) - np.mean(ce["window"])
+    return float(gain / (np.mean(ce["own_control"]) - np.mean(ce["own_window"])))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--store", required=True, help="a mapper store with {A}-to-{B}-k{k}")
+    p.add_argument("--pair", default="M:L")
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--layer", type=int, default=-1,
+                   help="target layer whose keys are replaced (-1: the last)")
+    p.add_argument("--calib_windows", type=int, default=64)
+    p.add_argument("--calib_tokens", type=int, default=512)
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--context", type=int, default=384)
+    p.add_argument("--continuation", type=int, default=96)
+    p.add_argument("--widths", default="2,4")
+    p.add_argument("--mlp_hidden", type=int, default=1024)
+    p.add_argument("--mlp_steps", type=int, default=3000)
+    args = p.parse_args()
+    caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
+    store = os.path.join(caller, args.store)
+    torch.set_num_threads(1)
+    a, b = args.pair.split(":")
+    source = R.Member(os.path.join(args.family, a))
+    target = R.Member(os.path.join(args.family, b))
+    layer = args.layer % target.layers
+    mapper_id = f"{a}-to-{b}-k{args.k}"
+    with open(os.path.join(store, mapper_id, "manifest.yaml")) as f:
+        manifest = yaml.safe_load(f)
+    sigma = next(e["sigma_k"] for e in manifest["layers"] if e["target_layer"] == layer)
+    every = list(range(source.layers))
+    calib = list(R.dump_kv.windows(R.token_stream("calib"), args.calib_tokens,
+                                   args.calib_windows))
+    truth = torch.cat([flat(target.rope(target.prefill(ids)[layer][0], 0, inverse=True))
+                       for ids in calib])
+    key_width = len(sigma) * source.n_kv * source.head_dim
+
+    def sigma_keys(ids):  # sigma's keys alone, as the served map reads them (SPEC 3)
+        return source_features(source, ids, sigma)[:, :key_width]
+
+    def all_layers(ids):
+        return source_features(source, ids, every)
+
+    maps = {"served": None}
+
+    def fitted(features, fit):
+        model = fit(torch.cat([features(ids) for ids in calib]), truth)
+        return lambda ids: model(features(ids))
+    maps["ridge, sigma"] = fitted(sigma_keys, ridge)
+    maps["ridge, all layers"] = fitted(all_layers, ridge)
+    widths = [int(x) for x in args.widths.split(",") if x]
+    for w in widths:
+        maps[f"ridge, all layers at p..p-{w - 1}"] = fitted(
+            lambda ids, w=w: with_previous(all_layers(ids), w), ridge)
+    train_mlp = lambda x, y: mlp(x, y, args.mlp_hidden, args.mlp_steps)  # noqa: E731
+    maps["MLP, all layers"] = fitted(all_layers, train_mlp)
+    if widths:
+        w = max(widths)
+        maps[f"MLP, all layers at p..p-{w - 1}"] = fitted(
+            lambda ids: with_previous(all_layers(ids), w), train_mlp)
+    maps["own keys"] = lambda ids: flat(target.rope(target.prefill(ids)[layer][0], 0,
+                                                    inverse=True))
+    windows, controls = R.copy_windows(args.context, args.continuation, args.windows)
+    results = {}
+    with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
+        for label, keys_of in maps.items():
+            results[label] = round(share(client, source, target, mapper_id, layer, keys_of,
+                                         windows, controls, args.context), 4)
+            print(f"{args.pair} layer {layer} keys from {label}: long-range share "
+                  f"{results[label]:.3f}", flush=True)
+    print(json.dumps({"pair": args.pair, "layer": layer, "sigma": sigma, "windows": args.windows,
+                      "share": results}))
+
+
+if __name__ == "__main__":
+    main()
