@@ -80,10 +80,6 @@ def handoff_logprobs(target, cache, ids):
     return torch.log_softmax(logits.double(), -1)
 
 
-def kl(own, mapped):
-    return (own.exp() * (own - mapped)).sum(-1).mean()
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
@@ -125,7 +121,7 @@ def main():
         ids, features, own = item
         mapped = handoff_logprobs(target, mapper.apply(features, boundary, weights),
                                   ids[boundary:])
-        return kl(own[boundary:], mapped)
+        return R.kl_of(own[boundary:], mapped).mean()
 
     def heldout_loss(weights):
         bounds = [args.calib_tokens * f // 8 for f in (5, 6, 7)]
@@ -145,7 +141,7 @@ def main():
                 own = target.continuation_logprobs(target.prefill(w[:c]), cont)
                 mapped = handoff_logprobs(target, mapper.apply(mapper.features(w[:c]), c,
                                                                weights), cont)
-                kls.append(float(kl(own, mapped)))
+                kls.append(float(R.kl_of(own, mapped).mean()))
                 ce["own"].append(np.mean(R.nll_of(own, tgt)))
                 ce["mapped"].append(np.mean(R.nll_of(mapped, tgt)))
                 ce["none"].append(np.mean(target.continuation_nll(None, cont, tgt)))

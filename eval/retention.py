@@ -121,6 +121,12 @@ def nll_of(logp, targets):
     return -logp.gather(1, torch.tensor(targets)[:, None])[:, 0].numpy()
 
 
+def kl_of(own, logp):
+    """Per position KL(own || logp) of two next-token log-probability rows (torch, so that
+    eval/refine_through_target can take its gradient)."""
+    return (own.exp() * (own - logp)).sum(-1)
+
+
 class Scores:
     """Per condition and window, the target's per-token NLL of the continuation and the KL
     divergence KL(own || condition) of its next-token distribution from the one its own prefill
@@ -145,9 +151,7 @@ class Scores:
     def _record(self, key, logp):
         key = self.prefix + key
         self.nll.setdefault(key, []).append(nll_of(logp, self.targets))
-        p_own = self.own.exp()
-        self.kl.setdefault(key, []).append(
-            (p_own * (self.own - logp)).sum(-1).numpy())
+        self.kl.setdefault(key, []).append(kl_of(self.own, logp).numpy())
 
 
 def make_untrained(source_dir, out_dir, seed=7):

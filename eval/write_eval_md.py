@@ -377,29 +377,11 @@ def long_range_tables(r):
     for kind, pairs in lr.items():
         out.append(f"\n#### {kind} windows: CE (nats/byte) per condition\n")
         out.append("Each multi-value cell: ridge / ridge refined / MLP / MLP refined.\n")
-        out.append("| pair | own | none | mapped | token identity | untrained source | "
-                   "no target RoPE |")
-        out.append("|---|---|---|---|---|---|---|")
-        for name, p in pairs.items():
-            ce = {key: v["all"] for key, v in p["ce"].items()}
-            out.append(
-                f"| {name} | {f(ce['own'])} | {f(ce['none'])} | "
-                f"{slash(ce, KINDS)} | {f(ce.get('identity'))} | "
-                f"{slash(ce, [c + '_untrained' for c in KINDS])} | "
-                f"{slash(ce, [c + '_no_target_rope' for c in KINDS])} |")
+        out.extend(condition_table(pairs, "ce", ["own", "none"]))
         if all("kl" in p for p in pairs.values()):
             out.append(f"\n#### {kind} windows: KL to the target's own distribution "
                        f"(nats/byte)\n")
-            out.append("| pair | none | mapped (ridge / ridge refined / MLP / MLP refined) | "
-                       "token identity | untrained source | no target RoPE |")
-            out.append("|---|---|---|---|---|---|")
-            for name, p in pairs.items():
-                kl = {key: v["all"] for key, v in p["kl"].items()}
-                out.append(
-                    f"| {name} | {f(kl['none'])} | {slash(kl, KINDS)} | "
-                    f"{f(kl.get('identity'))} | "
-                    f"{slash(kl, [c + '_untrained' for c in KINDS])} | "
-                    f"{slash(kl, [c + '_no_target_rope' for c in KINDS])} |")
+            out.extend(condition_table(pairs, "kl", ["none"]))
         out.append(f"\n#### {kind} windows: copy gain, long-range share, benefit recovered\n")
         out.append("| pair | copy gain own | copy gain ridge / refined / MLP / MLP refined | "
                    "long-range share | "
@@ -420,6 +402,21 @@ def long_range_tables(r):
                 f"{untrained} |")
         if any("layer_probe" in p for p in pairs.values()):
             out.extend(layer_probe_table(pairs))
+    return out
+
+
+def condition_table(pairs, measure, plain):
+    """Per pair the long-range figure `measure` ("ce" or "kl") of each condition: the `plain`
+    ones, then mapped, token identity, untrained source and no target RoPE per kind."""
+    out = ["| pair | " + " | ".join(plain) + " | mapped | token identity | untrained source | "
+           "no target RoPE |", "|---|" + "---|" * (len(plain) + 4)]
+    for name, p in pairs.items():
+        x = {key: v["all"] for key, v in p[measure].items()}
+        out.append(
+            f"| {name} | " + " | ".join(f(x[key]) for key in plain) + " | "
+            f"{slash(x, KINDS)} | {f(x.get('identity'))} | "
+            f"{slash(x, [c + '_untrained' for c in KINDS])} | "
+            f"{slash(x, [c + '_no_target_rope' for c in KINDS])} |")
     return out
 
 
