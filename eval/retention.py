@@ -130,9 +130,9 @@ def kl_of(own, logp):
 class Scores:
     """Per condition and window, the target's per-token NLL of the continuation and the KL
     divergence KL(own || condition) of its next-token distribution from the one its own prefill
-    gives. CE on the text rewards a cache for any shift that happens to suit the text; the KL
-    measures what a translated cache is for, making the target behave as after its own prefill
-    (docs/EVAL.md, "Reading the numbers")."""
+    gives. The KL measures what a translated cache is for, making the target behave as after
+    its own prefill, with no reference text: CE on the text can prefer a cache that moves the
+    target away from its own prediction (into S, docs/EVAL.md "Reading the numbers")."""
 
     def __init__(self, target):
         self.target = target
