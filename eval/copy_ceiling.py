@@ -36,16 +36,11 @@ import retention as R  # noqa: E402
 torch = R.torch
 
 
-def flat(x):
-    """[1, heads, T, d] -> [T, heads * d] float64 (head-major, as SPEC 3 flattens)."""
-    return x[0].transpose(0, 1).reshape(x.shape[2], -1).double()
-
-
 def source_features(source, ids, layers):
     """Per token, the source's stripped keys then values of `layers`, concatenated."""
     cache = source.prefill(ids)
-    keys = [flat(source.rope(cache[j][0], 0, inverse=True)) for j in layers]
-    return torch.cat(keys + [flat(cache[j][1]) for j in layers], 1)
+    keys = [R.token_rows(source.rope(cache[j][0], 0, inverse=True)) for j in layers]
+    return torch.cat(keys + [R.token_rows(cache[j][1]) for j in layers], 1)
 
 
 def with_previous(x, width):
@@ -137,8 +132,11 @@ def main():
     every = list(range(source.layers))
     calib = list(R.dump_kv.windows(R.token_stream("calib"), args.calib_tokens,
                                    args.calib_windows))
-    truth = torch.cat([flat(target.rope(target.prefill(ids)[layer][0], 0, inverse=True))
-                       for ids in calib])
+
+    def own_keys(ids):  # the target's keys at `layer`, content space
+        return R.token_rows(target.rope(target.prefill(ids)[layer][0], 0, inverse=True))
+
+    truth = torch.cat([own_keys(ids) for ids in calib])
     key_width = len(sigma) * source.n_kv * source.head_dim
 
     def sigma_keys(ids):  # sigma's keys alone, as the served map reads them (SPEC 3)
@@ -164,8 +162,7 @@ def main():
         w = max(widths)
         maps[f"MLP, all layers at p..p-{w - 1}"] = fitted(
             lambda ids: with_previous(all_layers(ids), w), train_mlp)
-    maps["own keys"] = lambda ids: flat(target.rope(target.prefill(ids)[layer][0], 0,
-                                                    inverse=True))
+    maps["own keys"] = own_keys
     windows, controls = R.copy_windows(args.context, args.continuation, args.windows)
     results = {}
     with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:

@@ -324,6 +324,11 @@ def start_kvtd(store):
 
 # -- controls ----------------------------------------------------------------------------------
 
+def token_rows(t):
+    """[1, heads, T, d] -> [T, heads * d] float64 (head-major per token, as SPEC 3 flattens)."""
+    return t[0].permute(1, 0, 2).reshape(t.shape[2], -1).double()
+
+
 class TokenIdentityMap:
     """Ridge (float64) from one-hot(current byte) + one-hot(previous byte) + 1 to the target's
     content-space K (RoPE stripped) and V, per layer; predictions get the target RoPE back."""
@@ -337,15 +342,12 @@ class TokenIdentityMap:
         for ids in windows:
             x = self.features(ids)
             layers = target.prefill(ids)
-            y = np.concatenate([self._flat(target.rope(k, 0, inverse=True)) for k, _ in layers] +
-                               [self._flat(v) for _, v in layers], axis=1)
+            y = np.concatenate([token_rows(target.rope(k, 0, inverse=True)).numpy()
+                                for k, _ in layers] +
+                               [token_rows(v).numpy() for _, v in layers], axis=1)
             gram += x.T @ x
             cross = x.T @ y if cross is None else cross + x.T @ y
         self.w = np.linalg.solve(gram + lam * np.eye(self.FEATURES), cross)
-
-    @staticmethod
-    def _flat(t):  # [1, n, T, d] -> [T, n*d] float64
-        return t[0].permute(1, 0, 2).reshape(t.shape[2], -1).double().numpy()
 
     def features(self, ids):
         x = np.zeros((len(ids), self.FEATURES))
