@@ -174,8 +174,13 @@ absl::Status CheckMapperView(const MapperView& mapper) {
                                                    " entries but target.num_layers=",
                                                    mapper.target.num_layers));
   }
+  if (mapper.window < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mapper.window=", mapper.window, " must be >= 1"));
+  }
+  // A window mapper's input rows hold every sigma block `window` times (one per token offset).
   const int64_t source_width =
-      static_cast<int64_t>(mapper.source.num_kv_heads) * mapper.source.head_dim;
+      static_cast<int64_t>(mapper.window) * mapper.source.num_kv_heads * mapper.source.head_dim;
   const int64_t target_width =
       static_cast<int64_t>(mapper.target.num_kv_heads) * mapper.target.head_dim;
   for (int l = 0; l < mapper.target.num_layers; ++l) {
@@ -189,7 +194,8 @@ absl::Status CheckMapperView(const MapperView& mapper) {
       return s;
     }
     const auto why = [&](const char* sigma, size_t k) {
-      return absl::StrCat("|", sigma, "|=", k, " x source n=", mapper.source.num_kv_heads,
+      return absl::StrCat(mapper.window == 1 ? "" : absl::StrCat("window ", mapper.window, " x "),
+                          "|", sigma, "|=", k, " x source n=", mapper.source.num_kv_heads,
                           " x d=", mapper.source.head_dim, " rows, target n=",
                           mapper.target.num_kv_heads, " x d=", mapper.target.head_dim, " cols");
     };

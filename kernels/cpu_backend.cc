@@ -112,7 +112,7 @@ class Scratch {
 
 // One thread's working memory for a piece of tokens.
 struct Workspace {
-  Scratch<> x;                     // gathered, stripped inputs: rows x (|sigma| n_s d_s)
+  Scratch<> x;                     // gathered, stripped inputs: rows x (window |sigma| n_s d_s)
   Scratch<> y;                     // GEMM output: rows x (n_t d_t)
   Scratch<> h1, h2;                // MLP hidden activations: rows x H each
   Scratch<> strip_cos, strip_sin;  // source RoPE per row
@@ -452,7 +452,9 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
        is_mlp ? &weights.mlp_v : nullptr, weights.b_v, false, packed ? packed->w_v : nullptr,
        packed && is_mlp ? &packed->mlp_v : nullptr},
   };
-  const int64_t max_inputs =
+  // A window mapper reads each sigma block at `window` token offsets (offset-major blocks).
+  const int64_t window = view.window;
+  const int64_t max_inputs = window *
       static_cast<int64_t>(std::max(layer.sigma_k.size(), layer.sigma_v.size())) * source_width;
   const int64_t max_hidden = is_mlp ? std::max(weights.mlp_k.hidden, weights.mlp_v.hidden) : 0;
 
@@ -474,24 +476,40 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
     uint16_t* h1_16 = is_mlp && onednn ? ws->h1_16.Get(gemm_rows * max_hidden) : nullptr;
     uint16_t* h2_16 = is_mlp && onednn ? ws->h2_16.Get(gemm_rows * max_hidden) : nullptr;
     float* y_head = is_mlp && onednn ? ws->y_head.Get(gemm_rows * dt) : nullptr;
-    float* strip_cos = ws->strip_cos.Get(rows * strip_half);
-    float* strip_sin = ws->strip_sin.Get(rows * strip_half);
+    // Strip tables cover the window's earlier tokens too: table row r is token strip_first + r.
+    const int64_t strip_first = std::max<int64_t>(0, t0 - (window - 1));
+    const int64_t strip_rows = t0 + rows - strip_first;
+    float* strip_cos = ws->strip_cos.Get(strip_rows * strip_half);
+    float* strip_sin = ws->strip_sin.Get(strip_rows * strip_half);
     float* apply_cos = ws->apply_cos.Get(rows * apply_half);
     float* apply_sin = ws->apply_sin.Get(rows * apply_half);
     // Both models' rotations for these positions, once per piece.
-    RopeTablesFor(strip, positions, t0, rows, strip_cos, strip_sin);
+    RopeTablesFor(strip, positions, strip_first, strip_rows, strip_cos, strip_sin);
     RopeTablesFor(apply, positions, t0, rows, apply_cos, apply_sin);
 
     for (const Kind& kind : kinds) {
-      const int64_t inputs = static_cast<int64_t>(kind.sigma->size()) * source_width;
+      const int64_t sigma_size = static_cast<int64_t>(kind.sigma->size());
+      const int64_t blocks = window * sigma_size;
+      const int64_t inputs = blocks * source_width;
 
-      // Gather: row i = token t0 + i, columns [sigma block][head][dim], source RoPE stripped.
-      // oneDNN path: the same in fp32 one block at a time, then rounded to bf16 (a bf16 value
-      // block without RoPE is copied as is).
+      // Gather: row i = token t0 + i, columns [offset][sigma block][head][dim], block (o, b)
+      // from token t0 + i - o (zero before the request's first token), source RoPE stripped at
+      // that token's position. oneDNN path: the same in fp32 one block at a time, then rounded
+      // to bf16 (a bf16 value block without RoPE is copied as is).
       for (int64_t i = 0; i < rows; ++i) {
-        const int64_t t = t0 + i;
-        for (size_t b = 0; b < kind.sigma->size(); ++b) {
-          const char* base = static_cast<const char*>((*kind.source)[(*kind.sigma)[b]]);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t t = t0 + i - b / sigma_size;
+          if (t < 0) {
+            if (onednn) {
+              std::memset(x16 + i * inputs + b * source_width, 0, source_width * sizeof(uint16_t));
+            } else {
+              std::memset(x + i * inputs + b * source_width, 0, source_width * sizeof(float));
+            }
+            continue;
+          }
+          const int64_t strip_row = t - strip_first;
+          const char* base =
+              static_cast<const char*>((*kind.source)[(*kind.sigma)[b % sigma_size]]);
           if (onednn && !kind.rope && source.dtype == DType::kBF16) {
             uint16_t* out16 = x16 + i * inputs + b * source_width;
             if (source.layout == Layout::kNHD) {
@@ -514,8 +532,8 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
           }
           if (kind.rope) {
             for (int64_t h = 0; h < ns; ++h) {
-              strip.StripHead(strip_cos + i * strip_half, strip_sin + i * strip_half,
-                              out + h * ds);
+              strip.StripHead(strip_cos + strip_row * strip_half,
+                              strip_sin + strip_row * strip_half, out + h * ds);
             }
           }
           if (onednn) {

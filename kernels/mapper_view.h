@@ -72,6 +72,11 @@ struct MapperView {
   MapKind kind = MapKind::kRidge;
   ModelSpec source;
   ModelSpec target;
+  // Tokens each output token reads (manifest `window`): x(p) is the sigma blocks of tokens p,
+  // p-1, ..., p-window+1 side by side, offset-major, each block stripped at its own token's
+  // position; blocks before the request's first token are zero. The weights' input rows are
+  // window * |sigma| * n_s * d_s. 1: SPEC 3's token-wise map.
+  int window = 1;
   std::vector<LayerMapView> layers;  // target.num_layers entries
 };
 

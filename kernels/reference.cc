@@ -89,21 +89,28 @@ std::vector<double> ReferenceTranslate(const MapperView& mapper, int layer, Kind
   const int64_t tokens = source.num_tokens;
   const int ns = mapper.source.num_kv_heads, ds = mapper.source.head_dim;
   const int nt = mapper.target.num_kv_heads, dt = mapper.target.head_dim;
-  const int64_t inputs = static_cast<int64_t>(sigma.size()) * ns * ds;
+  const int64_t blocks = static_cast<int64_t>(mapper.window) * sigma.size();
+  const int64_t inputs = blocks * ns * ds;
   const int64_t outputs = static_cast<int64_t>(nt) * dt;
   std::vector<double> out(tokens * outputs);
   std::vector<double> x(inputs);
   for (int64_t t = 0; t < tokens; ++t) {
     const uint64_t p = positions.at(t);
-    for (size_t block = 0; block < sigma.size(); ++block) {
-      const void* data = keys ? source.k[sigma[block]] : source.v[sigma[block]];
+    // Block b reads sigma[b % |sigma|] at token t - b / |sigma| (zero before the first token).
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t from = t - block / static_cast<int64_t>(sigma.size());
+      const int j = sigma[block % sigma.size()];
+      const void* data = keys ? source.k[j] : source.v[j];
       for (int h = 0; h < ns; ++h) {
         double* head = &x[(block * ns + h) * ds];
         for (int d = 0; d < ds; ++d) {
-          head[d] = LoadAsDouble(source.dtype, data,
-                                 CacheOffset(source.layout, ns, tokens, ds, h, t, d));
+          head[d] = from < 0 ? 0.0
+                             : LoadAsDouble(source.dtype, data,
+                                            CacheOffset(source.layout, ns, tokens, ds, h, from, d));
         }
-        if (keys && options.strip_source_rope) RotateDouble(source_rope, p, true, head);
+        if (keys && options.strip_source_rope && from >= 0) {
+          RotateDouble(source_rope, positions.at(from), true, head);
+        }
       }
     }
     double* y = &out[t * outputs];

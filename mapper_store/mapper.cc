@@ -38,6 +38,12 @@ absl::Status ChecksumMismatch(const std::string& file, const std::string& expect
                                           " (corrupt or partially copied)"));
 }
 
+// The shape message's prefix for a window mapper, whose input rows are `window` times wider.
+std::string WindowNote(const Manifest& manifest) {
+  return manifest.window == 1 ? std::string()
+                              : absl::StrCat("window ", manifest.window, " x ");
+}
+
 }  // namespace
 
 std::string MapperTensorName(int target_layer, char kv, bool bias) {
@@ -51,7 +57,9 @@ std::string MlpTensorName(int target_layer, char kv, int fc, bool bias) {
 
 std::vector<TensorSpec> MapperTensorSpecs(const Manifest& m) {
   std::vector<TensorSpec> specs;
-  const int64_t in_per_layer = static_cast<int64_t>(m.source.num_kv_heads) * m.source.head_dim;
+  // A window mapper reads every sigma block at `window` token offsets (offset-major).
+  const int64_t in_per_layer =
+      static_cast<int64_t>(m.window) * m.source.num_kv_heads * m.source.head_dim;
   const int64_t out = static_cast<int64_t>(m.target.num_kv_heads) * m.target.head_dim;
   if (m.kind == MapperKind::kMlp) {
     const MlpConfig config = m.mlp.value_or(MlpConfig());
@@ -133,7 +141,7 @@ absl::Status ValidateMapperTensors(const Manifest& manifest, const std::vector<T
       if (manifest.kind == MapperKind::kMlp) {
         const MlpConfig config = manifest.mlp.value_or(MlpConfig());
         why = absl::StrCat(
-            "mlp.granularity ", MlpGranularityName(config.granularity), ", mlp.hidden H = ",
+            WindowNote(manifest), "mlp.granularity ", MlpGranularityName(config.granularity), ", mlp.hidden H = ",
             config.hidden, ", in = len(sigma) x source.num_kv_heads ",
             manifest.source.num_kv_heads, " x source.head_dim ", manifest.source.head_dim,
             config.granularity == MlpGranularity::kPerHead
@@ -143,7 +151,7 @@ absl::Status ValidateMapperTensors(const Manifest& manifest, const std::vector<T
                 : absl::StrCat(", fc3 cols target.num_kv_heads ", manifest.target.num_kv_heads,
                                " x target.head_dim ", manifest.target.head_dim));
       } else {
-        why = absl::StrCat("rows = len(sigma) x source.num_kv_heads ",
+        why = absl::StrCat(WindowNote(manifest), "rows = len(sigma) x source.num_kv_heads ",
                            manifest.source.num_kv_heads, " x source.head_dim ",
                            manifest.source.head_dim, ", cols = target.num_kv_heads ",
                            manifest.target.num_kv_heads, " x target.head_dim ",
@@ -190,6 +198,7 @@ MapperView BuildMapperView(const Manifest& m,
   view.kind = m.kind == MapperKind::kMlp ? MapKind::kMlp : MapKind::kRidge;
   view.source = m.source;
   view.target = m.target;
+  view.window = m.window;
   view.layers.reserve(m.layers.size());
   for (const LayerEntry& entry : m.layers) {
     LayerMapView layer;

@@ -17,6 +17,7 @@ std::string Describe(const ConformanceCase& c) {
                               : "",
       "L", s.source_layers, "x", s.source_heads, "x", s.source_head_dim, " -> L", s.target_layers,
       "x", s.target_heads, "x", s.target_head_dim, " k=", s.k, "/", s.k_v,
+      s.window > 1 ? absl::StrCat(" window=", s.window) : "",
       " w=", DTypeName(s.weight_dtype), s.with_bias ? "" : " no bias", " rope ",
       RopeScalingTypeName(s.source_rope.scaling.type), "/", RopeStyleName(s.source_rope.style),
       " r=", s.source_rope.rotary_dim, " -> ", RopeScalingTypeName(s.target_rope.scaling.type), "/",
@@ -366,6 +367,52 @@ TEST_P(BackendConformanceTest, MlpChunksAndLayerGroups) {
           CheckCase(ChunkedCase(spec, tokens, chunk, workspace));
         }
       }
+    }
+  }
+}
+
+// ---- Window mappers (manifest `window`): each token also reads the window - 1 tokens before
+// it, each block stripped at its own position, zero before the request's first token.
+
+// Ridge and MLP, windows shorter and longer than the request, token chunks (a chunk's first
+// tokens read the previous chunk's source rows), layer groups, explicit and large positions.
+TEST_P(BackendConformanceTest, WindowMappers) {
+  for (MapKind kind : {MapKind::kRidge, MapKind::kMlp}) {
+    for (int window : {2, 4, 9}) {
+      for (int64_t tokens : {1, 7, 65}) {
+        for (int64_t chunk : {0, 3, 16}) {
+          for (int64_t workspace : Workspaces(GetParam(), int64_t{64} << 10)) {
+            RandomMapperSpec spec = kind == MapKind::kMlp ? MlpSpec(window == 4, 24)
+                                                          : RandomMapperSpec();
+            spec.window = window;
+            spec.k_v = 2;
+            ConformanceCase c = ChunkedCase(spec, tokens, chunk, workspace);
+            c.explicit_positions = window == 9;
+            if (window == 4) c.offset = uint64_t{1} << 33;
+            CheckCase(c);
+          }
+        }
+      }
+    }
+  }
+}
+
+// bf16 caches and weights, both layouts: the oneDNN path copies bf16 value blocks as they are
+// and must still zero the blocks before the first token.
+TEST_P(BackendConformanceTest, WindowMappersBf16) {
+  for (MapKind kind : {MapKind::kRidge, MapKind::kMlp}) {
+    for (Layout layout : {Layout::kHND, Layout::kNHD}) {
+      ConformanceCase c;
+      c.spec = kind == MapKind::kMlp ? MlpSpec(false, 16) : RandomMapperSpec();
+      c.spec.window = 3;
+      c.spec.source_layers = 3;
+      c.spec.k = 2;
+      c.spec.weight_dtype = DType::kBF16;
+      c.in_dtype = c.out_dtype = DType::kBF16;
+      c.in_layout = layout;
+      c.tokens = 40;
+      c.offset = 11;
+      CheckCase(c);
     }
   }
 }

@@ -76,9 +76,12 @@ RandomMapper MakeRandomMapper(const RandomMapperSpec& spec, uint64_t seed) {
                              spec.source_head_dim, spec.source_rope);
   mapper.view.target = model("random-target", spec.target_layers, spec.target_heads,
                              spec.target_head_dim, spec.target_rope);
+  mapper.view.window = spec.window;
   const int k_v = spec.k_v > 0 ? spec.k_v : spec.k;
-  const int64_t rows_k = static_cast<int64_t>(spec.k) * spec.source_heads * spec.source_head_dim;
-  const int64_t rows_v = static_cast<int64_t>(k_v) * spec.source_heads * spec.source_head_dim;
+  const int64_t rows_k =
+      static_cast<int64_t>(spec.window) * spec.k * spec.source_heads * spec.source_head_dim;
+  const int64_t rows_v =
+      static_cast<int64_t>(spec.window) * k_v * spec.source_heads * spec.source_head_dim;
   const int64_t cols = static_cast<int64_t>(spec.target_heads) * spec.target_head_dim;
   // Every buffer exists before any view takes a pointer into `storage`.
   mapper.storage.resize(4 * spec.target_layers);

@@ -51,6 +51,7 @@ struct RandomMapperSpec {
   MapKind kind = MapKind::kRidge;
   int mlp_hidden = 8;
   bool mlp_per_head = false;
+  int window = 1;  // MapperView::window: tokens each output token reads
 };
 
 // A random mapper whose view points into `storage`. Movable, not copyable.

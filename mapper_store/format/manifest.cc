@@ -22,7 +22,7 @@ namespace {
 // code). Lets one validation routine serve parsed and hand-built manifests alike.
 struct ManifestLines {
   int root = 0, kind = 0, mlp = 0, source = 0, target = 0, source_rope = 0, target_rope = 0, k = 0,
-      lambda = 0, weights = 0, layers = 0, quality = 0;
+      window = 0, lambda = 0, weights = 0, layers = 0, quality = 0;
   std::vector<int> layer, sigma_k, sigma_v;
 };
 
@@ -119,6 +119,10 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
   if (m.k < 1 || m.k > m.source.num_layers) {
     return error(lines.k, absl::StrCat("k = ", m.k, " must be between 1 and source.num_layers (",
                                        m.source.num_layers, ")"));
+  }
+  if (m.window < 1 || m.window > kMaxMapperWindow) {
+    return error(lines.window, absl::StrCat("window = ", m.window, " must be between 1 and ",
+                                            kMaxMapperWindow));
   }
   if (!std::isfinite(m.lambda) || m.lambda < 0) {
     return error(lines.lambda,
@@ -423,7 +427,7 @@ class Parser : private strict::YamlReader {
     m.format_version = *v;
     if (absl::Status s = CheckMap(root, "",
                                   {"format_version", "kind", "mlp", "synthetic", "source", "target", "k",
-                                   "lambda", "lambda_scale", "weights", "quality", "layers",
+                                   "window", "lambda", "lambda_scale", "weights", "quality", "layers",
                                    "calibration", "created_by"});
         !s.ok()) {
       return s;
@@ -470,6 +474,10 @@ class Parser : private strict::YamlReader {
 
     if (absl::Status s = RequiredScalar(root, "", "k", "an integer", &m.k); !s.ok()) return s;
     lines_.k = LineOf(root["k"]);
+    if (absl::Status s = OptionalScalar(root, "", "window", "an integer", &m.window); !s.ok()) {
+      return s;
+    }
+    lines_.window = LineOf(root["window"]);
     if (absl::Status s = OptionalScalar(root, "", "lambda", "a number", &m.lambda); !s.ok()) {
       return s;
     }
@@ -689,6 +697,8 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
   out << YAML::Key << "target" << YAML::Value;
   EmitModel(out, m.target);
   out << YAML::Key << "k" << YAML::Value << m.k;
+  // Only when not 1, so token-wise manifests read the same as before windows existed.
+  if (m.window != 1) out << YAML::Key << "window" << YAML::Value << m.window;
   out << YAML::Key << "lambda" << YAML::Value << FormatDouble(m.lambda);
   out << YAML::Key << "lambda_scale" << YAML::Value << LambdaScaleName(m.lambda_scale);
   out << YAML::Key << "weights" << YAML::Value << YAML::Flow << YAML::BeginMap;

@@ -19,6 +19,8 @@ inline constexpr int kManifestFormatVersion = 1;
 inline constexpr char kManifestFileName[] = "manifest.yaml";
 inline constexpr char kDefaultWeightsFileName[] = "weights.safetensors";
 inline constexpr char kChecksumFileName[] = "SHA256SUMS";
+// The widest `window` a manifest may declare: the apply path keeps window - 1 rows of history.
+inline constexpr int kMaxMapperWindow = 64;
 
 enum class MapperKind {
   kRidge,  // x W + b per target layer and K|V (SPEC 3)
@@ -84,6 +86,10 @@ struct Manifest {
   ModelSpec source;
   ModelSpec target;
   int k = 0;  // the longest sigma list (every sigma has 1..k entries, at least one has k)
+  // Tokens the map reads per output token: the token itself and the window - 1 before it in the
+  // same request (x at p, p-1, ..., p-window+1 side by side; zero rows before the request's first
+  // token). 1 is SPEC 3's token-wise map; docs/MAPPER_FORMAT.md, "Window mappers".
+  int window = 1;
   double lambda = 0.01;
   LambdaScale lambda_scale = LambdaScale::kCovariance;
   std::string weights_file = kDefaultWeightsFileName;
