@@ -22,7 +22,7 @@ constexpr char kMappersUsage[] =
     "prints one mapper's whole MapperInfo.\n";
 
 constexpr char kSynthUsage[] =
-    "usage: kvt synth --out=DIR (--preset=NAME | custom shapes) [--k=N]\n"
+    "usage: kvt synth --out=DIR (--preset=NAME | custom shapes) [--k=N] [--window=1]\n"
     "                 [--weight_dtype=bf16|fp16|fp32] [--seed=1]\n"
     "                 [--kind=ridge|mlp [--mlp_hidden=1024]\n"
     "                  [--mlp_granularity=per_layer|per_head]]\n"
@@ -62,8 +62,8 @@ constexpr char kDemoUsage[] =
 constexpr char kFitUsage[] =
     "usage: kvt fit --source_config=CFG --target_config=CFG\n"
     "               (--source_dumps=DIR --target_dumps=DIR | --pairs=LIST) --out=MAPPER_DIR\n"
-    "               [--top_k=8|all] [--stride=4] [--lambda=0.01] [--lambda_scale=covariance|sum]\n"
-    "               [--heldout_fraction=0.1] [--seed=1] [--weight_dtype=bf16] [--corpus=TEXT]\n"
+    "               [--top_k=8|all] [--stride=4] [--window=1] [--lambda=0.01]\n"
+    "               [--lambda_scale=covariance|sum] [--heldout_fraction=0.1] [--seed=1] [--weight_dtype=bf16] [--corpus=TEXT]\n"
     "               [--source_model=NAME] [--target_model=NAME] [--threads=0] [--chunk_mb=256]\n"
     "               [--overwrite]\n"
     "               [--partial [--shard=i/n] [--plan=PLAN] --out=SHARD_FILE]\n"
@@ -114,7 +114,8 @@ const std::vector<CommandSpec>& Commands() {
        kMappersUsage, {"server", "timeout_ms"}},
       {"synth", RunSynth,
        "write a deterministic random mapper (--out; --preset or shapes; --kind=mlp)", kSynthUsage,
-       {"out", "preset", "k", "weight_dtype", "seed", "kind", "mlp_hidden", "mlp_granularity",
+       {"out", "preset", "k", "window", "weight_dtype", "seed", "kind", "mlp_hidden",
+        "mlp_granularity",
         "source_model", "target_model", "rope_theta", "source_layers", "source_heads",
         "source_head_dim", "target_layers", "target_heads", "target_head_dim"}},
       {"inspect", RunInspect, "summarise a mapper directory: `inspect DIR`", kInspectUsage, {}},
@@ -128,7 +129,7 @@ const std::vector<CommandSpec>& Commands() {
         "tokens", "dtype", "wire_layout", "output_dtype", "position_offset", "seed"}},
       {"fit", RunFit, "fit a mapper from KV dumps of two models (docs/FIT.md)", kFitUsage,
        {"source_config", "target_config", "source_dumps", "target_dumps", "pairs", "out",
-        "source_model", "target_model", "top_k", "stride", "lambda", "lambda_scale",
+        "source_model", "target_model", "top_k", "stride", "window", "lambda", "lambda_scale",
         "heldout_fraction", "seed", "weight_dtype", "corpus", "threads", "chunk_mb", "overwrite",
         "partial", "shard", "plan", "kind", "mlp_hidden", "mlp_epochs", "mlp_batch", "mlp_lr",
         "mlp_granularity", "mlp_max_observations", "refine", "refine_steps", "refine_batch",

@@ -18,6 +18,7 @@
 #include "fit/fit.h"
 #include "fit/report.h"
 #include "kernels/types.h"
+#include "mapper_store/format/manifest.h"
 
 ABSL_FLAG(std::string, source_config, "",
           "kvt fit / import: the source model's Hugging Face config.json (or its directory).");
@@ -31,6 +32,9 @@ ABSL_FLAG(std::string, pairs, "",
 ABSL_FLAG(int32_t, stride, 4, "kvt fit: keep every stride-th token position.");
 ABSL_FLAG(std::string, top_k, "8",
           "kvt fit: source layers per target layer, an integer or 'all'.");
+ABSL_FLAG(int32_t, window, 1,
+          "kvt fit / synth: tokens each output token reads (a window mapper: the chosen source layers at "
+          "p, p-1, ..., p-window+1); 1: the token-wise map of SPEC 3.");
 ABSL_FLAG(double, lambda, 0.01, "kvt fit / merge: ridge penalty.");
 ABSL_FLAG(std::string, lambda_scale, "covariance",
           "kvt fit / merge: where lambda is added: covariance (S_xx = X^T X / N) or sum "
@@ -133,8 +137,9 @@ absl::StatusOr<fit::SolveOptions> SolveOptionsFromFlags() {
 
 void PrintSummary(const fit::FitResult& result) {
   const Manifest& m = result.manifest;
-  std::printf("wrote %s (%s -> %s, k = %d)\n", result.mapper_dir.c_str(), m.source.name.c_str(),
-              m.target.name.c_str(), m.k);
+  std::printf("wrote %s (%s -> %s, k = %d%s)\n", result.mapper_dir.c_str(),
+              m.source.name.c_str(), m.target.name.c_str(), m.k,
+              m.window > 1 ? absl::StrCat(", window = ", m.window).c_str() : "");
   std::printf("report: %s\n", result.report_path.c_str());
   auto show = [&](fit::R2Field field) {
     std::optional<double> all = fit::MeanR2(m, field, false);
@@ -210,6 +215,12 @@ int RunFit(const std::vector<std::string>& args) {
   }
   options.stride = absl::GetFlag(FLAGS_stride);
   if (options.stride < 1) return Fail("--stride must be >= 1", 1);
+  options.window = absl::GetFlag(FLAGS_window);
+  if (options.window < 1 || options.window > kMaxMapperWindow) {
+    return Fail(absl::StrCat("--window must be between 1 and ", kMaxMapperWindow, ", got ",
+                             options.window),
+                1);
+  }
   options.heldout_fraction = absl::GetFlag(FLAGS_heldout_fraction);
   if (!(options.heldout_fraction >= 0 && options.heldout_fraction < 1)) {
     return Fail("--heldout_fraction must be in [0, 1)", 1);

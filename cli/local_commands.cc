@@ -36,6 +36,7 @@ ABSL_FLAG(double, rope_theta, 10000.0, "kvt synth custom: RoPE theta of both mod
 ABSL_DECLARE_FLAG(std::string, kind);
 ABSL_DECLARE_FLAG(int64_t, mlp_hidden);
 ABSL_DECLARE_FLAG(std::string, mlp_granularity);
+ABSL_DECLARE_FLAG(int32_t, window);
 
 namespace kvt {
 namespace cli {
@@ -82,6 +83,7 @@ int RunSynth(const std::vector<std::string>& args) {
     options.dtype = *dtype;
   }
   options.seed = absl::GetFlag(FLAGS_seed);
+  options.window = absl::GetFlag(FLAGS_window);  // the manifest's checks name a bad one
   const std::string kind = absl::GetFlag(FLAGS_kind);
   if (kind == "mlp") {
     absl::StatusOr<MlpConfig> mlp =

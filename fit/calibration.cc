@@ -323,7 +323,13 @@ void ToPostRope(const Rope& rope, const std::vector<uint64_t>& positions, HostCa
 }  // namespace
 
 absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec& source,
-                            const ModelSpec& target, int stride, FeatureRows* rows) {
+                                       const ModelSpec& target, int stride, FeatureRows* rows,
+                                       int window) {
+  const int64_t layer_cols = int64_t{source.num_layers} * source.num_kv_heads * source.head_dim;
+  if (window < 1 || rows->source_cols != window * layer_cols) {
+    return absl::InternalError(absl::StrCat("AppendSequence: source_cols ", rows->source_cols,
+                                            " is not window ", window, " x ", layer_cols));
+  }
   absl::StatusOr<CheckedPair> read = ReadCheckedPair(pair, source, target);
   if (!read.ok()) return read.status();
   absl::StatusOr<Rope> source_rope = Rope::Create(source.rope, source.head_dim);
@@ -331,9 +337,28 @@ absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec
   if (!source_rope.ok()) return source_rope.status();
   if (!target_rope.ok()) return target_rope.status();
   const int64_t first = rows->rows;
-  rows->Resize(first + KeptTokens(read->source.num_tokens, stride));
-  Extract(read->source, *source_rope, read->source_post, read->placement, stride, first,
-          rows->source_cols, rows->source_k.data(), rows->source_v.data());
+  const int64_t tokens = read->source.num_tokens;
+  rows->Resize(first + KeptTokens(tokens, stride));
+  if (window == 1) {
+    Extract(read->source, *source_rope, read->source_post, read->placement, stride, first,
+            rows->source_cols, rows->source_k.data(), rows->source_v.data());
+  } else {
+    // Every token once (stride 1, stripped at its own position), then each kept token's row
+    // from its window of earlier tokens; Resize left the blocks before token 0 zero.
+    std::vector<double> all_k(tokens * layer_cols), all_v(tokens * layer_cols);
+    Extract(read->source, *source_rope, read->source_post, read->placement, /*stride=*/1, 0,
+            layer_cols, all_k.data(), all_v.data());
+    for (int64_t r = 0; r < KeptTokens(tokens, stride); ++r) {
+      for (int64_t o = 0; o < window && o <= r * stride; ++o) {
+        const int64_t from = (r * stride - o) * layer_cols;
+        const int64_t to = (first + r) * rows->source_cols + o * layer_cols;
+        std::copy(all_k.begin() + from, all_k.begin() + from + layer_cols,
+                  rows->source_k.begin() + to);
+        std::copy(all_v.begin() + from, all_v.begin() + from + layer_cols,
+                  rows->source_v.begin() + to);
+      }
+    }
+  }
   Extract(read->target, *target_rope, read->target_post, read->placement, stride, first,
           rows->target_cols, rows->target_k.data(), rows->target_v.data());
   return read->source.num_tokens;

@@ -64,8 +64,12 @@ inline int64_t KeptTokens(int64_t tokens, int stride) { return (tokens + stride 
 // Token t of a dump sits at position position_offset + t * position_stride (metadata, defaults
 // 0 and 1; both dumps must agree); metadata tokens_sha256, when both have it, must be equal.
 // Returns the sequence's token count in the dump (before the stride).
+// `window` > 1 (a window mapper's fit, FitShape::window): the source columns hold `window`
+// blocks of L_s n_s d_s, block o the source at token t - o (zero before token 0), each key
+// stripped at its own token's position; rows->source_cols must be window L_s n_s d_s.
 absl::StatusOr<int64_t> AppendSequence(const SequencePair& pair, const ModelSpec& source,
-                            const ModelSpec& target, int stride, FeatureRows* rows);
+                                       const ModelSpec& target, int stride, FeatureRows* rows,
+                                       int window = 1);
 
 // One pair as kvtd would be handed it: both caches with post-RoPE keys (a `rope: pre` dump gets
 // its model's RoPE applied and becomes fp32; a post-RoPE dump keeps its dtype and bytes), HND,

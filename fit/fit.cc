@@ -50,6 +50,8 @@ StatSet Header(const FitOptions& options, const std::string& phase) {
   stats.metadata["corpus"] = options.corpus;
   stats.metadata["tool"] = kFitToolVersion;
   stats.metadata["sequences"] = "[]";
+  // Only a window fit records it, so token-wise shards read as before windows existed.
+  if (options.window > 1) stats.metadata["window"] = absl::StrCat(options.window);
   return stats;
 }
 
@@ -60,7 +62,15 @@ absl::StatusOr<FitShape> ShapeOf(const StatSet& stats) {
   absl::StatusOr<FitModel> target = FitModelFromJson(
       stats.metadata.at("target_config"), stats.metadata.at("target_name"), "target_config");
   if (!target.ok()) return target.status();
-  return FitShape{source->spec, target->spec};
+  FitShape shape{source->spec, target->spec};
+  auto window = stats.metadata.find("window");
+  if (window != stats.metadata.end() &&
+      (!absl::SimpleAtoi(window->second, &shape.window) || shape.window < 1 ||
+       shape.window > kMaxMapperWindow)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("statistics metadata 'window' = '", window->second, "' is malformed"));
+  }
+  return shape;
 }
 
 absl::Status NeedMetadata(const StatSet& stats, const std::vector<std::string>& keys,
@@ -88,7 +98,7 @@ absl::Status StreamSequences(const FitOptions& options, const FitShape& shape,
                              const std::string& what, bool training_only,
                              const std::function<void(const FeatureRows&, bool)>& consume,
                              json* log) {
-  const int64_t source_cols = shape.source.num_layers * shape.ds();
+  const int64_t source_cols = shape.source_blocks() * shape.ds();
   const int64_t target_cols = shape.target.num_layers * shape.dt();
   const int64_t row_bytes = 2 * (source_cols + target_cols) * int64_t{sizeof(double)};
   const int64_t chunk_rows = std::max<int64_t>(64, options.chunk_bytes / row_bytes);
@@ -106,7 +116,7 @@ absl::Status StreamSequences(const FitOptions& options, const FitShape& shape,
     FeatureRows& buffer = buffers[pair->heldout ? 1 : 0];
     const int64_t before = buffer.rows;
     absl::StatusOr<int64_t> tokens =
-        AppendSequence(*pair, shape.source, shape.target, options.stride, &buffer);
+        AppendSequence(*pair, shape.source, shape.target, options.stride, &buffer, shape.window);
     if (!tokens.ok()) return tokens.status();
     const int64_t kept = buffer.rows - before;
     log->push_back(SequenceLog(*pair, *tokens, kept));
@@ -218,7 +228,11 @@ absl::StatusOr<ProbeTables> TablesOf(const StatSet& plan, const FitShape& shape)
 absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet& plan) {
   absl::Status need = NeedMetadata(plan, {"source_config", "target_config"}, "plan");
   if (!need.ok()) return need;
-  const FitShape shape{options.source.spec, options.target.spec};
+  if (options.window < 1 || options.window > kMaxMapperWindow) {
+    return absl::InvalidArgumentError(absl::StrCat("--window=", options.window,
+                                                   " must be between 1 and ", kMaxMapperWindow));
+  }
+  const FitShape shape{options.source.spec, options.target.spec, options.window};
   // The plan must come from the same models, stride and split as these sequences.
   StatSet header = Header(options, "final");
   for (const char* key : {"source_name", "source_config", "target_name", "target_config",
@@ -231,7 +245,9 @@ absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet
   }
   absl::StatusOr<ProbeTables> tables = TablesOf(plan, shape);
   if (!tables.ok()) return tables.status();
-  const std::vector<std::vector<int>> sigma = SelectLayers(*tables, options.k);
+  // The probe ranks source layers; a window fit reads each chosen layer at every offset.
+  std::vector<std::vector<int>> sigma = SelectLayers(*tables, options.k);
+  for (std::vector<int>& s : sigma) s = WindowBlocks(s, shape.source.num_layers, shape.window);
   SetBlasThreads(options.num_threads);
   FinalAccumulator accumulator(shape, BlockPlan::FromSigma(sigma));
   json log = json::array();
@@ -280,7 +296,10 @@ Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, Ma
   }
   manifest.weights_dtype = options.weight_dtype;
   manifest.created_by = kFitToolVersion;
-  for (const auto& s : parsed.sigma) manifest.k = std::max<int>(manifest.k, s.size());
+  manifest.window = parsed.shape.window;
+  for (const auto& s : parsed.sigma) {
+    manifest.k = std::max<int>(manifest.k, s.size() / parsed.shape.window);
+  }
   return manifest;
 }
 
@@ -315,8 +334,8 @@ std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int
     const LayerFit& fit = fits[l];
     LayerEntry entry;
     entry.target_layer = static_cast<int>(l);
-    entry.sigma_k = sigma[l];
-    entry.sigma_v = sigma[l];
+    entry.sigma_k = SigmaOfBlocks(sigma[l], manifest->window);
+    entry.sigma_v = entry.sigma_k;
     entry.r2_k = fit.r2_k;
     entry.r2_v = fit.r2_v;
     entry.r2_k_heldout = fit.r2_k_heldout;

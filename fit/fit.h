@@ -93,6 +93,9 @@ struct FitOptions {
   std::vector<SequencePair> sequences;
   int stride = 4;
   int k = 8;  // source layers per target layer; <= 0: all
+  // Tokens each output token reads (manifest `window`; 1: SPEC 3's token-wise map): the k
+  // chosen source layers at p, p-1, ..., p-window+1 (docs/FIT.md, "Window mappers").
+  int window = 1;
   SolveOptions solve;
   double heldout_fraction = 0.1;  // recorded: the marks are in `sequences`
   uint64_t seed = 1;              // recorded

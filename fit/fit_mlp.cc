@@ -227,8 +227,8 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
       const std::vector<int>& sigma = parsed->sigma[l];
       LayerEntry entry;
       entry.target_layer = l;
-      entry.sigma_k = sigma;
-      entry.sigma_v = sigma;
+      entry.sigma_k = SigmaOfBlocks(sigma, manifest->window);
+      entry.sigma_v = entry.sigma_k;
       for (int c = 0; c < 2; ++c) {
         std::vector<MlpWeights> rounded;
         for (const MlpWeights& w : c == 0 ? layers[l].k : layers[l].v) {

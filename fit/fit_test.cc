@@ -778,6 +778,147 @@ TEST_F(FitFamilyTest, WithoutQueriesOnlyR2HeldoutIsRecorded) {
   }
 }
 
+// ---- Window mappers (--window): the target reads the chosen source layers at earlier tokens.
+
+// The matched family whose targets also read true_sigma at the 2 previous tokens, with queries;
+// the last of 12 sequences held out.
+class FitWindowTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    FamilyOptions o = QueryFamily(0.05);
+    o.window = 3;
+    o.seed = 31;
+    family_ = new Family(testing::MakeFamily(o));
+    dir_ = new std::string(MakeTempDir("window"));
+    ASSERT_TRUE(testing::WriteSequences(*family_, *dir_, 0, 12, 64, DType::kFP32).ok());
+  }
+  static FitOptions WindowOptions(int window) {
+    FitOptions options = QueryOptions(*family_, *dir_);
+    options.window = window;
+    return options;
+  }
+  static Family* family_;
+  static std::string* dir_;
+};
+Family* FitWindowTest::family_ = nullptr;
+std::string* FitWindowTest::dir_ = nullptr;
+
+// A window-3 fit recovers the true sigma (offset 0, as the probe ranks it), the offset-major
+// weights, R^2 at the noise ceiling and a near-one held-out cosine, and writes a loadable
+// `window: 3` mapper whose recorded cosine the float64 reference reproduces. A token-wise fit
+// of the same data cannot see the earlier tokens and scores clearly lower.
+TEST_F(FitWindowTest, RecoversOffsetMajorWeightsAndBeatsTheTokenWiseFit) {
+  const double nu = family_->options.noise_share;
+  const FitOptions options = WindowOptions(3);
+  absl::StatusOr<FitResult> windowed =
+      RunFit(options, JoinPath(MakeTempDir("window_fit"), "fitted"));
+  ASSERT_TRUE(windowed.ok()) << windowed.status();
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(windowed->mapper_dir);
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  EXPECT_EQ((*mapper)->manifest().window, 3);
+  EXPECT_EQ((*mapper)->manifest().k, 2);
+  const SequencePair& heldout = options.sequences.back();
+  // OLS error ~ sqrt(noise / signal x features / tokens), times 3 for the spread over layers
+  // (as CheckAgainstTruth); features = window 3 x |sigma| 2 x 16.
+  const double bound = 3 * std::sqrt(nu / (1 - nu) * 96 / (11 * 64));
+  for (int l = 0; l < 4; ++l) {
+    SCOPED_TRACE(absl::StrCat("target layer ", l));
+    const LayerEntry& layer = windowed->manifest.layers[l];
+    EXPECT_EQ(layer.sigma_k, family_->options.true_sigma[l]);
+    EXPECT_LT(RelativeError(Tensor(**mapper, absl::StrCat("layers.", l, ".k.weight")),
+                            family_->w_k[l]),
+              bound);
+    EXPECT_LT(RelativeError(Tensor(**mapper, absl::StrCat("layers.", l, ".v.weight")),
+                            family_->w_v[l]),
+              bound);
+    EXPECT_NEAR(*layer.r2_k_heldout, 1 - nu, 0.03);
+    EXPECT_NEAR(*layer.r2_v_heldout, 1 - nu, 0.03);
+    EXPECT_NEAR(*layer.attention_cosine_heldout,
+                ReferenceAttentionCosine(**mapper, heldout, family_->options.target, l), 1e-6);
+  }
+  absl::StatusOr<FitResult> token_wise =
+      RunFit(WindowOptions(1), JoinPath(MakeTempDir("window_fit1"), "fitted"));
+  ASSERT_TRUE(token_wise.ok()) << token_wise.status();
+  EXPECT_EQ(token_wise->manifest.window, 1);
+  const double r2_windowed = *windowed->manifest.quality.r2_heldout;
+  const double r2_token_wise = *token_wise->manifest.quality.r2_heldout;
+  std::printf("held-out R^2: window 3 %.4f, token-wise %.4f; cosine %.4f vs %.4f\n", r2_windowed,
+              r2_token_wise, *windowed->manifest.quality.attention_cosine_heldout,
+              *token_wise->manifest.quality.attention_cosine_heldout);
+  EXPECT_LT(r2_token_wise, r2_windowed - 0.2);
+  EXPECT_GT(*windowed->manifest.quality.attention_cosine_heldout,
+            *token_wise->manifest.quality.attention_cosine_heldout);
+}
+
+// --kind both --refine=attention with a window: both kinds carry the window, the MLP and the
+// refinement read the same windowed features, and shards merge to the single run's mapper.
+TEST_F(FitWindowTest, BothKindsRefinementAndShardsCarryTheWindow) {
+  FitOptions options = WindowOptions(2);
+  options.kind = FitKind::kBoth;
+  options.mlp.train.epochs = 200;
+  options.refine.attention = true;
+  options.refine.steps = 20;
+  options.refine.seed = 3;
+  const std::string out = MakeTempDir("window_both");
+  absl::StatusOr<BothResult> both = RunFitBoth(options, out);
+  ASSERT_TRUE(both.ok()) << both.status();
+  for (const FitResult* fit : {&both->ridge, &both->mlp}) {
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(fit->mapper_dir);
+    ASSERT_TRUE(mapper.ok()) << mapper.status();
+    EXPECT_EQ((*mapper)->manifest().window, 2) << fit->mapper_dir;
+  }
+  EXPECT_GT(*both->ridge.manifest.quality.r2_heldout, 0.7);
+  // The small MLP (hidden 32, 704 tokens) is not the linear truth, the linear truth, but it must see the
+  // earlier token: against the same training without it, its held-out R^2 is higher.
+  FitOptions token_wise = options;
+  token_wise.window = 1;
+  absl::StatusOr<BothResult> both1 = RunFitBoth(token_wise, MakeTempDir("window_both1"));
+  ASSERT_TRUE(both1.ok()) << both1.status();
+  std::printf("MLP held-out R^2: window 2 %.4f, token-wise %.4f\n",
+              *both->mlp.manifest.quality.r2_heldout, *both1->mlp.manifest.quality.r2_heldout);
+  EXPECT_GT(*both->mlp.manifest.quality.r2_heldout,
+            *both1->mlp.manifest.quality.r2_heldout + 0.02);
+  // Shards: probe -> plan -> final shards -> merge equals the single ridge run.
+  FitOptions ridge = WindowOptions(2);
+  absl::StatusOr<FitResult> single = RunFit(ridge, JoinPath(MakeTempDir("window_single"), "m"));
+  ASSERT_TRUE(single.ok()) << single.status();
+  absl::StatusOr<StatSet> probe = AccumulateProbe(ridge);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  std::vector<std::string> warnings;
+  absl::StatusOr<StatSet> plan = MakePlan(*probe, &warnings);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::string shards = MakeTempDir("window_shards");
+  std::vector<std::string> files;
+  for (int i = 0; i < 2; ++i) {
+    FitOptions shard = ridge;
+    shard.sequences = SelectShard(ridge.sequences, i, 2);
+    absl::StatusOr<StatSet> final_stats = AccumulateFinal(shard, *plan);
+    ASSERT_TRUE(final_stats.ok()) << final_stats.status();
+    files.push_back(JoinPath(shards, absl::StrCat("final", i)));
+    ASSERT_TRUE(WriteStatSet(files.back(), *final_stats).ok());
+  }
+  absl::StatusOr<StatSet> merged = MergeStatFiles(files);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  absl::StatusOr<FitResult> from_shards =
+      SolveAndWrite(*merged, ridge.solve, JoinPath(shards, "merged"));
+  ASSERT_TRUE(from_shards.ok()) << from_shards.status();
+  EXPECT_EQ(from_shards->manifest.window, 2);
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> a = LoadMapperDir(single->mapper_dir);
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> b = LoadMapperDir(from_shards->mapper_dir);
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (int l = 0; l < 4; ++l) {
+    const std::string name = absl::StrCat("layers.", l, ".k.weight");
+    EXPECT_LT(RelativeError(Tensor(**b, name), Tensor(**a, name)), 1e-9) << name;
+  }
+}
+
+TEST_F(FitWindowTest, BadWindowIsNamed) {
+  FitOptions options = WindowOptions(0);
+  absl::StatusOr<FitResult> result = RunFit(options, JoinPath(MakeTempDir("window_bad"), "m"));
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("--window=0"));
+}
+
 TEST(FitDegenerateTest, ConstantFeatureWarnsAndGetsZeroWeightLambdaZeroRefuses) {
   FamilyOptions o = UnmatchedFamily();
   o.seed = 21;

@@ -22,59 +22,18 @@ namespace fit {
 
 absl::StatusOr<MapperView> MapperViewOf(const Manifest& manifest,
                                         const std::vector<TensorRef>& tensors) {
-  // The loader's view (mapper_store/mapper.cc): every dimension but the last folds into rows.
-  auto view_of = [&tensors](const std::string& name) -> absl::StatusOr<WeightView> {
-    for (const TensorRef& t : tensors) {
-      if (t.spec.name != name) continue;
-      WeightView view;
-      view.data = t.bytes.data();
-      view.dtype = t.spec.dtype;
-      view.cols = t.spec.shape.back();
-      view.rows = 1;
-      for (size_t d = 0; d + 1 < t.spec.shape.size(); ++d) view.rows *= t.spec.shape[d];
-      return view;
-    }
-    return absl::InternalError(absl::StrCat("held-out evaluation: no tensor '", name, "'"));
-  };
-  MapperView view;
-  view.kind = manifest.kind == MapperKind::kMlp ? MapKind::kMlp : MapKind::kRidge;
-  view.source = manifest.source;
-  view.target = manifest.target;
-  for (const LayerEntry& entry : manifest.layers) {
-    LayerMapView layer;
-    layer.sigma_k = entry.sigma_k;
-    layer.sigma_v = entry.sigma_v;
-    const int l = entry.target_layer;
-    std::vector<std::pair<std::string, WeightView*>> wanted;
-    if (manifest.kind == MapperKind::kMlp) {
-      for (const auto& [kv, mlp] :
-           {std::pair<char, MlpView*>{'k', &layer.mlp_k}, {'v', &layer.mlp_v}}) {
-        mlp->heads = manifest.mlp->granularity == MlpGranularity::kPerHead
-                         ? manifest.target.num_kv_heads
-                         : 1;
-        mlp->hidden = manifest.mlp->hidden;
-        WeightView* parts[3][2] = {{&mlp->a1, &mlp->c1}, {&mlp->a2, &mlp->c2},
-                                   {&mlp->a3, &mlp->c3}};
-        for (int fc = 1; fc <= 3; ++fc) {
-          for (int bias = 0; bias < 2; ++bias) {
-            wanted.push_back({MlpTensorName(l, kv, fc, bias == 1), parts[fc - 1][bias]});
-          }
-        }
-      }
-    } else {
-      wanted = {{MapperTensorName(l, 'k', false), &layer.w_k},
-                {MapperTensorName(l, 'k', true), &layer.b_k},
-                {MapperTensorName(l, 'v', false), &layer.w_v},
-                {MapperTensorName(l, 'v', true), &layer.b_v}};
-    }
-    for (const auto& [name, out] : wanted) {
-      absl::StatusOr<WeightView> w = view_of(name);
-      if (!w.ok()) return w.status();
-      *out = *w;
-    }
-    view.layers.push_back(std::move(layer));
+  // The loader's checks and view (mapper_store/mapper.cc), over the tensors in memory.
+  std::vector<TensorSpec> specs;
+  for (const TensorRef& t : tensors) specs.push_back(t.spec);
+  if (absl::Status s = ValidateMapperTensors(manifest, specs); !s.ok()) {
+    return absl::InternalError(absl::StrCat("held-out evaluation: ", s.message()));
   }
-  return view;
+  return BuildMapperView(manifest, [&tensors](const std::string& name) {
+    for (const TensorRef& t : tensors) {
+      if (t.spec.name == name) return TensorWeightView(t.spec, t.bytes.data());
+    }
+    return WeightView();  // not reached: validated above
+  });
 }
 
 absl::StatusOr<bool> HeldoutHasQueries(const FitOptions& options) {

@@ -335,10 +335,10 @@ absl::StatusOr<LoadedSequence> LoadSequence(const SequencePair& pair, const FitS
   absl::StatusOr<DumpQueries> queries = ReadDumpQueries(pair.target_path, shape.target);
   if (!queries.ok()) return queries.status();
   LoadedSequence s;
-  s.rows.Reset(int64_t{shape.source.num_layers} * shape.ds(),
+  s.rows.Reset(shape.source_blocks() * shape.ds(),
                int64_t{shape.target.num_layers} * shape.dt());
   absl::StatusOr<int64_t> tokens =
-      AppendSequence(pair, shape.source, shape.target, /*stride=*/1, &s.rows);
+      AppendSequence(pair, shape.source, shape.target, /*stride=*/1, &s.rows, shape.window);
   if (!tokens.ok()) {
     // Not to be taken for "no queries".
     return absl::Status(absl::IsNotFound(tokens.status()) ? absl::StatusCode::kInvalidArgument

@@ -224,6 +224,19 @@ void ProbeAccumulator::Add(const FeatureRows& rows) {
   }
 }
 
+std::vector<int> WindowBlocks(const std::vector<int>& sigma, int source_layers, int window) {
+  std::vector<int> blocks;
+  blocks.reserve(sigma.size() * window);
+  for (int o = 0; o < window; ++o) {
+    for (int j : sigma) blocks.push_back(o * source_layers + j);
+  }
+  return blocks;
+}
+
+std::vector<int> SigmaOfBlocks(const std::vector<int>& blocks, int window) {
+  return std::vector<int>(blocks.begin(), blocks.begin() + blocks.size() / window);
+}
+
 BlockPlan BlockPlan::FromSigma(const std::vector<std::vector<int>>& sigma) {
   std::set<std::pair<int, int>> gram, cross;
   for (size_t l = 0; l < sigma.size(); ++l) {
@@ -242,7 +255,7 @@ BlockPlan BlockPlan::FromSigma(const std::vector<std::vector<int>>& sigma) {
 
 FinalAccumulator::FinalAccumulator(const FitShape& shape, const BlockPlan& plan)
     : shape_(shape), plan_(plan) {
-  const int64_t ls = shape.source.num_layers, lt = shape.target.num_layers;
+  const int64_t ls = shape.source_blocks(), lt = shape.target.num_layers;
   const int64_t ds = shape.ds(), dt = shape.dt();
   for (bool heldout : {false, true}) {
     Zeros(&stats_, heldout ? "heldout.n" : "train.n", 1);
@@ -260,7 +273,7 @@ FinalAccumulator::FinalAccumulator(const FitShape& shape, const BlockPlan& plan)
 void FinalAccumulator::Add(const FeatureRows& rows, bool heldout) {
   const int64_t n = rows.rows;
   if (n == 0) return;
-  const int64_t ls = shape_.source.num_layers, lt = shape_.target.num_layers;
+  const int64_t ls = shape_.source_blocks(), lt = shape_.target.num_layers;
   const int64_t ds = shape_.ds(), dt = shape_.dt();
   stats_.at(heldout ? "heldout.n" : "train.n")[0] += n;
   for (int c = 0; c < 2; ++c) {

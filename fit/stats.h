@@ -43,12 +43,23 @@ absl::StatusOr<StatSet> ReadStatSet(const std::string& path);
 // d_s = d_t) or regresses each target head on the whole source layer.
 struct FitShape {
   ModelSpec source, target;
+  // A window mapper's fit (manifest `window`): source layer j at token t - o is the source block
+  // o * L_s + j, so the final statistics, solver and trainers see source_blocks() columns blocks
+  // and sigma lists of blocks (WindowBlocks). The probe always runs with window 1.
+  int window = 1;
+  int64_t source_blocks() const { return int64_t{source.num_layers} * window; }
   int64_t ds() const { return int64_t{source.num_kv_heads} * source.head_dim; }  // n_s d_s
   int64_t dt() const { return int64_t{target.num_kv_heads} * target.head_dim; }  // n_t d_t
   bool matched() const {
     return source.num_kv_heads == target.num_kv_heads && source.head_dim == target.head_dim;
   }
 };
+
+// The source blocks a window fit reads for `sigma`, offset-major: (o, sigma[i]) is block
+// o * source_layers + sigma[i] (the mapper's weight-row order, MapperView::window).
+std::vector<int> WindowBlocks(const std::vector<int>& sigma, int source_layers, int window);
+// The manifest's sigma of a block list from WindowBlocks: its offset-0 blocks.
+std::vector<int> SigmaOfBlocks(const std::vector<int>& blocks, int window);
 
 // "k" or "v": index 0 is K (RoPE-stripped), 1 is V.
 inline const char* KindName(int kind) { return kind == 0 ? "k" : "v"; }

@@ -111,11 +111,14 @@ Family MakeFamily(const FamilyOptions& options) {
   for (int l = 0; l < options.target.num_layers; ++l) {
     const std::vector<int>& sigma = options.true_sigma[l];
     for (auto [w, b] : {std::pair{&family.w_k, &family.b_k}, std::pair{&family.w_v, &family.b_v}}) {
-      std::vector<double> weights(sigma.size() * ds * dt);
-      for (size_t a = 0; a < sigma.size(); ++a) {
-        // Decreasing scales give the true layers distinct probe scores in sigma's order.
-        const double scale = std::pow(0.6, a) / std::sqrt(static_cast<double>(ds));
-        for (int64_t i = 0; i < ds * dt; ++i) weights[a * ds * dt + i] = scale * normal(rng);
+      const size_t blocks = sigma.size() * options.window;
+      std::vector<double> weights(blocks * ds * dt);
+      for (size_t block = 0; block < blocks; ++block) {
+        // Decreasing scales give the true layers distinct probe scores in sigma's order (the
+        // earlier tokens' blocks weigh less, so the probe at offset 0 still ranks them).
+        const size_t a = block % sigma.size(), o = block / sigma.size();
+        const double scale = std::pow(0.6, a) * std::pow(0.7, o) / std::sqrt(static_cast<double>(ds));
+        for (int64_t i = 0; i < ds * dt; ++i) weights[block * ds * dt + i] = scale * normal(rng);
       }
       std::vector<double> bias(dt);
       for (double& x : bias) x = 0.5 * normal(rng);
@@ -167,17 +170,19 @@ absl::Status WriteSequences(const Family& family, const std::string& dir, int fi
         std::vector<double> noise_sd(dt);
         for (int64_t c = 0; c < dt; ++c) {
           double signal = 0;
-          for (size_t r = 0; r < sigma.size() * ds; ++r) signal += w[r * dt + c] * w[r * dt + c];
+          for (size_t r = 0; r < w.size() / dt; ++r) signal += w[r * dt + c] * w[r * dt + c];
           noise_sd[c] = std::sqrt(signal * o.noise_share / (1 - o.noise_share));
         }
         std::vector<double> y(tokens * dt), y_clean(tokens * dt);
         for (int64_t t = 0; t < tokens; ++t) {
           for (int64_t c = 0; c < dt; ++c) {
             double value = b[c];
-            for (size_t a = 0; a < sigma.size(); ++a) {
-              const std::vector<double>& x = (kind == 0 ? xk : xv)[sigma[a]];
+            for (size_t block = 0; block < sigma.size() * o.window; ++block) {
+              const int64_t from = t - static_cast<int64_t>(block / sigma.size());
+              if (from < 0) continue;
+              const std::vector<double>& x = (kind == 0 ? xk : xv)[sigma[block % sigma.size()]];
               for (int64_t i = 0; i < ds; ++i) {
-                value += x[t * ds + i] * w[(a * ds + i) * dt + c];
+                value += x[from * ds + i] * w[(block * ds + i) * dt + c];
               }
             }
             y_clean[t * dt + c] = value;

@@ -28,11 +28,15 @@ struct FamilyOptions {
   // (tools/dump_kv.py --queries; GQA with this group size), content-space entries N(0, 1) drawn
   // from a generator of their own (the K/V bytes are the same with or without them).
   int query_group = 0;
+  // > 1: the target also reads true_sigma[l] at the window - 1 tokens before (zero before
+  // token 0), as a window mapper does (MapperView::window); weights' rows offset-major.
+  int window = 1;
 };
 
 struct Family {
   FamilyOptions options;
-  // Per target layer, row-major in the mapper layout (rows: true_sigma's layers in order).
+  // Per target layer, row-major in the mapper layout (rows: true_sigma's layers in order, at
+  // each token offset in turn when options.window > 1).
   std::vector<std::vector<double>> w_k, b_k, w_v, b_v;
   // Per source layer: feature means (features are mean + N(0, 1), K in content space).
   std::vector<std::vector<double>> mean_k, mean_v;

@@ -115,6 +115,10 @@ std::string InspectManifest(const Manifest& m, const std::string& id) {
   absl::StrAppend(&out, "target        ", DescribeModel(m.target), "\n");
   absl::StrAppend(&out, "k             ", m.k, " source layers per target layer (of ",
                   m.source.num_layers, ")\n");
+  if (m.window > 1) {
+    absl::StrAppend(&out, "window        ", m.window, " tokens: each output token reads itself and the ",
+                    m.window - 1, " before it in the request\n");
+  }
   absl::StrAppend(&out, "lambda        ", FormatDouble(m.lambda), " (", LambdaScaleName(m.lambda_scale),
                   " scale)\n");
   absl::StrAppend(&out, "weights       ", m.weights_file, ", ", DTypeName(m.weights_dtype), ", ",

@@ -223,6 +223,27 @@ TEST_F(MapperTest, WrongShape) {
                    "tensor 'layers.0.v.weight' has shape [16, 8] but the manifest requires [8, 8]");
 }
 
+// A window mapper's weights have window x the token-wise rows (offset-major); the view carries
+// the window, and a token-wise weights file under a `window: 3` manifest is refused by shape.
+TEST_F(MapperTest, WindowMapperShapesAndView) {
+  Manifest m = SmallManifest(DType::kFP32);
+  m.window = 3;
+  const std::vector<TensorSpec> specs = MapperTensorSpecs(m);
+  EXPECT_EQ(specs[0].shape, (std::vector<int64_t>{3 * 2 * 2 * 4, 8}));  // layers.0.k.weight
+  EXPECT_EQ(specs[2].shape, (std::vector<int64_t>{3 * 1 * 2 * 4, 8}));  // layers.0.v.weight
+  Tensors t = MakeTensors(specs);
+  const std::string dir = JoinPath(root_, "window");
+  ASSERT_TRUE(WriteMapperDir(dir, m, t.refs).ok());
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> loaded = LoadMapperDir(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->view().window, 3);
+  EXPECT_EQ((*loaded)->view().layers[0].w_k.rows, 48);
+  ReplaceWeights(dir, MapperTensorSpecs(SmallManifest(DType::kFP32)));
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "tensor 'layers.0.k.weight' has shape [16, 8] but the manifest requires [48, 8] "
+                   "(window 3 x rows = len(sigma)");
+}
+
 TEST_F(MapperTest, WrongDType) {
   const std::string dir = WriteGood(DType::kBF16);
   std::vector<TensorSpec> specs = MapperTensorSpecs(SmallManifest(DType::kBF16));

@@ -39,6 +39,7 @@ void FillFromManifest(const Manifest& m, MapperInfo* info) {
   info->target_model = m.target.name;
   info->kind = MapperKindName(m.kind);
   info->k = m.k;
+  info->window = m.window;
   info->synthetic = m.synthetic;
   info->weight_dtype = m.weights_dtype;
   info->source = m.source;

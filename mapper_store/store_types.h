@@ -45,6 +45,7 @@ struct MapperInfo {
   std::string target_model;
   std::string kind;  // "ridge"
   int k = 0;
+  int window = 1;  // tokens each output token reads (manifest `window`)
   bool synthetic = false;
   DType weight_dtype = DType::kBF16;
   ModelSpec source;  // shapes and RoPE of both models

@@ -192,6 +192,7 @@ absl::StatusOr<Manifest> SynthManifest(const SynthOptions& options) {
   m.source = options.source;
   m.target = options.target;
   m.k = options.k == 0 ? options.source.num_layers : options.k;
+  m.window = options.window;
   m.weights_dtype = options.dtype;
   m.created_by = options.created_by;
   for (int l = 0; l < options.target.num_layers; ++l) {

@@ -38,6 +38,8 @@ struct SynthOptions {
   std::optional<MlpConfig> mlp;
   // Use one list for K and V (as the paper does) instead of independent draws.
   bool shared_sigma = false;
+  // > 1: a window mapper (manifest `window`): fan_in counts every offset's blocks.
+  int window = 1;
   std::string created_by = "kvt synth 0.1";
 };
 

@@ -42,6 +42,7 @@ void FillMapperInfo(const MapperInfo& info, v1::MapperInfo* out) {
   out->set_target_model(info.target_model);
   out->set_kind(info.kind);
   out->set_k(info.k);
+  out->set_window(info.window);
   out->set_state(StateToProto(info.state));
   out->set_state_reason(info.state_reason);
   out->set_weight_bytes(info.weight_bytes);

@@ -287,6 +287,30 @@ TEST(ManifestTest, MlpKindParsesAndRoundTrips) {
   EXPECT_EQ(EmitManifest(*m)->find("mlp"), std::string::npos);
 }
 
+// `window` (line 4 replaces `synthetic`): parsed, emitted right after k, omitted when 1 so that
+// token-wise manifests read as before windows existed, and out-of-range values named.
+TEST(ManifestTest, WindowParsesRoundTripsAndIsChecked) {
+  absl::StatusOr<Manifest> m = ParseManifest(WithLine(4, "window: 4"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->window, 4);
+  absl::StatusOr<std::string> text = EmitManifest(*m);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_NE(text->find("k: 2\nwindow: 4\n"), std::string::npos) << *text;
+  absl::StatusOr<Manifest> back = ParseManifest(*text);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->window, 4);
+  m = ParseManifest(Join(ExampleLines()));
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->window, 1);
+  EXPECT_EQ(EmitManifest(*m)->find("window"), std::string::npos);
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "window: 0")), StatusCode::kInvalidArgument,
+                   ":4: window = 0 must be between 1 and 64");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "window: 65")), StatusCode::kInvalidArgument,
+                   ":4: window = 65 must be between 1 and 64");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "window: two")), StatusCode::kInvalidArgument,
+                   "window");
+}
+
 TEST(ManifestTest, MlpErrorsNameTheKey) {
   std::vector<std::string> lines = ExampleLines();
   lines[2] = "kind: mlp";

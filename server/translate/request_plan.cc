@@ -162,6 +162,23 @@ absl::Status CheckSides(const v1::TranslateHeader& header, const PlanContext& co
 
 }  // namespace
 
+// A window mapper reads each token's predecessors in the request, which are only its
+// predecessors in the sequence when the positions run on without gaps.
+absl::Status CheckWindowPositions(const v1::TranslateHeader& header, const MapperView& view) {
+  if (view.window == 1) return absl::OkStatus();
+  for (int i = 1; i < header.positions_size(); ++i) {
+    if (header.positions(i) != header.positions(i - 1) + 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.positions[", i, "]=", header.positions(i), " does not follow positions[",
+          i - 1, "]=", header.positions(i - 1), ": mapper '", view.source.name, "' -> '",
+          view.target.name, "' has window ", view.window,
+          " (each token reads the tokens before it in the request), so positions must be "
+          "consecutive"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TranslatePlan> PlanTranslate(const v1::TranslateHeader& header,
                                             const PlanContext& context,
                                             absl::Time client_deadline, PairLabels* pair) {
@@ -177,6 +194,7 @@ absl::StatusOr<TranslatePlan> PlanTranslate(const v1::TranslateHeader& header,
   *pair = PairLabels::Of(view);
   const ModelSpec& src_model = view.source;
   const ModelSpec& tgt_model = view.target;
+  if (absl::Status s = CheckWindowPositions(header, view); !s.ok()) return s;
   if (plan.input_cached) {
     if (absl::Status matches = CheckLeaseFitsMapper(plan.prefix_lease, view); !matches.ok()) {
       return matches;
@@ -196,7 +214,10 @@ absl::StatusOr<TranslatePlan> PlanTranslate(const v1::TranslateHeader& header,
     return absl::ResourceExhaustedError(absl::StrCat(
         "header.num_tokens=", plan.num_tokens, " makes ", plan.source_bytes, " source + ",
         plan.target_bytes, " target cache bytes, over limits.max_request_bytes=",
-        max_request_bytes, "; split the cache into several requests"));
+        max_request_bytes, "; split the cache into several requests",
+        view.window > 1 ? absl::StrCat(" (each after the first starting ", view.window - 1,
+                                       " tokens early: the mapper's window)")
+                        : ""));
   }
   return std::move(plan);
 }
