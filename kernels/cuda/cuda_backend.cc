@@ -173,9 +173,9 @@ class CudaPreparedMapper : public PreparedMapper {
   cuda::DeviceLayout layout_;  // cuda_plan.h: what each buffer below holds
   DType weight_dtype_ = DType::kFP32;
   int max_blocks_ = 0;       // max |sigma| over layers and kinds
-  int64_t input_width_ = 0;  // max_blocks * n_s * d_s
-  // Ridge W or MLP A1, [target layer][kind][input_width][...] in weight_dtype_, rows past
-  // |sigma| zero.
+  int64_t input_width_ = 0;  // window * max_blocks * n_s * d_s
+  // Ridge W or MLP A1, [target layer][kind][window][max_blocks * n_s * d_s][...] in
+  // weight_dtype_, each token offset's rows past |sigma| zero (cuda_plan.h DeviceLayout).
   DeviceBuffer weights_;
   DeviceBuffer a2_;           // MLP only: [target layer][kind][heads][H][H]
   DeviceBuffer a3_;           // MLP only: [target layer][kind][heads][H][head_out]
@@ -339,7 +339,8 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::BeginPrepare(
   prepared->max_blocks_ = layout.max_blocks;
   prepared->input_width_ = layout.input_width;
   const int64_t element = static_cast<int64_t>(DTypeSize(layout.weight_dtype));
-  // Ridge W or MLP A1: the matrices whose rows follow the (padded) sigma blocks.
+  // Ridge W or MLP A1: the matrices whose rows follow the (padded) sigma blocks, per token
+  // offset.
   const int64_t first_bytes =
       static_cast<int64_t>(layers) * 2 *
       (mlp ? layout.a1_elements() : layout.matrix_elements()) * element;
@@ -432,7 +433,10 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
   std::vector<char> interleaved;
   // `w` into device memory at `device`, converted to the device copy's dtype (fp32 when the
   // stored dtypes differ); per_head A1 (`heads` > 1) interleaved by head (cuda_plan.h).
-  const auto upload = [&](const WeightView& w, char* device, int heads) -> absl::Status {
+  // `input_rows`: W and A1, whose rows follow the window's token offsets, padded per offset on
+  // the device (cuda_plan.h InputRowCopiesOf).
+  const auto upload = [&](const WeightView& w, char* device, int heads,
+                          bool input_rows) -> absl::Status {
     const int64_t count = w.rows * w.cols;
     const void* host = w.data;
     if (w.dtype != prepared->weight_dtype_) {
@@ -445,8 +449,17 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
       cuda::InterleaveHeads(host, element, heads, w.rows / heads, w.cols, interleaved.data());
       host = interleaved.data();
     }
-    KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
-                             cudaMemcpy(device, host, count * element, cudaMemcpyHostToDevice));
+    const int64_t row_bytes = static_cast<int64_t>(heads) * w.cols * element;
+    const cuda::InputRowCopies copies =
+        input_rows ? cuda::InputRowCopiesOf(layout, w.rows / heads, row_bytes)
+                   : cuda::InputRowCopies{1, count * static_cast<int64_t>(element), 0};
+    for (int o = 0; o < copies.count; ++o) {
+      KVT_CUDA_RETURN_IF_ERROR(
+          "cudaMemcpy",
+          cudaMemcpy(device + o * copies.device_stride,
+                     static_cast<const char*>(host) + o * copies.bytes, copies.bytes,
+                     cudaMemcpyHostToDevice));
+    }
     return absl::OkStatus();
   };
   for (int kind = 0; kind < 2; ++kind) {
@@ -454,7 +467,7 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
     if (layout.kind != MapKind::kMlp) {
       const WeightView& w = kind == 0 ? layer.w_k : layer.w_v;
       if (absl::Status s = upload(w, prepared->weights_.data() +
-                                         lk * layout.matrix_elements() * element, 1);
+                                         lk * layout.matrix_elements() * element, 1, true);
           !s.ok()) {
         return s;
       }
@@ -464,17 +477,19 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
     const MlpView& chain = kind == 0 ? layer.mlp_k : layer.mlp_v;
     if (absl::Status s = upload(chain.a1,
                                 prepared->weights_.data() + lk * layout.a1_elements() * element,
-                                layout.heads);
+                                layout.heads, true);
         !s.ok()) {
       return s;
     }
     if (absl::Status s =
-            upload(chain.a2, prepared->a2_.data() + lk * layout.a2_elements() * element, 1);
+            upload(chain.a2, prepared->a2_.data() + lk * layout.a2_elements() * element, 1,
+                   false);
         !s.ok()) {
       return s;
     }
     if (absl::Status s =
-            upload(chain.a3, prepared->a3_.data() + lk * layout.a3_elements() * element, 1);
+            upload(chain.a3, prepared->a3_.data() + lk * layout.a3_elements() * element, 1,
+                   false);
         !s.ok()) {
       return s;
     }
@@ -621,6 +636,8 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
   shape.target_width = target_width;
   const cuda::DeviceLayout& layout = mapper.layout_;
   const bool mlp = layout.kind == MapKind::kMlp;
+  const int window = layout.window;
+  shape.window = window;
   shape.hidden_width = layout.hidden_width();
   shape.weight_elements = layout.matrix_elements();
   shape.gemm_dtype = gemm_dtype;
@@ -649,7 +666,8 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
   const int64_t workspace_bytes = stage_out_offset + Align(plan.staged_target_bytes);
   if (absl::Status s = context->workspace.Reserve(workspace_bytes); !s.ok()) return s;
   char* workspace = context->workspace.data();
-  const int64_t stage_in_slot = chunk * source_width;   // elements
+  // A staged source slot also holds the window's window - 1 tokens before the chunk.
+  const int64_t stage_in_slot = (chunk + window - 1) * source_width;  // elements
   const int64_t stage_out_slot = chunk * target_width;  // elements
 
   // Pointer tables to the device once per call (the stream orders them before every kernel).
@@ -694,6 +712,7 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
   gather.num_tokens = num_tokens;
   gather.sigma = reinterpret_cast<const int*>(mapper.sigma_.data());
   gather.max_blocks = mapper.max_blocks_;
+  gather.window = window;
   gather.x = workspace + x_offset;
   gather.x_type = static_cast<int>(gemm_dtype);
   gather.strip.half = strip_half;
@@ -729,7 +748,7 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
   const float* c2 = c1 + static_cast<int64_t>(target_layers) * 2 * layout.hidden_width();
 
   float* device_tables = reinterpret_cast<float*>(workspace + table_offset);
-  const int64_t table_floats = chunk * 2 * (strip_half + apply_half);
+  const int64_t table_floats = (chunk + window - 1) * 2 * strip_half + chunk * 2 * apply_half;
   for (PinnedBuffer& buffer : context->pinned_tables) {
     if (absl::Status s = buffer.Reserve(table_floats * sizeof(float)); !s.ok()) return s;
   }
@@ -797,20 +816,25 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
     const int64_t tokens = std::min(chunk, num_tokens - t0);
     if (tokens <= 0) break;
     const int slot = c % 2;
+    // The chunk's rows read source tokens [window_begin, t0 + tokens): its own and, for a
+    // window mapper, up to window - 1 before it.
+    const int64_t window_begin = std::max<int64_t>(0, t0 - (window - 1));
+    const int64_t window_tokens = t0 + tokens - window_begin;
 
-    // RoPE of both models for these positions, from kernels/rope (double-precision angles).
+    // RoPE of both models for these positions, from kernels/rope (double-precision angles): the
+    // source's for every token the chunk reads, the target's for the chunk's own.
     if (context->table_used[slot]) {
       KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
                                cudaEventSynchronize(context->table_copied[slot]));
     }
     float* host_tables = reinterpret_cast<float*>(context->pinned_tables[slot].data());
     float* strip_cos = host_tables;
-    float* strip_sin = strip_cos + tokens * strip_half;
-    float* apply_cos = strip_sin + tokens * strip_half;
+    float* strip_sin = strip_cos + window_tokens * strip_half;
+    float* apply_cos = strip_sin + window_tokens * strip_half;
     float* apply_sin = apply_cos + tokens * apply_half;
-    RopeTablesFor(strip, positions, t0, tokens, strip_cos, strip_sin);
+    RopeTablesFor(strip, positions, window_begin, window_tokens, strip_cos, strip_sin);
     RopeTablesFor(apply, positions, t0, tokens, apply_cos, apply_sin);
-    const int64_t used_floats = tokens * 2 * (strip_half + apply_half);
+    const int64_t used_floats = window_tokens * 2 * strip_half + tokens * 2 * apply_half;
     KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
                              cudaMemcpyAsync(device_tables, host_tables, used_floats * sizeof(float),
                                              cudaMemcpyHostToDevice, context->stream));
@@ -818,11 +842,11 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
                              cudaEventRecord(context->table_copied[slot], context->stream));
     context->table_used[slot] = true;
     gather.strip.cos = device_tables;
-    gather.strip.sin = device_tables + tokens * strip_half;
-    epilogue.apply.cos = device_tables + tokens * 2 * strip_half;
+    gather.strip.sin = device_tables + window_tokens * strip_half;
+    epilogue.apply.cos = device_tables + window_tokens * 2 * strip_half;
     epilogue.apply.sin = epilogue.apply.cos + tokens * apply_half;
 
-    // Host-memory source layers: this chunk's tokens through pinned memory to the stage.
+    // Host-memory source layers: the tokens this chunk reads through pinned memory to the stage.
     if (!staged_sources.empty()) {
       if (context->input_used[slot]) {
         KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
@@ -834,11 +858,13 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
         const char* from = static_cast<const char*>(kind == 0 ? source.k[j] : source.v[j]);
         char* to = host + s * stage_in_slot * in_element;
         if (source.layout == Layout::kNHD) {
-          std::memcpy(to, from + t0 * source_width * in_element, tokens * source_width * in_element);
+          std::memcpy(to, from + window_begin * source_width * in_element,
+                      window_tokens * source_width * in_element);
         } else {
           for (int h = 0; h < ns; ++h) {
-            std::memcpy(to + h * tokens * ds * in_element,
-                        from + (h * num_tokens + t0) * ds * in_element, tokens * ds * in_element);
+            std::memcpy(to + h * window_tokens * ds * in_element,
+                        from + (h * num_tokens + window_begin) * ds * in_element,
+                        window_tokens * ds * in_element);
           }
         }
       }
@@ -854,6 +880,7 @@ absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin,
 
     gather.chunk_begin = epilogue.chunk_begin = t0;
     gather.chunk_tokens = epilogue.chunk_tokens = tokens;
+    gather.window_begin = window_begin;
     for (int l0 = layer_begin; l0 < layer_end; l0 += plan.layers_per_group, ++step) {
       const int group = std::min(plan.layers_per_group, layer_end - l0);
       const int out_slot = step % 2;

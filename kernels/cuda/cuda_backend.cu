@@ -59,9 +59,12 @@ __device__ __forceinline__ int64_t HeadOffset(int layout, int heads, int64_t tok
 template <typename In, typename X>
 __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams p) {
   const int pairs = (p.head_dim + 1) / 2;
-  const int row_items = p.max_blocks * p.heads * pairs;
-  const int64_t width = static_cast<int64_t>(p.max_blocks) * p.heads * p.head_dim;
+  const int blocks = p.window * p.max_blocks;
+  const int row_items = blocks * p.heads * pairs;
+  const int64_t width = static_cast<int64_t>(blocks) * p.heads * p.head_dim;
   const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
+  // A staged source slot holds tokens [window_begin, chunk_begin + chunk_tokens).
+  const int64_t staged_tokens = p.chunk_begin + p.chunk_tokens - p.window_begin;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     // row = (g * 2 + kind) * chunk_tokens + i
     const int64_t i = row % p.chunk_tokens;
@@ -70,21 +73,29 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams p) {
     const int layer = p.layer_begin + g;
     const int* sigma = p.sigma + (static_cast<int64_t>(layer) * 2 + kind) * p.max_blocks;
     X* out_row = static_cast<X*>(p.x) + row * width;
-    const float* cos_row = p.strip.cos + i * p.strip.half;
-    const float* sin_row = p.strip.sin + i * p.strip.half;
+    // Offset 0 (this row's own token): its token and its row of the strip table and of a staged
+    // slot; offset o reads o tokens, and o table rows, earlier.
+    const int64_t t0 = p.chunk_begin + i;
+    const int64_t r0 = t0 - p.window_begin;
+    const float* cos_row = p.strip.cos + r0 * p.strip.half;
+    const float* sin_row = p.strip.sin + r0 * p.strip.half;
     for (int item = threadIdx.x; item < row_items; item += blockDim.x) {
-      // item = (b * heads + h) * pairs + q
+      // item = ((o * max_blocks + b) * heads + h) * pairs + q
       const int q = item % pairs;
       const int bh = item / pairs;
       const int h = bh % p.heads;
-      const int b = bh / p.heads;
+      const int ob = bh / p.heads;
+      // The division only where there is a window (uniform across the grid).
+      const int o = p.window == 1 ? 0 : ob / p.max_blocks;
+      const int b = ob - o * p.max_blocks;
       const bool rotary = kind == 0 && q < p.strip.half;
       int d0, d1;
       PairDims(q, p.strip.half, p.strip.neox, kind == 0, &d0, &d1);
       const bool second = d1 < p.head_dim;
       X* out = out_row + static_cast<int64_t>(bh) * p.head_dim;
       const int j = sigma[b];
-      if (j < 0) {  // padding block of a shorter sigma list
+      // A padding block of a shorter sigma list, or a token before the request's first.
+      if (j < 0 || o > t0) {
         Store(out, d0, 0.0f);
         if (second) Store(out, d1, 0.0f);
         continue;
@@ -95,20 +106,21 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams p) {
       int64_t tokens, token;
       if (slot >= 0) {
         src = static_cast<const In*>(p.source.stage) + slot * p.source.stage_slot_elements;
-        tokens = p.chunk_tokens;
-        token = i;
+        tokens = staged_tokens;
+        token = r0 - o;
       } else {
         src = static_cast<const In*>(p.source.pointers[table]);
         tokens = p.num_tokens;
-        token = p.chunk_begin + i;
+        token = t0 - o;
       }
       src += HeadOffset(p.source_layout, p.heads, tokens, p.head_dim, h, token);
       const float a = Load(src, d0);
       const float c = second ? Load(src, d1) : 0.0f;
       if (rotary) {
         // R(p)^-1 of a cache written as A R(p) x: the table's cos/sin carry A, so divide by A^2.
-        const float cs = cos_row[q];
-        const float sn = sin_row[q];
+        const int at = q - o * p.strip.half;
+        const float cs = cos_row[at];
+        const float sn = sin_row[at];
         Store(out, d0, (a * cs + c * sn) * p.strip.scale);
         Store(out, d1, (c * cs - a * sn) * p.strip.scale);
       } else {
@@ -252,6 +264,12 @@ cudaError_t LaunchGather(const GatherParams& p, cudaStream_t stream) {
   if (p.x_type != kFP32 && p.x_type != p.source_type) return cudaErrorInvalidValue;
   const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
   if (rows == 0 || p.max_blocks == 0 || p.heads == 0 || p.head_dim == 0) return cudaSuccess;
+  // The strip table and staged slots start where the window's first token does: any other
+  // start would read outside them.
+  if (p.window < 1 ||
+      p.window_begin != std::max<int64_t>(0, p.chunk_begin - (p.window - 1))) {
+    return cudaErrorInvalidValue;
+  }
   return ByElementType(p.source_type, [&](auto in) {
     return LaunchGatherFrom<decltype(in)>(p, rows, stream);
   });

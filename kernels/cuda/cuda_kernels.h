@@ -16,7 +16,8 @@ enum ElementType : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 enum CacheLayout : int { kHND = 0, kNHD = 1 };
 
 // A chunk's RoPE of one model, computed on the host by kernels/rope: row i (`half` floats) of
-// cos and sin is token chunk_begin + i, already multiplied by the attention factor.
+// cos and sin is token chunk_begin + i (the gather's strip table: window_begin + i), already
+// multiplied by the attention factor.
 struct RopeTable {
   const float* cos = nullptr;
   const float* sin = nullptr;
@@ -27,14 +28,15 @@ struct RopeTable {
 
 // Where one cache's layers are for one call: per [kind][layer] (kind 0 = K, 1 = V) either a
 // device pointer to the whole layer (num_tokens tokens) or, when `stage_slot` >= 0, a slot of a
-// staging buffer holding only the chunk's tokens (host-memory caches), same layout. Sources use
+// staging buffer holding only the chunk's tokens (host-memory caches), same layout; a source
+// slot holds tokens [window_begin, chunk_begin + chunk_tokens) (GatherParams). Sources use
 // slot `stage_slot`; targets use slot (layer - layer_begin) * 2 + kind, since a staged target
 // buffer holds one step's layers.
 struct LayerTable {
   const void* const* pointers = nullptr;  // device array [2][num_layers]
   const int* stage_slot = nullptr;        // device array [2][num_layers]
   void* stage = nullptr;                  // staging buffer base
-  int64_t stage_slot_elements = 0;        // elements per slot (>= chunk tokens * heads * dim)
+  int64_t stage_slot_elements = 0;        // elements per slot (>= its tokens * heads * dim)
 };
 
 struct GatherParams {
@@ -55,7 +57,13 @@ struct GatherParams {
   // (their weight rows are zero too), so every layer has the same GEMM shape.
   const int* sigma = nullptr;
   int max_blocks = 0;
-  // Output X: [num_layers][2][chunk_tokens][max_blocks * heads * head_dim] in x_type.
+  // Window mappers: block o * max_blocks + b of token t's row is sigma block b at token t - o
+  // (zeros before token 0), stripped at that token's position. window_begin =
+  // max(0, chunk_begin - (window - 1)), the first token the chunk reads: row 0 of the strip
+  // table and of a staged source slot.
+  int window = 1;
+  int64_t window_begin = 0;
+  // Output X: [num_layers][2][chunk_tokens][window * max_blocks * heads * head_dim] in x_type.
   void* x = nullptr;
   int x_type = kBF16;
   RopeTable strip;

@@ -17,8 +17,13 @@ constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 }  // namespace
 
 absl::StatusOr<DeviceLayout> DeviceLayoutOf(const MapperView& mapper) {
+  if (mapper.window < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mapper.window=", mapper.window, " must be >= 1"));
+  }
   DeviceLayout layout;
   layout.kind = mapper.kind;
+  layout.window = mapper.window;
   const bool mlp = mapper.kind == MapKind::kMlp;
   bool first = true;
   const auto agree = [&](DType dtype) {
@@ -44,8 +49,8 @@ absl::StatusOr<DeviceLayout> DeviceLayoutOf(const MapperView& mapper) {
       layout.padded = true;
     }
   }
-  layout.input_width = static_cast<int64_t>(layout.max_blocks) * mapper.source.num_kv_heads *
-                       mapper.source.head_dim;
+  layout.input_width = static_cast<int64_t>(layout.window) * layout.max_blocks *
+                       mapper.source.num_kv_heads * mapper.source.head_dim;
   layout.target_width = static_cast<int64_t>(mapper.target.num_kv_heads) * mapper.target.head_dim;
   if (mlp && !mapper.layers.empty()) {
     const MlpView& head = mapper.layers[0].mlp_k;
@@ -67,7 +72,8 @@ absl::StatusOr<DeviceLayout> DeviceLayoutOf(const MapperView& mapper) {
     }
   }
   for (const auto& [name, value] :
-       {std::pair<const char*, int64_t>{"input width |sigma| * n_s * d_s", layout.input_width},
+       {std::pair<const char*, int64_t>{"input width window * |sigma| * n_s * d_s",
+                                        layout.input_width},
         {"target width n_t * d_t", layout.target_width},
         {"MLP hidden width heads * hidden", layout.hidden_width()}}) {
     if (value > kIntMax) {
@@ -88,6 +94,19 @@ void InterleaveHeads(const void* src, size_t element_bytes, int heads, int64_t r
       std::memcpy(to + (r * heads + h) * run, from + (h * rows + r) * run, run);
     }
   }
+}
+
+InputRowCopies InputRowCopiesOf(const DeviceLayout& layout, int64_t rows, int64_t row_bytes) {
+  InputRowCopies copies;
+  if (layout.window == 1 || rows == layout.input_width) {
+    copies.bytes = rows * row_bytes;
+    copies.device_stride = copies.bytes;
+    return copies;
+  }
+  copies.count = layout.window;
+  copies.bytes = rows / layout.window * row_bytes;
+  copies.device_stride = layout.offset_width() * row_bytes;
+  return copies;
 }
 
 DType GemmDType(DType input, DType weights, DType output) {
@@ -113,12 +132,13 @@ std::array<StridedGemm, 3> MlpGemms(const DeviceLayout& layout, int64_t tokens, 
 absl::StatusOr<StepPlan> PlanSteps(const StepShape& shape, int64_t token_chunk,
                                    int64_t budget_bytes) {
   if (shape.num_tokens < 0 || shape.num_layers <= 0 || shape.input_width <= 0 ||
-      shape.target_width <= 0 || shape.hidden_width < 0 || shape.weight_elements < 0) {
+      shape.target_width <= 0 || shape.hidden_width < 0 || shape.weight_elements < 0 ||
+      shape.window < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "step shape: num_tokens=", shape.num_tokens, " num_layers=", shape.num_layers,
         " input_width=", shape.input_width, " target_width=", shape.target_width,
         " hidden_width=", shape.hidden_width, " weight_elements=", shape.weight_elements,
-        " must be non-negative / positive"));
+        " window=", shape.window, " must be non-negative / positive"));
   }
   StepPlan plan;
   if (shape.num_tokens == 0) return plan;
@@ -128,15 +148,19 @@ absl::StatusOr<StepPlan> PlanSteps(const StepShape& shape, int64_t token_chunk,
   const int64_t y_width = std::max(n, h);
   const int64_t weight_elements = shape.weight_elements > 0 ? shape.weight_elements : k * n;
   // Device bytes of one step: layers * (tokens * per_layer_token + per_layer) +
-  // tokens * per_token.
+  // tokens * per_token + fixed.
   const int64_t per_layer_token =
       2 * (k * g + y_width * 4 + h * g) + shape.staged_target_bytes_per_layer_token;
   const int64_t per_layer = shape.convert_weights ? 2 * weight_elements * 4 : 0;
+  const int64_t source_table_per_token = 2 * 4 * static_cast<int64_t>(shape.rope_half_source);
   const int64_t per_token =
-      2 * 4 * static_cast<int64_t>(shape.rope_half_source + shape.rope_half_target) +
+      source_table_per_token + 2 * 4 * static_cast<int64_t>(shape.rope_half_target) +
       shape.staged_source_bytes_per_token;
+  // The window's earlier tokens: source tables and staged source rows, whatever the chunk.
+  const int64_t fixed = static_cast<int64_t>(shape.window - 1) *
+                        (source_table_per_token + shape.staged_source_bytes_per_token);
   const auto bytes = [&](int64_t layers, int64_t tokens) {
-    return layers * (tokens * per_layer_token + per_layer) + tokens * per_token;
+    return layers * (tokens * per_layer_token + per_layer) + tokens * per_token + fixed;
   };
   if (bytes(1, 1) > budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -145,7 +169,7 @@ absl::StatusOr<StepPlan> PlanSteps(const StepShape& shape, int64_t token_chunk,
         "); raise the CUDA backend's workspace_bytes"));
   }
   int64_t tokens = std::min(shape.num_tokens,
-                            (budget_bytes - per_layer) / (per_layer_token + per_token));
+                            (budget_bytes - per_layer - fixed) / (per_layer_token + per_token));
   if (token_chunk > 0) tokens = std::min(tokens, token_chunk);
   tokens = std::min(tokens, kIntMax);  // cuBLAS's n
   // Multiples of 64 tokens keep the GEMM tiles whole, where the budget leaves room for one.
@@ -153,7 +177,7 @@ absl::StatusOr<StepPlan> PlanSteps(const StepShape& shape, int64_t token_chunk,
   plan.num_chunks = static_cast<int>((shape.num_tokens + tokens - 1) / tokens);
   plan.chunk_tokens = (shape.num_tokens + plan.num_chunks - 1) / plan.num_chunks;
 
-  int64_t layers = (budget_bytes - plan.chunk_tokens * per_token) /
+  int64_t layers = (budget_bytes - plan.chunk_tokens * per_token - fixed) /
                    (plan.chunk_tokens * per_layer_token + per_layer);
   layers = std::clamp<int64_t>(layers, 1, shape.num_layers);
   plan.num_groups = static_cast<int>((shape.num_layers + layers - 1) / layers);
@@ -164,9 +188,10 @@ absl::StatusOr<StepPlan> PlanSteps(const StepShape& shape, int64_t token_chunk,
   plan.y_bytes = l * 2 * t * y_width * 4;
   plan.hidden_bytes = l * 2 * t * h * g;
   plan.weights32_bytes = l * per_layer;
-  plan.table_bytes = t * 2 * 4 * static_cast<int64_t>(shape.rope_half_source +
-                                                      shape.rope_half_target);
-  plan.staged_source_bytes = t * shape.staged_source_bytes_per_token;
+  const int64_t window_tokens = t + shape.window - 1;
+  plan.table_bytes = window_tokens * source_table_per_token +
+                     t * 2 * 4 * static_cast<int64_t>(shape.rope_half_target);
+  plan.staged_source_bytes = window_tokens * shape.staged_source_bytes_per_token;
   plan.staged_target_bytes = l * t * shape.staged_target_bytes_per_layer_token;
   return plan;
 }

@@ -26,7 +26,10 @@ DType GemmDType(DType input, DType weights, DType output);
 
 // What the device copy of a mapper looks like. One weight dtype for all layers (a batched GEMM
 // has one type): the stored one when every weight matrix agrees, else fp32. Every (layer, kind)
-// is padded to the longest sigma list (zero rows) so all GEMMs of a step share one shape.
+// is padded to the longest sigma list (zero rows) so all GEMMs of a step share one shape. A
+// window mapper's input rows are offset-major, each token offset padded on its own: row
+// (o * max_blocks + b) * n_s d_s + e is the stored row (o * |sigma| + b) * n_s d_s + e, so the
+// gather finds offset o's blocks at the same place in every (layer, kind).
 // Ridge: W [layer][kind][input_width][target_width]. MLP, per (layer, kind), `heads` chains
 // (1 per_layer, n_t per_head) stored as three arrays so each is one strided batch:
 //   A1 [layer][kind][input_width][heads * hidden]  (per_head: head h in columns [h H, (h+1) H),
@@ -39,7 +42,8 @@ struct DeviceLayout {
   MapKind kind = MapKind::kRidge;
   DType weight_dtype = DType::kFP32;
   int max_blocks = 0;
-  int64_t input_width = 0;   // max_blocks * n_s * d_s
+  int window = 1;            // MapperView::window: token offsets per input row
+  int64_t input_width = 0;   // window * max_blocks * n_s * d_s
   int64_t target_width = 0;  // n_t * d_t
   bool padded = false;       // some sigma list is shorter than max_blocks
   int heads = 0;             // MLP chains per (layer, kind); 0 for ridge
@@ -47,6 +51,8 @@ struct DeviceLayout {
   int64_t head_out = 0;      // MLP output columns of one chain
 
   int64_t hidden_width() const { return heads * hidden; }  // 0 for ridge
+  // Input rows of one token offset: max_blocks * n_s * d_s.
+  int64_t offset_width() const { return input_width / window; }
   int64_t a1_elements() const { return input_width * heads * hidden; }
   int64_t a2_elements() const { return static_cast<int64_t>(heads) * hidden * hidden; }
   int64_t a3_elements() const { return static_cast<int64_t>(heads) * hidden * head_out; }
@@ -66,7 +72,8 @@ struct DeviceLayout {
   }
 };
 
-// The device layout of a mapper that CheckMapperView accepted. MLP: INVALID_ARGUMENT, naming
+// The device layout of a mapper that CheckMapperView accepted (INVALID_ARGUMENT for a window
+// below 1, which CheckMapperView refuses too). MLP: INVALID_ARGUMENT, naming
 // the chain, when the chains do not all share one granularity and hidden width (the format has
 // one `mlp:` block per mapper; the batched GEMMs need one shape), or when a GEMM dimension
 // exceeds cuBLAS's int range.
@@ -77,6 +84,18 @@ absl::StatusOr<DeviceLayout> DeviceLayoutOf(const MapperView& mapper);
 // are. `dst` must not overlap `src`.
 void InterleaveHeads(const void* src, size_t element_bytes, int heads, int64_t rows, int64_t cols,
                      void* dst);
+
+// Where PrepareLayer puts a stored W or A1 of `rows` input rows (window * its own |sigma| *
+// n_s * d_s) of `row_bytes` each (A1 after InterleaveHeads): copy o < count moves `bytes` from
+// the stored matrix + o * bytes to its (layer, kind)'s device slot + o * device_stride. One
+// copy when the rows need no moving (no window, or |sigma| = max_blocks); else one per token
+// offset, each to its own block of offset_width() rows.
+struct InputRowCopies {
+  int count = 1;
+  int64_t bytes = 0;
+  int64_t device_stride = 0;
+};
+InputRowCopies InputRowCopiesOf(const DeviceLayout& layout, int64_t rows, int64_t row_bytes);
 
 // One cublasGemmStridedBatchedEx call as cuBLAS sees it (column-major, no transposes): for
 // b < batch, C_b (m x n, ldc) = A_b (m x k, lda) B_b (k x n, ldb), each operand's entry b at
@@ -102,7 +121,7 @@ std::array<StridedGemm, 3> MlpGemms(const DeviceLayout& layout, int64_t tokens, 
 struct StepShape {
   int64_t num_tokens = 0;
   int num_layers = 0;            // target layers in the call
-  int64_t input_width = 0;       // K: the widest |sigma| * n_s * d_s over the call's layers
+  int64_t input_width = 0;       // K: window * the widest |sigma| * n_s * d_s
   int64_t target_width = 0;      // n_t * d_t
   // MLP: hidden activations per token of one (layer, kind), heads * H (0 for ridge). They take
   // an fp32 GEMM output (sharing the output buffer, max(target, hidden) wide) plus a copy in the
@@ -115,7 +134,11 @@ struct StepShape {
   bool convert_weights = false;  // weights converted to fp32 per step (mixed dtypes)
   int rope_half_source = 0;      // r_s / 2
   int rope_half_target = 0;      // r_t / 2
-  // Host-memory caches are staged through device buffers of the chunk's tokens.
+  // A window mapper's chunk also reads the window - 1 tokens before it: their source RoPE
+  // rows and, for host-memory sources, their staged rows.
+  int window = 1;
+  // Host-memory caches are staged through device buffers of the chunk's tokens (sources: and of
+  // the window - 1 tokens before it).
   int64_t staged_source_bytes_per_token = 0;  // all staged source layers, K and V
   int64_t staged_target_bytes_per_layer_token = 0;  // K and V of one target layer
 };
@@ -130,8 +153,10 @@ struct StepPlan {
   int64_t y_bytes = 0;          // GEMM outputs, fp32 (MLP: every GEMM of the chain in turn)
   int64_t hidden_bytes = 0;     // MLP hidden activations after bias + ReLU, gemm dtype
   int64_t weights32_bytes = 0;  // fp32 copies of the group's weights (mixed dtypes only)
-  int64_t table_bytes = 0;      // RoPE cos/sin of both models for the chunk
-  int64_t staged_source_bytes = 0;
+  // RoPE cos/sin of both models for the chunk; the source's also for the window - 1 tokens
+  // before it.
+  int64_t table_bytes = 0;
+  int64_t staged_source_bytes = 0;  // chunk_tokens + window - 1 tokens of every staged layer
   int64_t staged_target_bytes = 0;
   int64_t total_bytes() const {
     return x_bytes + y_bytes + hidden_bytes + weights32_bytes + table_bytes +

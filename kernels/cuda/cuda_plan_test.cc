@@ -4,7 +4,9 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -31,7 +33,8 @@ StepShape Qwen14To32(int64_t tokens) {
 }
 
 // Recomputes what a plan's step needs from first principles: X (gemm dtype) and Y (fp32) per
-// layer, kind and token, weight copies, tables and staging.
+// layer, kind and token, weight copies, tables and staging (a window mapper's source tables and
+// staged sources also hold the window - 1 tokens before the chunk).
 // MLP: the fp32 output buffer takes the widest GEMM output (hidden or target), plus the hidden
 // activations in the gemm dtype, and the converted weights are A1 + A2 + A3.
 int64_t StepBytes(const StepShape& s, int64_t tokens, int64_t layers) {
@@ -42,8 +45,9 @@ int64_t StepBytes(const StepShape& s, int64_t tokens, int64_t layers) {
   const int64_t weights =
       s.weight_elements > 0 ? s.weight_elements : s.input_width * s.target_width;
   if (s.convert_weights) bytes += layers * 2 * weights * 4;
-  bytes += tokens * 2 * 4 * (s.rope_half_source + s.rope_half_target);
-  bytes += tokens * s.staged_source_bytes_per_token;
+  const int64_t read_tokens = tokens + s.window - 1;
+  bytes += read_tokens * 2 * 4 * s.rope_half_source + tokens * 2 * 4 * s.rope_half_target;
+  bytes += read_tokens * s.staged_source_bytes_per_token;
   bytes += layers * tokens * s.staged_target_bytes_per_layer_token;
   return bytes;
 }
@@ -159,6 +163,49 @@ TEST(PlanStepsTest, BadShapeIsInvalidArgument) {
   EXPECT_THAT(plan.status().message(), HasSubstr("num_layers=0"));
 }
 
+// A window mapper's input rows are `window` times wider, and every chunk also strips (and, for
+// host-memory sources, stages) the window - 1 source tokens before it.
+TEST(PlanStepsTest, WindowCountsTheTokensBeforeTheChunk) {
+  for (int window : {1, 2, 4, 9}) {
+    for (int64_t tokens : {1, 7, 65, 1000, 32768}) {
+      for (int64_t budget : {int64_t{64} << 20, int64_t{2} << 30}) {
+        for (int64_t token_chunk : {0, 3, 100}) {
+          StepShape shape = Qwen14To32(tokens);
+          shape.window = window;
+          shape.input_width *= window;
+          shape.staged_source_bytes_per_token = 3 * 1024 * 2;
+          SCOPED_TRACE(testing::Message() << "window=" << window << " T=" << tokens
+                                          << " budget=" << budget << " chunk=" << token_chunk);
+          absl::StatusOr<StepPlan> plan = PlanSteps(shape, token_chunk, budget);
+          ASSERT_TRUE(plan.ok()) << plan.status();
+          ExpectCovers(shape, *plan);
+          EXPECT_LE(plan->total_bytes(), budget);
+          const int64_t t = plan->chunk_tokens, l = plan->layers_per_group;
+          EXPECT_EQ(plan->x_bytes, l * 2 * t * 8 * 8 * 128 * window * 2);
+          EXPECT_EQ(plan->table_bytes, (t + window - 1) * 2 * 4 * 64 + t * 2 * 4 * 64);
+          EXPECT_EQ(plan->staged_source_bytes, (t + window - 1) * 3 * 1024 * 2);
+        }
+      }
+    }
+  }
+  // A budget that holds one token but not the window's earlier tokens as well.
+  StepShape shape = Qwen14To32(10);
+  shape.window = 4;
+  shape.staged_source_bytes_per_token = 1 << 20;
+  const int64_t one_token = StepBytes(shape, 1, 1) - 3 * (2 * 4 * 64 + (1 << 20));
+  absl::StatusOr<StepPlan> plan = PlanSteps(shape, 0, one_token);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+  plan = PlanSteps(shape, 0, StepBytes(shape, 1, 1));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->chunk_tokens, 1);
+  EXPECT_EQ(plan->total_bytes(), StepBytes(shape, 1, 1));
+
+  shape.window = 0;
+  plan = PlanSteps(shape, 0, int64_t{1} << 30);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(), HasSubstr("window=0"));
+}
+
 // Qwen3 14B -> 32B as an MLP mapper of hidden width 1024 (the format's default).
 StepShape Qwen14To32Mlp(int64_t tokens, bool per_head) {
   StepShape shape = Qwen14To32(tokens);
@@ -221,18 +268,19 @@ TEST(PlanStepsTest, NegativeHiddenWidthIsInvalidArgument) {
 
 // A random MLP mapper view over fp32 weights owned by `storage`: source n_s = 2, d_s = 3, two
 // layers; target n_t = 3, d_t = 2, two layers; |sigma_k| = 2, |sigma_v| = 1 (padded on the
-// device), hidden 5.
+// device), hidden 5; A1 has window * |sigma| * 6 input rows.
 struct SmallMlp {
   MapperView view;
   std::vector<std::vector<float>> storage;
 };
 
-SmallMlp MakeSmallMlp(bool per_head, uint64_t seed) {
+SmallMlp MakeSmallMlp(bool per_head, uint64_t seed, int window = 1) {
   SmallMlp m;
   m.storage.reserve(2 * 2 * 6);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   m.view.kind = MapKind::kMlp;
+  m.view.window = window;
   m.view.source = NeoxModelSpec("s", 2, 2, 3);
   m.view.target = NeoxModelSpec("t", 2, 3, 2);
   const int heads = per_head ? 3 : 1;
@@ -258,8 +306,8 @@ SmallMlp MakeSmallMlp(bool per_head, uint64_t seed) {
     LayerMapView layer;
     layer.sigma_k = {1, 0};
     layer.sigma_v = {l};
-    layer.mlp_k = chain(12);
-    layer.mlp_v = chain(6);
+    layer.mlp_k = chain(window * 12);
+    layer.mlp_v = chain(window * 6);
     m.view.layers.push_back(layer);
   }
   return m;
@@ -316,6 +364,45 @@ TEST(DeviceLayoutTest, RidgeSizesUnchanged) {
   EXPECT_EQ(layout->hidden_width(), 0);
   EXPECT_EQ(layout->matrix_elements(), 16 * 6);
   EXPECT_EQ(layout->prepared_bytes(2), 2u * 2 * (16 * 6 * 2 + 6 * 4 + 2 * 4));
+}
+
+// Window rows: window x the padded sigma blocks, counted in the prepared bytes; a matrix whose
+// sigma is shorter than the longest moves to the device one token offset at a time.
+TEST(DeviceLayoutTest, WindowWidensTheInputRowsPerOffset) {
+  MapperView view;
+  view.window = 3;
+  view.source = NeoxModelSpec("s", 3, 2, 4);
+  view.target = NeoxModelSpec("t", 2, 3, 2);
+  for (int l = 0; l < 2; ++l) {
+    LayerMapView layer;
+    layer.sigma_k = {0, 2};
+    layer.sigma_v = {1};
+    layer.w_k = WeightView{nullptr, DType::kBF16, 3 * 16, 6};
+    layer.w_v = WeightView{nullptr, DType::kBF16, 3 * 8, 6};
+    view.layers.push_back(layer);
+  }
+  absl::StatusOr<DeviceLayout> layout = DeviceLayoutOf(view);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->window, 3);
+  EXPECT_EQ(layout->max_blocks, 2);
+  EXPECT_TRUE(layout->padded);
+  EXPECT_EQ(layout->input_width, 3 * 2 * 8);
+  EXPECT_EQ(layout->offset_width(), 2 * 8);
+  EXPECT_EQ(layout->matrix_elements(), 48 * 6);
+  // W, fp32 b, sigma per (layer, kind): sigma lists are not repeated per offset.
+  EXPECT_EQ(layout->prepared_bytes(2), 2u * 2 * (48 * 6 * 2 + 6 * 4 + 2 * 4));
+
+  const int64_t row_bytes = 6 * 2;
+  const InputRowCopies k = InputRowCopiesOf(*layout, 48, row_bytes);
+  EXPECT_EQ(k.count, 1);
+  EXPECT_EQ(k.bytes, 48 * row_bytes);
+  const InputRowCopies v = InputRowCopiesOf(*layout, 24, row_bytes);
+  EXPECT_EQ(v.count, 3);
+  EXPECT_EQ(v.bytes, 8 * row_bytes);
+  EXPECT_EQ(v.device_stride, 16 * row_bytes);
+
+  view.window = 0;
+  EXPECT_EQ(DeviceLayoutOf(view).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(DeviceLayoutTest, MixedMlpShapesAreRefusedNamingTheChain) {
@@ -384,13 +471,17 @@ void HostBiasRelu(const std::vector<float>& y, bool interleaved, const std::vect
   }
 }
 
-// The three GEMMs of MlpGemms on the device layout (A1 interleaved by head and padded to the
-// longest sigma, A2 / A3 as stored), with bias + ReLU between them, give every chain's
-// relu(relu(x A1 + c1) A2 + c2) A3 computed directly from the stored tensors.
+// The three GEMMs of MlpGemms on the device layout (A1 interleaved by head and placed by
+// InputRowCopiesOf, padded to the longest sigma per token offset, A2 / A3 as stored), with
+// bias + ReLU between them, give every chain's relu(relu(x A1 + c1) A2 + c2) A3 computed
+// directly from the stored tensors, x's blocks offset-major over the chain's own sigma as the
+// gather writes them (GatherParams).
 TEST(MlpGemmsTest, ChainOnTheDeviceLayoutMatchesTheStoredMlp) {
-  for (bool per_head : {false, true}) {
-    SCOPED_TRACE(per_head ? "per_head" : "per_layer");
-    const SmallMlp m = MakeSmallMlp(per_head, 4);
+  for (const auto& [per_head, window] : {std::pair<bool, int>{false, 1}, {true, 1},
+                                         {false, 3}, {true, 2}}) {
+    SCOPED_TRACE(testing::Message() << (per_head ? "per_head" : "per_layer") << " window "
+                                    << window);
+    const SmallMlp m = MakeSmallMlp(per_head, 4, window);
     absl::StatusOr<DeviceLayout> layout_or = DeviceLayoutOf(m.view);
     ASSERT_TRUE(layout_or.ok()) << layout_or.status();
     const DeviceLayout& layout = *layout_or;
@@ -407,8 +498,18 @@ TEST(MlpGemmsTest, ChainOnTheDeviceLayoutMatchesTheStoredMlp) {
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const MlpView& c = *chains[pair];
       const float* stored = static_cast<const float*>(c.a1.data);
-      InterleaveHeads(stored, sizeof(float), heads, c.a1.rows / heads, hidden,
-                      a1.data() + pair * layout.a1_elements());
+      const int64_t rows = c.a1.rows / heads;
+      std::vector<float> interleaved(c.a1.rows * c.a1.cols);
+      InterleaveHeads(stored, sizeof(float), heads, rows, hidden, interleaved.data());
+      const InputRowCopies copies = InputRowCopiesOf(layout, rows, hw * sizeof(float));
+      char* slot = reinterpret_cast<char*>(a1.data() + pair * layout.a1_elements());
+      for (int o = 0; o < copies.count; ++o) {
+        ASSERT_LE(o * copies.device_stride + copies.bytes,
+                  static_cast<int64_t>(layout.a1_elements() * sizeof(float)));
+        std::memcpy(slot + o * copies.device_stride,
+                    reinterpret_cast<const char*>(interleaved.data()) + o * copies.bytes,
+                    copies.bytes);
+      }
       for (const WeightView* w : {&c.a2, &c.a3, &c.c1, &c.c2}) {
         std::vector<float>& to = w == &c.a2 ? a2 : w == &c.a3 ? a3 : w == &c.c1 ? c1 : c2;
         const float* from = static_cast<const float*>(w->data);
@@ -440,7 +541,15 @@ TEST(MlpGemmsTest, ChainOnTheDeviceLayoutMatchesTheStoredMlp) {
 
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const MlpView& c = *chains[pair];
-      const int64_t in = c.a1.rows / heads;  // this chain's own |sigma| n_s d_s
+      const int64_t in = c.a1.rows / heads;  // this chain's own window |sigma| n_s d_s
+      const int64_t own_blocks = in / window / 6;
+      // Stored row r is block o * |sigma| + b, element e; the gather put it in the device row
+      // at block o * max_blocks + b.
+      const auto x_column = [&](int64_t r) {
+        const int64_t block = r / 6, e = r % 6;
+        const int64_t o = block / own_blocks, b = block % own_blocks;
+        return (o * layout.max_blocks + b) * 6 + e;
+      };
       const auto at = [](const WeightView& w, int64_t r, int64_t col) {
         return static_cast<double>(static_cast<const float*>(w.data)[r * w.cols + col]);
       };
@@ -450,7 +559,7 @@ TEST(MlpGemmsTest, ChainOnTheDeviceLayoutMatchesTheStoredMlp) {
           std::vector<double> h1(hidden), h2(hidden);
           for (int64_t j = 0; j < hidden; ++j) {
             double s = at(c.c1, h, j);
-            for (int64_t r = 0; r < in; ++r) s += xi[r] * at(c.a1, h * in + r, j);
+            for (int64_t r = 0; r < in; ++r) s += xi[x_column(r)] * at(c.a1, h * in + r, j);
             h1[j] = std::max(s, 0.0);
           }
           for (int64_t j = 0; j < hidden; ++j) {
