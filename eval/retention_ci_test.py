@@ -8,7 +8,9 @@ untrained source's translated cache, and more than the same translation with the
 not re-applied; that it leaves the target's next-token distribution closer to the one its own
 prefill gives (KL) than every control does; and that the long-range windows (issue 22) are built as documented and run
 through the same conditions, and that on copy windows the target draws from the earlier copy
-and the translated cache carries more of it than the controls. torch and transformers must be importable (scripts/test.sh runs the project
+and the translated cache carries more of it than the controls; a window mapper (`kvt fit
+--window`, each token also reading the WINDOW - 1 before it) carries more of the copy than the
+token-wise mapper and than its own untrained-source control. torch and transformers must be importable (scripts/test.sh runs the project
 venv): a missing one fails this test.
 """
 
@@ -24,6 +26,7 @@ SOURCE, TARGET, K = "M", "L", "2"
 CALIB_WINDOWS, CALIB_TOKENS = 32, 256
 WINDOWS, CONTEXT, CONTINUATION = 16, 192, 64
 LONG_WINDOWS = 4
+WINDOW = 4
 
 
 class RetentionCiTest(unittest.TestCase):
@@ -45,6 +48,9 @@ class RetentionCiTest(unittest.TestCase):
         R.fit(dumps["s"], dumps["t"], source.name, target.name, K, os.path.join(store, "mapped"))
         R.fit(dumps["u"], dumps["t"], untrained.name, target.name, K,
               os.path.join(store, "untrained"))
+        for key, member, mid in (("s", source, "window"), ("u", untrained, "window_untrained")):
+            R.fit(dumps[key], dumps["t"], member.name, target.name, K, os.path.join(store, mid),
+                  extra=[f"--window={WINDOW}"])
         calib_windows = list(R.dump_kv.windows(R.token_stream("calib"), CALIB_TOKENS,
                                                CALIB_WINDOWS))
         identity = R.TokenIdentityMap(target, calib_windows)
@@ -57,10 +63,12 @@ class RetentionCiTest(unittest.TestCase):
             cls.long = R.evaluate_long_range(client, source, target, {"mapped": "mapped"},
                                              *cls.lookup, CONTEXT, identity,
                                              {"mapped": (untrained, "untrained")})
-            cls.copy = R.evaluate_long_range(client, source, target, {"mapped": "mapped"},
+            cls.copy = R.evaluate_long_range(client, source, target,
+                                             {"mapped": "mapped", "window": "window"},
                                              *R.copy_windows(CONTEXT, CONTINUATION, LONG_WINDOWS),
                                              CONTEXT, identity,
-                                             {"mapped": (untrained, "untrained")})
+                                             {"mapped": (untrained, "untrained"),
+                                              "window": (untrained, "window_untrained")})
         print("retention_ci: copy windows, copy gain (nats/byte) " +
               ", ".join(f"{k} {v:.3f}" for k, v in cls.copy["copy_gain"].items()),
               file=sys.stderr)
@@ -137,6 +145,16 @@ class RetentionCiTest(unittest.TestCase):
         self.assertGreater(gain["own"], 0.5)
         self.assertGreater(gain["mapped"], gain["mapped_untrained"])
         self.assertGreater(gain["mapped"], gain["mapped_no_target_rope"])
+
+    def test_a_window_mapper_carries_more_of_the_copy(self):
+        # The target looks the copy up with keys that encode the bytes before each position
+        # (docs/EVAL.md, "Where the copy is lost"); a window mapper reads them from the source's
+        # cache of those bytes. Its untrained-source control reads the same window of an
+        # untrained network: the identity of the last WINDOW bytes, and no more.
+        gain = self.copy["copy_gain"]
+        self.assertGreater(gain["window"], gain["mapped"])
+        self.assertGreater(gain["window"], gain["window_untrained"])
+        self.assertGreater(gain["window"], gain["identity"])
 
 
 if __name__ == "__main__":

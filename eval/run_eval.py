@@ -28,6 +28,21 @@ import retention as R  # noqa: E402
 # The mapper kinds of each kind pair and their store-id suffixes (after "{a}-to-{b}-k{k}").
 KINDS = {"ridge": "", "ridge_refined": "-refined", "mlp": "-mlp", "mlp_refined": "-mlp-refined"}
 MLP_KINDS = ("mlp", "mlp_refined")
+# The same four as window mappers (kvt fit --window, docs/MAPPER_FORMAT.md): "w_" + kind.
+WINDOW_PREFIX = "w_"
+
+
+def kinds_of(window):
+    """Every evaluated kind and its suffix: KINDS, and with a window > 1 the window kinds."""
+    kinds = dict(KINDS)
+    if window > 1:
+        kinds.update({WINDOW_PREFIX + kind: f"-w{window}{suffix}" for kind, suffix in KINDS.items()})
+    return kinds
+
+
+def base_kind(kind):
+    """The token-wise kind a (window) kind is fitted like: "w_mlp" -> "mlp"."""
+    return kind[len(WINDOW_PREFIX):] if kind.startswith(WINDOW_PREFIX) else kind
 
 
 def run_all(jobs, workers):
@@ -77,6 +92,10 @@ def main():
     p.add_argument("--reuse_fits", action="store_true",
                    help="keep ridge mappers already in --work's store (from an interrupted run "
                         "with the same settings: the fits are deterministic)")
+    p.add_argument("--window", type=int, default=4,
+                   help="every kind pair also gets the four kinds as window mappers reading "
+                        "this many tokens (kvt fit --window), with their untrained-source "
+                        "controls; <= 1: none")
     p.add_argument("--long_windows", type=int, default=16,
                    help="long-range windows per kind (copy, lookup); 0: none")
     p.add_argument("--long_seed", type=int, default=0)
@@ -129,6 +148,8 @@ def main():
                  "mlp_max_observations": args.mlp_max_observations}
     k2 = args.main_k
     ks = args.ks.split(",")
+    kinds = kinds_of(args.window)
+    window_flags = [f"--window={args.window}"] if args.window > 1 else []
 
     def fit(a, b, suffix, k=k2, **kw):  # a "0": the untrained source
         member = untrained[a[0]] if a.endswith("0") else members[a]
@@ -145,6 +166,10 @@ def main():
             ridge_fits.append(fit(a, b, "", k))
     for a, b in sorted(set(pairs) | set(kind_pairs)):
         ridge_fits.append(fit(a + "0", b, ""))
+    if window_flags:  # the window ridge and its untrained-source control, every kind pair
+        for a, b in kind_pairs:
+            for source in (a, a + "0"):
+                ridge_fits.append(fit(source, b, kinds["w_ridge"], extra=window_flags))
     run_all(ridge_fits, args.jobs)
     print(f"eval: dumps and ridge fits done in {time.time() - start:.0f} s", flush=True)
     # Ridge vs refined ridge vs MLP vs refined MLP: kvt fit --kind both --refine=attention per
@@ -156,28 +181,36 @@ def main():
     fit_reports = {}
     mlp_start = time.time()
 
-    def fit_both(a, b):
+    def fit_both(a, b, prefix=""):
         t0 = time.time()
-        both = os.path.join(args.work, "both", f"{a}-to-{b}")
+        both = os.path.join(args.work, "both", f"{a}-to-{b}{kinds[prefix + 'ridge']}")
         report = R.fit(dumps[a], dumps[b], members[a].name, members[b].name, k2, both,
                        kind="both", mlp_flags=mlp_flags, refine=True,
-                       unrefined_mlp_out=os.path.join(both, "mlp-unrefined"))
+                       unrefined_mlp_out=os.path.join(both, "mlp-unrefined"),
+                       extra=window_flags if prefix else ())
         report["seconds"] = round(time.time() - t0, 1)
-        for kind, suffix in (("ridge", KINDS["ridge_refined"]), ("mlp", KINDS["mlp_refined"]),
-                             ("mlp-unrefined", KINDS["mlp"])):
-            dest = os.path.join(store, f"{a}-to-{b}-k{k2}{suffix}")
+        for kind, label in (("ridge", "ridge_refined"), ("mlp", "mlp_refined"),
+                            ("mlp-unrefined", "mlp")):
+            dest = os.path.join(store, f"{a}-to-{b}-k{k2}{kinds[prefix + label]}")
             R.shutil.rmtree(dest, ignore_errors=True)
             R.shutil.copytree(os.path.join(both, kind), dest)
-        fit_reports[(a, b)] = report
-        print(f"eval: kvt fit --kind both {a}->{b}: recommends {report['recommended']}"
-              f" ({report['seconds']:.0f} s)", flush=True)
-    run_all([lambda a=a, b=b: fit_both(a, b) for a, b in mlp_pairs] +
-            [fit(a, b, KINDS["ridge_refined"], refine=True) for a, b in kind_pairs
-             if (a, b) not in mlp_pairs] +
-            [fit(a + "0", b, KINDS["ridge_refined"], refine=True) for a, b in refined_controls] +
-            [fit(a + "0", b, KINDS["mlp_refined"], kind="mlp", mlp_flags=mlp_flags, refine=True,
-                 unrefined_mlp_out=os.path.join(store, f"{a}0-to-{b}-k{k2}{KINDS['mlp']}"))
-             for a, b in controls], args.jobs)
+        fit_reports[(a, b, prefix)] = report
+        print(f"eval: kvt fit --kind both {a}->{b}{' ' + window_flags[0] if prefix else ''}: "
+              f"recommends {report['recommended']} ({report['seconds']:.0f} s)", flush=True)
+    prefixes = [""] + ([WINDOW_PREFIX] if window_flags else [])
+    jobs = []
+    for prefix in prefixes:
+        extra = window_flags if prefix else ()
+        jobs += ([lambda a=a, b=b, prefix=prefix: fit_both(a, b, prefix) for a, b in mlp_pairs] +
+                 [fit(a, b, kinds[prefix + "ridge_refined"], refine=True, extra=extra)
+                  for a, b in kind_pairs if (a, b) not in mlp_pairs] +
+                 [fit(a + "0", b, kinds[prefix + "ridge_refined"], refine=True, extra=extra)
+                  for a, b in refined_controls] +
+                 [fit(a + "0", b, kinds[prefix + "mlp_refined"], kind="mlp", mlp_flags=mlp_flags,
+                      refine=True, extra=extra, unrefined_mlp_out=os.path.join(
+                          store, f"{a}0-to-{b}-k{k2}{kinds[prefix + 'mlp']}"))
+                  for a, b in controls])
+    run_all(jobs, args.jobs)
     kind_fit_seconds = round(time.time() - mlp_start)
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
 
@@ -213,19 +246,22 @@ def main():
         for a, b in kind_pairs:
             if b not in identity:
                 identity[b] = R.TokenIdentityMap(members[b], calib_windows)
-            ids = {kind: f"{a}-to-{b}-k{args.main_k}{suffix}" for kind, suffix in KINDS.items()
-                   if kind not in MLP_KINDS or (a, b) in mlp_pairs}
+            ids = {kind: f"{a}-to-{b}-k{args.main_k}{suffix}" for kind, suffix in kinds.items()
+                   if base_kind(kind) not in MLP_KINDS or (a, b) in mlp_pairs}
             controls_of = {kind: (untrained[a], f"{a}0-to-{b}-k{args.main_k}{suffix}")
-                           for kind, suffix in KINDS.items()
+                           for kind, suffix in kinds.items()
                            if {"mlp": (a, b) in controls, "mlp_refined": (a, b) in controls,
-                               "ridge_refined": (a, b) in refined_controls}.get(kind, True)}
+                               "ridge_refined": (a, b) in refined_controls}.get(base_kind(kind),
+                                                                                True)}
             labels = dict(ids, **{kind + "_untrained": mid
                                   for kind, (_, mid) in controls_of.items()})
             r = R.evaluate_kinds(client, members[a], members[b], labels, windows, args.context,
                                  {kind + "_untrained": member
                                   for kind, (member, _) in controls_of.items()})
-            if (a, b) in fit_reports:
-                r["fit_report"] = fit_reports[(a, b)]
+            if (a, b, "") in fit_reports:
+                r["fit_report"] = fit_reports[(a, b, "")]
+            if (a, b, WINDOW_PREFIX) in fit_reports:
+                r["fit_report_window"] = fit_reports[(a, b, WINDOW_PREFIX)]
             results["kinds"][f"{a}->{b}"] = r
             print(f"eval: {a}->{b} " + " / ".join(ids) + ": benefit "
                   + " / ".join(f"{r[kind]['benefit']:.3f}" for kind in ids)
@@ -240,7 +276,7 @@ def main():
                     lr["layer_probe"] = {
                         label: R.copy_layer_probe(client, members[a], members[b], ids[label],
                                                   lw, lc, args.context)
-                        for label in ("ridge", "mlp") if label in ids}
+                        for label in ("ridge", "mlp", "w_mlp") if label in ids}
                 results["long_range"][kind][f"{a}->{b}"] = lr
                 print(f"eval: {a}->{b} {kind} windows: copy gain own {lr['copy_gain']['own']:.3f}"
                       f" nats/byte ({time.time() - start:.0f} s)", flush=True)

@@ -82,14 +82,29 @@ def tables(r):
     return "\n".join(out)
 
 KINDS = ["ridge", "ridge_refined", "mlp", "mlp_refined"]
+# The same four as window mappers (run_eval --window; docs/MAPPER_FORMAT.md).
+W = "w_"
+W_KINDS = [W + c for c in KINDS]
 KIND_NAMES = {"ridge": "ridge", "ridge_refined": "ridge refined", "mlp": "MLP",
               "mlp_refined": "MLP refined"}
+KIND_NAMES.update({W + c: "window " + name for c, name in KIND_NAMES.items()})
 
 
-def mlp_candidate(p):
+def kinds_in(r):
+    """The kind lists these results have: the token-wise four, and the window four if fitted."""
+    window = any(W + "ridge" in p for p in r.get("kinds", {}).values())
+    return [KINDS] + ([W_KINDS] if window else [])
+
+
+def served(p):
+    """Every served kind of a pair's results (token-wise and window)."""
+    return [c for c in KINDS + W_KINDS if c in p]
+
+
+def mlp_candidate(p, prefix=""):
     """The MLP that `kvt fit --kind both` compared with the refined ridge: the refined MLP where
     the pair has one (both halves refined), else the plain MLP (results from before it)."""
-    return "mlp_refined" if "mlp_refined" in p else "mlp"
+    return prefix + ("mlp_refined" if prefix + "mlp_refined" in p else "mlp")
 # Below this copy gain of the target's own cache (nats/byte) the share of the long-range
 # benefit a mapper recovers is a ratio of noise: it is shown as undefined.
 MIN_COPY_GAIN = 0.1
@@ -131,9 +146,6 @@ def kinds_tables(r, k, st):
     mlp_where = ("every pair" if len(mlp_pairs) == len(r["kinds"]) else
                  f"{', '.join(mlp_pairs)} only (`--mlp_pairs`; the other pairs: `--kind ridge "
                  f"--refine=attention`)")
-    refined_controls = [n for n, p in r["kinds"].items() if "ridge_refined_untrained" in p]
-    mlp_controls = [n for n, p in r["kinds"].items() if "mlp_untrained" in p]
-    mlp_refined_controls = [n for n, p in r["kinds"].items() if "mlp_refined_untrained" in p]
     out.append(
         f"Per ordered pair the plain closed-form ridge and the ridge refined on the target's "
         f"attention outputs (`kvt fit --refine=attention`, its defaults: the handoff objective, "
@@ -145,28 +157,64 @@ def kinds_tables(r, k, st):
         f"ridge), both from one `kvt fit --kind both --refine=attention "
         f"--unrefined_mlp_out=...` per pair (one MSE training; the plain MLP is its start), on "
         f"{mlp_where}. {r.get('kind_fit_seconds', 'n/a')} s for these fits and their "
-        f"controls ({st.get('jobs', 1)} `kvt fit` processes at once, one thread each). All "
+        f"controls{' (and the window mappers below)' if len(kinds_in(r)) > 1 else ''} "
+        f"({st.get('jobs', 1)} `kvt fit` processes at once, one thread each). All "
         f"served by kvtd and measured on the same held-out windows as above. Each cell: ridge / "
         f"ridge refined / MLP / MLP refined (\"-\": not fitted), **bold** the best. Token "
         f"identity depends on the target only (the ridge table's figure for that target). "
         f"Untrained source: the same kind fitted from an untrained model of the source's shape "
-        f"(ridge: every pair; ridge refined: {', '.join(refined_controls) or 'none'}; MLP: "
-        f"{', '.join(mlp_controls) or 'none'}; MLP refined: "
-        f"{', '.join(mlp_refined_controls) or 'none'}).\n")
-    out.append("| pair | CE own / none | benefit recovered | (first 16) | token identity (first 16) "
-               "| untrained source | no target RoPE |")
-    out.append("|---|---|---|---|---|---|---|")
+        f"({controls_where(r, KINDS)}).\n")
+    out.extend(kind_section(r, k, KINDS))
+    if len(kinds_in(r)) > 1:
+        window = st.get("window")
+        out.append(f"\n### Window mappers (window {window}, k = {k})\n")
+        out.append(
+            f"The same four kinds as window mappers (`kvt fit --window={window}`, "
+            f"docs/MAPPER_FORMAT.md \"Window mappers\"): each output token reads the k chosen "
+            f"source layers at itself and the {window - 1} tokens before it, {window} times the "
+            f"ridge's inputs (the MLP's first layer likewise); fitted, refined, recommended and "
+            f"served exactly as above (`kvt fit --kind both --refine=attention --window={window}` "
+            f"per pair, and `--kind ridge --window={window}`), measured on the same windows. "
+            f"Each cell: window ridge / window ridge refined / window MLP / window MLP refined. "
+            f"Untrained source: the same window kind fitted from the untrained source "
+            f"({controls_where(r, W_KINDS)}): a window of an untrained network's cache carries "
+            f"the identity of the last {window} bytes, so it is the control that says whether "
+            f"a window mapper transfers more than that.\n")
+        out.extend(kind_section(r, k, W_KINDS))
+    out.append("\nIssue 22's goals on today's windows, as measured:\n")
+    out.extend(goal_lines(r, k))
+    return out
+
+
+def controls_where(r, kinds):
+    """Which pairs have an untrained-source control of each kind in `kinds`."""
+    parts = []
+    for c in kinds:
+        where = [n for n, p in r["kinds"].items() if c + "_untrained" in p]
+        parts.append(f"{KIND_NAMES[c]}: "
+                     f"{'every pair' if len(where) == len(r['kinds']) else ', '.join(where) or 'none'}")
+    return "; ".join(parts)
+
+
+def kind_section(r, k, kinds):
+    """The benefit, quality / recommendation and KL tables of one kind list (token-wise or
+    window), every pair."""
+    prefix = W if kinds is W_KINDS else ""
+    report_key = "fit_report_window" if prefix else "fit_report"
+    out = ["| pair | CE own / none | benefit recovered | (first 16) | token identity (first 16) "
+           "| untrained source | no target RoPE |",
+           "|---|---|---|---|---|---|---|"]
     for name, p in r["kinds"].items():
         ident = identity_of(r, name.split("->")[1], k)
         untrained = " / ".join(f(p[c + "_untrained"]["benefit"]) if c + "_untrained" in p
-                               else "-" for c in KINDS)
+                               else "-" for c in kinds)
         out.append(
             f"| {name} | {f(p['ce']['own'])} / {f(p['ce']['none'])} | "
-            f"{triple([field(p, c, 'benefit') for c in KINDS])} | "
-            f"{triple([field(p, c, 'benefit_first') for c in KINDS])} | "
+            f"{triple([field(p, c, 'benefit') for c in kinds])} | "
+            f"{triple([field(p, c, 'benefit_first') for c in kinds])} | "
             f"{f(ident['all']) + ' (' + f(ident['first']) + ')' if ident else 'n/a'} | "
             f"{untrained} | "
-            f"{triple([field(p, c, 'benefit_no_target_rope') for c in KINDS])} |")
+            f"{triple([field(p, c, 'benefit_no_target_rope') for c in kinds])} |")
     out.append("\nQuality on the same windows (kvtd's ValidateKV) and `kvt fit --kind both`'s "
                "recommendation, now between the refined ridge and the refined MLP, from its "
                "held-out "
@@ -177,83 +225,101 @@ def kinds_tables(r, k, st):
                "recommended | better measured benefit |")
     out.append("|---|---|---|---|---|---|---|")
     for name, p in r["kinds"].items():
-        row = (f"| {name} | {triple([field(p, c, 'ppl_ratio') for c in KINDS], 4, higher=False)}"
-               f" | {triple([field(p, c, 'validate', 'attention_cosine') for c in KINDS], 4)} | "
-               f"{triple([field(p, c, 'validate', 'c_k') for c in KINDS], higher=False)} | ")
-        fr = p.get("fit_report")
+        row = (f"| {name} | {triple([field(p, c, 'ppl_ratio') for c in kinds], 4, higher=False)}"
+               f" | {triple([field(p, c, 'validate', 'attention_cosine') for c in kinds], 4)} | "
+               f"{triple([field(p, c, 'validate', 'c_k') for c in kinds], higher=False)} | ")
+        fr = p.get(report_key)
         if fr is None:
             out.append(row + "- | (no MLP fitted) | - |")
             continue
-        m = mlp_candidate(p)
-        better = "mlp" if p[m]["benefit"] > p["ridge_refined"]["benefit"] else "ridge"
-        agree = "agrees" if better == fr["recommended"] else "differs"
-        out.append(
-            row + f"{f(fr['ridge']['attention_cosine'], 4)} / "
-            f"{f(fr['mlp']['attention_cosine'], 4)} | {fr['recommended']} | "
-            f"{'ridge refined' if better == 'ridge' else KIND_NAMES[m]} (recommendation "
-            f"{agree}) |")
-    if all("kl" in p.get("ridge", {}) for p in r["kinds"].values()):
-        out.extend(kl_table(r, k))
-    out.append("\nIssue 22's goals on today's windows, as measured:\n")
-    out.extend(goal_lines(r, k))
+        out.append(row + f"{f(fr['ridge']['attention_cosine'], 4)} / "
+                   f"{f(fr['mlp']['attention_cosine'], 4)} | {fr['recommended']} | "
+                   f"{recommendation_check(p, prefix, fr)[1]} |")
+    if all("kl" in p.get(prefix + "ridge", {}) for p in r["kinds"].values()):
+        out.extend(kl_table(r, k, kinds))
     return out
 
 
-def kl_table(r, k):
+def recommendation_check(p, prefix, report):
+    """(agrees, text): whether kvt fit's recommendation is the kind (refined ridge or the MLP
+    candidate) with the better measured benefit."""
+    m = mlp_candidate(p, prefix)
+    better = "mlp" if p[m]["benefit"] > p[prefix + "ridge_refined"]["benefit"] else "ridge"
+    agrees = better == report["recommended"]
+    name = KIND_NAMES[prefix + "ridge_refined"] if better == "ridge" else KIND_NAMES[m]
+    return agrees, f"{name} (recommendation {'agrees' if agrees else 'differs'})"
+
+
+def kl_table(r, k, kinds=KINDS):
+    heading = " / ".join(KIND_NAMES[c] for c in kinds)
     out = ["\nFidelity to the target's own next-token distribution on the same windows: "
            "KL(own || x) in nats per byte, the divergence of the target's next-token "
            "distribution after cache x from the one after its own prefill, averaged over the "
            "continuation (in parentheses: the first 16 bytes). 0 is a perfect translation; "
            "lower is better. Unlike CE on the text, it cannot reward a cache for a shift that "
            "happens to suit the text (\"Reading the numbers\").\n",
-           "| pair | KL none | KL ridge / ridge refined / MLP / MLP refined | (first 16) | "
+           f"| pair | KL none | KL {heading} | (first 16) | "
            "token identity | no target RoPE |",
            "|---|---|---|---|---|---|"]
     for name, p in r["kinds"].items():
         ident = identity_of(r, name.split("->")[1], k, "kl")
         out.append(
             f"| {name} | {f(p['kl']['none'])} | "
-            f"{triple([field(p, c, 'kl') for c in KINDS], higher=False)} | "
-            f"{triple([field(p, c, 'kl_first') for c in KINDS], higher=False)} | "
+            f"{triple([field(p, c, 'kl') for c in kinds], higher=False)} | "
+            f"{triple([field(p, c, 'kl_first') for c in kinds], higher=False)} | "
             f"{f(ident['all']) + ' (' + f(ident['first']) + ')' if ident else 'n/a'} | "
-            f"{triple([field(p, c, 'kl_no_target_rope') for c in KINDS], higher=False)} |")
+            f"{triple([field(p, c, 'kl_no_target_rope') for c in kinds], higher=False)} |")
     return out
 
 
 def goal_lines(r, k):
     kinds = r["kinds"]
-    beat_identity, refined_better, agree, mlp_refined_better = [], [], [], []
+    n = len(kinds)
+    beat_identity = []
     for name, p in kinds.items():
         ident = identity_of(r, name.split("->")[1], k)
-        best = max((c for c in KINDS if c in p), key=lambda c: p[c]["benefit"])
+        best = max(served(p), key=lambda c: p[c]["benefit"])
         beat_identity.append((name, best, p[best]["benefit"], ident["all"] if ident else None))
-        refined_better.append((name, p["ridge"]["benefit"], p["ridge_refined"]["benefit"]))
-        if "mlp" in p and "mlp_refined" in p:
-            mlp_refined_better.append((name, p["mlp"]["benefit"], p["mlp_refined"]["benefit"]))
-        if "fit_report" in p:
-            m = mlp_candidate(p)
-            better = "mlp" if p[m]["benefit"] > p["ridge_refined"]["benefit"] else "ridge"
-            agree.append(better == p["fit_report"]["recommended"])
-    n = len(kinds)
     wins = [x for x in beat_identity if x[3] is not None and x[2] > x[3]]
     misses = [x for x in beat_identity if x not in wins]
     with_mlp = sum("mlp" in p for p in kinds.values())
-    lines = [f"- Best served mapper ({'ridge, ridge refined, MLP or MLP refined' if with_mlp == n else f'MLP fitted on {with_mlp} of the pairs'})"
+    names = " or ".join(", ".join(KIND_NAMES[c] for c in group) for group in kinds_in(r))
+    lines = [f"- Best served mapper ({names if with_mlp == n else f'MLP fitted on {with_mlp} of the pairs'})"
              f" beats token identity: **{len(wins)} of {n}** pairs" +
              ("." if not misses else "; not on " + ", ".join(
                  f"{x[0]} ({KIND_NAMES[x[1]]} {f(x[2])} vs {f(x[3])})" for x in misses) + ".")]
-    lines.append(refined_line("Refined ridge beats plain ridge", refined_better, n,
-                              "the closed form"))
-    if mlp_refined_better:
-        lines.append(refined_line("Refined MLP beats the MSE-trained MLP", mlp_refined_better,
-                                  len(mlp_refined_better), "the MSE-trained MLP"))
-    else:
-        lines.append("- MLP refined: not in these results.")
+    if len(kinds_in(r)) > 1:
+        best_kinds = sorted({x[1] for x in beat_identity}, key=(KINDS + W_KINDS).index)
+        lines.append("- The best served mapper per pair is " + ", ".join(
+            f"{KIND_NAMES[c]} on {sum(x[1] == c for x in beat_identity)}" for c in best_kinds)
+            + f" of {n} pairs; a window kind beats every token-wise kind on **"
+            f"{sum(max(p[c]['benefit'] for c in W_KINDS if c in p) > max(p[c]['benefit'] for c in KINDS if c in p) for p in kinds.values())}"
+            f" of {n}** pairs.")
+    for group in kinds_in(r):
+        prefix = W if group is W_KINDS else ""
+        what = "window " if prefix else ""
+        pairs = [(name, p[prefix + "ridge"]["benefit"], p[prefix + "ridge_refined"]["benefit"])
+                 for name, p in kinds.items() if prefix + "ridge_refined" in p]
+        lines.append(refined_line(f"Refined {what}ridge beats plain {what}ridge", pairs,
+                                  len(pairs), "the closed form"))
+        pairs = [(name, p[prefix + "mlp"]["benefit"], p[prefix + "mlp_refined"]["benefit"])
+                 for name, p in kinds.items() if prefix + "mlp" in p and prefix + "mlp_refined" in p]
+        if pairs:
+            lines.append(refined_line(f"Refined {what}MLP beats the MSE-trained {what}MLP", pairs,
+                                      len(pairs), "the MSE-trained MLP"))
+        else:
+            lines.append(f"- {what}MLP refined: not in these results.")
     if all("kl" in p.get("ridge", {}) for p in kinds.values()):
         lines.extend(kl_goal_lines(r, k))
-    lines.append(f"- `kvt fit --kind both` recommendation (refined ridge vs refined MLP) agrees "
-                 f"with the measured benefit on **{sum(agree)} of {len(agree)}** pairs with an "
-                 f"MLP.")
+    for group in kinds_in(r):
+        prefix = W if group is W_KINDS else ""
+        report_key = "fit_report_window" if prefix else "fit_report"
+        agree = [recommendation_check(p, prefix, p[report_key])[0] for p in kinds.values()
+                 if report_key in p]
+        lines.append(f"- `kvt fit --kind both{' --window' if prefix else ''}` recommendation "
+                     f"(refined {'window ' if prefix else ''}ridge vs refined "
+                     f"{'window ' if prefix else ''}MLP) agrees with the measured benefit on "
+                     f"**{sum(agree)} of {len(agree)}** pairs with an MLP.")
     return lines
 
 
@@ -264,7 +330,7 @@ def kl_goal_lines(r, k):
     beat, misses = 0, []
     for name, p in kinds.items():
         ident = identity_of(r, name.split("->")[1], k, "kl")
-        best = min((c for c in KINDS if c in p), key=lambda c: p[c]["kl"])
+        best = min(served(p), key=lambda c: p[c]["kl"])
         if ident and p[best]["kl"] < ident["all"]:
             beat += 1
         else:
@@ -273,17 +339,20 @@ def kl_goal_lines(r, k):
     lines = [f"- By KL to the target's own distribution, the best served mapper is closer than "
              f"token identity on **{beat} of {n}** pairs" +
              ("." if not misses else "; not on " + ", ".join(misses) + ".")]
-    for title, start, refined, start_name in (
-            ("the refined ridge is closer than the plain ridge", "ridge", "ridge_refined",
-             "the closed form"),
-            ("the refined MLP is closer than the MSE-trained MLP", "mlp", "mlp_refined",
-             "the MSE-trained MLP")):
-        # Negated so that refined_line's "higher is better" reads "lower KL is better".
-        pairs = [(name, -p[start]["kl"], -p[refined]["kl"]) for name, p in kinds.items()
-                 if start in p and refined in p]
-        if pairs:
-            lines.append(refined_line(f"By KL, {title}", pairs, len(pairs), start_name,
-                                      "change in KL", sign=-1))
+    for group in kinds_in(r):
+        prefix = W if group is W_KINDS else ""
+        what = "window " if prefix else ""
+        for title, start, refined, start_name in (
+                (f"the refined {what}ridge is closer than the plain {what}ridge", "ridge",
+                 "ridge_refined", "the closed form"),
+                (f"the refined {what}MLP is closer than the MSE-trained {what}MLP", "mlp",
+                 "mlp_refined", "the MSE-trained MLP")):
+            # Negated so that refined_line's "higher is better" reads "lower KL is better".
+            pairs = [(name, -p[prefix + start]["kl"], -p[prefix + refined]["kl"])
+                     for name, p in kinds.items() if prefix + start in p and prefix + refined in p]
+            if pairs:
+                lines.append(refined_line(f"By KL, {title}", pairs, len(pairs), start_name,
+                                          "change in KL", sign=-1))
     return lines
 
 
@@ -330,8 +399,8 @@ def long_range_goal_lines(lr):
             if abs(own) < MIN_COPY_GAIN:
                 rows.append(f"{name} undefined (own gain {f(own)})")
                 continue
-            best = max((c for c in KINDS if c in share), key=lambda c: share[c])
-            untrained = max((share[c + "_untrained"] for c in KINDS
+            best = max(served(share), key=lambda c: share[c])
+            untrained = max((share[c + "_untrained"] for c in KINDS + W_KINDS
                              if c + "_untrained" in share), default=None)
             rows.append(f"{name} {f(share[best])} ({KIND_NAMES[best]}; identity "
                         f"{f(share.get('identity'))}, untrained {f(untrained)}, no RoPE "
@@ -374,38 +443,51 @@ def long_range_tables(r):
     for m, g in sorted(own.items()):
         out.append(f"| {m} | " + " | ".join(f(g.get(kind)) for kind in lr) + " |")
     out.extend(long_range_goal_lines(lr))
+    groups = [KINDS] + ([W_KINDS] if any(W + "ridge" in p["long_range"] for pairs in lr.values()
+                                         for p in pairs.values()) else [])
     for kind, pairs in lr.items():
-        out.append(f"\n#### {kind} windows: CE (nats/byte) per condition\n")
-        out.append("Each multi-value cell: ridge / ridge refined / MLP / MLP refined.\n")
-        out.extend(condition_table(pairs, "ce", ["own", "none"]))
-        if all("kl" in p for p in pairs.values()):
-            out.append(f"\n#### {kind} windows: KL to the target's own distribution "
-                       f"(nats/byte)\n")
-            out.extend(condition_table(pairs, "kl", ["none"]))
-        out.append(f"\n#### {kind} windows: copy gain, long-range share, benefit recovered\n")
-        out.append("| pair | copy gain own | copy gain ridge / refined / MLP / MLP refined | "
-                   "long-range share | "
-                   "benefit recovered (first 16) | token identity | untrained source |")
-        out.append("|---|---|---|---|---|---|---|")
-        for name, p in pairs.items():
-            g, b = p["copy_gain"], p["benefit"]
-            gap = p["ce"]["none"]["all"] - p["ce"]["own"]["all"]
-            benefit = (f"{slash(b, KINDS, 'all')} ({slash(b, KINDS, 'first')})"
-                       if gap >= MIN_BENEFIT else f"undefined (CE none - own = {f(gap)})")
-            ident = f(b["identity"]["all"]) if "identity" in b and gap >= MIN_BENEFIT else "-"
-            untrained = (slash(b, [c + "_untrained" for c in KINDS], "all")
-                         if gap >= MIN_BENEFIT else "-")
-            share = ("undefined (own gain " + f(g["own"]) + ")" if abs(g["own"]) < MIN_COPY_GAIN
-                     else slash(p["long_range"], KINDS))
-            out.append(
-                f"| {name} | {f(g['own'])} | {slash(g, KINDS)} | {share} | {benefit} | {ident} | "
-                f"{untrained} |")
+        for kinds in groups:
+            what = "window mappers, " if kinds is W_KINDS else ""
+            cells = " / ".join(KIND_NAMES[c] for c in kinds)
+            out.append(f"\n#### {kind} windows, {what}CE (nats/byte) per condition\n")
+            out.append(f"Each multi-value cell: {cells}.\n")
+            out.extend(condition_table(pairs, "ce", ["own", "none"], kinds))
+            if all("kl" in p for p in pairs.values()):
+                out.append(f"\n#### {kind} windows, {what}KL to the target's own distribution "
+                           f"(nats/byte)\n")
+                out.extend(condition_table(pairs, "kl", ["none"], kinds))
+            out.append(f"\n#### {kind} windows, {what}copy gain, long-range share, benefit "
+                       f"recovered\n")
+            out.extend(share_table(pairs, kinds))
         if any("layer_probe" in p for p in pairs.values()):
             out.extend(layer_probe_table(pairs))
     return out
 
 
-def condition_table(pairs, measure, plain):
+def share_table(pairs, kinds):
+    """Per pair the copy gain of own and each kind, the long-range shares and the benefit
+    recovered against no context, with the controls."""
+    out = [f"| pair | copy gain own | copy gain {' / '.join(KIND_NAMES[c] for c in kinds)} | "
+           "long-range share | "
+           "benefit recovered (first 16) | token identity | untrained source |",
+           "|---|---|---|---|---|---|---|"]
+    for name, p in pairs.items():
+        g, b = p["copy_gain"], p["benefit"]
+        gap = p["ce"]["none"]["all"] - p["ce"]["own"]["all"]
+        benefit = (f"{slash(b, kinds, 'all')} ({slash(b, kinds, 'first')})"
+                   if gap >= MIN_BENEFIT else f"undefined (CE none - own = {f(gap)})")
+        ident = f(b["identity"]["all"]) if "identity" in b and gap >= MIN_BENEFIT else "-"
+        untrained = (slash(b, [c + "_untrained" for c in kinds], "all")
+                     if gap >= MIN_BENEFIT else "-")
+        share = ("undefined (own gain " + f(g["own"]) + ")" if abs(g["own"]) < MIN_COPY_GAIN
+                 else slash(p["long_range"], kinds))
+        out.append(
+            f"| {name} | {f(g['own'])} | {slash(g, kinds)} | {share} | {benefit} | {ident} | "
+            f"{untrained} |")
+    return out
+
+
+def condition_table(pairs, measure, plain, kinds=KINDS):
     """Per pair the long-range figure `measure` ("ce" or "kl") of each condition: the `plain`
     ones, then mapped, token identity, untrained source and no target RoPE per kind."""
     out = ["| pair | " + " | ".join(plain) + " | mapped | token identity | untrained source | "
@@ -414,9 +496,9 @@ def condition_table(pairs, measure, plain):
         x = {key: v["all"] for key, v in p[measure].items()}
         out.append(
             f"| {name} | " + " | ".join(f(x[key]) for key in plain) + " | "
-            f"{slash(x, KINDS)} | {f(x.get('identity'))} | "
-            f"{slash(x, [c + '_untrained' for c in KINDS])} | "
-            f"{slash(x, [c + '_no_target_rope' for c in KINDS])} |")
+            f"{slash(x, kinds)} | {f(x.get('identity'))} | "
+            f"{slash(x, [c + '_untrained' for c in kinds])} | "
+            f"{slash(x, [c + '_no_target_rope' for c in kinds])} |")
     return out
 
 
