@@ -28,6 +28,19 @@
 //
 //   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark
 //       --benchmark_filter='BM_Translate(Mlp)?(SgemmPath)?/512/[24]/2/' --benchmark_repetitions=3
+//
+// Window vs token-wise of equal GEMM FLOPs: BM_TranslateWindow/T/k/L/w runs BM_Translate's
+// shapes, caches and sigma (every one of k source layers) with a window-w ridge mapper
+// (MapperView::window = w, weight rows w k n d, offset-major), on the same backend and gemm path.
+// Its GEMMs have w k input blocks, the same as the token-wise BM_Translate/T/(w k)/L/0; what
+// differs is the gather (w strided token reads per block, the RoPE strip of each block at its
+// own token's position, zeros before the first token). A last table prints, for each window
+// case, tokens/s next to that token-wise twin and the time ratio window / token-wise (wall,
+// and process CPU time); w = 1 cases are the control (ratio 1 but for noise):
+//
+//   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark
+//       --benchmark_filter='BM_TranslateWindow|BM_Translate/512/[28]/2/' --benchmark_repetitions=3
+//       --benchmark_enable_random_interleaving=true
 #include <cblas.h>
 
 #include <algorithm>
@@ -97,6 +110,7 @@ double MlpFlops(int64_t tokens, int64_t k, int64_t target_layers, int64_t hidden
 
 // A mapper with its weights, and bf16 HND caches, for one benchmark shape. hidden == 0: ridge;
 // else kind: mlp with that hidden width. Ridge and MLP of one shape share sigma and caches.
+// window > 1: a window mapper (input rows window k n d, offset-major; same sigma and caches).
 struct Fixture {
   MapperView mapper;
   CacheView source{DType::kBF16, Layout::kHND, kHeads, kHeadDim, 0, {}, {}};
@@ -105,11 +119,12 @@ struct Fixture {
 };
 
 std::unique_ptr<Fixture> MakeFixture(int64_t tokens, int k, int target_layers, int64_t hidden,
-                                     bool per_head) {
+                                     bool per_head, int window = 1) {
   auto f = std::make_unique<Fixture>();
   const int source_layers = k;
   MapperView& mapper = f->mapper;
   mapper.kind = hidden > 0 ? MapKind::kMlp : MapKind::kRidge;
+  mapper.window = window;
   mapper.source = {"source", source_layers, kHeads, kHeadDim, Qwen3Rope()};
   mapper.target = {"target", target_layers, kHeads, kHeadDim, Qwen3Rope()};
   f->weights.reserve(12 * target_layers);
@@ -135,12 +150,13 @@ std::unique_ptr<Fixture> MakeFixture(int64_t tokens, int k, int target_layers, i
     LayerMapView layer;
     for (int j = 0; j < k; ++j) layer.sigma_k.push_back((j + l) % source_layers);
     layer.sigma_v = layer.sigma_k;
+    const int64_t inputs = static_cast<int64_t>(window) * k * kWidth;
     if (hidden > 0) {
-      layer.mlp_k = chain(k * kWidth);
-      layer.mlp_v = chain(k * kWidth);
+      layer.mlp_k = chain(inputs);
+      layer.mlp_v = chain(inputs);
     } else {
-      layer.w_k = weight(k * kWidth, kWidth);
-      layer.w_v = weight(k * kWidth, kWidth);
+      layer.w_k = weight(inputs, kWidth);
+      layer.w_v = weight(inputs, kWidth);
       layer.b_k = weight(1, kWidth);
       layer.b_v = weight(1, kWidth);
     }
@@ -224,6 +240,17 @@ void BM_TranslateMlpSgemmPath(benchmark::State& state) {
                MlpFlops(state.range(0), state.range(1), state.range(2), state.range(3),
                         state.range(4) != 0),
                CpuGemmPath::kSgemm);
+}
+
+// Args: tokens, k, target layers, window w; the backend's default chunk. A ridge window mapper:
+// the GEMM FLOPs of BM_Translate with w k layers in sigma, the gather of w tokens per row.
+void BM_TranslateWindow(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  const int k = static_cast<int>(state.range(1));
+  const int target_layers = static_cast<int>(state.range(2));
+  const int window = static_cast<int>(state.range(3));
+  std::unique_ptr<Fixture> f = MakeFixture(tokens, k, target_layers, 0, false, window);
+  RunTranslate(state, *f, 0, Flops(tokens, int64_t{window} * k, target_layers), g_gemm_path);
 }
 
 void BM_SgemmSameFlops(benchmark::State& state) {
@@ -366,7 +393,9 @@ void RegisterShapes() {
   };
   // Few tokens (a turn's increment): the oneDNN path pads rows to 16, sgemm does not.
   for (int64_t tokens : {1, 16, 100}) shapes.push_back({tokens, 2, 4, 0});
+  std::set<std::vector<int64_t>> translate_shapes;  // BM_Translate args registered so far
   for (const std::vector<int64_t>& shape : shapes) {
+    translate_shapes.insert(shape);
     setup(benchmark::RegisterBenchmark("BM_Translate", BM_Translate), shape);
     setup(benchmark::RegisterBenchmark("BM_Bf16MatmulSameFlops", BM_Bf16MatmulSameFlops),
           shape);
@@ -377,6 +406,7 @@ void RegisterShapes() {
   // MLP vs ridge of the same pair: each ridge shape, then its MLPs (H 1024 and 256, both
   // granularities), back to back.
   for (int k : {2, 4}) {
+    translate_shapes.insert({512, k, 2, 0});
     setup(benchmark::RegisterBenchmark("BM_Translate", BM_Translate), {512, k, 2, 0});
     for (int64_t hidden : {1024, 256}) {
       for (int64_t per_head : {0, 1}) {
@@ -385,6 +415,18 @@ void RegisterShapes() {
         setup(benchmark::RegisterBenchmark("BM_TranslateMlpSgemmPath", BM_TranslateMlpSgemmPath),
               {512, k, 2, hidden, per_head});
       }
+    }
+  }
+  // Window vs token-wise of equal input blocks (w k): each window case T/k/L/w, then its
+  // token-wise twin BM_Translate/T/(w k)/L/0 unless an earlier shape registered it. 8 blocks:
+  // w 4 x k 2, w 2 x k 4 and the w 1 x k 8 control; 2 blocks: the w 1 x k 2 control.
+  const std::vector<std::vector<int64_t>> windows = {
+      {512, 2, 2, 4}, {512, 4, 2, 2}, {512, 8, 2, 1}, {512, 2, 2, 1}};
+  for (const std::vector<int64_t>& args : windows) {
+    setup(benchmark::RegisterBenchmark("BM_TranslateWindow", BM_TranslateWindow), args);
+    const std::vector<int64_t> twin = {args[0], args[1] * args[3], args[2], 0};
+    if (translate_shapes.insert(twin).second) {
+      setup(benchmark::RegisterBenchmark("BM_Translate", BM_Translate), twin);
     }
   }
 }
@@ -404,6 +446,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
       auto& table = name == "BM_Translate"             ? translate_
                     : name == "BM_TranslateMlp"        ? mlp_
                     : name == "BM_TranslateMlpSgemmPath" ? mlp_sgemm_
+                    : name == "BM_TranslateWindow"     ? window_
                     : name == "BM_TranslateSgemmPath"  ? translate_sgemm_
                     : name == "BM_Bf16MatmulSameFlops" ? bf16_
                     : name == "BM_Bf16MatmulPerCore"   ? bf16_per_core_
@@ -464,6 +507,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
       std::printf("%-22s %12.1f %12.1f %12.1f %12.1f %10.3f %10.3f %10.3f\n", args.c_str(), tr,
                   mm, per_core, today, ratio(mm, tr), ratio(per_core, tr), ratio(today, tr));
     }
+    PrintWindowTable(ratio);
     if (mlp_.empty()) return;
     // MLP args "T/k/L/H/per_head" against the ridge "T/k/L/0" of the same pair.
     std::printf("\n%-24s %12s %12s %12s %10s %10s %12s %10s\n", "MLP T/k/L/H/per_head",
@@ -488,8 +532,41 @@ class RatioReporter : public benchmark::ConsoleReporter {
   }
 
  private:
+  // Window args "T/k/L/w" against the token-wise ridge "T/(w k)/L/0" of the same input blocks
+  // (GEMM FLOPs): tokens/s of both and window time / token-wise time, in wall time (best
+  // repetition) and in process CPU time (least over the repetitions). 0 where the twin did not
+  // run.
+  template <typename Ratio>
+  void PrintWindowTable(const Ratio& ratio) const {
+    if (window_.empty()) return;
+    std::printf("\n%-18s %-16s %12s %10s %12s %10s %10s %10s\n", "window T/k/L/w",
+                "vs token-wise", "window tok/s", "window GF", "twin tok/s", "twin GF",
+                "time ratio", "cpu ratio");
+    const auto find = [](const std::map<std::string, double>& table, const std::string& key) {
+      const auto it = table.find(key);
+      return it == table.end() ? 0.0 : it->second;
+    };
+    for (const auto& [args, window_flops] : window_) {
+      int64_t tokens = 0, k = 0, layers = 0, w = 0;
+      if (std::sscanf(args.c_str(), "%ld/%ld/%ld/%ld", &tokens, &k, &layers, &w) != 4) continue;
+      const std::string twin = std::to_string(tokens) + "/" + std::to_string(w * k) + "/" +
+                               std::to_string(layers) + "/0";
+      const std::string label = "w " + std::to_string(w) + " x k " + std::to_string(k) +
+                                " vs k " + std::to_string(w * k);
+      const double window_tokens = find(tokens_per_s_, "BM_TranslateWindow" + args),
+                   twin_tokens = find(tokens_per_s_, "BM_Translate" + twin),
+                   window_cpu = find(cpu_seconds_, "BM_TranslateWindow" + args),
+                   twin_cpu = find(cpu_seconds_, "BM_Translate" + twin);
+      // Time per translation is 1 / tokens/s (both translate T tokens).
+      std::printf("%-18s %-16s %12.0f %10.1f %12.0f %10.1f %10.3f %10.3f\n", args.c_str(),
+                  label.c_str(), window_tokens, window_flops / 1e9, twin_tokens,
+                  find(translate_, twin) / 1e9, ratio(twin_tokens, window_tokens),
+                  ratio(window_cpu, twin_cpu));
+    }
+  }
+
   std::map<std::string, double> translate_, sgemm_, mlp_, tokens_per_s_, translate_sgemm_, bf16_,
-      bf16_per_core_, mlp_sgemm_;
+      bf16_per_core_, mlp_sgemm_, window_;
   std::map<std::string, double> cpu_seconds_;
   std::set<std::string> best_seen_;
 };

@@ -1,8 +1,10 @@
 // Layer-pipelined TranslateKV and incremental sessions, end to end in process: a real kvtd on
 // port 0, a real channel, a synthetic mapper on disk. Pipelining must hand back a target layer
 // before the caller has sent the source layers it does not read; sessions that translate only
-// the tokens added since the last handoff must match translating everything at once; every
+// the tokens added since the last handoff must match translating everything at once (with a
+// window mapper too: the session re-sends the window's overlap, where naive pieces differ); every
 // result is checked against the float64 reference.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -42,16 +44,33 @@ std::string StoreDir() {
   return SynthStoreForTest("pipelined_store", options);
 }
 
+// The same source model into a window mapper (window 3): each output token reads its source
+// token and the two before it in the request.
+constexpr int kWindow = 3;
+constexpr char kWindowTarget[] = "test/dst-window";
+
+std::string WindowStoreDir() {
+  SynthOptions options;
+  options.source = NeoxModelSpec("test/src", kSourceLayers, 2, 32, 10000);
+  options.target = NeoxModelSpec(kWindowTarget, 6, 4, 16, 500000);
+  options.k = 2;
+  options.window = kWindow;
+  options.dtype = DType::kFP32;
+  options.seed = 12;
+  return SynthStoreForTest("pipelined_window_store", options);
+}
+
 // A kvtd over the test store with the given pipelining threshold, and a client that sends many
 // chunks per layer.
 struct Kvtd {
-  explicit Kvtd(int64_t pipeline_min_tokens, int64_t response_chunk_bytes = 4 << 20) {
+  explicit Kvtd(int64_t pipeline_min_tokens, int64_t response_chunk_bytes = 4 << 20,
+                const std::string& store_dir = StoreDir()) {
     KvtdConfig config;
     config.transport.pipeline_min_tokens = pipeline_min_tokens;
     config.limits.response_chunk_bytes = response_chunk_bytes;
     InProcessKvtdOptions options;
     options.client.chunk_bytes = 64 << 10;
-    kvtd = StartKvtdForTest(StoreDir(), config, std::move(options));
+    kvtd = StartKvtdForTest(store_dir, config, std::move(options));
     client = kvtd != nullptr ? &kvtd->client() : nullptr;
   }
   const MapperView& view() {
@@ -296,6 +315,9 @@ TEST(TranslateSessionTest, TurnByTurnEqualsAllAtOnce) {
     }
     EXPECT_EQ(session.tokens(), 170);
     EXPECT_EQ(session.turns(), 3u);
+    // Token-wise: nothing is kept or re-sent.
+    EXPECT_EQ(session.window(), 1);
+    EXPECT_EQ(session.kept_tokens(), 0);
     absl::StatusOr<TranslateResult> at_once = kvtd.client->Translate(base, whole);
     ASSERT_TRUE(at_once.ok()) << at_once.status();
     const double session_error =
@@ -341,6 +363,116 @@ TEST(TranslateSessionTest, ExplicitPositionsEqualTheOffsetAndShapeChangesAreRefu
   absl::StatusOr<TranslateResult> refused = session.Extend(other_layout);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(session.tokens(), 20);
+  HostCache none = part;
+  none.num_tokens = 0;
+  for (auto* layers : {&none.k, &none.v}) {
+    for (std::vector<char>& layer : *layers) layer.clear();
+  }
+  absl::StatusOr<TranslateResult> empty = session.Extend(none);
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(empty.status().message()), HasSubstr("turn 2 adds no tokens"));
+
+  v1::TranslateHeader unknown = Header();
+  unknown.set_mapper_id("no-such-mapper");
+  TranslateSession missing(kvtd.client, unknown);
+  absl::StatusOr<TranslateResult> not_found = missing.Extend(part);
+  EXPECT_EQ(not_found.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(not_found.status().message()), HasSubstr("no-such-mapper"));
+  EXPECT_EQ(missing.turns(), 0u);
+}
+
+// Every target layer and kind of `cache` as doubles [token][head][dim].
+std::vector<std::vector<double>> Layers(const HostCache& cache) {
+  std::vector<std::vector<double>> layers;
+  for (int layer = 0; layer < cache.num_layers; ++layer) {
+    for (testing::Kind kind : {testing::Kind::kK, testing::Kind::kV}) {
+      layers.push_back(testing::ReadLayer(cache.view(), layer, kind));
+    }
+  }
+  return layers;
+}
+
+double MaxError(const std::vector<std::vector<double>>& actual,
+                const std::vector<std::vector<double>>& expected) {
+  EXPECT_EQ(actual.size(), expected.size());
+  double worst = 0;
+  for (size_t i = 0; i < actual.size() && i < expected.size(); ++i) {
+    worst = std::max(worst, testing::MaxRelError(actual[i], expected[i]));
+  }
+  return worst;
+}
+
+// A window mapper reads each token's w - 1 predecessors in the request: the session re-sends
+// them in front of every later turn (turns shorter than w - 1 included, and a 70-token turn the
+// server pipelines) and keeps only the added tokens' outputs, so the turns equal one request.
+// The same pieces sent naively (each at its positions, no overlap) do not.
+TEST(TranslateSessionTest, WindowMapperTurnsEqualOneTranslation) {
+  Kvtd kvtd(/*pipeline_min_tokens=*/64, 4 << 20, WindowStoreDir());
+  const MapperView& view = kvtd.view();
+  ASSERT_EQ(view.window, kWindow);
+  const std::vector<std::vector<int64_t>> splits = {{1, 1, 70, 1, 2, 75},
+                                                    {37, 1, 1, 90, 21}};
+  int variant = 0;
+  for (Layout layout : {Layout::kHND, Layout::kNHD}) {
+    for (const std::vector<int64_t>& turns : splits) {
+      ++variant;
+      const HostCache whole = RandomSource(150, DType::kFP32, layout, "window session source");
+      v1::TranslateHeader base = Header();
+      if (variant % 2 == 0) {
+        // By pair: the window is learned from the mapper the first response names.
+        base.clear_mapper_id();
+        base.set_source_model("test/src");
+        base.set_target_model(kWindowTarget);
+      }
+      base.set_output_layout(layout == Layout::kHND ? v1::LAYOUT_NHD : v1::LAYOUT_HND);
+      base.set_session_id(absl::StrCat("window-conversation-", variant));
+      SCOPED_TRACE(absl::StrCat(LayoutName(layout), " variant ", variant));
+      absl::StatusOr<TranslateResult> at_once = kvtd.client->Translate(base, whole);
+      ASSERT_TRUE(at_once.ok()) << at_once.status();
+      EXPECT_LE(ErrorAgainstReference(view, whole, at_once->target, Positions{}), 1e-5);
+
+      TranslateSession session(kvtd.client, base);
+      std::vector<std::vector<double>> naive;
+      int64_t begin = 0;
+      for (int64_t count : turns) {
+        const HostCache part =
+            ToHost(testing::SliceTokens(whole.view(), begin, begin + count));
+        absl::StatusOr<TranslateResult> turn = session.Extend(part);
+        ASSERT_TRUE(turn.ok()) << turn.status();
+        EXPECT_EQ(turn->header.mapper_id(), "m");
+        EXPECT_EQ(turn->target.num_tokens, count);
+        EXPECT_EQ(turn->header.num_tokens(), static_cast<uint32_t>(count));
+        // The request carried the overlap: min(w - 1, tokens before the turn) more.
+        EXPECT_EQ(turn->trailer.num_tokens(),
+                  static_cast<uint64_t>(count + std::min<int64_t>(kWindow - 1, begin)));
+        EXPECT_EQ(session.window(), kWindow);
+        EXPECT_EQ(session.kept_tokens(), std::min<int64_t>(kWindow - 1, begin + count));
+
+        v1::TranslateHeader alone = base;
+        alone.set_position_offset(static_cast<uint64_t>(begin));
+        absl::StatusOr<TranslateResult> piece = kvtd.client->Translate(alone, part);
+        ASSERT_TRUE(piece.ok()) << piece.status();
+        std::vector<std::vector<double>> layers = Layers(piece->target);
+        if (naive.empty()) {
+          naive = std::move(layers);
+        } else {
+          for (size_t i = 0; i < naive.size(); ++i) {
+            naive[i].insert(naive[i].end(), layers[i].begin(), layers[i].end());
+          }
+        }
+        begin += count;
+      }
+      ASSERT_EQ(begin, 150);
+      EXPECT_EQ(session.tokens(), 150);
+      EXPECT_EQ(session.turns(), static_cast<uint32_t>(turns.size()));
+      EXPECT_EQ(session.target().num_tokens, 150);
+      EXPECT_LE(ErrorAgainstReference(view, whole, session.target(), Positions{}), 1e-5);
+      const std::vector<std::vector<double>> expected = Layers(at_once->target);
+      EXPECT_LE(MaxError(Layers(session.target()), expected), 1e-5);
+      // Without the overlap each piece's first tokens read zeros for the tokens before it.
+      EXPECT_GT(MaxError(naive, expected), 1e-3);
+    }
+  }
 }
 
 }  // namespace

@@ -71,7 +71,8 @@ class Client:
     tls_server_name: overrides the name checked against the server certificate.
     bearer_token: sent as "authorization: Bearer <token>" on every call.
     max_request_tokens: split translate() calls with more tokens into consecutive requests of
-        at most this many (the map is token-wise, so the result is the same); set it to the
+        at most this many, the result the same as one request's (a window mapper's requests
+        after the first start window - 1 tokens early, their outputs dropped); set it to the
         server's limits.max_tokens to stay under it. None: never split.
     """
 
@@ -228,26 +229,38 @@ class Client:
         Name the pair (source_model and target_model) or a mapper_id. Token i sits at absolute
         position position_offset + i unless `positions` lists all of them. The result is in
         output_dtype / output_layout (default: the source's). With max_request_tokens set, a
-        longer cache goes as several consecutive requests whose results are concatenated.
+        longer cache goes as several consecutive requests whose results are concatenated; for a
+        window mapper (MapperInfo.window w > 1, learned with one find_mapper call) each request
+        after the first starts w - 1 tokens early and their outputs are dropped, so the result
+        equals one request's (docs/MAPPER_FORMAT.md, "Window mappers").
         """
         limit = self.max_request_tokens
         if limit is not None and source.num_tokens > limit:
             if positions is not None and len(positions) != source.num_tokens:
                 raise InvalidArgumentError(
                     f"positions: need {source.num_tokens} entries, got {len(positions)}")
+            info = self.find_mapper(source_model, target_model, mapper_id, timeout)
+            reach = max(1, info.window) - 1
+            if limit <= reach:
+                raise InvalidArgumentError(
+                    f"max_request_tokens={limit} leaves no room for new tokens beside the "
+                    f"{reach} earlier ones mapper {info.mapper_id!r} (window {info.window}) "
+                    f"reads; make it larger than {reach}")
             parts: List[TranslateResult] = []
-            for start in range(0, source.num_tokens, limit):
-                end = min(start + limit, source.num_tokens)
-                parts.append(self.translate(
-                    source.slice_tokens(start, end), mapper_id=mapper_id,
+            for begin in range(0, source.num_tokens, limit - reach):
+                end = min(begin + limit - reach, source.num_tokens)
+                early = min(reach, begin)
+                part = self.translate(
+                    source.slice_tokens(begin - early, end), mapper_id=mapper_id,
                     source_model=source_model, target_model=target_model,
-                    position_offset=position_offset + start,
-                    positions=None if positions is None else list(positions)[start:end],
+                    position_offset=position_offset + begin - early,
+                    positions=None if positions is None else list(positions)[begin - early:end],
                     output_dtype=output_dtype, output_layout=output_layout,
                     request_id=f"{request_id}/{len(parts)}" if request_id else "",
                     session_id=session_id, turn=turn,
                     reprefill_estimate_ms=reprefill_estimate_ms,
-                    response_chunk_tokens=response_chunk_tokens, timeout=timeout))
+                    response_chunk_tokens=response_chunk_tokens, timeout=timeout)
+                parts.append(_drop_leading(part, early))
             return _combine(parts)
         header = self._translate_header(
             source.num_tokens, source.dtype or "fp32", source.layout, mapper_id, source_model,
@@ -532,6 +545,20 @@ class Client:
 
 def unique_region_name() -> str:
     return f"kvt-py-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:12]}"
+
+
+def _drop_leading(result: TranslateResult, tokens: int) -> TranslateResult:
+    """`result` without the outputs of its first `tokens` tokens (a window mapper's overlap);
+    its trailer stays the server's account of what was sent."""
+    if tokens == 0:
+        return result
+    target = result.target
+    if target is None or target.num_tokens <= tokens:
+        raise InternalError(f"a request re-sending {tokens} earlier tokens got "
+                            f"{0 if target is None else target.num_tokens} tokens back")
+    result.target = target.slice_tokens(tokens, target.num_tokens)
+    result.header.num_tokens = result.target.num_tokens
+    return result
 
 
 def _combine(parts: List[TranslateResult]) -> TranslateResult:

@@ -1,15 +1,38 @@
 """kvt.Session: incremental handoffs of one conversation (the Python TranslateSession). Each turn
-sends only the source tokens added since the previous handoff, at absolute positions continuing
-where the last turn stopped, and appends their translation to the target cache it keeps: the map
-is token-wise (SPEC 3), so the pieces equal one translation of the whole."""
+sends the source tokens added since the previous handoff, at absolute positions continuing where
+the last turn stopped, and appends their translation to the target cache it keeps.
+
+The pieces equal one translation of the whole sequence for every mapper:
+
+* A token-wise mapper (MapperInfo.window 1, or 0 from an older server; SPEC 3) maps each token on
+  its own, so a turn sends only its added tokens.
+* A window mapper (window w > 1; docs/MAPPER_FORMAT.md, "Window mappers") maps token p from the
+  source cache of tokens p, p-1, ..., p-w+1 of the same request. The session keeps a copy of the
+  last w-1 source tokens of the turns so far (same dtype and layout), sends them again in front
+  of each later turn's added tokens, at their own positions, and drops their outputs, so every
+  output token sees the same predecessors as in one request. A turn shorter than w-1 tokens is
+  fine: the kept tail then spans several turns. A turn the client splits
+  (Client.max_request_tokens) is split with the same overlap by Client.translate.
+
+The window is learned once per session with get_mapper (client role): before the first turn when
+mapper_id is given, otherwise after it, on the mapper its response header names. For a
+token-wise mapper that is the only overhead: one small unary call per session, no copies, the
+same requests as without the window logic. A later turn served by a different mapper (a pair
+re-resolved after a store reload) has that mapper's window fetched too and is refused
+(FailedPreconditionError, the session unchanged) when the overlap it carried is too short for
+it. A mapper hot-reloaded under the same id with another window is not noticed: start a new
+session after changing a window.
+"""
 
 from __future__ import annotations
 
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
+import numpy as np
+
 from kvt.cache import KVCache
-from kvt.errors import InvalidArgumentError
+from kvt.errors import FailedPreconditionError, InternalError, InvalidArgumentError, KvtError
 
 if TYPE_CHECKING:
     from kvt.client import Client, TranslateResult
@@ -20,7 +43,9 @@ class Session:
 
     `target` is the translated cache of every token so far (None before the first turn),
     `tokens` their count, `turns` the turns completed. Turns are numbered from 1 in the headers
-    (kvtd's drift telemetry buckets them); `session_id` defaults to a random id.
+    (kvtd's drift telemetry buckets them); `session_id` defaults to a random id. `window` is the
+    serving mapper's window once known (1 before: token-wise) and `kept_tokens` the source tokens
+    kept for the next turn's overlap (min(window - 1, tokens)).
     """
 
     def __init__(self, client: "Client", *, mapper_id: str = "", source_model: str = "",
@@ -41,27 +66,89 @@ class Session:
         self.tokens = 0
         self.turns = 0
         self.target: Optional[KVCache] = None
+        self.window = 1
         self._source_form: Optional[Tuple[Any, ...]] = None
+        self._window_mapper = ""  # the mapper whose window is known
+        self._tail: Optional[KVCache] = None  # the last min(window - 1, tokens) source tokens
+
+    @property
+    def kept_tokens(self) -> int:
+        return 0 if self._tail is None else self._tail.num_tokens
 
     def extend(self, added: KVCache, **header_fields: Any) -> "TranslateResult":
         """Translates `added` (every source layer, only the new tokens) at positions
         [start_position + tokens, ... + added.num_tokens) and appends the result to `target`.
-        Returns this turn's result (its target holds only the added tokens)."""
+
+        Returns this turn's result: its target holds only the added tokens' translation and
+        header.num_tokens their count; the trailer is the server's for what was sent, so with a
+        window mapper its num_tokens and input_bytes include the w - 1 re-sent tokens. On any
+        error the session is unchanged (the turn may be retried)."""
+        from kvt.client import _drop_leading
+        turn = self.turns + 1
         form = (added.dtype, added.layout, added.num_layers, added.num_kv_heads, added.head_dim)
         if self._source_form is not None and form != self._source_form:
             raise InvalidArgumentError(
-                f"session {self.session_id}: turn {self.turns + 1} has dtype/layout/layers/heads/"
+                f"session {self.session_id}: turn {turn} has dtype/layout/layers/heads/"
                 f"head_dim {form}, earlier turns {self._source_form}")
+        if added.num_tokens == 0:
+            raise InvalidArgumentError(f"session {self.session_id}: turn {turn} adds no tokens")
+        if not self._window_mapper and self._mapper_id:
+            self._window_mapper, self.window = self._learn_window(turn, self._mapper_id)
+        tail = self._tail
+        overlap = 0 if tail is None else tail.num_tokens
+        request = added if tail is None else KVCache.concat([tail, added])
         result = self._client.translate(
-            added, position_offset=self.start_position + self.tokens,
+            request, position_offset=self.start_position + self.tokens - overlap,
             output_dtype=self._output_dtype, output_layout=self._output_layout,
-            session_id=self.session_id, turn=self.turns + 1, timeout=self._timeout,
+            session_id=self.session_id, turn=turn, timeout=self._timeout,
             mapper_id=self._mapper_id, source_model=self._source_model,
             target_model=self._target_model, **header_fields)
-        piece = result.target
+        if result.target is None or result.target.num_tokens != request.num_tokens:
+            raise InternalError(
+                f"session {self.session_id}: turn {turn} sent {request.num_tokens} tokens "
+                f"and got {0 if result.target is None else result.target.num_tokens} back")
+        served = result.header.mapper_id or self._mapper_id
+        window = self.window
+        if served and served != self._window_mapper:
+            _, window = self._learn_window(turn, served, translated=True)
+            # The overlap sent covers a window of window - 1 unless the request began at the
+            # sequence's first token (nothing before it to re-send).
+            if overlap < self.tokens and window - 1 > overlap:
+                raise FailedPreconditionError(
+                    f"session {self.session_id}: turn {turn} was served by mapper {served!r} "
+                    f"(window {window}), earlier turns by {self._window_mapper!r} (window "
+                    f"{self.window}); it re-sent {overlap} earlier tokens where the window "
+                    f"needs {window - 1}, so it would not equal one translation; start a new "
+                    f"session")
+        piece = _drop_leading(result, overlap).target
         assert piece is not None
         self.target = piece if self.target is None else KVCache.concat([self.target, piece])
+        # The next turn's overlap: the last window - 1 source tokens so far (all while fewer),
+        # which the request ends with; copied, as the caller may reuse its buffers.
+        keep = min(window - 1, request.num_tokens)
+        if keep > 0:
+            kept = request.slice_tokens(request.num_tokens - keep, request.num_tokens)
+            self._tail = KVCache(k=[np.array(a) for a in kept.k], v=[np.array(a) for a in kept.v],
+                                 layout=kept.layout, dtype=kept.dtype)
+        else:
+            self._tail = None
+        if served:
+            self._window_mapper = served
+        self.window = window
         self._source_form = form
         self.tokens += added.num_tokens
         self.turns += 1
         return result
+
+    def _learn_window(self, turn: int, mapper_id: str, translated: bool = False
+                      ) -> Tuple[str, int]:
+        """(mapper id, window) of `mapper_id`; a KvtError of the same code, naming the session,
+        when the call fails."""
+        try:
+            info = self._client.get_mapper(mapper_id, timeout=self._timeout)
+        except KvtError as error:
+            note = f" (turn {turn} was translated but is not recorded)" if translated else ""
+            raise type(error)(f"session {self.session_id}: turn {turn}: GetMapper({mapper_id!r}) "
+                              f"for the mapper's window: {error.details}{note}",
+                              error.code) from error
+        return info.mapper_id or mapper_id, max(1, int(info.window))

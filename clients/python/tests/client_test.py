@@ -1,11 +1,13 @@
 """kvt.Client against a real kvtd process serving the bundled demo-tiny mapper: translations
 checked against a float64 numpy reference (SPEC 3 tolerances) in both dtypes, layouts and chunk
 sizes; ValidateKV; mapper control and the admin role; TLS; shared-memory regions; and every
-kind of bad input raising the exception of its gRPC code with a message naming the field."""
+kind of bad input raising the exception of its gRPC code with a message naming the field.
+kvt.Session over a window mapper (demo-tiny widened to window 3) equals one translation."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import shutil
 import subprocess
@@ -17,6 +19,7 @@ from typing import Iterator, List, Tuple
 
 import grpc
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 import kvt
 import junit_main
@@ -41,6 +44,39 @@ def make_store(name: str) -> str:
     os.makedirs(destination)
     for name in ("manifest.yaml", "weights.safetensors", "SHA256SUMS"):
         shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
+    return store
+
+
+WINDOW, WINDOW_MAPPER = 3, "demo-tiny-w3"
+
+
+def make_window_store(name: str) -> str:
+    """A store holding only demo-tiny widened into a window mapper (manifest `window: 3`): every
+    weight gets WINDOW row blocks, offset 0 demo-tiny's own and the earlier tokens' random, so
+    each output token also reads the two source tokens before it in the request."""
+    store = os.path.join(test_tmpdir(), name)
+    shutil.rmtree(store, ignore_errors=True)
+    destination = os.path.join(store, WINDOW_MAPPER)
+    os.makedirs(destination)
+    source = os.path.dirname(runfile("demo/mappers/demo-tiny/manifest.yaml"))
+    with open(os.path.join(source, "manifest.yaml"), encoding="utf-8") as f:
+        manifest = f.read()
+    assert "\nk: 2\n" in manifest
+    write(os.path.join(destination, "manifest.yaml"),
+          manifest.replace("\nk: 2\n", f"\nk: 2\nwindow: {WINDOW}\n"))
+    rng = np.random.default_rng(7)
+    tensors = {}
+    for tensor_name, tensor in load_file(os.path.join(source, "weights.safetensors")).items():
+        if tensor_name.endswith(".weight"):
+            earlier = rng.standard_normal((WINDOW - 1, *tensor.shape)) / np.sqrt(tensor.shape[0])
+            tensor = np.concatenate([tensor, *earlier.astype(tensor.dtype)], axis=0)
+        tensors[tensor_name] = np.ascontiguousarray(tensor)
+    save_file(tensors, os.path.join(destination, "weights.safetensors"))
+    lines = []
+    for file_name in ("manifest.yaml", "weights.safetensors"):
+        with open(os.path.join(destination, file_name), "rb") as f:
+            lines.append(f"{hashlib.sha256(f.read()).hexdigest()}  {file_name}\n")
+    write(os.path.join(destination, "SHA256SUMS"), "".join(lines))
     return store
 
 
@@ -288,6 +324,8 @@ class ClientTest(unittest.TestCase):
             result = session.extend(piece)
             self.assertEqual(result.target.num_tokens, end - start)
         self.assertEqual((session.tokens, session.turns), (90, 3))
+        # Token-wise: nothing kept, nothing re-sent.
+        self.assertEqual((session.window, session.kept_tokens), (1, 0))
         whole = kvt.TranslateResult(header=None, trailer=None, target=session.target)
         self.check_against_reference(source, whole, 5 + np.arange(90), 1e-5)
         with self.assertRaises(kvt.InvalidArgumentError) as caught:
@@ -504,6 +542,127 @@ def make_pki() -> str:
     subprocess.run(["bash", "-c", script], cwd=directory, check=True)
     _PKI.append(directory)
     return directory
+
+
+class WindowSessionTest(unittest.TestCase):
+    """kvt.Session through a window mapper: each later turn re-sends the window's w - 1 tokens
+    before it and drops their outputs, so the turns equal one translation of the whole, where
+    the same pieces sent naively (no overlap) do not."""
+
+    kvtd: Kvtd
+    client: kvt.Client
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.store = make_window_store("window_store")
+        cls.kvtd = Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={cls.store}",
+                         "--backend=cpu", "--cpu_threads=1", "--drain_grace_seconds=0"],
+                        name="kvtd-window").__enter__()
+        cls.client = kvt.Client(cls.kvtd.address, timeout=60)
+        cls.rng = np.random.default_rng(SEED + 1)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.client.close()
+        cls.kvtd.__exit__()
+
+    def assert_close(self, actual: kvt.KVCache, expected: kvt.KVCache, tolerance: float
+                     ) -> float:
+        """The worst relative error of `actual` against `expected` over every layer's K and V,
+        asserted <= tolerance (pass inf to only measure it)."""
+        actual, expected = actual.to_layout("HND"), expected.to_layout("HND")
+        self.assertEqual(actual.num_tokens, expected.num_tokens)
+        worst = 0.0
+        for layer in range(expected.num_layers):
+            for got, want in ((actual.k[layer], expected.k[layer]),
+                              (actual.v[layer], expected.v[layer])):
+                worst = max(worst, max_rel_error(got, want))
+        self.assertLessEqual(worst, tolerance, f"seed {SEED}")
+        return worst
+
+    def session(self, client: kvt.Client, by_pair: bool) -> kvt.Session:
+        if by_pair:
+            return kvt.Session(client, source_model=SOURCE, target_model=TARGET,
+                               start_position=7, output_layout="HND")
+        return kvt.Session(client, mapper_id=WINDOW_MAPPER, start_position=7,
+                           output_layout="HND")
+
+    def test_mapper_reports_the_window(self) -> None:
+        self.assertEqual(self.client.get_mapper(WINDOW_MAPPER).window, WINDOW)
+
+    def test_turns_equal_one_translation(self) -> None:
+        source = random_cache(self.rng, 60)
+        whole = self.client.translate(source, mapper_id=WINDOW_MAPPER, position_offset=7,
+                                      output_layout="HND").target
+        # Turns shorter than the window's reach (1 token), from the very first on.
+        turns = ((0, 1), (1, 2), (2, 20), (20, 21), (21, 23), (23, 60))
+        for by_pair, layout in ((False, "HND"), (True, "NHD")):
+            with self.subTest(by_pair=by_pair, layout=layout):
+                cache = source.to_layout(layout)
+                session = self.session(self.client, by_pair)
+                naive = []
+                for start, end in turns:
+                    piece = cache.slice_tokens(start, end)
+                    result = session.extend(piece)
+                    self.assertEqual(result.header.mapper_id, WINDOW_MAPPER)
+                    self.assertEqual(result.target.num_tokens, end - start)
+                    self.assertEqual(result.header.num_tokens, end - start)
+                    # The request carried min(w - 1, tokens before the turn) more.
+                    self.assertEqual(result.trailer.num_tokens,
+                                     end - start + min(WINDOW - 1, start))
+                    self.assertEqual((session.window, session.kept_tokens),
+                                     (WINDOW, min(WINDOW - 1, end)))
+                    naive.append(self.client.translate(
+                        piece, mapper_id=WINDOW_MAPPER, position_offset=7 + start,
+                        output_layout="HND").target)
+                self.assertEqual((session.tokens, session.turns), (60, len(turns)))
+                self.assert_close(session.target, whole, 1e-5)
+                # Each naive piece's first tokens read zeros for the tokens before it.
+                self.assertGreater(
+                    self.assert_close(kvt.KVCache.concat(naive), whole, float("inf")), 1e-3)
+
+    def test_turns_split_by_max_request_tokens_equal_one_translation(self) -> None:
+        source = random_cache(self.rng, 50, dtype="bf16")
+        whole = self.client.translate(source, mapper_id=WINDOW_MAPPER, position_offset=7,
+                                      output_layout="HND", output_dtype="fp32").target
+        # At most 8 tokens a request: 6 new ones after the 2 re-sent.
+        with kvt.Client(self.kvtd.address, timeout=60, max_request_tokens=8) as small:
+            # Client.translate splits with the window's overlap too, for any caller.
+            for by_pair in (False, True):
+                split = small.translate(source, mapper_id="" if by_pair else WINDOW_MAPPER,
+                                        source_model=SOURCE if by_pair else "",
+                                        target_model=TARGET if by_pair else "",
+                                        position_offset=7, output_layout="HND",
+                                        output_dtype="fp32")
+                self.assertEqual(split.header.num_tokens, 50)
+                self.assertTrue(all(p.trailer.num_tokens <= 8 for p in split.parts))
+                self.assert_close(split.target, whole, 1e-5)
+            for by_pair in (False, True):
+                with self.subTest(by_pair=by_pair):
+                    session = kvt.Session(small, mapper_id="" if by_pair else WINDOW_MAPPER,
+                                          source_model=SOURCE if by_pair else "",
+                                          target_model=TARGET if by_pair else "",
+                                          start_position=7, output_dtype="fp32")
+                    for start, end in ((0, 30), (30, 31), (31, 50)):
+                        result = session.extend(source.slice_tokens(start, end),
+                                                request_id=f"split-{start}")
+                        self.assertEqual(result.target.num_tokens, end - start)
+                        self.assertTrue(all(p.trailer.num_tokens <= 8 for p in result.parts))
+                    self.assertEqual(session.tokens, 50)
+                    self.assert_close(session.target, whole, 1e-5)
+        with kvt.Client(self.kvtd.address, timeout=60, max_request_tokens=2) as tiny:
+            session = kvt.Session(tiny, mapper_id=WINDOW_MAPPER)
+            with self.assertRaises(kvt.InvalidArgumentError) as caught:
+                session.extend(source.slice_tokens(0, 5))
+            self.assertIn("max_request_tokens=2", caught.exception.details)
+            self.assertEqual((session.tokens, session.turns), (0, 0))
+
+    def test_unknown_mapper_is_refused_before_translating(self) -> None:
+        session = kvt.Session(self.client, mapper_id="no-such-mapper")
+        with self.assertRaises(kvt.NotFoundError) as caught:
+            session.extend(random_cache(self.rng, 3))
+        self.assertIn("no-such-mapper", caught.exception.details)
+        self.assertEqual((session.tokens, session.turns), (0, 0))
 
 
 class SecurityTest(unittest.TestCase):
