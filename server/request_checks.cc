@@ -20,7 +20,8 @@ absl::StatusOr<InputHeader> CheckInputHeader(
   if (num_tokens > max_tokens) {
     return absl::ResourceExhaustedError(
         absl::StrCat("header.num_tokens=", num_tokens, " exceeds limits.max_tokens=", max_tokens,
-                     "; split the cache into several requests"));
+                     "; split the cache into several requests (with a window mapper each "
+                     "after the first starting MapperInfo.window - 1 tokens early)"));
   }
   out.num_tokens = num_tokens;
   if (positions.size() > 0) {
