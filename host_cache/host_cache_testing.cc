@@ -44,5 +44,24 @@ double MaxErrorAgainstReference(const MapperView& mapper, const CacheView& sourc
   return worst;
 }
 
+HostCache ToHostCache(const OwnedCache& owned) {
+  HostCache cache;
+  cache.dtype = owned.view.dtype;
+  cache.layout = owned.view.layout;
+  cache.num_layers = static_cast<int>(owned.k.size());
+  cache.num_kv_heads = owned.view.num_kv_heads;
+  cache.head_dim = owned.view.head_dim;
+  cache.num_tokens = owned.view.num_tokens;
+  for (int l = 0; l < cache.num_layers; ++l) {
+    cache.k.emplace_back(owned.k[l].begin(), owned.k[l].end());
+    cache.v.emplace_back(owned.v[l].begin(), owned.v[l].end());
+  }
+  return cache;
+}
+
+HostCache SliceTokens(const HostCache& cache, int64_t begin, int64_t end) {
+  return ToHostCache(SliceTokens(cache.view(), begin, end));
+}
+
 }  // namespace testing
 }  // namespace kvt

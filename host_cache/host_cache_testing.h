@@ -1,5 +1,6 @@
-// Test fixtures over HostCache: a random cache of a model's shape, and the float64 check of a
-// translated cache (one home for what the service, MLP-serving and mapper-control tests share).
+// Test fixtures over HostCache: a random cache of a model's shape, copies from the kernels'
+// OwnedCache fixtures and token slices, and the float64 check of a translated cache (one home
+// for what the service, MLP-serving, window-serving and mapper-control tests share).
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,7 @@
 #include "host_cache/host_cache.h"
 #include "kernels/backend.h"
 #include "kernels/mapper_view.h"
+#include "kernels/testing/reference.h"
 #include "kernels/types.h"
 
 namespace kvt {
@@ -16,6 +18,12 @@ namespace testing {
 // `seed`, stored in `dtype` and `layout`.
 HostCache RandomHostCache(const ModelSpec& model, int64_t tokens, DType dtype, Layout layout,
                           uint64_t seed);
+
+// A HostCache holding a copy of `owned` (kernels/testing/reference.h fixtures).
+HostCache ToHostCache(const OwnedCache& owned);
+
+// Tokens [begin, end) of `cache`, copied into a cache of their own (any layout).
+HostCache SliceTokens(const HostCache& cache, int64_t begin, int64_t end);
 
 // Max relative error of `target` against the float64 reference translation of `source` by
 // `mapper` at `positions`, over every target layer, K and V.

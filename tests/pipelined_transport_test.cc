@@ -20,6 +20,7 @@
 #include "client/session.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "host_cache/host_cache_testing.h"
 #include "kernels/testing/reference.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
@@ -83,24 +84,9 @@ struct Kvtd {
   std::shared_ptr<const LoadedMapper> mapper;
 };
 
-HostCache ToHost(const testing::OwnedCache& owned) {
-  HostCache cache;
-  cache.dtype = owned.view.dtype;
-  cache.layout = owned.view.layout;
-  cache.num_layers = static_cast<int>(owned.k.size());
-  cache.num_kv_heads = owned.view.num_kv_heads;
-  cache.head_dim = owned.view.head_dim;
-  cache.num_tokens = owned.view.num_tokens;
-  for (int l = 0; l < cache.num_layers; ++l) {
-    cache.k.emplace_back(owned.k[l].begin(), owned.k[l].end());
-    cache.v.emplace_back(owned.v[l].begin(), owned.v[l].end());
-  }
-  return cache;
-}
-
 HostCache RandomSource(int64_t tokens, DType dtype, Layout layout, const char* what) {
-  return ToHost(testing::MakeRandomCache(kSourceLayers, 2, 32, tokens, dtype, layout,
-                                         testing::FreshSeed(what)));
+  return testing::ToHostCache(testing::MakeRandomCache(kSourceLayers, 2, 32, tokens, dtype,
+                                                       layout, testing::FreshSeed(what)));
 }
 
 // Max relative error of every target layer against the float64 reference.
@@ -303,7 +289,7 @@ TEST(TranslateSessionTest, TurnByTurnEqualsAllAtOnce) {
     int64_t begin = 0;
     for (int64_t count : turns) {
       testing::OwnedCache owned_part = testing::SliceTokens(whole.view(), begin, begin + count);
-      const HostCache part = ToHost(owned_part);
+      const HostCache part = testing::ToHostCache(owned_part);
       absl::StatusOr<TranslateResult> turn = session.Extend(part);
       ASSERT_TRUE(turn.ok()) << turn.status();
       EXPECT_EQ(turn->target.num_tokens, count);
@@ -436,7 +422,7 @@ TEST(TranslateSessionTest, WindowMapperTurnsEqualOneTranslation) {
       int64_t begin = 0;
       for (int64_t count : turns) {
         const HostCache part =
-            ToHost(testing::SliceTokens(whole.view(), begin, begin + count));
+            testing::ToHostCache(testing::SliceTokens(whole.view(), begin, begin + count));
         absl::StatusOr<TranslateResult> turn = session.Extend(part);
         ASSERT_TRUE(turn.ok()) << turn.status();
         EXPECT_EQ(turn->header.mapper_id(), "m");

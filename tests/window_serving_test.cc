@@ -50,21 +50,6 @@ SynthOptions WindowMlp() {
   return o;
 }
 
-// Tokens [begin, end) of an NHD cache (token-major per layer), as a cache of their own.
-HostCache SliceNhd(const HostCache& cache, int64_t begin, int64_t end) {
-  EXPECT_EQ(cache.layout, Layout::kNHD);
-  HostCache piece = cache;
-  piece.num_tokens = end - begin;
-  const int64_t row = int64_t{cache.num_kv_heads} * cache.head_dim * DTypeSize(cache.dtype);
-  for (auto* layers : {&piece.k, &piece.v}) {
-    for (std::vector<char>& layer : *layers) {
-      layer.erase(layer.begin() + end * row, layer.end());
-      layer.erase(layer.begin(), layer.begin() + begin * row);
-    }
-  }
-  return piece;
-}
-
 class WindowServingTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -91,7 +76,7 @@ class WindowServingTest : public ::testing::Test {
   // as doubles [layer][token][head][dim] per kind.
   std::vector<std::vector<double>> Translate(const LoadedMapper& mapper, const HostCache& source,
                                              int64_t begin, int64_t end, uint64_t offset) {
-    const HostCache piece = SliceNhd(source, begin, end);
+    const HostCache piece = testing::SliceTokens(source, begin, end);
     v1::TranslateHeader header;
     header.set_mapper_id(mapper.id());
     header.set_position_offset(offset + begin);
