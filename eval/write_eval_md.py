@@ -295,6 +295,8 @@ def goal_lines(r, k):
             + f" of {n} pairs; a window kind beats every token-wise kind on **"
             f"{sum(max(p[c]['benefit'] for c in W_KINDS if c in p) > max(p[c]['benefit'] for c in KINDS if c in p) for p in kinds.values())}"
             f" of {n}** pairs.")
+    if len(kinds_in(r)) > 1:
+        lines.append(window_control_line(kinds, "benefit"))
     for group in kinds_in(r):
         prefix = W if group is W_KINDS else ""
         what = "window " if prefix else ""
@@ -321,6 +323,31 @@ def goal_lines(r, k):
                      f"{'window ' if prefix else ''}MLP) agrees with the measured benefit on "
                      f"**{sum(agree)} of {len(agree)}** pairs with an MLP.")
     return lines
+
+
+def window_control_line(pairs, key):
+    """Whether the best window mapper beats the best of its untrained-source window controls
+    (which carry the identity of the last `window` bytes): pairs {name: {label: figures}} with
+    figure `key` (higher is better)."""
+    wins, misses, n = 0, [], 0
+    for name, p in pairs.items():
+        mapped = [c for c in W_KINDS if c in p]
+        controls = [c + "_untrained" for c in W_KINDS if c + "_untrained" in p]
+        if not mapped or not controls:
+            continue
+        n += 1
+        value = (lambda c: p[c][key]) if isinstance(p[mapped[0]], dict) else (lambda c: p[c])
+        best = max(mapped, key=value)
+        control = max(controls, key=value)
+        if value(best) > value(control):
+            wins += 1
+        else:
+            misses.append(f"{name} ({KIND_NAMES[best]} {f(value(best))} vs "
+                          f"{KIND_NAMES[control[:-len('_untrained')]]} from the untrained source "
+                          f"{f(value(control))})")
+    return (f"- Best window mapper beats the best window mapper fitted from the untrained source "
+            f"(the identity of the last bytes, the window mappers' own control): **{wins} of {n}**"
+            f" pairs" + ("." if not misses else "; not on " + ", ".join(misses) + "."))
 
 
 def kl_goal_lines(r, k):
@@ -409,6 +436,12 @@ def long_range_goal_lines(lr):
                 met += share[best] >= 0.90
         out.append(f"- {kind} windows: best mapper recovers >= 0.90 of the long-range benefit on "
                    f"**{met} of {matched}** matched pairs. " + "; ".join(rows) + ".")
+        shares = {name: p["long_range"] for name, p in pairs.items()
+                  if abs(p["copy_gain"]["own"]) >= MIN_COPY_GAIN}
+        if any(W + "ridge" in x for x in shares.values()):
+            out.append("  " + window_control_line(shares, None).replace(
+                "- Best window mapper", f"On the {kind} windows (long-range share) the best "
+                "window mapper"))
     return out
 
 
