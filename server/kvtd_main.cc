@@ -1,5 +1,6 @@
 // kvtd: the KV translation daemon. Loads kvtd.yaml, applies flag overrides, loads the mapper
 // store, serves kvt.v1.KvTranslator until SIGTERM/SIGINT, then drains and exits 0.
+#include <pthread.h>
 #include <signal.h>
 
 #include <cstdio>
@@ -103,6 +104,15 @@ absl::StatusOr<KvtdConfig> BuildConfig() {
   return config;
 }
 
+// The thread that sigwaits for SIGTERM / SIGINT (Run's).
+pthread_t g_signal_thread;
+
+// Threads a library started before Run blocked the signals (a BLAS pool at load time) may be
+// the one the kernel hands a process-directed SIGINT to, whose default action ends the process
+// before it drains (seen under ASan). Such a thread runs this instead and passes the signal on
+// to the sigwaiting thread, where it is pending (pthread_kill is async-signal-safe).
+void ForwardToSignalThread(int signal_number) { pthread_kill(g_signal_thread, signal_number); }
+
 int Run() {
   TuneAllocatorForCacheTraffic();
   absl::StatusOr<KvtdConfig> config = BuildConfig();
@@ -110,12 +120,19 @@ int Run() {
   SetMinLogLevel(config->logging.level);
 
   // Signals are taken synchronously by sigwait below; every thread created from here on
-  // inherits the blocked mask, so none of them is interrupted by SIGTERM.
+  // inherits the blocked mask, so none of them is interrupted by SIGTERM; threads that existed
+  // before get ForwardToSignalThread.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  g_signal_thread = pthread_self();
+  struct sigaction forward = {};
+  forward.sa_handler = ForwardToSignalThread;
+  sigemptyset(&forward.sa_mask);
+  sigaction(SIGTERM, &forward, nullptr);
+  sigaction(SIGINT, &forward, nullptr);
 
   // Self-checks every engine it tries (server/backend_self_check.h): a CPU failure or a failed
   // forced cuda is an error here; auto falls back to CPU with a warning.
