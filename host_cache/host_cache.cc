@@ -1,6 +1,59 @@
 #include "host_cache/host_cache.h"
 
+#include "transport/kv_chunks.h"
+
 namespace kvt {
+namespace {
+
+LayerGeometry Geometry(const HostCache& cache) {
+  return LayerGeometry{cache.layout, cache.num_kv_heads, cache.num_tokens, cache.head_dim,
+                       static_cast<int64_t>(DTypeSize(cache.dtype))};
+}
+
+// An empty cache of `like`'s dtype, layout and shape with `tokens` tokens.
+HostCache Shaped(const HostCache& like, int64_t tokens) {
+  HostCache cache;
+  cache.dtype = like.dtype;
+  cache.layout = like.layout;
+  cache.num_layers = like.num_layers;
+  cache.num_kv_heads = like.num_kv_heads;
+  cache.head_dim = like.head_dim;
+  cache.num_tokens = tokens;
+  cache.Allocate();
+  return cache;
+}
+
+// Tokens [from, from + count) of `source` written to tokens [to, to + count) of `dest` (same
+// dtype, layers, heads and head_dim; layouts may differ), through chunk form.
+void CopyTokens(const HostCache& source, int64_t from, int64_t count, HostCache* dest,
+                int64_t to) {
+  const LayerGeometry source_geometry = Geometry(source);
+  const LayerGeometry dest_geometry = Geometry(*dest);
+  std::vector<char> chunk(static_cast<size_t>(source_geometry.chunk_bytes(count)));
+  for (int layer = 0; layer < source.num_layers; ++layer) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const std::vector<char>& in = (kind == 0 ? source.k : source.v)[layer];
+      std::vector<char>& out = (kind == 0 ? dest->k : dest->v)[layer];
+      GatherChunk(source_geometry, from, count, in.data(), chunk.data());
+      ScatterChunk(dest_geometry, to, count, chunk.data(), out.data());
+    }
+  }
+}
+
+}  // namespace
+
+HostCache SliceTokens(const HostCache& cache, int64_t begin, int64_t end) {
+  HostCache piece = Shaped(cache, end - begin);
+  CopyTokens(cache, begin, end - begin, &piece, 0);
+  return piece;
+}
+
+HostCache ConcatTokens(const HostCache& first, const HostCache& second) {
+  HostCache joined = Shaped(first, first.num_tokens + second.num_tokens);
+  CopyTokens(first, 0, first.num_tokens, &joined, 0);
+  CopyTokens(second, 0, second.num_tokens, &joined, first.num_tokens);
+  return joined;
+}
 
 void HostCache::Allocate() {
   k.clear();

@@ -34,4 +34,11 @@ struct HostCache {
   CacheView view() const;
 };
 
+// Tokens [begin, end) of `cache` as a cache of their own (its dtype, layout and shape).
+HostCache SliceTokens(const HostCache& cache, int64_t begin, int64_t end);
+// `first`'s tokens, then `second`'s, in `first`'s form (`second` must have the same dtype,
+// layers, heads and head_dim; its layout may differ). In HND a layer is [heads, tokens, dim],
+// so joining re-strides every head: both go through chunk form (transport/kv_chunks.h).
+HostCache ConcatTokens(const HostCache& first, const HostCache& second);
+
 }  // namespace kvt

@@ -59,9 +59,5 @@ HostCache ToHostCache(const OwnedCache& owned) {
   return cache;
 }
 
-HostCache SliceTokens(const HostCache& cache, int64_t begin, int64_t end) {
-  return ToHostCache(SliceTokens(cache.view(), begin, end));
-}
-
 }  // namespace testing
 }  // namespace kvt

@@ -1,6 +1,6 @@
-// Test fixtures over HostCache: a random cache of a model's shape, copies from the kernels'
-// OwnedCache fixtures and token slices, and the float64 check of a translated cache (one home
-// for what the service, MLP-serving, window-serving and mapper-control tests share).
+// Test fixtures over HostCache: a random cache of a model's shape, copies of the kernels'
+// OwnedCache fixtures, and the float64 check of a translated cache (one home for what the
+// service, MLP-serving, window-serving and mapper-control tests share).
 #pragma once
 
 #include <cstdint>
@@ -22,8 +22,6 @@ HostCache RandomHostCache(const ModelSpec& model, int64_t tokens, DType dtype, L
 // A HostCache holding a copy of `owned` (kernels/testing/reference.h fixtures).
 HostCache ToHostCache(const OwnedCache& owned);
 
-// Tokens [begin, end) of `cache`, copied into a cache of their own (any layout).
-HostCache SliceTokens(const HostCache& cache, int64_t begin, int64_t end);
 
 // Max relative error of `target` against the float64 reference translation of `source` by
 // `mapper` at `positions`, over every target layer, K and V.

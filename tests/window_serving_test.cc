@@ -76,7 +76,7 @@ class WindowServingTest : public ::testing::Test {
   // as doubles [layer][token][head][dim] per kind.
   std::vector<std::vector<double>> Translate(const LoadedMapper& mapper, const HostCache& source,
                                              int64_t begin, int64_t end, uint64_t offset) {
-    const HostCache piece = testing::SliceTokens(source, begin, end);
+    const HostCache piece = SliceTokens(source, begin, end);
     v1::TranslateHeader header;
     header.set_mapper_id(mapper.id());
     header.set_position_offset(offset + begin);
