@@ -868,8 +868,8 @@ TEST_F(FitWindowTest, BothKindsRefinementAndShardsCarryTheWindow) {
     EXPECT_EQ((*mapper)->manifest().window, 2) << fit->mapper_dir;
   }
   EXPECT_GT(*both->ridge.manifest.quality.r2_heldout, 0.7);
-  // The small MLP (hidden 32, 704 tokens) is not the linear truth, the linear truth, but it must see the
-  // earlier token: against the same training without it, its held-out R^2 is higher.
+  // The small MLP (hidden 32, 704 tokens) does not reach the linear truth, but it must see the
+  // earlier tokens: against the same training without them, its held-out R^2 is higher.
   FitOptions token_wise = options;
   token_wise.window = 1;
   absl::StatusOr<BothResult> both1 = RunFitBoth(token_wise, MakeTempDir("window_both1"));
