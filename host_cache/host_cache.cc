@@ -27,6 +27,7 @@ HostCache Shaped(const HostCache& like, int64_t tokens) {
 // dtype, layers, heads and head_dim; layouts may differ), through chunk form.
 void CopyTokens(const HostCache& source, int64_t from, int64_t count, HostCache* dest,
                 int64_t to) {
+  if (count == 0) return;  // an empty cache's buffers may be null: nothing to copy
   const LayerGeometry source_geometry = Geometry(source);
   const LayerGeometry dest_geometry = Geometry(*dest);
   std::vector<char> chunk(static_cast<size_t>(source_geometry.chunk_bytes(count)));
