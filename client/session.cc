@@ -23,6 +23,20 @@ absl::StatusOr<int> TranslateSession::FetchWindow(const std::string& mapper_id) 
   return std::max<int>(1, static_cast<int>(info->window()));
 }
 
+absl::StatusOr<int> TranslateSession::ServedWindow(const TranslateResult& result,
+                                                   const std::string& served, uint32_t turn) {
+  if (result.header.window() > 0) return static_cast<int>(result.header.window());
+  // A server older than the response's window: its mapper's window, fetched once per mapper.
+  if (served.empty() || served == mapper_id_) return window_;
+  absl::StatusOr<int> window = FetchWindow(served);
+  if (!window.ok()) {
+    return absl::Status(window.status().code(),
+                        absl::StrCat(window.status().message(), " (turn ", turn,
+                                     " was translated but is not recorded)"));
+  }
+  return window;
+}
+
 absl::StatusOr<TranslateResult> TranslateSession::Extend(const HostCache& added) {
   const uint32_t turn = turns_ + 1;
   if (added.num_tokens <= 0) {
@@ -39,14 +53,6 @@ absl::StatusOr<TranslateResult> TranslateSession::Extend(const HostCache& added)
         "session: the added tokens' dtype, layout, layers, heads and head_dim must match the "
         "first turn's");
   }
-  // A named mapper's window is learned before anything is translated.
-  if (mapper_id_.empty() && !base_.mapper_id().empty()) {
-    absl::StatusOr<int> window = FetchWindow(base_.mapper_id());
-    if (!window.ok()) return window.status();
-    mapper_id_ = base_.mapper_id();
-    window_ = *window;
-  }
-
   // With a window mapper the kept tail goes first, at its own positions.
   const int64_t overlap = tail_.num_tokens;
   HostCache joined;
@@ -65,27 +71,19 @@ absl::StatusOr<TranslateResult> TranslateSession::Extend(const HostCache& added)
   }
 
   // The mapper that served the turn (its id from the response header; the base header's when
-  // the server named none) and its window: fetched when it is not the one already known (the
-  // first turn of a pair, or a pair that now resolves to another mapper).
+  // the server named none) and the window of the version that served it.
   std::string served = result->header.mapper_id();
   if (served.empty()) served = base_.mapper_id();
-  int served_window = window_;
-  if (!served.empty() && served != mapper_id_) {
-    absl::StatusOr<int> window = FetchWindow(served);
-    if (!window.ok()) {
-      return absl::Status(window.status().code(),
-                          absl::StrCat(window.status().message(), " (turn ", turn,
-                                       " was translated but is not recorded)"));
-    }
-    served_window = *window;
-    // Exact when the re-sent tokens cover the window or everything before this turn.
-    if (served_window - 1 > overlap && overlap < tokens_) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "session: turn ", turn, " was served by mapper '", served, "' (window ",
-          served_window, "), earlier turns by '", mapper_id_, "' (window ", window_,
-          "); the turn re-sent ", overlap, " earlier tokens where the window needs ",
-          served_window - 1, ", so it would not equal one translation; start a new session"));
-    }
+  absl::StatusOr<int> served_window = ServedWindow(*result, served, turn);
+  if (!served_window.ok()) return served_window.status();
+  // Exact when the re-sent tokens cover the window or everything before this turn.
+  if (*served_window - 1 > overlap && overlap < tokens_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session: turn ", turn, " was served by mapper '", served, "' with window ",
+        *served_window, ", earlier turns by '", mapper_id_, "' with window ", window_,
+        " (another mapper, or the same one reloaded); the turn re-sent ", overlap,
+        " earlier tokens where the window needs ", *served_window - 1,
+        ", so it would not equal one translation; start a new session"));
   }
 
   if (overlap > 0) {
@@ -112,11 +110,11 @@ absl::StatusOr<TranslateResult> TranslateSession::Extend(const HostCache& added)
   }
   // The next turn's overlap: the last window - 1 source tokens so far (all of them while
   // fewer), which the request ends with.
-  const int64_t keep = std::min<int64_t>(served_window - 1, request.num_tokens);
+  const int64_t keep = std::min<int64_t>(*served_window - 1, request.num_tokens);
   tail_ = keep > 0 ? SliceTokens(request, request.num_tokens - keep, request.num_tokens)
                    : HostCache();
   if (!served.empty()) mapper_id_ = served;
-  window_ = served_window;
+  window_ = *served_window;
   tokens_ += added.num_tokens;
   ++turns_;
   return result;

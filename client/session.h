@@ -13,14 +13,14 @@
 //    token sees the same w-1 predecessors as in one request. A turn shorter than w-1 tokens is
 //    fine: the kept tail then spans several turns.
 //
-// The window is learned once per session with GetMapper (client role): before the first turn
-// when the base header names a mapper_id, otherwise after it, on the mapper its response header
-// names. That is the only overhead for a token-wise mapper: one small unary RPC per session, no
-// copies, the same requests as without the window logic. When a later turn's response names a
-// different mapper (a pair re-resolved after a store reload), its window is fetched too; if the
-// overlap that turn carried is too short for it the turn is refused (FAILED_PRECONDITION, the
-// session unchanged). A mapper hot-reloaded under the same id with a different window is not
-// noticed: start a new session after changing a mapper's window.
+// Every response header names the window of the mapper version that served it
+// (TranslateResponseHeader.window), so the session needs no extra RPC: a turn keeps the last
+// window - 1 source tokens for the next one. Each turn's window is checked against the overlap
+// it carried, so a later turn served with a larger window (a pair re-resolved to another mapper
+// after a store reload, or a mapper hot-reloaded under the same id) is refused when the overlap
+// was too short for it (FAILED_PRECONDITION, the session unchanged: start a new session). A
+// server older than that field reports 0; the window then comes from GetMapper, once per mapper
+// the responses name.
 #pragma once
 
 #include <cstdint>
@@ -58,8 +58,11 @@ class TranslateSession {
   int64_t kept_tokens() const { return tail_.num_tokens; }
 
  private:
-  // GetMapper(mapper_id).window, 0 read as 1.
+  // GetMapper(mapper_id).window, 0 read as 1 (servers older than the response's window).
   absl::StatusOr<int> FetchWindow(const std::string& mapper_id);
+  // The window of the version that served `result`; `turn` names it in errors.
+  absl::StatusOr<int> ServedWindow(const TranslateResult& result, const std::string& served,
+                                   uint32_t turn);
 
   Client* const client_;
   const v1::TranslateHeader base_;
@@ -67,7 +70,7 @@ class TranslateSession {
   uint32_t turns_ = 0;
   HostCache source_shape_;  // of the first turn, no buffers
   HostCache target_;
-  // The mapper whose window is known ("" until then) and that window.
+  // The mapper that served the last turn ("" before the first) and its window.
   std::string mapper_id_;
   int window_ = 1;
   // The last min(window_ - 1, tokens_) source tokens (no buffers when none).

@@ -24,6 +24,7 @@
 #include "kernels/testing/reference.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
+#include "mapper_store/format/test_util.h"
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
 #include "tests/in_process_kvtd.h"
@@ -426,6 +427,7 @@ TEST(TranslateSessionTest, WindowMapperTurnsEqualOneTranslation) {
         absl::StatusOr<TranslateResult> turn = session.Extend(part);
         ASSERT_TRUE(turn.ok()) << turn.status();
         EXPECT_EQ(turn->header.mapper_id(), "m");
+        EXPECT_EQ(turn->header.window(), static_cast<uint32_t>(kWindow));
         EXPECT_EQ(turn->target.num_tokens, count);
         EXPECT_EQ(turn->header.num_tokens(), static_cast<uint32_t>(count));
         // The request carried the overlap: min(w - 1, tokens before the turn) more.
@@ -459,6 +461,68 @@ TEST(TranslateSessionTest, WindowMapperTurnsEqualOneTranslation) {
       EXPECT_GT(MaxError(naive, expected), 1e-3);
     }
   }
+}
+
+// The response header names the serving version's window, and the session checks it every
+// turn: a mapper hot-reloaded under the same id with a wider window is refused on the next turn
+// (the overlap it carried is too short; the session unchanged), one reloaded with a narrower
+// window serves on, the kept tokens dropped with their outputs.
+TEST(TranslateSessionTest, AMapperReloadedWithAnotherWindowIsNoticed) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string store_dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/reload_store");
+  SynthOptions token_wise;
+  token_wise.source = NeoxModelSpec("test/src", kSourceLayers, 2, 32, 10000);
+  token_wise.target = NeoxModelSpec("test/dst", 6, 4, 16, 500000);
+  token_wise.k = 2;
+  token_wise.dtype = DType::kFP32;
+  token_wise.seed = 21;
+  SynthOptions windowed = token_wise;
+  windowed.window = kWindow;
+  windowed.seed = 22;
+  WriteOptions overwrite;
+  overwrite.overwrite = true;
+  KVT_ASSERT_OK(WriteSynthMapper(store_dir + "/m", token_wise, overwrite));
+  Kvtd kvtd(/*pipeline_min_tokens=*/64, 4 << 20, store_dir);
+  ASSERT_NE(kvtd.client, nullptr);
+  const HostCache whole = RandomSource(40, DType::kFP32, Layout::kNHD, "reload session source");
+  auto part = [&](int64_t begin, int64_t end) {
+    return testing::ToHostCache(testing::SliceTokens(whole.view(), begin, end));
+  };
+  auto reload = [&](const SynthOptions& options, int64_t generation) {
+    KVT_ASSERT_OK(WriteSynthMapper(store_dir + "/m", options, overwrite));
+    KVT_ASSERT_OK(kvtd.kvtd->store().Scan());
+    ASSERT_EQ(kvtd.kvtd->store().Info("m")->generation, generation);
+  };
+
+  TranslateSession widened(kvtd.client, Header());
+  absl::StatusOr<TranslateResult> first = widened.Extend(part(0, 20));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->header.window(), 1u);
+  EXPECT_EQ(widened.kept_tokens(), 0);
+  reload(windowed, 2);
+  absl::StatusOr<TranslateResult> refused = widened.Extend(part(20, 30));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("turn 2 was served by mapper 'm' with window 3, earlier turns by 'm' "
+                        "with window 1"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("start a new session"));
+  EXPECT_EQ(widened.tokens(), 20);
+  EXPECT_EQ(widened.turns(), 1u);
+
+  TranslateSession narrowed(kvtd.client, Header());
+  ASSERT_TRUE(narrowed.Extend(part(0, 20)).ok());
+  EXPECT_EQ(narrowed.window(), kWindow);
+  EXPECT_EQ(narrowed.kept_tokens(), kWindow - 1);
+  reload(token_wise, 3);
+  absl::StatusOr<TranslateResult> second = narrowed.Extend(part(20, 30));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->header.window(), 1u);
+  EXPECT_EQ(second->target.num_tokens, 10);
+  EXPECT_EQ(narrowed.window(), 1);
+  EXPECT_EQ(narrowed.kept_tokens(), 0);
+  // The turn is the token-wise version's translation of its tokens at their positions.
+  EXPECT_LE(ErrorAgainstReference(kvtd.view(), part(20, 30), second->target, Positions{20}),
+            1e-5);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ TranslateResponseMessage ResponseHeader(const std::string& request_id, const Tra
   out->set_num_tokens(plan.num_tokens);
   out->set_backend(backend.name());
   out->set_device(backend.device());
+  out->set_window(static_cast<uint32_t>(std::max(1, plan.view().window)));
   return response;
 }
 

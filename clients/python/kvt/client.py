@@ -24,8 +24,8 @@ from kvt._proto import (common_pb2, health_pb2, health_pb2_grpc, mappers_pb2, me
                         service_pb2_grpc, translate_pb2, validate_pb2)
 from kvt.cache import (DTYPE_NAMES, DTYPES, ELEMENT_SIZE, LAYOUT_NAMES, LAYOUTS, KVCache,
                        coverage_error, decode)
-from kvt.errors import (InternalError, InvalidArgumentError, KvtError, NotFoundError,
-                        from_rpc_error)
+from kvt.errors import (FailedPreconditionError, InternalError, InvalidArgumentError, KvtError,
+                        NotFoundError, from_rpc_error)
 
 if TYPE_CHECKING:
     from kvt.shm import SharedMemoryRegion
@@ -232,7 +232,8 @@ class Client:
         longer cache goes as several consecutive requests whose results are concatenated; for a
         window mapper (MapperInfo.window w > 1, learned with one find_mapper call) each request
         after the first starts w - 1 tokens early and their outputs are dropped, so the result
-        equals one request's (docs/MAPPER_FORMAT.md, "Window mappers").
+        equals one request's (docs/MAPPER_FORMAT.md, "Window mappers"). A response that names a
+        wider window (the mapper hot-reloaded meanwhile) makes the split again with it.
         """
         limit = self.max_request_tokens
         if limit is not None and source.num_tokens > limit:
@@ -240,28 +241,23 @@ class Client:
                 raise InvalidArgumentError(
                     f"positions: need {source.num_tokens} entries, got {len(positions)}")
             info = self.find_mapper(source_model, target_model, mapper_id, timeout)
-            reach = max(1, info.window) - 1
-            if limit <= reach:
-                raise InvalidArgumentError(
-                    f"max_request_tokens={limit} leaves no room for new tokens beside the "
-                    f"{reach} earlier ones mapper {info.mapper_id!r} (window {info.window}) "
-                    f"reads; make it larger than {reach}")
-            parts: List[TranslateResult] = []
-            for begin in range(0, source.num_tokens, limit - reach):
-                end = min(begin + limit - reach, source.num_tokens)
-                early = min(reach, begin)
-                part = self.translate(
-                    source.slice_tokens(begin - early, end), mapper_id=mapper_id,
-                    source_model=source_model, target_model=target_model,
-                    position_offset=position_offset + begin - early,
-                    positions=None if positions is None else list(positions)[begin - early:end],
+            window = max(1, info.window)
+            # Each response names the window that served it; a wider one (the mapper reloaded
+            # between the lookup and a request) makes the split again with it.
+            for _ in range(3):
+                parts = self._translate_split(source, limit, window, info.mapper_id, dict(
+                    mapper_id=mapper_id, source_model=source_model, target_model=target_model,
                     output_dtype=output_dtype, output_layout=output_layout,
-                    request_id=f"{request_id}/{len(parts)}" if request_id else "",
                     session_id=session_id, turn=turn,
                     reprefill_estimate_ms=reprefill_estimate_ms,
-                    response_chunk_tokens=response_chunk_tokens, timeout=timeout)
-                parts.append(_drop_leading(part, early))
-            return _combine(parts)
+                    response_chunk_tokens=response_chunk_tokens, timeout=timeout),
+                    position_offset, positions, request_id)
+                if isinstance(parts, list):
+                    return _combine(parts)
+                window = parts
+            raise FailedPreconditionError(
+                f"mapper {info.mapper_id!r} changed its window during every split of this call "
+                f"(last window {window}); retry")
         header = self._translate_header(
             source.num_tokens, source.dtype or "fp32", source.layout, mapper_id, source_model,
             target_model, position_offset, positions, output_dtype, output_layout, request_id,
@@ -278,6 +274,35 @@ class Client:
         call = self._stub.TranslateKV(requests(), timeout=self._timeout(timeout),
                                       metadata=self._metadata)
         return _Reassembler(call).run()
+
+    def _translate_split(self, source: KVCache, limit: int, window: int, mapper_name: str,
+                         fields: dict, position_offset: int,
+                         positions: Optional[Sequence[int]], request_id: str
+                         ) -> Union[List[TranslateResult], int]:
+        """translate() of `source` as consecutive requests of at most `limit` tokens for a
+        mapper of `window`: each after the first starts window - 1 tokens early, and their
+        outputs are dropped. Returns the parts, or the wider window a response named (the
+        parts then do not equal one request)."""
+        reach = window - 1
+        if limit <= reach:
+            raise InvalidArgumentError(
+                f"max_request_tokens={limit} leaves no room for new tokens beside the "
+                f"{reach} earlier ones mapper {mapper_name!r} (window {window}) reads; make it "
+                f"larger than {reach}")
+        parts: List[TranslateResult] = []
+        for begin in range(0, source.num_tokens, limit - reach):
+            end = min(begin + limit - reach, source.num_tokens)
+            early = min(reach, begin)
+            part = self.translate(
+                source.slice_tokens(begin - early, end), position_offset=position_offset +
+                begin - early,
+                positions=None if positions is None else list(positions)[begin - early:end],
+                request_id=f"{request_id}/{len(parts)}" if request_id else "", **fields)
+            served = part.header.window
+            if served - 1 > early and begin > early:
+                return served
+            parts.append(_drop_leading(part, early))
+        return parts
 
     def translate_layers(self, layers: Iterable[Tuple[np.ndarray, np.ndarray]], *,
                          num_layers: int, num_tokens: int, dtype: str = "fp32",

@@ -14,14 +14,13 @@ The pieces equal one translation of the whole sequence for every mapper:
   fine: the kept tail then spans several turns. A turn the client splits
   (Client.max_request_tokens) is split with the same overlap by Client.translate.
 
-The window is learned once per session with get_mapper (client role): before the first turn when
-mapper_id is given, otherwise after it, on the mapper its response header names. For a
-token-wise mapper that is the only overhead: one small unary call per session, no copies, the
-same requests as without the window logic. A later turn served by a different mapper (a pair
-re-resolved after a store reload) has that mapper's window fetched too and is refused
-(FailedPreconditionError, the session unchanged) when the overlap it carried is too short for
-it. A mapper hot-reloaded under the same id with another window is not noticed: start a new
-session after changing a window.
+Every response header names the window of the mapper version that served it
+(TranslateResponseHeader.window), so the session needs no extra call: a turn keeps the last
+window - 1 source tokens for the next one. Each turn's window is checked against the overlap it
+carried, so a later turn served with a larger window (a pair re-resolved to another mapper after
+a store reload, or a mapper hot-reloaded under the same id) is refused (FailedPreconditionError,
+the session unchanged: start a new session). A server older than that field reports 0; the
+window then comes from get_mapper, once per mapper the responses name.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ class Session:
         self.target: Optional[KVCache] = None
         self.window = 1
         self._source_form: Optional[Tuple[Any, ...]] = None
-        self._window_mapper = ""  # the mapper whose window is known
+        self._window_mapper = ""  # the mapper that served the last turn
         self._tail: Optional[KVCache] = None  # the last min(window - 1, tokens) source tokens
 
     @property
@@ -92,8 +91,6 @@ class Session:
                 f"head_dim {form}, earlier turns {self._source_form}")
         if added.num_tokens == 0:
             raise InvalidArgumentError(f"session {self.session_id}: turn {turn} adds no tokens")
-        if not self._window_mapper and self._mapper_id:
-            self._window_mapper, self.window = self._learn_window(turn, self._mapper_id)
         tail = self._tail
         overlap = 0 if tail is None else tail.num_tokens
         request = added if tail is None else KVCache.concat([tail, added])
@@ -108,18 +105,20 @@ class Session:
                 f"session {self.session_id}: turn {turn} sent {request.num_tokens} tokens "
                 f"and got {0 if result.target is None else result.target.num_tokens} back")
         served = result.header.mapper_id or self._mapper_id
-        window = self.window
-        if served and served != self._window_mapper:
-            _, window = self._learn_window(turn, served, translated=True)
-            # The overlap sent covers a window of window - 1 unless the request began at the
-            # sequence's first token (nothing before it to re-send).
-            if overlap < self.tokens and window - 1 > overlap:
-                raise FailedPreconditionError(
-                    f"session {self.session_id}: turn {turn} was served by mapper {served!r} "
-                    f"(window {window}), earlier turns by {self._window_mapper!r} (window "
-                    f"{self.window}); it re-sent {overlap} earlier tokens where the window "
-                    f"needs {window - 1}, so it would not equal one translation; start a new "
-                    f"session")
+        window = result.header.window
+        if window == 0:  # a server older than the response's window
+            window = self.window
+            if served and served != self._window_mapper:
+                _, window = self._learn_window(turn, served, translated=True)
+        # The overlap sent covers a window of window - 1 unless the request began at the
+        # sequence's first token (nothing before it to re-send).
+        if overlap < self.tokens and window - 1 > overlap:
+            raise FailedPreconditionError(
+                f"session {self.session_id}: turn {turn} was served by mapper {served!r} with "
+                f"window {window}, earlier turns by {self._window_mapper!r} with window "
+                f"{self.window} (another mapper, or the same one reloaded); it re-sent {overlap} "
+                f"earlier tokens where the window needs {window - 1}, so it would not equal one "
+                f"translation; start a new session")
         piece = _drop_leading(result, overlap).target
         assert piece is not None
         self.target = piece if self.target is None else KVCache.concat([self.target, piece])

@@ -665,6 +665,82 @@ class WindowSessionTest(unittest.TestCase):
         self.assertEqual((session.tokens, session.turns), (0, 0))
 
 
+class WindowReloadTest(unittest.TestCase):
+    """A mapper hot-reloaded under the same id with another window: every response names the
+    window that served it, so a session refuses a later turn the overlap it carried is too
+    short for, serves on after a narrower one, and a split call whose lookup predates the
+    reload is made again with the wider window."""
+
+    def setUp(self) -> None:
+        self.store = make_store("reload_store")  # demo-tiny, token-wise
+        self.windowed = os.path.join(make_window_store("reload_window_source"), WINDOW_MAPPER)
+        self.token_wise = os.path.dirname(runfile("demo/mappers/demo-tiny/manifest.yaml"))
+        config = write(os.path.join(test_tmpdir(), "reload.yaml"),
+                       f"mapper_store:\n  path: {self.store}\n  reload_interval_seconds: 0.05\n")
+        self.kvtd = Kvtd([f"--config={config}", "--listen_address=127.0.0.1:0",
+                          "--backend=cpu", "--cpu_threads=1", "--drain_grace_seconds=0"],
+                         name="kvtd-reload").__enter__()
+        self.client = kvt.Client(self.kvtd.address, timeout=60)
+        self.rng = np.random.default_rng(SEED + 2)
+
+    def tearDown(self) -> None:
+        self.client.close()
+        self.kvtd.__exit__()
+
+    def reload(self, source_dir: str, generation: int) -> None:
+        """Replaces demo-tiny with source_dir's files (renamed into place, as kvt fit does) and
+        waits for the poller to load that version."""
+        staged = os.path.join(self.store, f".demo-tiny.tmp-{generation}")
+        os.makedirs(staged)
+        for name in ("manifest.yaml", "weights.safetensors", "SHA256SUMS"):
+            shutil.copyfile(os.path.join(source_dir, name), os.path.join(staged, name))
+        old = os.path.join(self.store, f".demo-tiny.old-{generation}")
+        os.rename(os.path.join(self.store, "demo-tiny"), old)
+        os.rename(staged, os.path.join(self.store, "demo-tiny"))
+        deadline = time.monotonic() + 30
+        while self.client.get_mapper("demo-tiny").generation < generation:
+            self.assertLess(time.monotonic(), deadline, "the reload was not picked up")
+            time.sleep(0.05)
+
+    def test_a_wider_window_is_refused_and_a_narrower_one_serves(self) -> None:
+        source = random_cache(self.rng, 30)
+        widened = kvt.Session(self.client, mapper_id="demo-tiny")
+        self.assertEqual(widened.extend(source.slice_tokens(0, 20)).header.window, 1)
+        self.reload(self.windowed, 2)
+        with self.assertRaises(kvt.FailedPreconditionError) as caught:
+            widened.extend(source.slice_tokens(20, 30))
+        self.assertIn("served by mapper 'demo-tiny' with window 3, earlier turns by "
+                      "'demo-tiny' with window 1", caught.exception.details)
+        self.assertEqual((widened.tokens, widened.turns), (20, 1))
+
+        narrowed = kvt.Session(self.client, mapper_id="demo-tiny")
+        narrowed.extend(source.slice_tokens(0, 20))
+        self.assertEqual((narrowed.window, narrowed.kept_tokens), (WINDOW, WINDOW - 1))
+        self.reload(self.token_wise, 3)
+        turn = narrowed.extend(source.slice_tokens(20, 30))
+        self.assertEqual((turn.header.window, turn.target.num_tokens), (1, 10))
+        self.assertEqual((narrowed.window, narrowed.kept_tokens), (1, 0))
+        alone = self.client.translate(source.slice_tokens(20, 30), mapper_id="demo-tiny",
+                                      position_offset=20).target
+        self.assertLessEqual(max(max_rel_error(a, b) for a, b in zip(
+            turn.target.k + turn.target.v, alone.k + alone.v)), 1e-6)
+
+    def test_a_split_looked_up_before_a_reload_is_made_again(self) -> None:
+        source = random_cache(self.rng, 40)
+        stale = self.client.get_mapper("demo-tiny")  # window 1: the lookup before the reload
+        self.reload(self.windowed, 2)
+        whole = self.client.translate(source, mapper_id="demo-tiny").target
+        with kvt.Client(self.kvtd.address, timeout=60, max_request_tokens=8) as small:
+            small.find_mapper = lambda *args, **kwargs: stale  # type: ignore[method-assign]
+            split = small.translate(source, mapper_id="demo-tiny")
+        self.assertEqual(split.header.window, WINDOW)
+        # Made again with the wider window: 6 new tokens per request after the first.
+        self.assertEqual([p.trailer.num_tokens for p in split.parts],
+                         [6, 8, 8, 8, 8, 8, 6])
+        self.assertLessEqual(max(max_rel_error(a, b) for a, b in zip(
+            split.target.k + split.target.v, whole.k + whole.v)), 1e-5)
+
+
 class SecurityTest(unittest.TestCase):
     """Bearer tokens with roles and TLS against a kvtd started with both."""
 
