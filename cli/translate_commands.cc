@@ -126,14 +126,8 @@ int RunDemo(const std::vector<std::string>& args) {
   if (tokens <= 0) return Fail("demo", absl::InvalidArgumentError("--tokens must be > 0"));
 
   // A source cache of unit-variance entries: the scale of real keys and values.
-  HostCache source;
-  source.dtype = *dtype;
-  source.layout = *layout;
-  source.num_layers = view.source.num_layers;
-  source.num_kv_heads = view.source.num_kv_heads;
-  source.head_dim = view.source.head_dim;
-  source.num_tokens = tokens;
-  source.Allocate();
+  HostCache source = HostCache::Zeros(*dtype, *layout, view.source.num_layers,
+                                      view.source.num_kv_heads, view.source.head_dim, tokens);
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
   std::normal_distribution<double> normal(0.0, 1.0);
   const int64_t elements = source.layer_bytes() / static_cast<int64_t>(DTypeSize(*dtype));

@@ -295,14 +295,8 @@ absl::StatusOr<CheckedPair> ReadCheckedPair(const SequencePair& pair, const Mode
 // A `rope: pre` cache (content-space keys) as a model holds it: fp32 with `rope` applied to
 // the keys at `positions`. A post-RoPE cache is left as it is.
 void ToPostRope(const Rope& rope, const std::vector<uint64_t>& positions, HostCache* cache) {
-  HostCache post;
-  post.dtype = DType::kFP32;
-  post.layout = Layout::kHND;
-  post.num_layers = cache->num_layers;
-  post.num_kv_heads = cache->num_kv_heads;
-  post.head_dim = cache->head_dim;
-  post.num_tokens = cache->num_tokens;
-  post.Allocate();
+  HostCache post = HostCache::Zeros(DType::kFP32, Layout::kHND, cache->num_layers,
+                                    cache->num_kv_heads, cache->head_dim, cache->num_tokens);
   const int64_t T = cache->num_tokens, count = int64_t{cache->num_kv_heads} * T * cache->head_dim;
   const int d = cache->head_dim, half = rope.rotary_dim() / 2;
   std::vector<float> cos(T * half), sin(T * half);

@@ -19,15 +19,8 @@ namespace {
 int64_t Width(const ModelSpec& m) { return int64_t{m.num_kv_heads} * m.head_dim; }
 
 HostCache EmptyCache(const ModelSpec& model, int64_t tokens, DType dtype) {
-  HostCache cache;
-  cache.dtype = dtype;
-  cache.layout = Layout::kHND;
-  cache.num_layers = model.num_layers;
-  cache.num_kv_heads = model.num_kv_heads;
-  cache.head_dim = model.head_dim;
-  cache.num_tokens = tokens;
-  cache.Allocate();
-  return cache;
+  return HostCache::Zeros(dtype, Layout::kHND, model.num_layers, model.num_kv_heads,
+                          model.head_dim, tokens);
 }
 
 // Stores content-space rows [tokens, n d] of one layer into the cache in HND, applying the

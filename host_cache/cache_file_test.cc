@@ -11,14 +11,7 @@ namespace kvt {
 namespace {
 
 HostCache RandomCache(Layout layout) {
-  HostCache cache;
-  cache.dtype = DType::kBF16;
-  cache.layout = layout;
-  cache.num_layers = 3;
-  cache.num_kv_heads = 2;
-  cache.head_dim = 4;
-  cache.num_tokens = 5;
-  cache.Allocate();
+  HostCache cache = HostCache::Zeros(DType::kBF16, layout, 3, 2, 4, 5);
   std::mt19937 rng(std::random_device{}());
   for (auto* buffers : {&cache.k, &cache.v}) {
     for (auto& buffer : *buffers) {

@@ -10,17 +10,10 @@ LayerGeometry Geometry(const HostCache& cache) {
                        static_cast<int64_t>(DTypeSize(cache.dtype))};
 }
 
-// An empty cache of `like`'s dtype, layout and shape with `tokens` tokens.
+// A zeroed cache of `like`'s dtype, layout and shape with `tokens` tokens.
 HostCache Shaped(const HostCache& like, int64_t tokens) {
-  HostCache cache;
-  cache.dtype = like.dtype;
-  cache.layout = like.layout;
-  cache.num_layers = like.num_layers;
-  cache.num_kv_heads = like.num_kv_heads;
-  cache.head_dim = like.head_dim;
-  cache.num_tokens = tokens;
-  cache.Allocate();
-  return cache;
+  return HostCache::Zeros(like.dtype, like.layout, like.num_layers, like.num_kv_heads,
+                          like.head_dim, tokens);
 }
 
 // Tokens [from, from + count) of `source` written to tokens [to, to + count) of `dest` (same
@@ -54,6 +47,19 @@ HostCache ConcatTokens(const HostCache& first, const HostCache& second) {
   CopyTokens(first, 0, first.num_tokens, &joined, 0);
   CopyTokens(second, 0, second.num_tokens, &joined, first.num_tokens);
   return joined;
+}
+
+HostCache HostCache::Zeros(DType dtype, Layout layout, int num_layers, int num_kv_heads,
+                           int head_dim, int64_t num_tokens) {
+  HostCache cache;
+  cache.dtype = dtype;
+  cache.layout = layout;
+  cache.num_layers = num_layers;
+  cache.num_kv_heads = num_kv_heads;
+  cache.head_dim = head_dim;
+  cache.num_tokens = num_tokens;
+  cache.Allocate();
+  return cache;
 }
 
 void HostCache::Allocate() {

@@ -25,6 +25,9 @@ struct HostCache {
     return static_cast<int64_t>(num_kv_heads) * num_tokens * head_dim *
            static_cast<int64_t>(DTypeSize(dtype));
   }
+  // A cache of this form and shape with zeroed buffers.
+  static HostCache Zeros(DType dtype, Layout layout, int num_layers, int num_kv_heads,
+                         int head_dim, int64_t num_tokens);
   // Allocates zeroed buffers for the shape already set.
   void Allocate();
   // Sizes the buffers for the shape already set, keeping those that already have the size

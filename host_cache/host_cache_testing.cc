@@ -11,14 +11,8 @@ namespace testing {
 
 HostCache RandomHostCache(const ModelSpec& model, int64_t tokens, DType dtype, Layout layout,
                           uint64_t seed) {
-  HostCache cache;
-  cache.dtype = dtype;
-  cache.layout = layout;
-  cache.num_layers = model.num_layers;
-  cache.num_kv_heads = model.num_kv_heads;
-  cache.head_dim = model.head_dim;
-  cache.num_tokens = tokens;
-  cache.Allocate();
+  HostCache cache = HostCache::Zeros(dtype, layout, model.num_layers, model.num_kv_heads,
+                                     model.head_dim, tokens);
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal;
   const int64_t elements = cache.layer_bytes() / static_cast<int64_t>(DTypeSize(dtype));

@@ -63,14 +63,8 @@ class PrefixCacheServiceTest : public ::testing::Test {
   }
 
   static HostCache Source(int64_t tokens, Layout layout, uint32_t seed) {
-    HostCache cache;
-    cache.dtype = DType::kFP32;
-    cache.layout = layout;
-    cache.num_layers = kSourceLayers;
-    cache.num_kv_heads = kSourceHeads;
-    cache.head_dim = kSourceDim;
-    cache.num_tokens = tokens;
-    cache.Allocate();
+    HostCache cache = HostCache::Zeros(DType::kFP32, layout, kSourceLayers, kSourceHeads,
+                                       kSourceDim, tokens);
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
     for (int l = 0; l < cache.num_layers; ++l) {

@@ -49,14 +49,8 @@ int FreePort() {
 }
 
 HostCache RandomCache(int layers, int heads, int head_dim, uint64_t seed) {
-  HostCache cache;
-  cache.dtype = DType::kBF16;
-  cache.layout = Layout::kHND;
-  cache.num_layers = layers;
-  cache.num_kv_heads = heads;
-  cache.head_dim = head_dim;
-  cache.num_tokens = kTokens;
-  cache.Allocate();
+  HostCache cache =
+      HostCache::Zeros(DType::kBF16, Layout::kHND, layers, heads, head_dim, kTokens);
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal;
   for (int l = 0; l < layers; ++l) {

@@ -411,14 +411,8 @@ TEST_F(TranslateServiceTest, SharedMemoryAndCudaIpcAreOffByDefault) {
 HostCache FromDoubles(const ModelSpec& model, int64_t tokens, int heads,
                       const std::vector<std::vector<double>>& k,
                       const std::vector<std::vector<double>>& v) {
-  HostCache cache;
-  cache.dtype = DType::kFP32;
-  cache.layout = Layout::kHND;
-  cache.num_layers = model.num_layers;
-  cache.num_kv_heads = heads;
-  cache.head_dim = model.head_dim;
-  cache.num_tokens = tokens;
-  cache.Allocate();
+  HostCache cache = HostCache::Zeros(DType::kFP32, Layout::kHND, model.num_layers, heads,
+                                     model.head_dim, tokens);
   for (int layer = 0; layer < model.num_layers; ++layer) {
     for (int64_t t = 0; t < tokens; ++t) {
       for (int h = 0; h < heads; ++h) {

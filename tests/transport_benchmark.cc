@@ -195,14 +195,9 @@ int Run() {
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_tokens), ',')) {
     Row row;
     if (!absl::SimpleAtoi(t, &row.tokens)) return 2;
-    HostCache source;
-    source.dtype = DType::kBF16;
-    source.layout = Layout::kNHD;
-    source.num_layers = layers;
-    source.num_kv_heads = synth->source.num_kv_heads;
-    source.head_dim = synth->source.head_dim;
-    source.num_tokens = row.tokens;
-    source.Allocate();
+    HostCache source = HostCache::Zeros(DType::kBF16, Layout::kNHD, layers,
+                                        synth->source.num_kv_heads, synth->source.head_dim,
+                                        row.tokens);
     std::mt19937 rng(1);
     for (int l = 0; l < layers; ++l) {
       for (std::vector<char>* buffer : {&source.k[l], &source.v[l]}) {

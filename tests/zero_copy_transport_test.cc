@@ -49,14 +49,7 @@ class ZeroCopyTransportTest : public ::testing::Test {
   }
 
   HostCache Source(int64_t tokens, Layout layout) {
-    HostCache cache;
-    cache.dtype = DType::kFP32;
-    cache.layout = layout;
-    cache.num_layers = 3;
-    cache.num_kv_heads = 2;
-    cache.head_dim = 32;
-    cache.num_tokens = tokens;
-    cache.Allocate();
+    HostCache cache = HostCache::Zeros(DType::kFP32, layout, 3, 2, 32, tokens);
     std::mt19937 rng(static_cast<uint32_t>(tokens));
     std::normal_distribution<float> normal;
     for (int l = 0; l < cache.num_layers; ++l) {
