@@ -36,15 +36,18 @@ using ::testing::HasSubstr;
 
 constexpr int kSourceLayers = 8;
 
-std::string StoreDir() {
+// The token-wise pair every store here serves (fp32, k = 2), its weights drawn from `seed`.
+SynthOptions TestPair(uint64_t seed) {
   SynthOptions options;
   options.source = NeoxModelSpec("test/src", kSourceLayers, 2, 32, 10000);
   options.target = NeoxModelSpec("test/dst", 6, 4, 16, 500000);
   options.k = 2;
   options.dtype = DType::kFP32;
-  options.seed = 11;
-  return SynthStoreForTest("pipelined_store", options);
+  options.seed = seed;
+  return options;
 }
+
+std::string StoreDir() { return SynthStoreForTest("pipelined_store", TestPair(11)); }
 
 // The same source model into a window mapper (window 3): each output token reads its source
 // token and the two before it in the request.
@@ -52,13 +55,9 @@ constexpr int kWindow = 3;
 constexpr char kWindowTarget[] = "test/dst-window";
 
 std::string WindowStoreDir() {
-  SynthOptions options;
-  options.source = NeoxModelSpec("test/src", kSourceLayers, 2, 32, 10000);
-  options.target = NeoxModelSpec(kWindowTarget, 6, 4, 16, 500000);
-  options.k = 2;
+  SynthOptions options = TestPair(12);
+  options.target.name = kWindowTarget;
   options.window = kWindow;
-  options.dtype = DType::kFP32;
-  options.seed = 12;
   return SynthStoreForTest("pipelined_window_store", options);
 }
 
@@ -470,12 +469,7 @@ TEST(TranslateSessionTest, WindowMapperTurnsEqualOneTranslation) {
 TEST(TranslateSessionTest, AMapperReloadedWithAnotherWindowIsNoticed) {
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string store_dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/reload_store");
-  SynthOptions token_wise;
-  token_wise.source = NeoxModelSpec("test/src", kSourceLayers, 2, 32, 10000);
-  token_wise.target = NeoxModelSpec("test/dst", 6, 4, 16, 500000);
-  token_wise.k = 2;
-  token_wise.dtype = DType::kFP32;
-  token_wise.seed = 21;
+  const SynthOptions token_wise = TestPair(21);
   SynthOptions windowed = token_wise;
   windowed.window = kWindow;
   windowed.seed = 22;
