@@ -19,6 +19,13 @@ gain over the target's own, as the evaluation computes it):
 - MLP, all layers (and at p..p-w+1, the widest w): two hidden ReLU layers, MSE-trained (Adam);
 - own keys: the target's own (the ceiling for this layer).
 
+--values replaces the layer's values too (each map then predicts keys and values; the layer probe
+finds the own keys and values restore 0.93-1.00 of a copy, the own keys alone 0.71-0.96). --maps
+picks which maps run (their labels' short names: served, ridge_sigma, ridge_all, ridge_window,
+mlp_all, mlp_window, own); with --calib_windows and --mlp_steps it measures how the window MLP's
+share grows with data and training. Each fitted map's relative MSE on held-out windows (the
+eval's held-out split) is printed beside its share.
+
 A research tool for the mapper work issue 22 leaves open; nothing here is served.
 """
 
@@ -83,17 +90,20 @@ def mlp(x, y, hidden, steps, seed=0):
     return predict
 
 
-def share(client, source, target, mapper_id, layer, keys_of, windows, controls, context):
-    """Long-range share with `layer`'s keys from keys_of(context ids) (content space, [T,
-    n * d]; None: the served mapper's), every other layer as served."""
+def share(client, source, target, mapper_id, layer, rows_of, windows, controls, context, values):
+    """Long-range share with `layer`'s keys (and, with values, its values) from rows_of(context
+    ids) (content space, [T, n * d], keys then values; None: the served mapper's), every other
+    layer as served."""
     ce = {"window": [], "control": [], "own_window": [], "own_control": []}
     for kind, group in (("window", windows), ("control", controls)):
         for w in group:
             ctx, cont, tgt = w[:context], w[context:-1], w[context + 1:]
             mapped = R.translate(client, mapper_id, source.prefill(ctx))
-            if keys_of is not None:
-                content = keys_of(ctx).float().reshape(len(ctx), target.n_kv, -1)
-                mapped[layer] = (target.rope(content.transpose(0, 1)[None], 0), mapped[layer][1])
+            if rows_of is not None:
+                rows = rows_of(ctx).float().reshape(len(ctx), (2 if values else 1) * target.n_kv,
+                                                    -1).transpose(0, 1)[None]
+                keys = target.rope(rows[:, :target.n_kv].contiguous(), 0)
+                mapped[layer] = (keys, rows[:, target.n_kv:] if values else mapped[layer][1])
             ce[kind].append(np.mean(target.continuation_nll(mapped, cont, tgt)))
             ce["own_" + kind].append(np.mean(target.continuation_nll(target.prefill(ctx), cont,
                                                                      tgt)))
@@ -117,7 +127,12 @@ def main():
     p.add_argument("--widths", default="2,4")
     p.add_argument("--mlp_hidden", type=int, default=1024)
     p.add_argument("--mlp_steps", type=int, default=3000)
+    p.add_argument("--values", action="store_true",
+                   help="replace the layer's values too (maps predict keys and values)")
+    p.add_argument("--maps", default="served,ridge_sigma,ridge_all,ridge_window,mlp_all,"
+                   "mlp_window,own", help="which maps to run, by short name")
     args = p.parse_args()
+    chosen = set(args.maps.split(","))
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
     store = os.path.join(caller, args.store)
     torch.set_num_threads(1)
@@ -133,10 +148,14 @@ def main():
     calib = list(R.dump_kv.windows(R.token_stream("calib"), args.calib_tokens,
                                    args.calib_windows))
 
-    def own_keys(ids):  # the target's keys at `layer`, content space
-        return R.token_rows(target.rope(target.prefill(ids)[layer][0], 0, inverse=True))
+    def own_rows(ids):  # the target's keys (and values) at `layer`, content space
+        cache = target.prefill(ids)[layer]
+        rows = [R.token_rows(target.rope(cache[0], 0, inverse=True))]
+        return torch.cat(rows + [R.token_rows(cache[1])] if args.values else rows, 1)
 
-    truth = torch.cat([own_keys(ids) for ids in calib])
+    truth = torch.cat([own_rows(ids) for ids in calib])
+    heldout = R.heldout_windows(args.calib_tokens, 16)
+    heldout_truth = torch.cat([own_rows(ids) for ids in heldout])
     key_width = len(sigma) * source.n_kv * source.head_dim
 
     def sigma_keys(ids):  # sigma's keys alone, as the served map reads them (SPEC 3)
@@ -145,34 +164,49 @@ def main():
     def all_layers(ids):
         return source_features(source, ids, every)
 
-    maps = {"served": None}
+    maps = {}
+    heldout_error = {}
 
-    def fitted(features, fit):
+    def fitted(label, features, fit):
         model = fit(torch.cat([features(ids) for ids in calib]), truth)
-        return lambda ids: model(features(ids))
-    maps["ridge, sigma"] = fitted(sigma_keys, ridge)
-    maps["ridge, all layers"] = fitted(all_layers, ridge)
+        predicted = torch.cat([model(features(ids)) for ids in heldout])
+        spread = ((heldout_truth - heldout_truth.mean(0)) ** 2).sum()
+        heldout_error[label] = round(float(((predicted - heldout_truth) ** 2).sum() / spread), 4)
+        print(f"{label}: relative MSE on held-out windows {heldout_error[label]:.4f}", flush=True)
+        maps[label] = lambda ids: model(features(ids))
+
+    if "served" in chosen:
+        maps["served"] = None
+    if "ridge_sigma" in chosen:
+        fitted("ridge, sigma", sigma_keys, ridge)
+    if "ridge_all" in chosen:
+        fitted("ridge, all layers", all_layers, ridge)
     widths = [int(x) for x in args.widths.split(",") if x]
-    for w in widths:
-        maps[f"ridge, all layers at p..p-{w - 1}"] = fitted(
-            lambda ids, w=w: with_previous(all_layers(ids), w), ridge)
+    for w in widths if "ridge_window" in chosen else ():
+        fitted(f"ridge, all layers at p..p-{w - 1}",
+               lambda ids, w=w: with_previous(all_layers(ids), w), ridge)
     train_mlp = lambda x, y: mlp(x, y, args.mlp_hidden, args.mlp_steps)  # noqa: E731
-    maps["MLP, all layers"] = fitted(all_layers, train_mlp)
-    if widths:
+    if "mlp_all" in chosen:
+        fitted("MLP, all layers", all_layers, train_mlp)
+    if widths and "mlp_window" in chosen:
         w = max(widths)
-        maps[f"MLP, all layers at p..p-{w - 1}"] = fitted(
-            lambda ids: with_previous(all_layers(ids), w), train_mlp)
-    maps["own keys"] = own_keys
+        fitted(f"MLP, all layers at p..p-{w - 1}",
+               lambda ids: with_previous(all_layers(ids), w), train_mlp)
+    if "own" in chosen:
+        maps["own"] = own_rows
     windows, controls = R.copy_windows(args.context, args.continuation, args.windows)
     results = {}
+    replaced = "keys and values" if args.values else "keys"
     with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
         for label, keys_of in maps.items():
             results[label] = round(share(client, source, target, mapper_id, layer, keys_of,
-                                         windows, controls, args.context), 4)
-            print(f"{args.pair} layer {layer} keys from {label}: long-range share "
+                                         windows, controls, args.context, args.values), 4)
+            print(f"{args.pair} layer {layer} {replaced} from {label}: long-range share "
                   f"{results[label]:.3f}", flush=True)
     print(json.dumps({"pair": args.pair, "layer": layer, "sigma": sigma, "windows": args.windows,
-                      "share": results}))
+                      "replaced": replaced, "calib_windows": args.calib_windows,
+                      "mlp_steps": args.mlp_steps, "share": results,
+                      "heldout_relative_mse": heldout_error}))
 
 
 if __name__ == "__main__":
