@@ -120,6 +120,9 @@ def main():
     p.add_argument("--layer", type=int, default=-1,
                    help="target layer whose keys are replaced (-1: the last)")
     p.add_argument("--calib_windows", type=int, default=64)
+    p.add_argument("--calib_split", default="calib", choices=("calib", "train"),
+                   help="where the calibration windows come from (train: the family's training "
+                   "split, 16x the calibration split, for data-scaling runs)")
     p.add_argument("--calib_tokens", type=int, default=512)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--context", type=int, default=384)
@@ -145,7 +148,7 @@ def main():
         manifest = yaml.safe_load(f)
     sigma = next(e["sigma_k"] for e in manifest["layers"] if e["target_layer"] == layer)
     every = list(range(source.layers))
-    calib = list(R.dump_kv.windows(R.token_stream("calib"), args.calib_tokens,
+    calib = list(R.dump_kv.windows(R.token_stream(args.calib_split), args.calib_tokens,
                                    args.calib_windows))
 
     def own_rows(ids):  # the target's keys (and values) at `layer`, content space
@@ -167,8 +170,8 @@ def main():
     maps = {}
     heldout_error = {}
 
-    def fitted(label, features, fit):
-        model = fit(torch.cat([features(ids) for ids in calib]), truth)
+    def fitted(label, features, fit, dtype=torch.float64):
+        model = fit(torch.cat([features(ids).to(dtype) for ids in calib]), truth.to(dtype))
         predicted = torch.cat([model(features(ids)) for ids in heldout])
         spread = ((heldout_truth - heldout_truth.mean(0)) ** 2).sum()
         heldout_error[label] = round(float(((predicted - heldout_truth) ** 2).sum() / spread), 4)
@@ -186,12 +189,13 @@ def main():
         fitted(f"ridge, all layers at p..p-{w - 1}",
                lambda ids, w=w: with_previous(all_layers(ids), w), ridge)
     train_mlp = lambda x, y: mlp(x, y, args.mlp_hidden, args.mlp_steps)  # noqa: E731
+    mlp_dtype = torch.float32  # the MLP trains in float32: gather its inputs so (half the memory)
     if "mlp_all" in chosen:
-        fitted("MLP, all layers", all_layers, train_mlp)
+        fitted("MLP, all layers", all_layers, train_mlp, mlp_dtype)
     if widths and "mlp_window" in chosen:
         w = max(widths)
         fitted(f"MLP, all layers at p..p-{w - 1}",
-               lambda ids: with_previous(all_layers(ids), w), train_mlp)
+               lambda ids: with_previous(all_layers(ids), w), train_mlp, mlp_dtype)
     if "own" in chosen:
         maps["own"] = own_rows
     windows, controls = R.copy_windows(args.context, args.continuation, args.windows)
@@ -205,6 +209,7 @@ def main():
                   f"{results[label]:.3f}", flush=True)
     print(json.dumps({"pair": args.pair, "layer": layer, "sigma": sigma, "windows": args.windows,
                       "replaced": replaced, "calib_windows": args.calib_windows,
+                      "calib_split": args.calib_split,
                       "mlp_steps": args.mlp_steps, "share": results,
                       "heldout_relative_mse": heldout_error}))
 
