@@ -170,8 +170,15 @@ def main():
     maps = {}
     heldout_error = {}
 
+    def gathered(features, dtype):  # filled in place: no list of pieces beside the whole
+        first = features(calib[0])
+        x = torch.empty(len(calib) * len(first), first.shape[1], dtype=dtype)
+        for i, ids in enumerate(calib):
+            x[i * len(first):(i + 1) * len(first)] = first if i == 0 else features(ids)
+        return x
+
     def fitted(label, features, fit, dtype=torch.float64):
-        model = fit(torch.cat([features(ids).to(dtype) for ids in calib]), truth.to(dtype))
+        model = fit(gathered(features, dtype), truth.to(dtype))
         predicted = torch.cat([model(features(ids)) for ids in heldout])
         spread = ((heldout_truth - heldout_truth.mean(0)) ** 2).sum()
         heldout_error[label] = round(float(((predicted - heldout_truth) ** 2).sum() / spread), 4)
