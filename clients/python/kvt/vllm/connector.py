@@ -726,6 +726,9 @@ class KvtConnector(KVConnectorBase_V1):
             tensors = [self._kv_caches[name] for name in self._layers]
             if any(self._paged[name].affine_kv != first.affine_kv for name in self._layers):
                 raise ValueError("the layers' block orders differ")
+            if None in first.affine_kv:  # refused before the cache moves, not after
+                raise ValueError(f"the kernel's order within a block (ISA {first.isa}) is not "
+                                 "affine")
             memory = share_in_place(tensors)
             try:
                 order = engine_block_order(memory, tensors, first.affine_kv, first.block_elems)

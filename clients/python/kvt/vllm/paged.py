@@ -10,10 +10,13 @@ bit patterns of every element's index into a one-block scratch cache through
 `cpu_attn_reshape_and_cache` and reading where they landed gives, per (ISA, dtype, block size,
 heads, head_dim), the memory offset of every (token offset, head, dim) of K and V within a block.
 Gathers and scatters are then plain indexed copies of the layer tensor, or, where the kernel's
-order within a block is affine in (token offset, head, dim), as it is for every ISA seen here,
-strided copies of whole blocks through numpy views (`block_views`): no index array per element
-to build (0.6-1.3 ms per load of 2K tokens of kvt-tiny-L) or read (the copy itself 1.8x faster;
-tests/vllm/paged_test.py prints both). The connector's loads and publishes use them.
+order within a block is affine in (token offset, head, dim), strided copies of whole blocks
+through numpy views (`block_views`): no index array per element to build (0.6-1.3 ms per load
+of 2K tokens of kvt-tiny-L) or read (the copy itself 1.8x faster; tests/vllm/paged_test.py
+prints both). The connector's loads and publishes use them. The order is affine for fp32 ("vec")
+and for bf16 on "vec"/"vec16", not for bf16 on "amx" (Sapphire Rapids): that kernel pairs K's
+dims and V's tokens (VNNI), so there the connector copies through `index` and kvtd cannot write
+loads into the engine's cache in place (the load region serves).
 
 The common GPU layout [2, num_blocks, block_size, num_kv_heads, head_dim] (flash attention) is
 handled from its strides.
