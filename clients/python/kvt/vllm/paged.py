@@ -13,10 +13,10 @@ Gathers and scatters are then plain indexed copies of the layer tensor, or, wher
 order within a block is affine in (token offset, head, dim), strided copies of whole blocks
 through numpy views (`block_views`): no index array per element to build (0.6-1.3 ms per load
 of 2K tokens of kvt-tiny-L) or read (the copy itself 1.8x faster; tests/vllm/paged_test.py
-prints both). The connector's loads and publishes use them. The order is affine for fp32 ("vec")
-and for bf16 on "vec"/"vec16", not for bf16 on "amx" (Sapphire Rapids): that kernel pairs K's
-dims and V's tokens (VNNI), so there the connector copies through `index` and kvtd cannot write
-loads into the engine's cache in place (the load region serves).
+prints both). The connector's loads and publishes use them. The order is affine for fp32
+("vec") and for bf16 on "vec"/"vec16", not for bf16 on "amx" (CPUs with AMX): that kernel pairs
+K's dims and V's tokens (VNNI), so there the connector copies through `index` and kvtd cannot
+write loads into the engine's cache in place (the load region serves).
 
 The common GPU layout [2, num_blocks, block_size, num_kv_heads, head_dim] (flash attention) is
 handled from its strides.
