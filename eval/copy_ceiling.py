@@ -136,6 +136,9 @@ def main():
                    "mlp_window,own", help="which maps to run, by short name")
     args = p.parse_args()
     chosen = set(args.maps.split(","))
+    known = {"served", "ridge_sigma", "ridge_all", "ridge_window", "mlp_all", "mlp_window", "own"}
+    if not chosen <= known:
+        p.error(f"--maps: unknown {sorted(chosen - known)} (known: {sorted(known)})")
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
     store = os.path.join(caller, args.store)
     torch.set_num_threads(1)
