@@ -120,6 +120,9 @@ def main():
     p.add_argument("--layer", type=int, default=-1,
                    help="target layer whose keys are replaced (-1: the last)")
     p.add_argument("--calib_windows", type=int, default=64)
+    p.add_argument("--calib_sample", default="spread", choices=("spread", "first"),
+                   help="calibration windows spread over the split (as the eval's dumps) or its "
+                        "first (docs/EVAL.md item 2's table)")
     p.add_argument("--calib_split", default="calib", choices=("calib", "train"),
                    help="where the calibration windows come from (train: the family's training "
                    "split, 16x the calibration split, for data-scaling runs)")
@@ -151,8 +154,8 @@ def main():
         manifest = yaml.safe_load(f)
     sigma = next(e["sigma_k"] for e in manifest["layers"] if e["target_layer"] == layer)
     every = list(range(source.layers))
-    calib = list(R.dump_kv.windows(R.token_stream(args.calib_split), args.calib_tokens,
-                                   args.calib_windows))
+    calib = R.calib_windows(args.calib_tokens, args.calib_windows, args.calib_split,
+                            args.calib_sample)
 
     def own_rows(ids):  # the target's keys (and values) at `layer`, content space
         cache = target.prefill(ids)[layer]
@@ -219,7 +222,7 @@ def main():
                   f"{results[label]:.3f}", flush=True)
     print(json.dumps({"pair": args.pair, "layer": layer, "sigma": sigma, "windows": args.windows,
                       "replaced": replaced, "calib_windows": args.calib_windows,
-                      "calib_split": args.calib_split,
+                      "calib_split": args.calib_split, "calib_sample": args.calib_sample,
                       "mlp_steps": args.mlp_steps, "share": results,
                       "heldout_relative_mse": heldout_error}))
 

@@ -107,8 +107,7 @@ def main():
     mapper = TorchRidge(os.path.join(caller, args.store, f"{a}-to-{b}-k{args.k}"), source,
                         target)
     start = mapper.served()
-    calib = list(R.dump_kv.windows(R.token_stream("calib"), args.calib_tokens,
-                                   args.calib_windows))
+    calib = R.calib_windows(args.calib_tokens, args.calib_windows)
     prepared = []
     for ids in calib:
         with torch.no_grad():

@@ -180,6 +180,15 @@ def token_stream(name):
         yield tok.encode(d["text"]) + [tok.eos_token_id]
 
 
+def calib_windows(tokens, count, split="calib", sample="spread"):
+    """The calibration windows `dump` dumps (dump_kv.py's default --sample spread: evenly spaced
+    over the whole split, not its first documents), for the maps fitted here in Python.
+    sample "first": the split's first windows (how the evaluation sampled before 2026-12-05)."""
+    if sample == "first":
+        return list(dump_kv.windows(token_stream(split), tokens, count))
+    return list(dump_kv.spread_windows(lambda: token_stream(split), tokens, count))
+
+
 def heldout_windows(length, count):
     """`count` windows of `length` bytes spread evenly over the held-out documents."""
     stream = [t for ids in token_stream("heldout") for t in ids]
@@ -263,14 +272,15 @@ def dump(member_dir, calib_jsonl, out, tokens, sequences, queries=False):
     with open(os.path.join(member_dir, "model.safetensors"), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    h.update(f"{tokens} {sequences} {calib_jsonl}{' queries' if queries else ''}".encode())
+    h.update(f"{tokens} {sequences} spread {calib_jsonl}{' queries' if queries else ''}".encode())
     stamp = out.rstrip("/") + ".made_from.sha256"  # beside the dump: kvt fit reads the folder
     fresh = (os.path.exists(os.path.join(out, "config.json")) and os.path.exists(stamp)
              and open(stamp).read().strip() == h.hexdigest())
     if not fresh:
         shutil.rmtree(out, ignore_errors=True)
         dump_kv.main(["--model", member_dir, "--corpus", calib_jsonl, "--out", out,
-                      "--tokens", str(tokens), "--sequences", str(sequences), "--dtype", "fp32",
+                      "--tokens", str(tokens), "--sequences", str(sequences), "--sample",
+                      "spread", "--dtype", "fp32",
                       "--tokenizer", "bytes", "--corpus_name", corpus.PACKAGE] +
                      (["--queries"] if queries else []))
         with open(stamp, "w") as f:

@@ -51,8 +51,7 @@ class RetentionCiTest(unittest.TestCase):
         for key, member, mid in (("s", source, "window"), ("u", untrained, "window_untrained")):
             R.fit(dumps[key], dumps["t"], member.name, target.name, K, os.path.join(store, mid),
                   extra=[f"--window={WINDOW}"])
-        calib_windows = list(R.dump_kv.windows(R.token_stream("calib"), CALIB_TOKENS,
-                                               CALIB_WINDOWS))
+        calib_windows = R.calib_windows(CALIB_TOKENS, CALIB_WINDOWS)
         identity = R.TokenIdentityMap(target, calib_windows)
         windows = R.heldout_windows(CONTEXT + CONTINUATION + 1, WINDOWS)
         with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:

@@ -214,9 +214,7 @@ def main():
     kind_fit_seconds = round(time.time() - mlp_start)
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
 
-    calib_windows = [w for w, _ in zip(R.dump_kv.windows(R.token_stream("calib"),
-                                                          args.calib_tokens, args.calib_windows),
-                                       range(args.calib_windows))]
+    calib_windows = R.calib_windows(args.calib_tokens, args.calib_windows)
     identity = {}
     windows = R.heldout_windows(args.context + args.continuation + 1, args.windows)
     settings = dict(vars(args))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Dump the KV cache of a Hugging Face causal LM over a text corpus, for `kvt fit`.
 
-Runs the model over consecutive windows of --tokens tokens of a corpus and writes, per window,
+Runs the model over windows of --tokens tokens of a corpus and writes, per window,
 one safetensors file in kvt's KV dump format (docs/FIT.md):
 
     <out>/seq00000.safetensors
@@ -19,6 +19,9 @@ the calibration of SPEC 4 assumes.
         --tokens 1024 --sequences 500 --dtype bf16 --device cuda
 
 Options worth knowing:
+  --sample spread  (default) the --sequences windows are spread evenly over the whole corpus
+                   (the corpus is tokenized twice: once to count); `first` takes its first
+                   windows, which for a corpus of long documents means a handful of documents.
   --keep_every N   store only positions 0, N, 2N, ... (N times less disk; metadata
                    position_stride tells kvt fit the true positions, so stripping RoPE stays
                    exact). `kvt fit --stride` then subsamples further; use one or the other.
@@ -110,6 +113,21 @@ def windows(token_stream, size, count):
             return
 
 
+def spread_windows(make_stream, size, count):
+    """`count` of the corpus's consecutive windows of `size` tokens, evenly spaced from its first
+    window to its last, so a calibration set samples every part of the corpus rather than its
+    first documents. make_stream() yields the documents' token lists; it is read twice (once to
+    count the windows), so memory stays at one window whatever the corpus size."""
+    total = sum(len(ids) for ids in make_stream()) // size
+    if total <= count:
+        yield from windows(make_stream(), size, count)
+        return
+    picks = {i * (total - 1) // max(1, count - 1) for i in range(count)}
+    for index, window in enumerate(windows(make_stream(), size, total)):
+        if index in picks:
+            yield window
+
+
 _DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 
@@ -193,6 +211,8 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="directory for the dumps")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per window (T)")
     parser.add_argument("--sequences", type=int, default=500, help="windows to dump")
+    parser.add_argument("--sample", default="spread", choices=["spread", "first"],
+                        help="which windows: spread evenly over the whole corpus, or its first")
     parser.add_argument("--keep_every", type=int, default=1,
                         help="store positions 0, N, 2N, ... only")
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
@@ -225,7 +245,9 @@ def main(argv=None):
 
     corpus_name = args.corpus_name or os.path.basename(args.corpus)
     written = 0
-    for index, ids in enumerate(windows(stream(), args.tokens, args.sequences)):
+    picked = (spread_windows(stream, args.tokens, args.sequences) if args.sample == "spread"
+              else windows(stream(), args.tokens, args.sequences))
+    for index, ids in enumerate(picked):
         input_ids = torch.tensor([ids], device=args.device)
         with torch.no_grad():
             output = model(input_ids=input_ids, use_cache=True)

@@ -73,6 +73,20 @@ class CorpusTest(unittest.TestCase):
         stream = iter([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]])
         self.assertEqual(list(dump_kv.windows(stream, 4, 2)), [[1, 2, 3, 4], [5, 6, 7, 8]])
 
+    def test_spread_windows_cover_the_corpus_end_to_end(self):
+        docs = [list(range(i * 10, i * 10 + 10)) for i in range(10)]  # 100 tokens, 25 windows
+
+        def spread(count):
+            return list(dump_kv.spread_windows(lambda: iter(docs), 4, count))
+        picked = spread(3)
+        self.assertEqual(picked, [[0, 1, 2, 3], [48, 49, 50, 51], [96, 97, 98, 99]])
+        self.assertEqual(len(spread(24)), 24)
+        self.assertEqual(len({tuple(w) for w in spread(24)}), 24)
+        self.assertEqual(spread(1), [[0, 1, 2, 3]])
+        every = list(dump_kv.windows(iter(docs), 4, 25))
+        self.assertEqual(spread(25), every)
+        self.assertEqual(spread(40), every)  # a corpus short of windows gives all it has
+
     def test_byte_tokenizer(self):
         self.assertEqual(dump_kv.ByteTokenizer().encode("hé"), [104, 195, 169])
 
