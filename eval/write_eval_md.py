@@ -13,6 +13,11 @@ END = "<!-- END GENERATED -->"
 CONTROLS = ["identity", "untrained", "untranslated", "no_target_rope"]
 
 
+
+def rows_per_chain(limit):
+    """kvt fit --mlp_max_observations in words (0: every calibration row)."""
+    return ("every training row" if not limit else f"at most {limit} training rows per chain")
+
 def f(x, d=3):
     return "n/a" if x is None or x != x else f"{x:.{d}f}"
 
@@ -151,8 +156,8 @@ def kinds_tables(r, k, st):
         f"attention outputs (`kvt fit --refine=attention`, its defaults: the handoff objective, "
         f"100 steps x 2 sequences x 16 queries, the start kept unless the held-out objective "
         f"falls, docs/FIT.md); the MLP trained on K/V MSE (per layer, hidden "
-        f"{st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch {st.get('mlp_batch')}, at "
-        f"most {st.get('mlp_max_observations')} training rows per chain) and the same MLP then "
+        f"{st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch {st.get('mlp_batch')}, "
+        f"{rows_per_chain(st.get('mlp_max_observations'))}) and the same MLP then "
         f"refined on the attention outputs (the same objective, defaults and query sample as the "
         f"ridge), both from one `kvt fit --kind both --refine=attention "
         f"--unrefined_mlp_out=...` per pair (one MSE training; the plain MLP is its start), on "
