@@ -71,7 +71,7 @@ constexpr char kFitUsage[] =
     "                [--mlp_batch=4096] [--mlp_lr=1e-3] [--mlp_granularity=per_layer|per_head]\n"
     "                [--mlp_max_observations=200000]]\n"
     "               [--refine=none|attention [--refine_steps=100] [--refine_batch=2]\n"
-    "                [--refine_queries=32] [--refine_lr=0.01] [--refine_mlp_lr=0.001]\n"
+    "                [--refine_queries=16] [--refine_lr=0.003] [--refine_mlp_lr=0.001]\n"
     "                [--unrefined_mlp_out=DIR]]\n"
     "       kvt fit merge --out=PLAN_FILE|MAPPER_DIR [--lambda=0.01] [--lambda_scale=...]\n"
     "                     [--weight_dtype=...] [--threads=0] [--overwrite] SHARD_FILE...\n"
