@@ -13,10 +13,10 @@ END = "<!-- END GENERATED -->"
 CONTROLS = ["identity", "untrained", "untranslated", "no_target_rope"]
 
 
-
 def rows_per_chain(limit):
     """kvt fit --mlp_max_observations in words (0: every calibration row)."""
-    return ("every training row" if not limit else f"at most {limit} training rows per chain")
+    return "every training row" if not limit else f"at most {limit} training rows per chain"
+
 
 def f(x, d=3):
     return "n/a" if x is None or x != x else f"{x:.{d}f}"
