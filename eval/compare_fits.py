@@ -8,8 +8,11 @@
 Per pair and variant (a label and the extra `kvt fit` flags; k = 2, stride 1, one thread): the
 fit's wall time, then, served by one kvtd, the context benefit recovered on the evaluation's
 held-out windows (retention.evaluate_kinds: 16 windows of 384 + 96 bytes), the perplexity ratio
-and kvtd's attention-output cosine per target layer. The tool behind docs/FIT.md's comparison of
-refinement objectives; a JSON line per pair and variant on stdout.
+and kvtd's attention-output cosine per target layer; with --long_windows also the long-range
+share on that many copy and lookup windows (docs/EVAL.md's measure). --kind=mlp fits every
+variant as an MLP at the eval's budget (retention.MLP_FLAGS). The tool behind docs/FIT.md's
+comparison of refinement objectives and docs/EVAL.md's refinement-budget table; a JSON line per
+pair and variant on stdout.
 """
 
 import argparse
@@ -22,10 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import retention as R  # noqa: E402
 
 
-def kvt_fit(dumps, members, a, b, out, extra):
-    """retention.fit of one variant (k = 2, stride 1); returns its wall time."""
+def kvt_fit(dumps, members, a, b, out, kind, extra):
+    """retention.fit of one variant (k = 2, stride 1; kind mlp: the eval's MLP budget);
+    returns its wall time."""
     start = time.time()
-    R.fit(dumps[a], dumps[b], members[a].name, members[b].name, 2, out, extra=extra)
+    R.fit(dumps[a], dumps[b], members[a].name, members[b].name, 2, out, kind=kind, extra=extra)
     return time.time() - start
 
 
@@ -51,6 +55,11 @@ def main():
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--context", type=int, default=384)
     p.add_argument("--continuation", type=int, default=96)
+    p.add_argument("--kind", default="ridge", choices=("ridge", "mlp"),
+                   help="kvt fit --kind of every variant (mlp: retention.MLP_FLAGS, the eval's)")
+    p.add_argument("--long_windows", type=int, default=0,
+                   help="also the long-range share on this many copy and lookup windows each "
+                        "(retention.copy_windows, lookup_windows, seed 0, as docs/EVAL.md)")
     args = p.parse_args()
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
     work = os.path.join(caller, args.work)
@@ -69,18 +78,27 @@ def main():
     for a, b in pairs:
         for label, extra in variants.items():
             seconds[(a, b, label)] = kvt_fit(dumps, members, a, b,
-                                             os.path.join(store, f"{a}-to-{b}-{label}"), extra)
+                                             os.path.join(store, f"{a}-to-{b}-{label}"),
+                                             args.kind, extra)
     windows = R.heldout_windows(args.context + args.continuation + 1, args.windows)
     with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
         for a, b in pairs:
             ids = {label: f"{a}-to-{b}-{label}" for label in variants}
             r = R.evaluate_kinds(client, members[a], members[b], ids, windows, args.context)
+            long_range = {}
+            for name, make in (("copy", R.copy_windows), ("lookup", R.lookup_windows)):
+                if args.long_windows > 0:
+                    w, c = make(args.context, args.continuation, args.long_windows)
+                    long_range[name] = R.evaluate_long_range(
+                        client, members[a], members[b], ids, w, c, args.context)["long_range"]
             for label, mid in ids.items():
                 print(json.dumps({
                     "pair": f"{a}->{b}", "variant": label, "fit_seconds": round(
                         seconds[(a, b, label)], 2),
                     "benefit": round(r[label]["benefit"], 4),
                     "ppl_ratio": round(r[label]["ppl_ratio"], 4),
+                    "kl": round(r[label]["kl"], 4),
+                    **{f"{name}_share": round(v[label], 3) for name, v in long_range.items()},
                     "attention_cosine": round(r[label]["validate"]["attention_cosine"], 4),
                     "layer_cosines": layer_cosines(client, members[a], members[b], mid,
                                                    windows[:4], args.context)}), flush=True)
