@@ -71,7 +71,9 @@ constexpr char kFitUsage[] =
     "                [--mlp_batch=4096] [--mlp_lr=1e-3] [--mlp_granularity=per_layer|per_head]\n"
     "                [--mlp_max_observations=200000]]\n"
     "               [--refine=none|attention [--refine_steps=100] [--refine_batch=2]\n"
-    "                [--refine_queries=16] [--refine_lr=0.003] [--refine_mlp_lr=0.001]\n"
+    "                [--refine_queries=16] [--refine_lr=0.003] [--refine_mlp_steps=100]\n"
+    "                [--refine_mlp_batch=2] [--refine_mlp_queries=16] [--refine_mlp_lr=0.001]\n"
+    "                [--refine_queries_from=handoff|prefix] [--refine_cache_mb=1024]\n"
     "                [--unrefined_mlp_out=DIR]]\n"
     "       kvt fit merge --out=PLAN_FILE|MAPPER_DIR [--lambda=0.01] [--lambda_scale=...]\n"
     "                     [--weight_dtype=...] [--threads=0] [--overwrite] SHARD_FILE...\n"
@@ -133,7 +135,9 @@ const std::vector<CommandSpec>& Commands() {
         "heldout_fraction", "seed", "weight_dtype", "corpus", "threads", "chunk_mb", "overwrite",
         "partial", "shard", "plan", "kind", "mlp_hidden", "mlp_epochs", "mlp_batch", "mlp_lr",
         "mlp_granularity", "mlp_max_observations", "refine", "refine_steps", "refine_batch",
-        "refine_queries", "refine_lr", "refine_mlp_lr", "unrefined_mlp_out"}},
+        "refine_queries", "refine_lr", "refine_mlp_steps", "refine_mlp_batch",
+        "refine_mlp_queries", "refine_mlp_lr", "refine_queries_from", "refine_cache_mb",
+        "unrefined_mlp_out"}},
       {"import", RunImport,
        "convert a semantic-router kv_mapper into a kvt mapper (--format, --in, --out)",
        kImportUsage,

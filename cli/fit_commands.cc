@@ -88,6 +88,13 @@ ABSL_FLAG(double, refine_lr, 0.003,
 ABSL_FLAG(double, refine_mlp_lr, 0.001,
           "kvt fit --kind mlp|both --refine=attention: the MLP's Adam step size, relative to "
           "each tensor's RMS.");
+ABSL_FLAG(int32_t, refine_mlp_steps, 100,
+          "kvt fit --kind mlp|both --refine=attention: the MLP's Adam steps.");
+ABSL_FLAG(int32_t, refine_mlp_batch, 2,
+          "kvt fit --kind mlp|both --refine=attention: the MLP's sequences per step.");
+ABSL_FLAG(int32_t, refine_mlp_queries, 16,
+          "kvt fit --kind mlp|both --refine=attention: the MLP's query tokens per sequence and "
+          "step (0: every token).");
 ABSL_FLAG(std::string, unrefined_mlp_out, "",
           "kvt fit --kind mlp|both --refine=attention: also write the MSE-trained MLP as it was "
           "before refinement to this mapper directory (no second training).");
@@ -275,6 +282,9 @@ int RunFit(const std::vector<std::string>& args) {
   }
   options.refine.cache_bytes = cache_mb << 20;
   options.refine.learning_rate = absl::GetFlag(FLAGS_refine_lr);
+  options.refine.mlp_steps = absl::GetFlag(FLAGS_refine_mlp_steps);
+  options.refine.mlp_batch = absl::GetFlag(FLAGS_refine_mlp_batch);
+  options.refine.mlp_queries = absl::GetFlag(FLAGS_refine_mlp_queries);
   options.refine.mlp_learning_rate = absl::GetFlag(FLAGS_refine_mlp_lr);
   options.refine.seed = options.seed;
   options.refine.unrefined_mlp_out = absl::GetFlag(FLAGS_unrefined_mlp_out);
@@ -282,11 +292,10 @@ int RunFit(const std::vector<std::string>& args) {
       (!options.refine.attention || options.kind == fit::FitKind::kRidge)) {
     return Fail("--unrefined_mlp_out needs --kind mlp|both and --refine=attention", 1);
   }
-  if (options.refine.attention &&
-      (options.refine.steps < 1 || options.refine.batch < 1 ||
-       !(options.refine.learning_rate > 0) || !(options.refine.mlp_learning_rate > 0))) {
-    return Fail("--refine_steps and --refine_batch must be >= 1, --refine_lr and --refine_mlp_lr "
-                "> 0", 1);
+  if (options.refine.attention) {
+    if (absl::Status valid = fit::ValidateRefineOptions(options.refine); !valid.ok()) {
+      return Fail(std::string(valid.message()), 1);
+    }
   }
   options.corpus = absl::GetFlag(FLAGS_corpus);
   options.num_threads = absl::GetFlag(FLAGS_threads);

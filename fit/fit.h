@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "fit/calibration.h"
 #include "fit/mlp.h"
@@ -75,14 +76,33 @@ struct RefineOptions {
   // the held-out sequences; false: keep the refined maps regardless (tests of the mechanics).
   bool keep_start_unless_better = true;
   double learning_rate = 0.003;  // relative: times each tensor's RMS at the start (docs/FIT.md)
-  // The MLP's (relative likewise): a chain's output moves with every hidden unit, so a step of
-  // the ridge's size overshoots; measured on the bundled family (docs/FIT.md).
-  double mlp_learning_rate = 0.001;
+  // The MLP's budget: steps, sequences per step, queries and step size of its own. A chain's
+  // output moves with every hidden unit, so a step of the ridge's size overshoots; and the MLP
+  // is dearer to train than the ridge is to solve, so more steps stay inside the same multiple
+  // of its fit's wall time. Both measured on the bundled family (docs/FIT.md).
+  int mlp_steps = 100;
+  int mlp_batch = 2;
+  int mlp_queries = 16;
+  double mlp_learning_rate = 0.001;  // relative likewise
   uint64_t seed = 1;
   // Kind mlp or both: also write the MSE-trained MLP as it was before refinement to this mapper
   // directory (the same training: no second one); empty: not written.
   std::string unrefined_mlp_out;
+
+  // These options with the MLP's budget in steps, batch, queries and learning_rate (what the
+  // refinement loop reads), for the MLP's chains.
+  RefineOptions ForMlp() const {
+    RefineOptions mlp = *this;
+    mlp.steps = mlp_steps;
+    mlp.batch = mlp_batch;
+    mlp.queries = mlp_queries;
+    mlp.learning_rate = mlp_learning_rate;
+    return mlp;
+  }
 };
+
+// INVALID_ARGUMENT naming the flag when a budget (either kind's) is out of range (refine.cc).
+absl::Status ValidateRefineOptions(const RefineOptions& options);
 
 struct FitOptions {
   FitModel source, target;

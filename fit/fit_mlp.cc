@@ -303,11 +303,10 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
       std::fprintf(options.solve.log,
                    "kvt fit: refined the MLP %d steps in %.2f s: loss %.5f -> %.5f (relative "
                    "attention-output error, training batches)\n",
-                   options.refine.steps, log->seconds, log->loss.front(), log->loss.back());
+                   options.refine.mlp_steps, log->seconds, log->loss.front(),
+                   log->loss.back());
     }
-    RefineOptions shown = options.refine;
-    shown.learning_rate = options.refine.mlp_learning_rate;  // the step the MLP took
-    for (auto& fact : RefineFacts(shown, *log, before ? &*before : nullptr,
+    for (auto& fact : RefineFacts(options.refine.ForMlp(), *log, before ? &*before : nullptr,
                                   "the MSE-trained MLP")) {
       facts.push_back(std::move(fact));
     }

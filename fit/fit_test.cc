@@ -506,9 +506,9 @@ class FitQueryTest : public ::testing::Test {
     FitOptions options = QueryOptions(*families_[i], *dirs_[i]);
     options.kind = FitKind::kBoth;
     options.refine.attention = true;
-    options.refine.steps = 60;
-    options.refine.batch = 2;
-    options.refine.queries = 16;
+    options.refine.steps = options.refine.mlp_steps = 60;
+    options.refine.batch = options.refine.mlp_batch = 2;
+    options.refine.queries = options.refine.mlp_queries = 16;
     options.refine.seed = 3;
     // This family's best step (the bundled family's default is 10x smaller: docs/FIT.md).
     options.refine.mlp_learning_rate = 0.01;
@@ -756,6 +756,34 @@ TEST_F(FitQueryTest, MlpAttentionRefinementLowersTheHeldoutErrorDeterministicall
   }
 }
 
+TEST_F(FitQueryTest, EachKindRefinesOnItsOwnBudget) {
+  const std::string out = MakeTempDir("queries_both_budgets");
+  FitOptions options = BothRefined(1, out);
+  options.refine.steps = 12;
+  options.refine.mlp_steps = 7;
+  options.refine.mlp_batch = 3;
+  options.refine.mlp_queries = 8;
+  options.refine.keep_start_unless_better = false;  // both reports then show the refinement
+  absl::StatusOr<BothResult> both = RunFitBoth(options, out);
+  ASSERT_TRUE(both.ok()) << both.status();
+  absl::StatusOr<std::string> ridge = ReadFileToString(both->ridge.report_path);
+  absl::StatusOr<std::string> mlp = ReadFileToString(both->mlp.report_path);
+  ASSERT_TRUE(ridge.ok() && mlp.ok());
+  // The settings as run, and the loss curve's last bin: one loss per step taken.
+  EXPECT_THAT(*ridge, HasSubstr("12 steps of 2 sequences x 16 query tokens, lr 0.003"));
+  EXPECT_THAT(*ridge, HasSubstr("11-12: "));
+  EXPECT_THAT(*mlp, HasSubstr("7 steps of 3 sequences x 8 query tokens, lr 0.01"));
+  EXPECT_THAT(*mlp, HasSubstr("7-7: "));
+  EXPECT_THAT(*mlp, Not(HasSubstr("8-8: ")));
+  // Out of range: named by the MLP's flag.
+  options.refine.mlp_batch = 0;
+  absl::Status bad = ValidateRefineOptions(options.refine);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("--refine_mlp_batch"));
+  absl::StatusOr<BothResult> refused = RunFitBoth(options, MakeTempDir("queries_both_bad"));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(FitFamilyTest, AttentionRefinementNeedsTrainingQueries) {
   FitOptions options = Options(*matched_, *matched_dir_, 2);
   options.refine.attention = true;
@@ -857,7 +885,7 @@ TEST_F(FitWindowTest, BothKindsRefinementAndShardsCarryTheWindow) {
   options.kind = FitKind::kBoth;
   options.mlp.train.epochs = 200;
   options.refine.attention = true;
-  options.refine.steps = 20;
+  options.refine.steps = options.refine.mlp_steps = 20;
   options.refine.seed = 3;
   const std::string out = MakeTempDir("window_both");
   absl::StatusOr<BothResult> both = RunFitBoth(options, out);

@@ -604,16 +604,12 @@ absl::StatusOr<std::optional<double>> HeldoutLoss(const FitOptions& options,
 absl::StatusOr<RefineLog> MeasuredRefineLoop(const FitOptions& options,
                                              const ParsedFinal& parsed,
                                              const RefineTarget& target, const ErrorOf& error) {
-  const RefineOptions& ro = options.refine;
-  if (ro.steps < 1 || ro.batch < 1 || !(ro.learning_rate > 0) || !(ro.mlp_learning_rate > 0)) {
-    return absl::InvalidArgumentError(
-        "--refine_steps and --refine_batch must be >= 1, --refine_lr and --refine_mlp_lr > 0");
-  }
+  if (absl::Status valid = ValidateRefineOptions(options.refine); !valid.ok()) return valid;
   const FitShape& shape = parsed.shape;
   absl::StatusOr<Rope> rope = Rope::Create(shape.target.rope, shape.target.head_dim);
   if (!rope.ok()) return rope.status();
   SetBlasThreads(options.num_threads);
-  SequenceCache sequences(shape, *rope, ro.cache_bytes);
+  SequenceCache sequences(shape, *rope, options.refine.cache_bytes);
   absl::StatusOr<std::optional<double>> before = HeldoutLoss(options, parsed, error, &sequences);
   if (!before.ok()) return before.status();
   absl::StatusOr<RefineLog> log = RefineLoop(options, parsed, target, &sequences);
@@ -642,6 +638,25 @@ void ZeroAll(const std::vector<std::vector<T>*>& tensors) {
 }
 
 }  // namespace
+
+absl::Status ValidateRefineOptions(const RefineOptions& options) {
+  if (options.steps < 1 || options.batch < 1 || options.queries < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--refine_steps and --refine_batch must be >= 1 and --refine_queries >= 0, got ",
+        options.steps, ", ", options.batch, ", ", options.queries));
+  }
+  if (options.mlp_steps < 1 || options.mlp_batch < 1 || options.mlp_queries < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--refine_mlp_steps and --refine_mlp_batch must be >= 1 and --refine_mlp_queries >= 0, "
+        "got ", options.mlp_steps, ", ", options.mlp_batch, ", ", options.mlp_queries));
+  }
+  if (!(options.learning_rate > 0) || !(options.mlp_learning_rate > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--refine_lr and --refine_mlp_lr must be > 0, got ", options.learning_rate, " and ",
+        options.mlp_learning_rate));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
                                       std::vector<LayerFit>* fits) {
@@ -699,7 +714,7 @@ absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal
   std::vector<Adam<float>> adam(L);
   for (int l = 0; l < L; ++l) {
     grads[l] = MlpMaps::ZerosLike((*layers)[l]);
-    adam[l].Init((*layers)[l].Tensors(), options.refine.mlp_learning_rate);
+    adam[l].Init((*layers)[l].Tensors(), options.refine.ForMlp().learning_rate);
   }
   const std::vector<MlpMaps> start = *layers;
   RefineTarget target;
@@ -713,8 +728,11 @@ absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal
     DivideAll(grads[l].Tensors(), norm);
     adam[l].Update((*layers)[l].Tensors(), grads[l].Tensors());
   };
+  // The loop reads steps, batch and queries from options.refine: the MLP's budget there.
+  FitOptions mlp_options = options;
+  mlp_options.refine = options.refine.ForMlp();
   absl::StatusOr<RefineLog> log =
-      MeasuredRefineLoop(options, parsed, target, [&](int l, const AttentionProblem& p) {
+      MeasuredRefineLoop(mlp_options, parsed, target, [&](int l, const AttentionProblem& p) {
         return MlpAttentionErrorAndGradient(p, (*layers)[l], nullptr);
       });
   if (log.ok() && log->kept_start) *layers = start;

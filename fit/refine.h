@@ -130,8 +130,9 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
                                       std::vector<LayerFit>* fits);
 
 // The same for MLP chains (one MlpMaps per target layer, float32 as trained, before rounding to
-// the weight dtype): the same sequences, query sampling, seeded order and Adam (step
-// options.refine.mlp_learning_rate x each tensor's RMS at the start).
+// the weight dtype): the same sequences, query sampling, seeded order and Adam, on the MLP's
+// budget (options.refine.ForMlp(): mlp_steps, mlp_batch, mlp_queries, step mlp_learning_rate x
+// each tensor's RMS at the start).
 absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal& parsed,
                                     std::vector<MlpMaps>* layers);
 
