@@ -88,11 +88,11 @@ ABSL_FLAG(double, refine_lr, 0.003,
 ABSL_FLAG(double, refine_mlp_lr, 0.001,
           "kvt fit --kind mlp|both --refine=attention: the MLP's Adam step size, relative to "
           "each tensor's RMS.");
-ABSL_FLAG(int32_t, refine_mlp_steps, 100,
+ABSL_FLAG(int32_t, refine_mlp_steps, 300,
           "kvt fit --kind mlp|both --refine=attention: the MLP's Adam steps.");
-ABSL_FLAG(int32_t, refine_mlp_batch, 2,
+ABSL_FLAG(int32_t, refine_mlp_batch, 4,
           "kvt fit --kind mlp|both --refine=attention: the MLP's sequences per step.");
-ABSL_FLAG(int32_t, refine_mlp_queries, 16,
+ABSL_FLAG(int32_t, refine_mlp_queries, 64,
           "kvt fit --kind mlp|both --refine=attention: the MLP's query tokens per sequence and "
           "step (0: every token).");
 ABSL_FLAG(std::string, unrefined_mlp_out, "",

@@ -80,9 +80,9 @@ struct RefineOptions {
   // output moves with every hidden unit, so a step of the ridge's size overshoots; and the MLP
   // is dearer to train than the ridge is to solve, so more steps stay inside the same multiple
   // of its fit's wall time. Both measured on the bundled family (docs/FIT.md).
-  int mlp_steps = 100;
-  int mlp_batch = 2;
-  int mlp_queries = 16;
+  int mlp_steps = 300;
+  int mlp_batch = 4;
+  int mlp_queries = 64;
   double mlp_learning_rate = 0.001;  // relative likewise
   uint64_t seed = 1;
   // Kind mlp or both: also write the MSE-trained MLP as it was before refinement to this mapper

@@ -886,6 +886,8 @@ TEST_F(FitWindowTest, BothKindsRefinementAndShardsCarryTheWindow) {
   options.mlp.train.epochs = 200;
   options.refine.attention = true;
   options.refine.steps = options.refine.mlp_steps = 20;
+  options.refine.mlp_batch = 2;
+  options.refine.mlp_queries = 16;
   options.refine.seed = 3;
   const std::string out = MakeTempDir("window_both");
   absl::StatusOr<BothResult> both = RunFitBoth(options, out);
