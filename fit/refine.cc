@@ -604,7 +604,6 @@ absl::StatusOr<std::optional<double>> HeldoutLoss(const FitOptions& options,
 absl::StatusOr<RefineLog> MeasuredRefineLoop(const FitOptions& options,
                                              const ParsedFinal& parsed,
                                              const RefineTarget& target, const ErrorOf& error) {
-  if (absl::Status valid = ValidateRefineOptions(options.refine); !valid.ok()) return valid;
   const FitShape& shape = parsed.shape;
   absl::StatusOr<Rope> rope = Rope::Create(shape.target.rope, shape.target.head_dim);
   if (!rope.ok()) return rope.status();
@@ -660,6 +659,7 @@ absl::Status ValidateRefineOptions(const RefineOptions& options) {
 
 absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
                                       std::vector<LayerFit>* fits) {
+  if (absl::Status valid = ValidateRefineOptions(options.refine); !valid.ok()) return valid;
   const FitShape& shape = parsed.shape;
   const int L = shape.target.num_layers;
   const int64_t out = shape.dt();
@@ -705,6 +705,8 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
 
 absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal& parsed,
                                     std::vector<MlpMaps>* layers) {
+  // Before ForMlp() below, so that an error names the MLP's own flag.
+  if (absl::Status valid = ValidateRefineOptions(options.refine); !valid.ok()) return valid;
   const int L = parsed.shape.target.num_layers;
   if (static_cast<int>(layers->size()) != L) {
     return absl::InvalidArgumentError(
