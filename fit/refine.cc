@@ -712,11 +712,15 @@ absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal
     return absl::InvalidArgumentError(
         absl::StrCat("RefineMlp: ", layers->size(), " layers of chains for ", L, " target layers"));
   }
+  // The loop and Adam read steps, batch, queries and step size from options.refine: the MLP's
+  // budget there.
+  FitOptions mlp_options = options;
+  mlp_options.refine = options.refine.ForMlp();
   std::vector<MlpMaps> grads(L);
   std::vector<Adam<float>> adam(L);
   for (int l = 0; l < L; ++l) {
     grads[l] = MlpMaps::ZerosLike((*layers)[l]);
-    adam[l].Init((*layers)[l].Tensors(), options.refine.ForMlp().learning_rate);
+    adam[l].Init((*layers)[l].Tensors(), mlp_options.refine.learning_rate);
   }
   const std::vector<MlpMaps> start = *layers;
   RefineTarget target;
@@ -730,9 +734,6 @@ absl::StatusOr<RefineLog> RefineMlp(const FitOptions& options, const ParsedFinal
     DivideAll(grads[l].Tensors(), norm);
     adam[l].Update((*layers)[l].Tensors(), grads[l].Tensors());
   };
-  // The loop reads steps, batch and queries from options.refine: the MLP's budget there.
-  FitOptions mlp_options = options;
-  mlp_options.refine = options.refine.ForMlp();
   absl::StatusOr<RefineLog> log =
       MeasuredRefineLoop(mlp_options, parsed, target, [&](int l, const AttentionProblem& p) {
         return MlpAttentionErrorAndGradient(p, (*layers)[l], nullptr);
