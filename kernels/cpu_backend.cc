@@ -542,6 +542,16 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
         }
       }
 
+      // oneDNN path, values into a bf16 [tokens, heads, dim] target: the last matmul writes
+      // the target rows itself (bias fused, rounded to nearest even), so this kind skips the
+      // fp32 round trip and the epilogue. A short last piece (padding rows) goes through y.
+      char* direct = nullptr;
+      if (onednn && !kind.rope && target->dtype == DType::kBF16 &&
+          target->layout == Layout::kNHD && gemm_rows == rows &&
+          (kind.mlp16 == nullptr || kind.mlp16->heads == 1)) {
+        direct = static_cast<char*>(kind.target) + t0 * target_width * sizeof(uint16_t);
+      }
+
       // The map in content space: one GEMM for ridge, the GEMM chain for an MLP. Everything
       // around it (gather, RoPE strip, bias, target RoPE, conversion) is shared.
       if (onednn) {
@@ -568,10 +578,12 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
             // oneDNN 2.6's brgemm matmul wants a dense dst (a strided one falls to a far
             // slower gemm): per_head chains write their d_t columns through y_head.
             const bool dense = mlp.heads == 1;
-            float* dst = dense ? y : y_head;
+            void* dst = direct != nullptr ? static_cast<void*>(direct)
+                        : dense           ? static_cast<void*>(y)
+                                          : static_cast<void*>(y_head);
             if (absl::Status s = Bf16Matmul(gemm_rows, h2_16, hidden, *mlp.a3[h],
-                                            kind.b ? kind.b + h * out : nullptr, false, false,
-                                            dst, out);
+                                            kind.b ? kind.b + h * out : nullptr, false,
+                                            direct != nullptr, dst, out);
                 !s.ok()) {
               return s;
             }
@@ -582,11 +594,14 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
               }
             }
           }
-        } else if (absl::Status s = Bf16Matmul(gemm_rows, x16, inputs, *kind.w16, kind.b,
-                                               false, false, y, target_width);
+        } else if (absl::Status s = Bf16Matmul(
+                       gemm_rows, x16, inputs, *kind.w16, kind.b, false, direct != nullptr,
+                       direct != nullptr ? static_cast<void*>(direct) : static_cast<void*>(y),
+                       target_width);
                    !s.ok()) {
           return s;
         }
+        if (direct != nullptr) continue;
       } else if (kind.mlp != nullptr) {
         MlpForward(*kind.mlp, x, rows, inputs, target_width, h1, h2, y);
       } else {

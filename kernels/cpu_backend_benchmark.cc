@@ -8,7 +8,9 @@
 // weights, sigma = every source layer) with fewer target layers so 2 cores finish in minutes.
 // Each shape T/k/L/chunk runs five benchmarks back to back:
 //   BM_Translate           the backend as it starts here (oneDNN bf16 on CPUs with AVX-512 BF16
-//                          or AMX, else sgemm; --kvt_gemm_path=auto|bf16|fp32 forces one);
+//                          or AMX, else sgemm; --kvt_gemm_path=auto|bf16|fp32 forces one;
+//                          --kvt_target_layout=NHD writes the target caches as vLLM's paged
+//                          blocks hold them, [tokens, heads, dim], instead of HND);
 //   BM_Bf16MatmulSameFlops its ceiling: 2 L bare oneDNN bf16 matmuls of T x (k n d) x (n d),
 //                          prepacked weights (one matrix per GEMM), one primitive on every core;
 //   BM_Bf16MatmulPerCore   the same matmuls split by rows over the cores as the backend splits
@@ -69,6 +71,8 @@ constexpr int64_t kWidth = kHeads * kHeadDim;
 
 // --kvt_gemm_path: the path BM_Translate and BM_TranslateMlp run (default auto).
 CpuGemmPath g_gemm_path = CpuGemmPath::kAuto;
+// --kvt_target_layout: the target caches' layout (default HND, the Hugging Face cache's).
+Layout g_target_layout = Layout::kHND;
 
 // Fills with small pseudo-random values; quality is irrelevant, speed matters at 10^8 elements.
 void Fill(DType dtype, void* data, int64_t count, uint64_t seed) {
@@ -108,13 +112,14 @@ double MlpFlops(int64_t tokens, int64_t k, int64_t target_layers, int64_t hidden
   return 2.0 * tokens * heads * per_chain * 2 * target_layers;
 }
 
-// A mapper with its weights, and bf16 HND caches, for one benchmark shape. hidden == 0: ridge;
+// A mapper with its weights, and bf16 caches (source HND, target g_target_layout), for one
+// benchmark shape. hidden == 0: ridge;
 // else kind: mlp with that hidden width. Ridge and MLP of one shape share sigma and caches.
 // window > 1: a window mapper (input rows window k n d, offset-major; same sigma and caches).
 struct Fixture {
   MapperView mapper;
   CacheView source{DType::kBF16, Layout::kHND, kHeads, kHeadDim, 0, {}, {}};
-  MutableCacheView target{DType::kBF16, Layout::kHND, kHeads, kHeadDim, 0, {}, {}};
+  MutableCacheView target{DType::kBF16, g_target_layout, kHeads, kHeadDim, 0, {}, {}};
   std::vector<std::vector<uint16_t>> weights, source_bytes, target_bytes;
 };
 
@@ -575,18 +580,29 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace kvt
 
 int main(int argc, char** argv) {
-  // --kvt_gemm_path=auto|bf16|fp32 (ours; taken out before the benchmark library's flags).
+  // --kvt_gemm_path=auto|bf16|fp32 and --kvt_target_layout=HND|NHD (ours; taken out before
+  // the benchmark library's flags).
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    const std::string flag = "--kvt_gemm_path=";
-    if (arg.rfind(flag, 0) == 0) {
-      absl::StatusOr<kvt::CpuGemmPath> path = kvt::ParseCpuGemmPath(arg.substr(flag.size()));
+    const std::string path_flag = "--kvt_gemm_path=";
+    const std::string layout_flag = "--kvt_target_layout=";
+    if (arg.rfind(path_flag, 0) == 0) {
+      absl::StatusOr<kvt::CpuGemmPath> path =
+          kvt::ParseCpuGemmPath(arg.substr(path_flag.size()));
       if (!path.ok()) {
         std::fprintf(stderr, "%s\n", std::string(path.status().message()).c_str());
         return 1;
       }
       kvt::g_gemm_path = *path;
+    } else if (arg.rfind(layout_flag, 0) == 0) {
+      absl::StatusOr<kvt::Layout> layout = kvt::ParseLayout(arg.substr(layout_flag.size()));
+      if (!layout.ok()) {
+        std::fprintf(stderr, "--kvt_target_layout: %s\n",
+                     std::string(layout.status().message()).c_str());
+        return 1;
+      }
+      kvt::g_target_layout = *layout;
     } else {
       argv[kept++] = argv[i];
     }
@@ -596,9 +612,11 @@ int main(int argc, char** argv) {
     kvt::CpuBackendOptions options;
     options.gemm_path = kvt::g_gemm_path;
     kvt::CpuBackend backend(options);
-    std::printf("oneDNN %s dispatches ISA %s (bf16 hardware: %s)\nBM_Translate backend: %s\n",
+    std::printf("oneDNN %s dispatches ISA %s (bf16 hardware: %s)\nBM_Translate backend: %s, "
+                "target layout %s\n",
                 kvt::OnednnVersion().c_str(), kvt::OnednnIsaName().c_str(),
-                kvt::OnednnHasBf16Hardware() ? "yes" : "no", backend.description().c_str());
+                kvt::OnednnHasBf16Hardware() ? "yes" : "no", backend.description().c_str(),
+                kvt::LayoutName(kvt::g_target_layout));
     std::fflush(stdout);
   }
   kvt::RegisterShapes();

@@ -2,9 +2,7 @@
 
 #include <cmath>
 
-#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
-#endif
 
 namespace kvt {
 
@@ -62,6 +60,88 @@ uint16_t FloatToFP16(float value) {
   return sign | static_cast<uint16_t>(rounded >> 13);
 }
 
+namespace bulk_internal {
+
+bool CpuHasAvx512Bw() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return has;
+}
+
+void BF16ToFloatAvx2(const uint16_t* in, float* dst, int64_t count) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= count; i += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    const __m256i word = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(word));
+  }
+#endif
+  for (; i < count; ++i) dst[i] = BF16ToFloat(in[i]);
+}
+
+void BF16FromFloatAvx2(const float* src, uint16_t* out, int64_t count) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  // FloatToBF16 eight at a time.
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i bias = _mm256_set1_epi32(0x7fff);
+  const __m256i quiet = _mm256_set1_epi32(0x40);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i inf = _mm256_set1_epi32(0x7f800000);
+  for (; i + 8 <= count; i += 8) {
+    const __m256i word = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+    const __m256i high = _mm256_srli_epi32(word, 16);
+    const __m256i lsb = _mm256_and_si256(high, one);
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(word, _mm256_add_epi32(bias, lsb)), 16);
+    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(word, abs_mask), inf);
+    const __m256i result = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), is_nan);
+    // Every lane is < 2^16, so the saturating pack is exact; it packs within 128-bit lanes,
+    // hence the permute to bring elements 4..7 next to 0..3.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(result, result), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+  }
+#endif
+  for (; i < count; ++i) out[i] = FloatToBF16(src[i]);
+}
+
+// The same arithmetic sixteen lanes wide. Not vcvtneps2bf16 (AVX512-BF16): that instruction
+// flushes subnormals to zero, and every path here must agree with FloatToBF16 bit for bit.
+__attribute__((target("avx512f,avx512bw"))) void BF16ToFloatAvx512(const uint16_t* in,
+                                                                     float* dst, int64_t count) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    const __m512i word = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(word));
+  }
+  for (; i < count; ++i) dst[i] = BF16ToFloat(in[i]);
+}
+
+__attribute__((target("avx512f,avx512bw"))) void BF16FromFloatAvx512(const float* src,
+                                                                       uint16_t* out,
+                                                                       int64_t count) {
+  int64_t i = 0;
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i bias = _mm512_set1_epi32(0x7fff);
+  const __m512i quiet = _mm512_set1_epi32(0x40);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf = _mm512_set1_epi32(0x7f800000);
+  for (; i + 16 <= count; i += 16) {
+    const __m512i word = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512i high = _mm512_srli_epi32(word, 16);
+    const __m512i lsb = _mm512_and_si512(high, one);
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(word, _mm512_add_epi32(bias, lsb)), 16);
+    const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(word, abs_mask), inf);
+    const __m512i result = _mm512_mask_or_epi32(rounded, is_nan, high, quiet);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(result));
+  }
+  for (; i < count; ++i) out[i] = FloatToBF16(src[i]);
+}
+
+}  // namespace bulk_internal
+
 void ToFloat(DType dtype, const void* src, float* dst, int64_t count) {
   if (count <= 0) return;  // empty buffers may be null, which memcpy must not see
   switch (dtype) {
@@ -70,8 +150,11 @@ void ToFloat(DType dtype, const void* src, float* dst, int64_t count) {
       return;
     case DType::kBF16: {
       const uint16_t* in = static_cast<const uint16_t*>(src);
-      uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-      for (int64_t i = 0; i < count; ++i) out[i] = static_cast<uint32_t>(in[i]) << 16;
+      if (bulk_internal::CpuHasAvx512Bw()) {
+        bulk_internal::BF16ToFloatAvx512(in, dst, count);
+      } else {
+        bulk_internal::BF16ToFloatAvx2(in, dst, count);
+      }
       return;
     }
     case DType::kFP16: {
@@ -97,31 +180,11 @@ void FromFloat(DType dtype, const float* src, void* dst, int64_t count) {
       return;
     case DType::kBF16: {
       uint16_t* out = static_cast<uint16_t*>(dst);
-      int64_t i = 0;
-#if defined(__AVX2__)
-      // FloatToBF16 eight at a time: the translate epilogue's hottest conversion.
-      const __m256i one = _mm256_set1_epi32(1);
-      const __m256i bias = _mm256_set1_epi32(0x7fff);
-      const __m256i quiet = _mm256_set1_epi32(0x40);
-      const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-      const __m256i inf = _mm256_set1_epi32(0x7f800000);
-      for (; i + 8 <= count; i += 8) {
-        const __m256i word = _mm256_castps_si256(_mm256_loadu_ps(src + i));
-        const __m256i high = _mm256_srli_epi32(word, 16);
-        const __m256i lsb = _mm256_and_si256(high, one);
-        const __m256i rounded =
-            _mm256_srli_epi32(_mm256_add_epi32(word, _mm256_add_epi32(bias, lsb)), 16);
-        const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(word, abs_mask), inf);
-        const __m256i result =
-            _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), is_nan);
-        // Every lane is < 2^16, so the saturating pack is exact; it packs within 128-bit
-        // lanes, hence the permute to bring elements 4..7 next to 0..3.
-        const __m256i packed =
-            _mm256_permute4x64_epi64(_mm256_packus_epi32(result, result), 0xd8);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+      if (bulk_internal::CpuHasAvx512Bw()) {
+        bulk_internal::BF16FromFloatAvx512(src, out, count);
+      } else {
+        bulk_internal::BF16FromFloatAvx2(src, out, count);
       }
-#endif
-      for (; i < count; ++i) out[i] = FloatToBF16(src[i]);
       return;
     }
     case DType::kFP16: {

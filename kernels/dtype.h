@@ -35,6 +35,17 @@ void ToFloat(DType dtype, const void* src, float* dst, int64_t count);
 // Converts `count` floats to `dtype` at `dst`.
 void FromFloat(DType dtype, const float* src, void* dst, int64_t count);
 
+// The bf16 bulk conversions ToFloat / FromFloat dispatch to, by the CPU this runs on (AVX-512
+// BW where present, else AVX2), exposed so that tests can hold each to the scalar functions
+// bit for bit on any machine that has it.
+namespace bulk_internal {
+bool CpuHasAvx512Bw();
+void BF16ToFloatAvx2(const uint16_t* in, float* dst, int64_t count);
+void BF16FromFloatAvx2(const float* src, uint16_t* out, int64_t count);
+void BF16ToFloatAvx512(const uint16_t* in, float* dst, int64_t count);  // CpuHasAvx512Bw() only
+void BF16FromFloatAvx512(const float* src, uint16_t* out, int64_t count);
+}  // namespace bulk_internal
+
 // Reads element `index` of a `dtype` array as double (tests, reference code, reports).
 double LoadAsDouble(DType dtype, const void* base, int64_t index);
 // Writes `value` (rounded through float) as element `index` of a `dtype` array.
