@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Why the goals of issue 22 that the evaluation misses stay missed: two probes of one mapped
+cache, on the evaluation's windows (docs/EVAL.md, "What would change it").
+
+    bazel build //eval:induction_probe && PATH=$PWD/.venv/bin:$PATH \
+        bazel-bin/eval/induction_probe --store=/tmp/kvt-eval/store key-scale \
+        --pair=M:L --mapper=M-to-L-k2-w4-mlp-refined --layer=5 --scales=0:1.15,0:1.3
+
+key-scale: multiplies one KV head's mapped keys at one target layer (the target's induction
+layer, retention.copy_layer_probe's finding) by a factor, the rest of the translated cache
+unchanged, and reports the long-range share on the copy windows beside the benefit recovered
+and the KL to the target's own distribution on today's windows. Scaling a head's keys scales
+its attention logits: it asks whether the mapped induction keys lose the copy by being too flat
+(a temperature) or by pointing at the wrong tokens.
+
+layer-mix: serves two mappers of one pair (the plain and the refined ridge) and measures every
+mix, layer l from the refined one when l is in the subset, on today's windows (benefit
+recovered, KL). Since the refinement's loss is a sum over target layers, it finds the layers
+where the refinement trades benefit for KL, and whether a per-layer choice could keep both.
+
+A research tool; nothing here is served.
+"""
+
+import argparse
+import itertools
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import retention as R  # noqa: E402
+
+
+def ce_and_kl(target, layers, window, context, own_logp=None):
+    """(mean NLL of the continuation, mean KL(own || layers)) for one window."""
+    cont, tgt = window[context:-1], window[context + 1:]
+    logp = target.continuation_logprobs(layers, cont)
+    kl = float(R.kl_of(own_logp, logp).mean()) if own_logp is not None else float("nan")
+    return float(np.mean(R.nll_of(logp, tgt))), kl
+
+
+def scale_head(cache, layer, head, factor):
+    """`cache` with head `head`'s keys at `layer` multiplied by `factor`."""
+    out = list(cache)
+    k, v = cache[layer]
+    k = k.clone()
+    k[:, head] *= factor
+    out[layer] = (k, v)
+    return out
+
+
+def benefit(ce, key):
+    return (np.mean(ce["none"]) - np.mean(ce[key])) / (np.mean(ce["none"]) - np.mean(ce["own"]))
+
+
+def key_scale(client, source, target, args):
+    scales = [(int(h), float(f)) for h, f in (x.split(":") for x in args.scales.split(","))]
+    conditions = [("mapped", None)] + [(f"head {h} x {f}", (h, f)) for h, f in scales]
+    context = args.context
+    copies, controls = R.copy_windows(context, args.continuation, args.windows, seed=0)
+    today = R.heldout_windows(context + args.continuation + 1, args.windows)
+    ce = {}
+    kl = {}
+    for group, windows in (("copy", copies), ("control", controls), ("today", today)):
+        for w in windows:
+            own = target.prefill(w[:context])
+            own_logp = target.continuation_logprobs(own, w[context:-1])
+            mapped = R.translate(client, args.mapper, source.prefill(w[:context]))
+            caches = {"own": own, "none": None}
+            for name, scale in conditions:
+                caches[name] = mapped if scale is None else scale_head(mapped, args.layer, *scale)
+            for name, layers in caches.items():
+                c, d = ce_and_kl(target, layers, w, context, own_logp)
+                ce.setdefault((group, name), []).append(c)
+                kl.setdefault((group, name), []).append(d)
+    gain = {name: np.mean(ce[("control", name)]) - np.mean(ce[("copy", name)])
+            for name in ["own"] + [n for n, _ in conditions]}
+    today_ce = {name: ce[("today", name)] for name in ["own", "none"] + [n for n, _ in conditions]}
+    print(f"{args.pair} {args.mapper}, layer {args.layer}; {args.windows} copy windows and "
+          f"{args.windows} of today's; own copy gain {gain['own']:.3f} nats/byte")
+    print("| keys | long-range share (copy) | benefit recovered (today's) | KL to own (today's) |")
+    print("|---|---|---|---|")
+    for name, _ in conditions:
+        print(f"| {name} | {gain[name] / gain['own']:.3f} | {benefit(today_ce, name):.3f} | "
+              f"{np.mean(kl[('today', name)]):.4f} |")
+
+
+def layer_mix(client, source, target, args):
+    plain, refined = args.mappers.split(",")
+    layers = target.layers
+    subsets = [s for r in range(layers + 1) for s in itertools.combinations(range(layers), r)]
+    context = args.context
+    ce = {}
+    kl = {}
+    for w in R.heldout_windows(context + args.continuation + 1, args.windows):
+        own = target.prefill(w[:context])
+        own_logp = target.continuation_logprobs(own, w[context:-1])
+        source_cache = source.prefill(w[:context])
+        a = R.translate(client, plain, source_cache)
+        b = R.translate(client, refined, source_cache)
+        caches = {"own": own, "none": None}
+        for s in subsets:
+            caches[s] = [b[i] if i in s else a[i] for i in range(layers)]
+        for name, cache in caches.items():
+            c, d = ce_and_kl(target, cache, w, context, own_logp)
+            ce.setdefault(name, []).append(c)
+            kl.setdefault(name, []).append(d)
+    print(f"{args.pair}: layers from {refined}, the others from {plain}; {args.windows} of "
+          f"today's windows")
+    print("| refined layers | benefit recovered | KL to own |")
+    print("|---|---|---|")
+    for s in subsets:
+        label = ", ".join(map(str, s)) if s else "none"
+        print(f"| {label} | {benefit(ce, s):.3f} | {np.mean(kl[s]):.4f} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", required=True, help="a mapper store (run_eval's <work>/store)")
+    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--pair", required=True, help="source:target members, e.g. M:L")
+    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--context", type=int, default=384)
+    p.add_argument("--continuation", type=int, default=96)
+    sub = p.add_subparsers(dest="probe", required=True)
+    ks = sub.add_parser("key-scale")
+    ks.add_argument("--mapper", required=True)
+    ks.add_argument("--layer", type=int, required=True, help="target layer")
+    ks.add_argument("--scales", required=True, help="head:factor,... (KV heads)")
+    lm = sub.add_parser("layer-mix")
+    lm.add_argument("--mappers", required=True, help="plain,refined mapper ids of the pair")
+    args = p.parse_args()
+    caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
+    args.store = os.path.join(caller, args.store)
+    R.torch.set_num_threads(1)
+    a, b = args.pair.split(":")
+    source = R.Member(os.path.join(args.family, a))
+    target = R.Member(os.path.join(args.family, b))
+    with R.start_kvtd(args.store) as server, R.kvt.Client(server.address, timeout=120) as client:
+        (key_scale if args.probe == "key-scale" else layer_mix)(client, source, target, args)
+
+
+if __name__ == "__main__":
+    main()
