@@ -60,6 +60,9 @@ def main():
     p.add_argument("--long_windows", type=int, default=0,
                    help="also the long-range share on this many copy and lookup windows each "
                         "(retention.copy_windows, lookup_windows, seed 0, as docs/EVAL.md)")
+    p.add_argument("--calib_windows", type=int, default=64,
+                   help="calibration windows of 512 bytes each member dumps (the evaluation's "
+                        "64 unless more data is the variable)")
     args = p.parse_args()
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
     work = os.path.join(caller, args.work)
@@ -71,7 +74,8 @@ def main():
     members, dumps = {}, {}
     for m in sorted({x for pair in pairs for x in pair}):
         members[m] = R.Member(os.path.join(args.family, m))
-        dumps[m] = R.dump(members[m].dir, calib, os.path.join(work, "dumps", m), 512, 64,
+        dumps[m] = R.dump(members[m].dir, calib, os.path.join(work, "dumps", m), 512,
+                          args.calib_windows,
                           queries=True)
     store = os.path.join(work, "store")
     seconds = {}
