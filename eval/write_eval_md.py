@@ -13,6 +13,25 @@ END = "<!-- END GENERATED -->"
 CONTROLS = ["identity", "untrained", "untranslated", "no_target_rope"]
 
 
+
+def refinement_budget(r, kind, before_recorded):
+    """The refinement budget the evaluation's `kvt fit --kind both` ran for `kind` ("ridge",
+    "mlp"), as its fit_report.json records it ("refinement"; one budget on every pair, else
+    each is named); results from before kvt fit recorded it: `before_recorded`, that day's
+    default."""
+    seen = {}
+    for name, pair in r["kinds"].items():
+        rec = (pair.get("fit_report") or {}).get(kind, {}).get("refinement")
+        if rec:
+            q = rec["queries"] if rec["queries"] > 0 else "all"
+            seen.setdefault(f"{rec['steps']} steps x {rec['batch']} sequences x {q} queries",
+                            []).append(name)
+    if not seen:
+        return before_recorded
+    if len(seen) == 1:
+        return next(iter(seen))
+    return "; ".join(f"{b} ({', '.join(p)})" for b, p in seen.items())
+
 def rows_per_chain(limit):
     """kvt fit --mlp_max_observations in words (0: every calibration row)."""
     return "every training row" if not limit else f"at most {limit} training rows per chain"
@@ -151,15 +170,17 @@ def kinds_tables(r, k, st):
     mlp_where = ("every pair" if len(mlp_pairs) == len(r["kinds"]) else
                  f"{', '.join(mlp_pairs)} only (`--mlp_pairs`; the other pairs: `--kind ridge "
                  f"--refine=attention`)")
+    ridge_budget = refinement_budget(r, "ridge", "100 steps x 2 sequences x 16 queries")
+    mlp_budget = refinement_budget(r, "mlp", "300 steps x 4 sequences x 64 queries")
     out.append(
         f"Per ordered pair the plain closed-form ridge and the ridge refined on the target's "
         f"attention outputs (`kvt fit --refine=attention`, its defaults: the handoff objective, "
-        f"100 steps x 2 sequences x 16 queries, the start kept unless the held-out objective "
+        f"{ridge_budget}, the start kept unless the held-out objective "
         f"falls, docs/FIT.md); the MLP trained on K/V MSE (per layer, hidden "
         f"{st.get('mlp_hidden')}, {st.get('mlp_epochs')} epochs, batch {st.get('mlp_batch')}, "
         f"{rows_per_chain(st.get('mlp_max_observations'))}) and the same MLP then "
         f"refined on the attention outputs (the same objective and guard on a budget of its "
-        f"own, `--refine_mlp_*`: 300 steps x 4 sequences x 64 queries), both from one `kvt fit "
+        f"own, `--refine_mlp_*`: {mlp_budget}), both from one `kvt fit "
         f"--kind both --refine=attention --unrefined_mlp_out=...` per pair (one MSE training; the plain MLP is its start), on "
         f"{mlp_where}. {r.get('kind_fit_seconds', 'n/a')} s for these fits and their "
         f"controls{' (and the window mappers below)' if len(kinds_in(r)) > 1 else ''} "

@@ -378,16 +378,21 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
     }
   }
   std::vector<std::pair<std::string, std::string>> facts;
+  std::optional<RefinementSummary> refinement;
   if (heldout != nullptr && heldout->refine.attention) {
-    absl::StatusOr<std::vector<std::pair<std::string, std::string>>> refined =
-        RefineLayers(*heldout, stats, *parsed, manifest, options.weight_dtype, &fits);
+    refinement.emplace();
+    absl::StatusOr<std::vector<std::pair<std::string, std::string>>> refined = RefineLayers(
+        *heldout, stats, *parsed, manifest, options.weight_dtype, &fits, &*refinement);
     if (!refined.ok()) return refined.status();
     facts = std::move(*refined);
   }
   std::vector<std::vector<uint8_t>> storage = RidgeStorage(sigma, fits, options.weight_dtype,
                                                            &manifest);
-  return WriteFitted(stats, *parsed, std::move(manifest), std::move(storage), options, out_dir,
-                     std::move(warnings), facts, heldout);
+  absl::StatusOr<FitResult> result =
+      WriteFitted(stats, *parsed, std::move(manifest), std::move(storage), options, out_dir,
+                  std::move(warnings), facts, heldout);
+  if (result.ok()) result->refinement = std::move(refinement);
+  return result;
 }
 
 absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& parsed,

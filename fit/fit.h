@@ -141,6 +141,20 @@ struct HeldoutQuality {
   double seconds = 0;                          // wall time of the evaluation
 };
 
+// What `--refine=attention` ran for one mapper, for fit_report.json (the report.html facts
+// say the same in prose): the budget as run (the MLP's: RefineOptions::ForMlp()), the wall time
+// of the steps, and whether the held-out objective fell (else the start was kept).
+struct RefinementSummary {
+  int steps = 0;
+  int batch = 0;
+  int queries = 0;  // <= 0: every token
+  double learning_rate = 0;
+  bool handoff = true;
+  double seconds = 0;
+  bool kept_start = false;
+  std::optional<double> heldout_before, heldout_after;
+};
+
 struct FitResult {
   std::string mapper_dir;
   std::string report_path;
@@ -150,6 +164,8 @@ struct FitResult {
   // Set when the fit had held-out sequences with target queries (then also recorded in the
   // manifest: layers[l].attention_cosine_heldout and quality.*).
   std::optional<HeldoutQuality> heldout;
+  // Set when the mapper went through --refine=attention.
+  std::optional<RefinementSummary> refinement;
 };
 
 // Sets OpenBLAS to `num_threads` (0: every core).

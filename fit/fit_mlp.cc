@@ -123,6 +123,19 @@ json QualityJson(const HeldoutQuality& q, const FitResult& fit) {
     std::optional<double> mean = MeanR2(fit.manifest, field, /*skip_layer0=*/false);
     if (mean.has_value()) j[name] = round(*mean);
   }
+  if (fit.refinement.has_value()) {
+    const RefinementSummary& r = *fit.refinement;
+    json refinement{{"steps", r.steps},
+                    {"batch", r.batch},
+                    {"queries", r.queries},
+                    {"learning_rate", r.learning_rate},
+                    {"queries_from", r.handoff ? "handoff" : "prefix"},
+                    {"seconds", std::round(r.seconds * 100) / 100},
+                    {"kept_start", r.kept_start}};
+    if (r.heldout_before) refinement["heldout_loss_before"] = *r.heldout_before;
+    if (r.heldout_after) refinement["heldout_loss_after"] = *r.heldout_after;
+    j["refinement"] = std::move(refinement);
+  }
   return j;
 }
 
@@ -274,6 +287,7 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
     return storage;
   };
 
+  std::optional<RefinementSummary> refinement;
   if (options.refine.attention) {
     // The MSE-trained start as served, then (optionally) written as a mapper of its own.
     Manifest start;
@@ -310,14 +324,18 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
                                   "the MSE-trained MLP")) {
       facts.push_back(std::move(fact));
     }
+    refinement = SummaryOf(options.refine.ForMlp(), *log);
   }
   Manifest manifest;
   std::vector<std::vector<uint8_t>> storage = served(chains, /*r2=*/true, &manifest);
   // The training rows are done with: free them before the held-out evaluation reads sequences.
   for (FloatRows& rows : split) rows = FloatRows();
   chains.clear();
-  return WriteFitted(final_stats, *parsed, std::move(manifest), std::move(storage), options.solve,
-                     out_dir, std::move(warnings), facts, &options);
+  absl::StatusOr<FitResult> result =
+      WriteFitted(final_stats, *parsed, std::move(manifest), std::move(storage), options.solve,
+                  out_dir, std::move(warnings), facts, &options);
+  if (result.ok()) result->refinement = std::move(refinement);
+  return result;
 }
 
 absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::string& out_dir,

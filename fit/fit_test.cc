@@ -20,6 +20,7 @@
 #include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
+#include "nlohmann/json.hpp"
 #include "quality/quality_reference.h"
 
 namespace kvt {
@@ -775,6 +776,26 @@ TEST_F(FitQueryTest, EachKindRefinesOnItsOwnBudget) {
   EXPECT_THAT(*mlp, HasSubstr("7 steps of 3 sequences x 8 query tokens, lr 0.01"));
   EXPECT_THAT(*mlp, HasSubstr("7-7: "));
   EXPECT_THAT(*mlp, Not(HasSubstr("8-8: ")));
+  // fit_report.json records each kind's refinement as run, for tools that read the report.
+  absl::StatusOr<std::string> report = ReadFileToString(both->report_json_path);
+  ASSERT_TRUE(report.ok()) << report.status();
+  const nlohmann::json j = nlohmann::json::parse(*report);
+  const nlohmann::json& r = j.at("ridge").at("refinement");
+  const nlohmann::json& m = j.at("mlp").at("refinement");
+  EXPECT_EQ(r.at("steps"), 12);
+  EXPECT_EQ(r.at("batch"), 2);
+  EXPECT_EQ(r.at("queries"), 16);
+  EXPECT_EQ(m.at("steps"), 7);
+  EXPECT_EQ(m.at("batch"), 3);
+  EXPECT_EQ(m.at("queries"), 8);
+  EXPECT_EQ(m.at("queries_from"), "handoff");
+  for (const nlohmann::json* kind : {&r, &m}) {
+    EXPECT_GT(kind->at("seconds").get<double>(), 0);
+    EXPECT_EQ(kind->at("kept_start"), false);
+    EXPECT_TRUE(kind->contains("heldout_loss_before") && kind->contains("heldout_loss_after"));
+  }
+  EXPECT_EQ(both->ridge.refinement->steps, 12);
+  EXPECT_EQ(both->mlp.refinement->steps, 7);
   // Out of range: named by the MLP's flag.
   options.refine.mlp_batch = 0;
   absl::Status bad = ValidateRefineOptions(options.refine);

@@ -769,7 +769,8 @@ absl::StatusOr<std::optional<HeldoutQuality>> MeasureInMemory(
 
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
     const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
-    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits) {
+    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits,
+    RefinementSummary* summary) {
   // The start as served: its bytes through the CPU backend, as WriteFitted measures the result.
   Manifest start = manifest;
   const std::vector<std::vector<uint8_t>> storage =
@@ -794,8 +795,23 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
                            .c_str()
                      : "");
   }
+  if (summary != nullptr) *summary = SummaryOf(options.refine, *log);
   return RefineFacts(options.refine, *log, *before ? &**before : nullptr,
                      "the closed-form ridge");
+}
+
+RefinementSummary SummaryOf(const RefineOptions& budget, const RefineLog& log) {
+  RefinementSummary s;
+  s.steps = budget.steps;
+  s.batch = budget.batch;
+  s.queries = budget.queries;
+  s.learning_rate = budget.learning_rate;
+  s.handoff = budget.handoff;
+  s.seconds = log.seconds;
+  s.kept_start = log.kept_start;
+  s.heldout_before = log.heldout_before;
+  s.heldout_after = log.heldout_after;
+  return s;
 }
 
 std::vector<std::pair<std::string, std::string>> RefineFacts(const RefineOptions& options,

@@ -122,6 +122,9 @@ struct RefineLog {
   bool kept_start = false;
 };
 
+// The summary of one refinement that ran with `budget` (for the MLP, options.ForMlp()).
+RefinementSummary SummaryOf(const RefineOptions& budget, const RefineLog& log);
+
 // Refines `fits` (one per target layer, sigma from `parsed`) in place on the training sequences
 // of `options` whose target dumps carry queries, as `options.refine` says. Deterministic for
 // options.refine.seed and the OpenBLAS thread count. FAILED_PRECONDITION when no training dump
