@@ -405,6 +405,12 @@ def benefit(ce, key, part="all"):
     return (none - ce[key][part]) / (none - own) if none != own else float("nan")
 
 
+def window_means(per_token):
+    """{condition: [mean per window]} of Scores' per-token lists: what eval/intervals.py
+    resamples (the continuations have one length, so their mean is the figure's mean)."""
+    return {key: [round(float(np.mean(x)), 7) for x in v] for key, v in per_token.items()}
+
+
 def summarize(nll):
     """{condition: {"all": mean nats, "first": mean over the first FIRST tokens}}."""
     return {key: {"all": float(np.mean(np.concatenate(v))),
@@ -441,7 +447,8 @@ def evaluate_pair(client, source, target, mapper_id, windows, context, extra):
         quality.append(response)
     ce = summarize(scores.nll)
     result = {"ce": ce, "kl": summarize(scores.kl), "windows": len(windows), "context": context,
-              "continuation": len(windows[0]) - context - 1}
+              "continuation": len(windows[0]) - context - 1,
+              "per_window": {"ce": window_means(scores.nll)}}
     result["benefit"] = {key: {"all": benefit(ce, key), "first": benefit(ce, key, "first")}
                          for key in ce if key not in ("own", "none")}
     result["ppl_ratio"] = {key: math.exp(ce[key]["all"] - ce["own"]["all"])
@@ -504,6 +511,7 @@ def evaluate_kinds(client, source, target, mapper_ids, windows, context, sources
                       "kl_no_target_rope": kl[label + NO_ROPE]["all"]}
     out["ce"] = {"own": ce["own"]["all"], "none": ce["none"]["all"]}
     out["kl"] = {"none": kl["none"]["all"]}
+    out["per_window"] = {"ce": window_means(scores.nll)}
     return out
 
 
@@ -555,7 +563,8 @@ def evaluate_long_range(client, source, target, mapper_ids, windows, controls, c
             "long_range": {key: gain[key] / gain["own"] if gain["own"] != 0 else float("nan")
                            for key in gain if key != "own"},
             "windows": len(windows), "context": context,
-            "continuation": len(windows[0]) - context - 1}
+            "continuation": len(windows[0]) - context - 1,
+            "per_window": {"ce": window_means(scores.nll)}}
 
 
 def copy_layer_probe(client, source, target, mapper_id, windows, controls, context):

@@ -105,6 +105,19 @@ class RetentionCiTest(unittest.TestCase):
         for control in ("none", "identity", "untrained", "no_target_rope"):
             self.assertLess(kl["mapped"], kl[control], control)
 
+    def test_per_window_figures_are_what_the_summaries_average(self):
+        # eval/intervals.py resamples these: each condition's window means must average to its
+        # summary figure (the continuations have one length), on the windows and the controls.
+        for result in (self.result, self.long, self.copy):
+            per_window = result["per_window"]["ce"]
+            summaries = dict(result["ce"], **{R.CONTROL + key: v
+                                              for key, v in result.get("control_ce", {}).items()})
+            self.assertEqual(set(per_window), set(summaries))
+            for key, values in per_window.items():
+                self.assertEqual(len(values), result["windows"], key)
+                self.assertAlmostEqual(sum(values) / len(values), summaries[key]["all"], places=5,
+                                       msg=key)
+
     def test_validate_reports_quality(self):
         v = self.result["validate"]
         self.assertGreater(v["overall_without_layer0"]["r2_k"], 0.0)

@@ -66,7 +66,7 @@ def main():
     p.add_argument("--main_k", default="2")
     p.add_argument("--calib_windows", type=int, default=64)
     p.add_argument("--calib_tokens", type=int, default=512)
-    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--windows", type=int, default=64)
     p.add_argument("--context", type=int, default=384)
     p.add_argument("--continuation", type=int, default=96)
     p.add_argument("--kind_pairs", default="all",
@@ -92,11 +92,15 @@ def main():
     p.add_argument("--reuse_fits", action="store_true",
                    help="keep ridge mappers already in --work's store (from an interrupted run "
                         "with the same settings: the fits are deterministic)")
+    p.add_argument("--fits_from", default="",
+                   help="an earlier run's results.json whose fits are all in --work's store: "
+                        "fit nothing, take the fit reports and fit times it recorded, and "
+                        "rerun the evaluation alone (e.g. on more windows)")
     p.add_argument("--window", type=int, default=4,
                    help="every kind pair also gets the four kinds as window mappers reading "
                         "this many tokens (kvt fit --window), with their untrained-source "
                         "controls; <= 1: none")
-    p.add_argument("--long_windows", type=int, default=16,
+    p.add_argument("--long_windows", type=int, default=32,
                    help="long-range windows per kind (copy, lookup); 0: none")
     p.add_argument("--long_seed", type=int, default=0)
     p.add_argument("--drift_pair", default="S:L")
@@ -151,9 +155,16 @@ def main():
     kinds = kinds_of(args.window)
     window_flags = [f"--window={args.window}"] if args.window > 1 else []
 
+    earlier = None
+    if args.fits_from:
+        with open(os.path.join(caller, args.fits_from)) as f:
+            earlier = json.load(f)
+
     def fit(a, b, suffix, k=k2, **kw):  # a "0": the untrained source
         member = untrained[a[0]] if a.endswith("0") else members[a]
         dest = os.path.join(store, f"{a}-to-{b}-k{k}{suffix}")
+        if earlier is not None:
+            return lambda: reused(dest)
         if args.reuse_fits and not suffix and os.path.exists(os.path.join(dest, "manifest.yaml")):
             return lambda: dest
         return lambda: R.fit(dumps[a], dumps[b], member.name, members[b].name, k, dest, **kw)
@@ -182,6 +193,12 @@ def main():
     mlp_start = time.time()
 
     def fit_both(a, b, prefix=""):
+        if earlier is not None:
+            for label in ("ridge_refined", "mlp_refined", "mlp"):
+                reused(os.path.join(store, f"{a}-to-{b}-k{k2}{kinds[prefix + label]}"))
+            fit_reports[(a, b, prefix)] = earlier["kinds"][f"{a}->{b}"][
+                "fit_report_window" if prefix else "fit_report"]
+            return
         t0 = time.time()
         both = os.path.join(args.work, "both", f"{a}-to-{b}{kinds[prefix + 'ridge']}")
         report = R.fit(dumps[a], dumps[b], members[a].name, members[b].name, k2, both,
@@ -211,7 +228,8 @@ def main():
                           store, f"{a}0-to-{b}-k{k2}{kinds[prefix + 'mlp']}"))
                   for a, b in controls])
     run_all(jobs, args.jobs)
-    kind_fit_seconds = round(time.time() - mlp_start)
+    kind_fit_seconds = (earlier["kind_fit_seconds"] if earlier is not None
+                        else round(time.time() - mlp_start))
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
 
     calib_windows = R.calib_windows(args.calib_tokens, args.calib_windows)
@@ -304,13 +322,38 @@ def main():
     results["seconds"] = round(time.time() - start)
     out_dir = os.path.join(os.path.dirname(args.out_md), "eval")
     os.makedirs(out_dir, exist_ok=True)
+    # The per-window figures (what write_eval_md's intervals resample) go to a compact file of
+    # their own, keyed as in results.json, so results.json stays readable.
+    per_window = split_per_window(results)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
+    with open(os.path.join(out_dir, "per_window.json"), "w") as f:
+        json.dump(per_window, f, separators=(",", ":"))
     plots(results, out_dir, args.main_k)
     import write_eval_md
     sys.argv = ["write_eval_md", os.path.join(out_dir, "results.json"), args.out_md]
     write_eval_md.main()
     print(f"eval: done in {results['seconds']} s; results in {out_dir}/results.json")
+
+
+def reused(mapper_dir):
+    """--fits_from: the mapper an earlier run fitted, which must still be in the store."""
+    if not os.path.exists(os.path.join(mapper_dir, "manifest.yaml")):
+        raise SystemExit(f"--fits_from: {mapper_dir} is not in --work's store (fitted by a "
+                         f"different run?); rerun without --fits_from")
+    return mapper_dir
+
+
+def split_per_window(results):
+    """Removes every "per_window" from results; returns them as {"pairs": {name: ...}, "kinds":
+    {...}, "long_range": {kind: {...}}}."""
+    out = {"pairs": {}, "kinds": {}, "long_range": {}}
+    for section in ("pairs", "kinds"):
+        for name, r in results.get(section, {}).items():
+            out[section][name] = r.pop("per_window")
+    for kind, pairs in results.get("long_range", {}).items():
+        out["long_range"][kind] = {name: r.pop("per_window") for name, r in pairs.items()}
+    return out
 
 
 def plots(results, out_dir, main_k):

@@ -6,7 +6,10 @@ it; the prose outside the GENERATED markers is kept as is).
 """
 
 import json
+import os
 import sys
+
+import intervals
 
 BEGIN = "<!-- BEGIN GENERATED (eval/write_eval_md.py) -->"
 END = "<!-- END GENERATED -->"
@@ -41,7 +44,7 @@ def f(x, d=3):
     return "n/a" if x is None or x != x else f"{x:.{d}f}"
 
 
-def tables(r):
+def tables(r, per_window=None):
     k = r["settings"]["main_k"]
     out = []
     out.append("### The family\n")
@@ -91,6 +94,8 @@ def tables(r):
         out.extend(kinds_tables(r, k, st))
     if r.get("long_range"):
         out.extend(long_range_tables(r))
+    if per_window and r.get("kinds"):
+        out.extend(interval_section(r, per_window, k))
     d = r["drift"]
     out.append(f"\n### Multi-turn drift ({st['drift_pair'].replace(':', ' <-> ')}, "
                f"{st['turns']} alternating handoffs, {st['segment']}-byte segments, "
@@ -579,10 +584,133 @@ def layer_probe_table(pairs):
     return out
 
 
+# -- how sure: paired bootstrap intervals over the windows (eval/intervals.py) -----------------
+
+LEVEL = 0.95
+
+
+def ci(est, low, high):
+    return f"{est:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def benefit_gap(ce, better, worse):
+    """benefit(better) - benefit(worse) with its interval, from per-window CE {key: [...]}."""
+    data = {key: ce[key] for key in ("own", "none", better, worse)}
+    return intervals.paired_bootstrap(
+        data, lambda m: (m[worse] - m[better]) / (m["none"] - m["own"]), level=LEVEL)
+
+
+def share_interval(ce, label):
+    """The long-range share of `label` (its copy gain / own's) with its interval, from the
+    per-window CE of the windows and of their controls (window i's control is control i)."""
+    data = {"own": ce["own"], "c_own": ce["control_own"], "x": ce[label],
+            "c_x": ce["control_" + label]}
+    return intervals.paired_bootstrap(
+        data, lambda m: (m["c_x"] - m["x"]) / (m["c_own"] - m["own"]), level=LEVEL)
+
+
+def identity_windows(per_window, target, k):
+    """Token identity's per-window CE into `target` (the ridge table's windows are the same)."""
+    for name, pw in per_window["pairs"].items():
+        if name.split(" ")[0].endswith("->" + target) and name.endswith(f"k={k}"):
+            return pw["ce"].get("identity")
+    return None
+
+
+def interval_section(r, per_window, k):
+    """The goals' comparisons with 95% paired bootstrap intervals over the windows, and how
+    many are beyond noise."""
+    n = r["settings"]["windows"]
+    out = [f"\n### How sure: {LEVEL:.0%} intervals over the windows\n",
+           f"Each comparison above is a difference between two conditions on the same {n} "
+           f"held-out windows. Here with its {LEVEL:.0%} paired bootstrap interval "
+           f"(eval/intervals.py: the windows resampled 4000 times, every condition on the same "
+           f"resample; a window's tokens are not independent, so they are not resampled "
+           f"alone): estimate [low, high]. **above** / **below**: the whole interval is above / "
+           f"below 0, so the sign is beyond this noise; tie: it is not. Best served: the kind "
+           f"with the highest estimate (chosen on these windows, so its margin is slightly "
+           f"optimistic).\n"]
+    comparisons = [("refined - plain ridge", "ridge_refined", "ridge"),
+                   ("refined - plain window ridge", W + "ridge_refined", W + "ridge"),
+                   ("refined - MSE-trained MLP", "mlp_refined", "mlp"),
+                   ("refined - MSE-trained window MLP", W + "mlp_refined", W + "mlp")]
+    comparisons = [c for c in comparisons
+                   if any(c[1] in p and c[2] in p for p in r["kinds"].values())]
+    out.append("| pair | " + " | ".join(c[0] for c in comparisons) +
+               " | best served - token identity |")
+    out.append("|---|" + "---|" * (len(comparisons) + 1))
+    tally = {c[0]: {"above": 0, "tie": 0, "below": 0} for c in comparisons}
+    tally["best served - token identity"] = {"above": 0, "tie": 0, "below": 0}
+    for name, p in r["kinds"].items():
+        ce = per_window["kinds"][name]["ce"]
+        cells = []
+        for title, better, worse in comparisons:
+            if better not in ce or worse not in ce:
+                cells.append("-")
+                continue
+            est, low, high = benefit_gap(ce, better, worse)
+            v = intervals.verdict(low, high)
+            tally[title][v] += 1
+            cells.append(ci(est, low, high) + (f" **{v}**" if v != "tie" else " tie"))
+        ident = identity_windows(per_window, name.split("->")[1], k)
+        best = max(served(p), key=lambda c: p[c]["benefit"])
+        if ident is not None and len(ident) == len(ce["own"]):
+            est, low, high = benefit_gap(dict(ce, identity=ident), best, "identity")
+            v = intervals.verdict(low, high)
+            tally["best served - token identity"][v] += 1
+            cells.append(f"{KIND_NAMES[best]}: {ci(est, low, high)}" +
+                         (f" **{v}**" if v != "tie" else " tie"))
+        else:
+            cells.append("-")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out.append("\nIn benefit recovered, beyond noise:\n")
+    for title, t in tally.items():
+        out.append(f"- {title}: above 0 on **{t['above']}**, below on **{t['below']}**, a tie "
+                   f"on {t['tie']} of {sum(t.values())} pairs.")
+    for kind, pairs in (r.get("long_range") or {}).items():
+        out.extend(long_range_intervals(kind, pairs, per_window["long_range"].get(kind, {})))
+    return out
+
+
+def long_range_intervals(kind, pairs, per_window):
+    out = [f"\nLong-range share on the {kind} windows with its {LEVEL:.0%} interval: the best "
+           f"served mapper (by estimate), token identity, and the best mapper without the "
+           f"target RoPE.\n",
+           "| pair | best mapper | token identity | best mapper, no target RoPE |",
+           "|---|---|---|---|"]
+    short = matched = 0
+    for name, p in pairs.items():
+        ce = per_window.get(name, {}).get("ce")
+        if ce is None or abs(p["copy_gain"]["own"]) < MIN_COPY_GAIN:
+            out.append(f"| {name} | undefined | - | - |")
+            continue
+        share = p["long_range"]
+        best = max(served(share), key=lambda c: share[c])
+        best_share = share_interval(ce, best)
+        cells = [f"{KIND_NAMES[best]}: {ci(*best_share)}"]
+        for label in ("identity", best + NO_ROPE):
+            cells.append(ci(*share_interval(ce, label)) if label in ce else "-")
+        if set(name.split("->")) <= MATCHED:
+            matched += 1
+            short += best_share[2] < 0.90
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out.append(f"\nOn {short} of {matched} matched pairs the best mapper's whole interval lies "
+               f"below the goal of 0.90.")
+    return out
+
+
+NO_ROPE = "_no_target_rope"
+
+
 def main():
     results, md = sys.argv[1], sys.argv[2]
     with open(results) as fh:
         r = json.load(fh)
+    per_window = None
+    pw_path = os.path.join(os.path.dirname(results), "per_window.json")
+    if os.path.exists(pw_path):  # runs from before 2026-12-05 evening have none
+        with open(pw_path) as fh:
+            per_window = json.load(fh)
     try:
         with open(md) as fh:
             text = fh.read()
@@ -593,7 +721,7 @@ def main():
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     with open(md, "w") as fh:
-        fh.write(head + BEGIN + "\n" + tables(r) + "\n" + END + tail)
+        fh.write(head + BEGIN + "\n" + tables(r, per_window) + "\n" + END + tail)
 
 
 if __name__ == "__main__":

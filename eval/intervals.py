@@ -1,0 +1,47 @@
+"""Paired bootstrap intervals over evaluation windows: how sure a difference between two
+conditions measured on the same held-out windows is (docs/EVAL.md, "How sure").
+
+Every condition of the evaluation is scored on the same windows, so a comparison (refined ridge
+against plain ridge, a mapper against token identity) is paired: resampling the windows, not the
+tokens, keeps both the pairing and the correlation of the tokens inside one window, which a
+per-token standard error would ignore. numpy only, so write_eval_md can import it without torch.
+"""
+
+import numpy as np
+
+
+def paired_bootstrap(per_window, statistic, resamples=4000, seed=0, level=0.95):
+    """per_window {condition: [value per window]}, every list over the same windows in the same
+    order; statistic(means) -> the figure, where means {condition: mean over windows} holds
+    floats for the estimate and arrays (one entry per resample) for the interval, so it must be
+    written with numpy operations. Returns (estimate, low, high): the statistic on all windows
+    and the percentile interval of `level` over `resamples` resamples of the windows (resamples
+    where the statistic is undefined, e.g. a ratio over 0, are left out)."""
+    arrays = {key: np.asarray(values, dtype=np.float64) for key, values in per_window.items()}
+    lengths = {len(a) for a in arrays.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"per_window: conditions over different window counts {sorted(lengths)}")
+    n = lengths.pop()
+    if n < 2:
+        raise ValueError(f"per_window: {n} window(s); an interval needs at least 2")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, n, size=(resamples, n))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        estimate = float(statistic({key: float(a.mean()) for key, a in arrays.items()}))
+        samples = np.asarray(statistic({key: a[picks].mean(axis=1)
+                                        for key, a in arrays.items()}), dtype=np.float64)
+    samples = samples[np.isfinite(samples)]
+    if samples.size == 0:
+        return estimate, float("nan"), float("nan")
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(samples, [tail, 1.0 - tail])
+    return estimate, float(low), float(high)
+
+
+def verdict(low, high):
+    """"above" when the whole interval is above 0, "below" when below, else "tie"."""
+    if low > 0:
+        return "above"
+    if high < 0:
+        return "below"
+    return "tie"
