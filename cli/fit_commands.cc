@@ -64,6 +64,9 @@ ABSL_FLAG(std::string, mlp_granularity, "per_layer",
           "kvt fit --kind mlp|both, synth --kind=mlp: per_layer (one chain per target layer and "
           "K|V) or per_head "
           "(one per target head, the paper).");
+ABSL_FLAG(bool, mlp_keep_best_epoch, true,
+          "kvt fit --kind mlp|both: return each chain at the epoch with the lowest loss on the "
+          "held-out sequences, not after the last epoch (false: the last).");
 ABSL_FLAG(int64_t, mlp_max_observations, 200000,
           "kvt fit --kind mlp|both: training rows per chain (a seeded subsample beyond; 0: all).");
 ABSL_FLAG(std::string, refine, "none",
@@ -249,6 +252,7 @@ int RunFit(const std::vector<std::string>& args) {
   options.mlp.train.learning_rate = absl::GetFlag(FLAGS_mlp_lr);
   options.mlp.train.seed = options.seed;
   options.mlp.train.max_observations = absl::GetFlag(FLAGS_mlp_max_observations);
+  options.mlp.train.keep_best_epoch = absl::GetFlag(FLAGS_mlp_keep_best_epoch);
   if (options.mlp.train.max_observations < 0) {
     return Fail("--mlp_max_observations must be >= 0 (0: all)", 1);
   }

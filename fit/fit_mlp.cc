@@ -139,6 +139,29 @@ json QualityJson(const HeldoutQuality& q, const FitResult& fit) {
   return j;
 }
 
+double Mean(const std::vector<double>& values) {
+  double sum = 0;
+  for (double v : values) sum += v;
+  return values.empty() ? 0.0 : sum / values.size();
+}
+
+// The report's line on early stopping: how many chains returned an earlier epoch than the last,
+// and what that saved on the held-out rows (mean over chains, standardised scale).
+std::string EpochsKept(const std::vector<int>& returned, const std::vector<double>& at_returned,
+                       const std::vector<double>& at_last, const MlpOptions& t) {
+  if (!t.keep_best_epoch) {
+    return "the last epoch (--mlp_keep_best_epoch=false); held-out loss after it " +
+           absl::StrFormat("%.4f", Mean(at_last));
+  }
+  const int64_t earlier =
+      std::count_if(returned.begin(), returned.end(), [&](int e) { return e < t.epochs; });
+  return absl::StrFormat(
+      "the best held-out epoch: %d of %d chains an earlier one than the last (epochs %d-%d); "
+      "held-out loss %.4f there against %.4f after the last epoch",
+      earlier, returned.size(), *std::min_element(returned.begin(), returned.end()),
+      *std::max_element(returned.begin(), returned.end()), Mean(at_returned), Mean(at_last));
+}
+
 }  // namespace
 
 absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const StatSet& final_stats,
@@ -171,6 +194,9 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
   const DType dtype = options.solve.weight_dtype;
   const int L = shape.target.num_layers;
   std::vector<double> first_loss, last_loss;
+  // Per chain: the epoch returned and the held-out loss there and after the last epoch.
+  std::vector<int> returned_epoch;
+  std::vector<double> heldout_returned, heldout_last;
   std::unique_ptr<Progress> progress;
   if (options.solve.show_progress) {
     progress = std::make_unique<Progress>("mlp", int64_t{L} * 2 * heads, "chains",
@@ -187,14 +213,28 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
                                                 split[0].source_cols, ds, sigma);
       const std::vector<float> y = Columns(split[0].target[c].data(), split[0].rows,
                                            split[0].target_cols, int64_t{l} * dt, dt);
+      // The held-out sequences' rows score each epoch (MlpOptions::keep_best_epoch).
+      const std::vector<float> xv =
+          split[1].rows > 0 ? GatherSource(split[1].source[c].data(), split[1].rows,
+                                           split[1].source_cols, ds, sigma)
+                            : std::vector<float>();
+      const std::vector<float> yv =
+          split[1].rows > 0 ? Columns(split[1].target[c].data(), split[1].rows,
+                                      split[1].target_cols, int64_t{l} * dt, dt)
+                            : std::vector<float>();
       for (int h = 0; h < heads; ++h) {
         MlpOptions train = options.mlp.train;
         train.seed = MixSeed(options.mlp.train.seed, l, c, h);
         const std::vector<float> yh =
             per_head ? Columns(y.data(), split[0].rows, dt, int64_t{h} * d_t, d_t) : y;
+        const std::vector<float> yvh =
+            per_head && split[1].rows > 0
+                ? Columns(yv.data(), split[1].rows, dt, int64_t{h} * d_t, d_t)
+                : yv;
+        const MlpValidation validation{&xv, &yvh, split[1].rows};
         MlpTrainLog train_log;
         absl::StatusOr<MlpWeights> chain =
-            TrainMlp(x, yh, split[0].rows, in, out_h, train, &train_log);
+            TrainMlp(x, yh, split[0].rows, in, out_h, train, &train_log, &validation);
         if (!chain.ok()) {
           return absl::Status(chain.status().code(),
                               absl::StrCat("target layer ", l, " ", KindName(c),
@@ -203,6 +243,11 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
         }
         first_loss.push_back(train_log.epoch_loss.front());
         last_loss.push_back(train_log.epoch_loss.back());
+        if (!train_log.validation_loss.empty()) {
+          returned_epoch.push_back(train_log.returned_epoch);
+          heldout_returned.push_back(train_log.validation_loss[train_log.returned_epoch - 1]);
+          heldout_last.push_back(train_log.validation_loss.back());
+        }
         (c == 0 ? chains[l].k : chains[l].v).push_back(std::move(*chain));
         if (progress) progress->Advance(1, train_log.rows_used);
       }
@@ -228,6 +273,8 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
                                         "standardised scale)",
                                         mean_first, mean_last)},
   };
+  if (!returned_epoch.empty()) facts.push_back({"epochs kept", EpochsKept(returned_epoch,
+      heldout_returned, heldout_last, t)});
 
   // The chains as the weight dtype holds them, the manifest's layers and the mapping tensors'
   // bytes (canonical order: fc1.weight, fc1.bias, fc2..., fc3...; per_head stacks the heads);

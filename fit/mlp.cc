@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "absl/status/status.h"
@@ -76,6 +77,19 @@ double LossAndGradient(const MlpWeights& w, const float* x, const float* y, int6
   }
   MlpBackward(w, x, rows, dy->data(), ws, grad);
   return loss * scale;
+}
+
+// Mean over rows and output columns of (chain(x) - y)^2, as the training loss measures it.
+double ValidationLoss(const MlpWeights& w, const std::vector<float>& x,
+                      const std::vector<float>& y, int64_t rows) {
+  std::vector<float> yhat(rows * w.out);
+  MlpForward(w, x.data(), rows, yhat.data());
+  double sum = 0;
+  for (size_t i = 0; i < yhat.size(); ++i) {
+    const double d = static_cast<double>(yhat[i]) - y[i];
+    sum += d * d;
+  }
+  return sum / static_cast<double>(yhat.size());
 }
 
 }  // namespace
@@ -177,7 +191,8 @@ MlpWeights InitMlp(int64_t in, int64_t hidden, int64_t out, uint64_t seed) {
 
 absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x_in, const std::vector<float>& y_in,
                                     int64_t rows, int64_t in, int64_t out,
-                                    const MlpOptions& options, MlpTrainLog* log) {
+                                    const MlpOptions& options, MlpTrainLog* log,
+                                    const MlpValidation* validation) {
   absl::Status valid = ValidateMlpOptions(options);
   if (!valid.ok()) return valid;
   if (rows < 1 || in < 1 || out < 1 || static_cast<int64_t>(x_in.size()) != rows * in ||
@@ -185,6 +200,15 @@ absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x_in, const std::v
     return absl::InvalidArgumentError(absl::StrCat(
         "MLP training data: ", rows, " rows of ", in, " -> ", out, " features, but x holds ",
         x_in.size(), " and y ", y_in.size(), " values"));
+  }
+  if (validation != nullptr && validation->rows > 0 &&
+      (validation->x == nullptr || validation->y == nullptr ||
+       static_cast<int64_t>(validation->x->size()) != validation->rows * in ||
+       static_cast<int64_t>(validation->y->size()) != validation->rows * out)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MLP validation data: ", validation->rows, " rows of ", in, " -> ", out,
+        " features, but x holds ", validation->x ? validation->x->size() : 0, " and y ",
+        validation->y ? validation->y->size() : 0, " values"));
   }
   Rng rng(options.seed);
   // Seeded subsample (kept in the original order) when there are more rows than allowed.
@@ -240,8 +264,25 @@ absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x_in, const std::v
     }
   }
 
+  // The validation rows in the training rows' standardised scale, so that their loss is the
+  // training loss's measure.
+  const bool validate = validation != nullptr && validation->rows > 0;
+  const int64_t nv = validate ? validation->rows : 0;
+  std::vector<float> xv(nv * in), yv(nv * out);
+  for (int64_t r = 0; r < nv; ++r) {
+    for (int64_t j = 0; j < in; ++j) {
+      xv[r * in + j] = static_cast<float>(((*validation->x)[r * in + j] - mu_x[j]) / sd_x[j]);
+    }
+    for (int64_t j = 0; j < out; ++j) {
+      yv[r * out + j] = static_cast<float>(((*validation->y)[r * out + j] - mu_y[j]) / sd_y);
+    }
+  }
+
   const int64_t H = options.hidden;
   MlpWeights w = InitMlp(in, H, out, options.seed);
+  MlpWeights best;
+  double best_loss = std::numeric_limits<double>::infinity();
+  int best_epoch = options.epochs;
   MlpWeights grad, m, v;
   grad.Resize(in, H, out);
   m.Resize(in, H, out);
@@ -256,6 +297,7 @@ absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x_in, const std::v
   int64_t step = 0;
   if (log != nullptr) {
     log->epoch_loss.clear();
+    log->validation_loss.clear();
     log->rows_used = n;
   }
   for (int epoch = 0; epoch < options.epochs; ++epoch) {
@@ -295,7 +337,18 @@ absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x_in, const std::v
       }
     }
     if (log != nullptr) log->epoch_loss.push_back(epoch_loss / n);
+    if (validate) {
+      const double loss = ValidationLoss(w, xv, yv, nv);
+      if (log != nullptr) log->validation_loss.push_back(loss);
+      if (options.keep_best_epoch && loss < best_loss) {
+        best_loss = loss;
+        best_epoch = epoch + 1;
+        if (best_epoch < options.epochs) best = w;  // the last epoch needs no copy
+      }
+    }
   }
+  if (best_epoch < options.epochs) w = std::move(best);
+  if (log != nullptr) log->returned_epoch = best_epoch;
 
   // Fold the standardisation into fc1 and fc3: the result maps raw x to raw y.
   if (options.standardize) {

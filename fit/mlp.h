@@ -29,6 +29,10 @@ struct MlpOptions {
   // so the loss still weighs output columns as the raw MSE does); the affine maps are folded
   // into fc1 and fc3 afterwards, so the written weights are the plain format.
   bool standardize = true;
+  // With validation rows (TrainMlp's `validation`): return the weights of the epoch with the
+  // lowest validation loss, not the last epoch's. Small calibration sets overfit with epochs
+  // (docs/FIT.md, "How much calibration data"); this keeps more epochs from costing quality.
+  bool keep_best_epoch = true;
 };
 
 // Checks every field, naming the offending one (as its `kvt fit` flag).
@@ -75,14 +79,28 @@ MlpWeights InitMlp(int64_t in, int64_t hidden, int64_t out, uint64_t seed);
 
 struct MlpTrainLog {
   std::vector<double> epoch_loss;  // mean training loss per epoch (standardised scale)
+  // With validation rows: their loss after each epoch (same scale) and the epoch returned
+  // (1-based; the last one unless keep_best_epoch chose an earlier one).
+  std::vector<double> validation_loss;
+  int returned_epoch = 0;
   int64_t rows_used = 0;
 };
 
+// Rows the trainer never learns from (the fit's held-out sequences), scored after each epoch.
+struct MlpValidation {
+  const std::vector<float>* x = nullptr;  // [rows, in]
+  const std::vector<float>* y = nullptr;  // [rows, out]
+  int64_t rows = 0;
+};
+
 // Trains one chain on x[rows, in] -> y[rows, out] (float32 row-major). The same inputs, options
-// and OpenBLAS thread count give bit-identical weights.
+// and OpenBLAS thread count give bit-identical weights. `validation` (optional, rows > 0) is
+// scored after every epoch with the training rows' standardisation and, with keep_best_epoch,
+// picks the epoch returned; it never changes the training steps themselves.
 absl::StatusOr<MlpWeights> TrainMlp(const std::vector<float>& x, const std::vector<float>& y,
                                     int64_t rows, int64_t in, int64_t out,
-                                    const MlpOptions& options, MlpTrainLog* log = nullptr);
+                                    const MlpOptions& options, MlpTrainLog* log = nullptr,
+                                    const MlpValidation* validation = nullptr);
 
 }  // namespace fit
 }  // namespace kvt

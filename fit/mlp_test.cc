@@ -174,7 +174,7 @@ TEST(MlpTest, RecoversAKnownRandomMlpMapping) {
   EXPECT_LT(log.epoch_loss.back(), log.epoch_loss.front());
   std::vector<float> pred(test * out);
   MlpForward(*student, xt.data(), test, pred.data());
-  EXPECT_GT(R2(pred, yt, test, out), 0.9);
+  EXPECT_GT(R2(pred, yt, test, out), 0.85);  // 0.90-0.97 over fresh seeds, 1 in 40 at 0.8996
 }
 
 // Nonlinear target: an MLP clearly beats the best linear map. Linear target: it matches it.
@@ -219,6 +219,87 @@ TEST(MlpTest, BeatsLeastSquaresOnNonlinearAndMatchesItOnLinear) {
       EXPECT_GT(r2_mlp, r2_linear + 0.3);
     }
   }
+}
+
+// Raw-scale validation MSE in float64, independent of the trainer's standardisation.
+double RawMse(const MlpWeights& w, const std::vector<float>& x, const std::vector<float>& y,
+              int64_t rows) {
+  std::vector<float> pred(rows * w.out);
+  MlpForward(w, x.data(), rows, pred.data());
+  double sum = 0;
+  for (size_t i = 0; i < pred.size(); ++i) {
+    const double d = static_cast<double>(pred[i]) - y[i];
+    sum += d * d;
+  }
+  return sum / pred.size();
+}
+
+// Validation rows that the training makes worse by construction: the training rows with their
+// targets negated (the better the fit to y, the worse the fit to -y). keep_best_epoch returns the
+// epoch with the lowest validation loss (its weights score that loss), the last epoch's weights
+// are exactly the run without validation, and both runs take the same steps.
+TEST(MlpTest, KeepsTheBestValidationEpoch) {
+  std::mt19937_64 rng(FreshSeed("MlpTest.KeepsTheBestValidationEpoch"));
+  const int64_t in = 8, out = 4, train = 256, held = train;
+  const std::vector<float> w = Normal(&rng, in * out, 1.0 / std::sqrt(in));
+  const std::vector<float> x = Normal(&rng, train * in);
+  const std::vector<float> noise = Normal(&rng, train * out, 0.1);
+  std::vector<float> y(train * out), yv(train * out);
+  for (int64_t r = 0; r < train; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double z = 0;
+      for (int64_t j = 0; j < in; ++j) z += x[r * in + j] * w[j * out + o];
+      y[r * out + o] = static_cast<float>(z + noise[r * out + o]);
+      yv[r * out + o] = -y[r * out + o];
+    }
+  }
+  const std::vector<float>& xv = x;
+  MlpOptions options;
+  options.hidden = 32;
+  options.epochs = 20;
+  options.batch = 32;
+  options.seed = rng();
+  const MlpValidation validation{&xv, &yv, held};
+
+  MlpTrainLog best_log, last_log;
+  absl::StatusOr<MlpWeights> best = TrainMlp(x, y, train, in, out, options, &best_log,
+                                             &validation);
+  options.keep_best_epoch = false;
+  absl::StatusOr<MlpWeights> last = TrainMlp(x, y, train, in, out, options, &last_log,
+                                             &validation);
+  absl::StatusOr<MlpWeights> plain = TrainMlp(x, y, train, in, out, options);
+  ASSERT_TRUE(best.ok() && last.ok() && plain.ok());
+
+  ASSERT_EQ(best_log.validation_loss.size(), 20u);
+  EXPECT_EQ(best_log.validation_loss, last_log.validation_loss);  // same steps
+  EXPECT_EQ(best_log.epoch_loss, last_log.epoch_loss);
+  const auto lowest =
+      std::min_element(best_log.validation_loss.begin(), best_log.validation_loss.end());
+  EXPECT_EQ(best_log.returned_epoch, lowest - best_log.validation_loss.begin() + 1);
+  EXPECT_LT(best_log.returned_epoch, 10);
+  EXPECT_GT(best_log.validation_loss.back(), 1.2 * *lowest);
+  EXPECT_EQ(last_log.returned_epoch, 20);
+  EXPECT_EQ(Flatten(*last), Flatten(*plain));
+
+  // The returned weights are that epoch's: their raw validation MSE is the logged loss times
+  // the output scale^2 (the trainer's common output scale, over the kept training rows).
+  double var_y = 0;
+  for (int64_t o = 0; o < out; ++o) {
+    double mean = 0, sq = 0;
+    for (int64_t r = 0; r < train; ++r) mean += y[r * out + o] / train;
+    for (int64_t r = 0; r < train; ++r) sq += (y[r * out + o] - mean) * (y[r * out + o] - mean);
+    var_y += sq / train / out;
+  }
+  EXPECT_NEAR(RawMse(*best, xv, yv, held), *lowest * var_y, 1e-3 * *lowest * var_y);
+  EXPECT_LT(RawMse(*best, xv, yv, held), RawMse(*last, xv, yv, held));
+}
+
+TEST(MlpTest, BadValidationShapesAreNamed) {
+  const std::vector<float> x(10), y(5), xv(7), yv(3);
+  const MlpValidation validation{&xv, &yv, 3};
+  absl::StatusOr<MlpWeights> bad = TrainMlp(x, y, 5, 2, 1, MlpOptions(), nullptr, &validation);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("MLP validation data"), std::string::npos);
 }
 
 TEST(MlpTest, SameSeedSameBytesOtherSeedOtherWeights) {
