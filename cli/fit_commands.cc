@@ -64,7 +64,7 @@ ABSL_FLAG(std::string, mlp_granularity, "per_layer",
           "kvt fit --kind mlp|both, synth --kind=mlp: per_layer (one chain per target layer and "
           "K|V) or per_head "
           "(one per target head, the paper).");
-ABSL_FLAG(bool, mlp_keep_best_epoch, true,
+ABSL_FLAG(bool, mlp_keep_best_epoch, false,
           "kvt fit --kind mlp|both: return each chain at the epoch with the lowest loss on the "
           "held-out sequences, not after the last epoch (false: the last).");
 ABSL_FLAG(int64_t, mlp_max_observations, 200000,

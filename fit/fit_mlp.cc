@@ -145,21 +145,22 @@ double Mean(const std::vector<double>& values) {
   return values.empty() ? 0.0 : sum / values.size();
 }
 
-// The report's line on early stopping: how many chains returned an earlier epoch than the last,
-// and what that saved on the held-out rows (mean over chains, standardised scale).
-std::string EpochsKept(const std::vector<int>& returned, const std::vector<double>& at_returned,
-                       const std::vector<double>& at_last, const MlpOptions& t) {
-  if (!t.keep_best_epoch) {
-    return "the last epoch (--mlp_keep_best_epoch=false); held-out loss after it " +
-           absl::StrFormat("%.4f", Mean(at_last));
-  }
+// The report's line on the held-out rows' loss over the epochs (means over chains, standardised
+// scale): where it was lowest, whether that was before the last epoch (overfitting the rows;
+// with --mlp_keep_best_epoch those chains return that epoch), and what the chains returned.
+std::string HeldoutByEpoch(const std::vector<int>& lowest, const std::vector<double>& at_lowest,
+                           const std::vector<double>& at_returned,
+                           const std::vector<double>& at_last, const MlpOptions& t) {
   const int64_t earlier =
-      std::count_if(returned.begin(), returned.end(), [&](int e) { return e < t.epochs; });
+      std::count_if(lowest.begin(), lowest.end(), [&](int e) { return e < t.epochs; });
   return absl::StrFormat(
-      "the best held-out epoch: %d of %d chains an earlier one than the last (epochs %d-%d); "
-      "held-out loss %.4f there against %.4f after the last epoch",
-      earlier, returned.size(), *std::min_element(returned.begin(), returned.end()),
-      *std::max_element(returned.begin(), returned.end()), Mean(at_returned), Mean(at_last));
+      "lowest before the last epoch on %d of %d chains (epochs %d-%d of %d); %.4f there, %.4f "
+      "after the last epoch; returned: %s (%.4f)",
+      earlier, lowest.size(), *std::min_element(lowest.begin(), lowest.end()),
+      *std::max_element(lowest.begin(), lowest.end()), t.epochs, Mean(at_lowest),
+      Mean(at_last),
+      t.keep_best_epoch ? "each chain's lowest (--mlp_keep_best_epoch)" : "the last epoch",
+      Mean(at_returned));
 }
 
 }  // namespace
@@ -194,9 +195,10 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
   const DType dtype = options.solve.weight_dtype;
   const int L = shape.target.num_layers;
   std::vector<double> first_loss, last_loss;
-  // Per chain: the epoch returned and the held-out loss there and after the last epoch.
-  std::vector<int> returned_epoch;
-  std::vector<double> heldout_returned, heldout_last;
+  // Per chain: the epoch of the lowest held-out loss, that loss, and the held-out loss of the
+  // epoch returned and of the last epoch.
+  std::vector<int> lowest_epoch;
+  std::vector<double> heldout_lowest, heldout_returned, heldout_last;
   std::unique_ptr<Progress> progress;
   if (options.solve.show_progress) {
     progress = std::make_unique<Progress>("mlp", int64_t{L} * 2 * heads, "chains",
@@ -244,9 +246,13 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
         first_loss.push_back(train_log.epoch_loss.front());
         last_loss.push_back(train_log.epoch_loss.back());
         if (!train_log.validation_loss.empty()) {
-          returned_epoch.push_back(train_log.returned_epoch);
-          heldout_returned.push_back(train_log.validation_loss[train_log.returned_epoch - 1]);
-          heldout_last.push_back(train_log.validation_loss.back());
+          const std::vector<double>& curve = train_log.validation_loss;
+          const int lowest = static_cast<int>(
+              std::min_element(curve.begin(), curve.end()) - curve.begin());
+          lowest_epoch.push_back(lowest + 1);
+          heldout_lowest.push_back(curve[lowest]);
+          heldout_returned.push_back(curve[train_log.returned_epoch - 1]);
+          heldout_last.push_back(curve.back());
         }
         (c == 0 ? chains[l].k : chains[l].v).push_back(std::move(*chain));
         if (progress) progress->Advance(1, train_log.rows_used);
@@ -273,8 +279,11 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
                                         "standardised scale)",
                                         mean_first, mean_last)},
   };
-  if (!returned_epoch.empty()) facts.push_back({"epochs kept", EpochsKept(returned_epoch,
-      heldout_returned, heldout_last, t)});
+  if (!lowest_epoch.empty()) {
+    facts.push_back({"held-out loss by epoch",
+                     HeldoutByEpoch(lowest_epoch, heldout_lowest, heldout_returned, heldout_last,
+                                    t)});
+  }
 
   // The chains as the weight dtype holds them, the manifest's layers and the mapping tensors'
   // bytes (canonical order: fc1.weight, fc1.bias, fc2..., fc3...; per_head stacks the heads);

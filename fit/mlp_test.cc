@@ -259,6 +259,7 @@ TEST(MlpTest, KeepsTheBestValidationEpoch) {
   options.epochs = 20;
   options.batch = 32;
   options.seed = rng();
+  options.keep_best_epoch = true;
   const MlpValidation validation{&xv, &yv, held};
 
   MlpTrainLog best_log, last_log;
