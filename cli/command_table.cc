@@ -63,13 +63,14 @@ constexpr char kFitUsage[] =
     "usage: kvt fit --source_config=CFG --target_config=CFG\n"
     "               (--source_dumps=DIR --target_dumps=DIR | --pairs=LIST) --out=MAPPER_DIR\n"
     "               [--top_k=8|all] [--stride=4] [--window=1] [--lambda=0.01]\n"
-    "               [--lambda_scale=covariance|sum] [--heldout_fraction=0.1] [--seed=1] [--weight_dtype=bf16] [--corpus=TEXT]\n"
+    "               [--lambda_scale=covariance|sum] [--heldout_fraction=0.1] [--heldout_split=hash|tail]\n"
+    "               [--seed=1] [--weight_dtype=bf16] [--corpus=TEXT]\n"
     "               [--source_model=NAME] [--target_model=NAME] [--threads=0] [--chunk_mb=256]\n"
     "               [--overwrite]\n"
     "               [--partial [--shard=i/n] [--plan=PLAN] --out=SHARD_FILE]\n"
     "               [--kind=ridge|mlp|both [--mlp_hidden=1024] [--mlp_epochs=20]\n"
     "                [--mlp_batch=4096] [--mlp_lr=1e-3] [--mlp_granularity=per_layer|per_head]\n"
-    "                [--mlp_max_observations=200000]]\n"
+    "                [--mlp_max_observations=200000] [--mlp_keep_best_epoch]]\n"
     "               [--refine=none|attention [--refine_steps=100] [--refine_batch=2]\n"
     "                [--refine_queries=16] [--refine_lr=0.003] [--refine_mlp_steps=300]\n"
     "                [--refine_mlp_batch=4] [--refine_mlp_queries=64] [--refine_mlp_lr=0.001]\n"
@@ -132,9 +133,9 @@ const std::vector<CommandSpec>& Commands() {
       {"fit", RunFit, "fit a mapper from KV dumps of two models (docs/FIT.md)", kFitUsage,
        {"source_config", "target_config", "source_dumps", "target_dumps", "pairs", "out",
         "source_model", "target_model", "top_k", "stride", "window", "lambda", "lambda_scale",
-        "heldout_fraction", "seed", "weight_dtype", "corpus", "threads", "chunk_mb", "overwrite",
+        "heldout_fraction", "heldout_split", "seed", "weight_dtype", "corpus", "threads", "chunk_mb", "overwrite",
         "partial", "shard", "plan", "kind", "mlp_hidden", "mlp_epochs", "mlp_batch", "mlp_lr",
-        "mlp_granularity", "mlp_max_observations", "refine", "refine_steps", "refine_batch",
+        "mlp_granularity", "mlp_max_observations", "mlp_keep_best_epoch", "refine", "refine_steps", "refine_batch",
         "refine_queries", "refine_lr", "refine_mlp_steps", "refine_mlp_batch",
         "refine_mlp_queries", "refine_mlp_lr", "refine_queries_from", "refine_cache_mb",
         "unrefined_mlp_out"}},

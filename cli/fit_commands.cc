@@ -41,6 +41,9 @@ ABSL_FLAG(std::string, lambda_scale, "covariance",
           "(X^T X).");
 ABSL_FLAG(double, heldout_fraction, 0.1,
           "kvt fit: share of sequences held out (chosen by a hash of --seed and file name).");
+ABSL_FLAG(std::string, heldout_split, "hash",
+          "kvt fit: which sequences are held out: hash (a hash of --seed and file name) or tail "
+          "(the list's last ones: dumps in corpus order hold out its last documents).");
 ABSL_FLAG(std::string, corpus, "", "kvt fit: what the calibration text was (recorded).");
 ABSL_FLAG(bool, partial, false,
           "kvt fit: write this shard's statistics to --out (a file) instead of a mapper.");
@@ -327,7 +330,10 @@ int RunFit(const std::vector<std::string>& args) {
                 1);
   }
   if (!pairs.ok()) return Fail(pairs.status().ToString());
-  fit::AssignHeldout(options.heldout_fraction, options.seed, &*pairs);
+  absl::StatusOr<fit::HeldoutSplit> split = fit::ParseHeldoutSplit(absl::GetFlag(FLAGS_heldout_split));
+  if (!split.ok()) return Fail(std::string(split.status().message()), 1);
+  options.heldout_split = *split;
+  fit::AssignHeldout(options.heldout_fraction, options.seed, &*pairs, options.heldout_split);
   options.sequences = *pairs;
   const std::string shard = absl::GetFlag(FLAGS_shard);
   if (!shard.empty()) {

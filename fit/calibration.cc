@@ -1,6 +1,7 @@
 #include "fit/calibration.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -202,7 +203,26 @@ absl::StatusOr<std::vector<SequencePair>> PairsFromListFile(const std::string& p
   return pairs;
 }
 
-void AssignHeldout(double fraction, uint64_t seed, std::vector<SequencePair>* pairs) {
+absl::StatusOr<HeldoutSplit> ParseHeldoutSplit(const std::string& name) {
+  if (name == "hash") return HeldoutSplit::kHash;
+  if (name == "tail") return HeldoutSplit::kTail;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--heldout_split must be 'hash' or 'tail', got '", name, "'"));
+}
+
+const char* HeldoutSplitName(HeldoutSplit split) {
+  return split == HeldoutSplit::kTail ? "tail" : "hash";
+}
+
+void AssignHeldout(double fraction, uint64_t seed, std::vector<SequencePair>* pairs,
+                   HeldoutSplit split) {
+  if (split == HeldoutSplit::kTail) {
+    const size_t n = pairs->size();
+    size_t held = static_cast<size_t>(std::llround(fraction * static_cast<double>(n)));
+    if (fraction > 0 && held == 0 && n > 0) held = 1;
+    for (size_t i = 0; i < n; ++i) (*pairs)[i].heldout = i + held >= n;
+    return;
+  }
   for (SequencePair& pair : *pairs) {
     uint64_t hash = Mix(seed);
     for (unsigned char c : pair.name) hash = Mix(hash ^ c);

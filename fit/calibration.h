@@ -30,10 +30,26 @@ absl::StatusOr<std::vector<SequencePair>> PairsFromDirs(const std::string& sourc
 // are relative to the list file's directory; '#' starts a comment). Errors name file and line.
 absl::StatusOr<std::vector<SequencePair>> PairsFromListFile(const std::string& path);
 
-// Marks a sequence held out when a hash of (seed, name) falls below `fraction`. Depending on the
-// name alone (not the position in a list) makes the split the same whether the set is fitted in
-// one run or in shards, and stable when sequences are added.
-void AssignHeldout(double fraction, uint64_t seed, std::vector<SequencePair>* pairs);
+// How AssignHeldout picks the held-out sequences.
+enum class HeldoutSplit {
+  // A hash of (seed, name) below `fraction`. Depending on the name alone (not the position in a
+  // list) makes the split the same whether the set is fitted in one run or in shards, and stable
+  // when sequences are added; but the held-out sequences come from the same documents as the
+  // training ones.
+  kHash,
+  // The last round(fraction x n) sequences of the list (at least one when fraction > 0). Dumps
+  // cut in corpus order (dump_kv.py) then hold out the corpus's last documents, so the held-out
+  // figures see text the fit did not train on, as a user's traffic is (docs/FIT.md).
+  kTail,
+};
+
+// Parses "hash" / "tail" (the --heldout_split values); anything else is an error naming them.
+absl::StatusOr<HeldoutSplit> ParseHeldoutSplit(const std::string& name);
+const char* HeldoutSplitName(HeldoutSplit split);
+
+// Marks the held-out sequences of the whole list (before SelectShard, so shards agree).
+void AssignHeldout(double fraction, uint64_t seed, std::vector<SequencePair>* pairs,
+                   HeldoutSplit split = HeldoutSplit::kHash);
 
 // Shard `index` of `count`: the pairs at positions index, index + count, ... of the list.
 std::vector<SequencePair> SelectShard(const std::vector<SequencePair>& pairs, int index,

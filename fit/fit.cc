@@ -46,6 +46,7 @@ StatSet Header(const FitOptions& options, const std::string& phase) {
   stats.metadata["target_config"] = options.target.config_json;
   stats.metadata["stride"] = absl::StrCat(options.stride);
   stats.metadata["heldout_fraction"] = absl::StrCat(options.heldout_fraction);
+  stats.metadata["heldout_split"] = HeldoutSplitName(options.heldout_split);
   stats.metadata["seed"] = absl::StrCat(options.seed);
   stats.metadata["corpus"] = options.corpus;
   stats.metadata["tool"] = kFitToolVersion;
@@ -518,9 +519,14 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
   fact("stride", absl::StrCat(stride));
   fact("training observations", absl::StrCat(static_cast<int64_t>(n_train)));
   fact("held-out observations", absl::StrCat(static_cast<int64_t>(n_held)));
-  fact("held-out split", absl::StrCat("by sequence: fraction ", stats.metadata.at("heldout_fraction"),
-                                      ", seed ", stats.metadata.at("seed"),
-                                      " (hash of seed and dump file name)"));
+  const auto split = stats.metadata.find("heldout_split");
+  fact("held-out split",
+       split != stats.metadata.end() && split->second == "tail"
+           ? absl::StrCat("by sequence: fraction ", stats.metadata.at("heldout_fraction"),
+                          ", the list's last sequences (--heldout_split=tail)")
+           : absl::StrCat("by sequence: fraction ", stats.metadata.at("heldout_fraction"),
+                          ", seed ", stats.metadata.at("seed"),
+                          " (hash of seed and dump file name)"));
   fact("probe", shape->matched() ? "head h on head h (matched KV shapes)"
                                  : "each target head on the whole source layer (unmatched)");
   fact("k", stats.metadata.at("k"));

@@ -118,6 +118,7 @@ struct FitOptions {
   int window = 1;
   SolveOptions solve;
   double heldout_fraction = 0.1;  // recorded: the marks are in `sequences`
+  HeldoutSplit heldout_split = HeldoutSplit::kHash;  // recorded
   uint64_t seed = 1;              // recorded
   std::string corpus;             // recorded as calibration.dataset
   // OpenBLAS threads for accumulation and solve; 0: every core. Set explicitly because a

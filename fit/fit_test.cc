@@ -1117,6 +1117,24 @@ TEST(CalibrationSetTest, HeldoutSplitDependsOnNamesNotShards) {
   EXPECT_GT(differ, 50);
 }
 
+TEST(CalibrationSetTest, TailSplitHoldsOutTheListsLastSequences) {
+  for (const auto& [n, fraction, held] :
+       std::vector<std::tuple<int, double, int>>{{64, 0.1, 6}, {10, 0.25, 3}, {5, 0.01, 1},
+                                                 {7, 0.0, 0}}) {
+    std::vector<SequencePair> pairs;
+    for (int i = 0; i < n; ++i) pairs.push_back({testing::SequenceFileName(i), "", "", true});
+    AssignHeldout(fraction, 3, &pairs, HeldoutSplit::kTail);
+    for (int i = 0; i < n; ++i) {
+      EXPECT_EQ(pairs[i].heldout, i >= n - held) << n << " " << fraction << " " << i;
+    }
+  }
+  EXPECT_EQ(*ParseHeldoutSplit("tail"), HeldoutSplit::kTail);
+  EXPECT_EQ(*ParseHeldoutSplit("hash"), HeldoutSplit::kHash);
+  absl::StatusOr<HeldoutSplit> bad = ParseHeldoutSplit("random");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("--heldout_split"));
+}
+
 }  // namespace
 }  // namespace fit
 }  // namespace kvt
