@@ -9,7 +9,9 @@ Per pair and variant (a label and the extra `kvt fit` flags; k = 2, stride 1, on
 fit's wall time, then, served by one kvtd, the context benefit recovered on the evaluation's
 held-out windows (retention.evaluate_kinds: 16 windows of 384 + 96 bytes), the perplexity ratio
 and kvtd's attention-output cosine per target layer; with --long_windows also the long-range
-share on that many copy and lookup windows (docs/EVAL.md's measure). --kind=mlp fits every
+share on that many copy and lookup windows (docs/EVAL.md's measure), each figure with its 95%
+paired bootstrap interval over the windows, and with --baseline each variant's difference from
+that variant with its interval (16 windows resolve little: docs/EVAL.md, "How sure"). --kind=mlp fits every
 variant as an MLP at the eval's budget (retention.MLP_FLAGS). The tool behind docs/FIT.md's
 comparison of refinement objectives and docs/EVAL.md's refinement-budget table; a JSON line per
 pair and variant on stdout.
@@ -22,6 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import intervals  # noqa: E402
 import retention as R  # noqa: E402
 
 
@@ -63,6 +66,10 @@ def main():
     p.add_argument("--calib_windows", type=int, default=64,
                    help="calibration windows of 512 bytes each member dumps (the evaluation's "
                         "64 unless more data is the variable)")
+    p.add_argument("--baseline", default="",
+                   help="a variant label: every other variant also gets its difference from it "
+                        "(benefit, copy and lookup share) with a 95% paired bootstrap interval "
+                        "over the windows (eval/intervals.py)")
     args = p.parse_args()
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
     work = os.path.join(caller, args.work)
@@ -89,13 +96,30 @@ def main():
         for a, b in pairs:
             ids = {label: f"{a}-to-{b}-{label}" for label in variants}
             r = R.evaluate_kinds(client, members[a], members[b], ids, windows, args.context)
-            long_range = {}
+            long_range, long_ce = {}, {}
             for name, make in (("copy", R.copy_windows), ("lookup", R.lookup_windows)):
                 if args.long_windows > 0:
                     w, c = make(args.context, args.continuation, args.long_windows)
-                    long_range[name] = R.evaluate_long_range(
-                        client, members[a], members[b], ids, w, c, args.context)["long_range"]
+                    lr = R.evaluate_long_range(client, members[a], members[b], ids, w, c,
+                                               args.context)
+                    long_range[name], long_ce[name] = lr["long_range"], lr["per_window"]["ce"]
+            ce = r["per_window"]["ce"]
             for label, mid in ids.items():
+                sure = {"benefit_interval": rounded(intervals.benefit_interval(ce, label)),
+                        **{f"{name}_share_interval": rounded(intervals.share_interval(x, label))
+                           for name, x in long_ce.items()}}
+                if args.baseline in ids and label != args.baseline:
+                    sure[f"benefit_minus_{args.baseline}"] = rounded(
+                        intervals.benefit_gap(ce, label, args.baseline))
+                    for name, x in long_ce.items():
+                        sure[f"{name}_share_minus_{args.baseline}"] = rounded(
+                            intervals.paired_bootstrap(
+                                {key: x[key] for key in ("own", "control_own", label,
+                                                         "control_" + label, args.baseline,
+                                                         "control_" + args.baseline)},
+                                lambda m: ((m["control_" + label] - m[label]) -
+                                           (m["control_" + args.baseline] - m[args.baseline]))
+                                / (m["control_own"] - m["own"])))
                 print(json.dumps({
                     "pair": f"{a}->{b}", "variant": label, "fit_seconds": round(
                         seconds[(a, b, label)], 2),
@@ -105,7 +129,13 @@ def main():
                     **{f"{name}_share": round(v[label], 3) for name, v in long_range.items()},
                     "attention_cosine": round(r[label]["validate"]["attention_cosine"], 4),
                     "layer_cosines": layer_cosines(client, members[a], members[b], mid,
-                                                   windows[:4], args.context)}), flush=True)
+                                                   windows[:4], args.context),
+                    **sure}), flush=True)
+
+
+def rounded(interval):
+    """(estimate, low, high) rounded for the JSON line."""
+    return [round(x, 4) for x in interval]
 
 
 if __name__ == "__main__":

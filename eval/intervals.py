@@ -38,6 +38,31 @@ def paired_bootstrap(per_window, statistic, resamples=4000, seed=0, level=0.95):
     return estimate, float(low), float(high)
 
 
+def benefit_interval(ce, label, level=0.95):
+    """Benefit recovered by `label`, (CE_none - CE_label) / (CE_none - CE_own), with its interval,
+    from per-window CE {condition: [...]} (retention's per_window["ce"])."""
+    data = {key: ce[key] for key in ("own", "none", label)}
+    return paired_bootstrap(data, lambda m: (m["none"] - m[label]) / (m["none"] - m["own"]),
+                            level=level)
+
+
+def benefit_gap(ce, better, worse, level=0.95):
+    """benefit(better) - benefit(worse) with its paired interval, from per-window CE."""
+    data = {key: ce[key] for key in ("own", "none", better, worse)}
+    return paired_bootstrap(data, lambda m: (m[worse] - m[better]) / (m["none"] - m["own"]),
+                            level=level)
+
+
+def share_interval(ce, label, level=0.95):
+    """The long-range share of `label` (its copy gain / own's) with its interval, from the
+    per-window CE of the long-range windows and of their controls ("control_" keys; window i's
+    control is control i)."""
+    data = {"own": ce["own"], "c_own": ce["control_own"], "x": ce[label],
+            "c_x": ce["control_" + label]}
+    return paired_bootstrap(data, lambda m: (m["c_x"] - m["x"]) / (m["c_own"] - m["own"]),
+                            level=level)
+
+
 def verdict(low, high):
     """"above" when the whole interval is above 0, "below" when below, else "tie"."""
     if low > 0:

@@ -59,6 +59,19 @@ class PairedBootstrapTest(unittest.TestCase):
         self.assertAlmostEqual(low, 0.7, places=9)
         self.assertAlmostEqual(high, 0.7, places=9)
 
+    def test_evaluation_figures(self):
+        # benefit_interval / benefit_gap / share_interval against their definitions in float64.
+        rng = np.random.default_rng(5)
+        own = rng.normal(1.0, 0.1, 16)
+        ce = {"own": own, "none": own + 0.4, "a": own + 0.1, "b": own + 0.2,
+              "control_own": own + 1.0, "control_a": own + 0.7}
+        est, low, high = intervals.benefit_interval(ce, "a")
+        self.assertAlmostEqual(est, 0.75, places=9)
+        self.assertAlmostEqual(low, 0.75, places=9)
+        self.assertAlmostEqual(high, 0.75, places=9)
+        self.assertAlmostEqual(intervals.benefit_gap(ce, "a", "b")[0], 0.25, places=9)
+        self.assertAlmostEqual(intervals.share_interval(ce, "a")[0], 0.6, places=9)
+
     def test_deterministic_for_a_seed(self):
         data = {"a": [1.0, 2.0, 4.0, 3.0], "b": [1.5, 2.0, 3.0, 3.5]}
         stat = lambda m: m["b"] - m["a"]

@@ -2,7 +2,9 @@
 """Writes the generated tables of docs/EVAL.md from docs/eval/results.json (run_eval.py calls
 it; the prose outside the GENERATED markers is kept as is).
 
-    python3 eval/write_eval_md.py docs/eval/results.json docs/EVAL.md
+    PATH=$PWD/.venv/bin:$PATH python3 eval/write_eval_md.py docs/eval/results.json docs/EVAL.md
+
+(numpy, for the intervals: the project venv has it.)
 """
 
 import json
@@ -594,19 +596,11 @@ def ci(est, low, high):
 
 
 def benefit_gap(ce, better, worse):
-    """benefit(better) - benefit(worse) with its interval, from per-window CE {key: [...]}."""
-    data = {key: ce[key] for key in ("own", "none", better, worse)}
-    return intervals.paired_bootstrap(
-        data, lambda m: (m[worse] - m[better]) / (m["none"] - m["own"]), level=LEVEL)
+    return intervals.benefit_gap(ce, better, worse, level=LEVEL)
 
 
 def share_interval(ce, label):
-    """The long-range share of `label` (its copy gain / own's) with its interval, from the
-    per-window CE of the windows and of their controls (window i's control is control i)."""
-    data = {"own": ce["own"], "c_own": ce["control_own"], "x": ce[label],
-            "c_x": ce["control_" + label]}
-    return intervals.paired_bootstrap(
-        data, lambda m: (m["c_x"] - m["x"]) / (m["c_own"] - m["own"]), level=LEVEL)
+    return intervals.share_interval(ce, label, level=LEVEL)
 
 
 def identity_windows(per_window, target, k):
