@@ -14,7 +14,8 @@ paired bootstrap interval over the windows, and with --baseline each variant's d
 that variant with its interval (16 windows resolve little: docs/EVAL.md, "How sure"). --kind=mlp fits every
 variant as an MLP at the eval's budget (retention.MLP_FLAGS). The tool behind docs/FIT.md's
 comparison of refinement objectives and docs/EVAL.md's refinement-budget table; a JSON line per
-pair and variant on stdout.
+pair and variant on stdout. --mappers evaluates mappers fitted before (run_eval's store, another
+--work) beside or instead of fitted variants, e.g. the same kind from two calibration sizes.
 """
 
 import argparse
@@ -52,8 +53,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
     p.add_argument("--pairs", required=True, help="SOURCE:TARGET,...")
-    p.add_argument("--variants", required=True,
+    p.add_argument("--variants", default="{}",
                    help='JSON {label: [extra kvt fit flags]}, e.g. {"ridge": []}')
+    p.add_argument("--mappers", default="{}",
+                   help='JSON {label: mapper directory} of mappers fitted before (no fit, '
+                        'e.g. by run_eval or another --work); "{a}" and "{b}" in a path are '
+                        'each pair\'s source and target, e.g. '
+                        '{"c64": "/tmp/kvt-eval/store/{a}-to-{b}-k2-w4-mlp-refined"}')
     p.add_argument("--work", required=True)
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--context", type=int, default=384)
@@ -77,10 +83,18 @@ def main():
     R.torch.set_num_threads(1)
     pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
     variants = json.loads(args.variants)
+    mappers = json.loads(args.mappers)
+    if not variants and not mappers:
+        raise SystemExit("compare_fits: give --variants or --mappers")
+    if set(variants) & set(mappers):
+        raise SystemExit(f"compare_fits: labels in both --variants and --mappers: "
+                         f"{sorted(set(variants) & set(mappers))}")
     calib = R.write_split("calib", os.path.join(work, "calib.jsonl"))
     members, dumps = {}, {}
     for m in sorted({x for pair in pairs for x in pair}):
         members[m] = R.Member(os.path.join(args.family, m))
+        if not variants:  # --mappers alone: nothing to fit, no dumps
+            continue
         dumps[m] = R.dump(members[m].dir, calib, os.path.join(work, "dumps", m), 512,
                           args.calib_windows,
                           queries=True)
@@ -91,10 +105,18 @@ def main():
             seconds[(a, b, label)] = kvt_fit(dumps, members, a, b,
                                              os.path.join(store, f"{a}-to-{b}-{label}"),
                                              args.kind, extra)
+        for label, pattern in mappers.items():
+            source_dir = pattern.replace("{a}", a).replace("{b}", b)
+            if not os.path.exists(os.path.join(source_dir, "manifest.yaml")):
+                raise SystemExit(f"--mappers {label}: {source_dir} holds no mapper")
+            dest = os.path.join(store, f"{a}-to-{b}-{label}")
+            R.shutil.rmtree(dest, ignore_errors=True)
+            R.shutil.copytree(source_dir, dest)
+            seconds[(a, b, label)] = None  # fitted elsewhere
     windows = R.heldout_windows(args.context + args.continuation + 1, args.windows)
     with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
         for a, b in pairs:
-            ids = {label: f"{a}-to-{b}-{label}" for label in variants}
+            ids = {label: f"{a}-to-{b}-{label}" for label in list(variants) + list(mappers)}
             r = R.evaluate_kinds(client, members[a], members[b], ids, windows, args.context)
             long_range, long_ce = {}, {}
             for name, make in (("copy", R.copy_windows), ("lookup", R.lookup_windows)):
@@ -121,8 +143,9 @@ def main():
                                            (m["control_" + args.baseline] - m[args.baseline]))
                                 / (m["control_own"] - m["own"])))
                 print(json.dumps({
-                    "pair": f"{a}->{b}", "variant": label, "fit_seconds": round(
-                        seconds[(a, b, label)], 2),
+                    "pair": f"{a}->{b}", "variant": label, "fit_seconds": (
+                        None if seconds[(a, b, label)] is None
+                        else round(seconds[(a, b, label)], 2)),
                     "benefit": round(r[label]["benefit"], 4),
                     "ppl_ratio": round(r[label]["ppl_ratio"], 4),
                     "kl": round(r[label]["kl"], 4),
