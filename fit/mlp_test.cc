@@ -165,7 +165,7 @@ TEST(MlpTest, RecoversAKnownRandomMlpMapping) {
   MlpForward(teacher, xt.data(), test, yt.data());
   MlpOptions options;
   options.hidden = 64;
-  options.epochs = 60;
+  options.epochs = 90;  // at 60, 1 fresh seed in 40 ended at R^2 0.8996
   options.batch = 128;
   options.seed = rng();
   MlpTrainLog log;
@@ -174,7 +174,7 @@ TEST(MlpTest, RecoversAKnownRandomMlpMapping) {
   EXPECT_LT(log.epoch_loss.back(), log.epoch_loss.front());
   std::vector<float> pred(test * out);
   MlpForward(*student, xt.data(), test, pred.data());
-  EXPECT_GT(R2(pred, yt, test, out), 0.85);  // 0.90-0.97 over fresh seeds, 1 in 40 at 0.8996
+  EXPECT_GT(R2(pred, yt, test, out), 0.9);
 }
 
 // Nonlinear target: an MLP clearly beats the best linear map. Linear target: it matches it.
