@@ -135,13 +135,7 @@ def main():
                         intervals.benefit_gap(ce, label, args.baseline))
                     for name, x in long_ce.items():
                         sure[f"{name}_share_minus_{args.baseline}"] = rounded(
-                            intervals.paired_bootstrap(
-                                {key: x[key] for key in ("own", "control_own", label,
-                                                         "control_" + label, args.baseline,
-                                                         "control_" + args.baseline)},
-                                lambda m: ((m["control_" + label] - m[label]) -
-                                           (m["control_" + args.baseline] - m[args.baseline]))
-                                / (m["control_own"] - m["own"])))
+                            intervals.share_gap(x, label, args.baseline))
                 print(json.dumps({
                     "pair": f"{a}->{b}", "variant": label, "fit_seconds": (
                         None if seconds[(a, b, label)] is None

@@ -63,6 +63,15 @@ def share_interval(ce, label, level=0.95):
                             level=level)
 
 
+def share_gap(ce, better, worse, level=0.95):
+    """share(better) - share(worse) on the same long-range windows, with its paired interval."""
+    keys = ("own", "control_own", better, "control_" + better, worse, "control_" + worse)
+    return paired_bootstrap(
+        {key: ce[key] for key in keys},
+        lambda m: ((m["control_" + better] - m[better]) - (m["control_" + worse] - m[worse]))
+        / (m["control_own"] - m["own"]), level=level)
+
+
 def verdict(low, high):
     """"above" when the whole interval is above 0, "below" when below, else "tie"."""
     if low > 0:

@@ -71,6 +71,8 @@ class PairedBootstrapTest(unittest.TestCase):
         self.assertAlmostEqual(high, 0.75, places=9)
         self.assertAlmostEqual(intervals.benefit_gap(ce, "a", "b")[0], 0.25, places=9)
         self.assertAlmostEqual(intervals.share_interval(ce, "a")[0], 0.6, places=9)
+        ce["control_b"] = own + 0.5
+        self.assertAlmostEqual(intervals.share_gap(ce, "a", "b")[0], 0.3, places=9)
 
     def test_deterministic_for_a_seed(self):
         data = {"a": [1.0, 2.0, 4.0, 3.0], "b": [1.5, 2.0, 3.0, 3.5]}

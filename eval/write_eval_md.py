@@ -595,14 +595,6 @@ def ci(est, low, high):
     return f"{est:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
-def benefit_gap(ce, better, worse):
-    return intervals.benefit_gap(ce, better, worse, level=LEVEL)
-
-
-def share_interval(ce, label):
-    return intervals.share_interval(ce, label, level=LEVEL)
-
-
 def identity_windows(per_window, target, k):
     """Token identity's per-window CE into `target` (the ridge table's windows are the same)."""
     for name, pw in per_window["pairs"].items():
@@ -642,14 +634,15 @@ def interval_section(r, per_window, k):
             if better not in ce or worse not in ce:
                 cells.append("-")
                 continue
-            est, low, high = benefit_gap(ce, better, worse)
+            est, low, high = intervals.benefit_gap(ce, better, worse, LEVEL)
             v = intervals.verdict(low, high)
             tally[title][v] += 1
             cells.append(ci(est, low, high) + (f" **{v}**" if v != "tie" else " tie"))
         ident = identity_windows(per_window, name.split("->")[1], k)
         best = max(served(p), key=lambda c: p[c]["benefit"])
         if ident is not None and len(ident) == len(ce["own"]):
-            est, low, high = benefit_gap(dict(ce, identity=ident), best, "identity")
+            est, low, high = intervals.benefit_gap(dict(ce, identity=ident), best, "identity",
+                                                   LEVEL)
             v = intervals.verdict(low, high)
             tally["best served - token identity"][v] += 1
             cells.append(f"{KIND_NAMES[best]}: {ci(est, low, high)}" +
@@ -680,10 +673,10 @@ def long_range_intervals(kind, pairs, per_window):
             continue
         share = p["long_range"]
         best = max(served(share), key=lambda c: share[c])
-        best_share = share_interval(ce, best)
+        best_share = intervals.share_interval(ce, best, LEVEL)
         cells = [f"{KIND_NAMES[best]}: {ci(*best_share)}"]
         for label in ("identity", best + NO_ROPE):
-            cells.append(ci(*share_interval(ce, label)) if label in ce else "-")
+            cells.append(ci(*intervals.share_interval(ce, label, LEVEL)) if label in ce else "-")
         if set(name.split("->")) <= MATCHED:
             matched += 1
             short += best_share[2] < 0.90
