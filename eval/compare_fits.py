@@ -15,7 +15,10 @@ that variant with its interval (16 windows resolve little: docs/EVAL.md, "How su
 variant as an MLP at the eval's budget (retention.MLP_FLAGS). The tool behind docs/FIT.md's
 comparison of refinement objectives and docs/EVAL.md's refinement-budget table; a JSON line per
 pair and variant on stdout. --mappers evaluates mappers fitted before (run_eval's store, another
---work) beside or instead of fitted variants, e.g. the same kind from two calibration sizes.
+--work) beside or instead of fitted variants, e.g. the same kind from two calibration sizes;
+--reference compares them paired with conditions of an earlier run on the same windows (e.g.
+docs/eval/per_window.json's token identity), and --per_window_out keeps this run's per-window CE
+for the next.
 """
 
 import argparse
@@ -76,6 +79,15 @@ def main():
                    help="a variant label: every other variant also gets its difference from it "
                         "(benefit, copy and lookup share) with a 95% paired bootstrap interval "
                         "over the windows (eval/intervals.py)")
+    p.add_argument("--reference", default="",
+                   help="an earlier run's per-window CE (run_eval's docs/eval/per_window.json, or "
+                        "--per_window_out of this tool) on the same windows (checked): its "
+                        "--reference_labels are compared paired with every variant")
+    p.add_argument("--reference_labels", default="identity",
+                   help="conditions of --reference, comma-separated (e.g. identity,w_mlp_refined"
+                        "); each reported as ref_LABEL, and each variant's difference from it")
+    p.add_argument("--per_window_out", default="",
+                   help="write this run's per-window CE here, in docs/eval/per_window.json's shape")
     args = p.parse_args()
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
     work = os.path.join(caller, args.work)
@@ -113,6 +125,12 @@ def main():
             R.shutil.rmtree(dest, ignore_errors=True)
             R.shutil.copytree(source_dir, dest)
             seconds[(a, b, label)] = None  # fitted elsewhere
+    reference = {}
+    if args.reference:
+        with open(os.path.join(caller, args.reference)) as f:
+            reference = json.load(f)
+    ref_labels = [x for x in args.reference_labels.split(",") if x] if reference else []
+    per_window = {"kinds": {}, "long_range": {"copy": {}, "lookup": {}}}
     windows = R.heldout_windows(args.context + args.continuation + 1, args.windows)
     with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
         for a, b in pairs:
@@ -126,6 +144,18 @@ def main():
                                                args.context)
                     long_range[name], long_ce[name] = lr["long_range"], lr["per_window"]["ce"]
             ce = r["per_window"]["ce"]
+            per_window["kinds"][f"{a}->{b}"] = {"ce": ce}
+            for name, x in long_ce.items():
+                per_window["long_range"][name][f"{a}->{b}"] = {"ce": x}
+            if ref_labels:
+                ce, long_ce = with_reference(reference, f"{a}->{b}", ref_labels, ce, long_ce)
+                for label in ref_labels:
+                    print(json.dumps({
+                        "pair": f"{a}->{b}", "variant": "ref_" + label,
+                        "benefit_interval": rounded(intervals.benefit_interval(ce, "ref_" + label)),
+                        **{f"{name}_share_interval": rounded(
+                            intervals.share_interval(x, "ref_" + label))
+                           for name, x in long_ce.items()}}), flush=True)
             for label, mid in ids.items():
                 sure = {"benefit_interval": rounded(intervals.benefit_interval(ce, label)),
                         **{f"{name}_share_interval": rounded(intervals.share_interval(x, label))
@@ -136,6 +166,12 @@ def main():
                     for name, x in long_ce.items():
                         sure[f"{name}_share_minus_{args.baseline}"] = rounded(
                             intervals.share_gap(x, label, args.baseline))
+                for ref in ref_labels:
+                    sure[f"benefit_minus_ref_{ref}"] = rounded(
+                        intervals.benefit_gap(ce, label, "ref_" + ref))
+                    for name, x in long_ce.items():
+                        sure[f"{name}_share_minus_ref_{ref}"] = rounded(
+                            intervals.share_gap(x, label, "ref_" + ref))
                 print(json.dumps({
                     "pair": f"{a}->{b}", "variant": label, "fit_seconds": (
                         None if seconds[(a, b, label)] is None
@@ -148,6 +184,27 @@ def main():
                     "layer_cosines": layer_cosines(client, members[a], members[b], mid,
                                                    windows[:4], args.context),
                     **sure}), flush=True)
+    if args.per_window_out:
+        with open(os.path.join(caller, args.per_window_out), "w") as f:
+            json.dump(per_window, f, separators=(",", ":"))
+
+
+def with_reference(reference, pair, labels, ce, long_ce):
+    """This pair's per-window CE with `labels` of the reference run attached (ref_LABEL), on
+    today's windows (the reference's k = 2 pair and kind figures) and each long-range kind; the
+    windows are checked to be the same (intervals.attach_reference)."""
+    today = {**reference.get("pairs", {}).get(f"{pair} k=2", {}).get("ce", {}),
+             **reference.get("kinds", {}).get(pair, {}).get("ce", {})}
+    if not today:
+        raise SystemExit(f"--reference: no per-window CE for {pair}")
+    try:
+        ce = intervals.attach_reference(ce, today, labels)
+        long_ce = {name: intervals.attach_reference(
+            x, reference["long_range"][name][pair]["ce"], labels)
+            for name, x in long_ce.items()}
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"--reference, {pair}: {e}")
+    return ce, long_ce
 
 
 def rounded(interval):

@@ -79,3 +79,33 @@ def verdict(low, high):
     if high < 0:
         return "below"
     return "tie"
+
+
+def attach_reference(ce, reference_ce, labels, prefix="ref_", tolerance=1e-5):
+    """Adds conditions of an earlier run (its per-window CE, e.g. docs/eval/per_window.json's
+    token identity) to this run's per-window CE as prefix + label, so they can be compared
+    paired. Only valid on the same windows scored by the same target: the conditions both runs
+    share and that no mapper touches ("own", "none", "control_own") must agree window by window
+    within `tolerance` nats/byte, else ValueError names the first that differs. Long-range CE
+    also carries each label's "control_" + label, attached beside it."""
+    shared = [key for key in ("own", "none", "control_own") if key in ce and key in reference_ce]
+    if "own" not in shared:
+        raise ValueError("reference: no per-window 'own' CE in both runs to check the windows by")
+    for key in shared:
+        mine, theirs = np.asarray(ce[key], np.float64), np.asarray(reference_ce[key], np.float64)
+        if mine.shape != theirs.shape:
+            raise ValueError(f"reference: '{key}' over {theirs.size} windows, this run "
+                             f"{mine.size}: not the same windows")
+        worst = int(np.argmax(np.abs(mine - theirs)))
+        if abs(mine[worst] - theirs[worst]) > tolerance:
+            raise ValueError(f"reference: '{key}' differs on window {worst} ({mine[worst]:.6f} "
+                             f"here, {theirs[worst]:.6f} there): not the same windows or target")
+    out = dict(ce)
+    for label in labels:
+        if label not in reference_ce:
+            raise ValueError(f"reference: no condition '{label}' (it has "
+                             f"{sorted(k for k in reference_ce if not k.startswith('control_'))})")
+        out[prefix + label] = reference_ce[label]
+        if "control_" + label in reference_ce:
+            out["control_" + prefix + label] = reference_ce["control_" + label]
+    return out

@@ -74,6 +74,27 @@ class PairedBootstrapTest(unittest.TestCase):
         ce["control_b"] = own + 0.5
         self.assertAlmostEqual(intervals.share_gap(ce, "a", "b")[0], 0.3, places=9)
 
+    def test_attach_reference(self):
+        # A condition of an earlier run on the same windows compares paired like one of this run.
+        rng = np.random.default_rng(7)
+        own = rng.normal(1.0, 0.1, 8)
+        mine = {"own": own, "none": own + 0.4, "a": own + 0.1, "control_own": own + 1.0,
+                "control_a": own + 0.7}
+        earlier = {"own": own + 1e-7, "none": own + 0.4, "identity": own + 0.3,
+                   "control_own": own + 1.0, "control_identity": own + 0.35}
+        ce = intervals.attach_reference(mine, earlier, ["identity"])
+        self.assertNotIn("ref_identity", mine)
+        self.assertAlmostEqual(intervals.benefit_gap(ce, "a", "ref_identity")[0], 0.5, places=9)
+        self.assertAlmostEqual(intervals.share_gap(ce, "a", "ref_identity")[0], 0.55, places=9)
+        with self.assertRaisesRegex(ValueError, "no condition 'w_mlp'.*identity"):
+            intervals.attach_reference(mine, earlier, ["w_mlp"])
+        shifted = dict(earlier, none=np.concatenate([own[:3] + 0.4, own[3:] + 0.5]))
+        with self.assertRaisesRegex(ValueError, "'none' differs on window 3"):
+            intervals.attach_reference(mine, shifted, ["identity"])
+        with self.assertRaisesRegex(ValueError, "over 7 windows, this run 8"):
+            intervals.attach_reference(mine, {k: v[:7] for k, v in earlier.items()},
+                                       ["identity"])
+
     def test_deterministic_for_a_seed(self):
         data = {"a": [1.0, 2.0, 4.0, 3.0], "b": [1.5, 2.0, 3.0, 3.5]}
         stat = lambda m: m["b"] - m["a"]
