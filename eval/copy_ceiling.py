@@ -24,7 +24,9 @@ finds the own keys and values restore 0.93-1.00 of a copy, the own keys alone 0.
 picks which maps run (their labels' short names: served, ridge_sigma, ridge_all, ridge_window,
 mlp_all, mlp_window, own); with --calib_windows and --mlp_steps it measures how the window MLP's
 share grows with data and training. Each fitted map's relative MSE on held-out windows (the
-eval's held-out split) is printed beside its share.
+eval's held-out split) is printed beside its share. --key_loss=logit trains the MLPs' key
+outputs on the attention-logit error they cause under the target's own queries at the layer
+(query_metric) instead of their squared error.
 
 A research tool for the mapper work issue 22 leaves open; nothing here is served.
 """
@@ -66,10 +68,56 @@ def ridge(x, y, lam=0.01):
     return lambda z: (z - mx) @ w + my
 
 
-def mlp(x, y, hidden, steps, seed=0):
-    """Two hidden ReLU layers on standardised inputs and outputs, MSE, Adam (float32)."""
+def query_metric(target, layer, windows, pairs_per_window=2048, seed=0):
+    """Per KV head, M_h = E[u u^T] over causal (query t, key p) pairs of the target's own
+    attention at `layer`, u = the post-RoPE query of a head reading h rotated back to key
+    position p: e^T M_h e is then the mean squared attention-logit error that a content-space
+    key error e at h causes (times d). [n_kv, d, d], float64."""
+    group = target.config.num_attention_heads // target.n_kv
+    generator = torch.Generator().manual_seed(seed)
+    total = torch.zeros(target.n_kv, target.head_dim, target.head_dim, dtype=torch.float64)
+    count = 0
+    for ids in windows:
+        _, queries = target.prefill(ids, queries=True)
+        q = queries[layer]  # [1, heads, T, d], post-RoPE
+        t = torch.randint(0, len(ids), (pairs_per_window,), generator=generator)
+        p = (torch.rand(pairs_per_window, generator=generator) * (t + 1)).long()
+        cos, sin = target.rotary(q, p[None])
+        u, _ = R.apply_rotary_pos_emb(q[:, :, t], q[:, :, t], cos, -sin)
+        u = u[0].double().reshape(target.n_kv, group * pairs_per_window, target.head_dim)
+        total += u.transpose(1, 2) @ u
+        count += group * pairs_per_window
+    return total / count
+
+
+def logit_loss(metric, sy, key_width):
+    """The MLP's loss on standardised outputs: for the key columns, the attention-logit error
+    the key error causes (query_metric, each head's metric scaled to trace d, so an isotropic
+    metric is the plain MSE), for value columns plain MSE; mean over rows and columns."""
+    n_kv, d, _ = metric.shape
+    blocks = []
+    for h in range(n_kv):
+        s = sy[h * d:(h + 1) * d].double()
+        a = s[:, None] * metric[h] * s[None, :]
+        a = a * d / torch.trace(a)
+        blocks.append(torch.linalg.cholesky(a + 1e-6 * torch.eye(d, dtype=a.dtype)))
+    factor = torch.block_diag(*blocks).float()
+
+    def loss(e):
+        keys = ((e[:, :key_width] @ factor) ** 2).sum()
+        return (keys + (e[:, key_width:] ** 2).sum()) / e.numel()
+    return loss
+
+
+def mlp(x, y, hidden, steps, seed=0, loss_of=None):
+    """Two hidden ReLU layers on standardised inputs and outputs, Adam (float32); the loss MSE,
+    or loss_of(sy)(error) on the standardised error."""
     x, y = x.float(), y.float()
     mx, sx, my, sy = x.mean(0), x.std(0) + 1e-6, y.mean(0), y.std(0) + 1e-6
+    # A column (nearly) constant in training, e.g. a byte the calibration windows never hold,
+    # is left unscaled: dividing by its tiny spread would blow up held-out rows that have it.
+    sx = torch.where(sx < 1e-3, torch.ones_like(sx), sx)
+    loss_fn = loss_of(sy) if loss_of else (lambda e: (e ** 2).mean())
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.ReLU(),
                               torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
@@ -79,7 +127,7 @@ def mlp(x, y, hidden, steps, seed=0):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         i = torch.randint(0, len(x), (512,), generator=generator)
-        loss = ((net(xn[i]) - yn[i]) ** 2).mean()
+        loss = loss_fn(net(xn[i]) - yn[i])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -136,10 +184,15 @@ def main():
     p.add_argument("--values", action="store_true",
                    help="replace the layer's values too (maps predict keys and values)")
     p.add_argument("--maps", default="served,ridge_sigma,ridge_all,ridge_window,mlp_all,"
-                   "mlp_window,own", help="which maps to run, by short name")
+                   "mlp_window,own", help="which maps to run, by short name (also mlp_bytes, "
+                   "mlp_window_bytes: the window MLP given the bytes themselves)")
+    p.add_argument("--key_loss", default="mse", choices=("mse", "logit"),
+                   help="the MLPs' loss on keys: mse, or logit (the mean squared attention-logit "
+                        "error under the target's own queries at the layer, query_metric)")
     args = p.parse_args()
     chosen = set(args.maps.split(","))
-    known = {"served", "ridge_sigma", "ridge_all", "ridge_window", "mlp_all", "mlp_window", "own"}
+    known = {"served", "ridge_sigma", "ridge_all", "ridge_window", "mlp_all", "mlp_window", "own",
+             "mlp_bytes", "mlp_window_bytes"}
     if not chosen <= known:
         p.error(f"--maps: unknown {sorted(chosen - known)} (known: {sorted(known)})")
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
@@ -201,7 +254,12 @@ def main():
     for w in widths if "ridge_window" in chosen else ():
         fitted(f"ridge, all layers at p..p-{w - 1}",
                lambda ids, w=w: with_previous(all_layers(ids), w), ridge)
-    train_mlp = lambda x, y: mlp(x, y, args.mlp_hidden, args.mlp_steps)  # noqa: E731
+    loss_of = None
+    if args.key_loss == "logit":
+        metric = query_metric(target, layer, calib)
+        loss_of = lambda sy: logit_loss(metric, sy, target.n_kv * target.head_dim)  # noqa: E731
+    train_mlp = lambda x, y: mlp(x, y, args.mlp_hidden, args.mlp_steps,  # noqa: E731
+                                 loss_of=loss_of)
     mlp_dtype = torch.float32  # the MLP trains in float32: gather its inputs so (half the memory)
     if "mlp_all" in chosen:
         fitted("MLP, all layers", all_layers, train_mlp, mlp_dtype)
@@ -209,6 +267,19 @@ def main():
         w = max(widths)
         fitted(f"MLP, all layers at p..p-{w - 1}",
                lambda ids: with_previous(all_layers(ids), w), train_mlp, mlp_dtype)
+    # Not servable (a mapper sees the source cache, not the text): how far the bytes at
+    # p..p-w+1 themselves, alone or beside the source's cache, take the window MLP.
+    def one_hot(ids):
+        return torch.nn.functional.one_hot(torch.tensor(ids), 256).double()
+    if widths and "mlp_bytes" in chosen:
+        w = max(widths)
+        fitted(f"MLP, bytes at p..p-{w - 1}", lambda ids: with_previous(one_hot(ids), w),
+               train_mlp, mlp_dtype)
+    if widths and "mlp_window_bytes" in chosen:
+        w = max(widths)
+        fitted(f"MLP, all layers and bytes at p..p-{w - 1}",
+               lambda ids: with_previous(torch.cat([all_layers(ids), one_hot(ids)], 1), w),
+               train_mlp, mlp_dtype)
     if "own" in chosen:
         maps["own"] = own_rows
     windows, controls = R.copy_windows(args.context, args.continuation, args.windows)
@@ -223,7 +294,7 @@ def main():
     print(json.dumps({"pair": args.pair, "layer": layer, "sigma": sigma, "windows": args.windows,
                       "replaced": replaced, "calib_windows": args.calib_windows,
                       "calib_split": args.calib_split, "calib_sample": args.calib_sample,
-                      "mlp_steps": args.mlp_steps, "share": results,
+                      "mlp_steps": args.mlp_steps, "key_loss": args.key_loss, "share": results,
                       "heldout_relative_mse": heldout_error}))
 
 
