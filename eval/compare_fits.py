@@ -193,7 +193,13 @@ def with_reference(reference, pair, labels, ce, long_ce):
     """This pair's per-window CE with `labels` of the reference run attached (ref_LABEL), on
     today's windows (the reference's k = 2 pair and kind figures) and each long-range kind; the
     windows are checked to be the same (intervals.attach_reference)."""
-    today = {**reference.get("pairs", {}).get(f"{pair} k=2", {}).get("ce", {}),
+    pairs = reference.get("pairs", {})
+    # Token identity reads the target's own bytes, so any pair into the same target has it (the
+    # evaluation measures it on its matched pairs only; write_eval_md.identity_of does the same).
+    into_target = [name for name in pairs
+                   if name.endswith(f"->{pair.split('->')[1]} k=2") and name != f"{pair} k=2"]
+    today = {**({"identity": pairs[into_target[0]]["ce"]["identity"]} if into_target else {}),
+             **pairs.get(f"{pair} k=2", {}).get("ce", {}),
              **reference.get("kinds", {}).get(pair, {}).get("ce", {})}
     if not today:
         raise SystemExit(f"--reference: no per-window CE for {pair}")
