@@ -90,8 +90,9 @@ def main():
                    help="kind pairs into these members also get the refined ridge from the "
                         "untrained source: 'all' or a list")
     p.add_argument("--reuse_fits", action="store_true",
-                   help="keep ridge mappers already in --work's store (from an interrupted run "
-                        "with the same settings: the fits are deterministic)")
+                   help="resume: keep every fit an interrupted run with the same settings "
+                        "completed (--work/fits-done records each with its report and wall "
+                        "time; the fits are deterministic) and fit the rest")
     p.add_argument("--fits_from", default="",
                    help="an earlier run's results.json whose fits are all in --work's store: "
                         "fit nothing, take the fit reports and fit times it recorded, and "
@@ -160,14 +161,23 @@ def main():
         with open(os.path.join(caller, args.fits_from)) as f:
             earlier = json.load(f)
 
-    def fit(a, b, suffix, k=k2, **kw):  # a "0": the untrained source
+    done = FitsDone(os.path.join(args.work, "fits-done"), args.reuse_fits)
+
+    def fit(a, b, suffix, k=k2, phase="ridge", **kw):  # a "0": the untrained source
         member = untrained[a[0]] if a.endswith("0") else members[a]
         dest = os.path.join(store, f"{a}-to-{b}-k{k}{suffix}")
         if earlier is not None:
             return lambda: reused(dest)
-        if args.reuse_fits and not suffix and os.path.exists(os.path.join(dest, "manifest.yaml")):
-            return lambda: dest
-        return lambda: R.fit(dumps[a], dumps[b], member.name, members[b].name, k, dest, **kw)
+
+        def job():
+            if done.get(os.path.basename(dest), [dest]) is not None:
+                return dest
+            t0 = time.time()
+            R.fit(dumps[a], dumps[b], member.name, members[b].name, k, dest, **kw)
+            done.put(os.path.basename(dest), {"seconds": round(time.time() - t0, 1),
+                                              "phase": phase})
+            return dest
+        return job
 
     # The fits are independent `kvt fit` processes (one thread each): --jobs of them at once.
     ridge_fits = []
@@ -199,8 +209,14 @@ def main():
             fit_reports[(a, b, prefix)] = earlier["kinds"][f"{a}->{b}"][
                 "fit_report_window" if prefix else "fit_report"]
             return
-        t0 = time.time()
         both = os.path.join(args.work, "both", f"{a}-to-{b}{kinds[prefix + 'ridge']}")
+        outputs = [os.path.join(store, f"{a}-to-{b}-k{k2}{kinds[prefix + label]}")
+                   for label in ("ridge_refined", "mlp_refined", "mlp")]
+        kept = done.get(os.path.basename(both) + "-both", outputs)
+        if kept is not None:
+            fit_reports[(a, b, prefix)] = kept["report"]
+            return
+        t0 = time.time()
         report = R.fit(dumps[a], dumps[b], members[a].name, members[b].name, k2, both,
                        kind="both", mlp_flags=mlp_flags, refine=True,
                        unrefined_mlp_out=os.path.join(both, "mlp-unrefined"),
@@ -212,6 +228,8 @@ def main():
             R.shutil.rmtree(dest, ignore_errors=True)
             R.shutil.copytree(os.path.join(both, kind), dest)
         fit_reports[(a, b, prefix)] = report
+        done.put(os.path.basename(both) + "-both",
+                 {"seconds": report["seconds"], "phase": "kinds", "report": report})
         print(f"eval: kvt fit --kind both {a}->{b}{' ' + window_flags[0] if prefix else ''}: "
               f"recommends {report['recommended']} ({report['seconds']:.0f} s)", flush=True)
     prefixes = [""] + ([WINDOW_PREFIX] if window_flags else [])
@@ -219,17 +237,22 @@ def main():
     for prefix in prefixes:
         extra = window_flags if prefix else ()
         jobs += ([lambda a=a, b=b, prefix=prefix: fit_both(a, b, prefix) for a, b in mlp_pairs] +
-                 [fit(a, b, kinds[prefix + "ridge_refined"], refine=True, extra=extra)
+                 [fit(a, b, kinds[prefix + "ridge_refined"], phase="kinds", refine=True,
+                      extra=extra)
                   for a, b in kind_pairs if (a, b) not in mlp_pairs] +
-                 [fit(a + "0", b, kinds[prefix + "ridge_refined"], refine=True, extra=extra)
+                 [fit(a + "0", b, kinds[prefix + "ridge_refined"], phase="kinds", refine=True,
+                      extra=extra)
                   for a, b in refined_controls] +
-                 [fit(a + "0", b, kinds[prefix + "mlp_refined"], kind="mlp", mlp_flags=mlp_flags,
+                 [fit(a + "0", b, kinds[prefix + "mlp_refined"], phase="kinds", kind="mlp",
+                      mlp_flags=mlp_flags,
                       refine=True, extra=extra, unrefined_mlp_out=os.path.join(
                           store, f"{a}0-to-{b}-k{k2}{kinds[prefix + 'mlp']}"))
                   for a, b in controls])
     run_all(jobs, args.jobs)
     kind_fit_seconds = (earlier["kind_fit_seconds"] if earlier is not None
                         else round(time.time() - mlp_start))
+    if done.reused:  # this run's wall time misses the reused fits: count each fit's own
+        kind_fit_seconds = round(done.seconds_total("kinds") / max(1, args.jobs))
     print(f"eval: dumps and fits done in {time.time() - start:.0f} s", flush=True)
 
     calib_windows = R.calib_windows(args.calib_tokens, args.calib_windows)
@@ -300,6 +323,7 @@ def main():
             with open(os.path.join(args.work, "results.partial.json"), "w") as f:
                 json.dump(results, f, indent=1)
         results["kind_fit_seconds"] = kind_fit_seconds
+        results["kind_fit_seconds_resumed"] = done.reused > 0
         drift_windows = R.heldout_windows(args.segment * (args.turns + 1) + 1,
                                           args.drift_windows)
         results["drift"] = R.multi_turn(client, members[da], members[db],
@@ -334,6 +358,48 @@ def main():
     sys.argv = ["write_eval_md", os.path.join(out_dir, "results.json"), args.out_md]
     write_eval_md.main()
     print(f"eval: done in {results['seconds']} s; results in {out_dir}/results.json")
+
+
+class FitsDone:
+    """What an evaluation run has fitted, one JSON file per fit under `directory` (its wall
+    seconds, for --kind both also its fit report), written once the fit's outputs are complete,
+    so that a run cut off (a session's end, a crash) can be resumed with --reuse_fits: a fit with
+    a record and its outputs in place is kept, every other one fitted again."""
+
+    def __init__(self, directory, reuse):
+        self.directory, self.reuse, self.reused = directory, reuse, 0
+        os.makedirs(directory, exist_ok=True)
+        if not reuse:  # a fresh run: earlier records describe fits it is about to replace
+            for name in os.listdir(directory):
+                os.remove(os.path.join(directory, name))
+
+    def get(self, name, outputs):
+        """The record of fit `name` if resuming and it and every one of `outputs` (mapper
+        directories) are there, else None."""
+        path = os.path.join(self.directory, name + ".json")
+        if not self.reuse or not os.path.exists(path) or not all(
+                os.path.exists(os.path.join(o, "manifest.yaml")) for o in outputs):
+            return None
+        with open(path) as f:
+            record = json.load(f)
+        self.reused += 1
+        return record
+
+    def put(self, name, record):
+        tmp = os.path.join(self.directory, name + ".json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, os.path.join(self.directory, name + ".json"))
+
+    def seconds_total(self, phase):
+        """The wall seconds of every recorded fit of `phase`, summed."""
+        total = 0.0
+        for name in os.listdir(self.directory):
+            if name.endswith(".json"):
+                with open(os.path.join(self.directory, name)) as f:
+                    record = json.load(f)
+                total += record["seconds"] if record["phase"] == phase else 0.0
+        return total
 
 
 def reused(mapper_dir):

@@ -174,6 +174,9 @@ def identity_of(r, target, k, measure="benefit"):
 def kinds_tables(r, k, st):
     out = [f"\n### Ridge, ridge refined, MLP, MLP refined (k = {k})\n"]
     mlp_pairs = [n for n, p in r["kinds"].items() if "mlp" in p]
+    # A resumed run (run_eval --reuse_fits) did not time the fits an earlier run made.
+    resumed = (" (a resumed run: each fit's own wall time, summed, over the processes at once)"
+               if r.get("kind_fit_seconds_resumed") else "")
     mlp_where = ("every pair" if len(mlp_pairs) == len(r["kinds"]) else
                  f"{', '.join(mlp_pairs)} only (`--mlp_pairs`; the other pairs: `--kind ridge "
                  f"--refine=attention`)")
@@ -189,7 +192,7 @@ def kinds_tables(r, k, st):
         f"refined on the attention outputs (the same objective and guard on a budget of its "
         f"own, `--refine_mlp_*`: {mlp_budget}), both from one `kvt fit "
         f"--kind both --refine=attention --unrefined_mlp_out=...` per pair (one MSE training; the plain MLP is its start), on "
-        f"{mlp_where}. {r.get('kind_fit_seconds', 'n/a')} s for these fits and their "
+        f"{mlp_where}. {r.get('kind_fit_seconds', 'n/a')} s{resumed} for these fits and their "
         f"controls{' (and the window mappers below)' if len(kinds_in(r)) > 1 else ''} "
         f"({st.get('jobs', 1)} `kvt fit` processes at once, one thread each). All "
         f"served by kvtd and measured on the same held-out windows as above. Each cell: ridge / "
