@@ -170,8 +170,10 @@ def main():
         if earlier is not None:
             return lambda: reused(dest)
 
+        outputs = [dest] + ([kw["unrefined_mlp_out"]] if kw.get("unrefined_mlp_out") else [])
+
         def job():
-            if done.get(os.path.basename(dest), [dest]) is not None:
+            if done.get(os.path.basename(dest), outputs) is not None:
                 return dest
             t0 = time.time()
             R.fit(dumps[a], dumps[b], member.name, members[b].name, k, dest, **kw)
@@ -245,8 +247,7 @@ def main():
                       extra=extra)
                   for a, b in refined_controls] +
                  [fit(a + "0", b, kinds[prefix + "mlp_refined"], phase="kinds", kind="mlp",
-                      mlp_flags=mlp_flags,
-                      refine=True, extra=extra, unrefined_mlp_out=os.path.join(
+                      mlp_flags=mlp_flags, refine=True, extra=extra, unrefined_mlp_out=os.path.join(
                           store, f"{a}0-to-{b}-k{k2}{kinds[prefix + 'mlp']}"))
                   for a, b in controls])
     run_all(jobs, args.jobs)
