@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 import intervals
 
 KINDS = ("ridge", "ridge_refined", "mlp", "mlp_refined",
@@ -26,21 +28,6 @@ KIND_NAMES = {"ridge": "ridge", "ridge_refined": "ridge refined", "mlp": "MLP",
 BEFORE = "before_"
 
 
-def _mean(values):
-    return sum(values) / len(values)
-
-
-def _benefit(ce, kind):
-    """Benefit recovered on all windows, as intervals.benefit_interval estimates it."""
-    return (_mean(ce["none"]) - _mean(ce[kind])) / (_mean(ce["none"]) - _mean(ce["own"]))
-
-
-def _share(ce, kind):
-    """The long-range share on all windows, as intervals.share_interval estimates it."""
-    return ((_mean(ce["control_" + kind]) - _mean(ce[kind]))
-            / (_mean(ce["control_own"]) - _mean(ce["own"])))
-
-
 def compare(before, after, kinds=KINDS):
     """{measure: {pair: {kind: (before, after, gap, low, high)}}} for every pair and kind both
     runs scored; measure is "benefit" (today's windows) or "<long-range kind> share"."""
@@ -48,7 +35,7 @@ def compare(before, after, kinds=KINDS):
     for pair, entry in after["kinds"].items():
         if pair not in before.get("kinds", {}):
             continue
-        rows = _gaps(entry["ce"], before["kinds"][pair]["ce"], kinds, _benefit,
+        rows = _gaps(entry["ce"], before["kinds"][pair]["ce"], kinds, intervals.benefit_of,
                      intervals.benefit_gap)
         if rows:
             out.setdefault("benefit", {})[pair] = rows
@@ -57,21 +44,25 @@ def compare(before, after, kinds=KINDS):
             theirs = before.get("long_range", {}).get(window_kind, {}).get(pair)
             if theirs is None:
                 continue
-            rows = _gaps(entry["ce"], theirs["ce"], kinds, _share, intervals.share_gap)
+            rows = _gaps(entry["ce"], theirs["ce"], kinds, intervals.share_of,
+                         intervals.share_gap)
             if rows:
                 out.setdefault(f"{window_kind} share", {})[pair] = rows
     return out
 
 
-def _gaps(ce, before_ce, kinds, point, gap):
+def _gaps(ce, before_ce, kinds, measure, gap):
+    """Per kind (before, after, after - before, low, high): measure (intervals.benefit_of or
+    share_of) on all windows of each run, the change with its paired interval."""
     shared = [k for k in kinds if k in ce and k in before_ce]
     if not shared:
         return {}
     both = intervals.attach_reference(ce, before_ce, shared, prefix=BEFORE)
+    means = {key: float(np.mean(values)) for key, values in both.items()}
     rows = {}
     for kind in shared:
         est, low, high = gap(both, kind, BEFORE + kind)
-        rows[kind] = (point(both, BEFORE + kind), point(both, kind), est, low, high)
+        rows[kind] = (measure(means, BEFORE + kind), measure(means, kind), est, low, high)
     return rows
 
 

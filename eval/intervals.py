@@ -38,12 +38,24 @@ def paired_bootstrap(per_window, statistic, resamples=4000, seed=0, level=0.95):
     return estimate, float(low), float(high)
 
 
+def benefit_of(means, label):
+    """Benefit recovered by `label`, (CE_none - CE_label) / (CE_none - CE_own), from mean CE per
+    condition (floats, or arrays of resampled means)."""
+    return (means["none"] - means[label]) / (means["none"] - means["own"])
+
+
+def share_of(means, label):
+    """The long-range share of `label`, its copy gain over own's, from mean CE per condition of
+    the long-range windows and of their controls ("control_" keys)."""
+    return ((means["control_" + label] - means[label])
+            / (means["control_own"] - means["own"]))
+
+
 def benefit_interval(ce, label, level=0.95):
-    """Benefit recovered by `label`, (CE_none - CE_label) / (CE_none - CE_own), with its interval,
-    from per-window CE {condition: [...]} (retention's per_window["ce"])."""
+    """benefit_of `label` with its interval, from per-window CE {condition: [...]} (retention's
+    per_window["ce"])."""
     data = {key: ce[key] for key in ("own", "none", label)}
-    return paired_bootstrap(data, lambda m: (m["none"] - m[label]) / (m["none"] - m["own"]),
-                            level=level)
+    return paired_bootstrap(data, lambda m: benefit_of(m, label), level=level)
 
 
 def benefit_gap(ce, better, worse, level=0.95):
@@ -57,10 +69,8 @@ def share_interval(ce, label, level=0.95):
     """The long-range share of `label` (its copy gain / own's) with its interval, from the
     per-window CE of the long-range windows and of their controls ("control_" keys; window i's
     control is control i)."""
-    data = {"own": ce["own"], "c_own": ce["control_own"], "x": ce[label],
-            "c_x": ce["control_" + label]}
-    return paired_bootstrap(data, lambda m: (m["c_x"] - m["x"]) / (m["c_own"] - m["own"]),
-                            level=level)
+    data = {key: ce[key] for key in ("own", "control_own", label, "control_" + label)}
+    return paired_bootstrap(data, lambda m: share_of(m, label), level=level)
 
 
 def share_gap(ce, better, worse, level=0.95):
