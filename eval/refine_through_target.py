@@ -24,6 +24,7 @@ import yaml
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import intervals  # noqa: E402
 import retention as R  # noqa: E402
 
 torch = R.torch
@@ -145,7 +146,7 @@ def main():
                 ce["mapped"].append(np.mean(R.nll_of(mapped, tgt)))
                 ce["none"].append(np.mean(target.continuation_nll(None, cont, tgt)))
         m = {key: np.mean(v) for key, v in ce.items()}
-        return float(np.mean(kls)), float((m["none"] - m["mapped"]) / (m["none"] - m["own"]))
+        return float(np.mean(kls)), float(intervals.benefit_of(m, "mapped"))
 
     before = {"heldout_kl": heldout_loss(start), "window": on_windows(start)}
     opt = torch.optim.Adam(mapper.params.values(), args.lr)
