@@ -29,6 +29,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import intervals  # noqa: E402
 import retention as R  # noqa: E402
 
 
@@ -51,7 +52,8 @@ def scale_head(cache, layer, head, factor):
 
 
 def benefit(ce, key):
-    return (np.mean(ce["none"]) - np.mean(ce[key])) / (np.mean(ce["none"]) - np.mean(ce["own"]))
+    """Benefit recovered by `key` from per-window CE lists."""
+    return intervals.benefit_of({k: np.mean(ce[k]) for k in ("own", "none", key)}, key)
 
 
 def key_scale(client, source, target, args):

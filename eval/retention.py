@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, os.path.join(ROOT, "eval", "tinyfamily"))
 
 import dump_kv  # noqa: E402
+import intervals  # noqa: E402
 import corpus  # noqa: E402
 import model as tiny  # noqa: E402
 import kvt  # noqa: E402
@@ -401,8 +402,9 @@ def strip_target_rope(target, layers):
 
 
 def benefit(ce, key, part="all"):
-    none, own = ce["none"][part], ce["own"][part]
-    return (none - ce[key][part]) / (none - own) if none != own else float("nan")
+    """intervals.benefit_of on summarize()'s means; nan where own and none agree."""
+    means = {k: ce[k][part] for k in ("own", "none", key)}
+    return intervals.benefit_of(means, key) if means["none"] != means["own"] else float("nan")
 
 
 def window_means(per_token):
