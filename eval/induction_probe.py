@@ -18,6 +18,12 @@ mix, layer l from the refined one when l is in the subset, on today's windows (b
 recovered, KL). Since the refinement's loss is a sum over target layers, it finds the layers
 where the refinement trades benefit for KL, and whether a per-layer choice could keep both.
 
+own-no-rope: the target's own cache served without its RoPE (keys rotated back to content
+space, as the evaluation's no-target-RoPE ablation serves a mapped cache), at every layer and at
+one layer at a time, on the copy, lookup and today's windows. It asks how far the ablation can
+collapse at all: a mapper can only lose more than the target's own keys do. No mapper, no
+kvtd: `--store` is not needed.
+
 A research tool; nothing here is served.
 """
 
@@ -117,12 +123,57 @@ def layer_mix(client, source, target, args):
         print(f"| {label} | {benefit(ce, s):.3f} | {np.mean(kl[s]):.4f} |")
 
 
+def own_no_rope(target, args):
+    context = args.context
+    # The evaluation's long-range windows (run_eval --long_windows, seed 0) and today's.
+    groups = {kind: make(context, args.continuation, args.long_windows, seed=0)
+              for kind, make in (("copy", R.copy_windows), ("lookup", R.lookup_windows))}
+    today = R.heldout_windows(context + args.continuation + 1, args.windows)
+    labels = ["all"] + [f"layer {l}" for l in range(target.layers)]
+
+    def caches(w):
+        own = target.prefill(w[:context])
+        stripped = R.strip_target_rope(target, own)
+        out = {"own": own, "none": None, "all": stripped}
+        for l in range(target.layers):
+            out[f"layer {l}"] = [stripped[i] if i == l else own[i] for i in range(target.layers)]
+        return out
+
+    def nll(w, layers):
+        return float(np.mean(target.continuation_nll(layers, w[context:-1], w[context + 1:])))
+
+    ce = {kind: {} for kind in ("copy", "lookup", "today")}
+    for kind, (windows, controls) in groups.items():
+        for prefix, group in (("", windows), ("control_", controls)):
+            for w in group:
+                for name, layers in caches(w).items():
+                    ce[kind].setdefault(prefix + name, []).append(nll(w, layers))
+    for w in today:
+        for name, layers in caches(w).items():
+            ce["today"].setdefault(name, []).append(nll(w, layers))
+
+    def cell(estimate):
+        value, low, high = estimate
+        return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+    print(f"{target.name}: its own cache without the target RoPE; {args.long_windows} copy and "
+          f"lookup windows, {args.windows} of today's; 95% paired intervals over the windows")
+    print("| RoPE stripped at | copy share | lookup share | benefit recovered (today's) |")
+    print("|---|---|---|---|")
+    for label in labels:
+        print(f"| {label} | {cell(intervals.share_interval(ce['copy'], label))} | "
+              f"{cell(intervals.share_interval(ce['lookup'], label))} | "
+              f"{cell(intervals.benefit_interval(ce['today'], label))} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--store", required=True, help="a mapper store (run_eval's <work>/store)")
+    p.add_argument("--store", default="",
+                   help="a mapper store (run_eval's <work>/store); key-scale and layer-mix")
     p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
-    p.add_argument("--pair", required=True, help="source:target members, e.g. M:L")
+    p.add_argument("--pair", required=True,
+                   help="source:target members, e.g. M:L (own-no-rope reads the target alone)")
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--context", type=int, default=384)
     p.add_argument("--continuation", type=int, default=96)
@@ -133,13 +184,21 @@ def main():
     ks.add_argument("--scales", required=True, help="head:factor,... (KV heads)")
     lm = sub.add_parser("layer-mix")
     lm.add_argument("--mappers", required=True, help="plain,refined mapper ids of the pair")
+    nr = sub.add_parser("own-no-rope")
+    nr.add_argument("--long_windows", type=int, default=32,
+                    help="copy and lookup windows each (the evaluation's 32)")
     args = p.parse_args()
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
-    args.store = os.path.join(caller, args.store)
     R.torch.set_num_threads(1)
     a, b = args.pair.split(":")
     source = R.Member(os.path.join(args.family, a))
     target = R.Member(os.path.join(args.family, b))
+    if args.probe == "own-no-rope":
+        own_no_rope(target, args)
+        return
+    if not args.store:
+        raise SystemExit(f"induction_probe {args.probe}: give --store")
+    args.store = os.path.join(caller, args.store)
     with R.start_kvtd(args.store) as server, R.kvt.Client(server.address, timeout=120) as client:
         (key_scale if args.probe == "key-scale" else layer_mix)(client, source, target, args)
 
