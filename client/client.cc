@@ -103,6 +103,23 @@ absl::StatusOr<std::string> Client::Health(const std::string& service) {
   return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
 }
 
+absl::StatusOr<v1::ServerMetadataResponse> Client::ServerMetadata() {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ServerMetadataResponse response;
+  grpc::Status status = stub_->ServerMetadata(&context, v1::ServerMetadataRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<bool> Client::HasExtension(const std::string& extension) {
+  absl::StatusOr<v1::ServerMetadataResponse> metadata = ServerMetadata();
+  if (absl::IsUnimplemented(metadata.status())) return false;
+  if (!metadata.ok()) return metadata.status();
+  return std::find(metadata->extensions().begin(), metadata->extensions().end(), extension) !=
+         metadata->extensions().end();
+}
+
 absl::StatusOr<v1::ListMappersResponse> Client::ListMappers() {
   grpc::ClientContext context;
   Prepare(&context);

@@ -94,6 +94,12 @@ class Client {
   // grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... for `service` ("" = the server).
   absl::StatusOr<std::string> Health(const std::string& service = "");
 
+  // kvtd's release and protocol extensions. UNIMPLEMENTED: a kvtd older than the RPC, which
+  // has none of the extensions a newer client tests for (HasExtension).
+  absl::StatusOr<v1::ServerMetadataResponse> ServerMetadata();
+  // Whether kvtd lists `extension` in ServerMetadata; false for a kvtd older than the RPC.
+  absl::StatusOr<bool> HasExtension(const std::string& extension);
+
   absl::StatusOr<v1::ListMappersResponse> ListMappers();
   absl::StatusOr<v1::MapperInfo> GetMapper(const std::string& mapper_id);
 

@@ -20,6 +20,7 @@
 #include "common/mutex.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
+#include "server/server_metadata.h"
 
 namespace kvt {
 namespace {
@@ -28,8 +29,6 @@ using prometheus::BuildCounter;
 using prometheus::BuildGauge;
 using prometheus::BuildHistogram;
 using prometheus::Histogram;
-
-constexpr char kVersion[] = "0.1";
 
 // Latencies from a sub-millisecond small translation to a multi-second 128K-token one.
 const Histogram::BucketBoundaries& LatencyBuckets() {
@@ -278,7 +277,7 @@ Metrics::Metrics(std::string device)
                      .Name("kvt_build_info")
                      .Help("Always 1; labels say which kvt build is running.")
                      .Register(r);
-  build_info_->Add({{"version", kVersion}, {"compiler", __VERSION__}}).Set(1);
+  build_info_->Add({{"version", kKvtdVersion}, {"compiler", __VERSION__}}).Set(1);
   backend_info_ = &BuildGauge()
                        .Name("kvt_backend_info")
                        .Help("Always 1; the translation backend kvtd chose (backend.type is "

@@ -147,4 +147,13 @@ grpc::Status TranslatorService::CudaMemoryStatus(grpc::ServerContext* context,
   return memory_.CudaMemoryStatus(context, request, response);
 }
 
+grpc::Status TranslatorService::ServerMetadata(grpc::ServerContext* context,
+                                               const v1::ServerMetadataRequest* /*request*/,
+                                               v1::ServerMetadataResponse* response) {
+  grpc::Status status = Authorize(context, Role::kClient);
+  if (!status.ok()) return status;
+  *response = ServerMetadataOf(/*prefix_cache_enabled=*/prefix_cache_ != nullptr);
+  return grpc::Status::OK;
+}
+
 }  // namespace kvt

@@ -1,7 +1,7 @@
 // The kvt.v1.KvTranslator gRPC service, the one stub clients use: TranslateKV (run by
 // server/translate/translate_kv.h, step by step in server/translate/), ValidateKV, and the
 // mapper-control and memory-registration RPCs, forwarded to MapperControlService and
-// MemoryService.
+// MemoryService, and ServerMetadata.
 #pragma once
 
 #include <atomic>
@@ -24,6 +24,7 @@
 #include "server/mapper_control_service.h"
 #include "server/memory_service.h"
 #include "server/metrics.h"
+#include "server/server_metadata.h"
 #include "server/translate/request_plan.h"
 #include "server/translate/translate_kv.h"
 #include "transport/buffer_pool.h"
@@ -87,6 +88,10 @@ class TranslatorService final : public v1::KvTranslator::Service {
   grpc::Status CudaMemoryStatus(grpc::ServerContext* context,
                                 const v1::CudaMemoryStatusRequest* request,
                                 v1::CudaMemoryStatusResponse* response) override;
+  // kvtd's release and extensions (server/server_metadata.h); client role under auth.
+  grpc::Status ServerMetadata(grpc::ServerContext* context,
+                              const v1::ServerMetadataRequest* request,
+                              v1::ServerMetadataResponse* response) override;
 
  private:
   grpc::Status ValidateKVImpl(grpc::ServerContext* context,

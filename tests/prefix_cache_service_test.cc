@@ -6,6 +6,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,7 @@
 #include "mapper_store/synth.h"
 #include "proto/kvt/v1/prefix_cache.grpc.pb.h"
 #include "server/kvtd_server.h"
+#include "server/server_metadata.h"
 #include "tests/in_process_kvtd.h"
 #include "transport/kv_chunks.h"
 
@@ -155,6 +157,24 @@ class PrefixCacheServiceTest : public ::testing::Test {
   std::unique_ptr<InProcessKvtd> kvtd_;
   std::unique_ptr<v1::KvPrefixCache::Stub> prefix_;
 };
+
+// A client tests for "prefix_cache" before it relies on KvPrefixCache: listed only when enabled.
+TEST_F(PrefixCacheServiceTest, ServerMetadataListsThePrefixCacheOnlyWhenEnabled) {
+  absl::StatusOr<v1::ServerMetadataResponse> metadata = kvtd_->client().ServerMetadata();
+  ASSERT_TRUE(metadata.ok()) << metadata.status();
+  EXPECT_EQ(metadata->name(), "kvtd");
+  EXPECT_EQ(metadata->version(), kKvtdVersion);
+  EXPECT_THAT(metadata->extensions(), ::testing::Contains("prefix_cache"));
+  EXPECT_THAT(metadata->extensions(), ::testing::Contains("paged_engine_order"));
+
+  Start(KvtdConfig());  // prefix_cache.enabled false
+  for (const auto& [name, listed] : std::vector<std::pair<std::string, bool>>{
+           {"prefix_cache", false}, {"paged_engine_order", true}, {"no_such_extension", false}}) {
+    absl::StatusOr<bool> has = kvtd_->client().HasExtension(name);
+    ASSERT_TRUE(has.ok()) << has.status();
+    EXPECT_EQ(*has, listed) << name;
+  }
+}
 
 // The whole point: what LookupPrefix leases translates exactly as the same tokens sent inline.
 TEST_F(PrefixCacheServiceTest, CachedTranslationEqualsInlineTranslationOfThePrefix) {

@@ -214,6 +214,9 @@ TEST_F(SecurityTest, EveryRpcChecksTheCallersRole) {
                             v1::ListMappersResponse())},
       {"GetMapper",
        unary(&v1::KvTranslator::Stub::GetMapper, v1::GetMapperRequest(), v1::MapperInfo())},
+      {"ServerMetadata",
+       unary(&v1::KvTranslator::Stub::ServerMetadata, v1::ServerMetadataRequest(),
+             v1::ServerMetadataResponse())},
       {"TranslateKV",
        [stub](grpc::ClientContext* context) {
          auto stream = stub->TranslateKV(context);
