@@ -1,7 +1,8 @@
 """kvt.vllm.regions against a real kvtd: the publish ring's first-in first-out allocation, and
 the worker's publish region end to end: a cache published from the region
 (PrefixCache.publish_region) comes back through TranslateKV of the identity mapper
-(family.identity_mapper) as it went in; after a kvtd restart the region registers again; a kvtd
+(family.identity_mapper) as it went in; after a kvtd restart the region registers again; a
+region that needs a protocol extension registers only with a kvtd that lists it; a kvtd
 that refuses client regions answers with an error naming header.input.region (what the
 connector's inline fallback keys on)."""
 
@@ -120,6 +121,27 @@ class PublishRegionTest(unittest.TestCase):
                 self.publish_and_read_back(client, holder, list(range(7, 200)))
             finally:
                 holder.close()
+
+    def test_a_region_needing_an_extension_registers_only_where_kvtd_lists_it(self):
+        # The in-place load region needs "paged_engine_order": an older kvtd would ignore the
+        # engine order and write the standard one into the engine's blocks. A name this kvtd
+        # does not list stands in for such a kvtd (registering would otherwise succeed).
+        self.start()
+        with kvt.Client(f"127.0.0.1:{self.port}", timeout=30) as client:
+            listed = WorkerRegion(lambda: client, 1 << 20, "in-place loads", warn=False,
+                                  requires="paged_engine_order")
+            missing = WorkerRegion(lambda: client, 1 << 20, "in-place loads", warn=False,
+                                   requires="no_such_extension", retry_s=60)
+            try:
+                region = listed.get(1)
+                self.assertIsNotNone(region)
+                self.assertIsNone(missing.get(1))
+                self.assertIsNone(missing.memory)  # never made, never registered
+                self.assertIsNone(missing.get(1))  # and not asked again within retry_s
+                self.assertEqual([r.name for r in client.system_memory_status()], [region.name])
+            finally:
+                listed.close()
+                missing.close()
 
     def test_a_kvtd_refusing_client_regions_names_the_field(self):
         self.start()  # registration itself is allowed here; then a kvtd that refuses

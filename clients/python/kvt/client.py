@@ -21,11 +21,11 @@ import grpc
 import numpy as np
 
 from kvt._proto import (common_pb2, health_pb2, health_pb2_grpc, mappers_pb2, memory_pb2,
-                        service_pb2_grpc, translate_pb2, validate_pb2)
+                        service_pb2, service_pb2_grpc, translate_pb2, validate_pb2)
 from kvt.cache import (DTYPE_NAMES, DTYPES, ELEMENT_SIZE, LAYOUT_NAMES, LAYOUTS, KVCache,
                        coverage_error, decode)
 from kvt.errors import (FailedPreconditionError, InternalError, InvalidArgumentError, KvtError,
-                        NotFoundError, from_rpc_error)
+                        NotFoundError, UnimplementedError, from_rpc_error)
 
 if TYPE_CHECKING:
     from kvt.shm import SharedMemoryRegion
@@ -148,6 +148,22 @@ class Client:
         response = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service),
                                timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def server_metadata(self, timeout: Optional[float] = None
+                        ) -> service_pb2.ServerMetadataResponse:
+        """kvtd's name, release and the protocol extensions it understands. UnimplementedError:
+        a kvtd older than the RPC (none of the extensions a newer client tests for)."""
+        return self._unary(self._stub.ServerMetadata, service_pb2.ServerMetadataRequest(),
+                           timeout)
+
+    def has_extension(self, extension: str, timeout: Optional[float] = None) -> bool:
+        """Whether kvtd lists `extension` in ServerMetadata (e.g. "paged_engine_order"); False
+        for a kvtd older than the RPC. A server ignores request fields it does not know, so a
+        client asks before it relies on one."""
+        try:
+            return extension in self.server_metadata(timeout).extensions
+        except UnimplementedError:
+            return False
 
     def list_mappers(self, timeout: Optional[float] = None) -> List[mappers_pb2.MapperInfo]:
         return list(self._unary(self._stub.ListMappers, mappers_pb2.ListMappersRequest(),

@@ -175,6 +175,33 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(kvt.NotFoundError):
             self.client.find_mapper(TARGET, SOURCE)
 
+    def test_server_metadata_names_the_release_and_extensions(self) -> None:
+        metadata = self.client.server_metadata()
+        self.assertEqual(metadata.name, "kvtd")
+        self.assertTrue(metadata.version)
+        self.assertEqual(list(metadata.extensions), sorted(metadata.extensions))
+        self.assertIn("paged_engine_order", metadata.extensions)
+        self.assertTrue(self.client.has_extension("system_shared_memory"))
+        self.assertFalse(self.client.has_extension("no_such_extension"))
+
+    def test_a_server_older_than_server_metadata_has_no_extensions(self) -> None:
+        # A gRPC server with the generated servicer's defaults answers every RPC UNIMPLEMENTED,
+        # as a kvtd from before ServerMetadata answers that one.
+        from concurrent import futures
+        from kvt._proto import service_pb2_grpc
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        service_pb2_grpc.add_KvTranslatorServicer_to_server(
+            service_pb2_grpc.KvTranslatorServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            with kvt.Client(f"127.0.0.1:{port}", timeout=10) as old:
+                with self.assertRaises(kvt.UnimplementedError):
+                    old.server_metadata()
+                self.assertFalse(old.has_extension("paged_engine_order"))
+        finally:
+            server.stop(None)
+
     def test_load_and_unload(self) -> None:
         check_load_unload(self, self.client)
         # A translation pages it back in.

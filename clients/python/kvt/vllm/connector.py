@@ -110,7 +110,8 @@ DEFAULTS: Dict[str, Any] = {
     # Transport auto/shm on a CPU engine: share the engine's own KV cache with kvtd, in place
     # (kvt/vllm/engine_cache.py), so kvtd writes translated prefixes straight into the
     # request's blocks and the worker copies nothing; falls back to the region above when the
-    # cache cannot be shared. Needs a kvtd of this release (RegionRef.paged.engine_order).
+    # cache cannot be shared. Used only with a kvtd that lists "paged_engine_order" in
+    # ServerMetadata (RegionRef.paged.engine_order); with an older one loads take the load region.
     "load_in_place": True,
 }
 
@@ -741,8 +742,10 @@ class KvtConnector(KVConnectorBase_V1):
                 "region of their own", error)
             return
         self._engine_order = order
+        # An older kvtd would ignore engine_order and the token range and write the standard
+        # order over every token of the blocks: never registered with one.
         self._engine_region = WorkerRegion(client_fn, memory.byte_size, "in-place loads",
-                                           warn, memory=memory)
+                                           warn, memory=memory, requires="paged_engine_order")
         logger.info("kvt: the engine's KV cache (%d bytes) is shared with kvtd (%s): translated "
                     "loads are written in place", memory.byte_size, memory.key)
 

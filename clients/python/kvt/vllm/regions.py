@@ -4,7 +4,10 @@ publishes are copied into for kvtd to read, so no cache bytes go through protobu
 kvtd forgets registrations when it restarts and refuses client regions when
 `shared_memory.allow_client_regions` is off; a region here is therefore created lazily,
 registered again after any connectivity change of the channel, and after a failure left alone
-for `retry_s` (the caller uses inline chunks meanwhile).
+for `retry_s` (the caller uses inline chunks meanwhile). A region whose use needs a protocol
+extension (`requires`) is registered only with a kvtd that lists it in ServerMetadata, asked at
+each registration: the kvtd behind the channel may have been replaced by an older release, and
+an older kvtd ignores the fields it does not know rather than refusing them.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ class WorkerRegion:
     own)."""
 
     def __init__(self, client_fn: Callable[[], Any], byte_size: int, purpose: str,
-                 warn: bool, retry_s: float = 30.0, memory: Any = None) -> None:
+                 warn: bool, retry_s: float = 30.0, memory: Any = None,
+                 requires: Optional[str] = None) -> None:
         self._client_fn = client_fn
         self._memory = memory
+        self._requires = requires
         # kvtd maps a region with MAP_POPULATE (no page faults in its requests): ~80 ms per GiB
         # at registration on the dev machine; a second per GiB leaves room for slower hosts.
         self._register_timeout_s = 2.0 + byte_size / float(1 << 30)
@@ -97,6 +102,10 @@ class WorkerRegion:
 
     def _ensure_registered(self) -> None:
         client = self._client_fn()
+        if not self._registered and self._requires is not None and not client.has_extension(
+                self._requires, timeout=self._register_timeout_s):
+            raise RuntimeError(f"kvtd does not list the extension {self._requires!r} in "
+                               "ServerMetadata (a release older than this client)")
         if self._region is None:
             if self._memory is not None:
                 client.register_system_memory(self._memory.name, self._memory.key,
