@@ -15,6 +15,12 @@ constexpr char kHealthUsage[] =
     "Asks a kvtd's gRPC health service about SERVICE (default: the server as a whole) and\n"
     "prints the answer; exits 0 only when it is SERVING.\n";
 
+constexpr char kServerInfoUsage[] =
+    "usage: kvt server-info [--server=HOST:PORT] [--timeout_ms=MS]\n"
+    "\n"
+    "Prints a kvtd's release and the protocol extensions it understands (ServerMetadata), one\n"
+    "per line; a kvtd older than that RPC is named as such and has none.\n";
+
 constexpr char kMappersUsage[] =
     "usage: kvt mappers [--server=HOST:PORT] [--timeout_ms=MS] [MAPPER_ID]\n"
     "\n"
@@ -113,6 +119,8 @@ const std::vector<CommandSpec>& Commands() {
   static const auto* commands = new std::vector<CommandSpec>{
       {"health", RunHealth, "check a kvtd's gRPC health (--server)", kHealthUsage,
        {"server", "timeout_ms"}},
+      {"server-info", RunServerInfo, "a kvtd's release and protocol extensions (--server)",
+       kServerInfoUsage, {"server", "timeout_ms"}},
       {"mappers", RunMappers, "list the mappers a kvtd serves, or `mappers ID` (--server)",
        kMappersUsage, {"server", "timeout_ms"}},
       {"synth", RunSynth,
@@ -162,8 +170,8 @@ std::string GlobalUsage() {
       "usage: kvt <command> [--flags] [args]\n\ncommands:\n";
   for (const CommandSpec& command : Commands()) {
     const std::string name = command.name;
-    absl::StrAppend(&usage, "  ", name, std::string(12 - name.size(), ' '), command.summary,
-                    "\n");
+    const size_t pad = name.size() < 12 ? 12 - name.size() : 1;
+    absl::StrAppend(&usage, "  ", name, std::string(pad, ' '), command.summary, "\n");
   }
   absl::StrAppend(&usage,
                   "\nkvt <command> --help (or kvt help <command>) prints a command's usage and "

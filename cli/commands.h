@@ -8,6 +8,7 @@ namespace kvt {
 namespace cli {
 
 int RunHealth(const std::vector<std::string>& args);
+int RunServerInfo(const std::vector<std::string>& args);
 int RunMappers(const std::vector<std::string>& args);
 int RunSynth(const std::vector<std::string>& args);
 int RunInspect(const std::vector<std::string>& args);

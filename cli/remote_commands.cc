@@ -1,7 +1,8 @@
-// `kvt health` and `kvt mappers`: read-only calls to a running kvtd.
+// `kvt health`, `kvt server-info` and `kvt mappers`: read-only calls to a running kvtd.
 #include <cstdio>
 
 #include "absl/flags/flag.h"
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
@@ -50,6 +51,26 @@ int RunHealth(const std::vector<std::string>& args) {
   }
   std::printf("%s %s\n", absl::GetFlag(FLAGS_server).c_str(), status->c_str());
   return *status == "SERVING" ? 0 : 2;
+}
+
+int RunServerInfo(const std::vector<std::string>& args) {
+  absl::StatusOr<v1::ServerMetadataResponse> metadata = ConnectFromFlags()->ServerMetadata();
+  const std::string server = absl::GetFlag(FLAGS_server);
+  if (absl::IsUnimplemented(metadata.status())) {
+    std::printf("%s: a kvtd older than ServerMetadata (no extensions)\n", server.c_str());
+    return 0;
+  }
+  if (!metadata.ok()) {
+    std::fprintf(stderr, "kvt server-info: %s: %s\n", server.c_str(),
+                 metadata.status().ToString().c_str());
+    return 2;
+  }
+  std::printf("%s: %s %s\n", server.c_str(), metadata->name().c_str(),
+              metadata->version().c_str());
+  for (const std::string& extension : metadata->extensions()) {
+    std::printf("  %s\n", extension.c_str());
+  }
+  return 0;
 }
 
 int RunMappers(const std::vector<std::string>& args) {

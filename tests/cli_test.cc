@@ -74,6 +74,10 @@ TEST(KvtCliTest, SynthInspectAndTranslateThroughARealServer) {
   CommandResult health = RunKvt("health --server=" + address);
   EXPECT_EQ(health.exit_code, 0) << health.output;
   EXPECT_THAT(health.output, HasSubstr("SERVING"));
+  CommandResult info = RunKvt("server-info --server=" + address);
+  EXPECT_EQ(info.exit_code, 0) << info.output;
+  EXPECT_THAT(info.output, HasSubstr("kvtd "));
+  EXPECT_THAT(info.output, HasSubstr("  paged_engine_order\n"));
   CommandResult mappers = RunKvt("mappers --server=" + address);
   EXPECT_EQ(mappers.exit_code, 0) << mappers.output;
   EXPECT_THAT(mappers.output, HasSubstr("cli/a -> cli/b"));
@@ -186,7 +190,7 @@ std::map<std::string, std::string> GlobalCommands(const std::string& usage) {
       break;
     } else if (in_commands) {
       std::smatch match;
-      if (std::regex_match(line, match, std::regex("  ([a-z]+) +(.*)"))) {
+      if (std::regex_match(line, match, std::regex("  ([a-z][a-z-]*) +(.*)"))) {
         commands[match[1]] = match[2];
       } else {
         ADD_FAILURE() << "not a command line: " << line;
@@ -213,7 +217,8 @@ TEST(KvtCliTest, EveryCommandHasItsOwnHelpAndTheGlobalUsageNamesOnlyRealFlags) {
   ASSERT_EQ(global.exit_code, 0) << global.output;
   const std::map<std::string, std::string> commands = GlobalCommands(global.output);
   for (const char* expected :
-       {"health", "mappers", "synth", "inspect", "translate", "demo", "fit", "import"}) {
+       {"health", "server-info", "mappers", "synth", "inspect", "translate", "demo", "fit",
+        "import"}) {
     EXPECT_EQ(commands.count(expected), 1u) << expected << " missing from:\n" << global.output;
   }
   EXPECT_EQ(RunKvt("--help").output, global.output);
