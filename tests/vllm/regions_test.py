@@ -135,9 +135,11 @@ class PublishRegionTest(unittest.TestCase):
             try:
                 region = listed.get(1)
                 self.assertIsNotNone(region)
+                self.assertIsNotNone(listed.ready(1))
                 self.assertIsNone(missing.get(1))
-                self.assertIsNone(missing.memory)  # never made, never registered
+                self.assertIsNone(missing.ready(1))
                 self.assertIsNone(missing.get(1))  # and not asked again within retry_s
+                # Registered, asked, withdrawn: kvtd holds only the region it may use.
                 self.assertEqual([r.name for r in client.system_memory_status()], [region.name])
             finally:
                 listed.close()

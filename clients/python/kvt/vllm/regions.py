@@ -5,9 +5,9 @@ kvtd forgets registrations when it restarts and refuses client regions when
 `shared_memory.allow_client_regions` is off; a region here is therefore created lazily,
 registered again after any connectivity change of the channel, and after a failure left alone
 for `retry_s` (the caller uses inline chunks meanwhile). A region whose use needs a protocol
-extension (`requires`) is registered only with a kvtd that lists it in ServerMetadata, asked at
-each registration: the kvtd behind the channel may have been replaced by an older release, and
-an older kvtd ignores the fields it does not know rather than refusing them.
+extension (`requires`) stays registered only with a kvtd that lists it in ServerMetadata, asked
+after each registration: the kvtd behind the channel may have been replaced by an older
+release, and an older kvtd ignores the fields it does not know rather than refusing them.
 """
 
 from __future__ import annotations
@@ -102,11 +102,8 @@ class WorkerRegion:
 
     def _ensure_registered(self) -> None:
         client = self._client_fn()
-        if not self._registered and self._requires is not None and not client.has_extension(
-                self._requires, timeout=self._register_timeout_s):
-            raise RuntimeError(f"kvtd does not list the extension {self._requires!r} in "
-                               "ServerMetadata (a release older than this client)")
-        if self._region is None:
+        first = self._region is None
+        if first:
             if self._memory is not None:
                 client.register_system_memory(self._memory.name, self._memory.key,
                                               self._memory.byte_size, 0,
@@ -116,12 +113,9 @@ class WorkerRegion:
                 from kvt.shm import SharedMemoryRegion
                 self._region = SharedMemoryRegion(client, self.byte_size,
                                                   timeout=self._register_timeout_s)
-            self._registered = True
             # kvtd forgets registrations when it restarts: any connectivity change of the
             # channel means registering again before the next use.
             client._channel.subscribe(self._on_channel_state, try_to_connect=False)
-            logger.info("kvt: %s through shared memory (%s, %d bytes)", self.purpose,
-                        self._region.name, self.byte_size)
         elif not self._registered:
             from kvt.errors import AlreadyExistsError
             try:
@@ -130,7 +124,27 @@ class WorkerRegion:
                                               timeout=self._register_timeout_s)
             except AlreadyExistsError:
                 pass
-            self._registered = True
+        else:
+            return
+        self._check_extension(client)
+        self._registered = True
+        if first:
+            logger.info("kvt: %s through shared memory (%s, %d bytes)", self.purpose,
+                        self._region.name, self.byte_size)
+
+    def _check_extension(self, client: Any) -> None:
+        """Asked after registering, so the kvtd that answers is the one holding the
+        registration (a kvtd that took the address in between never saw it, and requests
+        naming the region fail there); without the extension the registration is withdrawn."""
+        if self._requires is None or client.has_extension(self._requires,
+                                                          timeout=self._register_timeout_s):
+            return
+        try:
+            client.unregister_system_memory(self._region.name, timeout=2.0)
+        except Exception:
+            pass
+        raise RuntimeError(f"kvtd does not list the extension {self._requires!r} in "
+                           "ServerMetadata (a release older than this client)")
 
     def _on_channel_state(self, state: Any) -> None:
         import grpc
