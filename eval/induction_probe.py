@@ -134,7 +134,7 @@ def own_no_rope(target, args):
     def caches(w):
         own = target.prefill(w[:context])
         stripped = R.strip_target_rope(target, own)
-        out = {"own": own, "none": None, "all": stripped}
+        out = {"own": own, "all": stripped}
         for l in range(target.layers):
             out[f"layer {l}"] = [stripped[i] if i == l else own[i] for i in range(target.layers)]
         return out
@@ -148,8 +148,8 @@ def own_no_rope(target, args):
             for w in group:
                 for name, layers in caches(w).items():
                     ce[kind].setdefault(prefix + name, []).append(nll(w, layers))
-    for w in today:
-        for name, layers in caches(w).items():
+    for w in today:  # benefit recovered also needs no context; the shares do not
+        for name, layers in {**caches(w), "none": None}.items():
             ce["today"].setdefault(name, []).append(nll(w, layers))
 
     def cell(estimate):
