@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Why the goals of issue 22 that the evaluation misses stay missed: two probes of one mapped
-cache, on the evaluation's windows (docs/EVAL.md, "What would change it").
+"""Why the long-range goals the evaluation misses stay missed: two probes of one mapped cache,
+on the evaluation's windows (docs/EVAL.md, "Two probes of the remaining gaps").
 
     bazel build //eval:induction_probe && PATH=$PWD/.venv/bin:$PATH \
         bazel-bin/eval/induction_probe --store=/tmp/kvt-eval/store key-scale \
