@@ -28,7 +28,7 @@ eval's held-out split) is printed beside its share. --key_loss=logit trains the 
 outputs on the attention-logit error they cause under the target's own queries at the layer
 (query_metric) instead of their squared error.
 
-A research tool for the mapper work issue 22 leaves open; nothing here is served.
+A research tool for the long-range mapper work docs/EVAL.md leaves open; nothing here is served.
 """
 
 import argparse

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How much each family member gains from context far back (issue 22's gate for retraining).
+"""How much each family member gains from context far back (the gate for retraining: 1 nat/byte).
 
     bazel build //eval:copy_gain && PATH=$PWD/.venv/bin:$PATH bazel-bin/eval/copy_gain
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A handoff between two bundled family members through kvtd (issue 12 item 4).
+"""A handoff between two bundled family members through kvtd (the quick start's second part).
 
 kvt-tiny-M reads a held-out passage; kvtd translates its KV cache into kvt-tiny-L's (mapper fitted
 here with `kvt fit` on the calibration documents); L continues from the translated cache. Prints

@@ -1,4 +1,4 @@
-"""Retention evaluation of kvt on the bundled tiny family (issue 12 item 3; docs/EVAL.md).
+"""Retention evaluation of kvt on the bundled tiny family (docs/EVAL.md).
 
 The pipeline, all on real parts: tools/dump_kv.py dumps each model's calibration KV through
 transformers' LlamaForCausalLM; `kvt fit` fits a mapper per ordered pair and k; a kvtd process
@@ -14,9 +14,9 @@ translated cache with the target RoPE not re-applied (ablation).
 
 context benefit recovered = (CE_none - CE_x) / (CE_none - CE_own), on all continuation tokens
 and on the first 16 after the cache boundary; the perplexity ratio exp(CE_x - CE_own) is the
-secondary figure (EVAL-NOTES 3: it overstates retention).
+secondary figure (it overstates retention when context helps little; SPEC 5).
 
-Long-range windows (issue 22): copy_windows (a passage repeated after a gap) and lookup_windows
+Long-range windows: copy_windows (a passage repeated after a gap) and lookup_windows
 (key -> value pairs planted in the context), each with a control window that differs only in
 what lies far back; evaluate_long_range measures every condition on both (the copy gain).
 """

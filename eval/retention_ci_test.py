@@ -6,7 +6,7 @@ kvtd process and measures on held-out documents through the Python client. Asser
 translated cache recovers more of the context benefit than the token-identity ridge and than the
 untrained source's translated cache, and more than the same translation with the target RoPE
 not re-applied; that it leaves the target's next-token distribution closer to the one its own
-prefill gives (KL) than every control does; and that the long-range windows (issue 22) are built as documented and run
+prefill gives (KL) than every control does; and that the long-range windows are built as documented and run
 through the same conditions, and that on copy windows the target draws from the earlier copy
 and the translated cache carries more of it than the controls; a window mapper (`kvt fit
 --window`, each token also reading the WINDOW - 1 before it) carries more of the copy than the
@@ -150,7 +150,7 @@ class RetentionCiTest(unittest.TestCase):
                                      "mapped_untrained"})
 
     def test_the_translated_cache_carries_a_copy_from_far_back(self):
-        # Issue 22: the family copies (an earlier copy of the passage, CONTEXT - CONTINUATION - 1
+        # The family copies (an earlier copy of the passage, CONTEXT - CONTINUATION - 1
         # bytes back, saves the target's own cache about a nat per byte), and a translated cache
         # must carry that where token identity and an untrained source cannot.
         gain = self.copy["copy_gain"]

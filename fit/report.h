@@ -22,7 +22,7 @@ struct ReportData {
 };
 
 // Mean over target layers of one per-layer R^2 (r2_k, r2_v, r2_k_heldout or r2_v_heldout),
-// optionally without target layer 0 (EVAL-NOTES: layer 0 is a function of the current token and
+// optionally without target layer 0 (SPEC 5: layer 0 is a function of the current token and
 // inflates every average). Layers without the value are skipped; nullopt if none has it.
 enum class R2Field { kK, kV, kKHeldout, kVHeldout };
 std::optional<double> MeanR2(const Manifest& manifest, R2Field field, bool skip_layer0);

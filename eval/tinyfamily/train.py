@@ -128,7 +128,7 @@ def training_batch(rng, data, batch, seq, copy_fraction, lookup_fraction,
                    max_period=400, prose_repeat_share=0.0, small_alphabet_share=0.0):
     """(x, y, copied): batch rows of seq + 1 bytes as inputs and targets, plain text or, with
     the given probabilities, a copy row, a lookup row or a repeat row (the mix that teaches the
-    family to use context far back, issue 22); copied marks the targets inside second copies."""
+    family to use context far back); copied marks the targets inside second copies."""
     if copy_fraction == 0 and lookup_fraction == 0 and repeat_fraction == 0:
         # The draws of the runs before the mix.
         starts = rng.integers(0, len(data) - seq - 1, size=batch)
