@@ -4,14 +4,15 @@
     bazel build //eval:refine_through_target && PATH=$PWD/.venv/bin:$PATH \
         bazel-bin/eval/refine_through_target --store=/tmp/kvt-eval/store --pair=M:S
 
-A variant of `kvt fit --refine=attention` with the target model in the loop: the loss is
-KL(own || mapped) of the target's next-token distribution on the tokens after a seeded handoff boundary (the
-tokens before it read the translated cache, those after it are the target's own forward pass,
-as in a handoff), back-propagated through the frozen target (transformers, float32) into the
-served ridge's weights (SPEC 3, read from the store; Adam). `kvt fit` cannot do this: it has the
-dumps, not the target model. Reports, before and after (weights rounded to bf16 as served):
+A variant of `kvt fit --refine=attention` with the target model in the loop: the loss is KL(own
+|| mapped) of the target's next-token distribution on the tokens after a seeded handoff boundary
+(the tokens before it read the translated cache, those after it are the target's own forward
+pass, as in a handoff), back-propagated through the frozen target (transformers, float32) into
+the served ridge's weights (SPEC 3, read from the store; Adam). `kvt fit` cannot do this: it has
+the dumps, not the target model. Reports, before and after (weights rounded to bf16 as served):
 the loss on held-out calibration windows, and on docs/EVAL.md's 16 held-out windows the KL to
-the target's own distribution and the context benefit recovered. Nothing is written to the store.
+the target's own distribution and the context benefit recovered. Nothing is written to the
+store.
 """
 
 import argparse
