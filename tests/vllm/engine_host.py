@@ -82,6 +82,7 @@ def main():
                 # still ask for vLLM's default ("skip_reading_prefix_cache": null).
                 skip = r.get("skip_reading_prefix_cache", False if plp is not None else None)
                 params.append(SamplingParams(max_tokens=r.get("max_tokens", 16), temperature=0.0,
+                                             ignore_eos=bool(r.get("ignore_eos", False)),
                                              detokenize=False, logprobs=r.get("logprobs"),
                                              prompt_logprobs=plp, skip_reading_prefix_cache=skip,
                                              extra_args=extra))

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Time to first token on engine kvt-tiny-L (vLLM + KvtConnector) for 256 / 1K / 2K-token
-prompts, in one run (issue 19, Benchmark):
+prompts, in one run, every ratio against the same engine WITHOUT the connector:
 
+  plain         a second engine of kvt-tiny-L without any KV connector prefills the whole
+                prompt (the baseline: what the user has without kvt)
   own_prefill   L prefills the whole prompt itself (reuse forbidden: no lookup)
   translated    kvt-tiny-M served the prompt's prefix and published it; L looks it up, kvtd
                 translates it (M-to-L) and L loads it, then prefills the rest
@@ -68,6 +70,8 @@ def main():
         common["layer_notices"] = args.layer_notices == "on"
     L = E.Engine("L", family.model_dir("L"), {**common, "model_name": family.NAMES["L"]}, work,
                  max_model_len=2048).start()
+    plain = E.Engine("L-plain", family.model_dir("L"), {}, work, max_model_len=2048,
+                     no_connector=True).start()
     M = E.Engine("M", family.model_dir("M"), {**common, "model_name": family.NAMES["M"]}, work,
                  max_model_len=2048).start()
     store = args.store or family.fit_store(os.path.join(work, "fit"), pairs=(("M", "L"),))
@@ -77,6 +81,7 @@ def main():
     try:
         L.wait_ready()
         M.wait_ready()
+        plain.wait_ready()
         import kvt
         from kvt.prefix import PrefixCache
         client = kvt.Client(kvtd.address, timeout=60)
@@ -86,8 +91,9 @@ def main():
         # Warm-up (first requests of an engine are slower).
         for _ in range(2):
             L.one(family.heldout_text(300, 0), 1, kvt={"reuse": "forbid"}, cache_salt=f"w{next(salt)}")
+            plain.one(family.heldout_text(300, 0), 1, cache_salt=f"w{next(salt)}")
         for n in LENGTHS:
-            row = {"tokens": n, "own_prefill": [], "translated": [], "no_reuse": [],
+            row = {"tokens": n, "plain": [], "own_prefill": [], "translated": [], "no_reuse": [],
                    "tail_prefill": [], "lookup_ms": [], "translate_ms": [], "load_ms": [],
                    "kvtd_total_ms": [], "kvtd_compute_ms": [], "tokens_reused": 0,
                    "client_lookup_ms": [], "client_translate_ms": [],
@@ -100,6 +106,8 @@ def main():
                 if len(prompt) < n:
                     offset = 0
                     prompt = family.heldout_text(n, 40000)
+                row["plain"].append(plain.one(prompt, 1,
+                                              cache_salt=f"plain{next(salt)}")["wall_s"])
                 row["own_prefill"].append(L.one(prompt, 1, kvt={"reuse": "forbid"},
                                                 cache_salt=f"own{next(salt)}")["wall_s"])
                 miss = L.one(prompt[::-1], 1, cache_salt=f"miss{next(salt)}")
@@ -147,50 +155,70 @@ def main():
     finally:
         L.stop()
         M.stop()
+        plain.stop()
         kvtd.__exit__(None, None, None)
     print(f"TTFT on engine {family.NAMES['L']} (vLLM {vllm_version()}, CPU, block size 32, "
           f"transport {args.transport}, idle_wait_ms {common.get('idle_wait_ms', 'default')}, "
           f"layer_notices {common.get('layer_notices', 'default')}, "
           f"median of {args.repeat}; ms)")
-    print("| prompt tokens | own prefill | translated prefix | (load region) | no reuse (miss) | "
-          "reused | lookup | translate (worker) | load | transfer | kvtd total | tail prefill | "
-          "connector overhead |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("Against the plain engine (the same model without the connector, same run): ratio = "
+          "TTFT / plain TTFT")
+    print("| prompt tokens | plain engine | own prefill (connector on) | ratio | translated "
+          "prefix | ratio | (load region) | ratio | no reuse (miss) | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary = {}
     for n, row in results.items():
+        base = median(row["plain"]) * 1e3
         own, tr, miss = (median(row[k]) * 1e3 for k in ("own_prefill", "translated", "no_reuse"))
+        region_tr = median(row["region_translated"]) * 1e3
+        cells = [f"{base:.1f}"]
+        for value in (own, tr, region_tr, miss):
+            cells += [f"{value:.1f}", f"{value / base:.2f}x"]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+        summary[n] = {"plain_ms": base, "own_prefill_ms": own, "translated_ms": tr,
+                      "region_translated_ms": region_tr, "no_reuse_ms": miss,
+                      "ratios_vs_plain": {"own_prefill": own / base, "translated": tr / base,
+                                          "region_translated": region_tr / base,
+                                          "no_reuse": miss / base}}
+    print("\nBreakdown of the translated prefix (median; ms): lookup (scheduler), translate "
+          "(worker, start to last row written) of which load (rows written) and kvtd total "
+          "(trailer); transfer = translate - kvtd total; tail prefill: the same engine "
+          "prefilling only the tokens after the prefix on top of its own cached prefix")
+    print("| prompt tokens | reused | lookup | translate (worker) | load | transfer | kvtd total | "
+          "tail prefill | connector overhead |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for n, row in results.items():
+        tr = median(row["translated"]) * 1e3
         tail = median(row["tail_prefill"]) * 1e3
         lk, tl, ld, kv = (median(row[k]) for k in ("lookup_ms", "translate_ms", "load_ms",
                                                     "kvtd_total_ms"))
         transfer = tl - kv
         overhead = (tr - tail) / kv - 1 if kv else float("nan")
         narrow = (lk + tl) / kv - 1 if kv else float("nan")
-        summary[n] = {"own_prefill_ms": own, "translated_ms": tr, "no_reuse_ms": miss,
-                      "tokens_reused": row["tokens_reused"], "lookup_ms": lk,
-                      "translate_ms": tl, "load_ms": ld, "transfer_ms": transfer,
-                      "kvtd_total_ms": kv, "tail_prefill_ms": tail,
-                      "connector_overhead": overhead, "connector_overhead_narrow": narrow,
-                      "raw": row}
-        region_tr = median(row["region_translated"]) * 1e3
-        summary[n]["region_translated_ms"] = region_tr
-        print(f"| {n} | {own:.1f} | {tr:.1f} | {region_tr:.1f} | {miss:.1f} | "
-              f"{row['tokens_reused']} | {lk:.1f} | "
-              f"{tl:.1f} | {ld:.1f} | {transfer:.1f} | {kv:.1f} | {tail:.1f} | "
-              f"{overhead * 100:+.0f}% ({narrow * 100:+.0f}% lookup+translate) |")
+        summary[n].update({"tokens_reused": row["tokens_reused"], "lookup_ms": lk,
+                           "translate_ms": tl, "load_ms": ld, "transfer_ms": transfer,
+                           "kvtd_total_ms": kv, "tail_prefill_ms": tail,
+                           "connector_overhead": overhead,
+                           "connector_overhead_narrow": narrow, "raw": row})
+        print(f"| {n} | {row['tokens_reused']} | {lk:.1f} | {tl:.1f} | {ld:.1f} | "
+              f"{transfer:.1f} | {kv:.1f} | {tail:.1f} | {overhead * 100:+.0f}% "
+              f"({narrow * 100:+.0f}% lookup+translate) |")
     print(f"\nbest of {args.repeat} (the least disturbed run of each figure; ms); client: the "
           "same lookup + TranslateKV from a Python client outside vLLM (inline result)")
-    print("| prompt tokens | own prefill | translated prefix | no reuse (miss) | lookup | "
-          "translate (worker) | load | kvtd total | tail prefill | client lookup | "
+    print("| prompt tokens | plain engine | own prefill | translated prefix | no reuse (miss) | "
+          "lookup | translate (worker) | load | kvtd total | tail prefill | client lookup | "
           "client translate | its kvtd total |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n, row in results.items():
-        best = {k: min(row[k]) * (1e3 if k in ("own_prefill", "translated", "no_reuse",
+        best = {k: min(row[k]) * (1e3 if k in ("plain", "own_prefill", "translated", "no_reuse",
                                                "tail_prefill") else 1)
-                for k in ("own_prefill", "translated", "no_reuse", "tail_prefill", "lookup_ms",
+                for k in ("plain", "own_prefill", "translated", "no_reuse", "tail_prefill",
+                          "lookup_ms",
                           "translate_ms", "load_ms", "kvtd_total_ms", "client_lookup_ms",
                           "client_translate_ms", "client_kvtd_total_ms")}
         summary[n]["best"] = best
-        print(f"| {n} | {best['own_prefill']:.1f} | {best['translated']:.1f} | "
+        print(f"| {n} | {best['plain']:.1f} | {best['own_prefill']:.1f} | "
+              f"{best['translated']:.1f} | "
               f"{best['no_reuse']:.1f} | {best['lookup_ms']:.1f} | {best['translate_ms']:.1f} | "
               f"{best['load_ms']:.1f} | {best['kvtd_total_ms']:.1f} | "
               f"{best['tail_prefill']:.1f} | {best['client_lookup_ms']:.1f} | "

@@ -137,7 +137,9 @@ class PrefixCache:
                        ) -> prefix_cache_pb2.PublishResponse:
         """Stores `model`'s cache of `token_ids` from a registered shared-memory region
         (`kvt.shm.SharedMemoryRegion.ref(offset, size)`) instead of inline chunks: packed, per
-        layer K then V, each [tokens, heads, head_dim] of `dtype` (bf16 as its bit patterns).
+        layer K then V, each [tokens, heads, head_dim] of `dtype` (bf16 as its bit patterns), or
+        paged (`region.paged`: the blocks of a block table, in the standard or an engine's own
+        order).
         kvtd copies it into its tier before answering, so the region may be reused as soon as
         this returns. No cache bytes go through protobuf or the socket."""
         if dtype not in DTYPES:
@@ -146,7 +148,9 @@ class PrefixCache:
         if not tokens:
             raise InvalidArgumentError("token_ids: empty")
         expected = 2 * num_layers * len(tokens) * num_kv_heads * head_dim * ELEMENT_SIZE[dtype]
-        if region.byte_size != expected:
+        # A paged region (region.paged: blocks in a block table, e.g. an engine's own cache)
+        # is bounded by kvtd against its geometry; a packed one must be exactly the cache.
+        if not region.HasField("paged") and region.byte_size != expected:
             raise InvalidArgumentError(f"region.byte_size={region.byte_size}, but {num_layers} "
                                        f"layers x {len(tokens)} tokens x {num_kv_heads} x "
                                        f"{head_dim} {dtype} are {expected} bytes")

@@ -11,11 +11,17 @@ and every request publishes its KV to kvtd and reuses a prefix another family me
 translated (docs/VLLM.md). Importing this package imports vllm; `import kvt` alone does not.
 """
 
-from kvt.vllm.connector import (KvtConnector, KvtConnectorMetadata, KvtConnectorStats,
-                                KvtWorkerMetadata, parse_kv_transfer_params,
-                                validate_kv_transfer_params)
-from kvt.vllm.paged import PagedLayout, gather_tokens, scatter_tokens
+from kvt.vllm.cpu_cores import keep_plain_reservation
 
-__all__ = ["KvtConnector", "PagedLayout", "KvtConnectorMetadata", "KvtConnectorStats", "KvtWorkerMetadata",
-           "gather_tokens", "parse_kv_transfer_params", "scatter_tokens",
+# Before anything else: vLLM imports this package while validating an engine's configuration,
+# before it binds the workers' cores (kvt/vllm/cpu_cores.py).
+keep_plain_reservation()
+
+from kvt.vllm.connector import (KvtConnector, KvtConnectorMetadata,  # noqa: E402
+                                KvtConnectorStats, KvtWorkerMetadata,
+                                parse_kv_transfer_params, validate_kv_transfer_params)
+from kvt.vllm.paged import PagedLayout, gather_tokens, scatter_tokens  # noqa: E402
+
+__all__ = ["KvtConnector", "PagedLayout", "KvtConnectorMetadata", "KvtConnectorStats",
+           "KvtWorkerMetadata", "gather_tokens", "parse_kv_transfer_params", "scatter_tokens",
            "validate_kv_transfer_params"]

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""The connector's tax: what KvtConnector costs a request it does not help, measured against the
+same engine without the connector, in one run (docs/VLLM.md, "What the connector costs").
+
+Two engines of kvt-tiny-L run side by side: `plain` (no KV connector) and `kvt` (KvtConnector
+with its documented defaults: publishing on, shared memory). kvtd runs with the source-cache
+tier on and an empty mapper store (kvtd refuses the publishes: no mapper reads the model), or,
+with --reader, a store whose one mapper reads kvt-tiny-L into another name (kvtd stores every
+publish); either way nothing can ever be reused. Per shape (prompt tokens x
+generated tokens) and repetition, every mode gets its own fresh prompt (no engine ever hits its
+own prefix cache), and the modes take turns in a rotating order:
+
+  plain    the engine without the connector
+  forbid   the connector's engine, kv_transfer_params {"kvt": {"reuse": "forbid"}} (no lookup)
+  miss     the connector's engine, default reuse: a lookup that finds nothing
+
+Each timed request follows a pause (--settle_s) so that neither engine's idle spinning from the
+previous request overlaps it. Then the concurrent case: 16 requests of mixed lengths in flight at
+once per engine, throughput in generated tokens per second.
+
+    PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:tax_benchmark -- [--repeat=5] [--json=OUT]
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import engines as E
+import family
+
+SHAPES = ((256, 1), (256, 64), (1024, 1), (1024, 64))
+MODES = ("plain", "forbid", "miss")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--settle_s", type=float, default=1.2)
+    parser.add_argument("--concurrent", type=int, default=16)
+    parser.add_argument("--concurrent_repeat", type=int, default=3)
+    parser.add_argument("--work", default="")
+    parser.add_argument("--config", default="{}",
+                        help="extra kv_connector_extra_config keys (JSON) for the kvt engine")
+    parser.add_argument("--reader", action="store_true",
+                        help="the store holds a mapper reading kvt-tiny-L (an identity map into "
+                             "a twin name), so kvtd stores every publish instead of refusing it; "
+                             "lookups into L still miss")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    work = args.work or tempfile.mkdtemp(prefix="kvt-tax-")
+    os.makedirs(os.path.join(work, "store"), exist_ok=True)
+    if args.reader:
+        family.identity_mapper(os.path.join(work, "store"), "L-to-twin", member="L",
+                               source_name=family.NAMES["L"], target_name=family.TWIN_L)
+    port = E.free_port()
+    config = {"kvtd_address": f"127.0.0.1:{port}", "model_name": family.NAMES["L"],
+              **json.loads(args.config)}
+    engines = {
+        "plain": E.Engine("plain", family.model_dir("L"), {}, work, max_model_len=2048,
+                          no_connector=True),
+        "kvt": E.Engine("kvt", family.model_dir("L"), config, work, max_model_len=2048),
+    }
+    kvtd = family.start_kvtd(os.path.join(work, "store"), port,
+                             family.kvtd_yaml(os.path.join(work, "kvtd.yaml"),
+                                              max_bytes=1 << 30)).__enter__()
+    try:
+        E.start_engines(list(engines.values()))
+        texts = Prompts()
+        for engine in engines.values():  # warm-up: first requests are slower
+            for n in (256, 1024):
+                engine.one(texts.take(n), 4, kvt=({"reuse": "forbid"} if engine.name == "kvt"
+                                                  else None))
+        latency = measure_latency(engines, texts, args)
+        throughput = measure_throughput(engines, texts, args)
+        outcomes = engines["kvt"].metrics()
+    finally:
+        for engine in engines.values():
+            engine.stop()
+        kvtd.__exit__(None, None, None)
+    report(latency, throughput, outcomes, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"latency": latency, "throughput": throughput, "metrics": outcomes}, f,
+                      indent=1)
+
+
+class Prompts:
+    """Fresh held-out prompts: no two requests share a first block, so no engine reuses its own
+    prefix cache and kvtd never holds a prefix of a prompt to come."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self.rng = random.Random(0)
+
+    def take(self, n: int):
+        text = family.heldout_text(n, self.offset)
+        if len(text) < n:
+            self.offset = 0
+            text = family.heldout_text(n, 0)
+        self.offset += n + 1
+        # A distinct first token per prompt: block hashes never repeat across requests.
+        return [self.rng.randrange(256)] + text[1:]
+
+
+def request(mode: str, prompt, max_tokens: int) -> dict:
+    kvt = {"reuse": "forbid"} if mode == "forbid" else None
+    return {"prompt": prompt, "max_tokens": max_tokens, "kvt": kvt,
+            "ignore_eos": True}
+
+
+def engine_of(engines, mode):
+    return engines["plain" if mode == "plain" else "kvt"]
+
+
+def measure_latency(engines, texts, args):
+    out = {}
+    for n, gen in SHAPES:
+        walls = {mode: [] for mode in MODES}
+        for rep in range(args.repeat):
+            order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]
+            for mode in order:
+                time.sleep(args.settle_s)
+                got = engine_of(engines, mode).generate([request(mode, texts.take(n), gen)])[0]
+                assert len(got["token_ids"]) == gen, got
+                if mode != "plain":
+                    outcome = (got.get("kv_transfer_params") or {}).get("kvt", {})
+                    assert outcome.get("outcome") == "fallback_reprefill", outcome
+                walls[mode].append(got["wall_s"] * 1e3)
+        out[f"{n}/{gen}"] = walls
+    return out
+
+
+def measure_throughput(engines, texts, args):
+    rng = random.Random(1)
+    out = {mode: [] for mode in MODES}
+    for rep in range(args.concurrent_repeat):
+        shapes = [(rng.choice((128, 256, 512, 1024)), rng.choice((16, 32, 64)))
+                  for _ in range(args.concurrent)]
+        order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]
+        for mode in order:
+            time.sleep(args.settle_s)
+            batch = [request(mode, texts.take(n), gen) for n, gen in shapes]
+            t0 = time.monotonic()
+            got = engine_of(engines, mode).generate(batch)
+            wall = time.monotonic() - t0
+            tokens = sum(len(g["token_ids"]) for g in got)
+            out[mode].append(tokens / wall)
+    return out
+
+
+def report(latency, throughput, metrics, args):
+    med = statistics.median
+    print(f"Connector tax on kvt-tiny-L (vLLM CPU, block size 32, median of {args.repeat}; "
+          "request latency in ms; ratio = mode / plain; publishes "
+          f"{'stored' if args.reader else 'refused (no mapper reads the model)'})")
+    print("| prompt / generated | plain engine | forbid | ratio | miss | ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for shape, walls in latency.items():
+        plain = med(walls["plain"])
+        cells = [f"{plain:.1f}"]
+        for mode in ("forbid", "miss"):
+            value = med(walls[mode])
+            cells += [f"{value:.1f}", f"{value / plain:.3f}x ({value - plain:+.1f} ms)"]
+        print(f"| {shape} | " + " | ".join(cells) + " |")
+    plain = med(throughput["plain"])
+    print(f"\n{args.concurrent} requests in flight, mixed lengths (128-1024 prompt, 16-64 "
+          f"generated), generated tokens/s, median of {args.concurrent_repeat}")
+    print("| plain engine | forbid | ratio | miss | ratio |")
+    print("|---:|---:|---:|---:|---:|")
+    cells = [f"{plain:.0f}"]
+    for mode in ("forbid", "miss"):
+        value = med(throughput[mode])
+        cells += [f"{value:.0f}", f"{value / plain:.3f}x"]
+    print("| " + " | ".join(cells) + " |")
+    print("\nconnector counters:", {k.replace("vllm:kvt_", ""): v for k, v in metrics.items()
+                                     if v})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
