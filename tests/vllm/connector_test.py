@@ -426,9 +426,10 @@ class KvtConnectorTest(unittest.TestCase):
         # (LLM.get_metrics names a counter family without its _total suffix.)
         metrics = {k[:-len("_total")] if k.endswith("_total") else k: v
                    for k, v in Suite.engines["L"].metrics().items()}
-        # publishes_shm: the publishes went through the worker's region, not inline chunks.
+        # publishes_in_place: kvtd read the publishes straight out of the engine's shared cache
+        # (no copy in the engine, no inline chunks).
         for name in ("applied", "fallback_reprefill", "unsupported", "tokens_reused", "lookups",
-                     "publishes", "publishes_shm"):
+                     "publishes", "publishes_in_place"):
             self.assertGreater(metrics.get(f"vllm:kvt_{name}", 0), 0, metrics)
 
 
@@ -524,7 +525,7 @@ class MechanicsTest(unittest.TestCase):
             start_kvtd()
 
     def test_engine_publish_through_shared_memory_is_its_own_cache(self):
-        before = self.engine.metrics().get("vllm:kvt_publishes_shm", 0)
+        before = self.engine.metrics().get("vllm:kvt_publishes_in_place", 0)
         prompt = list(b"Shared memory publish: " * 4) + self.PROMPT[:100]
         with kvt.Client(Suite.kvtd.address, timeout=60) as c:
             known = family.entry_ids(c, family.NAMES["L"])
@@ -535,7 +536,9 @@ class MechanicsTest(unittest.TestCase):
             self.assertTrue(hit.hit, hit)
             got = c.translate_cached(hit.lease_id, hit.mapper_id, hit.matched_tokens,
                                      dtype=DTYPE_NAMES[hit.dtype], output_dtype="fp32").target
-        self.assertGreater(self.engine.metrics().get("vllm:kvt_publishes_shm", 0), before)
+        # The worker reports its counters with the next engine step's output.
+        self.engine.one(self.PROMPT[:8], 1, kvt={"reuse": "forbid"}, cache_salt="mech-flush")
+        self.assertGreater(self.engine.metrics().get("vllm:kvt_publishes_in_place", 0), before)
         member = R.Member(family.model_dir("L"))
         with torch.no_grad():
             out = member.hf(input_ids=torch.tensor([prompt]), use_cache=True)

@@ -25,11 +25,15 @@ import time
 from collections import Counter
 from typing import Any, Callable, Iterable, Optional
 
+from kvt.errors import NotFoundError
 from kvt.vllm.engine_kv import bits_to_float
 from kvt.vllm.metadata import PublishSpec
 from kvt.vllm.regions import describe_error
 
 logger = logging.getLogger("vllm.kvt")
+
+# How long publishes stay off after kvtd said no mapper reads this model.
+UNREAD_RETRY_S = 30.0
 
 
 class Publisher:
@@ -43,13 +47,20 @@ class Publisher:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: Counter = Counter()  # req_id -> publishes queued or running
+        # Until then kvtd refuses this model's publishes (no mapper reads it): not sent. The
+        # store may gain a reader at any time, so the refusal is asked again after a while.
+        self._unread_until = 0.0
         self._thread = threading.Thread(target=self._loop, name="kvt-publish", daemon=True)
         self._thread.start()
 
     # -- the engine step ---------------------------------------------------------------------
 
     def submit(self, spec: PublishSpec) -> None:
-        """Queues a publish; never blocks. A full queue drops it (counted, logged)."""
+        """Queues a publish; never blocks. A full queue drops it (counted, logged); while kvtd
+        has no mapper reading this model the publish is skipped (counted)."""
+        if time.monotonic() < self._unread_until:
+            self._count("publish_skipped")
+            return
         with self._lock:
             try:
                 self._queue.put_nowait(spec)
@@ -92,6 +103,13 @@ class Publisher:
                 return
             try:
                 self._publish(spec)
+            except NotFoundError as error:
+                if "header.model" not in str(error):
+                    raise
+                self._unread_until = time.monotonic() + UNREAD_RETRY_S
+                self._count("publish_failed")
+                logger.info("kvt: kvtd keeps no cache of this model (%s); publishes resume "
+                            "in %.0f s", describe_error(error), UNREAD_RETRY_S)
             except Exception as error:
                 self._count("publish_failed")
                 logger.warning("kvt: publish of %s (%s, %d tokens) failed: %s", spec.req_id,

@@ -11,8 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 
 _COUNTERS = ("requests", "lookups", "lookup_errors", "hits", "applied", "fallback_reprefill",
              "unsupported", "tokens_reused", "load_failures", "publishes", "publish_dropped",
-             "publish_failed", "publish_bytes", "publishes_in_place", "publishes_shm",
-             "publish_region_full")
+             "publish_failed", "publish_skipped", "publish_bytes", "publishes_in_place",
+             "publishes_shm", "publish_region_full")
 
 
 @dataclass
@@ -55,6 +55,8 @@ _COUNTER_HELP = {
     "publishes": "Caches published to kvtd.",
     "publish_dropped": "Publishes dropped because the publish queue was full.",
     "publish_failed": "Publishes that failed.",
+    "publish_skipped": "Publishes not sent because kvtd said lately that no mapper reads this "
+                       "model.",
     "publish_bytes": "Bytes of KV published to kvtd.",
     "publishes_in_place": "Publishes kvtd read straight out of the engine's own shared KV "
                           "cache (nothing copied in the engine).",

@@ -160,7 +160,13 @@ class KvtWorker:
                     and not self._loads_done):
                 # Releases the GIL until a load ends (notified in _run_load) or the bound.
                 self._load_done.wait(timeout=idle_wait_s)
+            loads_pending = bool(self._loads_running)
             done, self._loads_done = self._loads_done, {}
+        if (idle_wait_s > 0 and meta is not None and meta.idle and not done
+                and not loads_pending and self._releases):
+            # An empty step that only waits for held blocks: let the publisher finish instead
+            # of spinning the engine loop beside it.
+            self.publisher.wait_for(self._releases, idle_wait_s)
         self._failed_this_step = {r for r, result in done.items() if not result.ok}
         results.finished_recving = set(done)
         results.failed_recving = set(self._failed_this_step)
