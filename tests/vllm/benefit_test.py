@@ -1,4 +1,4 @@
-"""Context benefit recovered through vLLM equals the eval harness's figure (issue 19, "Must show"):
+"""Context benefit recovered through vLLM equals the eval harness's figure:
 real vLLM engines M and L of the bundled family (each in a process of its own, KvtConnector,
 kv_both), a real kvtd (//server:kvtd with the source-cache tier) and the ridge mapper M -> L
 (k = 2) fitted here the way the suite fits it (tests/vllm/family.py: tools/dump_kv.py calibration
@@ -71,7 +71,7 @@ CONTEXT, CONTINUATION = 384, 96        # docs/EVAL.md's held-out windows
 EVAL_WINDOWS = 16                      # as docs/EVAL.md / run_eval --windows
 STEP = 2                               # every other one: 8 windows
 BLOCK = 32                             # engine block size (CPU attention: multiples of 32)
-BENEFIT_TOL = 0.02                     # issue 19
+BENEFIT_TOL = 0.02                     # the agreement the vLLM integration must show
 # vLLM against transformers, both float32 on CPU (measured: 2e-7 per window, 1.2e-5 per byte).
 CE_TOL = 1e-4                          # mean CE of one window and condition, nats per byte
 BYTE_TOL = 1e-3                        # one byte's -log p, nats
@@ -202,7 +202,7 @@ class BenefitTest(unittest.TestCase):
         # (vLLM condition, harness condition): the mapped condition per byte against the harness
         # on engine M's own source cache; the harness's M prefill (transformers) differs from
         # vLLM's by float32 noise that the mapper and L amplify (measured on the family retrained
-        # in issue 22: 1.5e-3 nats on one byte, 1.0e-5 per window), so against it the
+        # for long-range copying: 1.5e-3 nats on one byte, 1.0e-5 per window), so against it the
         # per-window bound and the benefit bound apply, not the per-byte one.
         for key, other, per_byte_bound in (("own", "own", True), ("none", "none", True),
                                            ("mapped", "mapped_engine_source", True),

@@ -1,4 +1,4 @@
-"""kvt inside vLLM, end to end (issue 19): real vLLM engines (S, M, L of the bundled family, each in
+"""kvt inside vLLM, end to end: real vLLM engines (S, M, L of the bundled family, each in
 a process of its own, KvtConnector configured), a real kvtd (//server:kvtd with the source-cache
 tier) and mappers fitted here with `kvt fit`.
 
