@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 
 namespace kvt {
 
@@ -64,7 +65,7 @@ absl::Status RegionRegistry::Add(Region region) {
   MutexLock lock(&mutex_);
   if (!regions_.emplace(name, entry).second) {
     return absl::AlreadyExistsError(
-        absl::StrCat("a ", kind_, " region named '", name, "' is registered"));
+        absl::StrCat("a ", kind_, " region named '", Echo(name), "' is registered"));
   }
   return absl::OkStatus();
 }
@@ -78,7 +79,7 @@ absl::Status RegionRegistry::Unregister(const std::string& name, absl::Time dead
     } else {
       auto it = regions_.find(name);
       if (it == regions_.end()) {
-        return absl::NotFoundError(absl::StrCat("no ", kind_, " region named '", name, "'"));
+        return absl::NotFoundError(absl::StrCat("no ", kind_, " region named '", Echo(name), "'"));
       }
       retiring.push_back(it->second);
     }
@@ -117,7 +118,7 @@ absl::StatusOr<std::vector<RegionRegistry::RegionInfo>> RegionRegistry::Status(
     infos.push_back({r.name, r.key, r.offset, r.byte_size, r.device_id, entry->in_use});
   }
   if (!name.empty() && infos.empty()) {
-    return absl::NotFoundError(absl::StrCat("no ", kind_, " region named '", name, "'"));
+    return absl::NotFoundError(absl::StrCat("no ", kind_, " region named '", Echo(name), "'"));
   }
   return infos;
 }
@@ -139,13 +140,13 @@ absl::StatusOr<RegionRegistry::Lease> RegionRegistry::Acquire(const std::string&
   const uint64_t region_size = entry->region.byte_size;
   if (offset > region_size || byte_size > region_size - offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ": offset=", offset, " + byte_size=", byte_size, " lies outside region '", name,
+        field, ": offset=", offset, " + byte_size=", byte_size, " lies outside region '", Echo(name),
         "' of ", region_size, " bytes"));
   }
   MutexLock entry_lock(&entry->mutex);
   if (entry->retired) {
     return absl::FailedPreconditionError(
-        absl::StrCat(field, ": region '", name, "' is being unregistered"));
+        absl::StrCat(field, ": region '", Echo(name), "' is being unregistered"));
   }
   ++entry->in_use;
   char* data = entry->region.base + offset;

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 
 namespace kvt {
 
@@ -25,25 +26,25 @@ absl::Status SystemMemoryRegistry::Register(const std::string& name, const std::
   }
   if (Contains(name)) {
     return absl::AlreadyExistsError(
-        absl::StrCat("a system memory region named '", name, "' is registered"));
+        absl::StrCat("a system memory region named '", Echo(name), "' is registered"));
   }
   const int fd = shm_open(key.c_str(), O_RDWR, 0);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat("key='", key, "': shm_open failed: ",
+    return absl::NotFoundError(absl::StrCat("key='", Echo(key), "': shm_open failed: ",
                                             std::strerror(errno)));
   }
   struct stat info;
   if (fstat(fd, &info) != 0) {
     const int error = errno;
     close(fd);
-    return absl::InternalError(absl::StrCat("key='", key, "': fstat: ", std::strerror(error)));
+    return absl::InternalError(absl::StrCat("key='", Echo(key), "': fstat: ", std::strerror(error)));
   }
   const uint64_t object_size = static_cast<uint64_t>(info.st_size);
   if (offset + byte_size > object_size) {
     close(fd);
     return absl::InvalidArgumentError(absl::StrCat(
         "offset=", offset, " + byte_size=", byte_size, " exceeds the ", object_size,
-        " bytes of shm object '", key, "'"));
+        " bytes of shm object '", Echo(key), "'"));
   }
   // mmap needs a page-aligned file offset: map from the page holding `offset`.
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -59,7 +60,7 @@ absl::Status SystemMemoryRegistry::Register(const std::string& name, const std::
   const int map_error = errno;
   close(fd);
   if (mapping == MAP_FAILED) {
-    return absl::InternalError(absl::StrCat("key='", key, "': mmap of ", byte_size,
+    return absl::InternalError(absl::StrCat("key='", Echo(key), "': mmap of ", byte_size,
                                             " bytes failed: ", std::strerror(map_error)));
   }
   RegionRegistry::Region region;
