@@ -211,6 +211,9 @@ absl::Status PrefixCacheService::PublishImpl(grpc::ServerReader<v1::PublishReque
         }
       }
     }
+    if (absl::Status intact = region->CheckIntact("header.input.region"); !intact.ok()) {
+      return intact;
+    }
     if (reader->Read(&message)) {
       return absl::InvalidArgumentError(
           "header.input.region is set: the stream must carry no chunks");

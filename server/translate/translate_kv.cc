@@ -101,6 +101,7 @@ grpc::Status StreamLayers(const Admitted& r, TranslateRecord* record) {
     output_status = producer.Run(score_input_shift);
   }
   if (!output_status.ok()) return output_status;
+  if (absl::Status intact = r.staging.CheckRegionsIntact(); !intact.ok()) return r.fail(intact);
 
   TrailerInputs trailer;
   trailer.request_id = r.fail.request_id();
