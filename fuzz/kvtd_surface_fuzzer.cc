@@ -29,6 +29,7 @@
 
 #include "common/logging.h"
 #include "fuzz/fuzz_check.h"
+#include "fuzz/fuzz_worker.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu_backend.h"
 #include "mapper_store/store.h"
@@ -49,37 +50,7 @@ constexpr int kObjects = 2;
 const char* const kMappers[] = {"fa", "fb"};
 const char* const kTargets[] = {"fz/dst", "fz/other"};
 
-// One long-lived thread that runs a job at a time (see translate_kv_fuzzer).
-class Worker {
- public:
-  Worker() : thread_([this] { Loop(); }) {}
-  void Run(std::function<void()> job) {
-    std::lock_guard<std::mutex> lock(mu_);
-    job_ = std::move(job);
-    cv_.notify_all();
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return !job_; });
-  }
-
- private:
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [this] { return static_cast<bool>(job_); });
-      lock.unlock();
-      job_();
-      lock.lock();
-      job_ = nullptr;
-      cv_.notify_all();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::function<void()> job_;
-  std::thread thread_;
-};
+using kvt_fuzz::Worker;
 
 struct Env {
   Worker reader;

@@ -3,28 +3,34 @@
 #include <cmath>
 #include <cstring>
 
+#include <immintrin.h>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype.h"
 
 namespace kvt {
 namespace {
 
-// Exponent all ones <=> NaN or Inf. A branch-free OR over a block lets the compiler vectorize
-// the common case (all finite); the element is searched only in a block that has one.
+// Exponent all ones <=> NaN or Inf. 32 bytes at a time (AVX2, which every kernel here already
+// requires): the common case, all finite, runs at memory speed; the element is searched only in
+// a 32-byte group that has one.
 template <typename Bits, Bits kExponent>
 std::optional<int64_t> FirstWithExponentSet(const void* data, int64_t count) {
-  constexpr int64_t kBlock = 256;
+  constexpr int64_t kPerVector = 32 / sizeof(Bits);
   const char* bytes = static_cast<const char*>(data);
-  for (int64_t begin = 0; begin < count; begin += kBlock) {
-    const int64_t n = std::min(kBlock, count - begin);
-    Bits block[kBlock];
-    std::memcpy(block, bytes + begin * sizeof(Bits), static_cast<size_t>(n) * sizeof(Bits));
-    bool any = false;
-    for (int64_t i = 0; i < n; ++i) any |= (block[i] & kExponent) == kExponent;
-    if (!any) continue;
-    for (int64_t i = 0; i < n; ++i) {
-      if ((block[i] & kExponent) == kExponent) return begin + i;
-    }
+  const __m256i mask = sizeof(Bits) == 2 ? _mm256_set1_epi16(static_cast<int16_t>(kExponent))
+                                         : _mm256_set1_epi32(static_cast<int32_t>(kExponent));
+  int64_t i = 0;
+  for (; i + kPerVector <= count; i += kPerVector) {
+    const __m256i v = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i * sizeof(Bits))), mask);
+    const __m256i hit = sizeof(Bits) == 2 ? _mm256_cmpeq_epi16(v, mask) : _mm256_cmpeq_epi32(v, mask);
+    if (_mm256_movemask_epi8(hit) != 0) break;  // the scalar loop below finds which
+  }
+  for (; i < count; ++i) {
+    Bits x;
+    std::memcpy(&x, bytes + i * sizeof(Bits), sizeof(Bits));
+    if ((x & kExponent) == kExponent) return i;
   }
   return std::nullopt;
 }
