@@ -1,19 +1,22 @@
-// absl::Status <-> grpc::Status (canonical codes are numbered alike, messages carried as-is),
-// and the status of a call its client abandoned.
+// absl::Status <-> grpc::Status (canonical codes are numbered alike, messages bounded on the way
+// out), and the status of a call its client abandoned.
 #pragma once
 
 #include <chrono>
 
 #include "absl/status/status.h"
+#include "common/echo.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/status.h"
 
 namespace kvt {
 
+// The message is cut to kMaxStatusMessageBytes: one over gRPC's metadata limit would reach the
+// caller as RESOURCE_EXHAUSTED instead of the real code.
 inline grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+                      Echo(status.message(), kMaxStatusMessageBytes));
 }
 
 inline absl::Status FromGrpcStatus(const grpc::Status& status) {

@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
       {"max_request_bytes", c.limits.max_request_bytes},
       {"max_inflight_requests", c.limits.max_inflight_requests},
       {"max_inflight_bytes", c.limits.max_inflight_bytes},
+      {"allow_non_finite", c.limits.allow_non_finite},
       {"drain_grace_seconds", c.shutdown.drain_grace_seconds},
       {"deadline_seconds", c.shutdown.deadline_seconds},
       {"metrics_listen_address", c.metrics.listen_address},

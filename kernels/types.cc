@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/checked_math.h"
 
 namespace kvt {
 
@@ -73,27 +74,112 @@ BlockStrides PagedLayout::Strides(int kind) const {
 
 namespace {
 
-// Largest element offset of `kind` inside a block (strides checked non-negative).
-int64_t LastElement(const PagedLayout& p, int kind) {
+// Largest element offset of `kind` inside a block; nullopt on a negative stride or overflow.
+std::optional<int64_t> LastElement(const PagedLayout& p, int kind) {
   const BlockStrides s = p.Strides(kind);
-  return s.offset + (p.block_size - 1) * s.slot_stride + (p.num_kv_heads - 1) * s.head_stride +
-         (p.head_dim - 1) * s.dim_stride;
+  if (s.offset < 0 || s.slot_stride < 0 || s.head_stride < 0 || s.dim_stride < 0) {
+    return std::nullopt;
+  }
+  std::optional<int64_t> last = s.offset;
+  const std::pair<int64_t, int64_t> terms[] = {{p.block_size - 1, s.slot_stride},
+                                               {p.num_kv_heads - 1, s.head_stride},
+                                               {p.head_dim - 1, s.dim_stride}};
+  for (const auto& [count, stride] : terms) {
+    const std::optional<int64_t> term = CheckedMul(count, stride);
+    if (!term || !last) return std::nullopt;
+    last = CheckedAdd(*last, *term);
+  }
+  return last;
 }
 
-// Bytes of one layer's tensor in an engine order: up to the last element of the last block.
-int64_t EngineLayerExtent(const PagedLayout& p) {
-  const int64_t last = std::max(LastElement(p, 0), LastElement(p, 1));
-  return ((p.num_blocks - 1) * p.BlockStride() + last + 1) * p.element_size;
+bool SizesPositive(const PagedLayout& p) {
+  return p.num_blocks > 0 && p.block_size > 0 && p.num_kv_heads > 0 && p.head_dim > 0 &&
+         p.element_size > 0;
 }
 
 }  // namespace
 
-int64_t PagedLayout::RequiredBytes(int num_layers) const {
-  if (!engine_order) return num_layers * layer_bytes();
-  const int64_t extent = EngineLayerExtent(*this);
+std::optional<int64_t> PagedLayout::LayerExtent() const {
+  if (!SizesPositive(*this)) return std::nullopt;
+  if (!engine_order) {
+    return CheckedProduct({2, num_blocks, block_size, num_kv_heads, head_dim, element_size});
+  }
+  if (engine_order->block_stride < 0) return std::nullopt;
+  const std::optional<int64_t> k = LastElement(*this, 0);
+  const std::optional<int64_t> v = LastElement(*this, 1);
+  const std::optional<int64_t> blocks = CheckedMul(num_blocks - 1, engine_order->block_stride);
+  if (!k || !v || !blocks) return std::nullopt;
+  const std::optional<int64_t> last = CheckedAdd(*blocks, std::max(*k, *v));
+  if (!last) return std::nullopt;
+  const std::optional<int64_t> elements = CheckedAdd(*last, 1);
+  if (!elements) return std::nullopt;
+  return CheckedMul(*elements, element_size);
+}
+
+std::optional<int64_t> PagedLayout::RequiredBytes(int num_layers) const {
+  const std::optional<int64_t> extent = LayerExtent();
+  if (!extent || num_layers < 0) return std::nullopt;
+  if (!engine_order) return CheckedMul(num_layers, *extent);
+  if (static_cast<int64_t>(engine_order->layer_offsets.size()) < num_layers) return std::nullopt;
   int64_t end = 0;
-  for (int l = 0; l < num_layers; ++l) end = std::max(end, LayerOffset(l) + extent);
+  for (int l = 0; l < num_layers; ++l) {
+    const int64_t at = engine_order->layer_offsets[static_cast<size_t>(l)];
+    const std::optional<int64_t> layer_end = at < 0 ? std::nullopt : CheckedAdd(at, *extent);
+    if (!layer_end) return std::nullopt;
+    end = std::max(end, *layer_end);
+  }
   return end;
+}
+
+absl::Status CheckPagedBounds(const PagedLayout& paged, int num_layers, int64_t range_bytes,
+                              const std::string& field, const std::string& range_field) {
+  const std::pair<const char*, int64_t> sizes[] = {{"num_blocks", paged.num_blocks},
+                                                   {"block_size", paged.block_size},
+                                                   {"num_kv_heads", paged.num_kv_heads},
+                                                   {"head_dim", paged.head_dim},
+                                                   {"element_size", paged.element_size}};
+  for (const auto& [name, value] : sizes) {
+    if (value <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".", name, " must be > 0, got ",
+                                                     value));
+    }
+  }
+  if (num_layers <= 0 || range_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", num_layers, " layers in ",
+                                                   range_bytes, " bytes"));
+  }
+  const std::optional<int64_t> extent = paged.LayerExtent();
+  if (!extent) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": num_blocks=", paged.num_blocks, " x block_size=", paged.block_size,
+        (paged.engine_order ? " with its engine order's strides" : ""),
+        " makes a layer larger than 2^63 bytes (or a stride is negative)"));
+  }
+  if (!paged.engine_order) {
+    const std::optional<int64_t> required = paged.RequiredBytes(num_layers);
+    if (!required || *required != range_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          range_field, ".byte_size=", range_bytes, " but the paged cache is ",
+          required ? absl::StrCat(*required) : std::string("over 2^63"),
+          " bytes (per layer a (2, num_blocks, block_size, num_kv_heads, head_dim) tensor)"));
+    }
+    return absl::OkStatus();
+  }
+  const std::vector<int64_t>& offsets = paged.engine_order->layer_offsets;
+  if (static_cast<int64_t>(offsets.size()) != num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".layer_offsets has ", offsets.size(),
+                                                   " entries; the model has ", num_layers,
+                                                   " layers"));
+  }
+  for (int l = 0; l < num_layers; ++l) {
+    const int64_t at = offsets[static_cast<size_t>(l)];
+    if (at < 0 || at > range_bytes || *extent > range_bytes - at) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".layer_offsets[", l, "]=", at, ": the layer's ", *extent,
+          " bytes end past the region range of ", range_bytes, " bytes"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckEngineBlockOrder(const PagedLayout& paged, int num_layers, int64_t range_bytes,
@@ -104,7 +190,7 @@ absl::Status CheckEngineBlockOrder(const PagedLayout& paged, int num_layers, int
                                                    order.layer_offsets.size(), " entries; the model has ",
                                                    num_layers, " layers"));
   }
-  // Every value is bounded first, so that no offset computed below can overflow.
+  // Every value is bounded first, so that the bitmap below stays small.
   constexpr int64_t kMaxElements = int64_t{1} << 40;
   const int64_t block_elements = 2 * paged.block_size * paged.num_kv_heads * paged.head_dim;
   if (paged.block_size <= 0 || paged.num_blocks <= 0 || paged.block_size > (1 << 16) ||
@@ -130,9 +216,13 @@ absl::Status CheckEngineBlockOrder(const PagedLayout& paged, int num_layers, int
     return absl::InvalidArgumentError(absl::StrCat(field, ".block_stride=", order.block_stride,
                                                    " overflows over ", paged.num_blocks, " blocks"));
   }
+  if (absl::Status bounds = CheckPagedBounds(paged, num_layers, range_bytes, field, field);
+      !bounds.ok()) {
+    return bounds;
+  }
   // No two elements of one block on the same bytes: mark each in a bitmap of the block's span.
   const int64_t first = std::min(paged.Strides(0).offset, paged.Strides(1).offset);
-  const int64_t last = std::max(LastElement(paged, 0), LastElement(paged, 1));
+  const int64_t last = std::max(*LastElement(paged, 0), *LastElement(paged, 1));
   if (last - first >= (int64_t{1} << 26)) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": one block spans ", last - first + 1,
@@ -159,17 +249,11 @@ absl::Status CheckEngineBlockOrder(const PagedLayout& paged, int num_layers, int
                                                    " is shorter than one block's span of ",
                                                    last - first + 1, " elements"));
   }
-  // Layers on disjoint byte ranges, all inside the range.
-  const int64_t extent = EngineLayerExtent(paged);
+  // Layers on disjoint byte ranges (CheckPagedBounds put each inside the range).
+  const int64_t extent = *paged.LayerExtent();
   std::vector<std::pair<int64_t, int>> starts;
   for (int l = 0; l < num_layers; ++l) {
-    const int64_t at = order.layer_offsets[static_cast<size_t>(l)];
-    if (at < 0 || at > range_bytes || extent > range_bytes - at) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".layer_offsets[", l, "]=", at, ": the layer's ", extent,
-          " bytes end past the region range of ", range_bytes, " bytes"));
-    }
-    starts.emplace_back(at, l);
+    starts.emplace_back(order.layer_offsets[static_cast<size_t>(l)], l);
   }
   std::sort(starts.begin(), starts.end());
   for (size_t i = 1; i < starts.size(); ++i) {
@@ -196,22 +280,35 @@ absl::Status CheckBlockTable(const PagedLayout& paged, const uint32_t* table, in
         field, ".block_table has ", table_size, " entries; ", num_tokens, " tokens in blocks of ",
         paged.block_size, " need ", needed));
   }
-  std::vector<int64_t> first_use(distinct ? static_cast<size_t>(paged.num_blocks) : 0, -1);
   for (int64_t i = 0; i < needed; ++i) {
     if (table[i] >= paged.num_blocks) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".block_table[", i, "]=", table[i],
                                                      " is outside num_blocks=",
                                                      paged.num_blocks));
     }
-    if (distinct) {
-      int64_t& seen = first_use[table[i]];
-      if (seen >= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ".block_table[", i, "]=", table[i], " repeats block_table[", seen,
-            "]: two token ranges would be written to one block"));
-      }
-      seen = i;
+  }
+  if (!distinct) return absl::OkStatus();
+  // Sized by the entries used (which arrived on the wire), never by num_blocks: a few bytes of
+  // table must not make kvtd allocate per declared block.
+  std::vector<std::pair<uint32_t, int64_t>> uses;
+  uses.reserve(static_cast<size_t>(needed));
+  for (int64_t i = 0; i < needed; ++i) uses.emplace_back(table[i], i);
+  std::sort(uses.begin(), uses.end());
+  // The earliest entry that repeats a block, and that block's first use.
+  int64_t repeat = -1, seen = -1;
+  size_t group = 0;  // first use of the block at uses[i]
+  for (size_t i = 1; i < uses.size(); ++i) {
+    if (uses[i].first != uses[group].first) {
+      group = i;
+    } else if (repeat < 0 || uses[i].second < repeat) {
+      repeat = uses[i].second;
+      seen = uses[group].second;
     }
+  }
+  if (repeat >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".block_table[", repeat, "]=", table[repeat], " repeats block_table[", seen,
+        "]: two token ranges would be written to one block"));
   }
   return absl::OkStatus();
 }

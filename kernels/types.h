@@ -75,6 +75,8 @@ struct PagedLayout {
   int64_t element_size = 0;
   std::optional<EngineBlockOrder> engine_order;
 
+  // The unchecked accessors below (block_bytes, layer_bytes, LayerOffset, ElementOffset) are for
+  // a layout that passed CheckPagedBounds: every value they compute then lies inside the range.
   int64_t block_bytes() const { return block_size * num_kv_heads * head_dim * element_size; }
   // One layer's tensor, K and V, in the standard order.
   int64_t layer_bytes() const { return 2 * num_blocks * block_bytes(); }
@@ -98,14 +100,26 @@ struct PagedLayout {
   }
   // Blocks a request of `num_tokens` tokens occupies.
   int64_t BlocksFor(int64_t num_tokens) const { return (num_tokens + block_size - 1) / block_size; }
+  // Bytes of one layer's tensor: 2 x num_blocks blocks in the standard order, up to the last
+  // element of the last block in an engine order. Checked: nullopt when a size is not positive,
+  // a stride is negative or the value overflows an int64.
+  std::optional<int64_t> LayerExtent() const;
   // Bytes a range must hold for `num_layers` layers: exactly this many in the standard order,
-  // at least this many in an engine order.
-  int64_t RequiredBytes(int num_layers) const;
+  // at least this many in an engine order. Checked like LayerExtent.
+  std::optional<int64_t> RequiredBytes(int num_layers) const;
 };
 
-// An engine order against its layout: one offset per layer, every element of every block
-// inside `range_bytes`, and no two elements of a block (K and V) nor two blocks on the same
-// bytes, so that writes never land on each other. INVALID_ARGUMENT naming `field`.
+// The one bounds check of a paged layout, both orders: every size positive, each layer's
+// extent and offset computed with overflow-checked arithmetic, and every layer's
+// [offset, offset + extent) inside [0, range_bytes); in the standard order the range must be
+// exactly RequiredBytes. INVALID_ARGUMENT naming `field` (`range_field` for the range's
+// byte_size). Once it passes, no element of any block of any layer lies outside the range.
+absl::Status CheckPagedBounds(const PagedLayout& paged, int num_layers, int64_t range_bytes,
+                              const std::string& field, const std::string& range_field);
+
+// An engine order against its layout: one offset per layer, strides bounded, CheckPagedBounds,
+// and no two elements of a block (K and V) nor two blocks on the same bytes, so that writes
+// never land on each other. INVALID_ARGUMENT naming `field`.
 absl::Status CheckEngineBlockOrder(const PagedLayout& paged, int num_layers, int64_t range_bytes,
                                    const std::string& field);
 

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "mapper_store/format/file_util.h"
+#include "common/echo.h"
 
 namespace kvt {
 namespace store_internal {
@@ -19,7 +20,7 @@ HostTier::HostTier(StoreState* state, DeviceTier* devices, std::string root,
       budget_key_(options.host_budget_key) {}
 
 absl::Status HostTier::UnknownMapper(const std::string& mapper_id) const {
-  return absl::NotFoundError(absl::StrCat("no mapper with id '", mapper_id, "' in ", root_));
+  return absl::NotFoundError(absl::StrCat("no mapper with id '", Echo(mapper_id), "' in ", root_));
 }
 
 // --- Pins ---

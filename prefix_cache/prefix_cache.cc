@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/echo.h"
 
 namespace kvt {
 namespace {
@@ -90,7 +91,9 @@ MutableCacheView PendingEntry::MutableView() {
 }
 
 PrefixLease::PrefixLease(PrefixLease&& other) noexcept
-    : id_(std::move(other.id_)), match_(std::move(other.match_)) {
+    : id_(std::move(other.id_)),
+      match_(std::move(other.match_)),
+      binding_(std::move(other.binding_)) {
   other.match_.entry = nullptr;
 }
 
@@ -99,6 +102,7 @@ PrefixLease& PrefixLease::operator=(PrefixLease&& other) noexcept {
     Unpin();
     id_ = std::move(other.id_);
     match_ = std::move(other.match_);
+    binding_ = std::move(other.binding_);
     other.match_.entry = nullptr;
   }
   return *this;
@@ -130,6 +134,7 @@ struct PrefixCache::LeaseRecord {
   // (with the age) rather than "unknown".
   std::shared_ptr<const PrefixEntry> entry;
   int64_t tokens = 0;
+  LeaseBinding binding;
   absl::Time issued;
   absl::Time expires;
 };
@@ -517,7 +522,7 @@ std::optional<PrefixMatch> PrefixCache::Longest(absl::string_view model,
   return match;
 }
 
-std::string PrefixCache::Lease(const PrefixMatch& match) {
+std::string PrefixCache::Lease(const PrefixMatch& match, LeaseBinding binding) {
   if (match.entry == nullptr) return "";
   MutexLock lock(&mutex_);
   const absl::Time now = Now();
@@ -525,6 +530,7 @@ std::string PrefixCache::Lease(const PrefixMatch& match) {
   auto record = std::make_unique<LeaseRecord>();
   record->entry = match.entry;
   record->tokens = std::clamp<int64_t>(match.tokens, 0, match.entry->num_tokens());
+  record->binding = std::move(binding);
   record->issued = now;
   record->expires = now + options_.lease_duration;
   match.entry->pins_.fetch_add(1, std::memory_order_acq_rel);
@@ -541,21 +547,22 @@ absl::StatusOr<PrefixLease> PrefixCache::Take(absl::string_view lease_id) {
   SweepLeasesLocked(now);
   auto it = leases_.find(lease_id);
   if (it == leases_.end()) {
-    return absl::NotFoundError(absl::StrCat("lease '", lease_id, "' unknown or already used"));
+    return absl::NotFoundError(absl::StrCat("lease '", Echo(lease_id), "' unknown or already used"));
   }
   std::unique_ptr<LeaseRecord> record = std::move(it->second);
   leases_.erase(it);
   if (record->entry == nullptr) {
     lease_timeline_.erase({record->expires + options_.lease_duration, std::string(lease_id)});
     return absl::FailedPreconditionError(absl::StrCat(
-        "lease '", lease_id, "' expired: issued ", absl::FormatDuration(now - record->issued),
+        "lease '", Echo(lease_id), "' expired: issued ", absl::FormatDuration(now - record->issued),
         " ago, valid for prefix_cache.lease_duration=",
         absl::FormatDuration(options_.lease_duration), "; look the prefix up again"));
   }
   lease_timeline_.erase({record->expires, std::string(lease_id)});
   ++stats_.leases_taken;
   // The lease's pin moves into the PrefixLease.
-  return PrefixLease(std::string(lease_id), PrefixMatch{std::move(record->entry), record->tokens});
+  return PrefixLease(std::string(lease_id), PrefixMatch{std::move(record->entry), record->tokens},
+                     std::move(record->binding));
 }
 
 std::vector<std::string> PrefixCache::Models() {

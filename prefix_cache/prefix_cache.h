@@ -150,6 +150,15 @@ struct PrefixMatch {
   int64_t tokens = 0;  // tokens [0, tokens) of the request, a multiple of block_tokens
 };
 
+// What a lookup checked before it issued a lease; the lease is good for exactly this (the
+// source model is the entry's).
+struct LeaseBinding {
+  std::string target_model;
+  std::string mapper_id;
+  bool gate_passed = false;  // the quality gate's verdict for this mapper and prefix
+  bool forced = false;       // issued under REUSE_POLICY_FORCE although the gate refused
+};
+
 // A taken lease: keeps its entry pinned (never evicted) until destroyed.
 class PrefixLease {
  public:
@@ -160,15 +169,18 @@ class PrefixLease {
 
   const std::string& id() const { return id_; }
   const PrefixMatch& match() const { return match_; }
+  const LeaseBinding& binding() const { return binding_; }
   CacheView View() const { return match_.entry->View(match_.tokens); }
 
  private:
   friend class PrefixCache;
-  PrefixLease(std::string id, PrefixMatch match) : id_(std::move(id)), match_(std::move(match)) {}
+  PrefixLease(std::string id, PrefixMatch match, LeaseBinding binding)
+      : id_(std::move(id)), match_(std::move(match)), binding_(std::move(binding)) {}
   void Unpin();
 
   std::string id_;
   PrefixMatch match_;
+  LeaseBinding binding_;
 };
 
 struct EntryInfo {
@@ -241,8 +253,10 @@ class PrefixCache {
       ABSL_LOCKS_EXCLUDED(mutex_);
 
   // Pins match.entry for one Take within options.lease_duration; returns an unguessable id
-  // (128 random bits, hex). An empty string for a match without an entry.
-  std::string Lease(const PrefixMatch& match) ABSL_LOCKS_EXCLUDED(mutex_);
+  // (128 random bits, hex). An empty string for a match without an entry. The taken lease
+  // carries `binding`, for its user to check against.
+  std::string Lease(const PrefixMatch& match, LeaseBinding binding = {})
+      ABSL_LOCKS_EXCLUDED(mutex_);
   // Single use. NOT_FOUND "lease ... unknown or already used"; FAILED_PRECONDITION naming the
   // lease and its age once it has expired.
   absl::StatusOr<PrefixLease> Take(absl::string_view lease_id) ABSL_LOCKS_EXCLUDED(mutex_);

@@ -45,6 +45,10 @@ struct KvtdConfig {
     int64_t max_inflight_requests = 8;            // translations admitted at once
     int64_t max_inflight_bytes = 32ll << 30;      // cache bytes held by admitted requests
     int64_t response_chunk_bytes = 4ll << 20;     // target chunk size on the wire
+    // Publish and TranslateKV refuse caches holding NaN or Inf (INVALID_ARGUMENT naming the
+    // layer, kind and element): stored, they would spread into every model translated from
+    // them. true: accepted as they are, for callers that need it.
+    bool allow_non_finite = false;
   } limits;
   struct Shutdown {
     double drain_grace_seconds = 1.0;  // NOT_SERVING before the listener closes

@@ -22,6 +22,8 @@ TEST(ConfigTest, ExampleFileParsesToTheDefaults) {
   EXPECT_EQ(config->limits.max_tokens, defaults.limits.max_tokens);
   EXPECT_EQ(config->limits.max_request_bytes, defaults.limits.max_request_bytes);
   EXPECT_EQ(config->limits.max_inflight_bytes, defaults.limits.max_inflight_bytes);
+  EXPECT_EQ(config->limits.allow_non_finite, defaults.limits.allow_non_finite);
+  EXPECT_FALSE(defaults.limits.allow_non_finite);  // refused unless a caller needs them
   EXPECT_EQ(config->shutdown.deadline_seconds, defaults.shutdown.deadline_seconds);
   EXPECT_EQ(config->logging.level, defaults.logging.level);
 }
@@ -91,6 +93,7 @@ backend:
   cpu_gemm: bf16
 limits:
   max_tokens: 4096
+  allow_non_finite: true
 logging:
   level: debug
 )", "x.yaml");
@@ -101,6 +104,7 @@ logging:
   EXPECT_EQ(config->backend.cpu_threads, 2);
   EXPECT_EQ(config->backend.cpu_gemm, "bf16");
   EXPECT_EQ(config->limits.max_tokens, 4096);
+  EXPECT_TRUE(config->limits.allow_non_finite);
   EXPECT_EQ(config->logging.level, LogLevel::kDebug);
 }
 

@@ -31,6 +31,8 @@ ABSL_FLAG(std::string, cpu_gemm, "", "Overrides backend.cpu_gemm: auto | bf16 | 
 ABSL_FLAG(int64_t, cpu_threads, -1, "Overrides backend.cpu_threads (0 = all cores).");
 ABSL_FLAG(int64_t, max_tokens, -1, "Overrides limits.max_tokens.");
 ABSL_FLAG(int64_t, max_inflight_requests, -1, "Overrides limits.max_inflight_requests.");
+ABSL_FLAG(bool, allow_non_finite, false,
+          "Sets limits.allow_non_finite: accept NaN and Inf in published and translated caches.");
 ABSL_FLAG(double, drain_grace_seconds, -1, "Overrides shutdown.drain_grace_seconds.");
 ABSL_FLAG(double, shutdown_deadline_seconds, -1, "Overrides shutdown.deadline_seconds.");
 ABSL_FLAG(std::string, tls_cert_file, "", "Overrides security.tls_cert_file (PEM, enables TLS).");
@@ -83,6 +85,7 @@ absl::StatusOr<KvtdConfig> BuildConfig() {
     config.backend.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   }
   if (absl::GetFlag(FLAGS_max_tokens) >= 0) config.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  if (absl::GetFlag(FLAGS_allow_non_finite)) config.limits.allow_non_finite = true;
   if (absl::GetFlag(FLAGS_max_inflight_requests) >= 0) {
     config.limits.max_inflight_requests = absl::GetFlag(FLAGS_max_inflight_requests);
   }

@@ -10,10 +10,12 @@
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "kernels/finite.h"
 #include "server/request_checks.h"
 #include "transport/kv_chunks.h"
 #include "transport/paged.h"
 #include "transport/proto_convert.h"
+#include "common/echo.h"
 
 namespace kvt {
 namespace {
@@ -37,7 +39,7 @@ absl::StatusOr<ModelSpec> SourceSpec(const std::vector<MapperInfo>& served,
     if (info.source_model == model) return info.source;
   }
   return absl::NotFoundError(absl::StrCat(
-      "header.model='", model,
+      "header.model='", Echo(model),
       "': no mapper in the store reads this model, so no other model could reuse its cache"));
 }
 
@@ -142,12 +144,13 @@ absl::Status PrefixCacheService::PublishImpl(grpc::ServerReader<v1::PublishReque
   absl::StatusOr<Layout> layout = LayoutFromProto(header.layout(), "header.layout");
   if (!layout.ok()) return layout.status();
   const v1::CacheShape& shape = header.shape();
-  if (static_cast<int>(shape.num_layers()) != spec->num_layers ||
-      static_cast<int>(shape.num_kv_heads()) != spec->num_kv_heads ||
-      static_cast<int>(shape.head_dim()) != spec->head_dim) {
+  // Compared as the wire's unsigned values: no narrowing before they are checked.
+  if (int64_t{shape.num_layers()} != spec->num_layers ||
+      int64_t{shape.num_kv_heads()} != spec->num_kv_heads ||
+      int64_t{shape.head_dim()} != spec->head_dim) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.shape=", shape.num_layers(), " layers x ", shape.num_kv_heads(), " heads x ",
-        shape.head_dim(), " but the mappers reading '", header.model(), "' expect ",
+        shape.head_dim(), " but the mappers reading '", Echo(header.model()), "' expect ",
         spec->num_layers, " x ", spec->num_kv_heads, " x ", spec->head_dim));
   }
   const int64_t num_tokens = header.token_ids_size();
@@ -208,6 +211,9 @@ absl::Status PrefixCacheService::PublishImpl(grpc::ServerReader<v1::PublishReque
         }
       }
     }
+    if (absl::Status intact = region->CheckIntact("header.input.region"); !intact.ok()) {
+      return intact;
+    }
     if (reader->Read(&message)) {
       return absl::InvalidArgumentError(
           "header.input.region is set: the stream must carry no chunks");
@@ -245,6 +251,20 @@ absl::Status PrefixCacheService::PublishImpl(grpc::ServerReader<v1::PublishReque
   if (stored == 0) {
     response->set_block_tokens(cache_->block_tokens());
     return absl::OkStatus();  // shorter than one block: nothing to keep
+  }
+  if (!config_.limits.allow_non_finite) {
+    // What would be stored, in the entry's own order: stored, a NaN would spread into every
+    // model translated from it.
+    CacheView entry{*dtype, Layout::kNHD, spec->num_kv_heads, spec->head_dim, stored, {}, {}};
+    for (int l = 0; l < spec->num_layers; ++l) {
+      entry.k.push_back((*pending)->k(l));
+      entry.v.push_back((*pending)->v(l));
+    }
+    if (absl::Status finite = CheckFinite(
+            entry, header.input().has_region() ? "header.input.region" : "chunk");
+        !finite.ok()) {
+      return finite;
+    }
   }
   absl::StatusOr<PublishResult> result = cache_->Commit(std::move(*pending));
   if (!result.ok()) return result.status();
@@ -374,6 +394,11 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
     if (metrics_ != nullptr) metrics_->RecordPrefixLookup(target_label, result);
   };
   if (target.empty()) return absl::InvalidArgumentError("target_model is empty");
+  if (!v1::ReusePolicy_IsValid(request.policy())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy must be REUSE_POLICY_UNSPECIFIED, _AUTO, _FORBID or _FORCE, got ",
+        static_cast<int>(request.policy())));
+  }
   if (request.token_ids_size() == 0) return absl::InvalidArgumentError("token_ids is empty");
   if (cache_ == nullptr) {
     record("disabled");
@@ -457,7 +482,8 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
     response->set_matched_tokens(static_cast<uint32_t>(tokens));
     response->set_dtype(DTypeToProto(candidate.match.entry->shape().dtype));
     response->set_layout(v1::LAYOUT_NHD);
-    response->set_lease_id(cache_->Lease(candidate.match));
+    response->set_lease_id(cache_->Lease(
+        candidate.match, LeaseBinding{target, candidate.mapper->id, verdict.passed(), forced}));
     response->set_lease_seconds(config_.prefix_cache.lease_seconds);
     *response->mutable_gate() = verdict;
     if (forced && !verdict.passed()) {

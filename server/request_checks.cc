@@ -3,6 +3,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "transport/proto_convert.h"
+#include "common/echo.h"
 
 namespace kvt {
 
@@ -63,8 +64,8 @@ absl::StatusOr<MapperHandle> AcquireMapper(MapperStore* store, const std::string
   if ((!source_model.empty() && source_model != view.source.name) ||
       (!target_model.empty() && target_model != view.target.name)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "header.mapper_id='", mapper_id, "' maps ", view.source.name, " -> ", view.target.name,
-        ", not header.source_model='", source_model, "' -> header.target_model='", target_model,
+        "header.mapper_id='", Echo(mapper_id), "' maps ", view.source.name, " -> ", view.target.name,
+        ", not header.source_model='", Echo(source_model), "' -> header.target_model='", Echo(target_model),
         "'"));
   }
   return handle;

@@ -329,12 +329,18 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
   const ModelSpec& src = view.source;
   const ModelSpec& tgt = view.target;
   ValidateShapes shapes;
-  shapes.num_query_heads = static_cast<int>(header.num_query_heads());
-  if (shapes.num_query_heads % tgt.num_kv_heads != 0) {
+  // Checked as the wire's uint32 before it becomes an int: a narrowing first would turn
+  // 4294967293 into -3, a multiple of 3 heads.
+  const uint32_t query_heads = header.num_query_heads();
+  constexpr uint32_t kMaxQueryHeads = 1 << 16;
+  if (query_heads > kMaxQueryHeads ||
+      query_heads % static_cast<uint32_t>(tgt.num_kv_heads) != 0) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
-        "header.num_query_heads=", shapes.num_query_heads, " must be a multiple of the target's ",
-        tgt.num_kv_heads, " KV heads (grouped-query attention), or 0 for no queries")));
+        "header.num_query_heads=", query_heads, " must be a multiple of the target's ",
+        tgt.num_kv_heads, " KV heads (grouped-query attention), at most ", kMaxQueryHeads,
+        ", or 0 for no queries")));
   }
+  shapes.num_query_heads = static_cast<int>(query_heads);
 
   const int64_t T = shapes.tokens = input->num_tokens;
   const int64_t element = shapes.element = static_cast<int64_t>(DTypeSize(input->dtype));

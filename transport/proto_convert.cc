@@ -52,9 +52,19 @@ v1::Layout LayoutToProto(Layout layout) {
   return layout == Layout::kHND ? v1::LAYOUT_HND : v1::LAYOUT_NHD;
 }
 
-}  // namespace kvt
+namespace {
 
-namespace kvt {
+absl::StatusOr<PagedLayout> CheckTable(PagedLayout pages, const v1::PagedBlocks& paged,
+                                       int64_t end, bool output, const std::string& field) {
+  if (absl::Status table = CheckBlockTable(pages, paged.block_table().data(),
+                                           paged.block_table_size(), end, output, field);
+      !table.ok()) {
+    return table;
+  }
+  return pages;
+}
+
+}  // namespace
 
 absl::StatusOr<PagedLayout> PagedLayoutFromProto(const v1::RegionRef& ref, Layout block_layout,
                                                  int num_layers, int64_t heads, int64_t head_dim,
@@ -75,25 +85,21 @@ absl::StatusOr<PagedLayout> PagedLayoutFromProto(const v1::RegionRef& ref, Layou
         paged_field, ": first_token=", paged.first_token(), ", end_token=", paged.end_token(),
         " do not name a non-empty token range inside the request's ", num_tokens, " tokens"));
   }
-  if (absl::Status table = CheckBlockTable(pages, paged.block_table().data(),
-                                           paged.block_table_size(), end, output, paged_field);
-      !table.ok()) {
-    return table;
-  }
   // Above this no byte offset fits an int64 once added to the rest.
   constexpr uint64_t kMaxBytes = uint64_t{1} << 60;
   if (ref.byte_size() > kMaxBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".byte_size=", ref.byte_size(), " is beyond 2^60"));
   }
+  // The geometry is bounded by the region before the block table is looked at, so nothing is
+  // sized from num_blocks until it is known to fit.
   if (!paged.has_engine_order()) {
-    if (ref.byte_size() != static_cast<uint64_t>(pages.RequiredBytes(num_layers))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ".byte_size=", ref.byte_size(), " but the paged cache is ",
-          pages.RequiredBytes(num_layers),
-          " bytes (per layer a (2, num_blocks, block_size, num_kv_heads, head_dim) tensor)"));
+    if (absl::Status bounds = CheckPagedBounds(
+            pages, num_layers, static_cast<int64_t>(ref.byte_size()), paged_field, field);
+        !bounds.ok()) {
+      return bounds;
     }
-    return pages;
+    return CheckTable(pages, paged, end, output, paged_field);
   }
   const v1::EngineBlockOrder& wire = paged.engine_order();
   EngineBlockOrder order;
@@ -115,7 +121,7 @@ absl::StatusOr<PagedLayout> PagedLayoutFromProto(const v1::RegionRef& ref, Layou
       !checked.ok()) {
     return checked;
   }
-  return pages;
+  return CheckTable(pages, paged, end, output, paged_field);
 }
 
 }  // namespace kvt

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/mutex.h"
@@ -29,6 +30,10 @@ class RegionRegistry {
     int device_id = -1;      // CUDA device holding the bytes; -1: host memory
     char* base = nullptr;    // region byte 0 (a device pointer when device_id >= 0)
     std::function<void()> release;  // unmaps / closes; runs once no lease is left
+    // Whether the bytes are still the client's (a shm object can be truncated under kvtd):
+    // asked at every lease and when a request is done with its lease; the error says why not.
+    // Empty: always.
+    std::function<absl::Status()> check_backing;
   };
   struct RegionInfo {
     std::string name;
@@ -49,6 +54,10 @@ class RegionRegistry {
     char* data() const { return data_; }
     uint64_t size() const { return size_; }
     int device_id() const;  // -1: host memory
+    // The region's backing still intact (Region::check_backing), checked when the lease is
+    // taken and again once the request is done with it; FAILED_PRECONDITION naming `field`
+    // otherwise: what was read or written is not the client's data.
+    absl::Status CheckIntact(const std::string& field) const;
 
    private:
     friend class RegionRegistry;
@@ -68,8 +77,9 @@ class RegionRegistry {
   // ALREADY_EXISTS when the name is taken (then `region.release` runs at once).
   absl::Status Add(Region region) ABSL_LOCKS_EXCLUDED(mutex_);
   // Removes `name` ("" = every region): no new leases at once; waits until the requests
-  // holding it finish (DEADLINE_EXCEEDED, region kept unusable, if they outlast `deadline`),
-  // then releases the memory. NOT_FOUND for an unknown name.
+  // holding it finish, then releases the memory. If they outlast `deadline`: DEADLINE_EXCEEDED,
+  // and the unregister stays pending: the region is listed (refusing leases) until its last
+  // lease is released, which removes it and frees the name. NOT_FOUND for an unknown name.
   absl::Status Unregister(const std::string& name, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mutex_);
   // Regions by name ("" = all); NOT_FOUND for an unknown name.
   absl::StatusOr<std::vector<RegionInfo>> Status(const std::string& name) const
@@ -80,6 +90,9 @@ class RegionRegistry {
                                 const std::string& field) ABSL_LOCKS_EXCLUDED(mutex_);
 
  private:
+  // A pending unregister's last step, run by the last lease: drops `entry` if still listed.
+  void Forget(const std::shared_ptr<Lease::Entry>& entry) ABSL_LOCKS_EXCLUDED(mutex_);
+
   const std::string kind_;
   mutable Mutex mutex_;  // kvt::Mutex: TSan sees it, unlike Debian's absl::Mutex
   std::map<std::string, std::shared_ptr<Lease::Entry>> regions_ ABSL_GUARDED_BY(mutex_);

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/echo.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "server/request_checks.h"
@@ -86,12 +87,28 @@ absl::StatusOr<PrefixLease> TakePrefixLease(PrefixCache* prefix_cache,
   return lease;
 }
 
-absl::Status CheckLeaseFitsMapper(const PrefixLease& lease, const MapperView& view) {
+absl::Status CheckLeaseFitsMapper(const PrefixLease& lease, const LoadedMapper& mapper) {
+  const MapperView& view = mapper.view();
   const PrefixEntry& entry = *lease.match().entry;
+  const LeaseBinding& bound = lease.binding();
+  // The lease is good for what the lookup checked (and gated) only: its source, its target and
+  // its mapper. Anything else would skip the gate's verdict on that pair.
   if (entry.model() != view.source.name) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "header.input.cached: the leased prefix is of model '", entry.model(),
-        "' but mapper reads '", view.source.name, "'; use LookupPrefixResponse.mapper_id"));
+        "header.input.cached: the leased prefix is of model '", Echo(entry.model()),
+        "' but mapper reads '", Echo(view.source.name),
+        "'; use LookupPrefixResponse.mapper_id"));
+  }
+  if (bound.target_model != view.target.name) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.target_model: the lease was issued for target '", Echo(bound.target_model),
+        "' but the mapper writes '", Echo(view.target.name), "'; look the prefix up again"));
+  }
+  if (bound.mapper_id != mapper.id()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.mapper_id: the lease was issued for mapper '", Echo(bound.mapper_id), "' (gate ",
+        bound.gate_passed ? "passed" : "refused, forced", ") but the request uses '",
+        Echo(mapper.id()), "'; use LookupPrefixResponse.mapper_id"));
   }
   const EntryShape& shape = entry.shape();
   if (shape.num_layers != view.source.num_layers ||
@@ -196,7 +213,8 @@ absl::StatusOr<TranslatePlan> PlanTranslate(const v1::TranslateHeader& header,
   const ModelSpec& tgt_model = view.target;
   if (absl::Status s = CheckWindowPositions(header, view); !s.ok()) return s;
   if (plan.input_cached) {
-    if (absl::Status matches = CheckLeaseFitsMapper(plan.prefix_lease, view); !matches.ok()) {
+    if (absl::Status matches = CheckLeaseFitsMapper(plan.prefix_lease, *plan.mapper);
+        !matches.ok()) {
       return matches;
     }
   }

@@ -126,7 +126,8 @@ absl::StatusOr<TranslatePlan> PlanTranslate(const v1::TranslateHeader& header,
 // header.input.cached: the lease taken (single use) and checked against the header.
 absl::StatusOr<PrefixLease> TakePrefixLease(PrefixCache* prefix_cache,
                                             const v1::TranslateHeader& header);
-// The leased prefix is of the mapper's source model and shape.
-absl::Status CheckLeaseFitsMapper(const PrefixLease& lease, const MapperView& view);
+// The leased prefix is of the mapper's source model and shape, and the lease was issued for
+// this mapper (and so its target and gate verdict); errors name the header field.
+absl::Status CheckLeaseFitsMapper(const PrefixLease& lease, const LoadedMapper& mapper);
 
 }  // namespace kvt

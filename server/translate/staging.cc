@@ -149,4 +149,11 @@ const uint32_t* RequestStaging::output_block_table() const {
   return header_.output().region().paged().block_table().data();
 }
 
+absl::Status RequestStaging::CheckRegionsIntact() const {
+  if (absl::Status input = input_region_.CheckIntact("header.input.region"); !input.ok()) {
+    return input;
+  }
+  return output_region_.CheckIntact("header.output.region");
+}
+
 }  // namespace kvt

@@ -51,6 +51,10 @@ class RequestStaging {
   // the source view over wherever the source cache now is.
   void StageSource(BufferPool* pool);
 
+  // The leased regions still hold the client's bytes now that the request read and wrote them
+  // (a client may have truncated its shm object meanwhile); errors name the header field.
+  absl::Status CheckRegionsIntact() const;
+
   // Returns the layer buffers (source and CUDA host copies) to the pool; the leases stay until
   // this object goes. The source view must not be read after this.
   void ReleaseBuffers();

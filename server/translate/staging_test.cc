@@ -145,9 +145,15 @@ TEST_F(StagingTest, RegionErrorsNameTheField) {
   out->set_region("in");
   out->mutable_paged()->set_num_blocks(1);
   out->mutable_paged()->set_block_size(4);  // 16 tokens need 4 blocks
+  // The geometry's exact size, so that the check reaches the table (sizes are checked first).
+  out->set_byte_size(12288);
   plan = tiny_.Plan(paged);
   KVT_EXPECT_ERROR(RequestStaging::Lease(plan, paged, &system_, &cuda_),
-                   absl::StatusCode::kInvalidArgument, "header.output.region.paged");
+                   absl::StatusCode::kInvalidArgument, "header.output.region.paged.block_table");
+  out->set_byte_size(12288 - 4);
+  plan = tiny_.Plan(paged);
+  KVT_EXPECT_ERROR(RequestStaging::Lease(plan, paged, &system_, &cuda_),
+                   absl::StatusCode::kInvalidArgument, "header.output.region.byte_size=12284");
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "server/translate/layer_pipeline.h"
 #include "server/translate/response_writer.h"
 #include "server/translate/staging.h"
+#include "kernels/finite.h"
 
 namespace kvt {
 namespace {
@@ -76,6 +77,17 @@ grpc::Status StreamLayers(const Admitted& r, TranslateRecord* record) {
     if (output.has_value() && output->failed()) return output->Stop();
     if (r.call.cancelled()) return r.call.closed();
     if (absl::Status complete = intake.CheckComplete(); !complete.ok()) return r.fail(complete);
+    // Before compute when not pipelined; pipelined, layers already streamed out are followed by
+    // this error instead of a trailer, so the response is never taken as a result.
+    if (!config.limits.allow_non_finite) {
+      const char* field = plan.input_cached     ? "header.input.cached"
+                          : plan.input_in_region ? "header.input.region"
+                                                 : "chunk";
+      if (absl::Status finite = CheckFinite(r.staging.source(), field); !finite.ok()) {
+        if (output.has_value()) output->Stop();
+        return r.fail(finite);
+      }
+    }
   }
   const absl::Time staged_in = absl::Now();
 
@@ -89,6 +101,7 @@ grpc::Status StreamLayers(const Admitted& r, TranslateRecord* record) {
     output_status = producer.Run(score_input_shift);
   }
   if (!output_status.ok()) return output_status;
+  if (absl::Status intact = r.staging.CheckRegionsIntact(); !intact.ok()) return r.fail(intact);
 
   TrailerInputs trailer;
   trailer.request_id = r.fail.request_id();
