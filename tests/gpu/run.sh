@@ -23,7 +23,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-BUNDLE=${KVT_GPU_BUNDLE:-bazel-gpu-bundle}
+BUNDLE=$(realpath -m "${KVT_GPU_BUNDLE:-bazel-gpu-bundle}")
 OUT=${OUT:-/tmp/kvt-gpu-out}
 # Whole-run deadline (seconds): the 10-minute window less start-up slack and packing.
 DEADLINE=${KVT_GPU_DEADLINE_S:-540}
@@ -81,7 +81,7 @@ pack() {  # binary paths
     echo "built $(date -u +%FT%TZ) on $(. /etc/os-release; echo "$PRETTY_NAME"), $(
       /usr/local/cuda/bin/nvcc --version 2>/dev/null | tail -1)"
   } > "$BUNDLE/BUILD_INFO"
-  (cd "$BUNDLE" && tar -cf - bin lib runfiles | xz -6 -T0 > bundle.tar.xz &&
+  (cd "$BUNDLE" && tar -cf - bin lib runfiles | xz -"${KVT_GPU_XZ_LEVEL:-6}" -T0 > bundle.tar.xz &&
      rm -rf bin lib runfiles) || return 1
   local size
   size=$(du -sm "$BUNDLE" | cut -f1)
@@ -174,7 +174,7 @@ check_libraries() {
   fi
   bad=$(awk '/=> \// {print $1, $3}' <<<"$listed" | sort -u | while read -r name path; do
     case "$path" in
-      "$ROOT/$BUNDLE"/lib/*|"$CUBLAS_DIR"/*) ;;
+      "$BUNDLE"/lib/*|"$CUBLAS_DIR"/*) ;;
       *) grep -qE "$SYSTEM_LIBS" <<<"$name" || echo "$name => $path" ;;
     esac
   done)
@@ -238,7 +238,7 @@ run_parity() {  # per-test limit_s, total limit_s
 
 run_all() {
   local env=(env KVT_REQUIRE_GPU=1 TEST_TMPDIR="$SCRATCH/tmp"
-             RUNFILES_DIR="$ROOT/$BUNDLE/runfiles")
+             RUNFILES_DIR="$BUNDLE/runfiles")
   local t
   for t in device_test cuda_backend_startup_test ipc_test backend_select_test \
            backend_self_check_test; do
@@ -351,13 +351,16 @@ gpu_run() {
       PREFLIGHT_FAILED="${PREFLIGHT_FAILED:+$PREFLIGHT_FAILED, }cuBLAS"
     fi
     # Only the bundle and cuBLAS: a library the machine happens to have must not hide a gap.
-    export LD_LIBRARY_PATH="$ROOT/$BUNDLE/lib:$CUBLAS_DIR"
+    export LD_LIBRARY_PATH="$BUNDLE/lib:$CUBLAS_DIR"
     check_libraries || PREFLIGHT_FAILED="${PREFLIGHT_FAILED:+$PREFLIGHT_FAILED, }libraries"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | head -3
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 |
+        head -3
+      nvidia-smi -q > "$RESULTS/nvidia-smi-q.txt" 2>&1
+    fi
   } > "$RESULTS/preflight.txt" 2>&1
-  nvidia-smi -q > "$RESULTS/nvidia-smi-q.txt" 2>&1
   cat "$RESULTS/preflight.txt"
-  export LD_LIBRARY_PATH="$ROOT/$BUNDLE/lib:$CUBLAS_DIR"
+  export LD_LIBRARY_PATH="$BUNDLE/lib:$CUBLAS_DIR"
   if [ -n "$PREFLIGHT_FAILED" ] && [ -z "$REHEARSAL" ]; then
     echo "PREFLIGHT FAILED ($PREFLIGHT_FAILED): no step can pass; running them for their logs"
   fi
