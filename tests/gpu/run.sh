@@ -86,7 +86,7 @@ pack() {  # binary paths
   local size
   size=$(du -sm "$BUNDLE" | cut -f1)
   echo "bundle: $BUNDLE, ${size} MiB"
-  [ "$size" -le 40 ] || die "bundle: ${size} MiB; it travels with the working tree in 64 MiB"
+  [ "$size" -le 40 ] || die "bundle: ${size} MiB; over 40 MiB, tree and bundle may not fit their 64 MiB"
 }
 
 bundle() {
@@ -266,15 +266,20 @@ run_all() {
 
 # The first lines that matter of each failed step's log: gtest's failures with their values,
 # the trace with the seed, value-check and CUDA errors.
-failure_excerpts() {
-  local name
+failure_excerpts() {  # lines per step, steps
+  local name shown=0 failed=0
   for name in "${STEPS[@]}"; do
     case "${VERDICT[$name]}" in PASS*|ok*) continue ;; esac
     [ -f "$RESULTS/logs/$name.log" ] || continue
+    failed=$((failed + 1))
+    [ $shown -ge "$2" ] && continue
+    shown=$((shown + 1))
     echo "-- $name: ${VERDICT[$name]}"
     grep -E "Failure|Expected|Which is|Actual|<=|seed=|^\[seed\]|Google Test trace|: (L[0-9]|mlp|device|host|split)|VALUE CHECK|FATAL|error|illegal|cuda" \
-      "$RESULTS/logs/$name.log" | grep -v "^\[ RUN\|^\[       OK" | head -"$1"
+      "$RESULTS/logs/$name.log" | grep -v '^\[ RUN\|^\[       OK\|^{' | cut -c1-400 | head -"$1"
   done
+  [ $failed -gt $shown ] && echo "-- $((failed - shown)) more failed steps: their logs are in the archive"
+  return 0
 }
 
 summarize() {
@@ -282,14 +287,14 @@ summarize() {
   for name in "${STEPS[@]}"; do
     case "${VERDICT[$name]}" in PASS*|ok*) ;; *) failed=$((failed + 1)) ;; esac
   done
-  [ -n "$PREFLIGHT_FAILED" ] && [ -z "$REHEARSAL" ] && failed=$((failed + 1))
   {
     if [ -n "$REHEARSAL" ]; then
       [ $failed -eq 0 ] && echo "REHEARSAL OK: ${#STEPS[@]} steps, each loads and reaches its first CUDA call" \
                         || echo "REHEARSAL FAILED: $failed of ${#STEPS[@]} steps"
     else
-      [ $failed -eq 0 ] && echo "GPU RUN PASSED: ${#STEPS[@]} steps" \
-                        || echo "GPU RUN FAILED: $failed of ${#STEPS[@]} steps (and preflight: ${PREFLIGHT_FAILED:-ok})"
+      [ -n "$PREFLIGHT_FAILED" ] && echo "GPU RUN FAILED BEFORE ANY TEST: preflight ($PREFLIGHT_FAILED)"
+      [ $failed -eq 0 ] && [ -z "$PREFLIGHT_FAILED" ] && echo "GPU RUN PASSED: ${#STEPS[@]} steps"
+      [ $failed -gt 0 ] && echo "GPU RUN FAILED: $failed of ${#STEPS[@]} steps"
     fi
     echo "mode $MODE, $((SECONDS - START)) s; $(head -1 "$BUNDLE/BUILD_INFO")"
     cat "$RESULTS/preflight.txt"
@@ -301,7 +306,7 @@ summarize() {
       esac
     done
     echo "passed $passed of ${#STEPS[@]} steps (parity tests that passed are not listed)"
-    [ -z "$REHEARSAL" ] && failure_excerpts 12
+    [ -z "$REHEARSAL" ] && failure_excerpts 10 6
     grep -h "^value check" "$RESULTS/logs/benchmark.log" 2>/dev/null | head -24
     [ -f "$RESULTS/benchmark.tsv" ] && column -t -s $'\t' "$RESULTS/benchmark.tsv" 2>/dev/null
     [ -f "$RESULTS/mlp_vs_ridge.tsv" ] && column -t -s $'\t' "$RESULTS/mlp_vs_ridge.tsv" 2>/dev/null
@@ -367,6 +372,7 @@ gpu_run() {
   run_all
   summarize
   local failed=$?
+  [ -n "$PREFLIGHT_FAILED" ] && [ -z "$REHEARSAL" ] && failed=$((failed + 1))
   archive
   cat "$OUT/summary.txt"
   rm -rf "$SCRATCH"
