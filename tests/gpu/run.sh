@@ -128,16 +128,17 @@ find_cublas() {
   return 1
 }
 
+# Into the scratch folder: the bundle stays as it came, the size it travels at.
 unpack() {
-  [ -d "$BUNDLE/bin" ] && return 0
+  mkdir -p "$UNPACKED"
   [ -f "$BUNDLE/bundle.tar.xz" ] ||
     die "no $BUNDLE/bundle.tar.xz here: run 'bash tests/gpu/run.sh --bundle' on the build" \
         "machine and bring $BUNDLE/ along with the working tree"
   if command -v xz >/dev/null; then
-    tar -xJf "$BUNDLE/bundle.tar.xz" -C "$BUNDLE" || die "$BUNDLE/bundle.tar.xz: unpacking failed"
+    tar -xJf "$BUNDLE/bundle.tar.xz" -C "$UNPACKED" || die "$BUNDLE/bundle.tar.xz: unpacking failed"
   elif command -v python3 >/dev/null; then
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-      "$BUNDLE/bundle.tar.xz" "$BUNDLE" || die "no xz; python3's tarfile could not unpack either"
+      "$BUNDLE/bundle.tar.xz" "$UNPACKED" || die "no xz; python3's tarfile could not unpack either"
   else
     die "neither xz nor python3 here: cannot unpack $BUNDLE/bundle.tar.xz"
   fi
@@ -166,7 +167,7 @@ check_driver() {
 # Every binary's libraries resolve into the bundle, the cuBLAS folder or SYSTEM_LIBS.
 check_libraries() {
   local listed bad
-  listed=$(ldd "$BUNDLE"/bin/* "$BUNDLE"/runfiles/kvt/server/kvtd 2>&1)
+  listed=$(ldd "$UNPACKED"/bin/* "$UNPACKED"/runfiles/kvt/server/kvtd 2>&1)
   bad=$(grep "not found" <<<"$listed" | sort -u)
   if [ -n "$bad" ]; then
     echo "libraries: missing on this machine:"; echo "$bad"
@@ -174,7 +175,7 @@ check_libraries() {
   fi
   bad=$(awk '/=> \// {print $1, $3}' <<<"$listed" | sort -u | while read -r name path; do
     case "$path" in
-      "$BUNDLE"/lib/*|"$CUBLAS_DIR"/*) ;;
+      "$UNPACKED"/lib/*|"$CUBLAS_DIR"/*) ;;
       *) grep -qE "$SYSTEM_LIBS" <<<"$name" || echo "$name => $path" ;;
     esac
   done)
@@ -215,14 +216,14 @@ run_step() {  # name limit_s command...
   elif [ $rc -gt 128 ]; then verdict="FAIL crashed (signal $((rc - 128)))"
   else verdict="FAIL rc=$rc"; fi
   VERDICT[$name]="$verdict (${seconds} s)"
-  printf '%-60s %s\n' "$name" "${VERDICT[$name]}"
+  printf '%-60s %s\n' "$name" "${VERDICT[$name]}" | tee -a "$OUT/summary.txt"
 }
 
 # Each parity test in its own process: a memory fault cannot take the later ones with it.
 run_parity() {  # per-test limit_s, total limit_s
   local per_test=$1 until=$((SECONDS + $2)) test
   local list
-  list=$("$BUNDLE/bin/cuda_backend_test" --gtest_list_tests 2>&1 | awk '
+  list=$("$UNPACKED/bin/cuda_backend_test" --gtest_list_tests 2>&1 | awk '
     /^[^ ]/ {suite = $1; next}
     /^  / {name = $1; if (name !~ /^DISABLED_/ && suite !~ /^DISABLED_/) print suite name}')
   for test in $list; do
@@ -231,18 +232,18 @@ run_parity() {  # per-test limit_s, total limit_s
       VERDICT["parity/${test//\//.}"]="FAIL not run: parity's time was spent"
       continue
     fi
-    run_step "parity/${test//\//.}" "$per_test" "$BUNDLE/bin/cuda_backend_test" \
+    run_step "parity/${test//\//.}" "$per_test" "$UNPACKED/bin/cuda_backend_test" \
       --gtest_filter="$test" --gtest_output="xml:$RESULTS/xml/${test//\//.}.xml"
   done
 }
 
 run_all() {
   local env=(env KVT_REQUIRE_GPU=1 TEST_TMPDIR="$SCRATCH/tmp"
-             RUNFILES_DIR="$BUNDLE/runfiles")
+             RUNFILES_DIR="$UNPACKED/runfiles")
   local t
   for t in device_test cuda_backend_startup_test ipc_test backend_select_test \
            backend_self_check_test; do
-    run_step "unit/$t" 30 "${env[@]}" "$BUNDLE/bin/$t" --gtest_output="xml:$RESULTS/xml/$t.xml"
+    run_step "unit/$t" 30 "${env[@]}" "$UNPACKED/bin/$t" --gtest_output="xml:$RESULTS/xml/$t.xml"
   done
   # These accept "no device" (CI has none): on a GPU they count only if device_test, which
   # fails there without a usable device, passed.
@@ -253,14 +254,14 @@ run_all() {
     done
   fi
   # What kvtd does before it serves on the GPU: exit 0 only if every check passed.
-  run_step self_check 45 "${env[@]}" "$BUNDLE/runfiles/kvt/server/kvtd" --self_check \
+  run_step self_check 45 "${env[@]}" "$UNPACKED/runfiles/kvt/server/kvtd" --self_check \
     --backend=cuda
   run_parity 90 "$PARITY_S"
   # This process exports cudaMalloc'd buffers (from inside a larger allocation), kvtd (a second
   # process) opens the handles and translates through them.
-  run_step cuda_ipc 90 "${env[@]}" "$BUNDLE/bin/cuda_ipc_gpu_test" \
+  run_step cuda_ipc 90 "${env[@]}" "$UNPACKED/bin/cuda_ipc_gpu_test" \
     --gtest_output="xml:$RESULTS/xml/cuda_ipc_gpu_test.xml"
-  run_step benchmark "$BENCH_S" "$BUNDLE/bin/cuda_backend_benchmark" "${BENCH_ARGS[@]}" \
+  run_step benchmark "$BENCH_S" "$UNPACKED/bin/cuda_backend_benchmark" "${BENCH_ARGS[@]}" \
     --out="$RESULTS/benchmark.tsv" --mlp_out="$RESULTS/mlp_vs_ridge.tsv"
 }
 
@@ -324,7 +325,6 @@ archive() {
       tail -c 2097152 "$log"; } > "$log.cut" && mv "$log.cut" "$log"
   done
   grep -h "^\[seed\]" "$RESULTS"/logs/*.log "$RESULTS"/logs/*/*.log 2>/dev/null > "$RESULTS/seeds.txt"
-  rm -rf "${OUT:?}"/*
   cp "$RESULTS/summary.txt" "$OUT/summary.txt"
   tar -czf "$OUT/gpu-results.tar.gz" -C "$SCRATCH" results
   if [ "$(stat -c %s "$OUT/gpu-results.tar.gz")" -gt $((15 << 20)) ]; then
@@ -335,13 +335,16 @@ archive() {
 
 gpu_run() {
   mkdir -p "$OUT" || die "cannot create the results folder $OUT"
+  rm -f "$OUT/summary.txt" "$OUT/gpu-results.tar.gz"
+  [ -z "$(ls -A "$OUT")" ] || echo "warning: $OUT holds other files; only two of its own come back"
   local tool
   for tool in tar gzip timeout ldd awk; do
     command -v "$tool" >/dev/null || die "$tool is missing on this machine"
   done
-  unpack
   SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/kvt-gpu.XXXXXX")
+  UNPACKED=$SCRATCH/bundle
   RESULTS=$SCRATCH/results
+  unpack
   mkdir -p "$RESULTS/logs/unit" "$RESULTS/logs/parity" "$RESULTS/xml" "$SCRATCH/tmp"
   PREFLIGHT_FAILED=""
   {
@@ -356,7 +359,7 @@ gpu_run() {
       PREFLIGHT_FAILED="${PREFLIGHT_FAILED:+$PREFLIGHT_FAILED, }cuBLAS"
     fi
     # Only the bundle and cuBLAS: a library the machine happens to have must not hide a gap.
-    export LD_LIBRARY_PATH="$BUNDLE/lib:$CUBLAS_DIR"
+    export LD_LIBRARY_PATH="$UNPACKED/lib:$CUBLAS_DIR"
     check_libraries || PREFLIGHT_FAILED="${PREFLIGHT_FAILED:+$PREFLIGHT_FAILED, }libraries"
     if command -v nvidia-smi >/dev/null; then
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 |
@@ -364,8 +367,11 @@ gpu_run() {
       nvidia-smi -q > "$RESULTS/nvidia-smi-q.txt" 2>&1
     fi
   } > "$RESULTS/preflight.txt" 2>&1
+  # Until the end replaces it: what a run cut short leaves behind.
+  { echo "GPU RUN CUT SHORT: no verdict; the steps that finished:"; cat "$RESULTS/preflight.txt"; } \
+    > "$OUT/summary.txt"
   cat "$RESULTS/preflight.txt"
-  export LD_LIBRARY_PATH="$BUNDLE/lib:$CUBLAS_DIR"
+  export LD_LIBRARY_PATH="$UNPACKED/lib:$CUBLAS_DIR"
   if [ -n "$PREFLIGHT_FAILED" ] && [ -z "$REHEARSAL" ]; then
     echo "PREFLIGHT FAILED ($PREFLIGHT_FAILED): no step can pass; running them for their logs"
   fi
