@@ -174,8 +174,10 @@ absl::StatusOr<IpcExport> ExportIpcHandle(int device_id, void* device_ptr) {
   if (!address_range.ok()) return address_range.status();
   absl::StatusOr<AddressRange> range = RangeOf(*address_range, device_ptr);
   if (!range.ok()) return range.status();
+  // The handle of the allocation's base (the driver documents base pointers only; PyTorch
+  // exports the same way), with device_ptr's place in it as the offset.
   cudaIpcMemHandle_t handle;
-  const cudaError_t error = cudaIpcGetMemHandle(&handle, device_ptr);
+  const cudaError_t error = cudaIpcGetMemHandle(&handle, range->base);
   if (error != cudaSuccess) return absl::InternalError(CudaErrorText("cudaIpcGetMemHandle", error));
   IpcExport exported;
   exported.handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
