@@ -18,5 +18,11 @@ bash tests/gpu/run.sh --pack kernels/cuda/device_test kernels/cuda/cuda_backend_
 out=$(bash tests/gpu/run.sh --rehearse 2>&1) || { echo "$out"; exit 1; }
 echo "$out"
 grep -q "^REHEARSAL OK" <<<"$out"
+# cuBLAS from a CUDA 13 wheel (nvidia/cu13/lib) when no toolkit has it.
+site="${TEST_TMPDIR}/site"
+mkdir -p "$site/nvidia/cu13/lib"
+touch "$site/nvidia/cu13/lib/libcublas.so.13" "$site/nvidia/cu13/lib/libcublasLt.so.13"
+found=$(KVT_GPU_TOOLKIT_DIRS=/nonexistent PYTHONPATH="$site" bash tests/gpu/run.sh --find-cublas)
+[ "$found" = "$site/nvidia/cu13/lib" ] || { echo "cuBLAS wheel not found: '$found'"; exit 1; }
 # The parity test is split into one process per test: at least the suite's and CUDA's own.
 [ "$(grep -c '^parity/' <<<"$out")" -ge 20 ] || { echo "too few parity steps"; exit 1; }

@@ -14,6 +14,7 @@
 #                                       # machine runs it (clean environment, only the bundle's
 #                                       # libraries), each step expected to stop at "no device"
 #   bash tests/gpu/run.sh --pack BIN... # pack these already built binaries (the CI rehearsal)
+#   bash tests/gpu/run.sh --find-cublas # where this machine's cuBLAS 13 is
 #
 # Results: exactly two files in $OUT (default /tmp/kvt-gpu-out): summary.txt (verdict, each
 # step's exit status and time, the first lines of each failure with its values and seed, the
@@ -103,10 +104,12 @@ bundle() {
 # ---- The GPU machine (or its rehearsal).
 
 # cuBLAS 13 wherever a CUDA 13 install or a pip wheel put it; prints the folder.
+# KVT_GPU_TOOLKIT_DIRS replaces the toolkit folders searched first (tests check the wheels).
 find_cublas() {
-  local dirs=("${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64
-              /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64
-              /usr/local/cuda-13*/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64)
+  local dirs
+  read -r -a dirs <<<"${KVT_GPU_TOOLKIT_DIRS:-${CUDA_HOME:-/usr/local/cuda}/lib64 \
+    /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $(echo /usr/local/cuda-13*/lib64 \
+    /usr/local/cuda-13*/targets/x86_64-linux/lib) /usr/lib/x86_64-linux-gnu /usr/lib64}"
   local python site
   for python in python3 /usr/bin/python3; do
     command -v "$python" >/dev/null || continue
@@ -428,6 +431,7 @@ case "${1:-}" in
   --bundle) bundle; exit $? ;;
   --pack) shift; pack "$@"; exit $? ;;
   --rehearse) shift; rehearse "$@"; exit $? ;;
+  --find-cublas) find_cublas; exit $? ;;
   --quick)
     MODE=quick
     DEADLINE=${KVT_GPU_DEADLINE_S:-280}
