@@ -7,7 +7,7 @@
 #                                       # build the GPU binaries and pack them with their
 #                                       # libraries into bazel-gpu-bundle/ (one xz archive)
 #   bash tests/gpu/run.sh               # on a machine with a GPU, in the repository root with
-#                                       # bazel-gpu-bundle/ in it: the full run, <= 9 minutes
+#                                       # bazel-gpu-bundle/ in it: the full run, <= 8 minutes
 #   bash tests/gpu/run.sh --quick       # a second try after a failed or cut-short first one:
 #                                       # the same checks, a shorter benchmark, <= 5 minutes
 #   bash tests/gpu/run.sh --rehearse    # build machine: the bundle run exactly as the GPU
@@ -27,7 +27,7 @@ ROOT=$PWD
 BUNDLE=$(realpath -m "${KVT_GPU_BUNDLE:-bazel-gpu-bundle}")
 OUT=${OUT:-/tmp/kvt-gpu-out}
 # Whole-run deadline (seconds): the 10-minute window less start-up slack and packing.
-DEADLINE=${KVT_GPU_DEADLINE_S:-540}
+DEADLINE=${KVT_GPU_DEADLINE_S:-480}
 GPU_TARGETS=(
   //kernels/cuda:device_test
   //kernels/cuda:cuda_backend_startup_test
@@ -425,7 +425,7 @@ rehearse() {
 MODE=full
 REHEARSAL=${KVT_GPU_REHEARSAL:-}
 PARITY_S=240
-BENCH_S=200
+BENCH_S=180
 BENCH_ARGS=(--mlp_presets=qwen3-14b-to-32b --mlp_hidden=1024 --mlp_granularity=per_layer)
 case "${1:-}" in
   --bundle) bundle; exit $? ;;
