@@ -131,7 +131,8 @@ class Client {
   absl::Status UnregisterSystemMemory(const std::string& name);
   // CUDA IPC regions: `raw_handle` is the 64-byte cudaIpcMemHandle_t of a device allocation
   // this process exported (cuda::ExportIpcHandle); kvtd opens it on `device_id` (its own
-  // numbering) and checks `byte_size` against the real allocation. Same switch and role as
+  // numbering) and checks `byte_size`, counted from the allocation base, against the real
+  // allocation. RegionRef offsets into it count from that base too (IpcExport::offset). Same switch and role as
   // system memory; FAILED_PRECONDITION / UNAVAILABLE when kvtd has no CUDA.
   absl::Status RegisterCudaMemory(const std::string& name, const std::string& raw_handle,
                                   int device_id, uint64_t byte_size);

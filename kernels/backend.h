@@ -99,6 +99,10 @@ class Backend {
   // then relies on the configured budget alone). Default 0.
   virtual uint64_t DeviceMemoryBytes() const { return 0; }
 
+  // Device memory the backend's calls may hold at most besides prepared mappers (per-call
+  // workspaces, library handles); the automatic device budget leaves it free. Default 0.
+  virtual uint64_t ReservedDeviceBytes() const { return 0; }
+
   // Streamed page-in: BeginPrepare allocates the backend's copy and returns it with no layer
   // ready yet; the pager then calls PrepareLayer(prepared, l) for l = 0 .. target layers - 1,
   // in order, from one thread, and lets TranslateLayer(l) run (on other threads) as soon as

@@ -24,10 +24,11 @@ asan_rc=0
 if [ "${KVT_TEST_ASAN:-0}" = 1 ]; then
   # Not the soak (its RSS bounds are for the plain build) nor the vLLM suites (tag vllm: minutes
   # of engines in Python each; the kvtd paths they drive run under ASan in
-  # //tests:prefix_cache_service_test).
-  bazel test --config=asan --test_tag_filters=-soak,-vllm "${py_env[@]}" //... "$@"
+  # //tests:prefix_cache_service_test), nor the GPU rehearsal (tag gpu_rehearsal: it packs the
+  # binaries for a GPU machine, where no sanitizer runtime is).
+  bazel test --config=asan --test_tag_filters=-soak,-vllm,-gpu_rehearsal "${py_env[@]}" //... "$@"
   asan_bazel_rc=$?
-  asan_targets=$(bazel query 'tests(//...) except attr(tags, "soak|manual|vllm", tests(//...))' \
+  asan_targets=$(bazel query 'tests(//...) except attr(tags, "soak|manual|vllm|gpu_rehearsal", tests(//...))' \
                  2>/dev/null)
   python3 scripts/junit_summary.py --label=asan \
     "$(bazel info --config=asan bazel-testlogs 2>/dev/null)" $asan_targets

@@ -1,5 +1,7 @@
 #include "server/mapper_store_setup.h"
 
+#include <algorithm>
+
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
@@ -21,12 +23,20 @@ uint64_t HostBudgetBytes(const KvtdConfig& config) {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) / 10 * 8;
 }
 
+uint64_t AutomaticDeviceBudget(uint64_t memory, uint64_t reserved) {
+  const uint64_t usable = memory / 10 * 9;
+  // Never below a tenth of the device: a budget of 0 would mean "no limit" to the store.
+  return std::max(memory / 10, usable > reserved ? usable - reserved : 0);
+}
+
 uint64_t DeviceBudgetBytes(const KvtdConfig& config, const Backend& backend) {
   if (config.mapper_store.device_budget_bytes > 0) {
     return static_cast<uint64_t>(config.mapper_store.device_budget_bytes);
   }
-  // A GPU also needs room for request caches and cuBLAS workspaces.
-  if (const uint64_t memory = backend.DeviceMemoryBytes(); memory > 0) return memory / 10 * 9;
+  // A GPU also needs room for request caches and the backend's bounded call workspaces.
+  if (const uint64_t memory = backend.DeviceMemoryBytes(); memory > 0) {
+    return AutomaticDeviceBudget(memory, backend.ReservedDeviceBytes());
+  }
   return HostBudgetBytes(config);
 }
 

@@ -20,8 +20,12 @@ namespace kvt {
 // mapper_store.host_budget_bytes, or 80% of physical memory when it is 0.
 uint64_t HostBudgetBytes(const KvtdConfig& config);
 // mapper_store.device_budget_bytes, or when 0: 90% of the backend's device memory if it reports
-// it (Backend::DeviceMemoryBytes), else the host budget (the CPU backend's copies live there).
+// it (Backend::DeviceMemoryBytes) less its reserved call workspaces (ReservedDeviceBytes), else
+// the host budget (the CPU backend's copies live there).
 uint64_t DeviceBudgetBytes(const KvtdConfig& config, const Backend& backend);
+// The automatic part: 90% of `memory` less the backend's reserved bytes (call workspaces), at
+// least 10% of `memory`.
+uint64_t AutomaticDeviceBudget(uint64_t memory, uint64_t reserved);
 
 // Store options for kvtd: budgets, `backend` as the one device, load_on_scan, and pinned host
 // memory for the weights when `backend` is CUDA.

@@ -1,8 +1,9 @@
 // CUDA IPC end to end on a GPU machine (manual, run by tests/gpu/run.sh): this process is the
 // client, kvtd a separate process. The source cache goes into a cudaMalloc'd buffer exported
-// with cudaIpcGetMemHandle, kvtd opens the handle, translates and writes the result into a
-// second exported buffer; it must equal the inline translation bit for bit. Sizes beyond the
-// real allocation and wrong device ids are refused.
+// with cudaIpcGetMemHandle from inside a larger allocation (offsets from its base), kvtd opens
+// the handle, translates and writes the result into a second exported buffer; it must equal the
+// inline translation bit for bit. Sizes beyond the real allocation and wrong device ids are
+// refused.
 #include <cstring>
 #include <random>
 #include <string>
@@ -28,21 +29,32 @@ constexpr int64_t kTokens = 300;
 constexpr int64_t kSourceBytes = 2 * 4 * (2 * kTokens * 32) * 2;
 constexpr int64_t kTargetBytes = 2 * 6 * (2 * kTokens * 32) * 2;
 
-// A device buffer of this process, exported for kvtd.
+// A device buffer of this process, exported for kvtd: `bytes` at `offset` inside an allocation
+// `slack` bytes larger on each side, as a caching allocator hands out a tensor, so the handle's
+// allocation base is not the buffer (RegionRef offsets count from the base).
 struct DeviceBuffer {
-  explicit DeviceBuffer(size_t bytes) : bytes(bytes) {
-    absl::StatusOr<void*> allocated = cuda::AllocateDevice(0, bytes);
+  DeviceBuffer(size_t bytes, size_t slack) : bytes(bytes) {
+    absl::StatusOr<void*> allocated = cuda::AllocateDevice(0, bytes + 2 * slack);
     EXPECT_TRUE(allocated.ok()) << allocated.status();
-    if (allocated.ok()) ptr = *allocated;
+    if (!allocated.ok()) return;
+    base = *allocated;
+    ptr = static_cast<char*>(base) + slack;
+    absl::StatusOr<cuda::IpcExport> exported = cuda::ExportIpcHandle(0, ptr);
+    EXPECT_TRUE(exported.ok()) << exported.status();
+    if (!exported.ok()) return;
+    EXPECT_EQ(exported->offset, slack);
+    EXPECT_GE(exported->allocation_bytes, bytes + 2 * slack);
+    handle = exported->handle;
+    offset = exported->offset;
+    allocation_bytes = exported->allocation_bytes;
   }
-  ~DeviceBuffer() { cuda::FreeDevice(0, ptr); }
-  std::string Handle() const {
-    absl::StatusOr<std::string> handle = cuda::ExportIpcHandle(0, ptr);
-    EXPECT_TRUE(handle.ok()) << handle.status();
-    return handle.ok() ? *handle : std::string();
-  }
+  ~DeviceBuffer() { cuda::FreeDevice(0, base); }
+  void* base = nullptr;
   void* ptr = nullptr;
   size_t bytes;
+  std::string handle;
+  uint64_t offset = 0;
+  uint64_t allocation_bytes = 0;
 };
 
 TEST(CudaIpcGpuTest, RoundTripThroughExportedHandlesEqualsInline) {
@@ -91,18 +103,18 @@ TEST(CudaIpcGpuTest, RoundTripThroughExportedHandlesEqualsInline) {
   absl::StatusOr<TranslateResult> inline_result = client->Translate(inline_header, source);
   ASSERT_TRUE(inline_result.ok()) << inline_result.status();
 
-  // The input buffer is one byte larger than needed; the output buffer exactly the size.
-  DeviceBuffer in(kSourceBytes + 1), out(kTargetBytes);
+  // The input inside a larger allocation, the output at its base and exactly its size.
+  DeviceBuffer in(kSourceBytes, 4096), out(kTargetBytes, 0);
   ASSERT_TRUE(cuda::CopyToDevice(0, packed.data(), in.ptr, kSourceBytes).ok());
   ASSERT_TRUE(cuda::PoisonDeviceBuffer(out.ptr, kTargetBytes).ok());
-  ASSERT_TRUE(client->RegisterCudaMemory("gpu-in", in.Handle(), 0, kSourceBytes + 1).ok());
-  ASSERT_TRUE(client->RegisterCudaMemory("gpu-out", out.Handle(), 0, kTargetBytes).ok());
+  ASSERT_TRUE(client->RegisterCudaMemory("gpu-in", in.handle, 0, in.allocation_bytes).ok());
+  ASSERT_TRUE(client->RegisterCudaMemory("gpu-out", out.handle, 0, kTargetBytes).ok());
 
   // Beyond the real allocation, and a device kvtd does not have.
-  absl::Status too_big = client->RegisterCudaMemory("big", out.Handle(), 0, kTargetBytes + 512);
+  absl::Status too_big = client->RegisterCudaMemory("big", out.handle, 0, kTargetBytes + 512);
   EXPECT_EQ(too_big.code(), absl::StatusCode::kInvalidArgument) << too_big;
   EXPECT_THAT(std::string(too_big.message()), HasSubstr("cuMemGetAddressRange"));
-  absl::Status bad_device = client->RegisterCudaMemory("dev", out.Handle(), *devices, 16);
+  absl::Status bad_device = client->RegisterCudaMemory("dev", out.handle, *devices, 16);
   EXPECT_EQ(bad_device.code(), absl::StatusCode::kInvalidArgument) << bad_device;
   EXPECT_THAT(std::string(bad_device.message()), HasSubstr("device_id="));
 
@@ -113,6 +125,7 @@ TEST(CudaIpcGpuTest, RoundTripThroughExportedHandlesEqualsInline) {
   header.set_num_tokens(kTokens);
   header.set_position_offset(7);
   header.mutable_input()->mutable_region()->set_region("gpu-in");
+  header.mutable_input()->mutable_region()->set_offset(in.offset);
   header.mutable_input()->mutable_region()->set_byte_size(kSourceBytes);
   header.mutable_output()->mutable_region()->set_region("gpu-out");
   header.mutable_output()->mutable_region()->set_byte_size(kTargetBytes);

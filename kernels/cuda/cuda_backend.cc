@@ -103,6 +103,32 @@ cudaDataType CudaType(DType dtype) {
   return CUDA_R_32F;
 }
 
+// Makes `device` current for its scope and restores the caller's: frees and handle destroys
+// act on the current device, and a destructor may run on any thread (the pager's, a gRPC
+// worker's) with another GPU current.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~ScopedDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// The calling thread's current device, which allocations land on.
+int CurrentDevice() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  return device;
+}
+
 // Grow-only device memory. Contents are never zero-filled: every element is written before
 // it is read.
 class DeviceBuffer {
@@ -110,16 +136,11 @@ class DeviceBuffer {
   DeviceBuffer() = default;
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
+  ~DeviceBuffer() { Free(); }
   absl::Status Reserve(int64_t bytes) {
     if (bytes <= size_) return absl::OkStatus();
-    if (data_ != nullptr) {
-      cudaFree(data_);
-      data_ = nullptr;
-      size_ = 0;
-    }
+    Free();
+    device_ = CurrentDevice();
     KVT_CUDA_RETURN_IF_ERROR("cudaMalloc", cudaMalloc(&data_, static_cast<size_t>(bytes)));
     size_ = bytes;
     return absl::OkStatus();
@@ -128,8 +149,17 @@ class DeviceBuffer {
   int64_t size() const { return size_; }
 
  private:
+  void Free() {
+    if (data_ == nullptr) return;
+    ScopedDevice on(device_);
+    cudaFree(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+
   void* data_ = nullptr;
   int64_t size_ = 0;
+  int device_ = 0;
 };
 
 // Grow-only page-locked host memory: the only host memory cudaMemcpyAsync copies without
@@ -139,16 +169,11 @@ class PinnedBuffer {
   PinnedBuffer() = default;
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
-    if (data_ != nullptr) cudaFreeHost(data_);
-  }
+  ~PinnedBuffer() { Free(); }
   absl::Status Reserve(int64_t bytes) {
     if (bytes <= size_) return absl::OkStatus();
-    if (data_ != nullptr) {
-      cudaFreeHost(data_);
-      data_ = nullptr;
-      size_ = 0;
-    }
+    Free();
+    device_ = CurrentDevice();
     KVT_CUDA_RETURN_IF_ERROR("cudaHostAlloc",
                              cudaHostAlloc(&data_, static_cast<size_t>(bytes), cudaHostAllocDefault));
     size_ = bytes;
@@ -157,8 +182,17 @@ class PinnedBuffer {
   char* data() const { return static_cast<char*>(data_); }
 
  private:
+  void Free() {
+    if (data_ == nullptr) return;
+    ScopedDevice on(device_);
+    cudaFreeHost(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+
   void* data_ = nullptr;
   int64_t size_ = 0;
+  int device_ = 0;
 };
 
 class CudaPreparedMapper : public PreparedMapper {
@@ -187,6 +221,8 @@ class CudaPreparedMapper : public PreparedMapper {
 
 // One call's GPU resources; calls run concurrently on separate contexts.
 struct Context {
+  explicit Context(int device) : device(device) {}
+  const int device;  // the stream, handle and events belong to it
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   // Pinned slot reuse: the host may refill slot s only after the GPU has finished copying it.
@@ -203,6 +239,7 @@ struct Context {
   PinnedBuffer pinned_pointers;
 
   ~Context() {
+    ScopedDevice on(device);
     for (cudaEvent_t* events : {table_copied, input_copied, output_copied}) {
       for (int s = 0; s < 2; ++s) {
         if (events[s] != nullptr) cudaEventDestroy(events[s]);
@@ -213,6 +250,7 @@ struct Context {
   }
 
   absl::Status Init() {
+    KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(device));
     KVT_CUDA_RETURN_IF_ERROR("cudaStreamCreateWithFlags",
                              cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     KVT_CUBLAS_RETURN_IF_ERROR("cublasCreate", cublasCreate(&cublas));
@@ -268,6 +306,7 @@ class CudaBackend : public Backend {
   absl::Status PrepareLayer(PreparedMapper& prepared, int target_layer) override;
   uint64_t PreparedBytesEstimate(const MapperView& mapper) const override;
   uint64_t DeviceMemoryBytes() const override;
+  uint64_t ReservedDeviceBytes() const override;
 
   absl::Status TranslateLayer(const PreparedMapper& mapper, int target_layer,
                               const CacheView& source, const Positions& positions,
@@ -289,7 +328,9 @@ class CudaBackend : public Backend {
 
   CudaBackendOptions options_;
   Mutex mu_;
+  CondVar context_released_;
   std::vector<std::unique_ptr<Context>> idle_ ABSL_GUARDED_BY(mu_);
+  int contexts_ ABSL_GUARDED_BY(mu_) = 0;  // idle or in a call; at most max_concurrent_calls
 };
 
 uint64_t CudaBackend::PreparedBytesEstimate(const MapperView& mapper) const {
@@ -297,6 +338,11 @@ uint64_t CudaBackend::PreparedBytesEstimate(const MapperView& mapper) const {
   // A mapper the device copy cannot hold fails in BeginPrepare; the default sizes its attempt.
   if (!layout.ok()) return Backend::PreparedBytesEstimate(mapper);
   return layout->prepared_bytes(static_cast<int>(mapper.layers.size()));
+}
+
+uint64_t CudaBackend::ReservedDeviceBytes() const {
+  return static_cast<uint64_t>(options_.max_concurrent_calls) *
+         static_cast<uint64_t>(options_.workspace_bytes + cuda::kContextOverheadBytes);
 }
 
 uint64_t CudaBackend::DeviceMemoryBytes() const {
@@ -515,16 +561,27 @@ absl::StatusOr<const CudaPreparedMapper*> CudaBackend::Cast(const PreparedMapper
 absl::StatusOr<std::unique_ptr<Context>> CudaBackend::AcquireContext() {
   {
     MutexLock lock(&mu_);
+    // Each context keeps a workspace of up to workspace_bytes: bounding their number bounds
+    // the device memory outside the mapper store (ReservedDeviceBytes). Calls beyond it wait.
+    context_released_.Await(&mu_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !idle_.empty() || contexts_ < options_.max_concurrent_calls;
+    });
     if (!idle_.empty()) {
       std::unique_ptr<Context> context = std::move(idle_.back());
       idle_.pop_back();
       return context;
     }
+    ++contexts_;
   }
   // Streams and cuBLAS handles belong to the calling thread's current device.
-  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
-  auto context = std::make_unique<Context>();
-  if (absl::Status s = context->Init(); !s.ok()) return s;
+  auto context = std::make_unique<Context>(options_.device);
+  if (absl::Status status = context->Init(); !status.ok()) {
+    context.reset();
+    MutexLock lock(&mu_);
+    --contexts_;
+    context_released_.Signal();
+    return status;
+  }
   return context;
 }
 
@@ -534,6 +591,7 @@ void CudaBackend::ReleaseContext(std::unique_ptr<Context> context) {
   cudaStreamSynchronize(context->stream);
   MutexLock lock(&mu_);
   idle_.push_back(std::move(context));
+  context_released_.Signal();
 }
 
 absl::Status CudaBackend::TranslateLayer(const PreparedMapper& mapper, int target_layer,
@@ -991,6 +1049,10 @@ absl::StatusOr<std::unique_ptr<Backend>> NewCudaBackend(const CudaBackendOptions
   if (options.device < 0 || options.device >= *devices) {
     return absl::InvalidArgumentError(absl::StrCat("backend cuda: device ", options.device,
                                                    " out of range [0, ", *devices, ")"));
+  }
+  if (options.max_concurrent_calls <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "backend cuda: max_concurrent_calls=", options.max_concurrent_calls, " must be positive"));
   }
   if (options.workspace_bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -22,6 +22,10 @@ struct CudaBackendOptions {
   // Device workspace per concurrent call (gathered inputs, GEMM outputs, RoPE tables, staging).
   // The token chunk and the target layers per batched GEMM are chosen to fit it.
   int64_t workspace_bytes = int64_t{2} << 30;
+  // Calls that run at once, each with its own workspace (never shrunk); more wait for one to
+  // end. Their workspaces are what ReservedDeviceBytes reports, so the mapper store's
+  // automatic device budget leaves them room.
+  int max_concurrent_calls = 4;
   // Tokens per step when TranslateOptions::token_chunk is 0; 0: as many as the workspace allows.
   int64_t token_chunk = 0;
 };

@@ -17,6 +17,12 @@
 // run, right after its ridge rows. Its "gemm" is the chain's three strided-batched bf16 GEMMs
 // alone (x A1, h A2, h A3: the same FLOPs, no bias / ReLU / gather / epilogue). The last block
 // printed compares the two: mlp ms / ridge ms per T (also --mlp_out as TSV).
+//
+// Values: after its timed runs at each T the output of the last run is checked against the
+// float64 reference on the last --check_tokens tokens of the first and last target layer (K and
+// V, bf16's 1e-2), so the 32K figures are of a translation that is right; a failed check exits
+// 3 after every row is printed. Rows "<kind>+host-layers" (--host_presets) time what kvtd
+// serves: host-memory caches, one TranslateLayer per target layer (pinned staging over PCIe).
 #include "kernels/cuda/cuda_backend.h"
 
 #if KVT_HAVE_CUDA
@@ -42,6 +48,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/device.h"
 #include "kernels/dtype.h"
+#include "kernels/reference.h"
 #include "mapper_store/format/manifest.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/synth.h"
@@ -58,6 +65,13 @@ ABSL_FLAG(std::string, mlp_presets, "qwen3-14b-to-32b",
 ABSL_FLAG(int64_t, mlp_hidden, 1024, "MLP hidden width H");
 ABSL_FLAG(std::string, mlp_granularity, "per_layer", "MLP granularity: per_layer or per_head");
 ABSL_FLAG(std::string, mlp_out, "", "also write the MLP vs ridge comparison as TSV to this file");
+ABSL_FLAG(int64_t, check_tokens, 32,
+          "tokens at the end of each T checked against the float64 reference (0: none)");
+ABSL_FLAG(std::string, host_presets, "qwen3-14b-to-32b",
+          "presets also timed on host-memory caches, layer by layer (kvtd's path; empty: none)");
+ABSL_FLAG(int, host_repeats, 3, "timed runs of the host path (one untimed first)");
+ABSL_FLAG(int64_t, host_max_tokens, 8192,
+          "largest T of the host path (its pinned caches: 7 GB at 8K for Qwen3 14B -> 32B)");
 
 namespace kvt {
 namespace {
@@ -129,9 +143,142 @@ struct BaselineGemm {
   int64_t m, k, batch;
 };
 
+// Set by a failed value check; main exits 3 once every row is printed.
+bool g_value_check_failed = false;
+
+// Tokens [begin, end) of layer `l` (K or V) of a device or host cache of `tokens` tokens in HND,
+// as a host buffer of end - begin tokens in HND.
+std::vector<uint8_t> SliceLayer(const void* layer, int heads, int head_dim, int64_t tokens,
+                                int64_t begin, int64_t end) {
+  const size_t row = static_cast<size_t>(head_dim) * 2;
+  const size_t count = static_cast<size_t>(end - begin);
+  std::vector<uint8_t> out(heads * count * row);
+  for (int h = 0; h < heads; ++h) {
+    CHECK_CUDA(cudaMemcpy(out.data() + h * count * row,
+                          static_cast<const char*>(layer) + (h * tokens + begin) * row,
+                          count * row, cudaMemcpyDefault));
+  }
+  return out;
+}
+
+// A host copy of tokens [begin, end) of every layer of `cache`.
+struct HostSlice {
+  std::vector<std::vector<uint8_t>> k, v;
+  CacheView view;
+};
+
+template <typename View>
+HostSlice Slice(const View& cache, int64_t begin, int64_t end) {
+  HostSlice slice;
+  slice.view.dtype = cache.dtype;
+  slice.view.layout = Layout::kHND;
+  slice.view.num_kv_heads = cache.num_kv_heads;
+  slice.view.head_dim = cache.head_dim;
+  slice.view.num_tokens = end - begin;
+  for (size_t l = 0; l < cache.k.size(); ++l) {
+    slice.k.push_back(SliceLayer(cache.k[l], cache.num_kv_heads, cache.head_dim,
+                                 cache.num_tokens, begin, end));
+    slice.v.push_back(SliceLayer(cache.v[l], cache.num_kv_heads, cache.head_dim,
+                                 cache.num_tokens, begin, end));
+    slice.view.k.push_back(slice.k.back().data());
+    slice.view.v.push_back(slice.v.back().data());
+  }
+  return slice;
+}
+
+// The last --check_tokens tokens of the first and last target layer of a translation at
+// positions 0.. against the float64 reference. Window mappers would need the tokens before the
+// slice too: not checked (no preset has a window).
+void CheckValues(const std::string& label, const MapperView& view, const CacheView& source,
+                 const MutableCacheView& target) {
+  const int64_t tokens = source.num_tokens;
+  const int64_t n = std::min(absl::GetFlag(FLAGS_check_tokens), tokens);
+  if (n <= 0 || view.window > 1) return;
+  const HostSlice in = Slice(source, tokens - n, tokens);
+  const HostSlice out = Slice(target, tokens - n, tokens);
+  Positions positions;
+  positions.offset = static_cast<uint64_t>(tokens - n);
+  double worst = 0;
+  for (int l : {0, view.target.num_layers - 1}) {
+    for (reference::Kind kind : {reference::Kind::kK, reference::Kind::kV}) {
+      worst = std::max(worst, reference::MaxRelError(
+                                  reference::ReadLayer(out.view, l, kind),
+                                  reference::ReferenceTranslate(view, l, kind, in.view, positions)));
+    }
+  }
+  const double tolerance = reference::TranslationTolerance(DType::kBF16);
+  const bool ok = worst <= tolerance;
+  std::printf("value check %s T=%lld, last %lld tokens, layers 0 and %d: max rel err %.3g "
+              "(tolerance %.0e) %s\n",
+              label.c_str(), static_cast<long long>(tokens), static_cast<long long>(n),
+              view.target.num_layers - 1, worst, tolerance, ok ? "ok" : "VALUE CHECK FAILED");
+  std::fflush(stdout);
+  if (!ok) g_value_check_failed = true;
+}
+
+// Page-locked host memory (kvtd's request buffers are in host memory; pinned is its best case).
+class HostArray {
+ public:
+  explicit HostArray(size_t bytes) {
+    CHECK_CUDA(cudaHostAlloc(&data_, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
+  }
+  HostArray(const HostArray&) = delete;
+  HostArray& operator=(const HostArray&) = delete;
+  ~HostArray() { cudaFreeHost(data_); }
+  char* data() const { return static_cast<char*>(data_); }
+
+ private:
+  void* data_ = nullptr;
+};
+
+// kvtd's path: the request's caches in host memory, one TranslateLayer per target layer. Median
+// ms of a whole request (every layer), over --host_repeats runs after one untimed run.
+double TimeHostLayers(Backend* backend, const PreparedMapper& prepared, const MapperView& view,
+                      const CacheView& device_source, const std::string& label) {
+  const int64_t tokens = device_source.num_tokens;
+  const ModelSpec& s = view.source;
+  const ModelSpec& t = view.target;
+  const size_t in_layer = static_cast<size_t>(tokens) * s.num_kv_heads * s.head_dim * 2;
+  const size_t out_layer = static_cast<size_t>(tokens) * t.num_kv_heads * t.head_dim * 2;
+  HostArray in(2 * s.num_layers * in_layer), out(2 * t.num_layers * out_layer);
+  CacheView source = device_source;
+  for (int l = 0; l < s.num_layers; ++l) {
+    source.k[l] = in.data() + 2 * l * in_layer;
+    source.v[l] = in.data() + (2 * l + 1) * in_layer;
+    CHECK_CUDA(cudaMemcpy(in.data() + 2 * l * in_layer, device_source.k[l], in_layer,
+                          cudaMemcpyDefault));
+    CHECK_CUDA(cudaMemcpy(in.data() + (2 * l + 1) * in_layer, device_source.v[l], in_layer,
+                          cudaMemcpyDefault));
+  }
+  MutableCacheView target;
+  target.dtype = DType::kBF16;
+  target.layout = Layout::kHND;
+  target.num_kv_heads = t.num_kv_heads;
+  target.head_dim = t.head_dim;
+  target.num_tokens = tokens;
+  for (int l = 0; l < t.num_layers; ++l) {
+    target.k.push_back(out.data() + 2 * l * out_layer);
+    target.v.push_back(out.data() + (2 * l + 1) * out_layer);
+  }
+  std::vector<double> ms;
+  for (int r = 0; r < 1 + absl::GetFlag(FLAGS_host_repeats); ++r) {
+    const auto begin = std::chrono::steady_clock::now();
+    for (int l = 0; l < t.num_layers; ++l) {
+      CHECK_OK(backend->TranslateLayer(prepared, l, source, Positions(), TranslateOptions(),
+                                       &target));
+    }
+    const double elapsed =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin)
+            .count();
+    if (r > 0) ms.push_back(elapsed);
+  }
+  CheckValues(label, view, source, target);
+  return Median(ms);
+}
+
 void RunPreset(const std::string& preset, const std::optional<MlpConfig>& mlp,
                const std::vector<int64_t>& token_counts, const std::vector<uint16_t>& pattern,
-               std::vector<Row>* rows) {
+               bool host_layers, std::vector<Row>* rows) {
   absl::StatusOr<SynthOptions> options = SynthPreset(preset);
   CHECK_OK(options.status());
   options->mlp = mlp;
@@ -293,6 +440,7 @@ void RunPreset(const std::string& preset, const std::optional<MlpConfig>& mlp,
       CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
       if (r >= warmup) translate_ms.push_back(ms);
     }
+    CheckValues(absl::StrCat(preset, " ", kind), view, source_view, target_view);
 
     const float alpha = 1.0f, beta = 0.0f;
     std::vector<double> gemm_ms;
@@ -324,6 +472,20 @@ void RunPreset(const std::string& preset, const std::optional<MlpConfig>& mlp,
                 row.tflop / (row.gemm_ms * 1e-3), row.gemm_ms / row.translate_ms);
     std::fflush(stdout);
     rows->push_back(row);
+    if (host_layers && tokens <= absl::GetFlag(FLAGS_host_max_tokens)) {
+      const std::string host_kind = absl::StrCat(kind, "+host-layers");
+      Row host{preset, host_kind, tokens,
+               TimeHostLayers(backend->get(), **prepared, view, source_view,
+                              absl::StrCat(preset, " ", host_kind)),
+               0, row.gemm_ms, row.tflop};
+      host.translate_min_ms = host.translate_ms;
+      std::printf("%-20s %-18s T=%-6lld translate %9.3f ms (layer by layer, host caches) | "
+                  "ratio %.3f\n",
+                  preset.c_str(), host_kind.c_str(), static_cast<long long>(tokens),
+                  host.translate_ms, host.gemm_ms / host.translate_ms);
+      std::fflush(stdout);
+      rows->push_back(host);
+    }
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
@@ -369,11 +531,15 @@ int Main() {
     mlp_presets.emplace_back(preset);
   }
 
+  const std::vector<std::string> host_presets =
+      absl::StrSplit(absl::GetFlag(FLAGS_host_presets), ',', absl::SkipEmpty());
   std::vector<Row> rows;
   for (absl::string_view preset : absl::StrSplit(absl::GetFlag(FLAGS_presets), ',')) {
-    RunPreset(std::string(preset), std::nullopt, token_counts, pattern, &rows);
+    const bool host = std::find(host_presets.begin(), host_presets.end(), preset) !=
+                      host_presets.end();
+    RunPreset(std::string(preset), std::nullopt, token_counts, pattern, host, &rows);
     if (std::find(mlp_presets.begin(), mlp_presets.end(), preset) != mlp_presets.end()) {
-      RunPreset(std::string(preset), mlp, token_counts, pattern, &rows);
+      RunPreset(std::string(preset), mlp, token_counts, pattern, host, &rows);
     }
   }
   std::string tsv = "preset\tkind\ttokens\ttranslate_ms\ttranslate_min_ms\ttranslate_tflops\t"
@@ -404,6 +570,10 @@ int Main() {
     const std::string mlp_out = absl::GetFlag(FLAGS_mlp_out);
     if (!mlp_out.empty()) std::ofstream(mlp_out) << compare;
     std::printf("\n%s", compare.c_str());
+  }
+  if (g_value_check_failed) {
+    std::fprintf(stderr, "VALUE CHECK FAILED: a timed translation is wrong (lines above)\n");
+    return 3;
   }
   return 0;
 }

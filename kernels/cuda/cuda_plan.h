@@ -24,6 +24,10 @@ namespace cuda {
 // SPEC 3's 1e-5 whatever the input and weight dtypes.
 DType GemmDType(DType input, DType weights, DType output);
 
+// Device memory a call's context holds besides its workspace: the cuBLAS handle's own workspace
+// (32 MiB on Hopper), pointer tables and stream state, rounded up.
+inline constexpr int64_t kContextOverheadBytes = int64_t{64} << 20;
+
 // What the device copy of a mapper looks like. One weight dtype for all layers (a batched GEMM
 // has one type): the stored one when every weight matrix agrees, else fp32. Every (layer, kind)
 // is padded to the longest sigma list (zero rows) so all GEMMs of a step share one shape. A

@@ -1,5 +1,7 @@
 #include "kernels/cuda/device.h"
 
+#include <cstdlib>
+
 #include "gtest/gtest.h"
 
 namespace kvt {
@@ -15,6 +17,15 @@ TEST(CudaDeviceTest, ProbeNeverCrashes) {
   } else {
     EXPECT_FALSE(count.status().message().empty());
   }
+}
+
+// tests/gpu/run.sh sets KVT_REQUIRE_GPU=1 on a GPU machine: there the tests above that accept
+// "no device" would pass on a machine whose driver is too old for this build; this one fails.
+TEST(CudaDeviceTest, DevicePresentWhereRequired) {
+  if (std::getenv("KVT_REQUIRE_GPU") == nullptr) GTEST_SKIP() << "KVT_REQUIRE_GPU unset";
+  absl::StatusOr<int> count = DeviceCount();
+  ASSERT_TRUE(count.ok()) << "KVT_REQUIRE_GPU is set but there is no usable CUDA device: "
+                          << count.status();
 }
 
 TEST(CudaDeviceTest, PoisonFailsCleanlyWithoutDevice) {

@@ -56,6 +56,33 @@ absl::StatusOr<PFN_cuMemGetAddressRange_v3020> AddressRangeFunction() {
   return reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(function);
 }
 
+struct AddressRange {
+  char* base = nullptr;
+  uint64_t bytes = 0;
+};
+
+// The allocation holding `pointer`.
+absl::StatusOr<AddressRange> RangeOf(PFN_cuMemGetAddressRange_v3020 address_range,
+                                     const void* pointer) {
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const CUresult ranged = address_range(&base, &size, reinterpret_cast<CUdeviceptr>(pointer));
+  if (ranged != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cuMemGetAddressRange failed: CUresult ", ranged));
+  }
+  return AddressRange{reinterpret_cast<char*>(base), static_cast<uint64_t>(size)};
+}
+
+// A pageable cudaMemcpy returns once the bytes are staged, not landed: wait for the legacy
+// stream it ran on.
+absl::Status Landed(const char* what) {
+  const cudaError_t error = cudaStreamSynchronize(cudaStreamLegacy);
+  if (error != cudaSuccess) {
+    return absl::InternalError(CudaErrorText(what, error));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<IpcMapping> OpenIpcHandle(const std::string& raw_handle, int device_id,
@@ -83,50 +110,46 @@ absl::StatusOr<IpcMapping> OpenIpcHandle(const std::string& raw_handle, int devi
         "allocation on device_id=",
         device_id, ")"));
   }
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  const CUresult ranged =
-      (*address_range)(&base, &size, reinterpret_cast<CUdeviceptr>(pointer));
-  if (ranged != CUDA_SUCCESS) {
+  absl::StatusOr<AddressRange> range = RangeOf(*address_range, pointer);
+  if (!range.ok()) {
     cudaIpcCloseMemHandle(pointer);
-    return absl::InternalError(
-        absl::StrCat("cuMemGetAddressRange on the opened handle failed: CUresult ", ranged));
+    return range.status();
   }
-  // The exporter's pointer may lie inside a larger allocation: the bytes usable from it run to
-  // the allocation's end.
-  const uint64_t available =
-      static_cast<uint64_t>(base + size - reinterpret_cast<CUdeviceptr>(pointer));
-  if (byte_size > available) {
+  // The region starts at the allocation base (ipc.h), also if a driver returned another
+  // pointer inside the allocation.
+  if (byte_size > range->bytes) {
     cudaIpcCloseMemHandle(pointer);
     return absl::InvalidArgumentError(absl::StrCat(
-        "byte_size=", byte_size, " exceeds the ", available,
-        " bytes of the exported CUDA allocation (cuMemGetAddressRange)"));
+        "byte_size=", byte_size, " exceeds the ", range->bytes,
+        " bytes of the exported CUDA allocation from its base (cuMemGetAddressRange; offsets "
+        "count from the allocation base, not from the exported pointer)"));
   }
   IpcMapping mapping;
-  mapping.device_ptr = static_cast<char*>(pointer);
-  mapping.allocation_bytes = available;
+  mapping.device_ptr = range->base;
+  mapping.allocation_bytes = range->bytes;
   mapping.device_id = device_id;
+  mapping.opened_ptr = pointer;
   return mapping;
 }
 
 void CloseIpcHandle(const IpcMapping& mapping) {
   if (mapping.device_ptr == nullptr) return;
   cudaSetDevice(mapping.device_id);
-  cudaIpcCloseMemHandle(mapping.device_ptr);
+  cudaIpcCloseMemHandle(mapping.opened_ptr != nullptr ? mapping.opened_ptr : mapping.device_ptr);
 }
 
 absl::Status CopyToHost(int device_id, const void* device_src, void* host_dst, size_t bytes) {
   if (absl::Status device = UseDevice(device_id); !device.ok()) return device;
   const cudaError_t error = cudaMemcpy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost);
   if (error != cudaSuccess) return absl::InternalError(CudaErrorText("cudaMemcpy D2H", error));
-  return absl::OkStatus();
+  return Landed("cudaStreamSynchronize after cudaMemcpy D2H");
 }
 
 absl::Status CopyToDevice(int device_id, const void* host_src, void* device_dst, size_t bytes) {
   if (absl::Status device = UseDevice(device_id); !device.ok()) return device;
   const cudaError_t error = cudaMemcpy(device_dst, host_src, bytes, cudaMemcpyHostToDevice);
   if (error != cudaSuccess) return absl::InternalError(CudaErrorText("cudaMemcpy H2D", error));
-  return absl::OkStatus();
+  return Landed("cudaStreamSynchronize after cudaMemcpy H2D");
 }
 
 absl::StatusOr<void*> AllocateDevice(int device_id, size_t bytes) {
@@ -145,12 +168,22 @@ void FreeDevice(int device_id, void* device_ptr) {
   cudaFree(device_ptr);
 }
 
-absl::StatusOr<std::string> ExportIpcHandle(int device_id, void* device_ptr) {
+absl::StatusOr<IpcExport> ExportIpcHandle(int device_id, void* device_ptr) {
   if (absl::Status device = UseDevice(device_id); !device.ok()) return device;
+  absl::StatusOr<PFN_cuMemGetAddressRange_v3020> address_range = AddressRangeFunction();
+  if (!address_range.ok()) return address_range.status();
+  absl::StatusOr<AddressRange> range = RangeOf(*address_range, device_ptr);
+  if (!range.ok()) return range.status();
+  // The handle of the allocation's base (the driver documents base pointers only; PyTorch
+  // exports the same way), with device_ptr's place in it as the offset.
   cudaIpcMemHandle_t handle;
-  const cudaError_t error = cudaIpcGetMemHandle(&handle, device_ptr);
+  const cudaError_t error = cudaIpcGetMemHandle(&handle, range->base);
   if (error != cudaSuccess) return absl::InternalError(CudaErrorText("cudaIpcGetMemHandle", error));
-  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  IpcExport exported;
+  exported.handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  exported.offset = static_cast<uint64_t>(static_cast<char*>(device_ptr) - range->base);
+  exported.allocation_bytes = range->bytes;
+  return exported;
 }
 
 }  // namespace cuda

@@ -18,7 +18,7 @@ absl::Status CopyToHost(int, const void*, void*, size_t) { return NoCuda(); }
 absl::Status CopyToDevice(int, const void*, void*, size_t) { return NoCuda(); }
 absl::StatusOr<void*> AllocateDevice(int, size_t) { return NoCuda(); }
 void FreeDevice(int, void*) {}
-absl::StatusOr<std::string> ExportIpcHandle(int, void*) { return NoCuda(); }
+absl::StatusOr<IpcExport> ExportIpcHandle(int, void*) { return NoCuda(); }
 
 }  // namespace cuda
 }  // namespace kvt

@@ -28,6 +28,7 @@ TEST(IpcTest, RefusalsNeedingNoGpu) {
     EXPECT_NE(zeros.status().message().find("no CUDA device"), std::string::npos)
         << zeros.status();
     EXPECT_EQ(AllocateDevice(0, 16).status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(ExportIpcHandle(0, nullptr).status().code(), absl::StatusCode::kUnavailable);
     return;
   }
   // A GPU: an all-zero handle is no allocation, and device ids are range-checked.

@@ -292,13 +292,14 @@ TEST_P(BackendConformanceTest, MlpBothGranularitiesFp32AndBf16) {
           c.out_layout = hidden == 37 ? Layout::kNHD : Layout::kHND;
           c.offset = 40;
           c.tokens = 45;
-          // The one exception to SPEC 3's 1e-2 on the CPU's oneDNN bf16: a one-unit hidden
-          // layer sends every token through a single bf16-rounded scalar per chain (twice), and
-          // cancellation in x A1 + c1 and h A2 + c2 amplifies that rounding (and x's) with
-          // nothing to average it over. Measured up to 2.4e-2 in 40 runs of these cases (fp32
-          // caches); H = 8 and 37 stay within 1e-2. No real mapper has H = 1 (the paper's is
-          // 1024).
-          c.bf16_gemm_tolerance = hidden == 1 ? 5e-2 : 0;
+          // The exception to SPEC 3's 1e-2 where the GEMMs read bf16 (the CPU's oneDNN bf16,
+          // CUDA with bf16 caches and weights): a narrow hidden layer sends every token through
+          // a few bf16-rounded scalars per chain (twice), and cancellation in x A1 + c1 and
+          // h A2 + c2 amplifies that rounding (and x's) with little to average it over. H = 1:
+          // measured up to 2.4e-2 in 40 runs (fp32 caches). H = 8: simulated up to 1.18e-2, in
+          // about 1 draw of 1000 above 1e-2 (tests/gpu/simulate_parity.py); H = 37 stays below
+          // 0.8e-2. No real mapper is this narrow (the paper's H is 1024).
+          c.bf16_gemm_tolerance = hidden == 1 ? 5e-2 : hidden == 8 ? 2e-2 : 0;
           CheckCase(c);
         }
       }
@@ -350,6 +351,11 @@ TEST_P(BackendConformanceTest, MlpMixedDtypesConvertWeights) {
       c.in_dtype = d.in;
       c.out_dtype = d.out;
       c.tokens = 19;
+      // All fp16: CUDA's GEMMs then read fp16 (cuda_plan.h GemmDType), so x and both hidden
+      // activations are rounded to fp16 before the output is, four roundings of 2^-11 where
+      // SPEC 3's 1e-3 budgets one. Simulated (tests/gpu/simulate_parity.py) up to 1.06e-3 in
+      // 3000 draws; the CPU's fp32 GEMMs never use this.
+      c.fp16_gemm_tolerance = d.weights == DType::kFP16 && d.out == DType::kFP16 ? 2e-3 : 0;
       CheckCase(c);
     }
   }

@@ -32,9 +32,13 @@ struct ConformanceCase {
   bool explicit_positions = false;
   int64_t chunk = 0;            // TranslateOptions::token_chunk
   int64_t workspace_bytes = 0;  // backends with a workspace; 0: the backend default
-  // > 0: replaces SPEC 3's tolerance where a backend rounds the GEMM inputs to bf16 (the CPU's
-  // oneDNN path); see MlpBothGranularitiesEveryK for the one case that needs it.
+  // > 0: replaces SPEC 3's tolerance where a backend's GEMMs read bf16 (the CPU's oneDNN path,
+  // CUDA with bf16 caches and weights); see MlpBothGranularitiesFp32AndBf16 for the narrow
+  // hidden layers that need it.
   double bf16_gemm_tolerance = 0;
+  // > 0: the same for a backend whose GEMMs read fp16 (CUDA when cache, weights and output are
+  // all fp16); see MlpMixedDtypesConvertWeights.
+  double fp16_gemm_tolerance = 0;
 };
 
 std::string Describe(const ConformanceCase& c);

@@ -85,6 +85,8 @@ PackedRegionSink::PackedRegionSink(char* base, int64_t layer_bytes, int cuda_dev
 grpc::Status PackedRegionSink::Deliver(int layer, const std::shared_ptr<LayerBuffer>&,
                                        const std::shared_ptr<LayerBuffer>&) {
   if (cuda_device_ >= 0) {
+    // CopyToDevice returns once the bytes are in device memory, so a layer notice that
+    // follows (LayerNoticeSink) never reaches the client before its data.
     const int64_t at = 2 * layer * layer_bytes_;
     if (absl::Status copied =
             cuda::CopyToDevice(cuda_device_, base_ + at, device_base_ + at, 2 * layer_bytes_);

@@ -11,6 +11,7 @@ for name in EveryRopeTypeAndStyle YarnWithExplicitAttentionFactor EveryDtypeLayo
             UnmatchedShapesAndOddHeadDim SeparateSigmaLengths NoBias LargeAndExplicitPositions \
             ChunksAndLayerGroups \
             RealHeadShapesBf16 ConcurrentCalls StreamedPrepareTranslatesLayerByLayer BadInputsNameTheField \
+            SplitTranslationEqualsWhole ReadsAndWritesAnotherProcesssIpcMemory \
             MlpBothGranularitiesFp32AndBf16 MlpDtypesLayoutsAndChunks MlpMixedDtypesConvertWeights \
             MlpChunksAndLayerGroups \
             MlpRealHeadShapesBf16 MlpStreamedPrepareCountsEveryWeight MlpBadMappersNameTheField; do

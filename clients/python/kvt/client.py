@@ -561,6 +561,10 @@ class Client:
                              timeout: Optional[float] = None) -> None:
         """Registers a CUDA allocation of another process by its cudaIpcMemHandle_t (64 bytes)
         on `device_id` as the server sees it; RegionRefs then name it like a system region.
+        The region is the whole allocation from its base (the handle names the allocation, not
+        the exported pointer): `byte_size` and RegionRef offsets count from the base, so a
+        tensor from PyTorch's caching allocator is at offset `t.data_ptr()` minus the base that
+        cuMemGetAddressRange(t.data_ptr()) reports.
         Needs a kvtd with CUDA on the same node (FAILED_PRECONDITION without CUDA, UNAVAILABLE
         without a device) and shared memory allowed; admin role under auth."""
         self._unary(self._stub.RegisterCudaMemory, memory_pb2.RegisterCudaMemoryRequest(
