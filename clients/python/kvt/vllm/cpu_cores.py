@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from types import FrameType
 from typing import Any, Optional
 
 logger = logging.getLogger("vllm.kvt")
@@ -62,7 +63,7 @@ def _config_being_validated() -> Any:
         from vllm.config import VllmConfig
     except Exception:
         return None
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, VllmConfig):

@@ -6,7 +6,7 @@ request's tokens out of them for a publish."""
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,7 +17,8 @@ TORCH_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float1
 # Wire element types as numpy reads them, matching the engine's storage bit for bit (bf16 as
 # its 16-bit patterns).
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-WIRE_NUMPY = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"), "bf16": np.dtype("<i2")}
+WIRE_NUMPY: Dict[str, Any] = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"),
+                              "bf16": np.dtype("<i2")}
 
 
 class EngineKv:
@@ -53,7 +54,7 @@ class EngineKv:
         return (2 * self.num_layers * self.num_kv_heads * self.head_dim *
                 ELEMENT_BYTES[self.dtype] * tokens)
 
-    def packed(self, buf, offset: int, tokens: int) -> np.ndarray:
+    def packed(self, buf: Any, offset: int, tokens: int) -> np.ndarray:
         """`tokens` tokens packed at `offset` of `buf` as [layers, 2, tokens, heads, dim] of the
         engine's wire dtype (a view, no copy)."""
         count = self.num_layers * 2 * tokens * self.num_kv_heads * self.head_dim

@@ -112,15 +112,16 @@ class KvtScheduler:
                 f"{len(prompt)} prompt tokens, {num_computed_tokens} from the engine's own "
                 f"prefix cache, block size {self.block_size}")
         if st.lookup is None:
-            self._start_lookup(st, prompt, num_computed_tokens, limit)
-        if not st.lookup.done():
+            st.lookup = self._start_lookup(st, prompt, num_computed_tokens, limit)
+        lookup = st.lookup
+        if not lookup.done():
             # A local kvtd answers in a millisecond or two: wait that long in line (saves a
             # scheduler step), else ask again next step (the scheduler loop never waits longer).
             wait = self.config.lookup_wait_s
-            if wait <= 0 or not _wait(st.lookup, wait):
+            if wait <= 0 or not _wait(lookup, wait):
                 return None, False
         try:
-            response = st.lookup.result()
+            response = lookup.result()
         except Exception as error:  # kvtd down, deadline, any RPC error
             self._count("lookup_errors")
             return self._fallback(st, "lookup_failed", describe_error(error))
@@ -143,17 +144,18 @@ class KvtScheduler:
         return 0, False
 
     def _start_lookup(self, st: RequestState, prompt: List[int], num_computed_tokens: int,
-                      limit: int) -> None:
+                      limit: int) -> Future:
         min_tokens = max(num_computed_tokens + self.block_size, self.config.min_reuse_tokens,
                          st.options.min_tokens)
         _, prefix = self.kvt()
         st.lookup_started = time.monotonic()
         self._count("lookups")
-        st.lookup = self._lookups.submit(
+        lookup = self._lookups.submit(
             prefix.lookup, self.config.model_name, list(prompt), policy=st.options.reuse,
             mapper_id=st.options.mapper_id, min_tokens=min_tokens, max_tokens=limit,
             request_id=st.request.request_id, timeout=self.config.lookup_timeout_s)
-        st.lookup.add_done_callback(_LookupClock(st))
+        lookup.add_done_callback(_LookupClock(st))
+        return lookup
 
     def _decide(self, st: RequestState, response: Any, num_computed_tokens: int, limit: int
                 ) -> Tuple[int, bool]:
