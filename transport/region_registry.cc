@@ -182,6 +182,14 @@ absl::StatusOr<RegionRegistry::Lease> RegionRegistry::Acquire(const std::string&
     }
     entry = it->second;
   }
+  // Every element kvt reads or writes in a region is 2 or 4 bytes wide and is accessed in place
+  // through typed pointers: an offset that is not a multiple of 4 would make those accesses
+  // misaligned (undefined behaviour, and slower where it works).
+  if (offset % kRegionOffsetAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".offset=", offset,
+                                                   " is not a multiple of ",
+                                                   kRegionOffsetAlignment, " bytes"));
+  }
   const uint64_t region_size = entry->region.byte_size;
   if (offset > region_size || byte_size > region_size - offset) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -19,6 +19,9 @@
 
 namespace kvt {
 
+// Leases start at offsets that are multiples of this (see RegionRegistry::Acquire).
+inline constexpr uint64_t kRegionOffsetAlignment = 4;
+
 class RegionRegistry {
  public:
   // What a registration mapped.
