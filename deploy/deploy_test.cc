@@ -79,7 +79,7 @@ TEST(DeployTest, DashboardHasThePanelsAndValidQueries) {
       queries.push_back(target.at("expr").get<std::string>());
     }
   }
-  // The panels the issue asks for.
+  // The panels operators need (docs/TELEMETRY.md).
   const std::string all_titles = ::testing::PrintToString(titles);
   for (const char* wanted : {"Speedup", "Latency p50 / p95 / p99 by pair", "Latency p95 by stage",
                              "Tokens translated per second", "Requests by code",

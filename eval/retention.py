@@ -543,7 +543,7 @@ def evaluate_long_range(client, source, target, mapper_ids, windows, controls, c
                 mapped = translate(client, mid, src)
                 scores.add(label, mapped)
                 scores.add(label + NO_ROPE, strip_target_rope(target, mapped))
-            # The controls on the control windows too: their copy gain is the test
+            # The controls on the control windows too: their copy gain is the control's test
             # (near 0 for token identity and an untrained source, collapsed without RoPE).
             if identity is not None:
                 scores.add("identity", identity.predict(ctx))

@@ -1,7 +1,7 @@
 // The CPU translation engine: per token chunk, gather the source layers of sigma with source RoPE
 // stripped, one GEMM per kind (ridge) or the MLP's GEMM chain with fused bias + ReLU, then
 // bias + target RoPE + dtype/layout conversion. The GEMMs are OpenBLAS sgemm on fp32 weights, or
-// for bf16 / fp16 mappers on CPUs with bf16 matrix hardware oneDNN's bf16 matmul (issue 20):
+// for bf16 / fp16 mappers on CPUs with bf16 matrix hardware oneDNN's bf16 matmul:
 // weights packed once in bf16, the gathered keys and values rounded to bf16, fp32 accumulation.
 #pragma once
 
@@ -27,7 +27,7 @@ namespace kvt {
 //   kAuto: oneDNN bf16 when oneDNN dispatches to bf16 hardware (AMX, AVX-512 BF16), else sgemm.
 //   kOnednnBf16: oneDNN bf16 on any CPU (correct everywhere; without bf16 hardware oneDNN
 //     converts in software and is slower than sgemm).
-//   kSgemm: fp32 copies of the weights and OpenBLAS sgemm, as before issue 20.
+//   kSgemm: fp32 copies of the weights and OpenBLAS sgemm (the exact path).
 // fp16 weights take the bf16 path too, rounded to bf16 when packed (oneDNN 2.6 has no fp16
 // matmul on these CPUs; the rounding is within SPEC 3's bf16 tolerance).
 enum class CpuGemmPath { kAuto, kOnednnBf16, kSgemm };

@@ -131,7 +131,7 @@ class CpuBackendTest : public ::testing::Test {
 // The property suites run three ways: as written with the path the CPU picks (Auto), forced
 // onto oneDNN bf16 with bf16 weights wherever a test asks for fp32 (Bf16; fresh random inputs
 // against the float64 reference at 1e-2), and forced onto sgemm (Sgemm; bf16 / fp16 weights as
-// fp32 copies, 1e-5 for fp32 outputs as before issue 20).
+// fp32 copies, 1e-5 for fp32 outputs on the sgemm path).
 struct PathParam {
   const char* name;
   CpuGemmPath path;
@@ -350,7 +350,7 @@ TEST_F(CpuBackendTest, PreparedBytesCountConversionsOnly) {
   EXPECT_EQ((*prepared)->view().layers.size(), 2u);
 }
 
-// ---- The GEMM path (issue 20): which one runs, what it holds, where its error comes from.
+// ---- The GEMM path: which one runs, what it holds, where its error comes from.
 
 TEST_F(CpuBackendTest, GemmPathFollowsCpuAndOptions) {
   CpuBackendOptions options;

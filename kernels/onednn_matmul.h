@@ -1,4 +1,4 @@
-// oneDNN's bf16 matmul primitive for the CPU backend (issue 20): weights packed once into the
+// oneDNN's bf16 matmul primitive for the CPU backend: weights packed once into the
 // blocked layout oneDNN reads fastest, fp32 accumulation, primitives cached by shape.
 //
 // Threading: Debian's oneDNN 2.6.3 is built on the OpenMP runtime (libgomp), which has no

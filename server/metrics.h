@@ -1,5 +1,5 @@
 // kvtd's Prometheus metrics (every name, label and bucket in docs/TELEMETRY.md): one registry,
-// the families of ARCHITECTURE.md "Telemetry", label values bounded by the mapper store, values
+// the families of docs/TELEMETRY.md, label values bounded by the mapper store, values
 // read at scrape time (in-flight requests, mapper residency), and the optional /metrics endpoint.
 #pragma once
 

@@ -307,7 +307,7 @@ grpc::Status PrefixCacheService::LookupPrefix(grpc::ServerContext* context,
 // cosine `kvt fit` records when the target dumps carried queries (quality.attention_cosine_heldout,
 // mean over target layers past 0), else the mean of the per-layer held-out R^2 of K and V over
 // the target layers past 0 (layer 0 is a function of the current token and inflates any
-// average, EVAL-NOTES), or of every layer when only layer 0 is recorded. nullopt value: neither
+// average; docs/EVAL.md), or of every layer when only layer 0 is recorded. nullopt value: neither
 // recorded (metric then "r2_heldout", what was looked for last).
 struct RecordedQualityValue {
   std::optional<double> value;

@@ -12,7 +12,7 @@
 // k = |sigma| n_s d_s (X shared across the batch so its memory stays small), timed with events
 // on its stream. ratio = gemm ms / translate ms (1.0: translation as fast as its GEMMs alone).
 //
-// MLP mappers (issue 11): each preset in --mlp_presets is also timed as an MLP mapper of the
+// MLP mappers: each preset in --mlp_presets is also timed as an MLP mapper of the
 // same pair (kind: mlp, --mlp_hidden, --mlp_granularity; synthetic He-scaled weights) in the same
 // run, right after its ridge rows. Its "gemm" is the chain's three strided-batched bf16 GEMMs
 // alone (x A1, h A2, h A3: the same FLOPs, no bias / ReLU / gather / epilogue). The last block
