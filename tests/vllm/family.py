@@ -106,51 +106,16 @@ def identity_mapper(store: str, mapper: str, member: str = "L", source_name: str
     quality. zero_v writes V's weights as zeros (the load must then change the output).
     target_name: the target model's name (default `member`'s own; the reverse identity, from
     `member` to the twin, reads back what an engine of `member` published)."""
-    import hashlib
     import json
 
-    import numpy as np
-    from safetensors.numpy import save_file
+    import identity_mappers
 
     with open(os.path.join(model_dir(member), "config.json")) as f:
         config = json.load(f)
-    layers, heads = config["num_hidden_layers"], config["num_key_value_heads"]
     dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    width = heads * dim
-    tensors = {}
-    for layer in range(layers):
-        for kind in ("k", "v"):
-            eye = np.zeros((width, width), np.float32) if (kind == "v" and zero_v) else \
-                np.eye(width, dtype=np.float32)
-            tensors[f"layers.{layer}.{kind}.weight"] = eye
-            tensors[f"layers.{layer}.{kind}.bias"] = np.zeros(width, np.float32)
-    rope = (f"{{theta: {float(config.get('rope_theta', 10000.0)):g}, rotary_dim: {dim}, "
-            "style: neox, scaling: {type: none}}")
-
-    def model(name):
-        return [f"  name: {name}", f"  num_layers: {layers}", f"  num_kv_heads: {heads}",
-                f"  head_dim: {dim}", f"  rope: {rope}"]
-
-    manifest = (["format_version: 1", "kind: ridge", "synthetic: false", "source:"]
-                + model(source_name) + ["target:"] + model(target_name or NAMES[member])
-                + ["k: 1", "lambda: 0", "lambda_scale: covariance",
-                   "weights: {file: weights.safetensors, dtype: fp32}", "layers:"]
-                + [f"  - {{target_layer: {l}, sigma_k: [{l}], sigma_v: [{l}]}}"
-                   for l in range(layers)]
-                # What a held-out check of this map measures: exact for K, and for V unless
-                # zeroed (the gate then sees an honest figure).
-                + [f"quality: {{attention_cosine_heldout: {0.0 if zero_v else 1.0}}}",
-                   "created_by: tests/vllm/family.py identity_mapper"])
-    out = os.path.join(store, mapper)
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "weights.safetensors"),
-              metadata={"kvt_mapper_format_version": "1", "kvt_mapper_kind": "ridge"})
-    with open(os.path.join(out, "manifest.yaml"), "w") as f:
-        f.write("\n".join(manifest) + "\n")
-    sums = []
-    for name in ("manifest.yaml", "weights.safetensors"):
-        with open(os.path.join(out, name), "rb") as f:
-            sums.append(f"{hashlib.sha256(f.read()).hexdigest()}  {name}")
-    with open(os.path.join(out, "SHA256SUMS"), "w") as f:
-        f.write("\n".join(sums) + "\n")
-    return out
+    theta = float(config.get("rope_theta", 10000.0))
+    return identity_mappers.write(
+        os.path.join(store, mapper), source_name=source_name,
+        target_name=target_name or NAMES[member], layers=config["num_hidden_layers"],
+        heads=config["num_key_value_heads"], dim=dim, source_theta=theta, target_theta=theta,
+        zero_v=zero_v, created_by="tests/vllm/family.py identity_mapper")

@@ -28,6 +28,8 @@ import subprocess
 import sys
 from typing import Dict, Optional
 
+import identity_mappers
+
 ROPE_THETA = 1e6
 VOCAB = 256
 
@@ -152,58 +154,18 @@ def synth_mapper(store: str, source: str, target: str, k: int = 2, seed: int = 1
     return out
 
 
-def rope_yaml(theta: float, dim: int) -> str:
-    return f"{{theta: {theta:g}, rotary_dim: {dim}, style: neox, scaling: {{type: none}}}}"
-
-
 def identity_mapper(store: str, mapper: str, model: str, source_name: str,
                     target_name: Optional[str] = None, zero_v: bool = False,
                     target_theta: float = ROPE_THETA) -> str:
-    """A real ridge mapper directory from `source_name` to `target_name` (default `model`), both
-    of `model`'s KV shapes, that copies each layer's K (and V, unless zero_v) unchanged in RoPE-free
-    content space: k = 1, W = I, b = 0. kvtd strips the source's RoPE (neox, theta 1e6) and
-    applies the target's: with target_theta other than the model's, the output is the content
-    space K rotated at that theta, which checks the strip itself."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
+    """An identity mapper (tests/vllm/identity_mappers.py) from `source_name` to `target_name`
+    (default `model`), both of `model`'s KV shapes. kvtd strips the source's RoPE (neox, theta
+    1e6) and applies the target's: with target_theta other than the model's, the output is the
+    content space K rotated at that theta, which checks the strip itself."""
     layers, _, _, heads, dim, _ = SHAPES[model]
-    width = heads * dim
-    tensors = {}
-    for layer in range(layers):
-        for kind in ("k", "v"):
-            zero = kind == "v" and zero_v
-            tensors[f"layers.{layer}.{kind}.weight"] = (np.zeros((width, width), np.float32)
-                                                        if zero else np.eye(width,
-                                                                            dtype=np.float32))
-            tensors[f"layers.{layer}.{kind}.bias"] = np.zeros(width, np.float32)
-
-    def side(name, theta):
-        return [f"  name: {name}", f"  num_layers: {layers}", f"  num_kv_heads: {heads}",
-                f"  head_dim: {dim}", f"  rope: {rope_yaml(theta, dim)}"]
-
-    manifest = (["format_version: 1", "kind: ridge", "synthetic: false", "source:"]
-                + side(source_name, ROPE_THETA) + ["target:"]
-                + side(target_name or model, target_theta)
-                + ["k: 1", "lambda: 0", "lambda_scale: covariance",
-                   "weights: {file: weights.safetensors, dtype: fp32}", "layers:"]
-                + [f"  - {{target_layer: {l}, sigma_k: [{l}], sigma_v: [{l}]}}"
-                   for l in range(layers)]
-                + [f"quality: {{attention_cosine_heldout: {0.0 if zero_v else 1.0}}}",
-                   "created_by: tests/vllm/qwen3_shapes.py identity_mapper"])
-    out = os.path.join(store, mapper)
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "weights.safetensors"),
-              metadata={"kvt_mapper_format_version": "1", "kvt_mapper_kind": "ridge"})
-    with open(os.path.join(out, "manifest.yaml"), "w") as f:
-        f.write("\n".join(manifest) + "\n")
-    sums = []
-    for name in ("manifest.yaml", "weights.safetensors"):
-        with open(os.path.join(out, name), "rb") as f:
-            sums.append(f"{hashlib.sha256(f.read()).hexdigest()}  {name}")
-    with open(os.path.join(out, "SHA256SUMS"), "w") as f:
-        f.write("\n".join(sums) + "\n")
-    return out
+    return identity_mappers.write(
+        os.path.join(store, mapper), source_name=source_name, target_name=target_name or model,
+        layers=layers, heads=heads, dim=dim, source_theta=ROPE_THETA, target_theta=target_theta,
+        zero_v=zero_v, created_by="tests/vllm/qwen3_shapes.py identity_mapper")
 
 
 def write_all(out: str, tiny: bool) -> Dict[str, str]:
