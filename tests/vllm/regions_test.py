@@ -2,7 +2,8 @@
 the worker's publish region end to end: a cache published from the region
 (PrefixCache.publish_region) comes back through TranslateKV of the identity mapper
 (family.identity_mapper) as it went in; after a kvtd restart the region registers again; a
-region that needs a protocol extension registers only with a kvtd that lists it; a kvtd
+region that needs a protocol extension registers only with a kvtd that lists it; one whose kvtd
+was down registers soon after it is back; a kvtd
 that refuses client regions answers with an error naming header.input.region (what the
 connector's inline fallback keys on)."""
 
@@ -119,6 +120,22 @@ class PublishRegionTest(unittest.TestCase):
                 import grpc
                 grpc.channel_ready_future(client._channel).result(timeout=10)
                 self.publish_and_read_back(client, holder, list(range(7, 200)))
+            finally:
+                holder.close()
+
+    def test_a_kvtd_that_was_down_is_tried_again_soon(self):
+        # Unreachable is not a refusal: once kvtd is up the region registers within seconds,
+        # not after retry_s (the engine would otherwise copy every load for that long).
+        with kvt.Client(f"127.0.0.1:{self.port}", timeout=5) as client:
+            holder = WorkerRegion(lambda: client, 1 << 20, "publishes", warn=False, retry_s=600)
+            try:
+                self.assertIsNone(holder.get(1))  # no kvtd yet: UNAVAILABLE
+                self.start()
+                end = time.monotonic() + 30
+                while holder.get(1) is None:
+                    self.assertLess(time.monotonic(), end, "the region was not registered again")
+                    time.sleep(0.1)
+                self.assertIsNotNone(holder.ready(1))
             finally:
                 holder.close()
 

@@ -18,7 +18,19 @@ import threading
 import time
 from typing import Any, Callable, Deque, Optional, Tuple
 
-logger = logging.getLogger("kvt.vllm")
+from kvt.errors import DeadlineExceededError, UnavailableError
+
+# Under vLLM's logger, so its handlers print these lines with the engine's own.
+logger = logging.getLogger("vllm.kvt")
+
+
+# After kvtd was unreachable or slow (restarting, busy mapping another region) the next use
+# tries again soon; a refusal (regions off, no extension) waits retry_s.
+_TRANSIENT_RETRY_S = 1.0
+
+
+def _transient(error: BaseException) -> bool:
+    return isinstance(error, (DeadlineExceededError, UnavailableError))
 
 
 class WorkerRegion:
@@ -37,8 +49,9 @@ class WorkerRegion:
         self._memory = memory
         self._requires = requires
         # kvtd maps a region with MAP_POPULATE (no page faults in its requests): ~80 ms per GiB
-        # at registration on the dev machine; a second per GiB leaves room for slower hosts.
-        self._register_timeout_s = 2.0 + byte_size / float(1 << 30)
+        # on a quiet 2-core host, but seconds per GiB when the host is busy. Registration runs
+        # on a load or publish thread, never in the engine step, so the bound is generous.
+        self._register_timeout_s = 10.0 + 5.0 * byte_size / float(1 << 30)
         self.byte_size = byte_size
         self.purpose = purpose
         self._warn = warn  # log failures as warnings (transport "shm") or info ("auto")
@@ -75,10 +88,13 @@ class WorkerRegion:
                 self._ensure_registered()
                 return self._region
             except Exception as error:
-                self._retry_at = time.monotonic() + self._retry_s
+                # A registration past its deadline may still complete in kvtd (the next try
+                # then finds it registered), and a kvtd that was down comes back.
+                retry_s = _TRANSIENT_RETRY_S if _transient(error) else self._retry_s
+                self._retry_at = time.monotonic() + retry_s
                 (logger.warning if self._warn else logger.info)(
-                    "kvt: no shared-memory region for %s (%s); inline chunks for %.0f s",
-                    self.purpose, describe_error(error), self._retry_s)
+                    "kvt: no shared-memory region for %s (%s); other transports for %.0f s",
+                    self.purpose, describe_error(error), retry_s)
                 return None
 
     def ready(self, nbytes: int) -> Any:
