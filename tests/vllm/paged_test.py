@@ -232,6 +232,45 @@ class EngineCacheTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "mapping of its own"):
             share_in_place([small])
 
+    def test_objects_of_dead_engines_are_swept_and_live_ones_kept(self):
+        import fcntl
+        import os
+        import subprocess
+        import sys
+        from kvt.vllm.engine_cache import share_in_place, sweep_stale_objects
+        backing = torch.zeros(20 << 20)
+        live = share_in_place([backing])
+        dead = f"kvt-engine-0-dead{os.getpid()}"
+        held = f"kvt-engine-0-held{os.getpid()}"
+        for name in (dead, held):
+            with open("/dev/shm/" + name, "wb") as f:
+                f.write(b"\0" * 4096)
+        # Another process holds `held` the way a live engine holds its object.
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open('/dev/shm/{held}', os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_SH); print('locked', flush=True); time.sleep(60)")],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            self.assertEqual(holder.stdout.readline().strip(), "locked")
+            self.assertEqual(sweep_stale_objects(min_age_s=3600), [])  # all too young
+            removed = sweep_stale_objects(min_age_s=0)
+            self.assertIn(dead, removed)
+            self.assertNotIn(held, removed)
+            self.assertNotIn(live.key.lstrip("/"), removed)
+            self.assertFalse(os.path.exists("/dev/shm/" + dead))
+            self.assertTrue(os.path.exists("/dev/shm/" + live.key.lstrip("/")))
+            holder.kill()  # its owner gone, the object goes with the next sweep
+            holder.wait()
+            self.assertIn(held, sweep_stale_objects(min_age_s=0))
+        finally:
+            holder.kill()
+            holder.wait()
+            live.close()
+            for name in (dead, held):
+                if os.path.exists("/dev/shm/" + name):
+                    os.unlink("/dev/shm/" + name)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

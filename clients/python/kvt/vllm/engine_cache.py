@@ -19,20 +19,25 @@ with other heap objects), when the platform is not Linux, or when any step fails
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
 import sys
+import time
 import uuid
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-logger = logging.getLogger("kvt.vllm")
+logger = logging.getLogger("vllm.kvt")
 
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _MAP_SHARED, _MAP_FIXED, _MAP_POPULATE = 0x01, 0x10, 0x8000
 _CHUNK_BYTES = 64 << 20
+_SHM_DIR = "/dev/shm/"
+_OBJECT_PREFIX = "kvt-engine-"
+_STALE_AFTER_S = 60.0
 
 
 class EngineCacheRegion:
@@ -41,11 +46,12 @@ class EngineCacheRegion:
     `offset_of(tensor)`: a layer tensor's byte offset inside the span. close() unlinks the name
     (the mapping stays, as the engine still uses it)."""
 
-    def __init__(self, key: str, base: int, byte_size: int) -> None:
+    def __init__(self, key: str, base: int, byte_size: int, lock_fd: int) -> None:
         self.key = key
         self.name = f"kvt-engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.base = base
         self.byte_size = byte_size
+        self._lock_fd = lock_fd  # holds the liveness lock (see sweep_stale_objects)
 
     def offset_of(self, tensor: torch.Tensor) -> int:
         offset = tensor.data_ptr() - self.base
@@ -56,9 +62,50 @@ class EngineCacheRegion:
 
     def close(self) -> None:
         try:
-            os.unlink("/dev/shm/" + self.key.lstrip("/"))
+            os.unlink(_SHM_DIR + self.key.lstrip("/"))
         except FileNotFoundError:
             pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def sweep_stale_objects(min_age_s: float = _STALE_AFTER_S) -> List[str]:
+    """Unlinks the shared-memory objects of engines that died without close() (killed, OOM):
+    each would otherwise hold its cache's size of host memory until the node reboots. An engine
+    holds a shared flock on its object for its whole life, so an object whose exclusive lock
+    can be taken has no live owner, whatever PID namespace the owner ran in. Objects younger
+    than `min_age_s` are left alone (their owner may be between creating and locking). Returns
+    the names removed."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(_SHM_DIR) if n.startswith(_OBJECT_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = _SHM_DIR + name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_ctime < min_age_s:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live engine holds it (or it vanished)
+        else:
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    if removed:
+        logger.warning("kvt: removed %d shared KV caches of engines that exited without "
+                       "closing them: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 def _maps() -> List[Tuple[int, int, str]]:
@@ -122,10 +169,13 @@ def share_in_place(tensors: Sequence[torch.Tensor]) -> EngineCacheRegion:
     address, nbytes = _backing(tensors)
     start, end = _own_pages(address, nbytes, _maps())
     length = end - start
-    key = f"/kvt-engine-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    fd = os.open("/dev/shm/" + key.lstrip("/"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    region = EngineCacheRegion(key, start, length)
+    sweep_stale_objects()
+    key = f"/{_OBJECT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    fd = os.open(_SHM_DIR + key.lstrip("/"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    lock_fd = os.dup(fd)
+    region = EngineCacheRegion(key, start, length, lock_fd)
     try:
+        fcntl.flock(lock_fd, fcntl.LOCK_SH)  # released by close() or by the process's death
         os.ftruncate(fd, length)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
