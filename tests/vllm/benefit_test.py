@@ -147,7 +147,7 @@ class BenefitTest(unittest.TestCase):
             # -- through vLLM --
             prefix.evict(model=family.NAMES["M"])  # so that the wait below sees this context
             M.one(ctx, 1)
-            family.wait_for_entries(client, family.NAMES["M"], boundary)
+            family.wait_for_entries(client, family.NAMES["M"], ctx[:boundary])
             mapped = L.one(w, 1, prompt_logprobs=0)
             o = outcome(mapped)
             self.assertEqual(o.get("outcome"), "applied", o)

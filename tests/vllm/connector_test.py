@@ -41,6 +41,9 @@ from kvt.cache import DTYPE_NAMES
 from kvt.prefix import PrefixCache
 
 WORK = os.environ.get("TEST_TMPDIR") or "/tmp/kvt-vllm-test"
+# Engine logs come back with the test's outputs (bazel-testlogs/.../test.outputs) for a failure
+# to be read after the run.
+LOGS = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or WORK
 CONTEXT = 256          # prompt bytes the source serves
 CONTINUATION = 40      # extra prompt bytes the target adds
 GEN = 12               # greedy tokens compared
@@ -64,9 +67,45 @@ def start_kvtd(config=None):
     restart = Suite.started
     Suite.kvtd = family.start_kvtd(Suite.store, Suite.port, config or Suite.config).__enter__()
     if restart:
-        time.sleep(1.5)  # the engines' channels reconnect (backoff at most 1 s)
+        wait_engines_reach_kvtd()
     Suite.started = True
     return Suite.kvtd
+
+
+_probes = iter(range(1 << 30))
+
+
+def wait_engines_reach_kvtd(timeout=30.0):
+    """After a kvtd restart, until every engine's lookups reach the new kvtd again (its channel
+    left the reconnect backoff): a probe request per engine, repeated while its lookup fails."""
+    end = time.monotonic() + timeout
+    for engine in Suite.engines.values():
+        while True:
+            probe = list(f"reconnect probe {next(_probes)} ".encode() * 3)
+            o = outcome(engine.one(probe, 1, cache_salt=f"probe-{next(_probes)}"))
+            if o.get("reason") != "lookup_failed":
+                break
+            if time.monotonic() > end:
+                raise AssertionError(f"engine {engine.name} does not reach kvtd: {o}")
+            time.sleep(0.1)
+
+
+def kvtd_unread_bytes(port):
+    """Bytes that clients sent kvtd and it has not read (the receive queues of its established
+    connections in /proc/net/tcp*): they grow when a request reaches a stopped kvtd."""
+    total = 0
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port and fields[3] == "01":  # TCP_ESTABLISHED
+                total += int(fields[4].split(":")[1], 16)
+    return total
 
 
 def stop_kvtd():
@@ -89,7 +128,7 @@ def setUpModule():
         "M": {"model_name": family.NAMES["M"], "allow_translated_prefix_cache": True},
         "L": {"model_name": family.NAMES["L"]},
     }
-    Suite.engines = {name: E.Engine(name, family.model_dir(name), {**common, **spec}, WORK)
+    Suite.engines = {name: E.Engine(name, family.model_dir(name), {**common, **spec}, LOGS)
                      for name, spec in specs.items()}
     for engine in Suite.engines.values():
         engine.start()
@@ -155,7 +194,7 @@ class KvtConnectorTest(unittest.TestCase):
         with self.client() as c:
             before = family.entry_ids(c, family.NAMES[engine.name])
             r = engine.one(prompt, max_tokens)
-            family.wait_for_entries(c, family.NAMES[engine.name], len(prompt) // 16 * 16,
+            family.wait_for_entries(c, family.NAMES[engine.name], prompt,
                                     exclude=before)
         return r
 
@@ -232,7 +271,8 @@ class KvtConnectorTest(unittest.TestCase):
             conversation += r["token_ids"]
             with self.client() as c:  # the final publish (prompt + generated) is in kvtd
                 family.wait_for_entries(c, family.NAMES[engine.name],
-                                        len(conversation) // 16 * 16 - 16, exclude=before)
+                                        conversation[:len(conversation) // 16 * 16 - 16],
+                                        exclude=before)
         print("\n(b) turns: " + json.dumps(turns), file=sys.stderr)
         self.assertNotEqual(turns[0][1], "applied")  # nothing published yet
         for name, out, source, reused, _, transport in turns[1:]:
@@ -292,10 +332,15 @@ class KvtConnectorTest(unittest.TestCase):
             self.assert_fallback(slow, reference, outcome(slow).get("reason"),
                                  "DEADLINE_EXCEEDED")
             box = {}
+            unread = kvtd_unread_bytes(Suite.port)
             worker = threading.Thread(target=lambda: box.update(
                 r=L.one(prompt, GEN, cache_salt="killed")))
             worker.start()
-            time.sleep(0.5)  # the lookup is in flight against the stopped kvtd
+            # The lookup is in flight: its bytes wait in the stopped kvtd's receive queue.
+            deadline = time.monotonic() + 30
+            while kvtd_unread_bytes(Suite.port) <= unread:
+                self.assertLess(time.monotonic(), deadline, "the lookup never reached kvtd")
+                time.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             worker.join(120)
             self.assert_fallback(box["r"], reference, "lookup_failed")
@@ -416,21 +461,37 @@ class KvtConnectorTest(unittest.TestCase):
         self.assertEqual(after["token_ids"], applied["token_ids"])  # served from translated KV
 
     def test_e_outcome_log_lines(self):
+        """Each engine logs one kvt_outcome line per request, and the counts reach vLLM's
+        metrics; the test makes its own outcomes (it needs no other test to have run)."""
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        context = text(CONTEXT, 30000)
+        prompt = context + text(CONTINUATION, 30000 + CONTEXT)
+        # (LLM.get_metrics names a counter family without its _total suffix.)
+        def counters():
+            return {k[:-len("_total")] if k.endswith("_total") else k: v
+                    for k, v in L.metrics().items()}
+        before = counters()
+        self.publish_via(M, context)
+        self.assertEqual(outcome(L.one(prompt, GEN)).get("outcome"), "applied")
+        self.assertEqual(outcome(L.one(prompt, GEN, kvt={"reuse": "sometimes"})).get("outcome"),
+                         "unsupported")
         for engine in Suite.engines.values():
+            engine.one(prompt, 1, kvt={"reuse": "forbid"}, cache_salt=f"e-{engine.name}")
             lines = engine.log_lines("kvt_outcome ")
             self.assertTrue(lines, engine.name)
             record = json.loads(lines[-1].split("kvt_outcome ", 1)[1])
-            self.assertIn(record["outcome"], ("applied", "fallback_reprefill", "unsupported"))
+            self.assertEqual((record["outcome"], record["reason"]),
+                             ("fallback_reprefill", "forbidden"), record)
             self.assertEqual(record["model"], family.NAMES[engine.name])
-        # The same counts reach vLLM's metrics (KvtConnectorStats -> vllm:kvt_*_total).
-        # (LLM.get_metrics names a counter family without its _total suffix.)
-        metrics = {k[:-len("_total")] if k.endswith("_total") else k: v
-                   for k, v in Suite.engines["L"].metrics().items()}
+        # The worker reports its counters with the next engine step's output.
+        L.one(prompt[:8], 1, kvt={"reuse": "forbid"}, cache_salt="e-flush")
+        after = counters()
         # publishes_in_place: kvtd read the publishes straight out of the engine's shared cache
         # (no copy in the engine, no inline chunks).
         for name in ("applied", "fallback_reprefill", "unsupported", "tokens_reused", "lookups",
                      "publishes", "publishes_in_place"):
-            self.assertGreater(metrics.get(f"vllm:kvt_{name}", 0), 0, metrics)
+            key = f"vllm:kvt_{name}"
+            self.assertGreater(after.get(key, 0), before.get(key, 0), (name, after))
 
 
 class MechanicsTest(unittest.TestCase):
@@ -475,7 +536,7 @@ class MechanicsTest(unittest.TestCase):
         cache = adapters.from_dynamic_cache(out.past_key_values, dtype="fp32")
         with kvt.Client(Suite.kvtd.address, timeout=60) as c:
             PrefixCache(c).publish(family.TWIN_L, self.PROMPT, cache)
-            family.wait_for_entries(c, family.TWIN_L, len(self.PROMPT) // 16 * 16)
+            family.wait_for_entries(c, family.TWIN_L, self.PROMPT)
 
     def run_salted(self, salt, kvt_params):
         return self.engine.one(self.PROMPT, GEN, cache_salt=f"mech-{salt}", logprobs=5,
@@ -530,7 +591,7 @@ class MechanicsTest(unittest.TestCase):
         with kvt.Client(Suite.kvtd.address, timeout=60) as c:
             known = family.entry_ids(c, family.NAMES["L"])
             self.engine.one(prompt, 2, kvt={"reuse": "forbid"}, cache_salt="mech-publish")
-            family.wait_for_entries(c, family.NAMES["L"], len(prompt) // 16 * 16, exclude=known)
+            family.wait_for_entries(c, family.NAMES["L"], prompt, exclude=known)
             hit = PrefixCache(c).lookup(family.TWIN_L, prompt, mapper_id="L-to-Ltwin",
                                         max_tokens=len(prompt) - 1, policy="force")
             self.assertTrue(hit.hit, hit)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import retention as R  # eval/retention.py: dumps, kvt fit, the Member wrapper
 
@@ -70,20 +70,27 @@ def entry_ids(client, model: str) -> set:
     return {e.entry_id for e in PrefixCache(client).list(model).entries}
 
 
-def wait_for_entries(client, model: str, tokens: int, timeout: float = 20.0,
+def wait_for_entries(client, model: str, prefix: Sequence[int], timeout: float = 20.0,
                      exclude: Optional[set] = None) -> None:
-    """Until kvtd holds at least `tokens` tokens of `model` (publishes are asynchronous) in an
-    entry whose id is not in `exclude` (entry_ids before the publish: a new entry)."""
-    from kvt.prefix import PrefixCache
-    prefix = PrefixCache(client)
+    """Until kvtd holds `prefix`'s whole blocks as `model`'s cache (publishes are asynchronous):
+    an entry of at least that many tokens that starts with the same block (so that a late
+    publish of another text cannot end the wait) and whose id is not in `exclude` (entry_ids
+    before the publish: a new entry)."""
+    from kvt.prefix import PrefixCache, first_block_hash
+    prefix_cache = PrefixCache(client)
     end = time.monotonic() + timeout
     while True:
-        entries = prefix.list(model).entries
-        if any(e.num_tokens >= tokens and e.entry_id not in (exclude or ()) for e in entries):
+        listing = prefix_cache.list(model)
+        block = listing.block_tokens
+        want = first_block_hash(model, prefix, block)
+        tokens = len(prefix) // block * block if block else len(prefix)
+        if any(e.num_tokens >= tokens and e.first_block_hash == want
+               and e.entry_id not in (exclude or ()) for e in listing.entries):
             return
         if time.monotonic() > end:
-            raise AssertionError(f"kvtd holds no new {tokens}-token entry of {model}: "
-                                 f"{[(e.model, e.num_tokens) for e in entries]}")
+            raise AssertionError(f"kvtd holds no new {tokens}-token entry of {model} starting "
+                                 f"with block {want}: "
+                                 f"{[(e.num_tokens, e.first_block_hash) for e in listing.entries]}")
         time.sleep(0.05)
 
 

@@ -218,7 +218,7 @@ def main():
             src = small.one(prompt[:n - 16], 1, kvt={"reuse": "forbid"},
                             cache_salt=f"src{next(salt)}")
             row["source_prefill"].append(src["wall_s"] * 1e3)
-            family.wait_for_entries(client, source, (n - 16) // 16 * 16, timeout=300,
+            family.wait_for_entries(client, source, prompt[:n - 16], timeout=300,
                                     exclude=before)
             time.sleep(args.settle_s)
             got = big.one(prompt, 1, cache_salt=f"tr{next(salt)}")

@@ -123,7 +123,7 @@ def main():
                 row["no_reuse"].append(miss["wall_s"])
                 before = family.entry_ids(client, family.NAMES["M"])
                 M.one(prompt[:n - 16], 1, kvt={"reuse": "forbid"})  # publishes M's prefix
-                family.wait_for_entries(client, family.NAMES["M"], (n - 16) // 16 * 16,
+                family.wait_for_entries(client, family.NAMES["M"], prompt[:n - 16],
                                         exclude=before)
                 # The two load paths take turns going first after M's publish (the first
                 # request after it has been seen to wait on M's engine and kvtd settling).

@@ -19,6 +19,8 @@ Every gRPC failure becomes a KvtError subclass (kvt.errors), as in kvt.Client.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 import uuid
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -50,6 +52,19 @@ def _token_chunks(array: np.ndarray, layout: str, dtype: str, chunk_bytes: int
     for start in range(0, tokens, per_chunk):
         count = min(per_chunk, tokens - start)
         yield start, count, encode(array[start:start + count], dtype)
+
+
+def first_block_hash(model: str, token_ids: Sequence[int], block_tokens: int) -> str:
+    """The hex chain hash of the first whole block of `token_ids` as `model`'s cache, as kvtd
+    lists it in PrefixEntryInfo.first_block_hash ("" when shorter than one block): SHA-256 of
+    u64le(len(model)) || model || the block's tokens as u32le, cut to 16 bytes. Tells which
+    stored entry holds which text without reading its bytes."""
+    if block_tokens <= 0 or len(token_ids) < block_tokens:
+        return ""
+    name = model.encode()
+    digest = hashlib.sha256(struct.pack("<Q", len(name)) + name +
+                            struct.pack(f"<{block_tokens}I", *token_ids[:block_tokens]))
+    return digest.digest()[:16].hex()
 
 
 class PrefixCache:
