@@ -494,6 +494,47 @@ class KvtConnectorTest(unittest.TestCase):
             self.assertGreater(after.get(key, 0), before.get(key, 0), (name, after))
 
 
+    def test_f_every_reason_a_request_can_be_steered_into(self):
+        """The outcome reasons of docs/VLLM.md that a request can be steered into, each
+        produced (rescheduled and not_loaded come from vLLM scheduling races, not requests)."""
+        M, L = Suite.engines["M"], Suite.engines["L"]
+        context = text(CONTEXT, 34000)
+        prompt = context + text(CONTINUATION, 34000 + CONTEXT)
+        self.publish_via(M, context)
+
+        def reason(result, want_outcome="fallback_reprefill"):
+            o = outcome(result)
+            self.assertEqual(o.get("outcome"), want_outcome, o)
+            return o.get("reason")
+
+        # The connector's too_short: not one whole block before the token vLLM computes itself.
+        self.assertEqual(reason(L.one(prompt[:32], GEN, cache_salt="f-short")), "too_short")
+        # kvtd's too_short: a stored prefix, but fewer tokens than the request's min_tokens.
+        few = L.one(prompt, GEN, kvt={"min_tokens": 2 * len(prompt)}, cache_salt="f-few")
+        self.assertEqual(reason(few), "too_short")
+        # local_prefix_cache: the engine's own prefix cache already holds what kvtd offers (a
+        # plain run without a salt leaves its blocks there).
+        L.one(prompt, GEN, kvt={"reuse": "forbid"})
+        self.assertEqual(reason(L.one(prompt, GEN)), "local_prefix_cache")
+        # prefix_cache_skipped: prompt_logprobs with vLLM's default skip_reading_prefix_cache,
+        # decided before any lookup (no lease is taken).
+        lookups = L.metrics().get("vllm:kvt_lookups", 0)
+        skipped = L.one(prompt, GEN, prompt_logprobs=0, skip_reading_prefix_cache=None,
+                        cache_salt="f-plp")
+        self.assertEqual(reason(skipped, "unsupported"), "prefix_cache_skipped")
+        L.one(prompt[:8], 1, kvt={"reuse": "forbid"}, cache_salt="f-flush")  # counters reported
+        self.assertEqual(L.metrics().get("vllm:kvt_lookups", 0), lookups)
+        # disabled: a kvtd whose prefix cache is off.
+        stop_kvtd()
+        start_kvtd(family.kvtd_yaml(os.path.join(WORK, "kvtd-off.yaml"),
+                                    prefix_cache_enabled=False))
+        try:
+            self.assertEqual(reason(L.one(prompt, GEN, cache_salt="f-off")), "disabled")
+        finally:
+            stop_kvtd()
+            start_kvtd()
+
+
 class MechanicsTest(unittest.TestCase):
     """The connector's vLLM mechanics on engine L against the real kvtd, through identity mappers
     (family.identity_mapper: kvt-tiny-L-twin -> kvt-tiny-L, W = I, b = 0; real mapper files kvtd

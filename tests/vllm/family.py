@@ -41,8 +41,9 @@ def fit_store(work: str, pairs=PAIRS) -> str:
 
 def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Optional[Dict] = None,
               min_mapper_quality: float = 0.0, lease_seconds: float = 30,
-              allow_client_regions: bool = True) -> str:
-    lines = ["prefix_cache:", "  enabled: true", f"  max_bytes: {max_bytes}",
+              allow_client_regions: bool = True, prefix_cache_enabled: bool = True) -> str:
+    lines = ["prefix_cache:", f"  enabled: {'true' if prefix_cache_enabled else 'false'}",
+             f"  max_bytes: {max_bytes}",
              "  ttl_seconds: 600", "  block_tokens: 16", f"  lease_seconds: {lease_seconds}",
              f"  min_mapper_quality: {min_mapper_quality}"]
     if pair_min_quality:
