@@ -125,8 +125,10 @@ nlohmann::json Render(const std::map<std::string, KvtdConfig::Metrics::PrefillCo
   return out;
 }
 
-// A value as error messages quote it: strings as they are, the rest as JSON.
+// A value as error messages quote it: strings and numbers as they are, the rest as JSON.
 std::string Shown(const std::string& value) { return value; }
+std::string Shown(int64_t value) { return absl::StrCat(value); }
+std::string Shown(double value) { return absl::StrCat(value); }
 template <typename T>
 std::string Shown(const T& value) {
   return Render(value).dump();

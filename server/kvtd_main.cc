@@ -11,6 +11,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "common/allocator.h"
 #include "common/logging.h"
 #include "mapper_store/store.h"
@@ -174,6 +176,15 @@ int main(int argc, char** argv) {
       "below override it. Logs are JSON lines on stderr; the 'listening' line gives the port. "
       "SIGTERM/SIGINT: health turns NOT_SERVING, in-flight requests finish within "
       "shutdown.deadline_seconds, exit 0.");
+  // --help lists only the flags of the program's own file unless told otherwise; the overrides
+  // of kvtd.yaml keys live with the config schema in server/config_flags.cc.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/kvtd_main.cc") ||
+           absl::EndsWith(file, "server/config_flags.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   return kvt::Run();
 }
