@@ -157,6 +157,25 @@ TEST(ConfigSchemaTest, TextIsReadLikeTheSameValueInTheFile) {
   EXPECT_THAT(std::string(bad.message()), HasSubstr("unknown key 'limits.max_tokenz'"));
 }
 
+// Whatever a key is set to, an error it causes names it: values of every kind, out of every
+// range, for every key of the schema.
+TEST(ConfigSchemaTest, EveryErrorNamesTheKeyThatCausedIt) {
+  int refused = 0;
+  for (const KvtdConfigKey& key : KvtdConfigKeys()) {
+    for (const char* text : {"-1", "0", "1e30", "nonsense", "[1, 2]"}) {
+      KvtdConfig config;
+      absl::Status status = SetKvtdConfigKey(key.path, text, "--test", &config);
+      if (status.ok()) status = ValidateKvtdConfig(config);
+      if (status.ok()) continue;
+      ++refused;
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << key.path << " = " << text;
+      EXPECT_THAT(std::string(status.message()), HasSubstr("'" + key.path))
+          << key.path << " = " << text;
+    }
+  }
+  EXPECT_GT(refused, static_cast<int>(KvtdConfigKeys().size()));
+}
+
 // ---- The parser and its rules ----
 
 TEST(ConfigTest, ExampleFileParsesToTheDefaults) {
