@@ -121,7 +121,9 @@ nlohmann::json Render(const T& value) {
 nlohmann::json Render(LogLevel level) { return std::string(LogLevelName(level)); }
 nlohmann::json Render(const std::map<std::string, KvtdConfig::Metrics::PrefillCost>& costs) {
   nlohmann::json out = nlohmann::json::object();
-  for (const auto& [model, cost] : costs) out[model] = {{"a", cost.a}, {"b", cost.b}, {"c", cost.c}};
+  for (const auto& [model, cost] : costs) {
+    out[model] = {{"a", cost.a}, {"b", cost.b}, {"c", cost.c}};
+  }
   return out;
 }
 
