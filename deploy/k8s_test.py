@@ -125,6 +125,12 @@ def kvtd_config(yaml_text):
     return json.loads(result.stdout)
 
 
+def flat(config):
+    """kvtd_config_json's nested keys as {"section.key": value}."""
+    return {f"{section}.{key}": value
+            for section, keys in config.items() for key, value in keys.items()}
+
+
 def port_of(address):
     return int(address.rsplit(":", 1)[1])
 
@@ -205,12 +211,14 @@ class KvtdManifestTest(unittest.TestCase):
 
         # Ports: kvtd's listeners = container ports = probes = Service = PodMonitor.
         ports = container_ports(container)
-        self.assertEqual(ports["grpc"], port_of(config["listen_address"]))
-        self.assertTrue(config["metrics_listen_address"], "metrics must be on for the PodMonitor")
-        self.assertEqual(ports["metrics"], port_of(config["metrics_listen_address"]))
+        self.assertEqual(ports["grpc"], port_of(config["server"]["listen_address"]))
+        self.assertTrue(config["metrics"]["listen_address"],
+                        "metrics must be on for the PodMonitor")
+        self.assertEqual(ports["metrics"], port_of(config["metrics"]["listen_address"]))
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             self.assertEqual(container[probe]["grpc"]["port"], ports["grpc"], probe)
-        self.assertFalse(config["tls"], "native gRPC probes are plaintext (docs/OPERATIONS.md)")
+        self.assertFalse(config["security"]["tls_cert_file"],
+                         "native gRPC probes are plaintext (docs/OPERATIONS.md)")
         service = one(docs, "Service", "kvtd")
         self.assertEqual(service["spec"]["selector"], labels)
         self.assertEqual({p["name"]: p["targetPort"] for p in service["spec"]["ports"]},
@@ -222,7 +230,8 @@ class KvtdManifestTest(unittest.TestCase):
 
         # Shutdown: the kubelet waits longer than kvtd's drain + deadline.
         self.assertGreater(spec["terminationGracePeriodSeconds"],
-                           config["drain_grace_seconds"] + config["deadline_seconds"])
+                           config["shutdown"]["drain_grace_seconds"]
+                           + config["shutdown"]["deadline_seconds"])
 
         # Memory (docs/OPERATIONS.md, "Sizing"): request = limit >= every admitted cache + the
         # host budget of the mappers (explicit: its default is a share of the node's memory) +,
@@ -231,15 +240,16 @@ class KvtdManifestTest(unittest.TestCase):
         resources = container["resources"]
         memory = bytes_of(resources["limits"]["memory"])
         self.assertEqual(bytes_of(resources["requests"]["memory"]), memory)
-        self.assertGreater(config["host_budget_bytes"], 0)
-        needed = config["max_inflight_bytes"] + config["host_budget_bytes"] + 2 * 2**30
+        store, limits = config["mapper_store"], config["limits"]
+        self.assertGreater(store["host_budget_bytes"], 0)
+        needed = limits["max_inflight_bytes"] + store["host_budget_bytes"] + 2 * 2**30
         if overlay == "cpu":
-            needed += config["device_budget_bytes"] or config["host_budget_bytes"]
+            needed += store["device_budget_bytes"] or store["host_budget_bytes"]
         self.assertGreaterEqual(memory, needed)
-        self.assertGreaterEqual(config["max_inflight_bytes"], config["max_request_bytes"])
+        self.assertGreaterEqual(limits["max_inflight_bytes"], limits["max_request_bytes"])
 
         # The mapper store: the PVC, read-only, where kvtd looks.
-        self.assertEqual(mounts["mappers"]["mountPath"], config["mapper_store_path"])
+        self.assertEqual(mounts["mappers"]["mountPath"], config["mapper_store"]["path"])
         self.assertTrue(mounts["mappers"]["readOnly"])
         pvc = one(docs, "PersistentVolumeClaim", "kvt-mappers")
         self.assertEqual(volumes["mappers"]["persistentVolumeClaim"]["claimName"],
@@ -263,11 +273,12 @@ class KvtdManifestTest(unittest.TestCase):
         self.assertEqual(resources["requests"].get("nvidia.com/gpu"), gpus)
         self.assertEqual(visible, "all" if overlay == "gpu-ipc" else None)
         if overlay == "gpu-ipc":
-            self.assertGreater(config["device_budget_bytes"], 0)
+            self.assertGreater(config["mapper_store"]["device_budget_bytes"], 0)
         self.assertEqual(spec.get("hostIPC", False), overlay in SHARED_MEMORY_OVERLAYS)
         self.assertEqual(spec.get("hostPID", False), overlay == "gpu-ipc")
-        self.assertEqual(config["allow_client_regions"], overlay in SHARED_MEMORY_OVERLAYS)
-        self.assertEqual(config["prefix_cache_enabled"], overlay == "prefix-cache")
+        self.assertEqual(config["shared_memory"]["allow_client_regions"],
+                         overlay in SHARED_MEMORY_OVERLAYS)
+        self.assertEqual(config["prefix_cache"]["enabled"], overlay == "prefix-cache")
         affinity = spec["affinity"]["podAffinity"]
         preferred = [t["podAffinityTerm"]["labelSelector"]["matchLabels"]
                      for t in affinity.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
@@ -307,17 +318,18 @@ class KvtdManifestTest(unittest.TestCase):
     def test_gpu_ipc_differs_from_gpu_in_shared_memory_and_device_budget_only(self):
         ipc = self.check_overlay("gpu-ipc")
         gpu = self.check_overlay("gpu")
-        differ = ("allow_client_regions", "device_budget_bytes")
-        self.assertEqual({k: v for k, v in ipc.items() if k not in differ},
-                         {k: v for k, v in gpu.items() if k not in differ})
+        differ = ("shared_memory.allow_client_regions", "mapper_store.device_budget_bytes")
+        self.assertEqual({k: v for k, v in flat(ipc).items() if k not in differ},
+                         {k: v for k, v in flat(gpu).items() if k not in differ})
 
 
     def test_prefix_cache_differs_from_cpu_in_prefix_cache_and_shared_memory_only(self):
         node = self.check_overlay("prefix-cache")
         cpu = self.check_overlay("cpu")
-        differ = ("allow_client_regions", "prefix_cache_enabled", "prefix_cache_max_bytes")
-        self.assertEqual({k: v for k, v in node.items() if k not in differ},
-                         {k: v for k, v in cpu.items() if k not in differ})
+        differ = ("shared_memory.allow_client_regions", "prefix_cache.enabled",
+                  "prefix_cache.max_bytes")
+        self.assertEqual({k: v for k, v in flat(node).items() if k not in differ},
+                         {k: v for k, v in flat(cpu).items() if k not in differ})
         docs = render("deploy/k8s/overlays/prefix-cache")
         # Each engine reaches the kvtd of its own node, and there is one per node.
         self.assertEqual(one(docs, "Service", "kvtd")["spec"]["internalTrafficPolicy"], "Local")
@@ -488,7 +500,8 @@ class DockerfileTest(unittest.TestCase):
         self.assertRegex(usage.stdout, r"\n  health ")
         default_config = kvtd_config(read("server", "kvtd.yaml"))
         server = [a for a in command if a.startswith("--server=")]
-        self.assertEqual(server, [f"--server=127.0.0.1:{port_of(default_config['listen_address'])}"])
+        grpc_port = port_of(default_config["server"]["listen_address"])
+        self.assertEqual(server, [f"--server=127.0.0.1:{grpc_port}"])
         self.assertIn('CMD ["--config=/etc/kvt/kvtd.yaml"]', self.lines)
         self.assertIn("COPY server/kvtd.yaml /etc/kvt/kvtd.yaml", self.lines)
         self.assertRegex(" ".join(self.lines), r"USER 10001:10001")

@@ -5,11 +5,14 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/strict_reader.h"
+#include "nlohmann/json.hpp"
 #include "yaml-cpp/yaml.h"
 
 namespace kvt {
@@ -17,49 +20,91 @@ namespace {
 
 using strict::YamlReader;
 
-// One section of the file: its keys and how each is stored (`key` is the full path).
-using Setter = std::function<absl::Status(const std::string& key, const YAML::Node&)>;
+// ---- How each member type is read from YAML and written as JSON ----
+// A key's type is its KvtdConfig member's: a new key of an existing type needs nothing here.
 
-template <typename Map>
-std::vector<std::string> KeysOf(const Map& map) {
-  std::vector<std::string> keys;
-  for (const auto& entry : map) keys.push_back(entry.first);
-  return keys;
-}
-
-absl::Status ReadSection(const YamlReader& reader, const std::string& section,
-                         const YAML::Node& node, const std::map<std::string, Setter>& setters) {
-  if (absl::Status status = reader.CheckMap(node, section, KeysOf(setters)); !status.ok()) {
-    return status;
-  }
-  for (const auto& entry : node) {
-    const std::string key = entry.first.Scalar();
-    absl::Status status = setters.at(key)(strict::Path(section, key), entry.second);
-    if (!status.ok()) return status;
-  }
+template <typename T>
+absl::Status ReadScalar(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                        absl::string_view type, T* out) {
+  absl::StatusOr<T> value = reader.Scalar<T>(node, path, type);
+  if (!value.ok()) return value.status();
+  *out = *std::move(value);
   return absl::OkStatus();
 }
 
+absl::Status ReadValue(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                       std::string* out) {
+  return ReadScalar(reader, path, node, "a string", out);
+}
+absl::Status ReadValue(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                       int64_t* out) {
+  return ReadScalar(reader, path, node, "an integer", out);
+}
+absl::Status ReadValue(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                       double* out) {
+  return ReadScalar(reader, path, node, "a number", out);
+}
+absl::Status ReadValue(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                       bool* out) {
+  return ReadScalar(reader, path, node, "true or false", out);
+}
+absl::Status ReadValue(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                       std::vector<std::string>* out) {
+  absl::StatusOr<std::vector<std::string>> values =
+      reader.ScalarList<std::string>(node, path, "a list of strings", "a string");
+  if (!values.ok()) return values.status();
+  *out = *std::move(values);
+  return absl::OkStatus();
+}
+absl::Status ReadValue(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                       LogLevel* out) {
+  std::string name;
+  if (absl::Status status = ReadScalar(reader, path, node, "a string", &name); !status.ok()) {
+    return status;
+  }
+  if (!ParseLogLevel(name, out)) {
+    return reader.Error(node, absl::StrCat("key '", path,
+                                           "' must be one of debug, info, warning, error; got '",
+                                           name, "'"));
+  }
+  return absl::OkStatus();
+}
+// A map from names chosen by the writer to numbers (prefix_cache.pair_min_quality).
+absl::Status ReadValue(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                       std::map<std::string, double>* out) {
+  if (!node.IsMap()) return reader.WrongType(node, path, "a map from names to numbers");
+  if (absl::Status status = reader.CheckFreeMap(node, path); !status.ok()) return status;
+  for (const auto& entry : node) {
+    const std::string name = entry.first.Scalar();
+    double value = 0;
+    if (absl::Status status =
+            ReadScalar(reader, strict::Path(path, name), entry.second, "a number", &value);
+        !status.ok()) {
+      return status;
+    }
+    (*out)[name] = value;
+  }
+  return absl::OkStatus();
+}
 // metrics.prefill_cost: a map from target model name to {a, b, c}; every coefficient required.
-absl::Status ReadPrefillCosts(const YamlReader& reader, const std::string& key,
-                              const YAML::Node& node,
-                              std::map<std::string, KvtdConfig::Metrics::PrefillCost>* out) {
+absl::Status ReadValue(const YamlReader& reader, const std::string& path, const YAML::Node& node,
+                       std::map<std::string, KvtdConfig::Metrics::PrefillCost>* out) {
   if (!node.IsMap()) {
-    return reader.WrongType(node, key,
+    return reader.WrongType(node, path,
                             "a map from target model name to {a: ms, b: ms/token, c: ms/token^2}");
   }
-  if (absl::Status status = reader.CheckFreeMap(node, key); !status.ok()) return status;
+  if (absl::Status status = reader.CheckFreeMap(node, path); !status.ok()) return status;
   for (const auto& model : node) {
     const std::string name = model.first.Scalar();
-    const std::string model_key = strict::Path(key, name);
-    if (absl::Status s = reader.CheckMap(model.second, model_key, {"a", "b", "c"}); !s.ok()) {
+    const std::string model_path = strict::Path(path, name);
+    if (absl::Status s = reader.CheckMap(model.second, model_path, {"a", "b", "c"}); !s.ok()) {
       return s;
     }
     KvtdConfig::Metrics::PrefillCost cost;
     for (const auto& [coefficient, value] :
          {std::pair<const char*, double*>{"a", &cost.a}, {"b", &cost.b}, {"c", &cost.c}}) {
       if (absl::Status s =
-              reader.RequiredScalar(model.second, model_key, coefficient, "a number", value);
+              reader.RequiredScalar(model.second, model_path, coefficient, "a number", value);
           !s.ok()) {
         return s;
       }
@@ -69,41 +114,369 @@ absl::Status ReadPrefillCosts(const YamlReader& reader, const std::string& key,
   return absl::OkStatus();
 }
 
-// prefix_cache.pair_min_quality: a map from "source->target" to a quality floor.
-absl::Status ReadPairFloors(const YamlReader& reader, const std::string& key,
+template <typename T>
+nlohmann::json Render(const T& value) {
+  return value;
+}
+nlohmann::json Render(LogLevel level) { return std::string(LogLevelName(level)); }
+nlohmann::json Render(const std::map<std::string, KvtdConfig::Metrics::PrefillCost>& costs) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [model, cost] : costs) {
+    out[model] = {{"a", cost.a}, {"b", cost.b}, {"c", cost.c}};
+  }
+  return out;
+}
+
+// A value as error messages quote it: strings and numbers as they are, the rest as JSON.
+std::string Shown(const std::string& value) { return value; }
+std::string Shown(int64_t value) { return absl::StrCat(value); }
+std::string Shown(double value) { return absl::StrCat(value); }
+template <typename T>
+std::string Shown(const T& value) {
+  return Render(value).dump();
+}
+
+// ---- The schema's rows ----
+
+// One key, type-erased: how to read it, render it and check it.
+struct Row {
+  KvtdConfigKey key;
+  std::function<absl::Status(const YamlReader&, const YAML::Node&, KvtdConfig*)> read;
+  std::function<nlohmann::json(const KvtdConfig&)> render;
+  std::function<absl::Status(const KvtdConfig&)> check;
+};
+
+// Builds the Row of the KvtdConfig member `section.*member`, stored as T; the rule methods add
+// range checks whose errors name the key ("key 'x.y' = V is invalid: must be >= 1").
+template <typename T>
+class Key {
+ public:
+  // The rule a value breaks, or "" when it keeps it; sees the whole config for rules that
+  // compare keys (limits.max_inflight_bytes >= limits.max_request_bytes).
+  using Rule = std::function<std::string(const KvtdConfig&, const T&)>;
+  using Reader = std::function<absl::Status(const YamlReader&, const std::string& path,
+                                            const YAML::Node&, T*)>;
+
+  template <typename Section>
+  Key(const char* path, Section KvtdConfig::*section, T Section::*member)
+      : path_(path),
+        get_([section, member](KvtdConfig* config) { return &((config->*section).*member); }),
+        get_const_([section, member](const KvtdConfig& config) -> const T& {
+          return (config.*section).*member;
+        }) {}
+
+  // --flag overrides the key; `help` is its --help line.
+  Key&& Flag(const char* flag, const char* help) && {
+    flag_ = flag;
+    flag_help_ = help;
+    return std::move(*this);
+  }
+  Key&& AtLeast(T min, const char* note = "") && {
+    return std::move(*this).Check([min, note](const KvtdConfig&, const T& value) {
+      return value >= min ? std::string() : absl::StrCat("must be >= ", min, note);
+    });
+  }
+  Key&& Above(T min) && {
+    return std::move(*this).Check([min](const KvtdConfig&, const T& value) {
+      return value > min ? std::string() : absl::StrCat("must be > ", min);
+    });
+  }
+  Key&& InRange(T min, T max, const char* note = "") && {
+    return std::move(*this).Check([min, max, note](const KvtdConfig&, const T& value) {
+      return value >= min && value <= max ? std::string()
+                                          : absl::StrCat("must be in [", min, ", ", max, "]", note);
+    });
+  }
+  Key&& OneOf(std::vector<std::string> allowed) && {
+    return std::move(*this).Check([allowed](const KvtdConfig&, const T& value) {
+      for (const std::string& name : allowed) {
+        if (value == name) return std::string();
+      }
+      return absl::StrCat("must be ", absl::StrJoin(allowed.begin(), allowed.end() - 1, ", "),
+                          " or ", allowed.back());
+    });
+  }
+  Key&& Check(Rule rule) && {
+    rules_.push_back(std::move(rule));
+    return std::move(*this);
+  }
+  // Replaces the type's reader, for values with a form of their own (a pair name as a key).
+  Key&& ReadWith(Reader reader) && {
+    reader_ = std::move(reader);
+    return std::move(*this);
+  }
+
+  operator Row() && {
+    Row row;
+    row.key = {path_, flag_, flag_help_};
+    const std::string path = path_;
+    row.read = [path, get = get_, reader = reader_](const YamlReader& yaml,
+                                                    const YAML::Node& node, KvtdConfig* config) {
+      // Read into a copy so that a failed read leaves the config as it was.
+      T value = *get(config);
+      absl::Status status =
+          reader ? reader(yaml, path, node, &value) : ReadValue(yaml, path, node, &value);
+      if (status.ok()) *get(config) = std::move(value);
+      return status;
+    };
+    row.render = [get = get_const_](const KvtdConfig& config) { return Render(get(config)); };
+    row.check = [path, get = get_const_, rules = rules_](const KvtdConfig& config) {
+      for (const Rule& rule : rules) {
+        const std::string broken = rule(config, get(config));
+        if (!broken.empty()) {
+          return absl::InvalidArgumentError(absl::StrCat("key '", path, "' = ", Shown(get(config)),
+                                                         " is invalid: ", broken));
+        }
+      }
+      return absl::OkStatus();
+    };
+    return row;
+  }
+
+ private:
+  std::string path_;
+  std::function<T*(KvtdConfig*)> get_;
+  std::function<const T&(const KvtdConfig&)> get_const_;
+  std::string flag_;
+  std::string flag_help_;
+  std::vector<Rule> rules_;
+  Reader reader_;
+};
+
+// Key(KVTD_KEY(limits, max_tokens)): the path is spelled from the member's own names, so the
+// two cannot drift apart.
+#define KVTD_KEY(section, member) \
+  #section "." #member, &KvtdConfig::section, &decltype(KvtdConfig::section)::member
+
+std::string HostPort(const std::string& address, const char* rule) {
+  return address.empty() || address.rfind(':') != std::string::npos ? std::string() : rule;
+}
+
+// prefix_cache.pair_min_quality: keys are "source->target"; the error names the key's line.
+absl::Status ReadPairFloors(const YamlReader& reader, const std::string& path,
                             const YAML::Node& node, std::map<std::string, double>* out) {
   if (!node.IsMap()) {
-    return reader.WrongType(node, key,
+    return reader.WrongType(node, path,
                             "a map from \"source->target\" (model names) to a quality floor");
   }
-  if (absl::Status status = reader.CheckFreeMap(node, key); !status.ok()) return status;
+  if (absl::Status status = reader.CheckFreeMap(node, path); !status.ok()) return status;
   for (const auto& pair : node) {
     const std::string name = pair.first.Scalar();
-    const std::string pair_key = strict::Path(key, name);
     if (name.find("->") == std::string::npos) {
-      return reader.Error(pair.first, absl::StrCat("key '", pair_key,
+      return reader.Error(pair.first, absl::StrCat("key '", strict::Path(path, name),
                                                    "' must name a pair as \"source->target\" "
                                                    "(model names as in mapper manifests)"));
     }
-    absl::StatusOr<double> floor = reader.Scalar<double>(pair.second, pair_key, "a number");
-    if (!floor.ok()) return floor.status();
-    (*out)[name] = *floor;
+  }
+  return ReadValue(reader, path, node, out);
+}
+
+// THE list of kvtd.yaml's keys, in the file's order. A key is its KvtdConfig member (type and
+// default, server/config.h) plus one row here (path, rules, flag) plus its comment in
+// server/kvtd.yaml; config_test fails when these disagree. Rules that tie several keys to each
+// other without one key to blame are in CheckAcrossKeys below.
+const std::vector<Row>& Rows() {
+  static const std::vector<Row>* const rows = new std::vector<Row>{
+      Key(KVTD_KEY(server, listen_address))
+          .Check([](const KvtdConfig&, const std::string& address) {
+            return HostPort(address, "expected host:port");
+          })
+          .Flag("listen_address",
+                "Overrides server.listen_address (host:port; port 0 = any free port, logged)."),
+      // sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+      Key(KVTD_KEY(server, unix_socket))
+          .Check([](const KvtdConfig&, const std::string& path) {
+            return path.size() <= 107 ? std::string()
+                                      : "a unix socket path may have at most 107 characters";
+          })
+          .Flag("unix_socket", "Overrides server.unix_socket (extra listener)."),
+      Key(KVTD_KEY(server, max_message_bytes))
+          .InRange(1 << 20, (1ll << 31) - 1, " (1 MiB to 2 GiB - 1)"),
+      Key(KVTD_KEY(server, max_sync_threads)).AtLeast(4),
+
+      Key(KVTD_KEY(mapper_store, path))
+          .Flag("mapper_store", "Overrides mapper_store.path."),
+      Key(KVTD_KEY(mapper_store, host_budget_bytes))
+          .AtLeast(0, " (0: 80% of physical memory)"),
+      Key(KVTD_KEY(mapper_store, device_budget_bytes)).AtLeast(0, " (0: automatic)"),
+      Key(KVTD_KEY(mapper_store, reload_interval_seconds)).AtLeast(0, " (0: off)"),
+      Key(KVTD_KEY(mapper_store, acquire_timeout_seconds)).AtLeast(0),
+      Key(KVTD_KEY(mapper_store, load_on_scan)),
+      Key(KVTD_KEY(mapper_store, preload))
+          .Check([](const KvtdConfig&, const std::vector<std::string>& ids) {
+            for (const std::string& id : ids) {
+              if (id.empty() || id.find('/') != std::string::npos || id[0] == '.') {
+                return absl::StrCat("'", id,
+                                    "': entries are mapper ids (directory names in "
+                                    "mapper_store.path)");
+              }
+            }
+            return std::string();
+          }),
+
+      Key(KVTD_KEY(backend, type))
+          .OneOf({"auto", "cpu", "cuda"})
+          .Flag("backend", "Overrides backend.type: auto | cpu | cuda."),
+      Key(KVTD_KEY(backend, cpu_threads))
+          .AtLeast(0)
+          .Flag("cpu_threads", "Overrides backend.cpu_threads (0 = all cores)."),
+      Key(KVTD_KEY(backend, token_chunk)).AtLeast(16),
+      Key(KVTD_KEY(backend, cpu_gemm))
+          .OneOf({"auto", "bf16", "fp32"})
+          .Flag("cpu_gemm", "Overrides backend.cpu_gemm: auto | bf16 | fp32."),
+
+      Key(KVTD_KEY(limits, max_tokens))
+          .AtLeast(1)
+          .Flag("max_tokens", "Overrides limits.max_tokens."),
+      Key(KVTD_KEY(limits, max_request_bytes)).AtLeast(1),
+      Key(KVTD_KEY(limits, max_inflight_requests))
+          .AtLeast(1)
+          .Flag("max_inflight_requests", "Overrides limits.max_inflight_requests."),
+      Key(KVTD_KEY(limits, max_inflight_bytes))
+          .Check([](const KvtdConfig& config, const int64_t& bytes) {
+            return bytes >= config.limits.max_request_bytes
+                       ? std::string()
+                       : "must be >= limits.max_request_bytes";
+          }),
+      Key(KVTD_KEY(limits, response_chunk_bytes))
+          .Check([](const KvtdConfig& config, const int64_t& bytes) {
+            return bytes >= 4096 && bytes <= config.server.max_message_bytes / 2
+                       ? std::string()
+                       : "must be in [4096, server.max_message_bytes / 2]";
+          }),
+      Key(KVTD_KEY(limits, allow_non_finite))
+          .Flag("allow_non_finite",
+                "Sets limits.allow_non_finite: accept NaN and Inf in published and translated "
+                "caches."),
+
+      Key(KVTD_KEY(shutdown, drain_grace_seconds))
+          .AtLeast(0)
+          .Flag("drain_grace_seconds", "Overrides shutdown.drain_grace_seconds."),
+      Key(KVTD_KEY(shutdown, deadline_seconds))
+          .Above(0)
+          .Flag("shutdown_deadline_seconds", "Overrides shutdown.deadline_seconds."),
+
+      Key(KVTD_KEY(logging, level))
+          .Flag("log_level", "Overrides logging.level: debug | info | warning | error."),
+
+      Key(KVTD_KEY(shared_memory, allow_client_regions)),
+
+      Key(KVTD_KEY(transport, pipeline_min_tokens)).AtLeast(0),
+      Key(KVTD_KEY(transport, async_scatter_min_bytes)).AtLeast(0),
+
+      Key(KVTD_KEY(prefix_cache, enabled)),
+      Key(KVTD_KEY(prefix_cache, max_bytes)).AtLeast(0),
+      Key(KVTD_KEY(prefix_cache, ttl_seconds)).Above(0),
+      Key(KVTD_KEY(prefix_cache, block_tokens)).InRange(1, 4096),
+      Key(KVTD_KEY(prefix_cache, lease_seconds)).Above(0),
+      Key(KVTD_KEY(prefix_cache, min_mapper_quality)),
+      Key(KVTD_KEY(prefix_cache, min_r2_heldout)),
+      Key(KVTD_KEY(prefix_cache, pair_min_quality))
+          .ReadWith(ReadPairFloors),
+      Key(KVTD_KEY(prefix_cache, max_input_shift)).AtLeast(0, " (0: not checked)"),
+
+      Key(KVTD_KEY(security, tls_cert_file))
+          .Flag("tls_cert_file", "Overrides security.tls_cert_file (PEM, enables TLS)."),
+      Key(KVTD_KEY(security, tls_key_file))
+          .Flag("tls_key_file", "Overrides security.tls_key_file (PEM)."),
+      Key(KVTD_KEY(security, tls_client_ca_file))
+          .Flag("tls_client_ca_file",
+                "Overrides security.tls_client_ca_file (PEM CA; enables mTLS)."),
+      Key(KVTD_KEY(security, auth_token_file))
+          .Flag("auth_token_file",
+                "Overrides security.auth_token_file (\"TOKEN ROLE\" lines; enables bearer "
+                "auth)."),
+
+      Key(KVTD_KEY(metrics, listen_address))
+          .Check([](const KvtdConfig&, const std::string& address) {
+            return HostPort(address,
+                            "expected host:port (or \"\" to disable the metrics endpoint)");
+          })
+          .Flag("metrics_listen_address",
+                "Overrides metrics.listen_address: the Prometheus /metrics endpoint, host:port "
+                "(port 0 = any free port, logged in the 'metrics listening' line)."),
+      Key(KVTD_KEY(metrics, prefill_cost)),
+  };
+  return *rows;
+}
+
+#undef KVTD_KEY
+
+const Row* FindRow(absl::string_view path) {
+  for (const Row& row : Rows()) {
+    if (row.key.path == path) return &row;
+  }
+  return nullptr;
+}
+
+// "limits" of "limits.max_tokens".
+std::string SectionOf(const std::string& path) { return path.substr(0, path.find('.')); }
+std::string NameOf(const std::string& path) { return path.substr(path.find('.') + 1); }
+
+// Rules between keys that blame no single one of them, and rules per entry of a map.
+absl::Status CheckAcrossKeys(const KvtdConfig& config) {
+  if (config.server.listen_address.empty() && config.server.unix_socket.empty()) {
+    return absl::InvalidArgumentError(
+        "key 'server.listen_address' is empty and no 'server.unix_socket' is set: nothing to "
+        "listen on");
+  }
+  if (config.security.tls_cert_file.empty() != config.security.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "keys 'security.tls_cert_file' and 'security.tls_key_file' go together: set both for "
+        "TLS, or neither");
+  }
+  if (!config.security.tls_client_ca_file.empty() && config.security.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "key 'security.tls_client_ca_file' (mTLS) needs 'security.tls_cert_file' and "
+        "'security.tls_key_file' (TLS) too");
+  }
+  for (const auto& [model, cost] : config.metrics.prefill_cost) {
+    const std::string key = absl::StrCat("metrics.prefill_cost.", model);
+    auto bad = [&key](absl::string_view value, absl::string_view rule) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("key '", key, "' = ", value, " is invalid: ", rule));
+    };
+    if (cost.a < 0 || cost.b < 0 || cost.c < 0) {
+      return bad(absl::StrCat("{a: ", cost.a, ", b: ", cost.b, ", c: ", cost.c, "}"),
+                 "coefficients must be >= 0");
+    }
+    if (cost.a + cost.b + cost.c <= 0) {
+      return bad("{a: 0, b: 0, c: 0}", "at least one coefficient must be > 0");
+    }
   }
   return absl::OkStatus();
 }
 
-// A setter storing the scalar as T; `type` says what is expected ("an integer").
-template <typename T>
-Setter Store(const YamlReader& reader, T* out, const char* type) {
-  return [&reader, out, type](const std::string& key, const YAML::Node& node) -> absl::Status {
-    absl::StatusOr<T> value = reader.Scalar<T>(node, key, type);
-    if (!value.ok()) return value.status();
-    *out = *std::move(value);
-    return absl::OkStatus();
-  };
+}  // namespace
+
+const std::vector<KvtdConfigKey>& KvtdConfigKeys() {
+  static const std::vector<KvtdConfigKey>* const keys = [] {
+    auto* keys = new std::vector<KvtdConfigKey>;
+    for (const Row& row : Rows()) keys->push_back(row.key);
+    return keys;
+  }();
+  return *keys;
 }
 
-}  // namespace
+absl::Status SetKvtdConfigKey(absl::string_view path, absl::string_view text,
+                              absl::string_view source, KvtdConfig* config) {
+  const Row* row = FindRow(path);
+  if (row == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": unknown key '", path, "'"));
+  }
+  // A plain scalar node holding the text as given: read by the key's own reader, never parsed
+  // as YAML (a flag value "[x" or "a: b" is a string, not a list or a map).
+  const YAML::Node node(std::string{text});
+  return row->read(YamlReader(source), node, config);
+}
+
+std::string KvtdConfigToJson(const KvtdConfig& config, int indent) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const Row& row : Rows()) {
+    out[SectionOf(row.key.path)][NameOf(row.key.path)] = row.render(config);
+  }
+  return out.dump(indent);
+}
 
 absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
                                            absl::string_view source_name) {
@@ -114,95 +487,31 @@ absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
   const YAML::Node& root = *loaded;
   if (root.IsNull()) return config;  // empty file: all defaults
   if (!root.IsMap()) return reader.Error(root, "top level must be a map of sections");
-  auto str = [&reader](std::string* out) { return Store(reader, out, "a string"); };
-  auto i64 = [&reader](int64_t* out) { return Store(reader, out, "an integer"); };
-  auto f64 = [&reader](double* out) { return Store(reader, out, "a number"); };
-  auto flag = [&reader](bool* out) { return Store(reader, out, "true or false"); };
 
-  const std::map<std::string, std::map<std::string, Setter>> sections = {
-      {"server",
-       {{"listen_address", str(&config.server.listen_address)},
-        {"unix_socket", str(&config.server.unix_socket)},
-        {"max_message_bytes", i64(&config.server.max_message_bytes)},
-        {"max_sync_threads", i64(&config.server.max_sync_threads)}}},
-      {"mapper_store",
-       {{"path", str(&config.mapper_store.path)},
-        {"host_budget_bytes", i64(&config.mapper_store.host_budget_bytes)},
-        {"device_budget_bytes", i64(&config.mapper_store.device_budget_bytes)},
-        {"reload_interval_seconds", f64(&config.mapper_store.reload_interval_seconds)},
-        {"acquire_timeout_seconds", f64(&config.mapper_store.acquire_timeout_seconds)},
-        {"load_on_scan", flag(&config.mapper_store.load_on_scan)},
-        {"preload",
-         [&reader, &config](const std::string& key, const YAML::Node& node) -> absl::Status {
-           absl::StatusOr<std::vector<std::string>> ids =
-               reader.ScalarList<std::string>(node, key, "a list of mapper ids", "a mapper id");
-           if (!ids.ok()) return ids.status();
-           config.mapper_store.preload = *std::move(ids);
-           return absl::OkStatus();
-         }}}},
-      {"backend",
-       {{"type", str(&config.backend.type)},
-        {"cpu_threads", i64(&config.backend.cpu_threads)},
-        {"token_chunk", i64(&config.backend.token_chunk)},
-        {"cpu_gemm", str(&config.backend.cpu_gemm)}}},
-      {"limits",
-       {{"max_tokens", i64(&config.limits.max_tokens)},
-        {"max_request_bytes", i64(&config.limits.max_request_bytes)},
-        {"max_inflight_requests", i64(&config.limits.max_inflight_requests)},
-        {"max_inflight_bytes", i64(&config.limits.max_inflight_bytes)},
-        {"response_chunk_bytes", i64(&config.limits.response_chunk_bytes)},
-        {"allow_non_finite", flag(&config.limits.allow_non_finite)}}},
-      {"shutdown",
-       {{"drain_grace_seconds", f64(&config.shutdown.drain_grace_seconds)},
-        {"deadline_seconds", f64(&config.shutdown.deadline_seconds)}}},
-      {"logging",
-       {{"level",
-         [&reader, &config](const std::string& key, const YAML::Node& node) -> absl::Status {
-           absl::StatusOr<std::string> name = reader.Scalar<std::string>(node, key, "a string");
-           if (!name.ok()) return name.status();
-           if (!ParseLogLevel(*name, &config.logging.level)) {
-             return reader.Error(node, absl::StrCat("key '", key,
-                                                    "' must be one of debug, info, warning, "
-                                                    "error; got '", *name, "'"));
-           }
-           return absl::OkStatus();
-         }}}},
-      {"shared_memory",
-       {{"allow_client_regions", flag(&config.shared_memory.allow_client_regions)}}},
-      {"transport",
-       {{"pipeline_min_tokens", i64(&config.transport.pipeline_min_tokens)},
-        {"async_scatter_min_bytes", i64(&config.transport.async_scatter_min_bytes)}}},
-      {"prefix_cache",
-       {{"enabled", flag(&config.prefix_cache.enabled)},
-        {"max_bytes", i64(&config.prefix_cache.max_bytes)},
-        {"ttl_seconds", f64(&config.prefix_cache.ttl_seconds)},
-        {"block_tokens", i64(&config.prefix_cache.block_tokens)},
-        {"lease_seconds", f64(&config.prefix_cache.lease_seconds)},
-        {"min_mapper_quality", f64(&config.prefix_cache.min_mapper_quality)},
-        {"min_r2_heldout", f64(&config.prefix_cache.min_r2_heldout)},
-        {"max_input_shift", f64(&config.prefix_cache.max_input_shift)},
-        {"pair_min_quality", [&reader, &config](const std::string& key, const YAML::Node& node) {
-           return ReadPairFloors(reader, key, node, &config.prefix_cache.pair_min_quality);
-         }}}},
-      {"security",
-       {{"tls_cert_file", str(&config.security.tls_cert_file)},
-        {"tls_key_file", str(&config.security.tls_key_file)},
-        {"tls_client_ca_file", str(&config.security.tls_client_ca_file)},
-        {"auth_token_file", str(&config.security.auth_token_file)}}},
-      {"metrics",
-       {{"listen_address", str(&config.metrics.listen_address)},
-        {"prefill_cost", [&reader, &config](const std::string& key, const YAML::Node& node) {
-           return ReadPrefillCosts(reader, key, node, &config.metrics.prefill_cost);
-         }}}},
-  };
-
-  if (absl::Status status = reader.CheckMap(root, "", KeysOf(sections)); !status.ok()) {
-    return status;
+  // Sections and their keys, in the schema's order (the order unknown-key errors list them).
+  std::vector<std::string> sections;
+  std::map<std::string, std::vector<std::string>> keys;
+  std::map<std::string, const Row*> rows;
+  for (const Row& row : Rows()) {
+    const std::string section = SectionOf(row.key.path);
+    if (keys.find(section) == keys.end()) sections.push_back(section);
+    keys[section].push_back(NameOf(row.key.path));
+    rows[row.key.path] = &row;
   }
-  for (const auto& entry : root) {
-    const std::string section = entry.first.Scalar();
-    absl::Status status = ReadSection(reader, section, entry.second, sections.at(section));
-    if (!status.ok()) return status;
+  if (absl::Status status = reader.CheckMap(root, "", sections); !status.ok()) return status;
+  for (const auto& section : root) {
+    const std::string name = section.first.Scalar();
+    if (absl::Status status = reader.CheckMap(section.second, name, keys.at(name));
+        !status.ok()) {
+      return status;
+    }
+    for (const auto& entry : section.second) {
+      const std::string path = strict::Path(name, entry.first.Scalar());
+      if (absl::Status status = rows.at(path)->read(reader, entry.second, &config);
+          !status.ok()) {
+        return status;
+      }
+    }
   }
   absl::Status status = ValidateKvtdConfig(config);
   if (!status.ok()) {
@@ -220,144 +529,10 @@ absl::StatusOr<KvtdConfig> LoadKvtdConfigFile(const std::string& path) {
 }
 
 absl::Status ValidateKvtdConfig(const KvtdConfig& config) {
-  auto bad = [](absl::string_view key, auto value, absl::string_view rule) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("key '", key, "' = ", value, " is invalid: ", rule));
-  };
-  if (config.server.listen_address.empty() && config.server.unix_socket.empty()) {
-    return absl::InvalidArgumentError(
-        "key 'server.listen_address' is empty and no 'server.unix_socket' is set: nothing to "
-        "listen on");
+  for (const Row& row : Rows()) {
+    if (absl::Status status = row.check(config); !status.ok()) return status;
   }
-  if (!config.server.listen_address.empty() &&
-      config.server.listen_address.rfind(':') == std::string::npos) {
-    return bad("server.listen_address", config.server.listen_address, "expected host:port");
-  }
-  // sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
-  if (config.server.unix_socket.size() > 107) {
-    return bad("server.unix_socket", config.server.unix_socket,
-               "a unix socket path may have at most 107 characters");
-  }
-  if (config.server.max_message_bytes < (1 << 20) || config.server.max_message_bytes > (1ll << 31) - 1) {
-    return bad("server.max_message_bytes", config.server.max_message_bytes,
-               "must be in [1 MiB, 2 GiB)");
-  }
-  if (config.server.max_sync_threads < 4) {
-    return bad("server.max_sync_threads", config.server.max_sync_threads, "must be >= 4");
-  }
-  if (config.mapper_store.host_budget_bytes < 0) {
-    return bad("mapper_store.host_budget_bytes", config.mapper_store.host_budget_bytes,
-               "must be >= 0 (0: 80% of physical memory)");
-  }
-  if (config.mapper_store.device_budget_bytes < 0) {
-    return bad("mapper_store.device_budget_bytes", config.mapper_store.device_budget_bytes,
-               "must be >= 0 (0: automatic)");
-  }
-  if (config.mapper_store.reload_interval_seconds < 0) {
-    return bad("mapper_store.reload_interval_seconds",
-               config.mapper_store.reload_interval_seconds, "must be >= 0 (0: off)");
-  }
-  if (config.mapper_store.acquire_timeout_seconds < 0) {
-    return bad("mapper_store.acquire_timeout_seconds",
-               config.mapper_store.acquire_timeout_seconds, "must be >= 0");
-  }
-  for (const std::string& id : config.mapper_store.preload) {
-    if (id.empty() || id.find('/') != std::string::npos || id[0] == '.') {
-      return bad("mapper_store.preload", absl::StrCat("'", id, "'"),
-                 "entries are mapper ids (directory names in mapper_store.path)");
-    }
-  }
-  if (config.backend.type != "auto" && config.backend.type != "cpu" &&
-      config.backend.type != "cuda") {
-    return bad("backend.type", config.backend.type, "must be auto, cpu or cuda");
-  }
-  if (config.backend.cpu_threads < 0) {
-    return bad("backend.cpu_threads", config.backend.cpu_threads, "must be >= 0");
-  }
-  if (config.backend.cpu_gemm != "auto" && config.backend.cpu_gemm != "bf16" &&
-      config.backend.cpu_gemm != "fp32") {
-    return bad("backend.cpu_gemm", config.backend.cpu_gemm, "must be auto, bf16 or fp32");
-  }
-  if (config.backend.token_chunk < 16) {
-    return bad("backend.token_chunk", config.backend.token_chunk, "must be >= 16");
-  }
-  if (config.limits.max_tokens < 1) {
-    return bad("limits.max_tokens", config.limits.max_tokens, "must be >= 1");
-  }
-  if (config.limits.max_request_bytes < 1) {
-    return bad("limits.max_request_bytes", config.limits.max_request_bytes, "must be >= 1");
-  }
-  if (config.limits.max_inflight_requests < 1) {
-    return bad("limits.max_inflight_requests", config.limits.max_inflight_requests,
-               "must be >= 1");
-  }
-  if (config.limits.max_inflight_bytes < config.limits.max_request_bytes) {
-    return bad("limits.max_inflight_bytes", config.limits.max_inflight_bytes,
-               "must be >= limits.max_request_bytes");
-  }
-  if (config.limits.response_chunk_bytes < 4096 ||
-      config.limits.response_chunk_bytes > config.server.max_message_bytes / 2) {
-    return bad("limits.response_chunk_bytes", config.limits.response_chunk_bytes,
-               "must be in [4096, server.max_message_bytes / 2]");
-  }
-  if (config.transport.pipeline_min_tokens < 0) {
-    return bad("transport.pipeline_min_tokens", config.transport.pipeline_min_tokens,
-               "must be >= 0");
-  }
-  if (config.transport.async_scatter_min_bytes < 0) {
-    return bad("transport.async_scatter_min_bytes", config.transport.async_scatter_min_bytes,
-               "must be >= 0");
-  }
-  const KvtdConfig::PrefixCache& prefix = config.prefix_cache;
-  if (prefix.max_bytes < 0) {
-    return bad("prefix_cache.max_bytes", prefix.max_bytes, "must be >= 0");
-  }
-  if (prefix.ttl_seconds <= 0) {
-    return bad("prefix_cache.ttl_seconds", prefix.ttl_seconds, "must be > 0");
-  }
-  if (prefix.block_tokens < 1 || prefix.block_tokens > 4096) {
-    return bad("prefix_cache.block_tokens", prefix.block_tokens, "must be in [1, 4096]");
-  }
-  if (prefix.lease_seconds <= 0) {
-    return bad("prefix_cache.lease_seconds", prefix.lease_seconds, "must be > 0");
-  }
-  if (prefix.max_input_shift < 0) {
-    return bad("prefix_cache.max_input_shift", prefix.max_input_shift,
-               "must be >= 0 (0: not checked)");
-  }
-  if (config.security.tls_cert_file.empty() != config.security.tls_key_file.empty()) {
-    return absl::InvalidArgumentError(
-        "keys 'security.tls_cert_file' and 'security.tls_key_file' go together: set both for "
-        "TLS, or neither");
-  }
-  if (!config.security.tls_client_ca_file.empty() && config.security.tls_cert_file.empty()) {
-    return absl::InvalidArgumentError(
-        "key 'security.tls_client_ca_file' (mTLS) needs 'security.tls_cert_file' and "
-        "'security.tls_key_file' (TLS) too");
-  }
-  if (config.shutdown.drain_grace_seconds < 0) {
-    return bad("shutdown.drain_grace_seconds", config.shutdown.drain_grace_seconds,
-               "must be >= 0");
-  }
-  if (config.shutdown.deadline_seconds <= 0) {
-    return bad("shutdown.deadline_seconds", config.shutdown.deadline_seconds, "must be > 0");
-  }
-  if (!config.metrics.listen_address.empty() &&
-      config.metrics.listen_address.rfind(':') == std::string::npos) {
-    return bad("metrics.listen_address", config.metrics.listen_address,
-               "expected host:port (or \"\" to disable the metrics endpoint)");
-  }
-  for (const auto& [model, cost] : config.metrics.prefill_cost) {
-    const std::string key = absl::StrCat("metrics.prefill_cost.", model);
-    if (cost.a < 0 || cost.b < 0 || cost.c < 0) {
-      return bad(key, absl::StrCat("{a: ", cost.a, ", b: ", cost.b, ", c: ", cost.c, "}"),
-                 "coefficients must be >= 0");
-    }
-    if (cost.a + cost.b + cost.c <= 0) {
-      return bad(key, "{a: 0, b: 0, c: 0}", "at least one coefficient must be > 0");
-    }
-  }
-  return absl::OkStatus();
+  return CheckAcrossKeys(config);
 }
 
 }  // namespace kvt

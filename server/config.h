@@ -1,6 +1,6 @@
 // kvtd configuration: the YAML file (every key documented in server/kvtd.yaml), validated
 // strictly (unknown keys and bad values are errors naming the key and line), then command-line
-// flags on top.
+// flags on top; one schema of keys behind all of it.
 #pragma once
 
 #include <cstdint>
@@ -116,12 +116,36 @@ struct KvtdConfig {
   } metrics;
 };
 
+// One key of kvtd.yaml as the schema describes it. The schema (kKeys in server/config.cc) is the
+// one list of keys: the YAML parser, the flag overrides (server/config_flags.h), the JSON
+// rendering and the validation are all derived from it; config_test checks server/kvtd.yaml
+// against it. docs/OPERATIONS.md, "Adding a kvtd key", says how to add one.
+struct KvtdConfigKey {
+  std::string path;       // "section.key", as in kvtd.yaml: "limits.max_tokens"
+  std::string flag;       // the command-line flag overriding it, without "--"; "" = none
+  std::string flag_help;  // that flag's --help text
+};
+
+// Every key, in kvtd.yaml's order.
+const std::vector<KvtdConfigKey>& KvtdConfigKeys();
+
+// Sets the key `path` from text as a command line gives it ("4096", "true", "cpu"), read like
+// the same value in kvtd.yaml; errors name `source` (the flag) and the key. Not validated: call
+// ValidateKvtdConfig when every override is in.
+absl::Status SetKvtdConfigKey(absl::string_view path, absl::string_view text,
+                              absl::string_view source, KvtdConfig* config);
+
+// The whole config as JSON, nested like kvtd.yaml ({"limits": {"max_tokens": 131072, ...}}),
+// every key present; `indent` as nlohmann::json::dump's (-1: one line).
+std::string KvtdConfigToJson(const KvtdConfig& config, int indent = 2);
+
 // Parses YAML text; `source_name` (a path) prefixes error messages.
 absl::StatusOr<KvtdConfig> ParseKvtdConfig(absl::string_view yaml_text,
                                            absl::string_view source_name);
 absl::StatusOr<KvtdConfig> LoadKvtdConfigFile(const std::string& path);
 
-// Range checks shared by the file and the flag overrides; errors name the key.
+// The schema's range checks of every key, then the rules that tie keys together (TLS files go in
+// pairs, something to listen on); shared by the file and the flag overrides; errors name the key.
 absl::Status ValidateKvtdConfig(const KvtdConfig& config);
 
 }  // namespace kvt

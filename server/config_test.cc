@@ -1,14 +1,182 @@
 #include "server/config.h"
 
+#include <algorithm>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "yaml-cpp/yaml.h"
 
 namespace kvt {
 namespace {
 
 using ::testing::HasSubstr;
+
+std::string ReadShippedFile() {
+  std::ifstream in("server/kvtd.yaml");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::string SectionOf(const std::string& path) { return path.substr(0, path.find('.')); }
+std::string NameOf(const std::string& path) { return path.substr(path.find('.') + 1); }
+
+// ---- The schema against the shipped kvtd.yaml: fails when they drift apart ----
+
+TEST(ConfigSchemaTest, KeysAreUniqueAndEachIsRendered) {
+  std::set<std::string> paths;
+  for (const KvtdConfigKey& key : KvtdConfigKeys()) {
+    EXPECT_TRUE(paths.insert(key.path).second) << "twice in the schema: " << key.path;
+    EXPECT_EQ(std::count(key.path.begin(), key.path.end(), '.'), 1) << key.path;
+    EXPECT_EQ(key.flag.empty(), key.flag_help.empty()) << key.path << ": a flag needs its help";
+  }
+  const nlohmann::json rendered = nlohmann::json::parse(KvtdConfigToJson(KvtdConfig()));
+  size_t rendered_keys = 0;
+  for (const auto& [section, keys] : rendered.items()) {
+    for (const auto& [name, value] : keys.items()) {
+      EXPECT_TRUE(paths.count(section + "." + name)) << section << "." << name;
+      ++rendered_keys;
+    }
+  }
+  EXPECT_EQ(rendered_keys, paths.size());
+}
+
+TEST(ConfigSchemaTest, ShippedFileHoldsEveryKeyWithItsDefault) {
+  const YAML::Node shipped = YAML::Load(ReadShippedFile());
+  absl::StatusOr<KvtdConfig> parsed = ParseKvtdConfig(ReadShippedFile(), "server/kvtd.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  const nlohmann::json from_file = nlohmann::json::parse(KvtdConfigToJson(*parsed));
+  const nlohmann::json defaults = nlohmann::json::parse(KvtdConfigToJson(KvtdConfig()));
+  for (const KvtdConfigKey& key : KvtdConfigKeys()) {
+    const std::string section = SectionOf(key.path);
+    const std::string name = NameOf(key.path);
+    EXPECT_TRUE(shipped[section][name].IsDefined())
+        << key.path << " is not documented in server/kvtd.yaml";
+    EXPECT_EQ(from_file[section][name], defaults[section][name])
+        << key.path << ": server/kvtd.yaml shows another value than the default in config.h";
+  }
+}
+
+// The comment above a key in kvtd.yaml (keys listed one under another share the comment above
+// the first).
+std::string CommentAbove(const std::vector<std::string>& lines, const std::string& path) {
+  const std::string section_line = SectionOf(path) + ":";
+  const std::string key_line = "  " + NameOf(path) + ":";
+  size_t at = 0;
+  while (at < lines.size() && lines[at] != section_line) ++at;
+  while (at < lines.size() && lines[at].rfind(key_line, 0) != 0) ++at;
+  if (at == lines.size()) return "";
+  while (at > 0 && lines[at - 1].rfind("  #", 0) != 0 && lines[at - 1].rfind("  ", 0) == 0) {
+    --at;  // the keys above that share the comment
+  }
+  std::string comment;
+  while (at > 0 && lines[at - 1].rfind("  #", 0) == 0) comment = lines[--at] + "\n" + comment;
+  return comment;
+}
+
+TEST(ConfigSchemaTest, ShippedFileNamesEveryOverrideFlag) {
+  std::vector<std::string> lines;
+  std::istringstream text(ReadShippedFile());
+  for (std::string line; std::getline(text, line);) lines.push_back(line);
+  std::set<std::string> flags = {"config", "helpfull"};  // kvtd's own, not keys'
+  for (const KvtdConfigKey& key : KvtdConfigKeys()) {
+    if (key.flag.empty()) continue;
+    flags.insert(key.flag);
+    EXPECT_THAT(CommentAbove(lines, key.path), HasSubstr("--" + key.flag))
+        << "server/kvtd.yaml's comment on " << key.path << " should say \"Flag: --" << key.flag
+        << "\"";
+  }
+  // And no flag named there that is not one.
+  const std::string all = ReadShippedFile();
+  const std::regex flag_pattern("--([a-z_]+)");
+  for (auto it = std::sregex_iterator(all.begin(), all.end(), flag_pattern);
+       it != std::sregex_iterator(); ++it) {
+    EXPECT_TRUE(flags.count((*it)[1])) << "server/kvtd.yaml names --" << (*it)[1]
+                                      << ", which overrides no key";
+  }
+}
+
+TEST(ConfigSchemaTest, UnknownKeysOfEverySectionAreRefusedByName) {
+  std::set<std::string> sections;
+  for (const KvtdConfigKey& key : KvtdConfigKeys()) sections.insert(SectionOf(key.path));
+  for (const std::string& section : sections) {
+    absl::StatusOr<KvtdConfig> config =
+        ParseKvtdConfig(section + ":\n  no_such_key: 1\n", "u.yaml");
+    ASSERT_FALSE(config.ok()) << section;
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr("u.yaml:2"));
+    EXPECT_THAT(std::string(config.status().message()),
+                HasSubstr("unknown key '" + section + ".no_such_key'"));
+  }
+}
+
+TEST(ConfigSchemaTest, JsonIsNestedLikeTheFile) {
+  KvtdConfig config;
+  config.limits.max_tokens = 4096;
+  config.logging.level = LogLevel::kDebug;
+  config.mapper_store.preload = {"a-to-b"};
+  config.prefix_cache.pair_min_quality["a->b"] = 0.5;
+  config.metrics.prefill_cost["m"] = {1, 2, 3};
+  const nlohmann::json json = nlohmann::json::parse(KvtdConfigToJson(config));
+  EXPECT_EQ(json["limits"]["max_tokens"], 4096);
+  EXPECT_EQ(json["logging"]["level"], "debug");
+  EXPECT_EQ(json["server"]["listen_address"], "0.0.0.0:50051");
+  EXPECT_EQ(json["mapper_store"]["preload"], nlohmann::json({"a-to-b"}));
+  EXPECT_EQ(json["mapper_store"]["load_on_scan"], true);
+  EXPECT_EQ(json["prefix_cache"]["pair_min_quality"]["a->b"], 0.5);
+  EXPECT_EQ(json["metrics"]["prefill_cost"]["m"], nlohmann::json({{"a", 1}, {"b", 2}, {"c", 3}}));
+}
+
+TEST(ConfigSchemaTest, TextIsReadLikeTheSameValueInTheFile) {
+  KvtdConfig config;
+  ASSERT_TRUE(SetKvtdConfigKey("limits.max_tokens", "4096", "--max_tokens=4096", &config).ok());
+  EXPECT_EQ(config.limits.max_tokens, 4096);
+  ASSERT_TRUE(SetKvtdConfigKey("limits.allow_non_finite", "true", "--x", &config).ok());
+  EXPECT_TRUE(config.limits.allow_non_finite);
+  ASSERT_TRUE(SetKvtdConfigKey("logging.level", "error", "--x", &config).ok());
+  EXPECT_EQ(config.logging.level, LogLevel::kError);
+  // A string stays a string, whatever YAML would make of it.
+  ASSERT_TRUE(SetKvtdConfigKey("server.unix_socket", "[a: b", "--x", &config).ok());
+  EXPECT_EQ(config.server.unix_socket, "[a: b");
+
+  absl::Status bad = SetKvtdConfigKey("limits.max_tokens", "lots", "--max_tokens=lots", &config);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("--max_tokens=lots"));
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("limits.max_tokens"));
+  EXPECT_EQ(config.limits.max_tokens, 4096);  // a failed read changes nothing
+  bad = SetKvtdConfigKey("logging.level", "loud", "--log_level=loud", &config);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("logging.level"));
+  bad = SetKvtdConfigKey("limits.max_tokenz", "1", "--x", &config);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("unknown key 'limits.max_tokenz'"));
+}
+
+// Whatever a key is set to, an error it causes names it: values of every kind, out of every
+// range, for every key of the schema.
+TEST(ConfigSchemaTest, EveryErrorNamesTheKeyThatCausedIt) {
+  int refused = 0;
+  for (const KvtdConfigKey& key : KvtdConfigKeys()) {
+    for (const char* text : {"-1", "0", "1e30", "nonsense", "[1, 2]"}) {
+      KvtdConfig config;
+      absl::Status status = SetKvtdConfigKey(key.path, text, "--test", &config);
+      if (status.ok()) status = ValidateKvtdConfig(config);
+      if (status.ok()) continue;
+      ++refused;
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << key.path << " = " << text;
+      EXPECT_THAT(std::string(status.message()), HasSubstr("'" + key.path))
+          << key.path << " = " << text;
+    }
+  }
+  EXPECT_GT(refused, static_cast<int>(KvtdConfigKeys().size()));
+}
+
+// ---- The parser and its rules ----
 
 TEST(ConfigTest, ExampleFileParsesToTheDefaults) {
   absl::StatusOr<KvtdConfig> config = LoadKvtdConfigFile("server/kvtd.yaml");

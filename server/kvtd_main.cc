@@ -11,44 +11,25 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/str_cat.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "common/allocator.h"
 #include "common/logging.h"
 #include "mapper_store/store.h"
 #include "server/mapper_store_setup.h"
 #include "server/backend_select.h"
 #include "server/config.h"
+#include "server/config_flags.h"
 #include "server/kvtd_server.h"
 
 ABSL_FLAG(std::string, config, "",
           "Path of kvtd.yaml (every key documented in server/kvtd.yaml). Empty: defaults.");
-ABSL_FLAG(std::string, listen_address, "",
-          "Overrides server.listen_address (host:port; port 0 = any free port, logged).");
-ABSL_FLAG(std::string, unix_socket, "", "Overrides server.unix_socket (extra listener).");
-ABSL_FLAG(std::string, mapper_store, "", "Overrides mapper_store.path.");
-ABSL_FLAG(std::string, backend, "", "Overrides backend.type: auto | cpu | cuda.");
-ABSL_FLAG(std::string, cpu_gemm, "", "Overrides backend.cpu_gemm: auto | bf16 | fp32.");
-ABSL_FLAG(int64_t, cpu_threads, -1, "Overrides backend.cpu_threads (0 = all cores).");
-ABSL_FLAG(int64_t, max_tokens, -1, "Overrides limits.max_tokens.");
-ABSL_FLAG(int64_t, max_inflight_requests, -1, "Overrides limits.max_inflight_requests.");
-ABSL_FLAG(bool, allow_non_finite, false,
-          "Sets limits.allow_non_finite: accept NaN and Inf in published and translated caches.");
-ABSL_FLAG(double, drain_grace_seconds, -1, "Overrides shutdown.drain_grace_seconds.");
-ABSL_FLAG(double, shutdown_deadline_seconds, -1, "Overrides shutdown.deadline_seconds.");
-ABSL_FLAG(std::string, tls_cert_file, "", "Overrides security.tls_cert_file (PEM, enables TLS).");
-ABSL_FLAG(std::string, tls_key_file, "", "Overrides security.tls_key_file (PEM).");
-ABSL_FLAG(std::string, tls_client_ca_file, "",
-          "Overrides security.tls_client_ca_file (PEM CA; enables mTLS).");
-ABSL_FLAG(std::string, auth_token_file, "",
-          "Overrides security.auth_token_file (\"TOKEN ROLE\" lines; enables bearer auth).");
 ABSL_FLAG(bool, self_check, false,
           "Only run the backend selection with its start-up self-checks (backend.type decides "
           "which engines), print one line per check to stdout and exit: 0 when every check that "
           "ran passed, 1 when one failed, 2 when the selection itself failed (forced cuda).");
-ABSL_FLAG(std::string, log_level, "", "Overrides logging.level: debug | info | warning | error.");
-ABSL_FLAG(std::string, metrics_listen_address, "",
-          "Overrides metrics.listen_address: the Prometheus /metrics endpoint, host:port (port 0 "
-          "= any free port, logged in the 'metrics listening' line).");
+// The flags that override kvtd.yaml keys (--listen_address, --backend, ...) are defined with the
+// keys' schema, in server/config_flags.cc.
 
 namespace kvt {
 namespace {
@@ -67,43 +48,8 @@ absl::StatusOr<KvtdConfig> BuildConfig() {
     if (!loaded.ok()) return loaded.status();
     config = *loaded;
   }
-  auto override_string = [](const absl::Flag<std::string>& flag, std::string* value) {
-    const std::string flag_value = absl::GetFlag(flag);
-    if (!flag_value.empty()) *value = flag_value;
-  };
-  override_string(FLAGS_listen_address, &config.server.listen_address);
-  override_string(FLAGS_unix_socket, &config.server.unix_socket);
-  override_string(FLAGS_mapper_store, &config.mapper_store.path);
-  override_string(FLAGS_backend, &config.backend.type);
-  override_string(FLAGS_cpu_gemm, &config.backend.cpu_gemm);
-  override_string(FLAGS_tls_cert_file, &config.security.tls_cert_file);
-  override_string(FLAGS_tls_key_file, &config.security.tls_key_file);
-  override_string(FLAGS_tls_client_ca_file, &config.security.tls_client_ca_file);
-  override_string(FLAGS_auth_token_file, &config.security.auth_token_file);
-  override_string(FLAGS_metrics_listen_address, &config.metrics.listen_address);
-  if (absl::GetFlag(FLAGS_cpu_threads) >= 0) {
-    config.backend.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
-  }
-  if (absl::GetFlag(FLAGS_max_tokens) >= 0) config.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens);
-  if (absl::GetFlag(FLAGS_allow_non_finite)) config.limits.allow_non_finite = true;
-  if (absl::GetFlag(FLAGS_max_inflight_requests) >= 0) {
-    config.limits.max_inflight_requests = absl::GetFlag(FLAGS_max_inflight_requests);
-  }
-  if (absl::GetFlag(FLAGS_drain_grace_seconds) >= 0) {
-    config.shutdown.drain_grace_seconds = absl::GetFlag(FLAGS_drain_grace_seconds);
-  }
-  if (absl::GetFlag(FLAGS_shutdown_deadline_seconds) >= 0) {
-    config.shutdown.deadline_seconds = absl::GetFlag(FLAGS_shutdown_deadline_seconds);
-  }
-  const std::string level = absl::GetFlag(FLAGS_log_level);
-  if (!level.empty() && !ParseLogLevel(level, &config.logging.level)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--log_level=", level, " must be debug, info, warning or error"));
-  }
-  absl::Status valid = ValidateKvtdConfig(config);
-  if (!valid.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("after flag overrides: ", valid.message()));
-  }
+  absl::Status overridden = ApplyKvtdFlagOverrides(&config);
+  if (!overridden.ok()) return overridden;
   return config;
 }
 
@@ -230,6 +176,15 @@ int main(int argc, char** argv) {
       "below override it. Logs are JSON lines on stderr; the 'listening' line gives the port. "
       "SIGTERM/SIGINT: health turns NOT_SERVING, in-flight requests finish within "
       "shutdown.deadline_seconds, exit 0.");
+  // --help lists only the flags of the program's own file unless told otherwise; the overrides
+  // of kvtd.yaml keys live with the config schema in server/config_flags.cc.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/kvtd_main.cc") ||
+           absl::EndsWith(file, "server/config_flags.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   return kvt::Run();
 }
