@@ -173,6 +173,13 @@ absl::Status CheckPagedBounds(const PagedLayout& paged, int num_layers, int64_t 
   }
   for (int l = 0; l < num_layers; ++l) {
     const int64_t at = offsets[static_cast<size_t>(l)];
+    // Elements are read and written in place through typed pointers: a layer that starts
+    // between two elements would make every access misaligned.
+    if (paged.element_size <= 0 || at % paged.element_size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".layer_offsets[", l, "]=", at, " is not a multiple of the element size (",
+          paged.element_size, " bytes)"));
+    }
     if (at < 0 || at > range_bytes || *extent > range_bytes - at) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".layer_offsets[", l, "]=", at, ": the layer's ", *extent,

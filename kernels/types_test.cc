@@ -61,7 +61,7 @@ bool ReferenceAccepts(const PagedLayout& p, int layers, int64_t range) {
   if (!p.engine_order) return Mul(layers, extent) == u128(range);
   if (static_cast<int>(p.engine_order->layer_offsets.size()) != layers) return false;
   for (const int64_t at : p.engine_order->layer_offsets) {
-    if (at < 0 || Add(u128(at), extent) > u128(range)) return false;
+    if (at < 0 || at % p.element_size != 0 || Add(u128(at), extent) > u128(range)) return false;
   }
   return true;
 }
@@ -100,7 +100,11 @@ PagedLayout RandomLayout(Draw& d, bool engine, int layers) {
     EngineBlockOrder o;
     o.block_stride = d.Stride();
     for (BlockStrides& s : o.kv) s = {d.Stride(), d.Stride(), d.Stride(), d.Stride()};
-    for (int l = 0; l < layers; ++l) o.layer_offsets.push_back(d.Stride());
+    for (int l = 0; l < layers; ++l) {
+      // Mostly whole elements (a real engine's layers), sometimes between two.
+      const int64_t at = d.Stride();
+      o.layer_offsets.push_back(d.Next() % 8 == 0 ? at : at / p.element_size * p.element_size);
+    }
     p.engine_order = o;
   }
   return p;
@@ -185,6 +189,26 @@ TEST(PagedBounds, WrappingStandardGeometryIsRefused) {
   EXPECT_NE(s.message().find("header.input.region.byte_size=0 but the paged cache is over 2^63"),
             std::string::npos)
       << s;
+}
+
+// An engine order whose layer starts between two elements is refused (found by the surface
+// fuzzer: a bf16 layer at an odd byte offset was read through uint16_t pointers, misaligned).
+TEST(PagedBounds, EngineOrderLayerBetweenElementsIsRefused) {
+  PagedLayout p{Layout::kNHD, 4, 2, 1, 8, 2};
+  EngineBlockOrder o;
+  o.block_stride = 32;
+  o.kv[0] = {0, 8, 8, 1};
+  o.kv[1] = {16, 8, 8, 1};
+  o.layer_offsets = {0, 257};
+  p.engine_order = o;
+  absl::Status s = CheckEngineBlockOrder(p, 2, 4096, "header.output.region.paged.engine_order");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("header.output.region.paged.engine_order.layer_offsets[1]=257 is "
+                             "not a multiple of the element size (2 bytes)"),
+            std::string::npos)
+      << s;
+  p.engine_order->layer_offsets = {0, 256};
+  EXPECT_TRUE(CheckEngineBlockOrder(p, 2, 4096, "f").ok());
 }
 
 TEST(CheckedMath, DetectsOverflow) {
