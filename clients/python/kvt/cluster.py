@@ -232,7 +232,8 @@ class _Workers:
     a hung store call never holds the process at exit either."""
 
     def __init__(self, threads: int) -> None:
-        self._queue: "queue.Queue[Tuple[Callable[[], Any], Future[Any]]]" = queue.Queue()
+        self._queue: "queue.Queue[Optional[Tuple[Callable[[], Any], Future[Any]]]]" = (
+            queue.Queue())
         self._lock = threading.Lock()
         self._threads = threads
         self._overdue: set = set()
@@ -242,7 +243,10 @@ class _Workers:
 
     def _loop(self) -> None:
         while True:
-            fn, future = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, future = item
             if not future.set_running_or_notify_cancel():
                 continue
             with self._lock:
@@ -264,12 +268,16 @@ class _Workers:
         end = time.monotonic() + timeout
         while True:
             with self._lock:
-                if self._running == 0 and self._queue.empty():
+                if self._running == 0:
                     return True
             if time.monotonic() >= end:
                 return False
             time.sleep(0.005)
 
+    def shutdown(self) -> None:
+        """Each thread ends after the call it runs (if any) returns."""
+        for _ in range(self._threads):
+            self._queue.put(None)
 
     def run(self, what: str, fn: Callable[[], T], timeout: float) -> T:
         with self._lock:
@@ -407,6 +415,10 @@ class ClusterStore:
 
     def __init__(self, config: StoreConfig, timeout: Optional[float] = None) -> None:
         self.config = config
+        try:
+            module = importlib.import_module("mooncake.store")
+        except ImportError as error:
+            raise ClusterError("store_unavailable", f"mooncake.store: {error}") from error
         self._workers = _Workers(config.threads)
         self._store: Any = None
         self._closed = False
@@ -415,10 +427,6 @@ class ClusterStore:
         self._down_at: Optional[float] = None  # when a call last found the store unreachable
         self._down_detail = ""
         self._probe: Optional[int] = None  # the thread trying the store again while it is down
-        try:
-            module = importlib.import_module("mooncake.store")
-        except ImportError as error:
-            raise ClusterError("store_unavailable", f"mooncake.store: {error}") from error
         store = module.MooncakeDistributedStore()
 
         def setup() -> int:
@@ -435,15 +443,17 @@ class ClusterStore:
         endpoints = [config.master_server_address]
         if config.metadata_server.startswith("http://"):
             endpoints.append(urlsplit(config.metadata_server).netloc)
-        for endpoint in endpoints:
-            _check_reachable(endpoint, max(0.05, min(1.0, deadline - time.monotonic())))
         try:
+            for endpoint in endpoints:
+                _check_reachable(endpoint, max(0.05, min(1.0, deadline - time.monotonic())))
             code = self._workers.run("setup", setup, wait)
         except ClusterError:
             _ABANDONED.append(store)
+            self._workers.shutdown()
             raise
         if code != 0:
             _ABANDONED.append(store)
+            self._workers.shutdown()
             raise ClusterError("store_unavailable",
                                f"setup against master {config.master_server_address} "
                                f"returned {code}", code)
@@ -752,13 +762,17 @@ class ClusterStore:
         if store is None:
             return
         end = time.monotonic() + timeout
-        if not self._workers.wait_idle(timeout):
-            _ABANDONED.append(store)
-            return
         try:
-            self._workers.run("close", lambda: store.close(), max(0.0, end - time.monotonic()))
-        except ClusterError:
-            _ABANDONED.append(store)
+            if not self._workers.wait_idle(timeout):
+                _ABANDONED.append(store)
+                return
+            try:
+                self._workers.run("close", lambda: store.close(),
+                                  max(0.0, end - time.monotonic()))
+            except ClusterError:
+                _ABANDONED.append(store)
+        finally:
+            self._workers.shutdown()
 
     def __enter__(self) -> "ClusterStore":
         return self
