@@ -146,6 +146,24 @@ class ClusterStoreTest(unittest.TestCase):
         # Nothing past the hole is offered any more.
         self.assertEqual(self.store.longest_prefix([GEOMETRY], tokens)[GEOMETRY.model].blocks, 4)
 
+    def test_many_objects_in_one_call(self):
+        # 64 objects of 33 slices each: one batched call of 2112 slices hangs in Mooncake
+        # 0.3.13.post1; kvt.cluster cuts it into calls of at most MAX_SLICES_PER_CALL.
+        g = Geometry("many-slices", num_layers=16, num_kv_heads=1, head_dim=8, chunk_blocks=1)
+        tokens = list(range(16 * 64))
+        cache = np.random.default_rng(5).standard_normal((16, 2, len(tokens), 1, 8)).astype(
+            np.float32)
+        self.assertEqual(self.store.put_prefix(g, tokens, cache, timeout=20), (64, 0))
+        match = self.store.longest_prefix([g], tokens)[g.model]
+        self.assertEqual(len(match.objects), 64)
+        buffer = np.zeros(match.nbytes // 4, np.float32)
+        address, _ = self.store.register(buffer)
+        try:
+            self.store.fetch(match, buffer, timeout=20)
+        finally:
+            self.store.unregister(address)
+        np.testing.assert_array_equal(buffer.reshape(cache.shape), cache)
+
     def test_object_ends(self):
         self.assertEqual(object_ends(9, 4), [4, 8, 9])
         self.assertEqual(object_ends(8, 4), [4, 8])
