@@ -4,8 +4,9 @@ client: no segment of its own); node B is a child process (node_b.py) that share
 it. Checked: put -> longest_prefix -> fetch returns the bytes exactly on node B; a chunk of a
 longer publisher's prefix is matched at chunk granularity; a key of another scheme version is not
 read, and an object under a kvt key that is not what the key promises is refused
-(version_mismatch); a removed object gives evicted; the master down gives store_unavailable, and
-a master that does not answer (SIGSTOP) gives store_timeout, each within the call's deadline."""
+(version_mismatch); a removed object gives evicted; the segment holder killed gives
+segment_unavailable; the master down gives store_unavailable, and a master that does not answer
+(SIGSTOP) gives store_timeout, each within the call's deadline."""
 
 from __future__ import annotations
 
@@ -212,6 +213,15 @@ class StoreFailureTest(unittest.TestCase):
         # A node whose store client cannot reach a master at all.
         self.assert_fails("store_unavailable",
                           lambda: ClusterStore(self.cluster.config(), timeout=5.0), 5.0)
+
+    def test_segment_holder_gone_gives_segment_unavailable(self):
+        # The node that holds the objects dies between lookup and fetch; the master still
+        # answers, so lookups keep working (the store is not marked down).
+        self.cluster.holder.send_signal(signal.SIGKILL)
+        self.cluster.holder.wait()
+        self.assert_fails("segment_unavailable",
+                          lambda: self.store.fetch(self.match, self.buffer, timeout=3.0), 3.0)
+        self.store.longest_prefix([GEOMETRY], self.tokens, timeout=1.0)
 
     def test_master_not_answering_gives_store_timeout(self):
         os.kill(self.cluster.master.pid, signal.SIGSTOP)

@@ -14,12 +14,14 @@ by the process that also talks to kvtd for the engine (the connector).
 Every store call runs on a worker thread with a deadline: a slow or hung store never blocks the
 caller past it. Every failure is a ClusterError with one of REASONS:
 
-    store_unavailable  master unreachable, store not set up, a transfer failed (segment gone)
-    store_timeout      the call overran its deadline (it may still finish in the background)
-    evicted            an object the lookup found is gone at fetch (eviction, removal, lease)
-    version_mismatch   an object under a kvt key is not what the key's scheme promises
-    store_full         the store had no space for a put
-    store_error        any other store status (the code is in the detail)
+    store_unavailable    master unreachable, store not set up or closed
+    segment_unavailable  the master answers, but a transfer from the node that holds an
+                         object failed (that node is gone); other objects still work
+    store_timeout        the call overran its deadline (it may still finish in the background)
+    evicted              an object the lookup found is gone at fetch (eviction, removal, lease)
+    version_mismatch     an object under a kvt key is not what the key's scheme promises
+    store_full           the store had no space for a put
+    store_error          any other store status (the code is in the detail)
 
 Objects. A published sequence of n whole blocks (block_tokens tokens each) is cut at multiples of
 `chunk_blocks` blocks: objects cover blocks [0, C), [C, 2C), ... and a last, shorter one ends at
@@ -74,8 +76,8 @@ _DTYPE_CODES = {"fp32": 1, "fp16": 2, "bf16": 3}
 # start_block, end_block, payload bytes, chain hash; padded to HEADER_BYTES.
 _HEADER = struct.Struct("<4sHBBIIIIIIIQ16s")
 
-REASONS = ("store_unavailable", "store_timeout", "evicted", "version_mismatch", "store_full",
-           "store_error")
+REASONS = ("store_unavailable", "segment_unavailable", "store_timeout", "evicted",
+           "version_mismatch", "store_full", "store_error")
 
 # Mooncake Store's ErrorCode values (mooncake-store/include/types.h); Python gets the ints.
 _NO_AVAILABLE_HANDLE = -200
@@ -117,8 +119,10 @@ class ClusterError(Exception):
 
 
 def _reason_of(code: int) -> str:
-    if code in _UNAVAILABLE or code == _TRANSFER_FAIL:
+    if code in _UNAVAILABLE:
         return "store_unavailable"
+    if code == _TRANSFER_FAIL:
+        return "segment_unavailable"
     if code in _GONE:
         return "evicted"
     if code == _NO_AVAILABLE_HANDLE:
