@@ -112,6 +112,11 @@ class MooncakeCluster:
 
     def _spawn(self, argv: List[str], log: str) -> subprocess.Popen:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
+        # SIGKILL when the test process dies without stopping it (a crash in the store client
+        # would otherwise leave a master and a holder running): setpriv (util-linux) sets the
+        # parent-death signal, then execs the binary, so the pid is the binary's.
+        if os.path.exists("/usr/bin/setpriv"):
+            argv = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"] + argv
         with open(log, "wb") as out:
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
