@@ -23,6 +23,7 @@ import numpy as np
 
 from kvt.cluster import (HEADER_BYTES, ClusterError, ClusterStore, Geometry, chain_hashes,
                          object_ends)
+from kvt.prefix import first_block_hash
 from mooncake_cluster import MooncakeCluster
 
 GEOMETRY = Geometry("org/kvt-tiny-M", num_layers=3, num_kv_heads=2, head_dim=8, dtype="fp32",
@@ -164,6 +165,14 @@ class ClusterStoreTest(unittest.TestCase):
         finally:
             self.store.unregister(address)
         np.testing.assert_array_equal(buffer.reshape(cache.shape), cache)
+
+    def test_chain_hashes_are_kvtds(self):
+        # prefix_cache/chain_hash_test.cc's known answers.
+        self.assertEqual([h.hex() for h in chain_hashes("m", [1, 2], 1)],
+                         ["72b34a06e735cdd67aef4784ea29ab5b", "42ca87956b71a8350fc3e076673d2586"])
+        self.assertEqual(chain_hashes("m", list(range(40)), 16)[0].hex(),
+                         first_block_hash("m", list(range(40)), 16))
+        self.assertEqual(len(chain_hashes("m", list(range(40)), 16)), 2)  # whole blocks only
 
     def test_object_ends(self):
         self.assertEqual(object_ends(9, 4), [4, 8, 9])
