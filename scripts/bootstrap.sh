@@ -39,6 +39,9 @@ PACKAGES=(
   python3-venv             # /usr/bin/python3 -m venv (with pip) for --python
   python3-numpy            # kernels/testing/rope_known_answers.py (run by hand, /usr/bin/python3)
   python3.11-doc           # eval/tinyfamily corpus: the Python docs' English text
+  libibverbs1              # the Mooncake Store wheel's engine.so/store.so load these (TCP needs
+  libnl-3-200              #   no RDMA hardware): the cluster tier, clients/python/kvt/cluster
+  libnl-route-3-200
 )
 
 missing=()
