@@ -396,6 +396,28 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   return result;
 }
 
+// Held-out figures into the manifest, with what they rest on. kvtd gates on the lower bound, so
+// a fit with too few held-out sequences for one (or for a tight one) is told so loudly here.
+void RecordHeldout(const HeldoutQuality& heldout, ManifestQuality* quality,
+                   std::vector<std::string>* warnings) {
+  quality->attention_cosine_heldout = heldout.attention_cosine_without_layer0;
+  quality->attention_cosine_heldout_all_layers = heldout.attention_cosine;
+  quality->attention_cosine_heldout_lower95 = heldout.attention_cosine_lower95;
+  quality->heldout_sequences = heldout.sequences;
+  quality->heldout_tokens = heldout.tokens;
+  if (heldout.sequences < kMinHeldoutSequences) {
+    warnings->push_back(absl::StrCat(
+        "the held-out quality rests on ", heldout.sequences, " sequence",
+        heldout.sequences == 1 ? "" : "s", " (", heldout.tokens, " tokens); kvtd's quality gate ",
+        heldout.attention_cosine_lower95 ? "compares the 95% lower bound with its floor, and "
+                                           "with so few sequences that bound is loose"
+                                         : "needs at least 2 held-out sequences and refuses "
+                                           "this mapper",
+        ": hold out at least ", kMinHeldoutSequences,
+        " sequences (--heldout_fraction, or more calibration sequences)"));
+  }
+}
+
 absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& parsed,
                                       Manifest manifest,
                                       std::vector<std::vector<uint8_t>> storage,
@@ -461,15 +483,17 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
       for (size_t l = 0; l < manifest.layers.size(); ++l) {
         manifest.layers[l].attention_cosine_heldout = heldout->layer_attention_cosine[l];
       }
-      manifest.quality.attention_cosine_heldout = heldout->attention_cosine_without_layer0;
-      manifest.quality.attention_cosine_heldout_all_layers = heldout->attention_cosine;
+      RecordHeldout(*heldout, &manifest.quality, &warnings);
       if (options.show_progress) {
         std::fprintf(options.log,
-                     "kvt fit: held-out attention-output cosine %.6f without layer 0, %.6f all "
-                     "layers (%d sequences, %lld tokens, %.2f s)\n",
-                     heldout->attention_cosine_without_layer0, heldout->attention_cosine,
-                     heldout->sequences, static_cast<long long>(heldout->tokens),
-                     heldout->seconds);
+                     "kvt fit: held-out attention-output cosine %.6f without layer 0 (95%% "
+                     "lower bound %s), %.6f all layers (%d sequences, %lld tokens, %.2f s)\n",
+                     heldout->attention_cosine_without_layer0,
+                     heldout->attention_cosine_lower95
+                         ? absl::StrFormat("%.6f", *heldout->attention_cosine_lower95).c_str()
+                         : "none: one sequence",
+                     heldout->attention_cosine, heldout->sequences,
+                     static_cast<long long>(heldout->tokens), heldout->seconds);
       }
     }
   }

@@ -132,6 +132,11 @@ struct FitOptions {
 // CPU backend, the result in the target dump's dtype), against the target's own cache, with the
 // target's post-RoPE queries from the dumps (SPEC 5): means over held-out sequences (those with
 // queries) of the per-sequence layer means; per target layer, the mean over the same sequences.
+// Fewer held-out sequences than this and `kvt fit` warns that the held-out figures cannot
+// support kvtd's quality gate (docs/FIT.md, "Held-out quality and the gate", says how the number
+// was chosen).
+inline constexpr int kMinHeldoutSequences = 16;
+
 struct HeldoutQuality {
   int sequences = 0;
   int64_t tokens = 0;
@@ -139,7 +144,11 @@ struct HeldoutQuality {
   double c_k = 0, c_v = 0;
   double r2_k = 0, r2_v = 0;  // SPEC 5 R^2 of the same tokens (content-space K)
   std::vector<double> layer_attention_cosine;  // per target layer
-  double seconds = 0;                          // wall time of the evaluation
+  // attention_cosine_without_layer0 of each held-out sequence, and the one-sided 95% lower
+  // bound of their mean (quality/mean_interval.h; absent with fewer than two sequences).
+  std::vector<double> sequence_attention_cosine;
+  std::optional<double> attention_cosine_lower95;
+  double seconds = 0;  // wall time of the evaluation
 };
 
 // What `--refine=attention` ran for one mapper, for fit_report.json (the report.html facts

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "host_cache/cache_file.h"
 #include "fit/calibration.h"
 #include "fit/fit_internal.h"
@@ -21,6 +22,7 @@
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "nlohmann/json.hpp"
+#include "quality/mean_interval.h"
 #include "quality/quality_reference.h"
 
 namespace kvt {
@@ -542,6 +544,13 @@ TEST_F(FitQueryTest, RecordedCosineEqualsFloat64ReferenceForRidgeAndMlp) {
     EXPECT_EQ(fit->heldout->tokens, 64);
     ASSERT_TRUE(m.quality.attention_cosine_heldout && m.quality.attention_cosine_heldout_all_layers &&
                 m.quality.r2_heldout);
+    // One held-out sequence: what the figure rests on is recorded, there is no lower bound (the
+    // gate refuses such a mapper), and the fit says so.
+    EXPECT_EQ(m.quality.heldout_sequences, 1);
+    EXPECT_EQ(m.quality.heldout_tokens, 64);
+    EXPECT_FALSE(m.quality.attention_cosine_heldout_lower95.has_value());
+    EXPECT_THAT(absl::StrJoin(fit->warnings, "\n"),
+                HasSubstr("the held-out quality rests on 1 sequence (64 tokens)"));
     double past0 = 0, all = 0;
     for (int l = 0; l < target.num_layers; ++l) {
       const double want = ReferenceAttentionCosine(**mapper, heldout, target, l);
@@ -569,6 +578,39 @@ TEST_F(FitQueryTest, RecordedCosineEqualsFloat64ReferenceForRidgeAndMlp) {
             *both->ridge.manifest.quality.attention_cosine_heldout_all_layers);
   EXPECT_EQ(both->mlp_quality.attention_cosine_without_layer0,
             *both->mlp.manifest.quality.attention_cosine_heldout);
+}
+
+TEST_F(FitQueryTest, LowerBoundOverHeldoutSequencesMatchesTheFloat64Reference) {
+  const Family& family = *families_[1];
+  FitOptions options = QueryOptions(family, *dirs_[1]);
+  const int n = static_cast<int>(options.sequences.size());
+  for (int i = 0; i < n; ++i) options.sequences[i].heldout = i >= n - 4;
+  options.kind = FitKind::kRidge;
+  absl::StatusOr<FitResult> fit = RunFit(options, JoinPath(MakeTempDir("lower_bound"), "ridge"));
+  ASSERT_TRUE(fit.ok()) << fit.status();
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(fit->mapper_dir);
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  const Manifest& m = (*mapper)->manifest();
+  const ModelSpec& target = family.options.target;
+  std::vector<double> per_sequence;  // each held-out sequence's cosine past layer 0
+  for (const SequencePair& pair : options.sequences) {
+    if (!pair.heldout) continue;
+    double past0 = 0;
+    for (int l = 1; l < target.num_layers; ++l) {
+      past0 += ReferenceAttentionCosine(**mapper, pair, target, l) / (target.num_layers - 1);
+    }
+    per_sequence.push_back(past0);
+  }
+  const MeanInterval want = MeanWithLowerBound(per_sequence);
+  ASSERT_TRUE(want.lower95.has_value());
+  EXPECT_EQ(m.quality.heldout_sequences, 4);
+  EXPECT_EQ(m.quality.heldout_tokens, 4 * 64);
+  EXPECT_NEAR(*m.quality.attention_cosine_heldout, want.mean, 1e-6);
+  ASSERT_TRUE(m.quality.attention_cosine_heldout_lower95.has_value());
+  EXPECT_NEAR(*m.quality.attention_cosine_heldout_lower95, *want.lower95, 1e-6);
+  EXPECT_LT(*m.quality.attention_cosine_heldout_lower95, *m.quality.attention_cosine_heldout);
+  EXPECT_THAT(absl::StrJoin(fit->warnings, "\n"),
+              HasSubstr("rests on 4 sequences (256 tokens)"));
 }
 
 TEST_F(FitQueryTest, NearOneForAnExactLinearFamilyLowerForANoisyOne) {

@@ -16,6 +16,7 @@
 #include "kernels/rope.h"
 #include "mapper_store/mapper.h"
 #include "quality/kv_quality.h"
+#include "quality/mean_interval.h"
 
 namespace kvt {
 namespace fit {
@@ -141,8 +142,10 @@ absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options,
     total.sequences += 1;
     total.tokens += T;
     total.attention_cosine += summary.all.attention_cosine.value_or(0);
-    total.attention_cosine_without_layer0 +=
+    const double sequence_cosine =
         (L > 1 ? summary.without_layer0 : summary.all).attention_cosine.value_or(0);
+    total.attention_cosine_without_layer0 += sequence_cosine;
+    total.sequence_attention_cosine.push_back(sequence_cosine);
     total.c_k += summary.all.c_k.value_or(0);
     total.c_v += summary.all.c_v.value_or(0);
     total.r2_k += summary.all.r2_k;
@@ -160,6 +163,7 @@ absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options,
     *v /= total.sequences;
   }
   for (double& v : total.layer_attention_cosine) v /= total.sequences;
+  total.attention_cosine_lower95 = MeanWithLowerBound(total.sequence_attention_cosine).lower95;
   total.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return total;

@@ -182,8 +182,25 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
        {std::pair<const char*, const std::optional<double>*>{
             "quality.attention_cosine_heldout", &m.quality.attention_cosine_heldout},
         {"quality.attention_cosine_heldout_all_layers",
-         &m.quality.attention_cosine_heldout_all_layers}}) {
+         &m.quality.attention_cosine_heldout_all_layers},
+        {"quality.attention_cosine_heldout_lower95",
+         &m.quality.attention_cosine_heldout_lower95}}) {
     if (absl::Status s = ValidateCosine(*value, name, lines.quality, error); !s.ok()) return s;
+  }
+  if (m.quality.attention_cosine_heldout_lower95.has_value() &&
+      (!m.quality.attention_cosine_heldout.has_value() ||
+       *m.quality.attention_cosine_heldout_lower95 > *m.quality.attention_cosine_heldout)) {
+    return error(lines.quality,
+                 "quality.attention_cosine_heldout_lower95 needs an attention_cosine_heldout "
+                 "at least as large");
+  }
+  for (const auto& [name, value] :
+       {std::pair<const char*, const std::optional<int64_t>*>{
+            "quality.heldout_sequences", &m.quality.heldout_sequences},
+        {"quality.heldout_tokens", &m.quality.heldout_tokens}}) {
+    if (value->has_value() && **value < 1) {
+      return error(lines.quality, absl::StrCat(name, " = ", **value, " is not positive"));
+    }
   }
   if (m.quality.r2_heldout.has_value() &&
       (!std::isfinite(*m.quality.r2_heldout) || *m.quality.r2_heldout > 1.0)) {
@@ -390,7 +407,9 @@ class Parser : private strict::YamlReader {
     if (node.IsNull()) return absl::OkStatus();  // `quality:` with nothing: none recorded
     if (absl::Status s = CheckMap(node, "quality",
                                   {"attention_cosine_heldout",
-                                   "attention_cosine_heldout_all_layers", "r2_heldout"});
+                                   "attention_cosine_heldout_all_layers",
+                                   "attention_cosine_heldout_lower95", "heldout_sequences",
+                                   "heldout_tokens", "r2_heldout"});
         !s.ok()) {
       return s;
     }
@@ -398,10 +417,21 @@ class Parser : private strict::YamlReader {
          {std::pair<const char*, std::optional<double>*>{"attention_cosine_heldout",
                                                          &quality->attention_cosine_heldout},
           {"attention_cosine_heldout_all_layers", &quality->attention_cosine_heldout_all_layers},
+          {"attention_cosine_heldout_lower95", &quality->attention_cosine_heldout_lower95},
           {"r2_heldout", &quality->r2_heldout}}) {
       const YAML::Node value = node[key];
       if (!value.IsDefined()) continue;
       absl::StatusOr<double> number = Scalar<double>(value, Path("quality", key), "a number");
+      if (!number.ok()) return number.status();
+      *out = *number;
+    }
+    for (const auto& [key, out] :
+         {std::pair<const char*, std::optional<int64_t>*>{"heldout_sequences",
+                                                          &quality->heldout_sequences},
+          {"heldout_tokens", &quality->heldout_tokens}}) {
+      const YAML::Node value = node[key];
+      if (!value.IsDefined()) continue;
+      absl::StatusOr<int64_t> number = Scalar<int64_t>(value, Path("quality", key), "an integer");
       if (!number.ok()) return number.status();
       *out = *number;
     }
@@ -711,8 +741,15 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
          {std::pair<const char*, const std::optional<double>*>{
               "attention_cosine_heldout", &m.quality.attention_cosine_heldout},
           {"attention_cosine_heldout_all_layers", &m.quality.attention_cosine_heldout_all_layers},
+          {"attention_cosine_heldout_lower95", &m.quality.attention_cosine_heldout_lower95},
           {"r2_heldout", &m.quality.r2_heldout}}) {
       if (value->has_value()) out << YAML::Key << key << YAML::Value << FormatDouble(**value);
+    }
+    for (const auto& [key, value] :
+         {std::pair<const char*, const std::optional<int64_t>*>{
+              "heldout_sequences", &m.quality.heldout_sequences},
+          {"heldout_tokens", &m.quality.heldout_tokens}}) {
+      if (value->has_value()) out << YAML::Key << key << YAML::Value << **value;
     }
     out << YAML::EndMap;
   }

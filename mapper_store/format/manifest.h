@@ -70,11 +70,20 @@ struct ManifestQuality {
   // target has one), and over all layers.
   std::optional<double> attention_cosine_heldout;
   std::optional<double> attention_cosine_heldout_all_layers;
+  // One-sided 95% lower bound (Student t over the held-out sequences, quality/mean_interval.h)
+  // of attention_cosine_heldout: what kvtd's quality gate compares with its floor. Absent with
+  // fewer than two held-out sequences.
+  std::optional<double> attention_cosine_heldout_lower95;
+  // What the held-out figures rest on.
+  std::optional<int64_t> heldout_sequences;
+  std::optional<int64_t> heldout_tokens;
   // Mean of r2_k_heldout and r2_v_heldout over target layers past 0 (every layer when only
   // layer 0 has them).
   std::optional<double> r2_heldout;
   bool empty() const {
-    return !attention_cosine_heldout && !attention_cosine_heldout_all_layers && !r2_heldout;
+    return !attention_cosine_heldout && !attention_cosine_heldout_all_layers &&
+           !attention_cosine_heldout_lower95 && !heldout_sequences && !heldout_tokens &&
+           !r2_heldout;
   }
 };
 

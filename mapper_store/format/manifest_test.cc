@@ -147,7 +147,8 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   std::vector<std::string> lines = ExampleLines();
   lines[24] =
       "quality: {attention_cosine_heldout: 0.9731, attention_cosine_heldout_all_layers: "
-      "0.98125, r2_heldout: -0.25}";
+      "0.98125, attention_cosine_heldout_lower95: 0.9625, heldout_sequences: 12, "
+      "heldout_tokens: 6144, r2_heldout: -0.25}";
   lines.insert(lines.begin() + 25, "layers:");  // the example's line 25 became `quality:`
   lines[26] = "  - {target_layer: 0, sigma_k: [3, 1], sigma_v: [3], attention_cosine_heldout: 0.999}";
   lines[27] =
@@ -158,6 +159,9 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   EXPECT_EQ(m->quality.attention_cosine_heldout, 0.9731);
   EXPECT_EQ(m->quality.attention_cosine_heldout_all_layers, 0.98125);
   EXPECT_EQ(m->quality.r2_heldout, -0.25);
+  EXPECT_EQ(m->quality.attention_cosine_heldout_lower95, 0.9625);
+  EXPECT_EQ(m->quality.heldout_sequences, 12);
+  EXPECT_EQ(m->quality.heldout_tokens, 6144);
   EXPECT_EQ(m->layers[0].attention_cosine_heldout, 0.999);
   EXPECT_EQ(m->layers[1].attention_cosine_heldout, -0.125);
   EXPECT_FALSE(m->layers[2].attention_cosine_heldout);
@@ -169,6 +173,10 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   EXPECT_EQ(back->quality.attention_cosine_heldout_all_layers,
             m->quality.attention_cosine_heldout_all_layers);
   EXPECT_EQ(back->quality.r2_heldout, m->quality.r2_heldout);
+  EXPECT_EQ(back->quality.attention_cosine_heldout_lower95,
+            m->quality.attention_cosine_heldout_lower95);
+  EXPECT_EQ(back->quality.heldout_sequences, m->quality.heldout_sequences);
+  EXPECT_EQ(back->quality.heldout_tokens, m->quality.heldout_tokens);
   for (size_t l = 0; l < m->layers.size(); ++l) {
     EXPECT_EQ(back->layers[l].attention_cosine_heldout, m->layers[l].attention_cosine_heldout);
   }
@@ -201,6 +209,16 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   lines[24] = "quality: {r2_heldout: 2}";
   KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
                    "quality.r2_heldout = 2 is not a valid R^2");
+  lines[24] = "quality: {attention_cosine_heldout: 0.9, attention_cosine_heldout_lower95: 0.95}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "quality.attention_cosine_heldout_lower95 needs an attention_cosine_heldout "
+                   "at least as large");
+  lines[24] = "quality: {heldout_sequences: 0}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "quality.heldout_sequences = 0 is not positive");
+  lines[24] = "quality: {heldout_tokens: 1.5}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "key 'quality.heldout_tokens' must be an integer");
   lines[24] = "quality: [0.9]";
   KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
                    "key 'quality' must be a map, got a list");
