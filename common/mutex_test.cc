@@ -3,6 +3,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
@@ -55,14 +56,17 @@ TEST(CondVarTest, AwaitWithDeadlineSeesTheSignalledCondition) {
   Mutex mu;
   CondVar cv;
   bool ready = false;
+  absl::Notification locked;
+  // The setter takes `mu` only once the waiter has let go of it, i.e. from inside the wait.
   std::thread setter([&] {
-    absl::SleepFor(absl::Milliseconds(10));
+    locked.WaitForNotification();
     MutexLock lock(&mu);
     ready = true;
     cv.SignalAll();
   });
   {
     MutexLock lock(&mu);
+    locked.Notify();
     EXPECT_TRUE(cv.AwaitWithDeadline(&mu, absl::InfiniteFuture(), [&] { return ready; }));
   }
   setter.join();

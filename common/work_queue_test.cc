@@ -68,39 +68,49 @@ TEST(WorkQueueTest, DestructorRunsEveryQueuedTask) {
 
 TEST(WorkQueueTest, DrainWaitsForRunningTasksAndCountsOnlyWaitingOnes) {
   WorkQueue queue(Threads(1));
-  absl::Notification started, release;
-  std::atomic<bool> finished{false};
+  absl::Notification started, draining;
+  std::atomic<bool> finished{false}, drained{false};
   queue.Submit([&] {
     started.Notify();
-    release.WaitForNotification();
+    // Released once the drainer is on its way into Drain; Drain cannot have returned while
+    // this task runs.
+    draining.WaitForNotification();
+    EXPECT_FALSE(drained.load());
     finished = true;
   });
   queue.Submit([] {});
   started.WaitForNotification();
   EXPECT_EQ(queue.queued(), 1u);  // the running task is not counted
-  std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    release.Notify();
+  std::thread drainer([&] {
+    draining.Notify();
+    queue.Drain();
+    drained = true;
+    EXPECT_TRUE(finished.load());
+    EXPECT_EQ(queue.queued(), 0u);
   });
-  queue.Drain();
-  EXPECT_TRUE(finished.load());
-  EXPECT_EQ(queue.queued(), 0u);
-  releaser.join();
+  drainer.join();
+  EXPECT_TRUE(drained.load());
 }
 
 // A producer over the cost bound waits until a running task finishes and gives its cost back.
 TEST(WorkQueueTest, CostBoundHoldsTheProducer) {
   WorkQueue queue(Threads(1, /*max_queued_cost=*/10));
-  absl::Notification release;
-  queue.Submit([&] { release.WaitForNotification(); }, 6);
+  absl::Notification producing;
   std::atomic<bool> submitted{false};
+  // The first task holds 6 of the 10 until it returns: while it runs, the producer's Submit
+  // cannot have returned nor queued its task, however far the producer got.
+  queue.Submit(
+      [&] {
+        producing.WaitForNotification();
+        EXPECT_FALSE(submitted.load());
+        EXPECT_EQ(queue.queued(), 0u);
+      },
+      6);
   std::thread producer([&] {
+    producing.Notify();
     queue.Submit([] {}, 6);  // 6 + 6 > 10: waits for the first
     submitted = true;
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  EXPECT_FALSE(submitted.load());
-  release.Notify();
   producer.join();
   EXPECT_TRUE(submitted.load());
   queue.Drain();

@@ -101,7 +101,9 @@ class RetentionCiTest(unittest.TestCase):
         # KL(own || x) of the target's next-token distribution: 0 for its own cache (the
         # reference), and the translated cache closer than every control and than no context.
         kl = {key: v["all"] for key, v in self.result["kl"].items()}
-        self.assertEqual(kl["own"], 0.0)
+        # The target's distribution must depend on the context for "closer" to mean anything:
+        # without any cache it is far from the one after its own prefill.
+        self.assertGreater(kl["none"], 0.1)
         for control in ("none", "identity", "untrained", "no_target_rope"):
             self.assertLess(kl["mapped"], kl[control], control)
 
@@ -143,9 +145,13 @@ class RetentionCiTest(unittest.TestCase):
         # The looked-up values are random digits: without them in the context the continuation
         # is far harder than ordinary held-out text (measured: ~4.5 against ~1.7 nats/byte).
         self.assertGreater(ce["none"]["all"], self.result["ce"]["none"]["all"] + 1.0)
+        # With the planted values in its own cache the target looks them up: its CE on the
+        # windows is well below its CE on the controls, where other values were planted (docs/EVAL.md:
+        # 1.10-1.38 nats/byte at the full evaluation's sizes). A condition that cannot carry
+        # the context (token identity) draws less from it than the target's own cache.
         gain = self.long["copy_gain"]
-        self.assertAlmostEqual(gain["own"], self.long["control_ce"]["own"]["all"] -
-                               ce["own"]["all"])
+        self.assertGreater(gain["own"], 0.5)
+        self.assertLess(gain["identity"], gain["own"])
         self.assertEqual(set(gain), {"own", "mapped", "mapped_no_target_rope", "identity",
                                      "mapped_untrained"})
 

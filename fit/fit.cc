@@ -20,6 +20,7 @@
 #include "mapper_store/hf_config.h"
 #include "mapper_store/mapper.h"
 #include "nlohmann/json.hpp"
+#include "quality/mapper_quality.h"
 
 namespace kvt {
 namespace fit {
@@ -304,21 +305,6 @@ Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, Ma
   return manifest;
 }
 
-std::optional<double> HeldoutR2(const Manifest& manifest) {
-  double sum = 0;
-  int n = 0;
-  for (int pass = 0; pass < 2 && n == 0; ++pass) {
-    for (const LayerEntry& layer : manifest.layers) {
-      if (pass == 0 && layer.target_layer == 0) continue;
-      for (const std::optional<double>& r2 : {layer.r2_k_heldout, layer.r2_v_heldout}) {
-        if (r2.has_value()) sum += *r2, ++n;
-      }
-    }
-  }
-  if (n == 0) return std::nullopt;
-  return sum / n;
-}
-
 std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype) {
   const std::vector<uint8_t> bytes = ToBytes(values, dtype);
   std::vector<float> floats(values.size());
@@ -469,7 +455,7 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
 
   // Held-out quality of the mapper as served (these very bytes), before anything is written.
   manifest.quality = ManifestQuality();
-  manifest.quality.r2_heldout = HeldoutR2(manifest);
+  manifest.quality.r2_heldout = MeanHeldoutR2(manifest);
   std::optional<HeldoutQuality> heldout;
   if (heldout_from != nullptr) {
     absl::StatusOr<bool> have = HeldoutHasQueries(*heldout_from);

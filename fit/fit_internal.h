@@ -34,11 +34,6 @@ absl::StatusOr<ParsedFinal> ParseFinal(const StatSet& stats);
 // The manifest fields every kind shares (models, k, dtype, tool); ridge also gets lambda.
 Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, MapperKind kind);
 
-// quality.r2_heldout: the mean of r2_k_heldout and r2_v_heldout over target layers past 0 (every
-// layer when only layer 0 has them); nullopt when no layer has them. kvtd's gate falls back to
-// the same mean when a manifest has no attention cosine.
-std::optional<double> HeldoutR2(const Manifest& manifest);
-
 // float64 -> `dtype` bytes, and -> the float32 values those bytes hold (what kvtd serves).
 std::vector<uint8_t> ToBytes(const std::vector<double>& values, DType dtype);
 std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype);

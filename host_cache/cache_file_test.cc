@@ -4,6 +4,7 @@
 #include <random>
 #include <string>
 
+#include "common/testing/test_seed.h"
 #include "gtest/gtest.h"
 #include "mapper_store/format/safetensors.h"
 
@@ -12,7 +13,7 @@ namespace {
 
 HostCache RandomCache(Layout layout) {
   HostCache cache = HostCache::Zeros(DType::kBF16, layout, 3, 2, 4, 5);
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(testing::FreshSeed("random cache"));
   for (auto* buffers : {&cache.k, &cache.v}) {
     for (auto& buffer : *buffers) {
       for (char& byte : buffer) byte = static_cast<char>(rng());

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/testing/test_seed.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -282,9 +283,7 @@ TEST(RopeKnownAnswerTest, Rotations) {
 }
 
 TEST(RopePropertyTest, StripUndoesApply) {
-  std::random_device device;
-  const uint32_t seed = device();
-  SCOPED_TRACE("seed=" + std::to_string(seed));
+  const uint64_t seed = ::kvt::testing::FreshSeed("StripUndoesApply");
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal;
   std::uniform_int_distribution<uint64_t> position(0, 2000000);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
@@ -191,14 +192,20 @@ TEST_F(StorePagingTest, PinnedMappersAreNeverEvictedAndRequestsWaitThenGetResour
   EXPECT_EQ(State(*store, "one"), MapperState::kHostResident);
   EXPECT_EQ(State(*store, "two"), MapperState::kDiscovered);
 
-  // The pin goes while a request waits: that request gets the room.
+  // The pin goes while a request waits: that request gets the room (and only then: the
+  // releaser marks the release before it happens).
+  absl::Notification acquiring;
+  std::atomic<bool> released{false};
   std::thread releaser([&] {
-    absl::SleepFor(absl::Milliseconds(50));
+    acquiring.WaitForNotification();
+    released = true;
     held->Release();
   });
   AcquireOptions later;
   later.deadline = Later();
+  acquiring.Notify();
   absl::StatusOr<MapperHandle> two = store->Acquire("two", later);
+  EXPECT_TRUE(released.load());
   releaser.join();
   ASSERT_TRUE(two.ok()) << two.status();
   EXPECT_EQ(State(*store, "one"), MapperState::kDiscovered);
@@ -234,9 +241,16 @@ TEST_F(StorePagingTest, ConcurrentRequestsForAColdMapperCauseOneLoadAndOnePageIn
   options.load_on_scan = false;
   options.devices = {{cpu_.get(), 0}};
   std::atomic<int> host_page_ins{0}, device_page_ins{0}, misses{0}, hits{0};
+  // The page-in worker reports the device page-in after it hands out the last layer, so after
+  // the requests have their layers: the count is read once the report is in.
+  absl::Notification device_paged_in;
   options.events.page_in = [&](const LoadedMapper&, const std::string& place, double seconds) {
     EXPECT_GE(seconds, 0);
-    ++(place == "host" ? host_page_ins : device_page_ins);
+    if (place == "host") {
+      ++host_page_ins;
+    } else if (++device_page_ins == 1) {
+      device_paged_in.Notify();
+    }
   };
   options.events.access = [&](const LoadedMapper&, const std::string& place, bool hit) {
     if (place == "cpu") ++(hit ? hits : misses);
@@ -258,6 +272,7 @@ TEST_F(StorePagingTest, ConcurrentRequestsForAColdMapperCauseOneLoadAndOnePageIn
   }
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(ok.load(), kThreads);
+  ASSERT_TRUE(device_paged_in.WaitForNotificationWithTimeout(absl::Seconds(30)));
   const MapperInfo info = store->Info("cold").value();
   EXPECT_EQ(info.loads, 1u);
   EXPECT_EQ(info.page_ins, 1u);
@@ -515,11 +530,16 @@ TEST_F(StorePagingTest, LoadAndUnloadModelControl) {
   // Unload of a pinned mapper detaches it at once and waits for the request.
   absl::StatusOr<MapperHandle> held = store->Acquire("m");
   ASSERT_TRUE(held.ok());
+  absl::Notification unloading;
+  std::atomic<bool> released{false};
   std::thread releaser([&] {
-    absl::SleepFor(absl::Milliseconds(30));
+    unloading.WaitForNotification();
+    released = true;
     held->Release();
   });
+  unloading.Notify();
   info = store->Unload("m", "", Later());
+  EXPECT_TRUE(released.load());  // Unload returned once the pin was gone
   releaser.join();
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->state, MapperState::kDiscovered);

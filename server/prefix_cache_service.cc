@@ -11,6 +11,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "kernels/finite.h"
+#include "quality/mapper_quality.h"
 #include "server/request_checks.h"
 #include "transport/kv_chunks.h"
 #include "transport/paged.h"
@@ -303,41 +304,12 @@ grpc::Status PrefixCacheService::LookupPrefix(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-// The mapper's recorded held-out quality and the metric it is: the held-out attention-output
-// cosine `kvt fit` records when the target dumps carried queries (quality.attention_cosine_heldout,
-// mean over target layers past 0), else the mean of the per-layer held-out R^2 of K and V over
-// the target layers past 0 (layer 0 is a function of the current token and inflates any
-// average; docs/EVAL.md), or of every layer when only layer 0 is recorded. nullopt value: neither
-// recorded (metric then "r2_heldout", what was looked for last).
-struct RecordedQualityValue {
-  std::optional<double> value;
-  const char* metric = "r2_heldout";
-  const char* description = "held-out R^2";
-};
-RecordedQualityValue RecordedQuality(const Manifest& manifest) {
-  if (manifest.quality.attention_cosine_heldout.has_value()) {
-    return {manifest.quality.attention_cosine_heldout, "attention_cosine_heldout",
-            "held-out attention-output cosine"};
-  }
-  double sum = 0;
-  int n = 0;
-  for (int pass = 0; pass < 2 && n == 0; ++pass) {
-    for (const LayerEntry& layer : manifest.layers) {
-      if (pass == 0 && layer.target_layer == 0) continue;
-      for (const std::optional<double>& r2 : {layer.r2_k_heldout, layer.r2_v_heldout}) {
-        if (r2.has_value()) sum += *r2, ++n;
-      }
-    }
-  }
-  if (n == 0) return {};
-  return {sum / n};
-}
-
 v1::GateVerdict PrefixCacheService::Gate(const std::shared_ptr<const LoadedMapper>& mapper,
                                          const PrefixMatch& match) {
   const KvtdConfig::PrefixCache& gate = config_.prefix_cache;
   const Manifest& manifest = mapper->manifest();
-  const RecordedQualityValue recorded = RecordedQuality(manifest);
+  // The recorded held-out quality, by the rule `kvt fit` records it with.
+  const RecordedQuality recorded = MapperRecordedQuality(manifest);
   const std::optional<double>& quality = recorded.value;
   // A pair's own floor applies to whatever its mapper records; else the metric's default floor.
   auto floor = gate.pair_min_quality.find(PairKey(manifest.source.name, manifest.target.name));

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "common/testing/test_seed.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/device.h"
@@ -84,7 +85,7 @@ TEST(CudaIpcGpuTest, RoundTripThroughExportedHandlesEqualsInline) {
   source.head_dim = 32;
   source.num_tokens = kTokens;
   source.Allocate();
-  std::mt19937 rng(std::random_device{}());
+  std::mt19937 rng(testing::FreshSeed("cuda ipc source"));
   std::normal_distribution<float> normal;
   std::vector<char> packed(kSourceBytes);
   for (int l = 0; l < 4; ++l) {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -222,10 +223,16 @@ TEST_F(ShmTransportTest, BadRegionsGetClearErrors) {
     ASSERT_TRUE(stream->Write(request));
     v1::TranslateKVResponse response;
     ASSERT_TRUE(stream->Read(&response));  // admitted, region leased; input not closed yet
-    std::thread unregister([&client] {
+    std::atomic<bool> unregistered{false};
+    std::thread unregister([&client, &unregistered] {
       EXPECT_TRUE(client->UnregisterSystemMemory("in").ok());
+      unregistered = true;
     });
+    // Time for the unregister RPC to reach kvtd and wait there: nothing over gRPC shows that
+    // it waits (transport/shm_registry_test checks the wait itself without a sleep). Whether it
+    // arrived or not, it cannot have returned while the request holds the region.
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_FALSE(unregistered.load());
     stream->WritesDone();
     bool trailer = false;
     while (stream->Read(&response)) trailer = trailer || response.has_trailer();

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -12,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
 namespace kvt {
@@ -107,14 +109,17 @@ TEST(ShmRegistryTest, UnregisterWaitsForRequestsInUse) {
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(registry.Acquire("r", 0, 16, "f").status().code(),
             absl::StatusCode::kFailedPrecondition);
-  // The request finishes while unregister waits: unregister then succeeds.
-  std::thread finisher([&lease] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // The request finishes while unregister waits: unregister then succeeds, and not before.
+  absl::Notification unregistering;
+  std::atomic<bool> released{false};
+  std::thread finisher([&] {
+    unregistering.WaitForNotification();
+    released = true;
     *lease = SystemMemoryRegistry::Lease();
   });
-  const absl::Time start = absl::Now();
+  unregistering.Notify();
   EXPECT_TRUE(registry.Unregister("r", absl::Now() + absl::Seconds(10)).ok());
-  EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
+  EXPECT_TRUE(released.load());
   finisher.join();
   EXPECT_EQ(registry.Status("").value().size(), 0u);
 }

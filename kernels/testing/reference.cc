@@ -1,6 +1,5 @@
 #include "kernels/testing/reference.h"
 
-#include <chrono>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -49,15 +48,6 @@ OwnedCache AllocateCache(int layers, int heads, int head_dim, int64_t tokens, DT
 }
 
 }  // namespace
-
-uint64_t FreshSeed(const char* what) {
-  std::random_device device;
-  const uint64_t seed =
-      (static_cast<uint64_t>(device()) << 32) ^ device() ^
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  std::fprintf(stderr, "[seed] %s: %llu\n", what, static_cast<unsigned long long>(seed));
-  return seed;
-}
 
 RandomMapper MakeRandomMapper(const RandomMapperSpec& spec, uint64_t seed) {
   std::mt19937_64 rng(seed);

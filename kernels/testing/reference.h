@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "common/testing/test_seed.h"
 #include "kernels/backend.h"
 #include "kernels/mapper_view.h"
 #include "kernels/reference.h"
@@ -30,8 +31,8 @@ using ::kvt::reference::TranslationTolerance;
 RopeConfig MakeTestRope(RopeScalingType type, RopeStyle style = RopeStyle::kNeox,
                         int rotary_dim = 0, double theta = 10000.0);
 
-// A seed from std::random_device, printed to stderr so a failing run can be replayed.
-uint64_t FreshSeed(const char* what);
+// FreshSeed, the seed of a random test fixture (replayable with KVT_TEST_SEED), comes with this
+// header from common/testing/test_seed.h.
 
 struct RandomMapperSpec {
   int source_layers = 2;

@@ -23,9 +23,11 @@ import junit_main
 from kvtd_process import Kvtd, runfile, test_tmpdir
 from reference import RidgeMapper, max_rel_error
 
-SEED = int.from_bytes(os.urandom(4), "little")
-print(f"adapters_test: seed {SEED}, torch {torch.__version__}, "
-      f"transformers {transformers.__version__}", file=sys.stderr)
+# KVT_TEST_SEED (docs/TESTING.md) replays a run; unset, a fresh seed.
+SEED = (int(os.environ["KVT_TEST_SEED"]) if os.environ.get("KVT_TEST_SEED")
+        else int.from_bytes(os.urandom(4), "little"))
+print(f"adapters_test: seed {SEED} (replay with KVT_TEST_SEED={SEED}), "
+      f"torch {torch.__version__}, transformers {transformers.__version__}", file=sys.stderr)
 torch.manual_seed(SEED)
 
 

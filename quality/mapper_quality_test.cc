@@ -1,0 +1,67 @@
+#include "quality/mapper_quality.h"
+
+#include <optional>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace kvt {
+namespace {
+
+LayerEntry Layer(int target_layer, std::optional<double> r2_k, std::optional<double> r2_v) {
+  LayerEntry layer;
+  layer.target_layer = target_layer;
+  layer.r2_k_heldout = r2_k;
+  layer.r2_v_heldout = r2_v;
+  return layer;
+}
+
+TEST(MeanHeldoutR2Test, AveragesKAndVOverTheLayersPastZero) {
+  Manifest manifest;
+  manifest.layers = {Layer(0, 0.99, 0.99), Layer(1, 0.5, 0.7), Layer(2, 0.6, std::nullopt)};
+  ASSERT_TRUE(MeanHeldoutR2(manifest).has_value());
+  EXPECT_DOUBLE_EQ(*MeanHeldoutR2(manifest), (0.5 + 0.7 + 0.6) / 3);
+}
+
+TEST(MeanHeldoutR2Test, FallsBackToLayerZeroWhenItAloneRecordsThem) {
+  Manifest manifest;
+  manifest.layers = {Layer(0, 0.8, 0.6), Layer(1, std::nullopt, std::nullopt)};
+  ASSERT_TRUE(MeanHeldoutR2(manifest).has_value());
+  EXPECT_DOUBLE_EQ(*MeanHeldoutR2(manifest), 0.7);
+}
+
+TEST(MeanHeldoutR2Test, NoneWhenNoLayerRecordsThem) {
+  Manifest manifest;
+  EXPECT_FALSE(MeanHeldoutR2(manifest).has_value());
+  manifest.layers = {Layer(0, std::nullopt, std::nullopt), Layer(1, std::nullopt, std::nullopt)};
+  EXPECT_FALSE(MeanHeldoutR2(manifest).has_value());
+}
+
+TEST(MapperRecordedQualityTest, PrefersTheAttentionCosine) {
+  Manifest manifest;
+  manifest.layers = {Layer(1, 0.5, 0.5)};
+  manifest.quality.attention_cosine_heldout = 0.93;
+  const RecordedQuality recorded = MapperRecordedQuality(manifest);
+  EXPECT_EQ(recorded.value, 0.93);
+  EXPECT_EQ(std::string(recorded.metric), "attention_cosine_heldout");
+  EXPECT_EQ(std::string(recorded.description), "held-out attention-output cosine");
+}
+
+TEST(MapperRecordedQualityTest, FallsBackToTheMeanHeldoutR2) {
+  Manifest manifest;
+  manifest.layers = {Layer(0, 0.9, 0.9), Layer(1, 0.4, 0.6)};
+  const RecordedQuality recorded = MapperRecordedQuality(manifest);
+  ASSERT_TRUE(recorded.value.has_value());
+  EXPECT_DOUBLE_EQ(*recorded.value, 0.5);
+  EXPECT_EQ(std::string(recorded.metric), "r2_heldout");
+  EXPECT_EQ(std::string(recorded.description), "held-out R^2");
+}
+
+TEST(MapperRecordedQualityTest, NothingRecorded) {
+  const RecordedQuality recorded = MapperRecordedQuality(Manifest());
+  EXPECT_FALSE(recorded.value.has_value());
+  EXPECT_EQ(std::string(recorded.metric), "r2_heldout");
+}
+
+}  // namespace
+}  // namespace kvt
