@@ -1,5 +1,7 @@
 #include "quality/mapper_quality.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace kvt {
 
 std::optional<double> MeanHeldoutR2(const Manifest& manifest) {
@@ -18,9 +20,19 @@ std::optional<double> MeanHeldoutR2(const Manifest& manifest) {
 }
 
 RecordedQuality MapperRecordedQuality(const Manifest& manifest) {
-  if (manifest.quality.attention_cosine_heldout.has_value()) {
-    return {manifest.quality.attention_cosine_heldout, "attention_cosine_heldout",
-            "held-out attention-output cosine"};
+  const ManifestQuality& quality = manifest.quality;
+  RecordedQuality cosine{quality.attention_cosine_heldout_lower95,
+                         "attention_cosine_heldout_lower95",
+                         "held-out attention-output cosine (95% lower bound)"};
+  if (quality.attention_cosine_heldout_lower95.has_value()) return cosine;
+  if (quality.attention_cosine_heldout.has_value()) {
+    cosine.missing = absl::StrCat(
+        "the mapper's held-out attention-output cosine (", *quality.attention_cosine_heldout,
+        ") has no 95% lower bound (quality.attention_cosine_heldout_lower95): it rests on ",
+        quality.heldout_sequences.value_or(1) < 2 ? "one held-out sequence"
+                                                   : "a fit from before bounds were recorded",
+        "; refit with at least 16 held-out sequences");
+    return cosine;
   }
   return {MeanHeldoutR2(manifest)};
 }

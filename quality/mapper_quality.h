@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "mapper_store/format/manifest.h"
 
@@ -15,14 +16,18 @@ namespace kvt {
 // layer does.
 std::optional<double> MeanHeldoutR2(const Manifest& manifest);
 
-// The mapper's recorded held-out quality and the metric it is: the held-out attention-output
-// cosine `kvt fit` records when the target dumps carried queries (quality.attention_cosine_heldout),
-// else MeanHeldoutR2. value nullopt: neither recorded (metric then "r2_heldout", what was looked
-// for last).
+// What the gates compare with their floor: the one-sided 95% lower bound of the held-out
+// attention-output cosine (quality.attention_cosine_heldout_lower95) when `kvt fit` recorded the
+// cosine, never its point estimate, so a figure from few held-out sequences cannot pass on luck;
+// else MeanHeldoutR2 (mappers fitted without target queries). value nullopt: nothing to gate
+// on, and `missing` says what is missing (a cosine without a bound rests on one held-out
+// sequence, or was recorded before bounds were).
 struct RecordedQuality {
   std::optional<double> value;
   const char* metric = "r2_heldout";
   const char* description = "held-out R^2";
+  std::string missing = "the mapper records no held-out quality "
+                        "(quality.attention_cosine_heldout_lower95, r2_k_heldout / r2_v_heldout)";
 };
 RecordedQuality MapperRecordedQuality(const Manifest& manifest);
 

@@ -37,14 +37,38 @@ TEST(MeanHeldoutR2Test, NoneWhenNoLayerRecordsThem) {
   EXPECT_FALSE(MeanHeldoutR2(manifest).has_value());
 }
 
-TEST(MapperRecordedQualityTest, PrefersTheAttentionCosine) {
+TEST(MapperRecordedQualityTest, IsTheAttentionCosinesLowerBound) {
   Manifest manifest;
   manifest.layers = {Layer(1, 0.5, 0.5)};
   manifest.quality.attention_cosine_heldout = 0.93;
+  manifest.quality.attention_cosine_heldout_lower95 = 0.91;
+  manifest.quality.heldout_sequences = 20;
   const RecordedQuality recorded = MapperRecordedQuality(manifest);
-  EXPECT_EQ(recorded.value, 0.93);
-  EXPECT_EQ(std::string(recorded.metric), "attention_cosine_heldout");
-  EXPECT_EQ(std::string(recorded.description), "held-out attention-output cosine");
+  EXPECT_EQ(recorded.value, 0.91);  // the bound, never the point estimate
+  EXPECT_EQ(std::string(recorded.metric), "attention_cosine_heldout_lower95");
+  EXPECT_EQ(std::string(recorded.description),
+            "held-out attention-output cosine (95% lower bound)");
+}
+
+TEST(MapperRecordedQualityTest, ACosineWithoutABoundIsNothingToGateOn) {
+  Manifest manifest;
+  manifest.layers = {Layer(1, 0.9, 0.9)};  // not a fallback either: the cosine was measured
+  manifest.quality.attention_cosine_heldout = 0.877;
+  manifest.quality.heldout_sequences = 1;
+  RecordedQuality recorded = MapperRecordedQuality(manifest);
+  EXPECT_FALSE(recorded.value.has_value());
+  EXPECT_EQ(std::string(recorded.metric), "attention_cosine_heldout_lower95");
+  EXPECT_EQ(recorded.missing,
+            "the mapper's held-out attention-output cosine (0.877) has no 95% lower bound "
+            "(quality.attention_cosine_heldout_lower95): it rests on one held-out sequence; "
+            "refit with at least 16 held-out sequences");
+  manifest.quality.heldout_sequences.reset();  // fitted before the counts were recorded
+  EXPECT_EQ(MapperRecordedQuality(manifest).missing.find("one held-out sequence") !=
+                std::string::npos,
+            true);
+  manifest.quality.heldout_sequences = 40;
+  EXPECT_NE(MapperRecordedQuality(manifest).missing.find("before bounds were recorded"),
+            std::string::npos);
 }
 
 TEST(MapperRecordedQualityTest, FallsBackToTheMeanHeldoutR2) {

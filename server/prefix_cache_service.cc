@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
@@ -313,7 +314,7 @@ v1::GateVerdict PrefixCacheService::Gate(const std::shared_ptr<const LoadedMappe
   const std::optional<double>& quality = recorded.value;
   // A pair's own floor applies to whatever its mapper records; else the metric's default floor.
   auto floor = gate.pair_min_quality.find(PairKey(manifest.source.name, manifest.target.name));
-  const bool cosine = std::string(recorded.metric) == "attention_cosine_heldout";
+  const bool cosine = absl::StartsWith(recorded.metric, "attention_cosine");
   const double min_quality = floor != gate.pair_min_quality.end()
                                  ? floor->second
                                  : (cosine ? gate.min_mapper_quality : gate.min_r2_heldout);
@@ -324,8 +325,7 @@ v1::GateVerdict PrefixCacheService::Gate(const std::shared_ptr<const LoadedMappe
   verdict.set_max_input_shift(gate.max_input_shift);
   std::string reason;
   if (min_quality > 0 && !quality.has_value()) {
-    reason = "the mapper records no held-out quality (quality.attention_cosine_heldout, "
-             "r2_k_heldout / r2_v_heldout)";
+    reason = recorded.missing;
   } else if (quality.has_value() && *quality < min_quality) {
     reason = absl::StrCat("mapper ", recorded.description, " ", *quality, " < floor ",
                           min_quality);

@@ -4,7 +4,9 @@
 // publishes, listing and eviction.
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -275,15 +277,22 @@ TEST_F(PrefixCacheServiceTest, GateRefusesUnlessForced) {
 }
 
 // A store whose one mapper is the synth mapper of StoreDir() with a recorded held-out quality,
-// as `kvt fit` writes it with target queries: attention cosine 0.95, held-out R^2 0.2.
-std::string StoreWithRecordedCosine() {
-  const std::string dir = absl::StrCat(StoreDir(), "_cosine");
-  static const bool written = [&] {
+// as `kvt fit` writes it with target queries: attention cosine 0.95 with the 95% lower bound
+// `lower95` (none: one held-out sequence), held-out R^2 0.2.
+std::string StoreWithRecordedCosine(std::optional<double> lower95 = 0.94) {
+  const std::string dir = absl::StrCat(StoreDir(), "_cosine", lower95 ? "" : "_unbounded");
+  static std::set<std::string>* written_dirs = new std::set<std::string>;
+  if (written_dirs->count(dir)) return dir;
+  written_dirs->insert(dir);
+  const bool written = [&] {
     absl::StatusOr<std::unique_ptr<LoadedMapper>> synth = LoadMapperDir(StoreDir() + "/m");
     if (!synth.ok()) return false;
     Manifest manifest = (*synth)->manifest();
     manifest.quality.attention_cosine_heldout = 0.95;
     manifest.quality.attention_cosine_heldout_all_layers = 0.96;
+    manifest.quality.attention_cosine_heldout_lower95 = lower95;
+    manifest.quality.heldout_sequences = lower95 ? 32 : 1;
+    manifest.quality.heldout_tokens = lower95 ? 8192 : 256;
     for (LayerEntry& layer : manifest.layers) {
       layer.r2_k_heldout = layer.r2_v_heldout = 0.2;
       layer.attention_cosine_heldout = 0.95;
@@ -298,29 +307,49 @@ std::string StoreWithRecordedCosine() {
   return dir;
 }
 
-TEST_F(PrefixCacheServiceTest, GatePrefersTheRecordedAttentionCosine) {
+TEST_F(PrefixCacheServiceTest, GateComparesTheCosinesLowerBound) {
   const std::vector<uint32_t> tokens = Tokens(48, 10);
-  for (double floor : {0.9, 0.97}) {
+  // 0.945: the point estimate (0.95) would pass, the bound (0.94) does not.
+  for (double floor : {0.9, 0.945, 0.97}) {
     SCOPED_TRACE(floor);
     KvtdConfig config;
     config.prefix_cache.enabled = true;
-    config.prefix_cache.min_mapper_quality = floor;  // R^2 0.2 would fail both
+    config.prefix_cache.min_mapper_quality = floor;  // R^2 0.2 would fail all
     kvtd_.reset();
     Start(config, StoreWithRecordedCosine());
     v1::PublishResponse published;
     ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 11), &published).ok());
     const v1::LookupPrefixResponse response = Lookup(tokens);
-    EXPECT_EQ(response.gate().mapper_quality_metric(), "attention_cosine_heldout");
-    EXPECT_DOUBLE_EQ(response.gate().mapper_quality(), 0.95);
+    EXPECT_EQ(response.gate().mapper_quality_metric(), "attention_cosine_heldout_lower95");
+    EXPECT_DOUBLE_EQ(response.gate().mapper_quality(), 0.94);
     EXPECT_EQ(response.gate().min_mapper_quality(), floor);
-    EXPECT_EQ(response.hit(), floor < 0.95);
-    EXPECT_EQ(response.gate().passed(), floor < 0.95);
-    if (floor > 0.95) {
+    EXPECT_EQ(response.hit(), floor < 0.94);
+    EXPECT_EQ(response.gate().passed(), floor < 0.94);
+    if (floor > 0.94) {
       EXPECT_EQ(response.miss_reason(), "gate");
       EXPECT_THAT(response.gate().reason(),
-                  HasSubstr("held-out attention-output cosine 0.95 < floor 0.97"));
+                  HasSubstr(absl::StrCat("held-out attention-output cosine (95% lower bound) "
+                                         "0.94 < floor ", floor)));
     }
   }
+}
+
+TEST_F(PrefixCacheServiceTest, GateRefusesACosineWithoutABound) {
+  // One held-out sequence: a point estimate of 0.95 above the floor, and still refused.
+  const std::vector<uint32_t> tokens = Tokens(48, 14);
+  KvtdConfig config;
+  config.prefix_cache.enabled = true;
+  config.prefix_cache.min_mapper_quality = 0.5;
+  kvtd_.reset();
+  Start(config, StoreWithRecordedCosine(std::nullopt));
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 15), &published).ok());
+  const v1::LookupPrefixResponse response = Lookup(tokens);
+  EXPECT_FALSE(response.hit());
+  EXPECT_EQ(response.miss_reason(), "gate");
+  EXPECT_EQ(response.gate().mapper_quality_metric(), "attention_cosine_heldout_lower95");
+  EXPECT_THAT(response.gate().reason(), HasSubstr("rests on one held-out sequence"));
+  EXPECT_TRUE(Lookup(tokens, "test/dst", v1::REUSE_POLICY_FORCE).hit());
 }
 
 TEST_F(PrefixCacheServiceTest, GateFallsBackToHeldoutR2) {
