@@ -371,7 +371,9 @@ void MultiplySgemm(const KindPlan& kind, const Fp32Kind& w, const float* x, int6
       Sgemm(rows, g.out_width, g.in_width, in, g.in_width,
             w.matrix[g.index] + h * g.in_width * g.out_width, g.out_width, out,
             last ? target_width : g.out_width);
-      if (g.activate) BiasRelu(w.bias[g.index] + h * g.out_width, rows, g.out_width, g.out_width, out);
+      if (g.activate) {
+        BiasRelu(w.bias[g.index] + h * g.out_width, rows, g.out_width, g.out_width, out);
+      }
       in = out;
     }
   }
@@ -455,7 +457,9 @@ void Epilogue(const LayerCall& call, const KindPlan& kind, const TokenPiece& pie
     if (kind.rotate) {
       const float* cos = tables.base + tables.layout.apply_cos + i * half;
       const float* sin = tables.base + tables.layout.apply_sin + i * half;
-      for (int64_t h = 0; h < call.target->num_kv_heads; ++h) apply.ApplyHead(cos, sin, row + h * dt);
+      for (int64_t h = 0; h < call.target->num_kv_heads; ++h) {
+        apply.ApplyHead(cos, sin, row + h * dt);
+      }
     }
     WriteRow(*call.target, layer, piece.begin + i, row);
   }
