@@ -724,8 +724,8 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
                        &positions};
   const int64_t chunk = options.token_chunk > 0 ? options.token_chunk : options_.token_chunk;
   const bool onednn = prepared->onednn_;
-  // Someone in this process re-enabled OpenBLAS threading after the constructor: running
-  // pieces on the pool too would oversubscribe the cores, so let BLAS own the parallelism.
+  // When someone in this process re-enabled OpenBLAS threading after the constructor, running
+  // pieces on the pool too would oversubscribe the cores: BLAS owns the parallelism then.
   const bool serial = !onednn && openblas_get_num_threads() > 1;
   const std::vector<TokenPiece> pieces = CpuPieces(source.num_tokens, chunk, onednn,
                                                    prepared->plan_.window(),

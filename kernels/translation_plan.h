@@ -38,8 +38,8 @@ struct KindPlan {
   int64_t input_width = 0;  // blocks * n_s d_s
   bool strip = false;       // source RoPE removed from every block at its own token (keys)
   // Multiply, add, activate: one stage (ridge) or three (MLP). `heads` chains run side by
-  // side (an MLP's per_head granularity); chain h writes output columns [h, h + 1) x
-  // the last stage's out_width.
+  // side (an MLP's per_head granularity); with w the last stage's out_width, chain h writes
+  // output columns [h w, (h + 1) w).
   int heads = 1;
   std::vector<GemmStage> map;
   bool rotate = false;  // target RoPE applied at the token's own position (keys)
