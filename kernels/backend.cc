@@ -9,17 +9,6 @@
 
 namespace kvt {
 
-void RopeTablesFor(const Rope& rope, const Positions& positions, int64_t first_token,
-                   int64_t count, float* cos, float* sin) {
-  if (positions.explicit_positions == nullptr) {
-    rope.CosSinRange(positions.at(first_token), count, cos, sin);
-    return;
-  }
-  const int half = rope.rotary_dim() / 2;
-  for (int64_t i = 0; i < count; ++i) {
-    rope.CosSin(positions.at(first_token + i), cos + i * half, sin + i * half);
-  }
-}
 namespace {
 
 // Shared by the source (read-only) and target (mutable) views.

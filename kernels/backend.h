@@ -10,24 +10,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/mapper_view.h"
+#include "kernels/rope.h"
 #include "kernels/types.h"
 
 namespace kvt {
-
-// Absolute positions of a request's tokens: offset + i, or an explicit list.
-struct Positions {
-  uint64_t offset = 0;
-  const uint64_t* explicit_positions = nullptr;  // num_tokens entries when set
-  uint64_t at(int64_t token) const {
-    return explicit_positions ? explicit_positions[token] : offset + static_cast<uint64_t>(token);
-  }
-};
-
-// `rope`'s cos/sin rows for tokens first_token .. first_token + count - 1 of a request (row i,
-// rotary_dim/2 floats, at cos + i * rotary_dim/2): by angle addition when the positions are
-// consecutive, one exact row per token otherwise. Every backend fills its tables this way.
-void RopeTablesFor(const Rope& rope, const Positions& positions, int64_t first_token,
-                   int64_t count, float* cos, float* sin);
 
 // One model's cache for a request: per layer, K and V each contiguous in `layout`.
 struct CacheView {

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "kernels/dtype.h"
 #include "kernels/onednn_matmul.h"
 #include "kernels/rope.h"
+#include "kernels/translation_plan.h"
 
 namespace kvt {
 namespace {
@@ -23,38 +25,19 @@ constexpr int64_t kMinTokensPerThread = 16;
 // shapes, hence primitives, to chunk / 16 per weight shape.
 constexpr int64_t kRowQuantum = 16;
 
-// One MLP chain in fp32, stacked per head as in MlpView.
-struct Fp32Mlp {
-  int64_t heads = 1;
-  int64_t hidden = 0;
-  const float *a1 = nullptr, *c1 = nullptr, *a2 = nullptr, *c2 = nullptr, *a3 = nullptr;
+// One K or V chain's weights in fp32, slot i for GemmStage::index i (ridge W / b in slot 0, an
+// MLP's A1..A3 / c1..c3 in 0..2; chains stacked as in MlpView): owned conversions, or the
+// store's bytes when already fp32. A null bias is none.
+struct Fp32Kind {
+  std::array<const float*, 3> matrix = {};
+  std::array<const float*, 3> bias = {};
 };
 
-// One target layer's weights in fp32: owned conversions, or the store's bytes when already fp32.
-// An MLP layer's c3 sits in b_k / b_v: with the heads' d_t blocks side by side it is a bias over
-// the n_t d_t output columns in both granularities, so the shared epilogue adds it like ridge's.
-struct Fp32Layer {
-  const float* w_k = nullptr;
-  const float* b_k = nullptr;  // null: no bias
-  const float* w_v = nullptr;
-  const float* b_v = nullptr;
-  Fp32Mlp mlp_k, mlp_v;  // MLP mappers only
-};
-
-// The oneDNN path's weights: each matrix (per head for per_head MLPs) packed in bf16, biases in
-// fp32, all added by the matmuls (c1 / c2 with the ReLU fused; b or c3 as the last matmul's
-// bias; the shared epilogue then only rotates and converts).
-struct Bf16Mlp {
-  int64_t heads = 1;
-  int64_t hidden = 0;
-  std::vector<const PackedBf16Weights*> a1, a2, a3;  // one per head
-  const float *c1 = nullptr, *c2 = nullptr;
-};
-
-struct Bf16Layer {
-  const PackedBf16Weights* w_k = nullptr;
-  const PackedBf16Weights* w_v = nullptr;
-  Bf16Mlp mlp_k, mlp_v;
+// The oneDNN path's: each matrix packed in bf16 per chain, biases in fp32, all added by the
+// matmuls (the hidden ones with the ReLU fused; the epilogue then only rotates and converts).
+struct Bf16Kind {
+  std::array<std::vector<const PackedBf16Weights*>, 3> matrix;  // one per chain
+  std::array<const float*, 3> bias = {};
 };
 
 // h = relu(h + c) over a rows x cols block (leading dimension ld), in the one pass over the GEMM
@@ -76,24 +59,8 @@ void Sgemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const f
               static_cast<int>(ldb), 0.0f, c, static_cast<int>(ldc));
 }
 
-// y (rows x n_t d_t, before c3) = relu(relu(x A1 + c1) A2 + c2) A3 for one chain; per_head runs
-// head h's chain on the full x and writes its d_t columns of y.
-void MlpForward(const Fp32Mlp& mlp, const float* x, int64_t rows, int64_t inputs,
-                int64_t target_width, float* h1, float* h2, float* y) {
-  const int64_t hidden = mlp.hidden;
-  const int64_t out = target_width / mlp.heads;
-  for (int64_t h = 0; h < mlp.heads; ++h) {
-    Sgemm(rows, hidden, inputs, x, inputs, mlp.a1 + h * inputs * hidden, hidden, h1, hidden);
-    BiasRelu(mlp.c1 + h * hidden, rows, hidden, hidden, h1);
-    Sgemm(rows, hidden, hidden, h1, hidden, mlp.a2 + h * hidden * hidden, hidden, h2, hidden);
-    BiasRelu(mlp.c2 + h * hidden, rows, hidden, hidden, h2);
-    Sgemm(rows, out, hidden, h2, hidden, mlp.a3 + h * hidden * out, out, y + h * out,
-          target_width);
-  }
-}
-
-// A float buffer that only grows and is never zero-filled: every element is written before
-// it is read.
+// A buffer that only grows and is never zero-filled: every element is written before it is
+// read.
 template <typename T = float>
 class Scratch {
  public:
@@ -112,11 +79,10 @@ class Scratch {
 
 // One thread's working memory for a piece of tokens.
 struct Workspace {
-  Scratch<> x;                     // gathered, stripped inputs: rows x (window |sigma| n_s d_s)
-  Scratch<> y;                     // GEMM output: rows x (n_t d_t)
-  Scratch<> h1, h2;                // MLP hidden activations: rows x H each
-  Scratch<> strip_cos, strip_sin;  // source RoPE per row
-  Scratch<> apply_cos, apply_sin;  // target RoPE per row
+  Scratch<> x;       // gathered, stripped inputs: rows x (window |sigma| n_s d_s)
+  Scratch<> y;       // GEMM output: rows x (n_t d_t)
+  Scratch<> h1, h2;  // MLP hidden activations: rows x H each
+  Scratch<> tables;  // both models' RoPE for the piece (RopeTableLayout)
   // oneDNN path: the same inputs and hidden activations in bf16, and one source block in fp32
   // while its RoPE is stripped.
   Scratch<uint16_t> x16, h1_16, h2_16;
@@ -126,16 +92,14 @@ struct Workspace {
 
 class CpuPreparedMapper : public PreparedMapper {
  public:
-  const MapperView& view() const override { return view_; }
+  const MapperView& view() const override { return plan_.mapper(); }
   uint64_t bytes() const override { return bytes_; }
 
-  MapperView view_;
-  Rope source_rope_;
-  Rope target_rope_;
-  std::vector<Fp32Layer> layers_;  // sgemm: everything; oneDNN: biases only
+  TranslationPlan plan_;
+  std::vector<std::array<Fp32Kind, 2>> fp32_;  // sgemm: everything; oneDNN: biases only
   std::vector<std::unique_ptr<float[]>> owned_;
   bool onednn_ = false;
-  std::vector<Bf16Layer> bf16_layers_;  // oneDNN path
+  std::vector<std::array<Bf16Kind, 2>> bf16_;  // oneDNN path
   std::vector<std::unique_ptr<PackedBf16Weights>> packed_;
   uint64_t bytes_ = 0;
 };
@@ -177,6 +141,404 @@ void ForEachBias(const MapperView& mapper, Fn&& fn) {
 }
 
 int64_t RoundUp(int64_t value, int64_t quantum) { return (value + quantum - 1) / quantum * quantum; }
+
+// --- Prepare: the executor's copy of each stage's weights. ---
+
+// `w` in fp32, converted on the pool once. fp32 weights are used where the store keeps them;
+// the view is only valid while the store's handle is held anyway, so referencing its bytes adds
+// no new lifetime constraint.
+const float* ToFp32(const WeightView& w, ThreadPool* pool, CpuPreparedMapper* prepared) {
+  if (w.data == nullptr) return nullptr;
+  if (w.dtype == DType::kFP32) return static_cast<const float*>(w.data);
+  const int64_t count = w.rows * w.cols;
+  // new[] without () leaves the floats uninitialised: no pass zeroing gigabytes first.
+  float* copy = prepared->owned_.emplace_back(new float[count]).get();
+  const char* src = static_cast<const char*>(w.data);
+  const size_t element = DTypeSize(w.dtype);
+  constexpr int64_t kBlock = 1 << 16;
+  pool->ParallelFor((count + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t first = block * kBlock;
+      ToFloat(w.dtype, src + first * element, copy + first, std::min(kBlock, count - first));
+    }
+  });
+  prepared->bytes_ += static_cast<uint64_t>(count) * sizeof(float);
+  return copy;
+}
+
+// Every stage's matrix and bias in fp32 (the sgemm path), or (oneDNN path) the biases only.
+void PrepareFp32(bool biases_only, ThreadPool* pool, CpuPreparedMapper* prepared) {
+  const TranslationPlan& plan = prepared->plan_;
+  const int layers = plan.mapper().target.num_layers;
+  prepared->fp32_.resize(layers);
+  for (int l = 0; l < layers; ++l) {
+    for (const KindPlan& kind : plan.layer(l).kinds) {
+      Fp32Kind& out = prepared->fp32_[l][static_cast<int>(kind.kind)];
+      for (const GemmStage& stage : kind.map) {
+        if (!biases_only) {
+          out.matrix[stage.index] =
+              ToFp32(StageMatrix(plan.mapper(), l, kind.kind, stage.index), pool, prepared);
+        }
+        out.bias[stage.index] =
+            ToFp32(StageBias(plan.mapper(), l, kind.kind, stage.index), pool, prepared);
+      }
+    }
+  }
+}
+
+// One matrix block (one chain of a stage) to pack into oneDNN's bf16 layout.
+struct PackJob {
+  const WeightView* w;
+  int64_t heads, head;
+  const PackedBf16Weights** slot;
+  std::unique_ptr<PackedBf16Weights> packed;
+  absl::Status status;
+};
+
+// The jobs of every stage's chains; their slots have final addresses once this returns.
+std::vector<PackJob> PlanPackJobs(CpuPreparedMapper* prepared) {
+  const TranslationPlan& plan = prepared->plan_;
+  const int layers = plan.mapper().target.num_layers;
+  prepared->bf16_.resize(layers);
+  std::vector<PackJob> jobs;
+  for (int l = 0; l < layers; ++l) {
+    for (const KindPlan& kind : plan.layer(l).kinds) {
+      Bf16Kind& out = prepared->bf16_[l][static_cast<int>(kind.kind)];
+      out.bias = prepared->fp32_[l][static_cast<int>(kind.kind)].bias;
+      for (const GemmStage& stage : kind.map) {
+        std::vector<const PackedBf16Weights*>& slots = out.matrix[stage.index];
+        slots.resize(kind.heads);
+        const WeightView& w = StageMatrix(plan.mapper(), l, kind.kind, stage.index);
+        for (int64_t h = 0; h < kind.heads; ++h) {
+          jobs.push_back(PackJob{&w, kind.heads, h, &slots[h], nullptr, absl::OkStatus()});
+        }
+      }
+    }
+  }
+  return jobs;
+}
+
+// Packs every job on the pool, then hands the packed blocks to `prepared`.
+absl::Status RunPackJobs(std::vector<PackJob>& jobs, ThreadPool* pool,
+                         CpuPreparedMapper* prepared) {
+  // One OpenMP thread per job, as in TranslateLayer: no OpenMP team spins after Prepare.
+  pool->ParallelFor(static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+    ScopedOmpThreads one(1);
+    for (int64_t j = begin; j < end; ++j) {
+      PackJob& job = jobs[j];
+      const WeightView& w = *job.w;
+      const int64_t rows = w.rows / job.heads;
+      const char* src =
+          static_cast<const char*>(w.data) + job.head * rows * w.cols * DTypeSize(w.dtype);
+      absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
+          PackBf16Weights(w.dtype, src, rows, w.cols);
+      if (packed.ok()) {
+        job.packed = *std::move(packed);
+      } else {
+        job.status = packed.status();
+      }
+    }
+  });
+  for (PackJob& job : jobs) {
+    if (!job.status.ok()) return job.status;
+    prepared->bytes_ += job.packed->bytes();
+    *job.slot = job.packed.get();
+    prepared->packed_.push_back(std::move(job.packed));
+  }
+  return absl::OkStatus();
+}
+
+// --- TranslateLayer: the executor of one target layer's plan, piece by piece. ---
+
+// What every piece of one call shares.
+struct LayerCall {
+  const TranslationPlan* plan;
+  const LayerPlan* layer;
+  const std::array<Fp32Kind, 2>* fp32;
+  const std::array<Bf16Kind, 2>* bf16;  // oneDNN path only
+  const CacheView* source;
+  const MutableCacheView* target;
+  std::array<void*, 2> outputs;  // the target layer's K and V
+  const Positions* positions;
+};
+
+// The RoPE tables of the piece in the workspace: the source's for every token it reads, the
+// target's for its own.
+struct PieceTables {
+  const float* base;
+  RopeTableLayout layout;
+};
+
+// Source block of token t (one layer's n_s heads) into fp32 `out`.
+void ReadBlock(const CacheView& source, const void* layer, int64_t t, float* out) {
+  const char* base = static_cast<const char*>(layer);
+  const size_t element = DTypeSize(source.dtype);
+  const int64_t ds = source.head_dim;
+  const int64_t width = source.num_kv_heads * ds;
+  if (source.layout == Layout::kNHD) {
+    ToFloat(source.dtype, base + t * width * element, out, width);
+    return;
+  }
+  for (int64_t h = 0; h < source.num_kv_heads; ++h) {
+    ToFloat(source.dtype, base + (h * source.num_tokens + t) * ds * element, out + h * ds, ds);
+  }
+}
+
+// A bf16 source block copied as is (values without RoPE on the oneDNN path).
+void CopyBlockBf16(const CacheView& source, const void* layer, int64_t t, uint16_t* out) {
+  const char* base = static_cast<const char*>(layer);
+  const int64_t ds = source.head_dim;
+  const int64_t width = source.num_kv_heads * ds;
+  if (source.layout == Layout::kNHD) {
+    std::memcpy(out, base + t * width * 2, width * 2);
+    return;
+  }
+  for (int64_t h = 0; h < source.num_kv_heads; ++h) {
+    std::memcpy(out + h * ds, base + (h * source.num_tokens + t) * ds * 2, ds * 2);
+  }
+}
+
+// Strip: the source RoPE off every head of a block read at strip-table row `row`.
+void StripBlock(const LayerCall& call, const PieceTables& tables, int64_t row, float* block) {
+  const Rope& strip = call.plan->rope().strip();
+  const int half = call.plan->rope().strip_half();
+  const float* cos = tables.base + tables.layout.strip_cos + row * half;
+  const float* sin = tables.base + tables.layout.strip_sin + row * half;
+  for (int64_t h = 0; h < call.source->num_kv_heads; ++h) {
+    strip.StripHead(cos, sin, block + h * call.source->head_dim);
+  }
+}
+
+// Gather + strip, fp32: row i = token begin + i, columns [offset][sigma block][head][dim],
+// block (o, b) from token begin + i - o (zero before the request's first token).
+void GatherFp32(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
+                const PieceTables& tables, float* x) {
+  const int64_t width = call.plan->source_width();
+  const int64_t sigma_size = static_cast<int64_t>(kind.sigma.size());
+  const auto& layers = kind.kind == KvKind::kKey ? call.source->k : call.source->v;
+  for (int64_t i = 0; i < piece.rows; ++i) {
+    for (int64_t b = 0; b < kind.blocks; ++b) {
+      float* out = x + i * kind.input_width + b * width;
+      const int64_t t = piece.begin + i - b / sigma_size;
+      if (t < 0) {
+        std::memset(out, 0, width * sizeof(float));
+        continue;
+      }
+      ReadBlock(*call.source, layers[kind.sigma[b % sigma_size]], t, out);
+      if (kind.strip) StripBlock(call, tables, t - piece.read_begin, out);
+    }
+  }
+}
+
+// The same gather for the oneDNN path: each block in fp32 while its RoPE is stripped, then
+// rounded to bf16 (a bf16 value block without RoPE is copied as is).
+void GatherBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
+                const PieceTables& tables, float* block, uint16_t* x16) {
+  const int64_t width = call.plan->source_width();
+  const int64_t sigma_size = static_cast<int64_t>(kind.sigma.size());
+  const auto& layers = kind.kind == KvKind::kKey ? call.source->k : call.source->v;
+  const bool copy = !kind.strip && call.source->dtype == DType::kBF16;
+  for (int64_t i = 0; i < piece.rows; ++i) {
+    for (int64_t b = 0; b < kind.blocks; ++b) {
+      uint16_t* out16 = x16 + i * kind.input_width + b * width;
+      const int64_t t = piece.begin + i - b / sigma_size;
+      if (t < 0) {
+        std::memset(out16, 0, width * sizeof(uint16_t));
+        continue;
+      }
+      const void* layer = layers[kind.sigma[b % sigma_size]];
+      if (copy) {
+        CopyBlockBf16(*call.source, layer, t, out16);
+        continue;
+      }
+      ReadBlock(*call.source, layer, t, block);
+      if (kind.strip) StripBlock(call, tables, t - piece.read_begin, block);
+      FromFloat(DType::kBF16, block, out16, width);
+    }
+  }
+}
+
+// Multiply, add, activate on the sgemm path: each chain's stages in turn, the hidden stages'
+// bias + ReLU in the pass after their GEMM. The last stage's bias waits for the epilogue.
+void MultiplySgemm(const KindPlan& kind, const Fp32Kind& w, const float* x, int64_t rows,
+                   int64_t target_width, float* const hidden[2], float* y) {
+  for (int64_t h = 0; h < kind.heads; ++h) {
+    const float* in = x;
+    for (size_t s = 0; s < kind.map.size(); ++s) {
+      const GemmStage& g = kind.map[s];
+      const bool last = s + 1 == kind.map.size();
+      float* out = last ? y + h * g.out_width : hidden[s % 2];
+      Sgemm(rows, g.out_width, g.in_width, in, g.in_width,
+            w.matrix[g.index] + h * g.in_width * g.out_width, g.out_width, out,
+            last ? target_width : g.out_width);
+      if (g.activate) {
+        BiasRelu(w.bias[g.index] + h * g.out_width, rows, g.out_width, g.out_width, out);
+      }
+      in = out;
+    }
+  }
+}
+
+// Where the oneDNN path's last matmul writes: `direct` into the target rows when set, else y
+// (one chain) or one chain's block that is then copied into its columns of y.
+struct Bf16Outputs {
+  void* direct;
+  float* y;
+  float* y_head;
+  uint16_t* hidden[2];
+};
+
+// Multiply, add, activate on the oneDNN path: bias (and ReLU) fused into every matmul, hidden
+// outputs in bf16 (the next matmul's input). oneDNN 2.6's brgemm matmul wants a dense dst (a
+// strided one falls to a far slower gemm): per_head chains write through y_head.
+absl::Status MultiplyBf16(const KindPlan& kind, const Bf16Kind& w, const uint16_t* x16,
+                          int64_t gemm_rows, int64_t rows, int64_t target_width,
+                          const Bf16Outputs& out) {
+  for (int64_t h = 0; h < kind.heads; ++h) {
+    const uint16_t* in = x16;
+    for (size_t s = 0; s < kind.map.size(); ++s) {
+      const GemmStage& g = kind.map[s];
+      const float* bias = w.bias[g.index] ? w.bias[g.index] + h * g.out_width : nullptr;
+      const PackedBf16Weights& matrix = *w.matrix[g.index][h];
+      if (s + 1 < kind.map.size()) {
+        if (absl::Status st = Bf16Matmul(gemm_rows, in, g.in_width, matrix, bias, true, true,
+                                         out.hidden[s % 2], g.out_width);
+            !st.ok()) {
+          return st;
+        }
+        in = out.hidden[s % 2];
+        continue;
+      }
+      const bool dense = kind.heads == 1;
+      void* dst = out.direct ? out.direct : dense ? static_cast<void*>(out.y) : out.y_head;
+      if (absl::Status st = Bf16Matmul(gemm_rows, in, g.in_width, matrix, bias, false,
+                                       out.direct != nullptr, dst, g.out_width);
+          !st.ok()) {
+        return st;
+      }
+      if (dense) continue;
+      for (int64_t i = 0; i < rows; ++i) {
+        std::memcpy(out.y + i * target_width + h * g.out_width, out.y_head + i * g.out_width,
+                    g.out_width * sizeof(float));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Convert: one fp32 row of n_t d_t into token t of the target layer, in its dtype and layout.
+void WriteRow(const MutableCacheView& target, void* layer, int64_t t, const float* row) {
+  char* base = static_cast<char*>(layer);
+  const size_t element = DTypeSize(target.dtype);
+  const int64_t dt = target.head_dim;
+  const int64_t width = target.num_kv_heads * dt;
+  if (target.layout == Layout::kNHD) {
+    FromFloat(target.dtype, row, base + t * width * element, width);
+    return;
+  }
+  for (int64_t h = 0; h < target.num_kv_heads; ++h) {
+    FromFloat(target.dtype, row + h * dt, base + (h * target.num_tokens + t) * dt * element, dt);
+  }
+}
+
+// Epilogue: add (`bias` when not fused into the GEMM), rotate, convert.
+void Epilogue(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
+              const PieceTables& tables, const float* bias, float* y) {
+  const Rope& apply = call.plan->rope().apply();
+  const int half = call.plan->rope().apply_half();
+  const int64_t width = call.plan->target_width();
+  const int64_t dt = call.target->head_dim;
+  void* layer = call.outputs[static_cast<int>(kind.kind)];
+  for (int64_t i = 0; i < piece.rows; ++i) {
+    float* row = y + i * width;
+    if (bias) {
+      for (int64_t c = 0; c < width; ++c) row[c] += bias[c];
+    }
+    if (kind.rotate) {
+      const float* cos = tables.base + tables.layout.apply_cos + i * half;
+      const float* sin = tables.base + tables.layout.apply_sin + i * half;
+      for (int64_t h = 0; h < call.target->num_kv_heads; ++h) {
+        apply.ApplyHead(cos, sin, row + h * dt);
+      }
+    }
+    WriteRow(*call.target, layer, piece.begin + i, row);
+  }
+}
+
+// One kind of one piece on the sgemm path.
+void RunKindSgemm(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
+                  const PieceTables& tables, Workspace* ws) {
+  const int64_t rows = piece.rows;
+  const int64_t width = call.plan->target_width();
+  const int64_t max_hidden = call.plan->max_hidden();
+  float* x = ws->x.Get(rows * call.plan->max_input_width());
+  float* y = ws->y.Get(rows * width);
+  float* const hidden[2] = {max_hidden ? ws->h1.Get(rows * max_hidden) : nullptr,
+                            max_hidden ? ws->h2.Get(rows * max_hidden) : nullptr};
+  const Fp32Kind& w = (*call.fp32)[static_cast<int>(kind.kind)];
+  GatherFp32(call, kind, piece, tables, x);
+  MultiplySgemm(kind, w, x, rows, width, hidden, y);
+  Epilogue(call, kind, piece, tables, w.bias[kind.last().index], y);
+}
+
+// oneDNN path, values into a bf16 [tokens, heads, dim] target: the last matmul writes the target
+// rows itself (bias fused, rounded to nearest even), skipping the fp32 round trip and the
+// epilogue. A short last piece (padding rows) goes through y.
+void* DirectOutput(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
+                   int64_t gemm_rows) {
+  if (kind.rotate || call.target->dtype != DType::kBF16 || call.target->layout != Layout::kNHD ||
+      gemm_rows != piece.rows || kind.heads != 1) {
+    return nullptr;
+  }
+  return static_cast<char*>(call.outputs[static_cast<int>(kind.kind)]) +
+         piece.begin * call.plan->target_width() * sizeof(uint16_t);
+}
+
+// One kind of one piece on the oneDNN path: GEMM rows rounded up, the padding rows of x zero
+// (their outputs unused).
+absl::Status RunKindBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
+                         const PieceTables& tables, Workspace* ws) {
+  const int64_t gemm_rows = RoundUp(piece.rows, kRowQuantum);
+  const int64_t width = call.plan->target_width();
+  const int64_t max_hidden = call.plan->max_hidden();
+  uint16_t* x16 = ws->x16.Get(gemm_rows * call.plan->max_input_width());
+  Bf16Outputs out;
+  out.direct = DirectOutput(call, kind, piece, gemm_rows);
+  out.y = ws->y.Get(gemm_rows * width);
+  out.y_head = kind.heads > 1 ? ws->y_head.Get(gemm_rows * call.target->head_dim) : nullptr;
+  out.hidden[0] = max_hidden ? ws->h1_16.Get(gemm_rows * max_hidden) : nullptr;
+  out.hidden[1] = max_hidden ? ws->h2_16.Get(gemm_rows * max_hidden) : nullptr;
+  GatherBf16(call, kind, piece, tables, ws->block.Get(call.plan->source_width()), x16);
+  if (gemm_rows > piece.rows) {
+    std::memset(x16 + piece.rows * kind.input_width, 0,
+                (gemm_rows - piece.rows) * kind.input_width * sizeof(uint16_t));
+  }
+  const Bf16Kind& w = (*call.bf16)[static_cast<int>(kind.kind)];
+  if (absl::Status s = MultiplyBf16(kind, w, x16, gemm_rows, piece.rows, width, out); !s.ok()) {
+    return s;
+  }
+  if (out.direct == nullptr) Epilogue(call, kind, piece, tables, nullptr, out.y);
+  return absl::OkStatus();
+}
+
+// Tokens [begin, begin + rows) through gather -> GEMM -> epilogue, for K then V, on one thread
+// with its own workspace; both models' rotations for these positions once per piece.
+absl::Status RunPiece(const LayerCall& call, const TokenPiece& piece, Workspace* ws) {
+  const TranslationRope& rope = call.plan->rope();
+  PieceTables tables;
+  tables.layout = rope.TableLayout(piece.read_rows(), piece.rows);
+  float* base = ws->tables.Get(tables.layout.floats);
+  rope.Fill(*call.positions, piece.read_begin, piece.read_rows(), piece.begin, piece.rows, base);
+  tables.base = base;
+  for (const KindPlan& kind : call.layer->kinds) {
+    if (call.bf16 == nullptr) {
+      RunKindSgemm(call, kind, piece, tables, ws);
+    } else if (absl::Status s = RunKindBf16(call, kind, piece, tables, ws); !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -277,132 +639,66 @@ uint64_t CpuBackend::PreparedBytesEstimate(const MapperView& mapper) const {
 }
 
 absl::StatusOr<std::shared_ptr<PreparedMapper>> CpuBackend::Prepare(const MapperView& mapper) {
-  if (absl::Status s = CheckMapperView(mapper); !s.ok()) return s;
-
+  absl::StatusOr<TranslationPlan> plan = TranslationPlan::Build(mapper);
+  if (!plan.ok()) return plan.status();
   auto prepared = std::make_shared<CpuPreparedMapper>();
-  prepared->view_ = mapper;
-  absl::StatusOr<Rope> source_rope = Rope::Create(mapper.source.rope, mapper.source.head_dim);
-  if (!source_rope.ok()) return source_rope.status();
-  absl::StatusOr<Rope> target_rope = Rope::Create(mapper.target.rope, mapper.target.head_dim);
-  if (!target_rope.ok()) return target_rope.status();
-  prepared->source_rope_ = *std::move(source_rope);
-  prepared->target_rope_ = *std::move(target_rope);
-
-  // fp32 weights are used where the store keeps them; the view is only valid while the store's
-  // handle is held anyway, so referencing its bytes adds no new lifetime constraint.
-  const auto to_fp32 = [&](const WeightView& w) -> const float* {
-    if (w.data == nullptr) return nullptr;
-    if (w.dtype == DType::kFP32) return static_cast<const float*>(w.data);
-    const int64_t count = w.rows * w.cols;
-    // new[] without () leaves the floats uninitialised: no pass zeroing gigabytes first.
-    float* copy = prepared->owned_.emplace_back(new float[count]).get();
-    const char* src = static_cast<const char*>(w.data);
-    const size_t element = DTypeSize(w.dtype);
-    constexpr int64_t kBlock = 1 << 16;
-    pool_->ParallelFor((count + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t block = begin; block < end; ++block) {
-        const int64_t first = block * kBlock;
-        ToFloat(w.dtype, src + first * element, copy + first, std::min(kBlock, count - first));
-      }
-    });
-    prepared->bytes_ += static_cast<uint64_t>(count) * sizeof(float);
-    return copy;
-  };
-  const auto mlp_to_fp32 = [&](const MlpView& mlp, Fp32Mlp* out, const float** c3) {
-    out->heads = mlp.heads;
-    out->hidden = mlp.hidden;
-    out->a1 = to_fp32(mlp.a1);
-    out->c1 = to_fp32(mlp.c1);
-    out->a2 = to_fp32(mlp.a2);
-    out->c2 = to_fp32(mlp.c2);
-    out->a3 = to_fp32(mlp.a3);
-    *c3 = to_fp32(mlp.c3);
-  };
-  if (UsesOnednn(mapper)) {
-    prepared->onednn_ = true;
-    // Each matrix (each head's block of a per_head chain) is packed into oneDNN's bf16 layout
+  prepared->plan_ = *std::move(plan);
+  prepared->onednn_ = UsesOnednn(mapper);
+  PrepareFp32(prepared->onednn_, pool_.get(), prepared.get());
+  if (prepared->onednn_) {
+    // Each matrix (each chain's block of a per_head MLP) is packed into oneDNN's bf16 layout
     // by a job; the jobs run on the pool once every slot they fill has its final address.
-    struct PackJob {
-      const WeightView* w;
-      int64_t heads, head;
-      const PackedBf16Weights** slot;
-      std::unique_ptr<PackedBf16Weights> packed;
-      absl::Status status;
-    };
-    std::vector<PackJob> jobs;
-    const auto pack = [&](const WeightView& w, int64_t heads, int64_t head,
-                          const PackedBf16Weights** slot) {
-      jobs.push_back(PackJob{&w, heads, head, slot, nullptr, absl::OkStatus()});
-    };
-    const auto pack_mlp = [&](const MlpView& mlp, Bf16Mlp* out, Fp32Mlp* biases,
-                              const float** c3) {
-      out->heads = biases->heads = mlp.heads;
-      out->hidden = biases->hidden = mlp.hidden;
-      for (auto [w, list] : {std::pair{&mlp.a1, &out->a1}, std::pair{&mlp.a2, &out->a2},
-                             std::pair{&mlp.a3, &out->a3}}) {
-        list->resize(mlp.heads);
-        for (int64_t h = 0; h < mlp.heads; ++h) pack(*w, mlp.heads, h, &(*list)[h]);
-      }
-      out->c1 = biases->c1 = to_fp32(mlp.c1);
-      out->c2 = biases->c2 = to_fp32(mlp.c2);
-      *c3 = to_fp32(mlp.c3);
-    };
-    prepared->bf16_layers_.reserve(mapper.layers.size());  // slots keep their addresses
-    for (const LayerMapView& layer : mapper.layers) {
-      Fp32Layer biases;
-      Bf16Layer& bf16 = prepared->bf16_layers_.emplace_back();
-      if (mapper.kind == MapKind::kMlp) {
-        pack_mlp(layer.mlp_k, &bf16.mlp_k, &biases.mlp_k, &biases.b_k);
-        pack_mlp(layer.mlp_v, &bf16.mlp_v, &biases.mlp_v, &biases.b_v);
-      } else {
-        pack(layer.w_k, 1, 0, &bf16.w_k);
-        pack(layer.w_v, 1, 0, &bf16.w_v);
-        biases.b_k = to_fp32(layer.b_k);
-        biases.b_v = to_fp32(layer.b_v);
-      }
-      prepared->layers_.push_back(biases);
-    }
-    // One OpenMP thread per job, as in TranslateLayer: no OpenMP team spins after Prepare.
-    pool_->ParallelFor(static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
-      ScopedOmpThreads one(1);
-      for (int64_t j = begin; j < end; ++j) {
-        PackJob& job = jobs[j];
-        const WeightView& w = *job.w;
-        const int64_t rows = w.rows / job.heads;
-        const char* src =
-            static_cast<const char*>(w.data) + job.head * rows * w.cols * DTypeSize(w.dtype);
-        absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
-            PackBf16Weights(w.dtype, src, rows, w.cols);
-        if (packed.ok()) {
-          job.packed = *std::move(packed);
-        } else {
-          job.status = packed.status();
-        }
-      }
-    });
-    for (PackJob& job : jobs) {
-      if (!job.status.ok()) return job.status;
-      prepared->bytes_ += job.packed->bytes();
-      *job.slot = job.packed.get();
-      prepared->packed_.push_back(std::move(job.packed));
-    }
-    return std::shared_ptr<PreparedMapper>(std::move(prepared));
-  }
-  for (const LayerMapView& layer : mapper.layers) {
-    Fp32Layer fp32;
-    if (mapper.kind == MapKind::kMlp) {
-      mlp_to_fp32(layer.mlp_k, &fp32.mlp_k, &fp32.b_k);
-      mlp_to_fp32(layer.mlp_v, &fp32.mlp_v, &fp32.b_v);
-    } else {
-      fp32.w_k = to_fp32(layer.w_k);
-      fp32.b_k = to_fp32(layer.b_k);
-      fp32.w_v = to_fp32(layer.w_v);
-      fp32.b_v = to_fp32(layer.b_v);
-    }
-    prepared->layers_.push_back(fp32);
+    std::vector<PackJob> jobs = PlanPackJobs(prepared.get());
+    if (absl::Status s = RunPackJobs(jobs, pool_.get(), prepared.get()); !s.ok()) return s;
   }
   return std::shared_ptr<PreparedMapper>(std::move(prepared));
 }
+
+namespace {
+
+// The token pieces of one call: `threads` pool threads, or 0 when the pieces run serially.
+std::vector<TokenPiece> CpuPieces(int64_t num_tokens, int64_t chunk, bool onednn, int window,
+                                  int threads) {
+  const int64_t min_pieces = (num_tokens + chunk - 1) / chunk;
+  if (threads == 0) return EvenPieces(num_tokens, min_pieces, window);
+  // Token-parallel: each thread runs whole pieces (its own gather, single-threaded GEMM and
+  // epilogue), so no phase waits on another and no BLAS thread spins while the gather runs.
+  // Measured on 2 cores (docs/BENCHMARKS.md): 0.66-0.78 of the sgemm rate with OpenBLAS
+  // threads and a pooled gather/epilogue, 0.90-0.95 this way. Pieces are a multiple of the
+  // thread count where the tokens allow, and never longer than `chunk`.
+  const int64_t pieces = std::max(
+      min_pieces, std::min<int64_t>((min_pieces + threads - 1) / threads * threads,
+                                    num_tokens / kMinTokensPerThread));
+  if (!onednn) return EvenPieces(num_tokens, pieces, window);
+  // oneDNN path: equal pieces of a multiple of 16 rows (the last one shorter), so the matmul
+  // shapes (and cached primitives) stay few.
+  return FixedPieces(num_tokens,
+                     std::min(RoundUp((num_tokens + pieces - 1) / pieces, kRowQuantum),
+                              RoundUp(chunk, kRowQuantum)),
+                     window);
+}
+
+absl::Status RunPiecesParallel(ThreadPool* pool, const LayerCall& call,
+                               const std::vector<TokenPiece>& pieces, bool onednn) {
+  Mutex error_mu;
+  absl::Status error;
+  pool->ParallelFor(static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    // oneDNN runs single-threaded inside each piece (see onednn_matmul.h).
+    std::unique_ptr<ScopedOmpThreads> one_omp_thread;
+    if (onednn) one_omp_thread = std::make_unique<ScopedOmpThreads>(1);
+    Workspace ws;
+    for (int64_t piece = begin; piece < end; ++piece) {
+      if (absl::Status s = RunPiece(call, pieces[piece], &ws); !s.ok()) {
+        MutexLock lock(&error_mu);
+        if (error.ok()) error = s;
+        return;
+      }
+    }
+  });
+  return error;
+}
+
+}  // namespace
 
 absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target_layer,
                                         const CacheView& source, const Positions& positions,
@@ -413,283 +709,35 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
   if (prepared == nullptr) {
     return absl::InvalidArgumentError("mapper was not prepared by the cpu backend");
   }
-  const MapperView& view = prepared->view();
-  if (absl::Status s = CheckLayerCacheShapes(view, target_layer, source, *target); !s.ok()) {
+  if (absl::Status s = CheckLayerCacheShapes(prepared->view(), target_layer, source, *target);
+      !s.ok()) {
     return s;
   }
-  const int64_t num_tokens = source.num_tokens;
-  if (num_tokens == 0) return absl::OkStatus();
-
-  const LayerMapView& layer = view.layers[target_layer];
-  const Fp32Layer& weights = prepared->layers_[target_layer];
-  const bool onednn = prepared->onednn_;
-  const Bf16Layer* packed = onednn ? &prepared->bf16_layers_[target_layer] : nullptr;
-  const int64_t ns = source.num_kv_heads, ds = source.head_dim;
-  const int64_t nt = target->num_kv_heads, dt = target->head_dim;
-  const int64_t source_width = ns * ds;
-  const int64_t target_width = nt * dt;
-  const size_t source_element = DTypeSize(source.dtype);
-  const size_t target_element = DTypeSize(target->dtype);
+  if (source.num_tokens == 0) return absl::OkStatus();
+  const LayerCall call{&prepared->plan_,
+                       &prepared->plan_.layer(target_layer),
+                       &prepared->fp32_[target_layer],
+                       prepared->onednn_ ? &prepared->bf16_[target_layer] : nullptr,
+                       &source,
+                       target,
+                       {target->k[target_layer], target->v[target_layer]},
+                       &positions};
   const int64_t chunk = options.token_chunk > 0 ? options.token_chunk : options_.token_chunk;
-
-  struct Kind {
-    const std::vector<int>* sigma;
-    const std::vector<const void*>* source;
-    void* target;
-    const float* w;      // ridge
-    const Fp32Mlp* mlp;  // MLP mappers: the chain instead of w
-    const float* b;      // ridge b or MLP c3, added in the epilogue
-    bool rope;  // keys only: values carry no position
-    const PackedBf16Weights* w16;  // oneDNN path, ridge
-    const Bf16Mlp* mlp16;          // oneDNN path, MLP
-  };
-  const bool is_mlp = view.kind == MapKind::kMlp;
-  const Kind kinds[2] = {
-      {&layer.sigma_k, &source.k, target->k[target_layer], weights.w_k,
-       is_mlp ? &weights.mlp_k : nullptr, weights.b_k, true, packed ? packed->w_k : nullptr,
-       packed && is_mlp ? &packed->mlp_k : nullptr},
-      {&layer.sigma_v, &source.v, target->v[target_layer], weights.w_v,
-       is_mlp ? &weights.mlp_v : nullptr, weights.b_v, false, packed ? packed->w_v : nullptr,
-       packed && is_mlp ? &packed->mlp_v : nullptr},
-  };
-  // A window mapper reads each sigma block at `window` token offsets (offset-major blocks).
-  const int64_t window = view.window;
-  const int64_t max_inputs = window *
-      static_cast<int64_t>(std::max(layer.sigma_k.size(), layer.sigma_v.size())) * source_width;
-  const int64_t max_hidden = is_mlp ? std::max(weights.mlp_k.hidden, weights.mlp_v.hidden) : 0;
-
-  // Tokens [t0, t0 + rows) through gather -> GEMM -> epilogue, for K then V, on one thread
-  // with its own workspace.
-  const auto run_piece = [&](int64_t t0, int64_t rows, Workspace* ws) -> absl::Status {
-    const Rope& strip = prepared->source_rope_;
-    const Rope& apply = prepared->target_rope_;
-    const int strip_half = strip.rotary_dim() / 2;
-    const int apply_half = apply.rotary_dim() / 2;
-    // oneDNN path: GEMM rows rounded up, the padding rows of x zero (their outputs unused).
-    const int64_t gemm_rows = onednn ? RoundUp(rows, kRowQuantum) : rows;
-    float* x = onednn ? nullptr : ws->x.Get(rows * max_inputs);
-    uint16_t* x16 = onednn ? ws->x16.Get(gemm_rows * max_inputs) : nullptr;
-    float* block = onednn ? ws->block.Get(source_width) : nullptr;
-    float* y = ws->y.Get(gemm_rows * target_width);
-    float* h1 = is_mlp && !onednn ? ws->h1.Get(rows * max_hidden) : nullptr;
-    float* h2 = is_mlp && !onednn ? ws->h2.Get(rows * max_hidden) : nullptr;
-    uint16_t* h1_16 = is_mlp && onednn ? ws->h1_16.Get(gemm_rows * max_hidden) : nullptr;
-    uint16_t* h2_16 = is_mlp && onednn ? ws->h2_16.Get(gemm_rows * max_hidden) : nullptr;
-    float* y_head = is_mlp && onednn ? ws->y_head.Get(gemm_rows * dt) : nullptr;
-    // Strip tables cover the window's earlier tokens too: table row r is token strip_first + r.
-    const int64_t strip_first = std::max<int64_t>(0, t0 - (window - 1));
-    const int64_t strip_rows = t0 + rows - strip_first;
-    float* strip_cos = ws->strip_cos.Get(strip_rows * strip_half);
-    float* strip_sin = ws->strip_sin.Get(strip_rows * strip_half);
-    float* apply_cos = ws->apply_cos.Get(rows * apply_half);
-    float* apply_sin = ws->apply_sin.Get(rows * apply_half);
-    // Both models' rotations for these positions, once per piece.
-    RopeTablesFor(strip, positions, strip_first, strip_rows, strip_cos, strip_sin);
-    RopeTablesFor(apply, positions, t0, rows, apply_cos, apply_sin);
-
-    for (const Kind& kind : kinds) {
-      const int64_t sigma_size = static_cast<int64_t>(kind.sigma->size());
-      const int64_t blocks = window * sigma_size;
-      const int64_t inputs = blocks * source_width;
-
-      // Gather: row i = token t0 + i, columns [offset][sigma block][head][dim], block (o, b)
-      // from token t0 + i - o (zero before the request's first token), source RoPE stripped at
-      // that token's position. oneDNN path: the same in fp32 one block at a time, then rounded
-      // to bf16 (a bf16 value block without RoPE is copied as is).
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          const int64_t t = t0 + i - b / sigma_size;
-          if (t < 0) {
-            if (onednn) {
-              std::memset(x16 + i * inputs + b * source_width, 0, source_width * sizeof(uint16_t));
-            } else {
-              std::memset(x + i * inputs + b * source_width, 0, source_width * sizeof(float));
-            }
-            continue;
-          }
-          const int64_t strip_row = t - strip_first;
-          const char* base =
-              static_cast<const char*>((*kind.source)[(*kind.sigma)[b % sigma_size]]);
-          if (onednn && !kind.rope && source.dtype == DType::kBF16) {
-            uint16_t* out16 = x16 + i * inputs + b * source_width;
-            if (source.layout == Layout::kNHD) {
-              std::memcpy(out16, base + t * source_width * 2, source_width * 2);
-            } else {
-              for (int64_t h = 0; h < ns; ++h) {
-                std::memcpy(out16 + h * ds, base + (h * num_tokens + t) * ds * 2, ds * 2);
-              }
-            }
-            continue;
-          }
-          float* out = onednn ? block : x + i * inputs + b * source_width;
-          if (source.layout == Layout::kNHD) {
-            ToFloat(source.dtype, base + t * source_width * source_element, out, source_width);
-          } else {
-            for (int64_t h = 0; h < ns; ++h) {
-              ToFloat(source.dtype, base + (h * num_tokens + t) * ds * source_element,
-                      out + h * ds, ds);
-            }
-          }
-          if (kind.rope) {
-            for (int64_t h = 0; h < ns; ++h) {
-              strip.StripHead(strip_cos + strip_row * strip_half,
-                              strip_sin + strip_row * strip_half, out + h * ds);
-            }
-          }
-          if (onednn) {
-            FromFloat(DType::kBF16, out, x16 + i * inputs + b * source_width, source_width);
-          }
-        }
-      }
-
-      // oneDNN path, values into a bf16 [tokens, heads, dim] target: the last matmul writes
-      // the target rows itself (bias fused, rounded to nearest even), so this kind skips the
-      // fp32 round trip and the epilogue. A short last piece (padding rows) goes through y.
-      char* direct = nullptr;
-      if (onednn && !kind.rope && target->dtype == DType::kBF16 &&
-          target->layout == Layout::kNHD && gemm_rows == rows &&
-          (kind.mlp16 == nullptr || kind.mlp16->heads == 1)) {
-        direct = static_cast<char*>(kind.target) + t0 * target_width * sizeof(uint16_t);
-      }
-
-      // The map in content space: one GEMM for ridge, the GEMM chain for an MLP. Everything
-      // around it (gather, RoPE strip, bias, target RoPE, conversion) is shared.
-      if (onednn) {
-        if (gemm_rows > rows) {
-          std::memset(x16 + rows * inputs, 0, (gemm_rows - rows) * inputs * sizeof(uint16_t));
-        }
-        if (kind.mlp16 != nullptr) {
-          // relu(relu(x A1 + c1) A2 + c2) A3 per head: bias + ReLU fused into the hidden
-          // matmuls, whose outputs are bf16 (the next matmul's input).
-          const Bf16Mlp& mlp = *kind.mlp16;
-          const int64_t hidden = mlp.hidden;
-          const int64_t out = target_width / mlp.heads;
-          for (int64_t h = 0; h < mlp.heads; ++h) {
-            if (absl::Status s = Bf16Matmul(gemm_rows, x16, inputs, *mlp.a1[h],
-                                            mlp.c1 + h * hidden, true, true, h1_16, hidden);
-                !s.ok()) {
-              return s;
-            }
-            if (absl::Status s = Bf16Matmul(gemm_rows, h1_16, hidden, *mlp.a2[h],
-                                            mlp.c2 + h * hidden, true, true, h2_16, hidden);
-                !s.ok()) {
-              return s;
-            }
-            // oneDNN 2.6's brgemm matmul wants a dense dst (a strided one falls to a far
-            // slower gemm): per_head chains write their d_t columns through y_head.
-            const bool dense = mlp.heads == 1;
-            void* dst = direct != nullptr ? static_cast<void*>(direct)
-                        : dense           ? static_cast<void*>(y)
-                                          : static_cast<void*>(y_head);
-            if (absl::Status s = Bf16Matmul(gemm_rows, h2_16, hidden, *mlp.a3[h],
-                                            kind.b ? kind.b + h * out : nullptr, false,
-                                            direct != nullptr, dst, out);
-                !s.ok()) {
-              return s;
-            }
-            if (!dense) {
-              for (int64_t i = 0; i < rows; ++i) {
-                std::memcpy(y + i * target_width + h * out, y_head + i * out,
-                            out * sizeof(float));
-              }
-            }
-          }
-        } else if (absl::Status s = Bf16Matmul(
-                       gemm_rows, x16, inputs, *kind.w16, kind.b, false, direct != nullptr,
-                       direct != nullptr ? static_cast<void*>(direct) : static_cast<void*>(y),
-                       target_width);
-                   !s.ok()) {
-          return s;
-        }
-        if (direct != nullptr) continue;
-      } else if (kind.mlp != nullptr) {
-        MlpForward(*kind.mlp, x, rows, inputs, target_width, h1, h2, y);
-      } else {
-        Sgemm(rows, target_width, inputs, x, inputs, kind.w, target_width, y, target_width);
-      }
-
-      // Epilogue: bias (the oneDNN path adds it in the matmul), target RoPE, conversion,
-      // scatter into the target layout.
-      char* base = static_cast<char*>(kind.target);
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t t = t0 + i;
-        float* row = y + i * target_width;
-        if (kind.b && !onednn) {
-          for (int64_t c = 0; c < target_width; ++c) row[c] += kind.b[c];
-        }
-        if (kind.rope) {
-          for (int64_t h = 0; h < nt; ++h) {
-            apply.ApplyHead(apply_cos + i * apply_half, apply_sin + i * apply_half, row + h * dt);
-          }
-        }
-        if (target->layout == Layout::kNHD) {
-          FromFloat(target->dtype, row, base + t * target_width * target_element, target_width);
-        } else {
-          for (int64_t h = 0; h < nt; ++h) {
-            FromFloat(target->dtype, row + h * dt,
-                      base + (h * num_tokens + t) * dt * target_element, dt);
-          }
-        }
-      }
-    }
-    return absl::OkStatus();
-  };
-
-  const int64_t min_pieces = (num_tokens + chunk - 1) / chunk;
-  if (!onednn && openblas_get_num_threads() > 1) {
-    // Someone in this process re-enabled OpenBLAS threading after the constructor: running
-    // pieces on the pool too would oversubscribe the cores, so let BLAS own the parallelism.
+  const bool onednn = prepared->onednn_;
+  // When someone in this process re-enabled OpenBLAS threading after the constructor, running
+  // pieces on the pool too would oversubscribe the cores: BLAS owns the parallelism then.
+  const bool serial = !onednn && openblas_get_num_threads() > 1;
+  const std::vector<TokenPiece> pieces = CpuPieces(source.num_tokens, chunk, onednn,
+                                                   prepared->plan_.window(),
+                                                   serial ? 0 : pool_->num_threads());
+  if (serial) {
     Workspace ws;
-    for (int64_t piece = 0; piece < min_pieces; ++piece) {
-      const int64_t t0 = num_tokens * piece / min_pieces;
-      if (absl::Status s = run_piece(t0, num_tokens * (piece + 1) / min_pieces - t0, &ws);
-          !s.ok()) {
-        return s;
-      }
+    for (const TokenPiece& piece : pieces) {
+      if (absl::Status s = RunPiece(call, piece, &ws); !s.ok()) return s;
     }
     return absl::OkStatus();
   }
-  // Token-parallel: each thread runs whole pieces (its own gather, single-threaded GEMM and
-  // epilogue), so no phase waits on another and no BLAS thread spins while the gather runs.
-  // Measured on 2 cores (docs/BENCHMARKS.md): 0.66-0.78 of the sgemm rate with OpenBLAS
-  // threads and a pooled gather/epilogue, 0.90-0.95 this way. Pieces are a multiple of the
-  // thread count where the tokens allow, and never longer than `chunk`.
-  const int threads = pool_->num_threads();
-  int64_t pieces = std::max(
-      min_pieces, std::min<int64_t>((min_pieces + threads - 1) / threads * threads,
-                                    num_tokens / kMinTokensPerThread));
-  // oneDNN path: equal pieces of a multiple of 16 rows (the last one shorter), so the matmul
-  // shapes (and cached primitives) stay few.
-  int64_t piece_rows = 0;
-  if (onednn) {
-    piece_rows = std::min(RoundUp((num_tokens + pieces - 1) / pieces, kRowQuantum),
-                          RoundUp(chunk, kRowQuantum));
-    pieces = (num_tokens + piece_rows - 1) / piece_rows;
-  }
-  Mutex error_mu;
-  absl::Status error;
-  pool_->ParallelFor(pieces, 1, [&](int64_t begin, int64_t end) {
-    // oneDNN runs single-threaded inside each piece (see onednn_matmul.h).
-    std::unique_ptr<ScopedOmpThreads> one_omp_thread;
-    if (onednn) one_omp_thread = std::make_unique<ScopedOmpThreads>(1);
-    Workspace ws;
-    for (int64_t piece = begin; piece < end; ++piece) {
-      int64_t t0, rows;
-      if (onednn) {
-        t0 = piece * piece_rows;
-        rows = std::min(piece_rows, num_tokens - t0);
-      } else {
-        t0 = num_tokens * piece / pieces;
-        rows = num_tokens * (piece + 1) / pieces - t0;
-      }
-      if (absl::Status s = run_piece(t0, rows, &ws); !s.ok()) {
-        MutexLock lock(&error_mu);
-        if (error.ok()) error = s;
-        return;
-      }
-    }
-  });
-  return error;
+  return RunPiecesParallel(pool_.get(), call, pieces, onednn);
 }
 
 std::unique_ptr<Backend> NewCpuBackend(const CpuBackendOptions& options) {

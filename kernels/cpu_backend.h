@@ -1,6 +1,6 @@
-// The CPU translation engine: per token chunk, gather the source layers of sigma with source RoPE
-// stripped, one GEMM per kind (ridge) or the MLP's GEMM chain with fused bias + ReLU, then
-// bias + target RoPE + dtype/layout conversion. The GEMMs are OpenBLAS sgemm on fp32 weights, or
+// The CPU executor of the translation plan (kernels/translation_plan.h): per token piece, gather
+// the source layers of sigma with source RoPE stripped, one GEMM per kind (ridge) or the MLP's
+// GEMM chain with fused bias + ReLU, then bias + target RoPE + dtype/layout conversion. The GEMMs are OpenBLAS sgemm on fp32 weights, or
 // for bf16 / fp16 mappers on CPUs with bf16 matrix hardware oneDNN's bf16 matmul:
 // weights packed once in bf16, the gathered keys and values rounded to bf16, fp32 accumulation.
 #pragma once

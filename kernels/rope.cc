@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -303,6 +304,53 @@ void Rope::StripHead(const float* cos, const float* sin, float* x) const {
       x[2 * m + 1] = (b * cos[m] - a * sin[m]) * scale;
     }
   }
+}
+
+void RopeTablesFor(const Rope& rope, const Positions& positions, int64_t first_token,
+                   int64_t count, float* cos, float* sin) {
+  if (positions.explicit_positions == nullptr) {
+    rope.CosSinRange(positions.at(first_token), count, cos, sin);
+    return;
+  }
+  const int half = rope.rotary_dim() / 2;
+  for (int64_t i = 0; i < count; ++i) {
+    rope.CosSin(positions.at(first_token + i), cos + i * half, sin + i * half);
+  }
+}
+
+absl::StatusOr<TranslationRope> TranslationRope::Create(const RopeConfig& source,
+                                                        int source_head_dim,
+                                                        const RopeConfig& target,
+                                                        int target_head_dim) {
+  absl::StatusOr<Rope> strip = Rope::Create(source, source_head_dim);
+  if (!strip.ok()) return strip.status();
+  absl::StatusOr<Rope> apply = Rope::Create(target, target_head_dim);
+  if (!apply.ok()) return apply.status();
+  TranslationRope rope;
+  rope.strip_ = *std::move(strip);
+  rope.apply_ = *std::move(apply);
+  return rope;
+}
+
+RopeTableLayout TranslationRope::TableLayout(int64_t read_rows, int64_t rows) const {
+  RopeTableLayout layout;
+  layout.strip_cos = 0;
+  layout.strip_sin = read_rows * strip_half();
+  layout.apply_cos = 2 * read_rows * strip_half();
+  layout.apply_sin = layout.apply_cos + rows * apply_half();
+  layout.floats = layout.apply_sin + rows * apply_half();
+  return layout;
+}
+
+RopeTableLayout TranslationRope::Fill(const Positions& positions, int64_t read_begin,
+                                      int64_t read_rows, int64_t begin, int64_t rows,
+                                      float* tables) const {
+  const RopeTableLayout layout = TableLayout(read_rows, rows);
+  RopeTablesFor(strip_, positions, read_begin, read_rows, tables + layout.strip_cos,
+                tables + layout.strip_sin);
+  RopeTablesFor(apply_, positions, begin, rows, tables + layout.apply_cos,
+                tables + layout.apply_sin);
+  return layout;
 }
 
 }  // namespace kvt

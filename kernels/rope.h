@@ -59,6 +59,9 @@ class Rope {
   RopeStyle style() const { return config_.style; }
   // cos and sin are multiplied by this (1 except for yarn).
   double attention_factor() const { return attention_factor_; }
+  // What StripHead multiplies by: 1 / attention_factor^2 as float (device kernels strip with
+  // the same value).
+  float strip_scale() const { return strip_scale_; }
   // r/2 inverse frequencies after scaling, in double.
   const std::vector<double>& inv_freq() const { return inv_freq_; }
 
@@ -88,6 +91,55 @@ class Rope {
   float strip_scale_ = 1.0f;  // 1 / attention_factor^2, see StripHead
   std::vector<double> inv_freq_;
   std::vector<double> step_cos_, step_sin_;  // cos, sin of inv_freq: one position forward
+};
+
+// Absolute positions of a request's tokens: offset + i, or an explicit list.
+struct Positions {
+  uint64_t offset = 0;
+  const uint64_t* explicit_positions = nullptr;  // num_tokens entries when set
+  uint64_t at(int64_t token) const {
+    return explicit_positions ? explicit_positions[token] : offset + static_cast<uint64_t>(token);
+  }
+};
+
+// `rope`'s cos/sin rows for tokens first_token .. first_token + count - 1 of a request (row i,
+// rotary_dim/2 floats, at cos + i * rotary_dim/2): by angle addition when the positions are
+// consecutive, one exact row per token otherwise.
+void RopeTablesFor(const Rope& rope, const Positions& positions, int64_t first_token,
+                   int64_t count, float* cos, float* sin);
+
+// Where one piece's four tables sit in one buffer of `floats` floats (offsets in floats): the
+// source's strip rows for the tokens the piece reads (with a window mapper's earlier ones), then
+// the target's apply rows for the piece's own tokens.
+struct RopeTableLayout {
+  int64_t strip_cos = 0, strip_sin = 0, apply_cos = 0, apply_sin = 0;
+  int64_t floats = 0;
+};
+
+// The two rotations of one translation (SPEC 3): the source model's RoPE, stripped from the
+// gathered keys, and the target model's, applied to the mapped keys. Every backend builds it
+// from the mapper's two models and fills its per-piece tables through it, so the tables (and the
+// positions they are computed from) are the same bits on every backend.
+class TranslationRope {
+ public:
+  static absl::StatusOr<TranslationRope> Create(const RopeConfig& source, int source_head_dim,
+                                                const RopeConfig& target, int target_head_dim);
+
+  const Rope& strip() const { return strip_; }
+  const Rope& apply() const { return apply_; }
+  int strip_half() const { return strip_.rotary_dim() / 2; }
+  int apply_half() const { return apply_.rotary_dim() / 2; }
+
+  // Strip rows for `read_rows` tokens, apply rows for `rows` tokens.
+  RopeTableLayout TableLayout(int64_t read_rows, int64_t rows) const;
+  // Fills `tables` (TableLayout(read_rows, rows).floats floats): strip rows for tokens
+  // read_begin .., apply rows for tokens begin ...
+  RopeTableLayout Fill(const Positions& positions, int64_t read_begin, int64_t read_rows,
+                       int64_t begin, int64_t rows, float* tables) const;
+
+ private:
+  Rope strip_;
+  Rope apply_;
 };
 
 }  // namespace kvt

@@ -20,6 +20,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
+#include "kernels/translation_plan.h"
 #endif
 
 namespace kvt {
@@ -197,19 +198,19 @@ class PinnedBuffer {
 
 class CudaPreparedMapper : public PreparedMapper {
  public:
-  const MapperView& view() const override { return view_; }
+  const MapperView& view() const override { return plan_.mapper(); }
   uint64_t bytes() const override { return bytes_; }
 
-  MapperView view_;
+  // The device array GemmStage `index` reads: W / A1, A2, A3.
+  const DeviceBuffer& stage_weights(int index) const {
+    return index == 1 ? a2_ : index == 2 ? a3_ : weights_;
+  }
+
+  TranslationPlan plan_;
   int device_ = 0;
-  Rope source_rope_;
-  Rope target_rope_;
   cuda::DeviceLayout layout_;  // cuda_plan.h: what each buffer below holds
-  DType weight_dtype_ = DType::kFP32;
-  int max_blocks_ = 0;       // max |sigma| over layers and kinds
-  int64_t input_width_ = 0;  // window * max_blocks * n_s * d_s
   // Ridge W or MLP A1, [target layer][kind][window][max_blocks * n_s * d_s][...] in
-  // weight_dtype_, each token offset's rows past |sigma| zero (cuda_plan.h DeviceLayout).
+  // layout_.weight_dtype, each token offset's rows past |sigma| zero (cuda_plan.h DeviceLayout).
   DeviceBuffer weights_;
   DeviceBuffer a2_;           // MLP only: [target layer][kind][heads][H][H]
   DeviceBuffer a3_;           // MLP only: [target layer][kind][heads][H][head_out]
@@ -218,6 +219,7 @@ class CudaPreparedMapper : public PreparedMapper {
   DeviceBuffer sigma_;        // [target layer][kind][max_blocks] int, -1 padded
   uint64_t bytes_ = 0;
 };
+
 
 // One call's GPU resources; calls run concurrently on separate contexts.
 struct Context {
@@ -320,9 +322,10 @@ class CudaBackend : public Backend {
 
  private:
   absl::StatusOr<const CudaPreparedMapper*> Cast(const PreparedMapper& mapper) const;
+  // Target layers [layer_begin, layer_end) on a context of its own (CudaCall).
   absl::Status Run(const CudaPreparedMapper& mapper, int layer_begin, int layer_end,
                    const CacheView& source, const Positions& positions,
-                   const TranslateOptions& options, MutableCacheView* target, Context* context);
+                   const TranslateOptions& options, MutableCacheView* target);
   absl::StatusOr<std::unique_ptr<Context>> AcquireContext();
   void ReleaseContext(std::unique_ptr<Context> context);
 
@@ -361,103 +364,146 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::Prepare(const Mappe
   return prepared;
 }
 
-absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::BeginPrepare(
-    const MapperView& mapper) {
-  if (absl::Status s = CheckMapperView(mapper); !s.ok()) return s;
-  absl::StatusOr<cuda::DeviceLayout> layout_or = cuda::DeviceLayoutOf(mapper);
-  if (!layout_or.ok()) return layout_or.status();
-  const cuda::DeviceLayout& layout = *layout_or;
-  const bool mlp = layout.kind == MapKind::kMlp;
-  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
-  auto prepared = std::make_shared<CudaPreparedMapper>();
-  prepared->view_ = mapper;
-  prepared->device_ = options_.device;
-  absl::StatusOr<Rope> source_rope = Rope::Create(mapper.source.rope, mapper.source.head_dim);
-  if (!source_rope.ok()) return source_rope.status();
-  absl::StatusOr<Rope> target_rope = Rope::Create(mapper.target.rope, mapper.target.head_dim);
-  if (!target_rope.ok()) return target_rope.status();
-  prepared->source_rope_ = *std::move(source_rope);
-  prepared->target_rope_ = *std::move(target_rope);
+// What BeginPrepare uploads besides the weights, in the device layout: fp32 output biases (ridge
+// b or MLP c3) [layer][kind][n_t d_t], MLP c1 then c2 [layer][kind][heads H] each, and the sigma
+// lists [layer][kind][max_blocks] padded with -1. Absent biases are zeros.
+struct HostTables {
+  std::vector<float> bias;
+  std::vector<float> hidden_bias;
+  std::vector<int> sigma;
+};
 
-  const int layers = mapper.target.num_layers;
-  prepared->layout_ = layout;
-  prepared->weight_dtype_ = layout.weight_dtype;
-  prepared->max_blocks_ = layout.max_blocks;
-  prepared->input_width_ = layout.input_width;
+HostTables MakeHostTables(const TranslationPlan& plan, const cuda::DeviceLayout& layout) {
+  const int layers = plan.mapper().target.num_layers;
+  const int64_t target_width = layout.target_width;
+  const int64_t hidden_width = layout.hidden_width();
+  HostTables t;
+  t.bias.assign(static_cast<size_t>(layers) * 2 * target_width, 0.0f);
+  t.hidden_bias.assign(static_cast<size_t>(layers) * 2 * 2 * hidden_width, 0.0f);
+  t.sigma.assign(static_cast<size_t>(layers) * 2 * layout.max_blocks, -1);
+  const size_t c2_offset = static_cast<size_t>(layers) * 2 * hidden_width;
+  for (int l = 0; l < layers; ++l) {
+    for (const KindPlan& kind : plan.layer(l).kinds) {
+      const size_t lk = static_cast<size_t>(l) * 2 + static_cast<int>(kind.kind);
+      // MLP c3 [heads][head_out] is the n_t d_t output columns in order, like ridge's b.
+      const WeightView& b = StageBias(plan.mapper(), l, kind.kind, kind.last().index);
+      if (b.data != nullptr) {
+        ToFloat(b.dtype, b.data, t.bias.data() + lk * target_width, target_width);
+      }
+      if (layout.kind == MapKind::kMlp) {
+        // c1, c2 [heads][H]: head h's units at [h H, (h+1) H), as in the stacked activations.
+        const WeightView& c1 = StageBias(plan.mapper(), l, kind.kind, 0);
+        const WeightView& c2 = StageBias(plan.mapper(), l, kind.kind, 1);
+        ToFloat(c1.dtype, c1.data, t.hidden_bias.data() + lk * hidden_width, hidden_width);
+        ToFloat(c2.dtype, c2.data, t.hidden_bias.data() + c2_offset + lk * hidden_width,
+                hidden_width);
+      }
+      std::copy(kind.sigma.begin(), kind.sigma.end(), t.sigma.begin() + lk * layout.max_blocks);
+    }
+  }
+  return t;
+}
+
+// `bytes` of host `data` into a new device buffer.
+absl::Status UploadTable(const void* data, int64_t bytes, DeviceBuffer* buffer) {
+  if (absl::Status s = buffer->Reserve(bytes); !s.ok()) return s;
+  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
+                           cudaMemcpy(buffer->data(), data, bytes, cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+// The weight arrays, sized for every layer; PrepareLayer fills them.
+absl::Status ReserveWeights(CudaPreparedMapper* prepared) {
+  const cuda::DeviceLayout& layout = prepared->layout_;
+  const int64_t pairs = static_cast<int64_t>(prepared->plan_.mapper().target.num_layers) * 2;
   const int64_t element = static_cast<int64_t>(DTypeSize(layout.weight_dtype));
-  // Ridge W or MLP A1: the matrices whose rows follow the (padded) sigma blocks, per token
-  // offset.
-  const int64_t first_bytes =
-      static_cast<int64_t>(layers) * 2 *
-      (mlp ? layout.a1_elements() : layout.matrix_elements()) * element;
+  const int64_t first_bytes = pairs * layout.stage_elements(0) * element;
   if (absl::Status s = prepared->weights_.Reserve(first_bytes); !s.ok()) return s;
   if (layout.padded) {
     // Rows of the padding blocks multiply zeros in X, but NaN * 0 is NaN: they must be zero.
     KVT_CUDA_RETURN_IF_ERROR("cudaMemset", cudaMemset(prepared->weights_.data(), 0, first_bytes));
   }
-  const int64_t a2_bytes = static_cast<int64_t>(layers) * 2 * layout.a2_elements() * element;
-  const int64_t a3_bytes = static_cast<int64_t>(layers) * 2 * layout.a3_elements() * element;
-  if (mlp) {
-    if (absl::Status s = prepared->a2_.Reserve(a2_bytes); !s.ok()) return s;
-    if (absl::Status s = prepared->a3_.Reserve(a3_bytes); !s.ok()) return s;
+  prepared->bytes_ += static_cast<uint64_t>(first_bytes);
+  if (layout.kind != MapKind::kMlp) return absl::OkStatus();
+  for (DeviceBuffer* buffer : {&prepared->a2_, &prepared->a3_}) {
+    const int64_t bytes =
+        pairs * layout.stage_elements(buffer == &prepared->a2_ ? 1 : 2) * element;
+    if (absl::Status s = buffer->Reserve(bytes); !s.ok()) return s;
+    prepared->bytes_ += static_cast<uint64_t>(bytes);
   }
-  const int64_t target_width = layout.target_width;
-  const int64_t hidden_width = layout.hidden_width();
-  std::vector<float> bias(static_cast<size_t>(layers) * 2 * target_width, 0.0f);
-  // c1 for every (layer, kind), then c2 for every (layer, kind).
-  std::vector<float> hidden_bias(static_cast<size_t>(layers) * 2 * 2 * hidden_width, 0.0f);
-  const size_t c2_offset = static_cast<size_t>(layers) * 2 * hidden_width;
-  std::vector<int> sigma(static_cast<size_t>(layers) * 2 * layout.max_blocks, -1);
-  for (int l = 0; l < layers; ++l) {
-    const LayerMapView& layer = mapper.layers[l];
-    // MLP c3 [heads][head_out] is the n_t d_t output columns in order, like ridge's b.
-    const WeightView* biases[2] = {mlp ? &layer.mlp_k.c3 : &layer.b_k,
-                                   mlp ? &layer.mlp_v.c3 : &layer.b_v};
-    const MlpView* chains[2] = {&layer.mlp_k, &layer.mlp_v};
-    const std::vector<int>* sigmas[2] = {&layer.sigma_k, &layer.sigma_v};
-    for (int kind = 0; kind < 2; ++kind) {
-      const size_t lk = static_cast<size_t>(l) * 2 + kind;
-      if (biases[kind]->data != nullptr) {
-        ToFloat(biases[kind]->dtype, biases[kind]->data, bias.data() + lk * target_width,
-                target_width);
-      }
-      if (mlp) {
-        // c1, c2 [heads][H]: head h's units at [h H, (h+1) H), as in the stacked activations.
-        ToFloat(chains[kind]->c1.dtype, chains[kind]->c1.data,
-                hidden_bias.data() + lk * hidden_width, hidden_width);
-        ToFloat(chains[kind]->c2.dtype, chains[kind]->c2.data,
-                hidden_bias.data() + c2_offset + lk * hidden_width, hidden_width);
-      }
-      std::copy(sigmas[kind]->begin(), sigmas[kind]->end(),
-                sigma.begin() + lk * layout.max_blocks);
-    }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::BeginPrepare(
+    const MapperView& mapper) {
+  absl::StatusOr<TranslationPlan> plan = TranslationPlan::Build(mapper);
+  if (!plan.ok()) return plan.status();
+  absl::StatusOr<cuda::DeviceLayout> layout = cuda::DeviceLayoutOf(mapper);
+  if (!layout.ok()) return layout.status();
+  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
+  auto prepared = std::make_shared<CudaPreparedMapper>();
+  prepared->plan_ = *std::move(plan);
+  prepared->device_ = options_.device;
+  prepared->layout_ = *layout;
+  if (absl::Status s = ReserveWeights(prepared.get()); !s.ok()) return s;
+  const HostTables tables = MakeHostTables(prepared->plan_, prepared->layout_);
+  const bool mlp = layout->kind == MapKind::kMlp;
+  const int64_t bias_bytes = tables.bias.size() * sizeof(float);
+  const int64_t hidden_bytes = mlp ? tables.hidden_bias.size() * sizeof(float) : 0;
+  const int64_t sigma_bytes = tables.sigma.size() * sizeof(int);
+  if (absl::Status s = UploadTable(tables.bias.data(), bias_bytes, &prepared->bias_); !s.ok()) {
+    return s;
   }
-  if (absl::Status s = prepared->bias_.Reserve(bias.size() * sizeof(float)); !s.ok()) return s;
-  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy", cudaMemcpy(prepared->bias_.data(), bias.data(),
-                                                    bias.size() * sizeof(float),
-                                                    cudaMemcpyHostToDevice));
   if (mlp) {
-    if (absl::Status s = prepared->hidden_bias_.Reserve(hidden_bias.size() * sizeof(float));
+    if (absl::Status s =
+            UploadTable(tables.hidden_bias.data(), hidden_bytes, &prepared->hidden_bias_);
         !s.ok()) {
       return s;
     }
-    KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy",
-                             cudaMemcpy(prepared->hidden_bias_.data(), hidden_bias.data(),
-                                        hidden_bias.size() * sizeof(float),
-                                        cudaMemcpyHostToDevice));
   }
-  if (absl::Status s = prepared->sigma_.Reserve(sigma.size() * sizeof(int)); !s.ok()) return s;
-  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpy", cudaMemcpy(prepared->sigma_.data(), sigma.data(),
-                                                    sigma.size() * sizeof(int),
-                                                    cudaMemcpyHostToDevice));
+  if (absl::Status s = UploadTable(tables.sigma.data(), sigma_bytes, &prepared->sigma_); !s.ok()) {
+    return s;
+  }
   // The same sum PreparedBytesEstimate reserves by (DeviceLayout::prepared_bytes).
-  prepared->bytes_ = static_cast<uint64_t>(first_bytes + (mlp ? a2_bytes + a3_bytes : 0)) +
-                     bias.size() * sizeof(float) + (mlp ? hidden_bias.size() * sizeof(float) : 0) +
-                     sigma.size() * sizeof(int);
+  prepared->bytes_ += static_cast<uint64_t>(bias_bytes + hidden_bytes + sigma_bytes);
   // A pageable cudaMemcpy may return before its DMA lands, and translations run on
   // non-blocking streams that do not wait for the legacy stream: wait here.
   KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(cudaStreamLegacy));
   return std::shared_ptr<PreparedMapper>(std::move(prepared));
+}
+
+// `w` into device memory at `device`, converted to the device copy's dtype (fp32 when the
+// stored dtypes differ); per_head A1 (`heads` > 1) interleaved by head (cuda_plan.h).
+// `input_rows`: W and A1, whose rows follow the window's token offsets, padded per offset on
+// the device (cuda_plan.h InputRowCopiesOf).
+absl::Status UploadWeight(const WeightView& w, const cuda::DeviceLayout& layout, int heads,
+                          bool input_rows, char* device) {
+  const size_t element = DTypeSize(layout.weight_dtype);
+  const int64_t count = w.rows * w.cols;
+  std::vector<float> converted;
+  std::vector<char> interleaved;
+  const void* host = w.data;
+  if (w.dtype != layout.weight_dtype) {
+    converted.resize(count);
+    ToFloat(w.dtype, w.data, converted.data(), count);
+    host = converted.data();
+  }
+  if (heads > 1) {
+    interleaved.resize(count * element);
+    cuda::InterleaveHeads(host, element, heads, w.rows / heads, w.cols, interleaved.data());
+    host = interleaved.data();
+  }
+  const int64_t row_bytes = static_cast<int64_t>(heads) * w.cols * element;
+  const cuda::InputRowCopies copies =
+      input_rows ? cuda::InputRowCopiesOf(layout, w.rows / heads, row_bytes)
+                 : cuda::InputRowCopies{1, count * static_cast<int64_t>(element), 0};
+  for (int o = 0; o < copies.count; ++o) {
+    KVT_CUDA_RETURN_IF_ERROR(
+        "cudaMemcpy", cudaMemcpy(device + o * copies.device_stride,
+                                 static_cast<const char*>(host) + o * copies.bytes, copies.bytes,
+                                 cudaMemcpyHostToDevice));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int target_layer) {
@@ -472,72 +518,21 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
                                                    mapper.target.num_layers, ")"));
   }
   KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(prepared->device_));
-  const LayerMapView& layer = mapper.layers[target_layer];
   const cuda::DeviceLayout& layout = prepared->layout_;
-  const size_t element = DTypeSize(prepared->weight_dtype_);
-  std::vector<float> converted;
-  std::vector<char> interleaved;
-  // `w` into device memory at `device`, converted to the device copy's dtype (fp32 when the
-  // stored dtypes differ); per_head A1 (`heads` > 1) interleaved by head (cuda_plan.h).
-  // `input_rows`: W and A1, whose rows follow the window's token offsets, padded per offset on
-  // the device (cuda_plan.h InputRowCopiesOf).
-  const auto upload = [&](const WeightView& w, char* device, int heads,
-                          bool input_rows) -> absl::Status {
-    const int64_t count = w.rows * w.cols;
-    const void* host = w.data;
-    if (w.dtype != prepared->weight_dtype_) {
-      converted.resize(count);
-      ToFloat(w.dtype, w.data, converted.data(), count);
-      host = converted.data();
-    }
-    if (heads > 1) {
-      interleaved.resize(count * element);
-      cuda::InterleaveHeads(host, element, heads, w.rows / heads, w.cols, interleaved.data());
-      host = interleaved.data();
-    }
-    const int64_t row_bytes = static_cast<int64_t>(heads) * w.cols * element;
-    const cuda::InputRowCopies copies =
-        input_rows ? cuda::InputRowCopiesOf(layout, w.rows / heads, row_bytes)
-                   : cuda::InputRowCopies{1, count * static_cast<int64_t>(element), 0};
-    for (int o = 0; o < copies.count; ++o) {
-      KVT_CUDA_RETURN_IF_ERROR(
-          "cudaMemcpy",
-          cudaMemcpy(device + o * copies.device_stride,
-                     static_cast<const char*>(host) + o * copies.bytes, copies.bytes,
-                     cudaMemcpyHostToDevice));
-    }
-    return absl::OkStatus();
-  };
-  for (int kind = 0; kind < 2; ++kind) {
-    const int64_t lk = static_cast<int64_t>(target_layer) * 2 + kind;
-    if (layout.kind != MapKind::kMlp) {
-      const WeightView& w = kind == 0 ? layer.w_k : layer.w_v;
-      if (absl::Status s = upload(w, prepared->weights_.data() +
-                                         lk * layout.matrix_elements() * element, 1, true);
+  const size_t element = DTypeSize(layout.weight_dtype);
+  for (const KindPlan& kind : prepared->plan_.layer(target_layer).kinds) {
+    const int64_t lk = static_cast<int64_t>(target_layer) * 2 + static_cast<int>(kind.kind);
+    // Stage 0 (W or A1) reads the gathered rows; an MLP's A1 chains sit side by side on the
+    // device. A2 [heads H][H] and A3 [heads H][head_out] are stored head by head already.
+    for (const GemmStage& stage : kind.map) {
+      const bool input_rows = stage.index == 0;
+      char* device = prepared->stage_weights(stage.index).data() +
+                     lk * layout.stage_elements(stage.index) * element;
+      if (absl::Status s = UploadWeight(StageMatrix(mapper, target_layer, kind.kind, stage.index),
+                                        layout, input_rows ? kind.heads : 1, input_rows, device);
           !s.ok()) {
         return s;
       }
-      continue;
-    }
-    // A2 [heads H][H] and A3 [heads H][head_out] are stored head by head already.
-    const MlpView& chain = kind == 0 ? layer.mlp_k : layer.mlp_v;
-    if (absl::Status s = upload(chain.a1,
-                                prepared->weights_.data() + lk * layout.a1_elements() * element,
-                                layout.heads, true);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s =
-            upload(chain.a2, prepared->a2_.data() + lk * layout.a2_elements() * element, 1,
-                   false);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s =
-            upload(chain.a3, prepared->a3_.data() + lk * layout.a3_elements() * element, 1,
-                   false);
-        !s.ok()) {
-      return s;
     }
   }
   // As in BeginPrepare: the layer is usable once its copies have landed.
@@ -594,6 +589,519 @@ void CudaBackend::ReleaseContext(std::unique_ptr<Context> context) {
   context_released_.Signal();
 }
 
+// One Translate / TranslateLayer call on one context: the executor of the plan's target layers
+// [layer_begin, layer_end). Pieces are the token chunks the workspace holds (cuda_plan.h
+// PlanSteps); each piece runs in groups of target layers that share one batched GEMM per stage:
+// gather + strip (one kernel), multiply (cuBLAS; an MLP's hidden stages add and activate in a
+// bias + ReLU kernel), then add + rotate + convert (the epilogue kernel).
+class CudaCall {
+ public:
+  CudaCall(const CudaBackendOptions& options, const CudaPreparedMapper& mapper, int layer_begin,
+           int layer_end, const CacheView& source, const Positions& positions,
+           MutableCacheView* target, Context* context);
+
+  absl::Status Run(int64_t token_chunk);
+
+ private:
+  // Device memory the step's matrices are read from (fp32 copies when converted).
+  struct GroupWeights {
+    const char* stage[3] = {nullptr, nullptr, nullptr};
+  };
+  // A staged step's output waits in pinned slot `slot` until the host copies it out.
+  struct PendingOutput {
+    bool valid = false;
+    int64_t chunk_begin = 0, chunk_tokens = 0;
+    int layer_begin = 0, num_layers = 0;
+  };
+
+  absl::Status ClassifyLayers();
+  absl::Status ClassifySource(int kind, int layer);
+  absl::Status PlanWorkspace(int64_t token_chunk);
+  absl::Status UploadPointerTables();
+  void SetKernelParams();
+  absl::Status ReservePinned();
+  absl::Status StageTables(const TokenPiece& piece, int slot);
+  absl::Status StageSources(const TokenPiece& piece, int slot);
+  absl::Status RunGroup(const TokenPiece& piece, int l0, int group, int step);
+  absl::StatusOr<GroupWeights> ConvertWeights(int l0, int group);
+  absl::Status MultiplyRidge(const GroupWeights& weights, int64_t tokens, int group);
+  absl::Status MultiplyMlp(const GroupWeights& weights, int64_t tokens, int l0, int group);
+  absl::Status Emit(const TokenPiece& piece, int l0, int group, int step);
+  absl::Status FinishOutput(int slot);
+
+  const CudaBackendOptions& options_;
+  const CudaPreparedMapper& mapper_;
+  const TranslationPlan& plan_;
+  const cuda::DeviceLayout& layout_;
+  const int layer_begin_, layer_end_;
+  const CacheView& source_;
+  const Positions& positions_;
+  MutableCacheView* const target_;
+  Context* const context_;
+  const int source_layers_, target_layers_;
+  const int64_t num_tokens_, source_width_, target_width_;
+  const size_t in_element_, out_element_;
+
+  // Pointer tables: device layers are read / written in place, host layers through staging.
+  std::vector<const void*> source_pointers_;
+  std::vector<int> source_slots_;
+  std::vector<void*> target_pointers_;
+  std::vector<int> target_slots_;
+  std::vector<std::pair<int, int>> staged_sources_;  // (kind, layer) per slot
+  bool any_staged_target_ = false;
+
+  DType gemm_dtype_ = DType::kFP32;
+  bool convert_weights_ = false;
+  cuda::StepPlan steps_;
+  // Workspace carve-up (byte offsets) and the staged slots' sizes (elements).
+  int64_t x_offset_ = 0, y_offset_ = 0, hidden_offset_ = 0, w32_offset_ = 0;
+  int64_t table_offset_ = 0, stage_in_offset_ = 0, stage_out_offset_ = 0;
+  char* workspace_ = nullptr;
+  int64_t stage_in_slot_ = 0, stage_out_slot_ = 0;
+  const void* const* source_pointer_table_ = nullptr;
+  const int* source_slot_table_ = nullptr;
+  const void* const* target_pointer_table_ = nullptr;
+  const int* target_slot_table_ = nullptr;
+
+  ki::GatherParams gather_;
+  ki::EpilogueParams epilogue_;
+  ki::BiasReluParams relu_;  // between the MLP's GEMMs: c1 after the first, c2 after the second
+  const float* hidden_bias_[2] = {nullptr, nullptr};
+  PendingOutput pending_[2];
+};
+
+CudaCall::CudaCall(const CudaBackendOptions& options, const CudaPreparedMapper& mapper,
+                   int layer_begin, int layer_end, const CacheView& source,
+                   const Positions& positions, MutableCacheView* target, Context* context)
+    : options_(options),
+      mapper_(mapper),
+      plan_(mapper.plan_),
+      layout_(mapper.layout_),
+      layer_begin_(layer_begin),
+      layer_end_(layer_end),
+      source_(source),
+      positions_(positions),
+      target_(target),
+      context_(context),
+      source_layers_(plan_.mapper().source.num_layers),
+      target_layers_(plan_.mapper().target.num_layers),
+      num_tokens_(source.num_tokens),
+      source_width_(static_cast<int64_t>(source.num_kv_heads) * source.head_dim),
+      target_width_(static_cast<int64_t>(target->num_kv_heads) * target->head_dim),
+      in_element_(DTypeSize(source.dtype)),
+      out_element_(DTypeSize(target->dtype)),
+      source_pointers_(2 * source_layers_, nullptr),
+      source_slots_(2 * source_layers_, -1),
+      target_pointers_(2 * target_layers_, nullptr),
+      target_slots_(2 * target_layers_, -1) {}
+
+absl::Status CudaCall::Run(int64_t token_chunk) {
+  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
+  if (absl::Status s = ClassifyLayers(); !s.ok()) return s;
+  if (absl::Status s = PlanWorkspace(token_chunk); !s.ok()) return s;
+  if (absl::Status s = UploadPointerTables(); !s.ok()) return s;
+  SetKernelParams();
+  if (absl::Status s = ReservePinned(); !s.ok()) return s;
+  context_->table_used[0] = context_->table_used[1] = false;
+  context_->input_used[0] = context_->input_used[1] = false;
+  const std::vector<TokenPiece> pieces =
+      FixedPieces(num_tokens_, steps_.chunk_tokens, plan_.window());
+  int step = 0;
+  for (size_t c = 0; c < pieces.size(); ++c) {
+    const TokenPiece& piece = pieces[c];
+    if (absl::Status s = StageTables(piece, c % 2); !s.ok()) return s;
+    if (absl::Status s = StageSources(piece, c % 2); !s.ok()) return s;
+    gather_.chunk_begin = epilogue_.chunk_begin = piece.begin;
+    gather_.chunk_tokens = epilogue_.chunk_tokens = piece.rows;
+    gather_.window_begin = piece.read_begin;
+    for (int l0 = layer_begin_; l0 < layer_end_; l0 += steps_.layers_per_group, ++step) {
+      const int group = std::min(steps_.layers_per_group, layer_end_ - l0);
+      if (absl::Status s = RunGroup(piece, l0, group, step); !s.ok()) return s;
+    }
+  }
+  KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(context_->stream));
+  for (int s = 0; s < 2; ++s) {
+    if (absl::Status status = FinishOutput(s); !status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+// Source layer `layer` of `kind` (0 = K, 1 = V) into the pointer tables, staged when it lives
+// in host memory.
+absl::Status CudaCall::ClassifySource(int kind, int layer) {
+  const int index = kind * source_layers_ + layer;
+  if (source_pointers_[index] != nullptr) return absl::OkStatus();
+  const void* pointer = kind == 0 ? source_.k[layer] : source_.v[layer];
+  source_pointers_[index] = pointer;
+  absl::StatusOr<bool> on_device =
+      OnDevice(pointer, options_.device, "source", kind == 0 ? "k" : "v", layer);
+  if (!on_device.ok()) return on_device.status();
+  if (!*on_device) {
+    source_slots_[index] = static_cast<int>(staged_sources_.size());
+    staged_sources_.emplace_back(kind, layer);
+  }
+  return absl::OkStatus();
+}
+
+// Every layer the call gathers from (the plan's sigma lists) and writes.
+absl::Status CudaCall::ClassifyLayers() {
+  for (int l = layer_begin_; l < layer_end_; ++l) {
+    for (const KindPlan& plan : plan_.layer(l).kinds) {
+      const int kind = static_cast<int>(plan.kind);
+      for (int j : plan.sigma) {
+        if (absl::Status s = ClassifySource(kind, j); !s.ok()) return s;
+      }
+      void* pointer = kind == 0 ? target_->k[l] : target_->v[l];
+      target_pointers_[kind * target_layers_ + l] = pointer;
+      absl::StatusOr<bool> on_device =
+          OnDevice(pointer, options_.device, "target", kind == 0 ? "k" : "v", l);
+      if (!on_device.ok()) return on_device.status();
+      if (!*on_device) target_slots_[kind * target_layers_ + l] = 0;
+    }
+  }
+  any_staged_target_ =
+      std::any_of(target_slots_.begin(), target_slots_.end(), [](int s) { return s >= 0; });
+  return absl::OkStatus();
+}
+
+// Tokens and target layers per step within the workspace budget, and the workspace carve-up.
+absl::Status CudaCall::PlanWorkspace(int64_t token_chunk) {
+  gemm_dtype_ = cuda::GemmDType(source_.dtype, layout_.weight_dtype, target_->dtype);
+  convert_weights_ = gemm_dtype_ != layout_.weight_dtype;
+  cuda::StepShape shape;
+  shape.num_tokens = num_tokens_;
+  shape.num_layers = layer_end_ - layer_begin_;
+  shape.input_width = layout_.input_width;
+  shape.target_width = target_width_;
+  shape.window = layout_.window;
+  shape.hidden_width = layout_.hidden_width();
+  shape.weight_elements = layout_.matrix_elements();
+  shape.gemm_dtype = gemm_dtype_;
+  shape.convert_weights = convert_weights_;
+  shape.rope_half_source = plan_.rope().strip_half();
+  shape.rope_half_target = plan_.rope().apply_half();
+  shape.staged_source_bytes_per_token =
+      static_cast<int64_t>(staged_sources_.size()) * source_width_ * in_element_;
+  shape.staged_target_bytes_per_layer_token =
+      any_staged_target_ ? 2 * target_width_ * static_cast<int64_t>(out_element_) : 0;
+  absl::StatusOr<cuda::StepPlan> steps =
+      cuda::PlanSteps(shape, token_chunk, options_.workspace_bytes);
+  if (!steps.ok()) return steps.status();
+  steps_ = *steps;
+  y_offset_ = x_offset_ + Align(steps_.x_bytes);
+  hidden_offset_ = y_offset_ + Align(steps_.y_bytes);
+  w32_offset_ = hidden_offset_ + Align(steps_.hidden_bytes);
+  table_offset_ = w32_offset_ + Align(steps_.weights32_bytes);
+  stage_in_offset_ = table_offset_ + Align(steps_.table_bytes);
+  stage_out_offset_ = stage_in_offset_ + Align(steps_.staged_source_bytes);
+  const int64_t workspace_bytes = stage_out_offset_ + Align(steps_.staged_target_bytes);
+  if (absl::Status s = context_->workspace.Reserve(workspace_bytes); !s.ok()) return s;
+  workspace_ = context_->workspace.data();
+  // A staged source slot also holds the window's window - 1 tokens before the chunk.
+  stage_in_slot_ = (steps_.chunk_tokens + layout_.window - 1) * source_width_;
+  stage_out_slot_ = steps_.chunk_tokens * target_width_;
+  return absl::OkStatus();
+}
+
+// Pointer tables to the device once per call (the stream orders them before every kernel).
+absl::Status CudaCall::UploadPointerTables() {
+  const int64_t pointer_bytes = Align(2 * source_layers_ * sizeof(void*)) +
+                                Align(2 * source_layers_ * sizeof(int)) +
+                                Align(2 * target_layers_ * sizeof(void*)) +
+                                Align(2 * target_layers_ * sizeof(int));
+  if (absl::Status s = context_->pointer_tables.Reserve(pointer_bytes); !s.ok()) return s;
+  if (absl::Status s = context_->pinned_pointers.Reserve(pointer_bytes); !s.ok()) return s;
+  // The previous call on this context ended with a stream synchronize: the pinned table is free.
+  char* pinned = context_->pinned_pointers.data();
+  char* tables = context_->pointer_tables.data();
+  int64_t at = 0;
+  const auto put = [&](const void* data, int64_t bytes) -> char* {
+    std::memcpy(pinned + at, data, bytes);
+    char* device = tables + at;
+    at += Align(bytes);
+    return device;
+  };
+  source_pointer_table_ = reinterpret_cast<const void* const*>(
+      put(source_pointers_.data(), source_pointers_.size() * sizeof(void*)));
+  source_slot_table_ =
+      reinterpret_cast<const int*>(put(source_slots_.data(), source_slots_.size() * sizeof(int)));
+  target_pointer_table_ = reinterpret_cast<const void* const*>(
+      put(target_pointers_.data(), target_pointers_.size() * sizeof(void*)));
+  target_slot_table_ =
+      reinterpret_cast<const int*>(put(target_slots_.data(), target_slots_.size() * sizeof(int)));
+  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
+                           cudaMemcpyAsync(tables, pinned, at, cudaMemcpyHostToDevice,
+                                           context_->stream));
+  return absl::OkStatus();
+}
+
+// The kernels' parameters that hold for the whole call; the rest is set per piece and group.
+void CudaCall::SetKernelParams() {
+  const Rope& strip = plan_.rope().strip();
+  const Rope& apply = plan_.rope().apply();
+  gather_.source = {source_pointer_table_, source_slot_table_, workspace_ + stage_in_offset_,
+                    stage_in_slot_};
+  gather_.num_source_layers = source_layers_;
+  gather_.source_type = static_cast<int>(source_.dtype);
+  gather_.source_layout = source_.layout == Layout::kHND ? ki::kHND : ki::kNHD;
+  gather_.heads = source_.num_kv_heads;
+  gather_.head_dim = source_.head_dim;
+  gather_.num_tokens = num_tokens_;
+  gather_.sigma = reinterpret_cast<const int*>(mapper_.sigma_.data());
+  gather_.max_blocks = layout_.max_blocks;
+  gather_.window = layout_.window;
+  gather_.x = workspace_ + x_offset_;
+  gather_.x_type = static_cast<int>(gemm_dtype_);
+  gather_.strip.half = plan_.rope().strip_half();
+  gather_.strip.neox = strip.style() == RopeStyle::kNeox ? 1 : 0;
+  gather_.strip.scale = strip.strip_scale();
+
+  epilogue_.y = reinterpret_cast<const float*>(workspace_ + y_offset_);
+  epilogue_.bias = reinterpret_cast<const float*>(mapper_.bias_.data());
+  epilogue_.target = {target_pointer_table_, target_slot_table_, workspace_ + stage_out_offset_,
+                      stage_out_slot_};
+  epilogue_.num_target_layers = target_layers_;
+  epilogue_.target_type = static_cast<int>(target_->dtype);
+  epilogue_.target_layout = target_->layout == Layout::kHND ? ki::kHND : ki::kNHD;
+  epilogue_.heads = target_->num_kv_heads;
+  epilogue_.head_dim = target_->head_dim;
+  epilogue_.num_tokens = num_tokens_;
+  epilogue_.apply.half = plan_.rope().apply_half();
+  epilogue_.apply.neox = apply.style() == RopeStyle::kNeox ? 1 : 0;
+  // Per-head MLP outputs come out of their batched GEMM head by head.
+  epilogue_.y_head_major = layout_.kind == MapKind::kMlp && layout_.heads > 1 ? 1 : 0;
+
+  relu_.out = workspace_ + hidden_offset_;
+  relu_.out_type = static_cast<int>(gemm_dtype_);
+  relu_.heads = layout_.heads;
+  relu_.hidden = static_cast<int>(layout_.hidden);
+  hidden_bias_[0] = reinterpret_cast<const float*>(mapper_.hidden_bias_.data());
+  hidden_bias_[1] =
+      hidden_bias_[0] + static_cast<int64_t>(target_layers_) * 2 * layout_.hidden_width();
+}
+
+// Pinned host slots (two of each, so the host fills one while the GPU copies the other).
+absl::Status CudaCall::ReservePinned() {
+  const int64_t table_floats =
+      plan_.rope().TableLayout(steps_.chunk_tokens + layout_.window - 1, steps_.chunk_tokens)
+          .floats;
+  for (PinnedBuffer& buffer : context_->pinned_tables) {
+    if (absl::Status s = buffer.Reserve(table_floats * sizeof(float)); !s.ok()) return s;
+  }
+  if (!staged_sources_.empty()) {
+    for (PinnedBuffer& buffer : context_->pinned_input) {
+      if (absl::Status s = buffer.Reserve(steps_.staged_source_bytes); !s.ok()) return s;
+    }
+  }
+  if (any_staged_target_) {
+    for (PinnedBuffer& buffer : context_->pinned_output) {
+      if (absl::Status s = buffer.Reserve(steps_.staged_target_bytes); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// RoPE of both models for the piece's positions, from kernels/rope (double-precision angles):
+// the source's for every token the piece reads, the target's for its own.
+absl::Status CudaCall::StageTables(const TokenPiece& piece, int slot) {
+  if (context_->table_used[slot]) {
+    KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
+                             cudaEventSynchronize(context_->table_copied[slot]));
+  }
+  float* host = reinterpret_cast<float*>(context_->pinned_tables[slot].data());
+  const RopeTableLayout layout = plan_.rope().Fill(positions_, piece.read_begin,
+                                                   piece.read_rows(), piece.begin, piece.rows,
+                                                   host);
+  float* device = reinterpret_cast<float*>(workspace_ + table_offset_);
+  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
+                           cudaMemcpyAsync(device, host, layout.floats * sizeof(float),
+                                           cudaMemcpyHostToDevice, context_->stream));
+  KVT_CUDA_RETURN_IF_ERROR("cudaEventRecord",
+                           cudaEventRecord(context_->table_copied[slot], context_->stream));
+  context_->table_used[slot] = true;
+  gather_.strip.cos = device + layout.strip_cos;
+  gather_.strip.sin = device + layout.strip_sin;
+  epilogue_.apply.cos = device + layout.apply_cos;
+  epilogue_.apply.sin = device + layout.apply_sin;
+  return absl::OkStatus();
+}
+
+// Host-memory source layers: the tokens this piece reads through pinned memory to the stage.
+absl::Status CudaCall::StageSources(const TokenPiece& piece, int slot) {
+  if (staged_sources_.empty()) return absl::OkStatus();
+  if (context_->input_used[slot]) {
+    KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
+                             cudaEventSynchronize(context_->input_copied[slot]));
+  }
+  const int64_t rows = piece.read_rows();
+  const int64_t ds = source_.head_dim;
+  char* host = context_->pinned_input[slot].data();
+  for (size_t s = 0; s < staged_sources_.size(); ++s) {
+    const auto [kind, j] = staged_sources_[s];
+    const char* from = static_cast<const char*>(kind == 0 ? source_.k[j] : source_.v[j]);
+    char* to = host + s * stage_in_slot_ * in_element_;
+    if (source_.layout == Layout::kNHD) {
+      std::memcpy(to, from + piece.read_begin * source_width_ * in_element_,
+                  rows * source_width_ * in_element_);
+      continue;
+    }
+    for (int h = 0; h < source_.num_kv_heads; ++h) {
+      std::memcpy(to + h * rows * ds * in_element_,
+                  from + (h * num_tokens_ + piece.read_begin) * ds * in_element_,
+                  rows * ds * in_element_);
+    }
+  }
+  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
+                           cudaMemcpyAsync(workspace_ + stage_in_offset_, host,
+                                           staged_sources_.size() * stage_in_slot_ * in_element_,
+                                           cudaMemcpyHostToDevice, context_->stream));
+  KVT_CUDA_RETURN_IF_ERROR("cudaEventRecord",
+                           cudaEventRecord(context_->input_copied[slot], context_->stream));
+  context_->input_used[slot] = true;
+  return absl::OkStatus();
+}
+
+// The group's matrices of every stage, in the GEMM dtype: the device copy in place, or fp32
+// copies in the workspace when the dtypes differ.
+absl::StatusOr<CudaCall::GroupWeights> CudaCall::ConvertWeights(int l0, int group) {
+  const size_t element = DTypeSize(layout_.weight_dtype);
+  const int64_t lk0 = static_cast<int64_t>(l0) * 2;  // first (layer, kind) of the group
+  const int64_t group_kinds = static_cast<int64_t>(group) * 2;
+  const int stages = static_cast<int>(plan_.layer(l0).kinds[0].map.size());
+  GroupWeights weights;
+  float* w32 = reinterpret_cast<float*>(workspace_ + w32_offset_);
+  for (int s = 0; s < stages; ++s) {
+    const int64_t elements = layout_.stage_elements(s);
+    weights.stage[s] = mapper_.stage_weights(s).data() + lk0 * elements * element;
+    if (!convert_weights_) continue;
+    KVT_CUDA_RETURN_IF_ERROR(
+        "ToFloat<<<>>>",
+        ki::LaunchToFloat(weights.stage[s], static_cast<int>(layout_.weight_dtype), w32,
+                          group_kinds * elements, context_->stream));
+    weights.stage[s] = reinterpret_cast<const char*>(w32);
+    w32 += group_kinds * elements;
+  }
+  return weights;
+}
+
+// Row-major Y[T, n_t d_t] = X[T, K] W[K, n_t d_t] is column-major Y^T = W^T X^T: cuBLAS sees W
+// as an (n_t d_t) x K matrix and X as K x T. One batch entry per (layer, kind).
+absl::Status CudaCall::MultiplyRidge(const GroupWeights& weights, int64_t tokens, int group) {
+  const float alpha = 1.0f, beta = 0.0f;
+  const int64_t input_width = layout_.input_width;
+  KVT_CUBLAS_RETURN_IF_ERROR(
+      "cublasGemmStridedBatchedEx",
+      cublasGemmStridedBatchedEx(
+          context_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(target_width_),
+          static_cast<int>(tokens), static_cast<int>(input_width), &alpha, weights.stage[0],
+          CudaType(gemm_dtype_), static_cast<int>(target_width_), layout_.stage_elements(0),
+          workspace_ + x_offset_, CudaType(gemm_dtype_), static_cast<int>(input_width),
+          tokens * input_width, &beta, workspace_ + y_offset_, CUDA_R_32F,
+          static_cast<int>(target_width_), tokens * target_width_, 2 * group,
+          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+// cuda_plan.h MlpGemms: A1 for every (layer, kind) (per_head: every head from the shared x in
+// one GEMM, A1 interleaved by head), then A2 and A3 per (layer, kind, head); after each stage
+// the plan activates, bias + ReLU into the next GEMM's input dtype.
+absl::Status CudaCall::MultiplyMlp(const GroupWeights& weights, int64_t tokens, int l0,
+                                   int group) {
+  const float alpha = 1.0f, beta = 0.0f;
+  const int64_t group_kinds = static_cast<int64_t>(group) * 2;
+  const std::array<cuda::StridedGemm, 3> gemms = cuda::MlpGemms(layout_, tokens, group_kinds);
+  char* y = workspace_ + y_offset_;
+  char* activations = workspace_ + hidden_offset_;
+  const char* inputs[3] = {workspace_ + x_offset_, activations, activations};
+  const std::vector<GemmStage>& stages = plan_.layer(l0).kinds[0].map;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const cuda::StridedGemm& gemm = gemms[s];
+    KVT_CUBLAS_RETURN_IF_ERROR(
+        "cublasGemmStridedBatchedEx",
+        cublasGemmStridedBatchedEx(
+            context_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, gemm.m, gemm.n, gemm.k, &alpha,
+            weights.stage[s], CudaType(gemm_dtype_), gemm.lda, gemm.stride_a, inputs[s],
+            CudaType(gemm_dtype_), gemm.ldb, gemm.stride_b, &beta, y, CUDA_R_32F, gemm.ldc,
+            gemm.stride_c, gemm.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (!stages[s].activate) continue;
+    // relu(Y + c) -> activations [layer, kind][head][T][H] in the gemm dtype; the first GEMM's
+    // Y has the heads side by side per token.
+    relu_.y = reinterpret_cast<const float*>(y);
+    relu_.y_interleaved = s == 0 ? 1 : 0;
+    relu_.bias = hidden_bias_[s] + static_cast<int64_t>(l0) * 2 * layout_.hidden_width();
+    relu_.rows = group_kinds;
+    relu_.chunk_tokens = tokens;
+    KVT_CUDA_RETURN_IF_ERROR("BiasRelu<<<>>>", ki::LaunchBiasRelu(relu_, context_->stream));
+  }
+  return absl::OkStatus();
+}
+
+// Target layers [l0, l0 + group) of one piece: gather + strip, multiply, epilogue.
+absl::Status CudaCall::RunGroup(const TokenPiece& piece, int l0, int group, int step) {
+  absl::StatusOr<GroupWeights> weights = ConvertWeights(l0, group);
+  if (!weights.ok()) return weights.status();
+  gather_.layer_begin = epilogue_.layer_begin = l0;
+  gather_.num_layers = epilogue_.num_layers = group;
+  KVT_CUDA_RETURN_IF_ERROR("Gather<<<>>>", ki::LaunchGather(gather_, context_->stream));
+  const absl::Status multiplied = layout_.kind == MapKind::kMlp
+                                      ? MultiplyMlp(*weights, piece.rows, l0, group)
+                                      : MultiplyRidge(*weights, piece.rows, group);
+  if (!multiplied.ok()) return multiplied;
+  return Emit(piece, l0, group, step);
+}
+
+// Add + rotate + convert into the targets; a staged step's output goes to pinned slot
+// step % 2 and is copied out after the next step is queued, so the GPU never waits for the host.
+absl::Status CudaCall::Emit(const TokenPiece& piece, int l0, int group, int step) {
+  const int out_slot = step % 2;
+  if (any_staged_target_) {
+    // The slot's previous output must be out of pinned memory before it is overwritten.
+    if (absl::Status s = FinishOutput(out_slot); !s.ok()) return s;
+  }
+  KVT_CUDA_RETURN_IF_ERROR("Epilogue<<<>>>", ki::LaunchEpilogue(epilogue_, context_->stream));
+  if (!any_staged_target_) return absl::OkStatus();
+  KVT_CUDA_RETURN_IF_ERROR(
+      "cudaMemcpyAsync",
+      cudaMemcpyAsync(context_->pinned_output[out_slot].data(), workspace_ + stage_out_offset_,
+                      static_cast<int64_t>(group) * 2 * stage_out_slot_ * out_element_,
+                      cudaMemcpyDeviceToHost, context_->stream));
+  KVT_CUDA_RETURN_IF_ERROR(
+      "cudaEventRecord", cudaEventRecord(context_->output_copied[out_slot], context_->stream));
+  pending_[out_slot] = {true, piece.begin, piece.rows, l0, group};
+  return FinishOutput(1 - out_slot);
+}
+
+// Pinned slot `slot`'s pending output into the host-memory target layers.
+absl::Status CudaCall::FinishOutput(int slot) {
+  PendingOutput& out = pending_[slot];
+  if (!out.valid) return absl::OkStatus();
+  out.valid = false;
+  KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
+                           cudaEventSynchronize(context_->output_copied[slot]));
+  const char* base = context_->pinned_output[slot].data();
+  const int64_t dt = target_->head_dim;
+  const int64_t bytes = out.chunk_tokens * out_element_;
+  for (int g = 0; g < out.num_layers; ++g) {
+    const int l = out.layer_begin + g;
+    for (int kind = 0; kind < 2; ++kind) {
+      if (target_slots_[kind * target_layers_ + l] < 0) continue;
+      const char* from =
+          base + (static_cast<int64_t>(g) * 2 + kind) * stage_out_slot_ * out_element_;
+      char* to = static_cast<char*>(target_pointers_[kind * target_layers_ + l]);
+      if (target_->layout == Layout::kNHD) {
+        std::memcpy(to + out.chunk_begin * target_width_ * out_element_, from,
+                    bytes * target_width_);
+        continue;
+      }
+      for (int h = 0; h < target_->num_kv_heads; ++h) {
+        std::memcpy(to + (h * num_tokens_ + out.chunk_begin) * dt * out_element_,
+                    from + h * bytes * dt, bytes * dt);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::TranslateLayer(const PreparedMapper& mapper, int target_layer,
                                          const CacheView& source, const Positions& positions,
                                          const TranslateOptions& options,
@@ -606,12 +1114,7 @@ absl::Status CudaBackend::TranslateLayer(const PreparedMapper& mapper, int targe
     return s;
   }
   if (source.num_tokens == 0) return absl::OkStatus();
-  absl::StatusOr<std::unique_ptr<Context>> context = AcquireContext();
-  if (!context.ok()) return context.status();
-  absl::Status status = Run(**prepared, target_layer, target_layer + 1, source, positions,
-                            options, target, context->get());
-  ReleaseContext(*std::move(context));
-  return status;
+  return Run(**prepared, target_layer, target_layer + 1, source, positions, options, target);
 }
 
 absl::Status CudaBackend::Translate(const PreparedMapper& mapper, const CacheView& source,
@@ -622,421 +1125,23 @@ absl::Status CudaBackend::Translate(const PreparedMapper& mapper, const CacheVie
   if (!prepared.ok()) return prepared.status();
   if (absl::Status s = CheckCacheShapes((*prepared)->view(), source, *target); !s.ok()) return s;
   if (source.num_tokens == 0) return absl::OkStatus();
-  absl::StatusOr<std::unique_ptr<Context>> context = AcquireContext();
-  if (!context.ok()) return context.status();
-  absl::Status status = Run(**prepared, 0, (*prepared)->view().target.num_layers, source,
-                            positions, options, target, context->get());
-  ReleaseContext(*std::move(context));
-  return status;
+  return Run(**prepared, 0, (*prepared)->view().target.num_layers, source, positions, options,
+             target);
 }
 
 absl::Status CudaBackend::Run(const CudaPreparedMapper& mapper, int layer_begin, int layer_end,
                               const CacheView& source, const Positions& positions,
-                              const TranslateOptions& options, MutableCacheView* target,
-                              Context* context) {
-  KVT_CUDA_RETURN_IF_ERROR("cudaSetDevice", cudaSetDevice(options_.device));
-  const MapperView& view = mapper.view();
-  const int source_layers = view.source.num_layers;
-  const int target_layers = view.target.num_layers;
-  const int64_t num_tokens = source.num_tokens;
-  const int ns = source.num_kv_heads, ds = source.head_dim;
-  const int nt = target->num_kv_heads, dt = target->head_dim;
-  const int64_t source_width = static_cast<int64_t>(ns) * ds;
-  const int64_t target_width = static_cast<int64_t>(nt) * dt;
-  const size_t in_element = DTypeSize(source.dtype);
-  const size_t out_element = DTypeSize(target->dtype);
-
-  // Pointer tables: device layers are read / written in place, host layers through staging.
-  std::vector<const void*> source_pointers(2 * source_layers, nullptr);
-  std::vector<int> source_slots(2 * source_layers, -1);
-  std::vector<void*> target_pointers(2 * target_layers, nullptr);
-  std::vector<int> target_slots(2 * target_layers, -1);
-  std::vector<std::pair<int, int>> staged_sources;  // (kind, layer) per slot
-  const char* kind_names[2] = {"k", "v"};
-  for (int l = layer_begin; l < layer_end; ++l) {
-    const std::vector<int>* sigmas[2] = {&view.layers[l].sigma_k, &view.layers[l].sigma_v};
-    for (int kind = 0; kind < 2; ++kind) {
-      for (int j : *sigmas[kind]) {
-        const int index = kind * source_layers + j;
-        if (source_pointers[index] != nullptr) continue;
-        const void* pointer = kind == 0 ? source.k[j] : source.v[j];
-        source_pointers[index] = pointer;
-        absl::StatusOr<bool> on_device =
-            OnDevice(pointer, options_.device, "source", kind_names[kind], j);
-        if (!on_device.ok()) return on_device.status();
-        if (!*on_device) {
-          source_slots[index] = static_cast<int>(staged_sources.size());
-          staged_sources.emplace_back(kind, j);
-        }
-      }
-      void* pointer = kind == 0 ? target->k[l] : target->v[l];
-      target_pointers[kind * target_layers + l] = pointer;
-      absl::StatusOr<bool> on_device =
-          OnDevice(pointer, options_.device, "target", kind_names[kind], l);
-      if (!on_device.ok()) return on_device.status();
-      if (!*on_device) target_slots[kind * target_layers + l] = 0;
-    }
-  }
-  const bool any_staged_target =
-      std::any_of(target_slots.begin(), target_slots.end(), [](int s) { return s >= 0; });
-
-  const DType gemm_dtype = cuda::GemmDType(source.dtype, mapper.weight_dtype_, target->dtype);
-  const bool convert_weights = gemm_dtype != mapper.weight_dtype_;
-  const Rope& strip = mapper.source_rope_;
-  const Rope& apply = mapper.target_rope_;
-  const int strip_half = strip.rotary_dim() / 2;
-  const int apply_half = apply.rotary_dim() / 2;
-
-  cuda::StepShape shape;
-  shape.num_tokens = num_tokens;
-  shape.num_layers = layer_end - layer_begin;
-  shape.input_width = mapper.input_width_;
-  shape.target_width = target_width;
-  const cuda::DeviceLayout& layout = mapper.layout_;
-  const bool mlp = layout.kind == MapKind::kMlp;
-  const int window = layout.window;
-  shape.window = window;
-  shape.hidden_width = layout.hidden_width();
-  shape.weight_elements = layout.matrix_elements();
-  shape.gemm_dtype = gemm_dtype;
-  shape.convert_weights = convert_weights;
-  shape.rope_half_source = strip_half;
-  shape.rope_half_target = apply_half;
-  shape.staged_source_bytes_per_token =
-      static_cast<int64_t>(staged_sources.size()) * source_width * in_element;
-  shape.staged_target_bytes_per_layer_token =
-      any_staged_target ? 2 * target_width * static_cast<int64_t>(out_element) : 0;
+                              const TranslateOptions& options, MutableCacheView* target) {
+  absl::StatusOr<std::unique_ptr<Context>> context = AcquireContext();
+  if (!context.ok()) return context.status();
   const int64_t token_chunk = options.token_chunk > 0 ? options.token_chunk : options_.token_chunk;
-  absl::StatusOr<cuda::StepPlan> plan_or =
-      cuda::PlanSteps(shape, token_chunk, options_.workspace_bytes);
-  if (!plan_or.ok()) return plan_or.status();
-  const cuda::StepPlan& plan = *plan_or;
-  const int64_t chunk = plan.chunk_tokens;
-
-  // Workspace carve-up.
-  const int64_t x_offset = 0;
-  const int64_t y_offset = x_offset + Align(plan.x_bytes);
-  const int64_t hidden_offset = y_offset + Align(plan.y_bytes);
-  const int64_t w32_offset = hidden_offset + Align(plan.hidden_bytes);
-  const int64_t table_offset = w32_offset + Align(plan.weights32_bytes);
-  const int64_t stage_in_offset = table_offset + Align(plan.table_bytes);
-  const int64_t stage_out_offset = stage_in_offset + Align(plan.staged_source_bytes);
-  const int64_t workspace_bytes = stage_out_offset + Align(plan.staged_target_bytes);
-  if (absl::Status s = context->workspace.Reserve(workspace_bytes); !s.ok()) return s;
-  char* workspace = context->workspace.data();
-  // A staged source slot also holds the window's window - 1 tokens before the chunk.
-  const int64_t stage_in_slot = (chunk + window - 1) * source_width;  // elements
-  const int64_t stage_out_slot = chunk * target_width;  // elements
-
-  // Pointer tables to the device once per call (the stream orders them before every kernel).
-  const int64_t pointer_bytes = Align(2 * source_layers * sizeof(void*)) +
-                                Align(2 * source_layers * sizeof(int)) +
-                                Align(2 * target_layers * sizeof(void*)) +
-                                Align(2 * target_layers * sizeof(int));
-  if (absl::Status s = context->pointer_tables.Reserve(pointer_bytes); !s.ok()) return s;
-  if (absl::Status s = context->pinned_pointers.Reserve(pointer_bytes); !s.ok()) return s;
-  // The previous call on this context ended with a stream synchronize: the pinned table is free.
-  char* pinned = context->pinned_pointers.data();
-  char* tables = context->pointer_tables.data();
-  int64_t at = 0;
-  const auto put = [&](const void* data, int64_t bytes) -> char* {
-    std::memcpy(pinned + at, data, bytes);
-    char* device = tables + at;
-    at += Align(bytes);
-    return device;
-  };
-  const auto* source_pointer_table = reinterpret_cast<const void* const*>(
-      put(source_pointers.data(), source_pointers.size() * sizeof(void*)));
-  const auto* source_slot_table =
-      reinterpret_cast<const int*>(put(source_slots.data(), source_slots.size() * sizeof(int)));
-  const auto* target_pointer_table = reinterpret_cast<const void* const*>(
-      put(target_pointers.data(), target_pointers.size() * sizeof(void*)));
-  const auto* target_slot_table =
-      reinterpret_cast<const int*>(put(target_slots.data(), target_slots.size() * sizeof(int)));
-  KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
-                           cudaMemcpyAsync(tables, pinned, at, cudaMemcpyHostToDevice,
-                                           context->stream));
-
-  ki::GatherParams gather;
-  gather.source.pointers = source_pointer_table;
-  gather.source.stage_slot = source_slot_table;
-  gather.source.stage = workspace + stage_in_offset;
-  gather.source.stage_slot_elements = stage_in_slot;
-  gather.num_source_layers = source_layers;
-  gather.source_type = static_cast<int>(source.dtype);
-  gather.source_layout = source.layout == Layout::kHND ? ki::kHND : ki::kNHD;
-  gather.heads = ns;
-  gather.head_dim = ds;
-  gather.num_tokens = num_tokens;
-  gather.sigma = reinterpret_cast<const int*>(mapper.sigma_.data());
-  gather.max_blocks = mapper.max_blocks_;
-  gather.window = window;
-  gather.x = workspace + x_offset;
-  gather.x_type = static_cast<int>(gemm_dtype);
-  gather.strip.half = strip_half;
-  gather.strip.neox = strip.style() == RopeStyle::kNeox ? 1 : 0;
-  gather.strip.scale =
-      static_cast<float>(1.0 / (strip.attention_factor() * strip.attention_factor()));
-
-  ki::EpilogueParams epilogue;
-  epilogue.y = reinterpret_cast<const float*>(workspace + y_offset);
-  epilogue.bias = reinterpret_cast<const float*>(mapper.bias_.data());
-  epilogue.target.pointers = target_pointer_table;
-  epilogue.target.stage_slot = target_slot_table;
-  epilogue.target.stage = workspace + stage_out_offset;
-  epilogue.target.stage_slot_elements = stage_out_slot;
-  epilogue.num_target_layers = target_layers;
-  epilogue.target_type = static_cast<int>(target->dtype);
-  epilogue.target_layout = target->layout == Layout::kHND ? ki::kHND : ki::kNHD;
-  epilogue.heads = nt;
-  epilogue.head_dim = dt;
-  epilogue.num_tokens = num_tokens;
-  epilogue.apply.half = apply_half;
-  epilogue.apply.neox = apply.style() == RopeStyle::kNeox ? 1 : 0;
-  // Per-head MLP outputs come out of their batched GEMM head by head.
-  epilogue.y_head_major = mlp && layout.heads > 1 ? 1 : 0;
-
-  // Bias + ReLU between the MLP's GEMMs: c1 after the first, c2 after the second.
-  ki::BiasReluParams relu;
-  relu.out = workspace + hidden_offset;
-  relu.out_type = static_cast<int>(gemm_dtype);
-  relu.heads = layout.heads;
-  relu.hidden = static_cast<int>(layout.hidden);
-  const float* c1 = reinterpret_cast<const float*>(mapper.hidden_bias_.data());
-  const float* c2 = c1 + static_cast<int64_t>(target_layers) * 2 * layout.hidden_width();
-
-  float* device_tables = reinterpret_cast<float*>(workspace + table_offset);
-  const int64_t table_floats = (chunk + window - 1) * 2 * strip_half + chunk * 2 * apply_half;
-  for (PinnedBuffer& buffer : context->pinned_tables) {
-    if (absl::Status s = buffer.Reserve(table_floats * sizeof(float)); !s.ok()) return s;
-  }
-  if (!staged_sources.empty()) {
-    for (PinnedBuffer& buffer : context->pinned_input) {
-      if (absl::Status s = buffer.Reserve(plan.staged_source_bytes); !s.ok()) return s;
-    }
-  }
-  if (any_staged_target) {
-    for (PinnedBuffer& buffer : context->pinned_output) {
-      if (absl::Status s = buffer.Reserve(plan.staged_target_bytes); !s.ok()) return s;
-    }
-  }
-  context->table_used[0] = context->table_used[1] = false;
-  context->input_used[0] = context->input_used[1] = false;
-
-  // A staged step's output waits in pinned slot `slot` until the host copies it out; that copy
-  // happens after the next step is queued, so the GPU is never idle waiting for the host.
-  struct PendingOutput {
-    bool valid = false;
-    int64_t chunk_begin = 0, chunk_tokens = 0;
-    int layer_begin = 0, num_layers = 0;
-  };
-  PendingOutput pending[2];
-  const auto finish_output = [&](int slot) -> absl::Status {
-    PendingOutput& out = pending[slot];
-    if (!out.valid) return absl::OkStatus();
-    out.valid = false;
-    KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
-                             cudaEventSynchronize(context->output_copied[slot]));
-    const char* base = context->pinned_output[slot].data();
-    for (int g = 0; g < out.num_layers; ++g) {
-      const int l = out.layer_begin + g;
-      for (int kind = 0; kind < 2; ++kind) {
-        if (target_slots[kind * target_layers + l] < 0) continue;
-        const char* from = base + (static_cast<int64_t>(g) * 2 + kind) * stage_out_slot *
-                                      static_cast<int64_t>(out_element);
-        char* to = static_cast<char*>(target_pointers[kind * target_layers + l]);
-        if (target->layout == Layout::kNHD) {
-          std::memcpy(to + out.chunk_begin * target_width * out_element, from,
-                      out.chunk_tokens * target_width * out_element);
-        } else {
-          for (int h = 0; h < nt; ++h) {
-            std::memcpy(to + (h * num_tokens + out.chunk_begin) * dt * out_element,
-                        from + h * out.chunk_tokens * dt * out_element,
-                        out.chunk_tokens * dt * out_element);
-          }
-        }
-      }
-    }
-    return absl::OkStatus();
-  };
-
-  const float alpha = 1.0f, beta = 0.0f;
-  const size_t weight_element = DTypeSize(mapper.weight_dtype_);
-  // Elements per (layer, kind) of the weights_ buffer: ridge W or MLP A1.
-  const int64_t matrix_elements = mlp ? layout.a1_elements() : layout.matrix_elements();
-  const int64_t a2_elements = layout.a2_elements(), a3_elements = layout.a3_elements();
-  const int64_t hidden_width = layout.hidden_width();
-  char* y = workspace + y_offset;
-  char* activations = workspace + hidden_offset;
-  int step = 0;
-  for (int c = 0; c < plan.num_chunks; ++c) {
-    const int64_t t0 = c * chunk;
-    const int64_t tokens = std::min(chunk, num_tokens - t0);
-    if (tokens <= 0) break;
-    const int slot = c % 2;
-    // The chunk's rows read source tokens [window_begin, t0 + tokens): its own and, for a
-    // window mapper, up to window - 1 before it.
-    const int64_t window_begin = std::max<int64_t>(0, t0 - (window - 1));
-    const int64_t window_tokens = t0 + tokens - window_begin;
-
-    // RoPE of both models for these positions, from kernels/rope (double-precision angles): the
-    // source's for every token the chunk reads, the target's for the chunk's own.
-    if (context->table_used[slot]) {
-      KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
-                               cudaEventSynchronize(context->table_copied[slot]));
-    }
-    float* host_tables = reinterpret_cast<float*>(context->pinned_tables[slot].data());
-    float* strip_cos = host_tables;
-    float* strip_sin = strip_cos + window_tokens * strip_half;
-    float* apply_cos = strip_sin + window_tokens * strip_half;
-    float* apply_sin = apply_cos + tokens * apply_half;
-    RopeTablesFor(strip, positions, window_begin, window_tokens, strip_cos, strip_sin);
-    RopeTablesFor(apply, positions, t0, tokens, apply_cos, apply_sin);
-    const int64_t used_floats = window_tokens * 2 * strip_half + tokens * 2 * apply_half;
-    KVT_CUDA_RETURN_IF_ERROR("cudaMemcpyAsync",
-                             cudaMemcpyAsync(device_tables, host_tables, used_floats * sizeof(float),
-                                             cudaMemcpyHostToDevice, context->stream));
-    KVT_CUDA_RETURN_IF_ERROR("cudaEventRecord",
-                             cudaEventRecord(context->table_copied[slot], context->stream));
-    context->table_used[slot] = true;
-    gather.strip.cos = device_tables;
-    gather.strip.sin = device_tables + window_tokens * strip_half;
-    epilogue.apply.cos = device_tables + window_tokens * 2 * strip_half;
-    epilogue.apply.sin = epilogue.apply.cos + tokens * apply_half;
-
-    // Host-memory source layers: the tokens this chunk reads through pinned memory to the stage.
-    if (!staged_sources.empty()) {
-      if (context->input_used[slot]) {
-        KVT_CUDA_RETURN_IF_ERROR("cudaEventSynchronize",
-                                 cudaEventSynchronize(context->input_copied[slot]));
-      }
-      char* host = context->pinned_input[slot].data();
-      for (size_t s = 0; s < staged_sources.size(); ++s) {
-        const auto [kind, j] = staged_sources[s];
-        const char* from = static_cast<const char*>(kind == 0 ? source.k[j] : source.v[j]);
-        char* to = host + s * stage_in_slot * in_element;
-        if (source.layout == Layout::kNHD) {
-          std::memcpy(to, from + window_begin * source_width * in_element,
-                      window_tokens * source_width * in_element);
-        } else {
-          for (int h = 0; h < ns; ++h) {
-            std::memcpy(to + h * window_tokens * ds * in_element,
-                        from + (h * num_tokens + window_begin) * ds * in_element,
-                        window_tokens * ds * in_element);
-          }
-        }
-      }
-      KVT_CUDA_RETURN_IF_ERROR(
-          "cudaMemcpyAsync",
-          cudaMemcpyAsync(workspace + stage_in_offset, host,
-                          staged_sources.size() * stage_in_slot * in_element,
-                          cudaMemcpyHostToDevice, context->stream));
-      KVT_CUDA_RETURN_IF_ERROR("cudaEventRecord",
-                               cudaEventRecord(context->input_copied[slot], context->stream));
-      context->input_used[slot] = true;
-    }
-
-    gather.chunk_begin = epilogue.chunk_begin = t0;
-    gather.chunk_tokens = epilogue.chunk_tokens = tokens;
-    gather.window_begin = window_begin;
-    for (int l0 = layer_begin; l0 < layer_end; l0 += plan.layers_per_group, ++step) {
-      const int group = std::min(plan.layers_per_group, layer_end - l0);
-      const int out_slot = step % 2;
-      const int64_t lk0 = static_cast<int64_t>(l0) * 2;  // first (layer, kind) of the group
-      const int64_t group_kinds = static_cast<int64_t>(group) * 2;
-      const char* weights = mapper.weights_.data() + lk0 * matrix_elements * weight_element;
-      const char* a2 = mlp ? mapper.a2_.data() + lk0 * a2_elements * weight_element : nullptr;
-      const char* a3 = mlp ? mapper.a3_.data() + lk0 * a3_elements * weight_element : nullptr;
-      if (convert_weights) {
-        float* w32 = reinterpret_cast<float*>(workspace + w32_offset);
-        const int type = static_cast<int>(mapper.weight_dtype_);
-        KVT_CUDA_RETURN_IF_ERROR(
-            "ToFloat<<<>>>", ki::LaunchToFloat(weights, type, w32, group_kinds * matrix_elements,
-                                               context->stream));
-        weights = reinterpret_cast<const char*>(w32);
-        if (mlp) {
-          float* a2_32 = w32 + group_kinds * matrix_elements;
-          float* a3_32 = a2_32 + group_kinds * a2_elements;
-          KVT_CUDA_RETURN_IF_ERROR(
-              "ToFloat<<<>>>",
-              ki::LaunchToFloat(a2, type, a2_32, group_kinds * a2_elements, context->stream));
-          KVT_CUDA_RETURN_IF_ERROR(
-              "ToFloat<<<>>>",
-              ki::LaunchToFloat(a3, type, a3_32, group_kinds * a3_elements, context->stream));
-          a2 = reinterpret_cast<const char*>(a2_32);
-          a3 = reinterpret_cast<const char*>(a3_32);
-        }
-      }
-      gather.layer_begin = epilogue.layer_begin = l0;
-      gather.num_layers = epilogue.num_layers = group;
-      KVT_CUDA_RETURN_IF_ERROR("Gather<<<>>>", ki::LaunchGather(gather, context->stream));
-      if (mlp) {
-        // cuda_plan.h MlpGemms: A1 for every (layer, kind) (per_head: every head from the
-        // shared x in one GEMM, A1 interleaved by head), then A2 and A3 per (layer, kind, head),
-        // with bias + ReLU into the next GEMM's input dtype between them.
-        const std::array<cuda::StridedGemm, 3> gemms =
-            cuda::MlpGemms(layout, tokens, group_kinds);
-        const char* a_operands[3] = {weights, a2, a3};
-        const char* b_operands[3] = {workspace + x_offset, activations, activations};
-        const float* hidden_biases[2] = {c1 + lk0 * hidden_width, c2 + lk0 * hidden_width};
-        for (int stage = 0; stage < 3; ++stage) {
-          const cuda::StridedGemm& gemm = gemms[stage];
-          KVT_CUBLAS_RETURN_IF_ERROR(
-              "cublasGemmStridedBatchedEx",
-              cublasGemmStridedBatchedEx(
-                  context->cublas, CUBLAS_OP_N, CUBLAS_OP_N, gemm.m, gemm.n, gemm.k, &alpha,
-                  a_operands[stage], CudaType(gemm_dtype), gemm.lda, gemm.stride_a,
-                  b_operands[stage], CudaType(gemm_dtype), gemm.ldb, gemm.stride_b, &beta, y,
-                  CUDA_R_32F, gemm.ldc, gemm.stride_c, gemm.batch, CUBLAS_COMPUTE_32F,
-                  CUBLAS_GEMM_DEFAULT));
-          if (stage == 2) break;
-          // relu(Y + c) -> activations [layer, kind][head][T][H] in the gemm dtype; the first
-          // GEMM's Y has the heads side by side per token.
-          relu.y = reinterpret_cast<const float*>(y);
-          relu.y_interleaved = stage == 0 ? 1 : 0;
-          relu.bias = hidden_biases[stage];
-          relu.rows = group_kinds;
-          relu.chunk_tokens = tokens;
-          KVT_CUDA_RETURN_IF_ERROR("BiasRelu<<<>>>", ki::LaunchBiasRelu(relu, context->stream));
-        }
-      } else {
-        // Row-major Y[T, n_t d_t] = X[T, K] W[K, n_t d_t] is column-major Y^T = W^T X^T: cuBLAS
-        // sees W as an (n_t d_t) x K matrix and X as K x T. One batch entry per (layer, kind).
-        KVT_CUBLAS_RETURN_IF_ERROR(
-            "cublasGemmStridedBatchedEx",
-            cublasGemmStridedBatchedEx(
-                context->cublas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(target_width),
-                static_cast<int>(tokens), static_cast<int>(mapper.input_width_), &alpha, weights,
-                CudaType(gemm_dtype), static_cast<int>(target_width), matrix_elements,
-                workspace + x_offset, CudaType(gemm_dtype), static_cast<int>(mapper.input_width_),
-                tokens * mapper.input_width_, &beta, workspace + y_offset, CUDA_R_32F,
-                static_cast<int>(target_width), tokens * target_width, 2 * group,
-                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      }
-      if (any_staged_target) {
-        // The slot's previous output must be out of pinned memory before it is overwritten.
-        if (absl::Status s = finish_output(out_slot); !s.ok()) return s;
-      }
-      KVT_CUDA_RETURN_IF_ERROR("Epilogue<<<>>>", ki::LaunchEpilogue(epilogue, context->stream));
-      if (any_staged_target) {
-        KVT_CUDA_RETURN_IF_ERROR(
-            "cudaMemcpyAsync",
-            cudaMemcpyAsync(context->pinned_output[out_slot].data(), workspace + stage_out_offset,
-                            static_cast<int64_t>(group) * 2 * stage_out_slot * out_element,
-                            cudaMemcpyDeviceToHost, context->stream));
-        KVT_CUDA_RETURN_IF_ERROR(
-            "cudaEventRecord", cudaEventRecord(context->output_copied[out_slot], context->stream));
-        pending[out_slot] = {true, t0, tokens, l0, group};
-        if (absl::Status s = finish_output(1 - out_slot); !s.ok()) return s;
-      }
-    }
-  }
-  KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(context->stream));
-  for (int s = 0; s < 2; ++s) {
-    if (absl::Status status = finish_output(s); !status.ok()) return status;
-  }
-  return absl::OkStatus();
+  absl::Status status = CudaCall(options_, mapper, layer_begin, layer_end, source, positions,
+                                 target, context->get())
+                            .Run(token_chunk);
+  ReleaseContext(*std::move(context));
+  return status;
 }
+
 
 }  // namespace
 

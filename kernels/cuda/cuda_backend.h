@@ -1,7 +1,8 @@
-// The CUDA translation engine: per step of tokens and target layers, a fused gather that strips
-// the source RoPE into a workspace, one cuBLAS strided-batched GEMM (fp32 accumulate) over the
-// step's target layers (K and V), then a fused epilogue (bias + target RoPE + dtype + layout).
-// MLP mappers (kind: mlp) run three such GEMMs with a bias + ReLU kernel between them.
+// The CUDA executor of the translation plan (kernels/translation_plan.h): per step of tokens and
+// target layers, a fused gather that strips the source RoPE into a workspace, one cuBLAS
+// strided-batched GEMM (fp32 accumulate) over the step's target layers (K and V), then a fused
+// epilogue (bias + target RoPE + dtype + layout). MLP mappers (kind: mlp) run three such GEMMs
+// with a bias + ReLU kernel between them.
 #pragma once
 
 #include <cstdint>

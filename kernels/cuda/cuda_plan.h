@@ -65,6 +65,13 @@ struct DeviceLayout {
     return kind == MapKind::kMlp ? a1_elements() + a2_elements() + a3_elements()
                                  : input_width * target_width;
   }
+  // Elements per (layer, kind) of the device array GemmStage `index` reads: ridge W or MLP A1
+  // (0), A2 (1), A3 (2).
+  int64_t stage_elements(int index) const {
+    if (index == 1) return a2_elements();
+    if (index == 2) return a3_elements();
+    return kind == MapKind::kMlp ? a1_elements() : input_width * target_width;
+  }
   uint64_t weight_bytes(int layers) const {
     return static_cast<uint64_t>(layers) * 2 * matrix_elements() * DTypeSize(weight_dtype);
   }

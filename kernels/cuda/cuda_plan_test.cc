@@ -333,6 +333,9 @@ TEST(DeviceLayoutTest, MlpSizesAndPreparedBytes) {
     const uint64_t per_pair = (12 * heads * 5 + heads * 5 * 5 + heads * 5 * (6 / heads)) * 4 +
                               (2 * heads * 5 + 6) * 4 + 2 * 4;
     EXPECT_EQ(layout->prepared_bytes(2), 2 * 2 * per_pair);
+    EXPECT_EQ(layout->stage_elements(0), layout->a1_elements());
+    EXPECT_EQ(layout->stage_elements(1), layout->a2_elements());
+    EXPECT_EQ(layout->stage_elements(2), layout->a3_elements());
   }
   // bf16 everywhere keeps bf16; one fp16 matrix makes the device copy fp32.
   SmallMlp m = MakeSmallMlp(false, 2);
@@ -363,6 +366,7 @@ TEST(DeviceLayoutTest, RidgeSizesUnchanged) {
   EXPECT_FALSE(layout->padded);
   EXPECT_EQ(layout->hidden_width(), 0);
   EXPECT_EQ(layout->matrix_elements(), 16 * 6);
+  EXPECT_EQ(layout->stage_elements(0), layout->matrix_elements());
   EXPECT_EQ(layout->prepared_bytes(2), 2u * 2 * (16 * 6 * 2 + 6 * 4 + 2 * 4));
 }
 

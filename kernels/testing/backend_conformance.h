@@ -3,7 +3,8 @@
 // that every Backend must match the float64 reference on, within SPEC 3's tolerances. A backend
 // test instantiates BackendConformanceTest with a ConformanceBackend that translates and checks
 // one case its own way (the CPU backend on each GEMM path, CUDA through device, host and mixed
-// caches).
+// caches). Both backends execute the one TranslationPlan (kernels/translation_plan.h), whose
+// stages translation_plan_test checks; this suite checks how each executor runs them.
 #pragma once
 
 #include <cstdint>
