@@ -22,6 +22,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 import kvt
+from kvt.proto import mappers_pb2, service_pb2_grpc
 import junit_main
 from kvtd_process import Kvtd, runfile, test_tmpdir
 from reference import RidgeMapper, max_rel_error
@@ -99,7 +100,6 @@ def random_cache(rng: np.random.Generator, tokens: int, dtype: str = "fp32",
 
 def check_load_unload(test: unittest.TestCase, client: kvt.Client) -> None:
     """UnloadMapper drops demo-tiny to DISCOVERED, LoadMapper makes it HOST_RESIDENT again."""
-    mappers_pb2 = kvt.client.mappers_pb2
     unloaded = client.unload_mapper("demo-tiny")
     test.assertEqual(unloaded.mapper_id, "demo-tiny")
     test.assertEqual(unloaded.state, mappers_pb2.MAPPER_STATE_DISCOVERED)
@@ -188,7 +188,6 @@ class ClientTest(unittest.TestCase):
         # A gRPC server with the generated servicer's defaults answers every RPC UNIMPLEMENTED,
         # as a kvtd from before ServerMetadata answers that one.
         from concurrent import futures
-        from kvt._proto import service_pb2_grpc
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
         service_pb2_grpc.add_KvTranslatorServicer_to_server(
             service_pb2_grpc.KvTranslatorServicer(), server)
