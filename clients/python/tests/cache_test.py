@@ -18,7 +18,7 @@ import kvt
 from kvt.cache import (bf16_bits_to_float32, decode, encode, float32_to_bf16_bits)
 from kvt.proto import common_pb2, translate_pb2
 from kvt.response import Reassembler
-import junit_main
+from kvt_testing import junit_main
 
 SEED = int.from_bytes(os.urandom(4), "little")
 print(f"cache_test: seed {SEED}", file=sys.stderr)

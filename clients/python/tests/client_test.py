@@ -23,8 +23,9 @@ from safetensors.numpy import load_file, save_file
 
 import kvt
 from kvt.proto import mappers_pb2, service_pb2_grpc
-import junit_main
-from kvtd_process import Kvtd, runfile, test_tmpdir
+from kvt_testing import junit_main
+from kvt_testing.kvtd import Kvtd
+from kvt_testing.runfiles import runfile, test_tmpdir
 from reference import RidgeMapper, max_rel_error
 
 SEED = int.from_bytes(os.urandom(4), "little")
