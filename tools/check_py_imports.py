@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks the imports of the first-party Python code (docs/ARCHITECTURE.md, "Python imports").
 
-Three rules, each a failure with the file, line and reason:
+Three rules, each a failure with the file, line and reason (and a fourth that keeps the
+module graph well defined: no two first-party modules of one name that something imports):
 
 - No import cycles between first-party modules, counting every import: module level,
   function-local and under `if TYPE_CHECKING:` (a cycle moved into a function is still one).
@@ -85,6 +86,19 @@ class Graph:
                 m.tree = ast.parse(source, m.path)
             except SyntaxError as e:
                 self.errors.append(f"{m.path}:{e.lineno}: does not parse: {e.msg}")
+        # Two modules of one name that something imports: on one sys.path the first shadows
+        # the other, and which one an import means is not stated anywhere.
+        imported: Set[str] = set()
+        for m in self.modules:
+            if m.tree is not None:
+                for _, dotted, names in imports(m):
+                    parts = dotted.split(".") if dotted else []
+                    imported.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
+                    imported.update(f"{dotted}.{n}" for n in names)
+        for name, same in sorted(self.by_name.items()):
+            if len(same) > 1 and name in imported:
+                self.errors.append(f"two first-party modules named {name}: " +
+                                   ", ".join(m.path for m in same))
 
     def resolve(self, importer: Module, dotted: str) -> Optional[Module]:
         """The first-party module `dotted` names for `importer`: the one under the importer's own
@@ -99,7 +113,7 @@ class Graph:
                 return same_root[0]
             if len(candidates) == 1:
                 return candidates[0]
-            return None  # ambiguous: two first-party modules of that name on different roots
+            return None  # two modules of that name on different roots (reported on its own)
         return None
 
 
@@ -139,7 +153,8 @@ def check_private(g: Graph) -> None:
             parts = dotted.split(".") if dotted else []
             for i, part in enumerate(parts):
                 owner = ".".join(parts[:i])
-                if private(part) and owner and not inside(m, owner):
+                if private(part) and owner and not inside(m, owner) and \
+                        g.resolve(m, owner) is not None:  # first-party (not torch._C)
                     g.errors.append(f"{m.path}:{line}: imports {'.'.join(parts[:i + 1])}, "
                                     f"private to {owner}")
                     break

@@ -46,6 +46,10 @@ class RulesTest(unittest.TestCase):
     def test_a_clean_tree(self):
         self.assertEqual(problems(PACKAGE), [])
 
+    def test_other_libraries_private_parts_are_theirs(self):
+        self.assertEqual(problems({**PACKAGE, "tests/t.py": "import torch._C\n"
+                                   "from vllm.x import _y\n"}), [])
+
     def test_a_cycle_hidden_in_a_function(self):
         errors = problems({**PACKAGE, "lib/pkg/low.py":
                            "def helper():\n    from pkg.high import x\n    return x\n"})
@@ -80,6 +84,12 @@ class RulesTest(unittest.TestCase):
         errors = problems({**PACKAGE, "tests/t.py": "from pkg._gen import x\n",
                            "lib/pkg/inner.py": "from pkg._gen import x\n"})
         self.assertEqual(errors, ["tests/t.py:1: imports pkg._gen, private to pkg"])
+
+    def test_two_modules_of_one_name(self):
+        self.assertEqual(problems({**PACKAGE, "a/util.py": "", "b/util.py": ""}), [])
+        errors = problems({**PACKAGE, "a/util.py": "", "b/util.py": "",
+                           "c/user.py": "import util\n"})
+        self.assertEqual(errors, ["two first-party modules named util: a/util.py, b/util.py"])
 
     def test_sys_path_edits(self):
         errors = problems({
