@@ -77,7 +77,7 @@ def sweep_stale_objects(min_age_s: float = _STALE_AFTER_S) -> List[str]:
     can be taken has no live owner, whatever PID namespace the owner ran in. Objects younger
     than `min_age_s` are left alone (their owner may be between creating and locking). Returns
     the names removed."""
-    removed = []
+    removed: List[str] = []
     try:
         names = [n for n in os.listdir(_SHM_DIR) if n.startswith(_OBJECT_PREFIX)]
     except OSError:
