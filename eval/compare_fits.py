@@ -24,12 +24,15 @@ for the next.
 import argparse
 import json
 import os
-import sys
+import shutil
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import intervals  # noqa: E402
-import retention as R  # noqa: E402
+import torch
+
+import kvt
+from kvt import adapters
+import intervals
+import retention as R
 
 
 def kvt_fit(dumps, members, a, b, out, kind, extra):
@@ -45,16 +48,16 @@ def layer_cosines(client, source, target, mapper_id, windows, context):
     per = []
     for ids in windows:
         own, queries = target.prefill(ids[:context], queries=True)
-        v = client.validate(R.adapters.from_torch(source.prefill(ids[:context])),
-                            R.adapters.from_torch(own),
-                            R.adapters.from_torch([(q, q) for q in queries]), mapper_id=mapper_id)
+        v = client.validate(adapters.from_torch(source.prefill(ids[:context])),
+                            adapters.from_torch(own),
+                            adapters.from_torch([(q, q) for q in queries]), mapper_id=mapper_id)
         per.append([layer.attention_cosine for layer in v.layers])
     return [round(sum(c) / len(c), 4) for c in zip(*per)]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--family", default=R.MODELS)
     p.add_argument("--pairs", required=True, help="SOURCE:TARGET,...")
     p.add_argument("--variants", default="{}",
                    help='JSON {label: [extra kvt fit flags]}, e.g. {"ridge": []}')
@@ -92,7 +95,7 @@ def main():
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
     work = os.path.join(caller, args.work)
     os.makedirs(work, exist_ok=True)
-    R.torch.set_num_threads(1)
+    torch.set_num_threads(1)
     pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
     variants = json.loads(args.variants)
     mappers = json.loads(args.mappers)
@@ -122,8 +125,8 @@ def main():
             if not os.path.exists(os.path.join(source_dir, "manifest.yaml")):
                 raise SystemExit(f"--mappers {label}: {source_dir} holds no mapper")
             dest = os.path.join(store, f"{a}-to-{b}-{label}")
-            R.shutil.rmtree(dest, ignore_errors=True)
-            R.shutil.copytree(source_dir, dest)
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(source_dir, dest)
             seconds[(a, b, label)] = None  # fitted elsewhere
     reference = {}
     if args.reference:
@@ -132,7 +135,7 @@ def main():
     ref_labels = [x for x in args.reference_labels.split(",") if x] if reference else []
     per_window = {"kinds": {}, "long_range": {"copy": {}, "lookup": {}}}
     windows = R.heldout_windows(args.context + args.continuation + 1, args.windows)
-    with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
+    with R.start_kvtd(store) as server, kvt.Client(server.address, timeout=120) as client:
         for a, b in pairs:
             ids = {label: f"{a}-to-{b}-{label}" for label in list(variants) + list(mappers)}
             r = R.evaluate_kinds(client, members[a], members[b], ids, windows, args.context)

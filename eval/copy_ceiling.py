@@ -34,15 +34,14 @@ A research tool for the long-range mapper work docs/EVAL.md leaves open; nothing
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
+import torch
 import yaml
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import retention as R  # noqa: E402
-
-torch = R.torch
+import kvt
+import retention as R
 
 
 def source_features(source, ids, layers):
@@ -83,7 +82,7 @@ def query_metric(target, layer, windows, pairs_per_window=2048, seed=0):
         t = torch.randint(0, len(ids), (pairs_per_window,), generator=generator)
         p = (torch.rand(pairs_per_window, generator=generator) * (t + 1)).long()
         cos, sin = target.rotary(q, p[None])
-        u, _ = R.apply_rotary_pos_emb(q[:, :, t], q[:, :, t], cos, -sin)
+        u, _ = apply_rotary_pos_emb(q[:, :, t], q[:, :, t], cos, -sin)
         u = u[0].double().reshape(target.n_kv, group * pairs_per_window, target.head_dim)
         total += u.transpose(1, 2) @ u
         count += group * pairs_per_window
@@ -161,7 +160,7 @@ def share(client, source, target, mapper_id, layer, rows_of, windows, controls, 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--family", default=R.MODELS)
     p.add_argument("--store", required=True, help="a mapper store with {A}-to-{B}-k{k}")
     p.add_argument("--pair", default="M:L")
     p.add_argument("--k", type=int, default=2)
@@ -285,7 +284,7 @@ def main():
     windows, controls = R.copy_windows(args.context, args.continuation, args.windows)
     results = {}
     replaced = "keys and values" if args.values else "keys"
-    with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
+    with R.start_kvtd(store) as server, kvt.Client(server.address, timeout=120) as client:
         for label, keys_of in maps.items():
             results[label] = round(share(client, source, target, mapper_id, layer, keys_of,
                                          windows, controls, args.context, args.values), 4)

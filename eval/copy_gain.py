@@ -13,22 +13,22 @@ evaluation can discriminate a translated cache from token identity.
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import retention as R  # noqa: E402
+import torch
+
+import retention as R
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--family", default=R.MODELS)
     p.add_argument("--members", default="S,M,L,U")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--context", type=int, default=352)
     p.add_argument("--continuation", type=int, default=95)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    R.torch.set_num_threads(1)
+    torch.set_num_threads(1)
     windows, controls = R.copy_windows(args.context, args.continuation, args.windows, args.seed)
     gains = {}
     for m in args.members.split(","):

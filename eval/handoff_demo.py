@@ -11,19 +11,20 @@ machine, and the context benefit recovered on the continuation.
 """
 
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import retention as R  # noqa: E402
+import torch
+
+import kvt
+import retention as R
 
 CONTEXT, CONTINUATION, WINDOWS = 384, 96, 8
 
 
 def main():
-    R.torch.set_num_threads(1)
-    family = os.path.join(R.ROOT, "eval", "tinyfamily", "models")
+    torch.set_num_threads(1)
+    family = R.MODELS
     source, target = R.Member(os.path.join(family, "M")), R.Member(os.path.join(family, "L"))
     work = tempfile.mkdtemp(prefix="kvt-handoff-")
     calib = R.write_split("calib", os.path.join(work, "calib.jsonl"))
@@ -35,7 +36,7 @@ def main():
     windows = R.heldout_windows(CONTEXT + CONTINUATION + 1, WINDOWS)
     nll = {"own": [], "none": [], "mapped": []}
     translate_ms, prefill_ms = [], []
-    with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=60) as client:
+    with R.start_kvtd(store) as server, kvt.Client(server.address, timeout=60) as client:
         for ids in windows:
             ctx, cont, tgt = ids[:CONTEXT], ids[CONTEXT:-1], ids[CONTEXT + 1:]
             src = source.prefill(ctx)

@@ -30,13 +30,13 @@ A research tool; nothing here is served.
 import argparse
 import itertools
 import os
-import sys
 
 import numpy as np
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import intervals  # noqa: E402
-import retention as R  # noqa: E402
+import kvt
+import intervals
+import retention as R
 
 
 def ce_and_kl(target, layers, window, context, own_logp=None):
@@ -171,7 +171,7 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", default="",
                    help="a mapper store (run_eval's <work>/store); key-scale and layer-mix")
-    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--family", default=R.MODELS)
     p.add_argument("--pair", required=True,
                    help="source:target members, e.g. M:L (own-no-rope reads the target alone)")
     p.add_argument("--windows", type=int, default=16)
@@ -189,7 +189,7 @@ def main():
                     help="copy and lookup windows each (the evaluation's 32)")
     args = p.parse_args()
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
-    R.torch.set_num_threads(1)
+    torch.set_num_threads(1)
     a, b = args.pair.split(":")
     source = R.Member(os.path.join(args.family, a))
     target = R.Member(os.path.join(args.family, b))
@@ -199,7 +199,7 @@ def main():
     if not args.store:
         raise SystemExit(f"induction_probe {args.probe}: give --store")
     args.store = os.path.join(caller, args.store)
-    with R.start_kvtd(args.store) as server, R.kvt.Client(server.address, timeout=120) as client:
+    with R.start_kvtd(args.store) as server, kvt.Client(server.address, timeout=120) as client:
         (key_scale if args.probe == "key-scale" else layer_mix)(client, source, target, args)
 
 

@@ -18,17 +18,15 @@ store.
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
+import torch
 import yaml
 from safetensors.torch import load_file
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import intervals  # noqa: E402
-import retention as R  # noqa: E402
-
-torch = R.torch
+from kvt import adapters
+import intervals
+import retention as R
 
 
 class TorchRidge:
@@ -76,7 +74,7 @@ class TorchRidge:
 def handoff_logprobs(target, cache, ids):
     """The target's next-token log-probabilities over ids, read on top of `cache` (graph kept,
     so that gradients reach the cache)."""
-    dynamic = R.adapters.as_dynamic_cache(tuple(cache))  # the tensors themselves
+    dynamic = adapters.as_dynamic_cache(tuple(cache))  # the tensors themselves
     logits = target.hf(input_ids=torch.tensor([ids]), past_key_values=dynamic,
                        use_cache=True).logits[0]
     return torch.log_softmax(logits.double(), -1)
@@ -84,7 +82,7 @@ def handoff_logprobs(target, cache, ids):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--family", default=R.MODELS)
     p.add_argument("--store", required=True, help="a mapper store with {A}-to-{B}-k{k}")
     p.add_argument("--pair", default="M:S")
     p.add_argument("--k", type=int, default=2)

@@ -18,6 +18,9 @@ import os
 import sys
 import unittest
 
+import torch
+
+import kvt
 import retention as R
 
 # M (distilled from L) -> L: the matched pair with the largest margin over token identity in
@@ -32,10 +35,9 @@ WINDOW = 4
 class RetentionCiTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        R.torch.set_num_threads(1)
+        torch.set_num_threads(1)
         work = os.environ.get("TEST_TMPDIR") or "/tmp/kvt-retention-ci"
-        family = os.environ.get("KVT_EVAL_FAMILY") or os.path.join(R.ROOT, "eval", "tinyfamily",
-                                                                   "models")
+        family = os.environ.get("KVT_EVAL_FAMILY") or R.MODELS
         calib = R.write_split("calib", os.path.join(work, "calib.jsonl"))
         source = R.Member(os.path.join(family, SOURCE))
         target = R.Member(os.path.join(family, TARGET))
@@ -54,7 +56,7 @@ class RetentionCiTest(unittest.TestCase):
         calib_windows = R.calib_windows(CALIB_TOKENS, CALIB_WINDOWS)
         identity = R.TokenIdentityMap(target, calib_windows)
         windows = R.heldout_windows(CONTEXT + CONTINUATION + 1, WINDOWS)
-        with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
+        with R.start_kvtd(store) as server, kvt.Client(server.address, timeout=120) as client:
             cls.result = R.evaluate_pair(client, source, target, "mapped", windows, CONTEXT,
                                          {"identity": identity,
                                           "untrained": (untrained, "untrained")})

@@ -18,12 +18,15 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fits_done  # noqa: E402
-import retention as R  # noqa: E402
+import torch
+
+import kvt
+import fits_done
+import retention as R
 
 
 # The mapper kinds of each kind pair and their store-id suffixes (after "{a}-to-{b}-k{k}").
@@ -60,7 +63,7 @@ def fmt(x, digits=3):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", default=os.path.join(R.ROOT, "eval", "tinyfamily", "models"))
+    p.add_argument("--family", default=R.MODELS)
     p.add_argument("--members", default="S,M,L,U")
     p.add_argument("--pairs", default="S:L,L:S,M:L,L:M,U:L,L:U")
     p.add_argument("--ks", default="1,2,3")
@@ -118,7 +121,7 @@ def main():
     args.out_md = os.path.join(caller, args.out_md)
     os.makedirs(args.work, exist_ok=True)
     start = time.time()
-    R.torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
     calib = R.write_split("calib", os.path.join(args.work, "calib.jsonl"))
     members = {}
@@ -228,8 +231,8 @@ def main():
         for kind, label in (("ridge", "ridge_refined"), ("mlp", "mlp_refined"),
                             ("mlp-unrefined", "mlp")):
             dest = os.path.join(store, f"{a}-to-{b}-k{k2}{kinds[prefix + label]}")
-            R.shutil.rmtree(dest, ignore_errors=True)
-            R.shutil.copytree(os.path.join(both, kind), dest)
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(os.path.join(both, kind), dest)
         fit_reports[(a, b, prefix)] = report
         done.put(os.path.basename(both) + "-both",
                  {"seconds": report["seconds"], "phase": "kinds", "report": report})
@@ -263,7 +266,7 @@ def main():
     settings = dict(vars(args))
     settings["command"] = "bazel-bin/eval/run_eval " + " ".join(sys.argv[1:])
     results = {"pairs": {}, "settings": settings}
-    with R.start_kvtd(store) as server, R.kvt.Client(server.address, timeout=120) as client:
+    with R.start_kvtd(store) as server, kvt.Client(server.address, timeout=120) as client:
         for a, b in pairs:
             if b not in identity:
                 identity[b] = R.TokenIdentityMap(members[b], calib_windows)

@@ -19,6 +19,9 @@ py_env=(--test_env=PATH="$root/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbi
 # Dependencies point one way (docs/ARCHITECTURE.md, Packages and layers).
 bash scripts/check_layering.sh
 layering_rc=$?
+# Python imports: no cycles, no private names across modules, no sys.path edits outside entry
+# points (tools/check_py_imports.py; //tools:py_imports_test checks the Bazel packages' files).
+python3 tools/check_py_imports.py || layering_rc=1
 
 asan_rc=0
 if [ "${KVT_TEST_ASAN:-0}" = 1 ]; then

@@ -13,9 +13,9 @@ import sys
 import tempfile
 import unittest
 
+import dump_kv
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import dump_kv  # noqa: E402
 
 try:
     import torch  # noqa: F401

@@ -15,10 +15,10 @@ except ImportError as e:
     sys.exit(f"family_test: {e} (python {sys.executable}): run scripts/bootstrap.sh --python "
              "and put .venv/bin first on PATH, as scripts/test.sh does")
 
+import dump_kv  # tools/dump_kv.py
+import model as tiny
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import model as tiny  # noqa: E402
-import dump_kv  # noqa: E402  (tools/, on the path through model.py)
 
 MODELS = os.path.join(HERE, "models")
 MATCHED = ["S", "M", "L"]

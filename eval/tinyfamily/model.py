@@ -10,15 +10,12 @@ convention of tools/dump_kv.py --tokenizer bytes.
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(_ROOT, "tools"))
-import dump_kv  # noqa: E402  (one home for the safetensors I/O and the byte tokenizer)
+import dump_kv  # tools/dump_kv.py: one home for the safetensors I/O and the byte tokenizer
 
 VOCAB = 256
 EOS = dump_kv.ByteTokenizer.eos_token_id

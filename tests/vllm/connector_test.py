@@ -33,7 +33,7 @@ import torch
 
 import family
 import engines as E
-import retention as R
+from kvt_testing import tinyfamily as R
 
 import kvt
 from kvt import adapters

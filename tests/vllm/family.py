@@ -1,16 +1,20 @@
-"""Test support: the bundled family's mappers for the vLLM tests, fitted once per suite the way
+"""The bundled family's mappers for the vLLM tests, fitted once per suite the way
 eval/handoff_demo.py fits them (tools/dump_kv.py calibration dumps, `kvt fit` ridge, k=2), and a
 kvtd with the source-cache tier on a fixed port (so it can be killed and restarted)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Dict, List, Optional, Sequence
 
-import retention as R  # eval/retention.py: dumps, kvt fit, the Member wrapper
+import identity_mappers
+from kvt.prefix import PrefixCache, first_block_hash
+from kvt_testing import tinyfamily
+from kvt_testing.kvtd import Kvtd
 
-FAMILY = os.path.join(R.ROOT, "eval", "tinyfamily", "models")
+FAMILY = tinyfamily.MODELS
 NAMES = {"S": "kvt-tiny-S", "M": "kvt-tiny-M", "L": "kvt-tiny-L", "U": "kvt-tiny-U"}
 PAIRS = (("M", "L"), ("L", "M"), ("S", "L"), ("L", "S"))
 CALIB_TOKENS, CALIB_WINDOWS, TOP_K = 256, 32, 2
@@ -28,14 +32,14 @@ def fit_store(work: str, pairs=PAIRS) -> str:
     """Mapper store under work/store with one ridge mapper per pair, named "<S>-to-<T>"."""
     store = os.path.join(work, "store")
     os.makedirs(work, exist_ok=True)
-    calib = R.write_split("calib", os.path.join(work, "calib.jsonl"))
+    calib = tinyfamily.write_split("calib", os.path.join(work, "calib.jsonl"))
     members = sorted({m for pair in pairs for m in pair})
-    dumps = {m: R.dump(model_dir(m), calib, os.path.join(work, "dumps", m), CALIB_TOKENS,
-                       CALIB_WINDOWS) for m in members}
+    dumps = {m: tinyfamily.dump(model_dir(m), calib, os.path.join(work, "dumps", m),
+                                CALIB_TOKENS, CALIB_WINDOWS) for m in members}
     for s, t in pairs:
         out = os.path.join(store, mapper_id(s, t))
         if not os.path.exists(os.path.join(out, "manifest.yaml")):
-            R.fit(dumps[s], dumps[t], NAMES[s], NAMES[t], TOP_K, out)
+            tinyfamily.fit(dumps[s], dumps[t], NAMES[s], NAMES[t], TOP_K, out)
     return store
 
 
@@ -59,15 +63,14 @@ def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Option
     return path
 
 
-def start_kvtd(store: str, port: int, config: str, name: str = "vllm-kvtd") -> "R.Kvtd":
-    return R.Kvtd([f"--config={config}", f"--listen_address=127.0.0.1:{port}",
-                   f"--mapper_store={store}", "--backend=cpu", "--cpu_threads=1",
-                   "--drain_grace_seconds=0", "--max_tokens=65536"], name)
+def start_kvtd(store: str, port: int, config: str, name: str = "vllm-kvtd") -> Kvtd:
+    return Kvtd([f"--config={config}", f"--listen_address=127.0.0.1:{port}",
+                 f"--mapper_store={store}", "--backend=cpu", "--cpu_threads=1",
+                 "--drain_grace_seconds=0", "--max_tokens=65536"], name)
 
 
 def entry_ids(client, model: str) -> set:
     """Ids of the entries kvtd holds for `model` now."""
-    from kvt.prefix import PrefixCache
     return {e.entry_id for e in PrefixCache(client).list(model).entries}
 
 
@@ -77,7 +80,6 @@ def wait_for_entries(client, model: str, prefix: Sequence[int], timeout: float =
     an entry of at least that many tokens that starts with the same block (so that a late
     publish of another text cannot end the wait) and whose id is not in `exclude` (entry_ids
     before the publish: a new entry)."""
-    from kvt.prefix import PrefixCache, first_block_hash
     prefix_cache = PrefixCache(client)
     end = time.monotonic() + timeout
     while True:
@@ -97,7 +99,7 @@ def wait_for_entries(client, model: str, prefix: Sequence[int], timeout: float =
 
 def heldout_text(n: int, offset: int = 0) -> List[int]:
     """n byte tokens of the held-out documents (never seen in training or calibration)."""
-    stream = [t for ids in R.token_stream("heldout") for t in ids]
+    stream = [t for ids in tinyfamily.token_stream("heldout") for t in ids]
     return stream[offset:offset + n]
 
 
@@ -114,10 +116,6 @@ def identity_mapper(store: str, mapper: str, member: str = "L", source_name: str
     quality. zero_v writes V's weights as zeros (the load must then change the output).
     target_name: the target model's name (default `member`'s own; the reverse identity, from
     `member` to the twin, reads back what an engine of `member` published)."""
-    import json
-
-    import identity_mappers
-
     with open(os.path.join(model_dir(member), "config.json")) as f:
         config = json.load(f)
     dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

@@ -15,8 +15,8 @@ from vllm import _custom_ops as ops
 
 import numpy as np
 
-from kvt.vllm.paged import (PagedLayout, _affine, gather_rows, gather_tokens, layer_order,
-                            scatter_rows, scatter_tokens)
+from kvt.vllm.paged import (PagedLayout, affine_strides, gather_rows, gather_tokens,
+                            layer_order, scatter_rows, scatter_tokens)
 
 CASES = [(torch.float32, 32, 2, 32), (torch.float32, 128, 2, 32), (torch.float32, 64, 4, 64),
          (torch.bfloat16, 32, 2, 32), (torch.bfloat16, 128, 8, 128)]
@@ -160,9 +160,9 @@ class PagedTest(unittest.TestCase):
         t = torch.arange(32).view(32, 1, 1)
         h = torch.arange(2).view(1, 2, 1)
         d = torch.arange(32).view(1, 1, 32)
-        self.assertEqual(_affine(t + h * 2048 + d * 32), (0, (1, 2048, 32)))
-        self.assertIsNone(_affine((d // 2) * 64 + t * 2 + d % 2 + h * 2048))
-        self.assertIsNone(_affine(1024 + (t // 2) * 64 + d * 2 + t % 2 + h * 2048))
+        self.assertEqual(affine_strides(t + h * 2048 + d * 32), (0, (1, 2048, 32)))
+        self.assertIsNone(affine_strides((d // 2) * 64 + t * 2 + d % 2 + h * 2048))
+        self.assertIsNone(affine_strides(1024 + (t // 2) * 64 + d * 2 + t % 2 + h * 2048))
 
     def test_layer_order(self):
         names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 0, 1)]

@@ -54,7 +54,8 @@ def _host(dtype: str) -> None:
             super().__init__(*args, **kwargs)
 
     vllm.LLM = LLM
-    sys.path.insert(0, HERE)
+    # engine_host.py sits beside this file, whose directory is first on the path when it runs as
+    # a script (and the py_binary's PYTHONPATH, which the engine process inherits, has it too).
     import engine_host
 
     engine_host.main()
@@ -68,7 +69,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1].startswith("--as
 import engines as E  # noqa: E402
 import family  # noqa: E402
 import qwen3_shapes as Q  # noqa: E402
-import retention as R  # noqa: E402
+from kvt_testing.kvtd import Kvtd  # noqa: E402
 
 
 def median(values):
@@ -189,7 +190,7 @@ def main():
     # Publishes of the 0.6B shape at 2048 tokens are ~235 MB (bf16): room for several.
     config = family.kvtd_yaml(os.path.join(work, "kvtd.yaml"), max_bytes=3 << 30,
                               min_mapper_quality=0.0)
-    kvtd = R.Kvtd([f"--config={config}", f"--listen_address=127.0.0.1:{port}",
+    kvtd = Kvtd([f"--config={config}", f"--listen_address=127.0.0.1:{port}",
                    f"--mapper_store={paths['store']}", "--backend=cpu",
                    f"--cpu_threads={args.kvtd_threads}", "--drain_grace_seconds=0",
                    "--max_tokens=65536"], "qwen3-bench-kvtd").__enter__()

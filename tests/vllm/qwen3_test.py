@@ -32,12 +32,12 @@ import yaml
 import engines as E
 import family
 import qwen3_shapes as Q
-import retention as R
 
 import kvt
 from kvt import adapters
 from kvt.cache import DTYPE_NAMES
 from kvt.prefix import PrefixCache
+from kvt_testing import tinyfamily
 
 WORK = os.environ.get("TEST_TMPDIR") or "/tmp/kvt-qwen3-test"
 A, B = Q.TINY_PAIR
@@ -88,13 +88,14 @@ def setUpModule():
                           target_theta=PROBE_THETA)
         Q.synth_mapper(store, A, B)
         # Dumps and fits while the engines start.
-        calib = R.write_split("calib", os.path.join(WORK, "calib.jsonl"))
-        dumps = {name: R.dump(Suite.dirs[name], calib, os.path.join(WORK, "dumps", name),
-                              CALIB_TOKENS, CALIB_WINDOWS) for name in Q.TINY_PAIR}
-        Suite.fitted["A-to-B"] = R.fit(dumps[A], dumps[B], A, B, 2,
-                                       os.path.join(store, "fit-A-to-B"))
-        Suite.fitted["A-to-twin"] = R.fit(dumps[A], dumps[A], A, TWIN + "-fit", 1,
-                                          os.path.join(store, "fit-A-to-twin"))
+        calib = tinyfamily.write_split("calib", os.path.join(WORK, "calib.jsonl"))
+        dumps = {name: tinyfamily.dump(Suite.dirs[name], calib,
+                                       os.path.join(WORK, "dumps", name), CALIB_TOKENS,
+                                       CALIB_WINDOWS) for name in Q.TINY_PAIR}
+        Suite.fitted["A-to-B"] = tinyfamily.fit(dumps[A], dumps[B], A, B, 2,
+                                                os.path.join(store, "fit-A-to-B"))
+        Suite.fitted["A-to-twin"] = tinyfamily.fit(dumps[A], dumps[A], A, TWIN + "-fit", 1,
+                                                   os.path.join(store, "fit-A-to-twin"))
         config = family.kvtd_yaml(os.path.join(WORK, "kvtd.yaml"))
         Suite.kvtd = family.start_kvtd(store, port, config, "qwen3-kvtd").__enter__()
         for engine in Suite.engines.values():

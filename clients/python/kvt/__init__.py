@@ -16,12 +16,13 @@ __path__ = extend_path(__path__, __name__)
 
 from kvt._proto.common_pb2 import PagedBlocks  # noqa: E402
 from kvt.cache import KVCache  # noqa: E402
-from kvt.client import Client, TranslateResult  # noqa: E402
+from kvt.client import Client  # noqa: E402
 from kvt.errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,  # noqa: E402
                         FailedPreconditionError, InternalError, InvalidArgumentError, KvtError,
                         NotFoundError, OutOfRangeError, PermissionDeniedError,
                         ResourceExhaustedError, UnauthenticatedError, UnavailableError,
                         UnimplementedError)
+from kvt.response import TranslateResult  # noqa: E402
 from kvt.session import Session  # noqa: E402
 from kvt.shm import SharedMemoryRegion  # noqa: E402
 

@@ -10,45 +10,24 @@ message.
 
 from __future__ import annotations
 
-import os
-import threading
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
 
 from kvt._proto import (common_pb2, health_pb2, health_pb2_grpc, mappers_pb2, memory_pb2,
                         service_pb2, service_pb2_grpc, translate_pb2, validate_pb2)
-from kvt.cache import (DTYPE_NAMES, DTYPES, ELEMENT_SIZE, LAYOUT_NAMES, LAYOUTS, KVCache,
-                       coverage_error, decode)
+from kvt.cache import DTYPES, ELEMENT_SIZE, LAYOUTS, KVCache
 from kvt.errors import (FailedPreconditionError, InternalError, InvalidArgumentError, KvtError,
                         NotFoundError, UnimplementedError, from_rpc_error)
-
-if TYPE_CHECKING:
-    from kvt.shm import SharedMemoryRegion
+from kvt.prefix import cached_translate_header
+from kvt.response import Reassembler, TranslateResult
+from kvt.shm import SharedMemoryRegion
 
 Pem = Union[str, bytes]
 
 # Room left in each message for the chunk's other fields and framing.
 _MESSAGE_OVERHEAD = 64 << 10
-
-
-@dataclass
-class TranslateResult:
-    """What a TranslateKV call returned. `target` is None when the output went to a region."""
-
-    header: translate_pb2.TranslateResponseHeader
-    trailer: translate_pb2.TranslateTrailer
-    target: Optional[KVCache]
-    # The requests a translation was split into (Client.max_request_tokens); empty when one.
-    # header and trailer then describe the whole: token and byte counts and stage times summed.
-    parts: List["TranslateResult"] = field(default_factory=list)
-    # time.monotonic() when the first target chunk arrived (None without inline output): with a
-    # pipelining server it comes before the upload ends.
-    first_chunk_at: Optional[float] = None
 
 
 def _pem(value: Optional[Pem]) -> Optional[bytes]:
@@ -289,7 +268,7 @@ class Client:
 
         call = self._stub.TranslateKV(requests(), timeout=self._timeout(timeout),
                                       metadata=self._metadata)
-        return _Reassembler(call).run()
+        return Reassembler(call).run()
 
     def _translate_split(self, source: KVCache, limit: int, window: int, mapper_name: str,
                          fields: dict, position_offset: int,
@@ -317,7 +296,7 @@ class Client:
             served = part.header.window
             if served - 1 > early and begin > early:
                 return served
-            parts.append(_drop_leading(part, early))
+            parts.append(part.drop_leading(early))
         return parts
 
     def translate_layers(self, layers: Iterable[Tuple[np.ndarray, np.ndarray]], *,
@@ -387,7 +366,7 @@ class Client:
         call = self._stub.TranslateKV(requests(), timeout=self._timeout(timeout),
                                       metadata=self._metadata)
         try:
-            result = _Reassembler(call).run()
+            result = Reassembler(call).run()
         except KvtError:
             if problems:  # the server only saw a short stream; say what was wrong with it
                 raise problems[0]
@@ -431,7 +410,7 @@ class Client:
             header.output.region.paged.CopyFrom(output_paged)
         call = self._stub.TranslateKV(iter([translate_pb2.TranslateKVRequest(header=header)]),
                                       timeout=self._timeout(timeout), metadata=self._metadata)
-        return _Reassembler(call, expect_chunks=False).run()
+        return Reassembler(call, expect_chunks=False).run()
 
     def translate_via_shm(self, source: KVCache, *, mapper_id: str = "", source_model: str = "",
                           target_model: str = "", output_dtype: Optional[str] = None,
@@ -441,8 +420,6 @@ class Client:
         chunks: created, registered, filled, translated in place, read back, and unregistered
         and unlinked whatever happens. The server must allow client regions (admin role under
         auth). Returns the target cache like translate()."""
-        from kvt.shm import SharedMemoryRegion
-
         info = self.find_mapper(source_model, target_model, mapper_id, timeout)
         dtype = output_dtype or source.dtype or "fp32"
         layout = output_layout or source.layout
@@ -473,15 +450,13 @@ class Client:
         """TranslateKV of a prefix the server's source-cache tier holds, leased by
         kvt.prefix.PrefixCache.lookup (`dtype` = the lookup's dtype, num_tokens = its
         matched_tokens): only the header is sent; the target cache comes back inline."""
-        from kvt.prefix import cached_translate_header
-
         header = cached_translate_header(lease_id, mapper_id, num_tokens, dtype=dtype,
                                          output_dtype=output_dtype, output_layout=output_layout,
                                          request_id=request_id,
                                          response_chunk_tokens=response_chunk_tokens)
         call = self._stub.TranslateKV(iter([translate_pb2.TranslateKVRequest(header=header)]),
                                       timeout=self._timeout(timeout), metadata=self._metadata)
-        return _Reassembler(call).run()
+        return Reassembler(call).run()
 
     # -- ValidateKV ----------------------------------------------------------------------------
 
@@ -581,29 +556,9 @@ class Client:
                                 memory_pb2.CudaMemoryStatusRequest(name=name), timeout).regions)
 
     def create_region(self, byte_size: int, name: Optional[str] = None,
-                      timeout: Optional[float] = None) -> "SharedMemoryRegion":
+                      timeout: Optional[float] = None) -> SharedMemoryRegion:
         """A new SharedMemoryRegion of `byte_size` bytes registered with this server."""
-        from kvt.shm import SharedMemoryRegion
-
         return SharedMemoryRegion(self, byte_size, name=name, timeout=timeout)
-
-
-def unique_region_name() -> str:
-    return f"kvt-py-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:12]}"
-
-
-def _drop_leading(result: TranslateResult, tokens: int) -> TranslateResult:
-    """`result` without the outputs of its first `tokens` tokens (a window mapper's overlap);
-    its trailer stays the server's account of what was sent."""
-    if tokens == 0:
-        return result
-    target = result.target
-    if target is None or target.num_tokens <= tokens:
-        raise InternalError(f"a request re-sending {tokens} earlier tokens got "
-                            f"{0 if target is None else target.num_tokens} tokens back")
-    result.target = target.slice_tokens(tokens, target.num_tokens)
-    result.header.num_tokens = result.target.num_tokens
-    return result
 
 
 def _combine(parts: List[TranslateResult]) -> TranslateResult:
@@ -628,86 +583,3 @@ def _combine(parts: List[TranslateResult]) -> TranslateResult:
     targets = [p.target for p in parts if p.target is not None]
     return TranslateResult(header=header, trailer=trailer, target=KVCache.concat(targets),
                            parts=parts)
-
-
-class _Reassembler:
-    """Reads a TranslateKV response stream into a TranslateResult, checking the protocol."""
-
-    def __init__(self, call: Any, expect_chunks: bool = True) -> None:
-        self._call = call
-        self._expect_chunks = expect_chunks
-        self._header: Optional[translate_pb2.TranslateResponseHeader] = None
-        self._trailer: Optional[translate_pb2.TranslateTrailer] = None
-        self._target: Optional[KVCache] = None
-        self._received: List[np.ndarray] = []
-        self._first_chunk_at: Optional[float] = None
-
-    def _fail(self, message: str) -> KvtError:
-        self._call.cancel()
-        return InternalError(f"server broke the TranslateKV protocol: {message}")
-
-    def run(self) -> TranslateResult:
-        try:
-            for response in self._call:
-                which = response.WhichOneof("msg")
-                if which == "header":
-                    self._on_header(response.header)
-                elif which == "chunk":
-                    self._on_chunk(response.chunk)
-                elif which == "trailer":
-                    self._trailer = response.trailer
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
-        if self._header is None or self._trailer is None:
-            raise InternalError("server ended the stream without a header and trailer")
-        if self._expect_chunks:
-            assert self._target is not None
-            gap = coverage_error(self._received, self._target.num_tokens)
-            if gap is not None:
-                raise InternalError(f"server ended the stream without a complete result: {gap}")
-        return TranslateResult(header=self._header, trailer=self._trailer, target=self._target,
-                               first_chunk_at=self._first_chunk_at)
-
-    def _on_header(self, header: translate_pb2.TranslateResponseHeader) -> None:
-        if self._header is not None:
-            raise self._fail("a second response header")
-        self._header = header
-        if not self._expect_chunks:
-            return
-        if header.output_dtype not in DTYPE_NAMES or header.output_layout not in LAYOUT_NAMES:
-            raise self._fail("response header without output dtype/layout")
-        shape = header.target_shape
-        if min(shape.num_layers, shape.num_kv_heads, shape.head_dim, header.num_tokens) == 0:
-            raise self._fail(f"response header with an empty target shape {shape}")
-        self._target = KVCache.empty(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                     header.num_tokens, DTYPE_NAMES[header.output_dtype],
-                                     LAYOUT_NAMES[header.output_layout])
-        self._received = [np.zeros(header.num_tokens, dtype=bool)
-                          for _ in range(2 * shape.num_layers)]
-
-    def _on_chunk(self, chunk: common_pb2.KVChunk) -> None:
-        if self._first_chunk_at is None:
-            self._first_chunk_at = time.monotonic()
-        target = self._target
-        if target is None:
-            raise self._fail("a target chunk before the header (or into a region request)")
-        start, count = chunk.token_start, chunk.token_count
-        dtype = target.dtype or "fp32"
-        if (chunk.layer >= target.num_layers or count == 0 or
-                start + count > target.num_tokens or
-                chunk.kind not in (common_pb2.CACHE_KIND_K, common_pb2.CACHE_KIND_V) or
-                len(chunk.data) != target.token_bytes() * count):
-            raise self._fail(f"a malformed target chunk (layer {chunk.layer}, tokens "
-                             f"[{start}, {start + count}), {len(chunk.data)} bytes)")
-        kind = 0 if chunk.kind == common_pb2.CACHE_KIND_K else 1
-        bits = self._received[chunk.layer * 2 + kind]
-        if bits[start:start + count].any():
-            raise self._fail(f"target layer {chunk.layer} {'KV'[kind]} tokens "
-                             f"[{start}, {start + count}) arrived twice")
-        bits[start:start + count] = True
-        array = (target.k if kind == 0 else target.v)[chunk.layer]
-        heads, dim = target.num_kv_heads, target.head_dim
-        if target.layout == "HND":
-            array[:, start:start + count, :] = decode(chunk.data, dtype, (heads, count, dim))
-        else:
-            array[start:start + count] = decode(chunk.data, dtype, (count, heads, dim))

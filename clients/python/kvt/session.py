@@ -26,15 +26,14 @@ window then comes from get_mapper, once per mapper the responses name.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from kvt.cache import KVCache
+from kvt.client import Client
 from kvt.errors import FailedPreconditionError, InternalError, InvalidArgumentError, KvtError
-
-if TYPE_CHECKING:
-    from kvt.client import Client, TranslateResult
+from kvt.response import TranslateResult
 
 
 class Session:
@@ -47,7 +46,7 @@ class Session:
     kept for the next turn's overlap (min(window - 1, tokens)).
     """
 
-    def __init__(self, client: "Client", *, mapper_id: str = "", source_model: str = "",
+    def __init__(self, client: Client, *, mapper_id: str = "", source_model: str = "",
                  target_model: str = "", output_dtype: Optional[str] = None,
                  output_layout: Optional[str] = None, session_id: Optional[str] = None,
                  start_position: int = 0, timeout: Optional[float] = None) -> None:
@@ -74,7 +73,7 @@ class Session:
     def kept_tokens(self) -> int:
         return 0 if self._tail is None else self._tail.num_tokens
 
-    def extend(self, added: KVCache, **header_fields: Any) -> "TranslateResult":
+    def extend(self, added: KVCache, **header_fields: Any) -> TranslateResult:
         """Translates `added` (every source layer, only the new tokens) at positions
         [start_position + tokens, ... + added.num_tokens) and appends the result to `target`.
 
@@ -82,7 +81,6 @@ class Session:
         header.num_tokens their count; the trailer is the server's for what was sent, so with a
         window mapper its num_tokens and input_bytes include the w - 1 re-sent tokens. On any
         error the session is unchanged (the turn may be retried)."""
-        from kvt.client import _drop_leading
         turn = self.turns + 1
         form = (added.dtype, added.layout, added.num_layers, added.num_kv_heads, added.head_dim)
         if self._source_form is not None and form != self._source_form:
@@ -119,7 +117,7 @@ class Session:
                 f"{self.window} (another mapper, or the same one reloaded); it re-sent {overlap} "
                 f"earlier tokens where the window needs {window - 1}, so it would not equal one "
                 f"translation; start a new session")
-        piece = _drop_leading(result, overlap).target
+        piece = result.drop_leading(overlap).target
         assert piece is not None
         self.target = piece if self.target is None else KVCache.concat([self.target, piece])
         # The next turn's overlap: the last window - 1 source tokens so far (all while fewer),

@@ -9,15 +9,29 @@ the admin role.
 
 from __future__ import annotations
 
+import os
+import threading
+import uuid
 from multiprocessing import shared_memory
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from kvt._proto import common_pb2
-from kvt.cache import KVCache
+from kvt.cache import ELEMENT_SIZE, KVCache, paged_nbytes, read_paged, write_paged
 from kvt.errors import InvalidArgumentError, KvtError
 
-if TYPE_CHECKING:
-    from kvt.client import Client
+
+class MemoryRegistrar(Protocol):
+    """What a region needs of the client that registers it (kvt.Client is one)."""
+
+    def register_system_memory(self, name: str, key: str, byte_size: int, offset: int = 0,
+                               timeout: Optional[float] = None) -> None: ...
+
+    def unregister_system_memory(self, name: str, timeout: Optional[float] = None) -> None: ...
+
+
+def unique_region_name() -> str:
+    """A region name no other process or thread of this host picks."""
+    return f"kvt-py-{os.getpid()}-{threading.get_ident() % 100000}-{uuid.uuid4().hex[:12]}"
 
 
 class SharedMemoryRegion:
@@ -28,13 +42,11 @@ class SharedMemoryRegion:
     Arrays returned by read_cache() are copies, so the object can be closed while they live.
     """
 
-    def __init__(self, client: "Client", byte_size: int, name: Optional[str] = None,
+    def __init__(self, client: MemoryRegistrar, byte_size: int, name: Optional[str] = None,
                  timeout: Optional[float] = None) -> None:
-        from kvt.client import unique_region_name
-
         if byte_size <= 0:
             raise InvalidArgumentError(f"shared-memory region byte_size must be > 0: {byte_size}")
-        self._client: Optional["Client"] = client
+        self._client: Optional[MemoryRegistrar] = client
         self.name = name or unique_region_name()
         self.byte_size = byte_size
         self._timeout = timeout
@@ -98,8 +110,6 @@ class SharedMemoryRegion:
     def read_cache(self, offset: int, num_layers: int, num_kv_heads: int, head_dim: int,
                    num_tokens: int, dtype: str, layout: str = "HND") -> KVCache:
         """A copy of the packed cache of that shape at `offset`."""
-        from kvt.cache import ELEMENT_SIZE
-
         if dtype not in ELEMENT_SIZE:
             raise InvalidArgumentError(f"dtype: unknown dtype {dtype!r}")
         size = 2 * num_layers * num_kv_heads * head_dim * num_tokens * ELEMENT_SIZE[dtype]
@@ -111,8 +121,6 @@ class SharedMemoryRegion:
         """Scatters `cache` into the vLLM paged cache at `offset` (RegionRef.paged: per layer
         (2, num_blocks, block_size, heads, head_dim), blocks ordered by `block_layout`) at the
         slots of paged.block_table; returns the paged cache's byte size."""
-        from kvt.cache import paged_nbytes, write_paged
-
         size = paged_nbytes(cache.num_layers, paged.num_blocks, paged.block_size,
                             cache.num_kv_heads, cache.head_dim, cache.dtype or "fp32")
         view = self._range(offset, size)
@@ -126,8 +134,6 @@ class SharedMemoryRegion:
                    num_tokens: int, dtype: str, paged: common_pb2.PagedBlocks,
                    block_layout: str = "NHD", layout: str = "HND") -> KVCache:
         """A copy of the request's tokens gathered out of the paged cache at `offset`."""
-        from kvt.cache import paged_nbytes, read_paged
-
         size = paged_nbytes(num_layers, paged.num_blocks, paged.block_size, num_kv_heads,
                             head_dim, dtype)
         data = self.read(offset, size)

@@ -19,8 +19,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvt
 from kvt import adapters
-import junit_main
-from kvtd_process import Kvtd, runfile, test_tmpdir
+from kvt_testing import junit_main
+from kvt_testing.kvtd import Kvtd
+from kvt_testing.runfiles import runfile, test_tmpdir
 from reference import RidgeMapper, max_rel_error
 
 # KVT_TEST_SEED (docs/TESTING.md) replays a run; unset, a fresh seed.

@@ -15,10 +15,10 @@ from typing import Any, Iterator, List
 import numpy as np
 
 import kvt
-from kvt._proto import common_pb2, translate_pb2
 from kvt.cache import (bf16_bits_to_float32, decode, encode, float32_to_bf16_bits)
-from kvt.client import _Reassembler
-import junit_main
+from kvt.proto import common_pb2, translate_pb2
+from kvt.response import Reassembler
+from kvt_testing import junit_main
 
 # KVT_TEST_SEED (docs/TESTING.md) replays a run; unset, a fresh seed.
 SEED = (int(os.environ["KVT_TEST_SEED"]) if os.environ.get("KVT_TEST_SEED")
@@ -177,7 +177,7 @@ class ReassemblyTest(unittest.TestCase):
                                                  token_count=count, data=data))
 
     def run_stream(self, messages: List[translate_pb2.TranslateKVResponse]) -> Any:
-        return _Reassembler(_Stream(messages)).run()
+        return Reassembler(_Stream(messages)).run()
 
     def test_complete_stream_in_any_order(self) -> None:
         K, V = common_pb2.CACHE_KIND_K, common_pb2.CACHE_KIND_V

@@ -22,8 +22,10 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 import kvt
-import junit_main
-from kvtd_process import Kvtd, runfile, test_tmpdir
+from kvt.proto import mappers_pb2, service_pb2_grpc
+from kvt_testing import junit_main
+from kvt_testing.kvtd import Kvtd
+from kvt_testing.runfiles import runfile, test_tmpdir
 from reference import RidgeMapper, max_rel_error
 
 # KVT_TEST_SEED (docs/TESTING.md) replays a run; unset, a fresh seed.
@@ -101,7 +103,6 @@ def random_cache(rng: np.random.Generator, tokens: int, dtype: str = "fp32",
 
 def check_load_unload(test: unittest.TestCase, client: kvt.Client) -> None:
     """UnloadMapper drops demo-tiny to DISCOVERED, LoadMapper makes it HOST_RESIDENT again."""
-    mappers_pb2 = kvt.client.mappers_pb2
     unloaded = client.unload_mapper("demo-tiny")
     test.assertEqual(unloaded.mapper_id, "demo-tiny")
     test.assertEqual(unloaded.state, mappers_pb2.MAPPER_STATE_DISCOVERED)
@@ -190,7 +191,6 @@ class ClientTest(unittest.TestCase):
         # A gRPC server with the generated servicer's defaults answers every RPC UNIMPLEMENTED,
         # as a kvtd from before ServerMetadata answers that one.
         from concurrent import futures
-        from kvt._proto import service_pb2_grpc
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
         service_pb2_grpc.add_KvTranslatorServicer_to_server(
             service_pb2_grpc.KvTranslatorServicer(), server)

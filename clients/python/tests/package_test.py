@@ -12,8 +12,8 @@ import sys
 import tempfile
 import unittest
 
-import junit_main
-from kvtd_process import runfile, test_tmpdir
+from kvt_testing import junit_main
+from kvt_testing.runfiles import runfile, test_tmpdir
 
 
 def package_sources() -> str:

@@ -77,7 +77,8 @@ def _kernel_offsets(dtype: torch.dtype, heads: int, block_size: int, dim: int, i
     return offsets
 
 
-def _affine(offsets: torch.Tensor) -> Optional[Tuple[int, Tuple[int, int, int]]]:
+def affine_strides(offsets: torch.Tensor
+                   ) -> Optional[Tuple[int, Tuple[int, int, int]]]:
     """(base, (token, head, dim) strides) when offsets [block_size, heads, dim] are
     base + t * a + h * b + d * c, else None."""
     t, h, d = offsets.shape
@@ -122,7 +123,7 @@ class PagedLayout:
         else:
             raise ValueError(f"unsupported paged KV cache shape {shape} for {num_kv_heads} KV "
                              f"heads x {head_dim}")
-        self.affine_kv = (_affine(self._k), _affine(self._v))
+        self.affine_kv = (affine_strides(self._k), affine_strides(self._v))
 
     def block_views(self, flat: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
         """(K, V) numpy views [num_blocks, block_size, heads, dim] sharing the memory of one

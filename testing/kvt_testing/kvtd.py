@@ -1,4 +1,4 @@
-"""Test support: kvtd (//server:kvtd from the runfiles) as a real child process on an OS-picked
+"""kvtd (//server:kvtd from the runfiles) as a real child process on an OS-picked
 port, its port read from the JSON "listening" log line, stderr kept in a file for failures, and
 killed and reaped on exit (the Python counterpart of tests/kvtd_process.h)."""
 
@@ -8,24 +8,10 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
 from typing import List, Optional
 
-
-def runfile(path: str) -> str:
-    """Absolute path of a file of this workspace in the test's runfiles."""
-    for variable in ("TEST_SRCDIR", "RUNFILES_DIR"):
-        root = os.environ.get(variable)
-        if root:
-            candidate = os.path.join(root, "kvt", path)
-            if os.path.exists(candidate):
-                return candidate
-    raise FileNotFoundError(f"{path} not found in the runfiles (run under bazel test)")
-
-
-def test_tmpdir() -> str:
-    return os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
+from kvt_testing.runfiles import runfile, test_tmpdir
 
 
 class Kvtd:

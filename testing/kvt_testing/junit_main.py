@@ -1,4 +1,4 @@
-"""Test support: unittest.main that, under `bazel test`, also writes one JUnit testcase per test
+"""unittest.main that, under `bazel test`, also writes one JUnit testcase per test
 method to $XML_OUTPUT_FILE (xmlrunner, from the venv's unittest-xml-reporting), so
 scripts/junit_summary.py counts each case instead of one per target."""
 
