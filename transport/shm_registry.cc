@@ -25,6 +25,12 @@ absl::Status SystemMemoryRegistry::Register(const std::string& name, const std::
     return absl::InvalidArgumentError(
         absl::StrCat("offset=", offset, " + byte_size=", byte_size, " overflows"));
   }
+  // The region's base is what every lease offset (a multiple of 4, RegionRegistry::Acquire) is
+  // added to: an odd base would make the typed in-place accesses misaligned all the same.
+  if (offset % kRegionOffsetAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("offset=", offset, " is not a multiple of ",
+                                                   kRegionOffsetAlignment, " bytes"));
+  }
   if (Contains(name)) {
     return absl::AlreadyExistsError(
         absl::StrCat("a system memory region named '", Echo(name), "' is registered"));
