@@ -259,5 +259,5 @@ class StoreFailureTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    import junit_main
+    from kvt_testing import junit_main
     junit_main.main()

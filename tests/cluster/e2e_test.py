@@ -21,12 +21,12 @@ import unittest
 
 import numpy as np
 
-import identity_mappers
 import kvt
 from kvt.cache import DTYPE_NAMES
 from kvt.cluster import ClusterStore, Geometry
 from kvt.prefix import PrefixCache
-from kvtd_process import Kvtd
+from kvt_testing import identity_mappers
+from kvt_testing.kvtd import Kvtd
 from mooncake_cluster import MooncakeCluster
 
 SOURCE, TARGET, MAPPER = "kvt-tiny-L-twin", "kvt-tiny-L", "Ltwin-to-L"
@@ -107,5 +107,5 @@ class ClusterEndToEndTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    import junit_main
+    from kvt_testing import junit_main
     junit_main.main()

@@ -9,9 +9,8 @@ import os
 import time
 from typing import Dict, List, Optional, Sequence
 
-import identity_mappers
 from kvt.prefix import PrefixCache, first_block_hash
-from kvt_testing import tinyfamily
+from kvt_testing import identity_mappers, tinyfamily
 from kvt_testing.kvtd import Kvtd
 
 FAMILY = tinyfamily.MODELS

@@ -28,7 +28,7 @@ import subprocess
 import sys
 from typing import Dict, Optional
 
-import identity_mappers
+from kvt_testing import identity_mappers
 
 ROPE_THETA = 1e6
 VOCAB = 256
