@@ -8,16 +8,16 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "host_cache/cache_file.h"
+#include "common/file_util.h"
 #include "fit/calibration.h"
 #include "fit/fit_internal.h"
 #include "fit/refine.h"
 #include "fit/synthetic_family.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "host_cache/cache_file.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "nlohmann/json.hpp"

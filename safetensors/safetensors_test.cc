@@ -1,13 +1,13 @@
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "common/checksum.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "mapper_store/format/checksum.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 
 namespace kvt {
