@@ -120,7 +120,9 @@ class StorePagingTest : public ::testing::Test {
     for (const TierUsage& tier : store.Usage()) {
       EXPECT_EQ(tier.used_bytes, listed[tier.place]) << tier.place;
       EXPECT_EQ(tier.reserved_bytes, 0u) << tier.place;
-      if (tier.budget_bytes > 0) EXPECT_LE(tier.used_bytes, tier.budget_bytes) << tier.place;
+      if (tier.budget_bytes > 0) {
+        EXPECT_LE(tier.used_bytes, tier.budget_bytes) << tier.place;
+      }
     }
   }
   MapperState State(const MapperStore& store, const std::string& id) {
