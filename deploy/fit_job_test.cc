@@ -12,12 +12,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "fit/synthetic_family.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/mapper_view.h"
 #include "kernels/types.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 

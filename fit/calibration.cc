@@ -12,11 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/file_util.h"
 #include "host_cache/cache_file.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
-#include "mapper_store/format/file_util.h"
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 namespace fit {

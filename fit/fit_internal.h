@@ -10,8 +10,8 @@
 
 #include "absl/status/statusor.h"
 #include "fit/fit.h"
-#include "mapper_store/format/safetensors.h"
 #include "nlohmann/json.hpp"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 namespace fit {

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/file_util.h"
 #include "fit/fit.h"
 #include "fit/fit_internal.h"
 #include "fit/progress.h"
@@ -13,7 +14,6 @@
 #include "fit/report.h"
 #include "kernels/backend.h"
 #include "kernels/rope.h"
-#include "mapper_store/format/file_util.h"
 #include "nlohmann/json.hpp"
 #include "quality/kv_quality.h"
 

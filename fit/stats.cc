@@ -7,8 +7,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "mapper_store/format/safetensors.h"
 #include "nlohmann/json.hpp"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 namespace fit {

@@ -5,11 +5,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/file_util.h"
 #include "host_cache/cache_file.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
-#include "mapper_store/format/file_util.h"
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 namespace fit {

@@ -6,7 +6,7 @@
 
 #include "absl/strings/string_view.h"
 #include "fuzz/fuzz_check.h"
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view bytes(reinterpret_cast<const char*>(data), size);

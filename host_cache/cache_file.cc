@@ -4,7 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 

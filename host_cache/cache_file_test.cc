@@ -6,7 +6,7 @@
 
 #include "common/testing/test_seed.h"
 #include "gtest/gtest.h"
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 namespace {

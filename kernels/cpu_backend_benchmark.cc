@@ -1,8 +1,8 @@
 // CPU translate time against bare GEMMs of the same FLOPs, measured in the same run.
 //
 //   bazel build -c opt //kernels:cpu_backend_benchmark
-//   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark --benchmark_repetitions=3 \
-//       --benchmark_enable_random_interleaving=true
+//   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark --benchmark_repetitions=3
+//       --benchmark_enable_random_interleaving=true    (one command line)
 //
 // Shapes are a scaled-down Qwen3 pair (8 KV heads x 128 dims on both sides, bf16 caches and
 // weights, sigma = every source layer) with fewer target layers so 2 cores finish in minutes.

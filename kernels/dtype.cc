@@ -107,12 +107,18 @@ void BF16FromFloatAvx2(const float* src, uint16_t* out, int64_t count) {
 
 // The same arithmetic sixteen lanes wide. Not vcvtneps2bf16 (AVX512-BF16): that instruction
 // flushes subnormals to zero, and every path here must agree with FloatToBF16 bit for bit.
+// The zero-masking forms with every lane selected (kAll) are the same instructions as the plain
+// ones; gcc 12's plain forms pass _mm512_undefined_*() as the merge source, a self-initialised
+// variable it then reports under -Wmaybe-uninitialized.
+constexpr __mmask16 kAll = 0xffff;
+
 __attribute__((target("avx512f,avx512bw"))) void BF16ToFloatAvx512(const uint16_t* in,
                                                                      float* dst, int64_t count) {
   int64_t i = 0;
   for (; i + 16 <= count; i += 16) {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
-    const __m512i word = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+    const __m512i word =
+        _mm512_maskz_slli_epi32(kAll, _mm512_maskz_cvtepu16_epi32(kAll, half), 16);
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(word));
   }
   for (; i < count; ++i) dst[i] = BF16ToFloat(in[i]);
@@ -129,13 +135,14 @@ __attribute__((target("avx512f,avx512bw"))) void BF16FromFloatAvx512(const float
   const __m512i inf = _mm512_set1_epi32(0x7f800000);
   for (; i + 16 <= count; i += 16) {
     const __m512i word = _mm512_castps_si512(_mm512_loadu_ps(src + i));
-    const __m512i high = _mm512_srli_epi32(word, 16);
+    const __m512i high = _mm512_maskz_srli_epi32(kAll, word, 16);
     const __m512i lsb = _mm512_and_si512(high, one);
     const __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(word, _mm512_add_epi32(bias, lsb)), 16);
+        _mm512_maskz_srli_epi32(kAll, _mm512_add_epi32(word, _mm512_add_epi32(bias, lsb)), 16);
     const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(word, abs_mask), inf);
     const __m512i result = _mm512_mask_or_epi32(rounded, is_nan, high, quiet);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(result));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_maskz_cvtepi32_epi16(kAll, result));
   }
   for (; i < count; ++i) out[i] = FloatToBF16(src[i]);
 }

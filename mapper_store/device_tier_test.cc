@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/synth.h"

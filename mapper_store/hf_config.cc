@@ -4,9 +4,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/strict_reader.h"
 #include "kernels/rope.h"
-#include "mapper_store/format/file_util.h"
 #include "nlohmann/json.hpp"
 
 namespace kvt {

@@ -4,8 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "mapper_store/format/file_util.h"
 #include "common/echo.h"
+#include "common/file_util.h"
 
 namespace kvt {
 namespace store_internal {

@@ -4,8 +4,8 @@
 #include <string>
 
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/source.h"
 #include "mapper_store/synth.h"

@@ -14,14 +14,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/checksum.h"
+#include "common/file_util.h"
 #include "common/strict_reader.h"
 #include "kernels/dtype.h"
-#include "mapper_store/format/checksum.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/hf_config.h"
-#include "mapper_store/format/safetensors.h"
 #include "mapper_store/mapper.h"
 #include "nlohmann/json.hpp"
+#include "safetensors/safetensors.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvt {

@@ -11,14 +11,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/checksum.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "mapper_store/format/checksum.h"
-#include "mapper_store/format/file_util.h"
-#include "mapper_store/format/safetensors.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "nlohmann/json.hpp"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 namespace {

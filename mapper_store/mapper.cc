@@ -13,8 +13,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "mapper_store/format/checksum.h"
-#include "mapper_store/format/file_util.h"
+#include "common/checksum.h"
+#include "common/file_util.h"
 
 namespace kvt {
 namespace {

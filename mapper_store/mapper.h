@@ -10,10 +10,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/host_buffer.h"
 #include "kernels/mapper_view.h"
-#include "mapper_store/format/host_buffer.h"
 #include "mapper_store/format/manifest.h"
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 

@@ -6,10 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "common/checksum.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "mapper_store/format/checksum.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 
 namespace kvt {

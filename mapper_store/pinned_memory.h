@@ -6,7 +6,7 @@
 #include <cstddef>
 
 #include "absl/status/statusor.h"
-#include "mapper_store/format/host_buffer.h"
+#include "common/host_buffer.h"
 
 namespace kvt {
 

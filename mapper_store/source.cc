@@ -7,9 +7,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "mapper_store/format/file_util.h"
+#include "common/file_util.h"
 #include "mapper_store/format/manifest.h"
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "mapper_store/format/file_util.h"
+#include "common/file_util.h"
 #include "mapper_store/format/manifest.h"
 
 namespace kvt {

@@ -11,10 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
@@ -120,7 +120,9 @@ class StorePagingTest : public ::testing::Test {
     for (const TierUsage& tier : store.Usage()) {
       EXPECT_EQ(tier.used_bytes, listed[tier.place]) << tier.place;
       EXPECT_EQ(tier.reserved_bytes, 0u) << tier.place;
-      if (tier.budget_bytes > 0) EXPECT_LE(tier.used_bytes, tier.budget_bytes) << tier.place;
+      if (tier.budget_bytes > 0) {
+        EXPECT_LE(tier.used_bytes, tier.budget_bytes) << tier.place;
+      }
     }
   }
   MapperState State(const MapperStore& store, const std::string& id) {

@@ -10,9 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"

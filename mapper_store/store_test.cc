@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/synth.h"
 

@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 

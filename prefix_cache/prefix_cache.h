@@ -22,10 +22,10 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/host_buffer.h"
 #include "common/mutex.h"
 #include "kernels/backend.h"
 #include "kernels/types.h"
-#include "mapper_store/format/host_buffer.h"
 #include "prefix_cache/chain_hash.h"
 
 namespace kvt {

@@ -34,12 +34,15 @@ rule "client/ never links the server" "//client/..." "//server/..."
 rule "the server never links the client, the fitter or the CLI" \
   "$(prod "//server/... + //prefix_cache/...")" "//client/... + //fit/... + //cli/..."
 rule "the store, format and kernels never reach fit, cli, client or server" \
-  "//mapper_store/... + //kernels/... + //host_cache/... + //transport/... + //quality/..." \
+  "//mapper_store/... + //safetensors/... + //kernels/... + //host_cache/... + //transport/... + //quality/..." \
   "//fit/... + //cli/... + //client/... + //server/..."
-rule "kernels/ sit below the mapper store" "$(prod //kernels/...)" "//mapper_store/..."
+rule "kernels/ sit below the mapper store" "$(prod //kernels/...)" "//mapper_store/... + //safetensors/..."
+rule "safetensors/ uses kernels/ and common/ only" \
+  "$(prod //safetensors/...)" \
+  "//mapper_store/... + //host_cache/... + //transport/... + //quality/... + //prefix_cache/... + //client/... + //server/... + //fit/... + //cli/..."
 rule "common/ sits below everything first-party" \
   "$(prod //common/...)" \
-  "//kernels/... + //mapper_store/... + //host_cache/... + //transport/... + //client/... + //server/... + //fit/... + //cli/..."
+  "//kernels/... + //safetensors/... + //mapper_store/... + //host_cache/... + //transport/... + //client/... + //server/... + //fit/... + //cli/..."
 
 if [ "$failed" -ne 0 ]; then
   echo "check_layering: forbidden dependencies (docs/ARCHITECTURE.md, Packages and layers)" >&2

@@ -8,15 +8,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "host_cache/cache_file.h"
 #include "client/client.h"
+#include "common/file_util.h"
 #include "fit/fit.h"
 #include "fit/synthetic_family.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "host_cache/cache_file.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"

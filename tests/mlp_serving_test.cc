@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
@@ -17,15 +18,14 @@
 #include "kernels/cpu_backend.h"
 #include "kernels/dtype.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/mapper.h"
 #include "mapper_store/store.h"
 #include "mapper_store/synth.h"
 #include "server/kvtd_server.h"
 #include "tests/in_process_kvtd.h"
-#include "tests/translation_case.h"
 #include "tests/shm_object.h"
+#include "tests/translation_case.h"
 #include "transport/proto_convert.h"
 
 namespace kvt {

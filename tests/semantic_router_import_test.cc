@@ -14,16 +14,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/rope.h"
 #include "kernels/testing/reference.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 #include "mapper_store/hf_config.h"
-#include "mapper_store/format/safetensors.h"
 #include "mapper_store/mapper.h"
 #include "nlohmann/json.hpp"
+#include "safetensors/safetensors.h"
 
 namespace kvt {
 namespace {

@@ -10,9 +10,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/strict_reader.h"
 #include "kernels/rope.h"
-#include "mapper_store/format/file_util.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvt {

@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "mapper_store/format/file_util.h"
+#include "common/file_util.h"
 
 namespace kvt {
 namespace testing {

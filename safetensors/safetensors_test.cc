@@ -1,13 +1,13 @@
-#include "mapper_store/format/safetensors.h"
+#include "safetensors/safetensors.h"
 
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "common/checksum.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
-#include "mapper_store/format/checksum.h"
-#include "mapper_store/format/file_util.h"
 #include "mapper_store/format/test_util.h"
 
 namespace kvt {
@@ -70,7 +70,9 @@ TEST(SafetensorsTest, RoundTripAllDTypesThroughAFile) {
     EXPECT_EQ(info->spec.shape, ref.spec.shape);
     absl::Span<const uint8_t> data = (*file)->data(*info);
     ASSERT_EQ(data.size(), ref.bytes.size());
-    if (!data.empty()) EXPECT_EQ(0, std::memcmp(data.data(), ref.bytes.data(), data.size()));
+    if (!data.empty()) {
+      EXPECT_EQ(0, std::memcmp(data.data(), ref.bytes.data(), data.size()));
+    }
   }
   std::vector<float> back(values.size());
   ToFloat(DType::kBF16, (*file)->data(*(*file)->Find("a.bf16")).data(), back.data(), 6);

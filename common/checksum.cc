@@ -1,11 +1,11 @@
-#include "mapper_store/format/checksum.h"
+#include "common/checksum.h"
 
 #include <openssl/evp.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "mapper_store/format/file_util.h"
+#include "common/file_util.h"
 
 namespace kvt {
 

@@ -1,5 +1,5 @@
-// Owned, aligned host memory holding a mapper's weights: the one place where a pinned
-// (cudaHostAlloc) allocator plugs in later, without the readers knowing.
+// Owned, aligned host memory holding a mapper's weights or a cached prefix's KV entries: the one
+// place where a pinned (cudaHostAlloc) allocator plugs in, without the readers knowing.
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,6 @@
-// Small file helpers for the mapper formats (POSIX where durability needs fsync, std::filesystem
-// elsewhere): whole-file reads, durable writes, directory listing and removal, all returning
-// absl::Status errors that name the path and the errno text.
+// Small file helpers (POSIX where durability needs fsync, std::filesystem elsewhere): whole-file
+// reads, durable writes, directory listing and removal, all returning absl::Status errors that
+// name the path and the errno text.
 #pragma once
 
 #include <cstdint>

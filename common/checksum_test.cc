@@ -1,4 +1,4 @@
-#include "mapper_store/format/checksum.h"
+#include "common/checksum.h"
 
 #include "gtest/gtest.h"
 

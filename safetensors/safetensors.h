@@ -13,8 +13,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/host_buffer.h"
 #include "kernels/types.h"
-#include "mapper_store/format/host_buffer.h"
 
 namespace kvt {
 

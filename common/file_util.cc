@@ -1,4 +1,4 @@
-#include "mapper_store/format/file_util.h"
+#include "common/file_util.h"
 
 #include <errno.h>
 #include <fcntl.h>

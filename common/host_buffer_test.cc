@@ -1,4 +1,4 @@
-#include "mapper_store/format/host_buffer.h"
+#include "common/host_buffer.h"
 
 #include <cstdint>
 #include <utility>
