@@ -72,8 +72,9 @@ class ReplayPrinter : public ::testing::EmptyTestEventListener {
   void OnTestEnd(const ::testing::TestInfo& info) override {
     if (!info.result()->Failed()) return;
     {
-      absl::MutexLock lock(&State().mu);
-      if (!State().drawn) return;
+      SeedState& state = State();
+      absl::MutexLock lock(&state.mu);
+      if (!state.drawn) return;
     }
     const std::string name = std::string(info.test_suite_name()) + "." + info.name();
     const unsigned long long base = TestSeedBase();
@@ -107,9 +108,10 @@ uint64_t FreshSeed(const char* what) {
   const std::string test = CurrentTestName();
   uint64_t index;
   {
-    absl::MutexLock lock(&State().mu);
-    State().drawn = true;
-    index = State().draws[{test, what}]++;
+    SeedState& state = State();
+    absl::MutexLock lock(&state.mu);
+    state.drawn = true;
+    index = state.draws[{test, what}]++;
   }
   const uint64_t base = TestSeedBase();
   const uint64_t seed = DeriveSeed(base, test, what, index);
