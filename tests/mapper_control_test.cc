@@ -2,7 +2,10 @@
 // with a store set up as kvtd sets it up (budgets, the CPU backend as device, polling), real
 // mapper directories, bearer tokens for the admin role, translations checked against the
 // float64 reference (also for a request that was in flight across a hot reload).
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <thread>
@@ -264,7 +267,12 @@ TEST_F(MapperControlTest, AnInFlightRequestFinishesOnItsVersionAcrossAHotReload)
     const std::string weights = JoinPath(ab, kDefaultWeightsFileName);
     std::string bytes = *ReadFileToString(weights);
     bytes[bytes.size() / 2] ^= 0x01;
-    KVT_ASSERT_OK(WriteStringToFile(weights, bytes));
+    // Replaced in one step (staged outside the store, then renamed over it): written in place,
+    // the poller could see the truncated file first, fail on it, then reload on the final
+    // write, and the state would pass through LOADING after the wait below saw FAILED.
+    const std::string staged = store_dir_ + ".corrupt-weights";
+    KVT_ASSERT_OK(WriteStringToFile(staged, bytes));
+    ASSERT_EQ(std::rename(staged.c_str(), weights.c_str()), 0) << std::strerror(errno);
   }
   for (int i = 0; i < 1000 && Get("ab").state() != v1::MAPPER_STATE_FAILED; ++i) {
     absl::SleepFor(absl::Milliseconds(5));
