@@ -581,10 +581,13 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
     return absl::InvalidArgumentError(
         "statistics metadata 'heldout_fraction' / 'seed' are not numbers (corrupt shard file?)");
   }
+  const auto split_rule = stats.metadata.find("heldout_split");
+  const bool tail_split = split_rule != stats.metadata.end() && split_rule->second == "tail";
   calibration["heldout_split"] = {
       {"fraction", heldout_fraction},
       {"seed", split_seed},
-      {"by", "sequence (hash of seed and dump file name)"}};
+      {"by", tail_split ? "sequence: the list's last sequences (--heldout_split=tail)"
+                        : "sequence (hash of seed and dump file name)"}};
   calibration["probe"] = shape->matched() ? "head-matched" : "full-source-layer";
   calibration["k_requested"] = stats.metadata.at("k");
   json means;

@@ -613,6 +613,21 @@ TEST_F(FitQueryTest, LowerBoundOverHeldoutSequencesMatchesTheFloat64Reference) {
               HasSubstr("rests on 4 sequences (256 tokens)"));
 }
 
+TEST_F(FitQueryTest, ManifestNamesTheSplitRuleItWasFittedWith) {
+  for (const HeldoutSplit split : {HeldoutSplit::kHash, HeldoutSplit::kTail}) {
+    FitOptions options = QueryOptions(*families_[0], *dirs_[0]);
+    options.heldout_split = split;
+    options.kind = FitKind::kRidge;
+    const bool tail = split == HeldoutSplit::kTail;
+    absl::StatusOr<FitResult> fit =
+        RunFit(options, JoinPath(MakeTempDir(tail ? "split_tail" : "split_hash"), "ridge"));
+    ASSERT_TRUE(fit.ok()) << fit.status();
+    EXPECT_THAT(fit->manifest.calibration_yaml,
+                HasSubstr(tail ? "the list's last sequences (--heldout_split=tail)"
+                               : "hash of seed and dump file name"));
+  }
+}
+
 TEST_F(FitQueryTest, NearOneForAnExactLinearFamilyLowerForANoisyOne) {
   double cosine[2];
   for (int i = 0; i < 2; ++i) {
