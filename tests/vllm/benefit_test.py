@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 import engines as E
+from engines import outcome
 import family
 import kvt
 from kvt import adapters
@@ -118,10 +119,6 @@ def tearDownModule():
         Suite.kvtd.__exit__(None, None, None)
         Suite.kvtd = None
     print(f"total {time.monotonic() - Suite.t0:.0f} s", file=sys.stderr)
-
-
-def outcome(result):
-    return (result.get("kv_transfer_params") or {}).get("kvt", {})
 
 
 def scored(result, start):

@@ -33,6 +33,7 @@ import torch
 
 import family
 import engines as E
+from engines import outcome
 from kvt_testing import tinyfamily as R
 
 import kvt
@@ -47,10 +48,6 @@ LOGS = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or WORK
 CONTEXT = 256          # prompt bytes the source serves
 CONTINUATION = 40      # extra prompt bytes the target adds
 GEN = 12               # greedy tokens compared
-
-
-def outcome(result):
-    return (result.get("kv_transfer_params") or {}).get("kvt", {})
 
 
 class Suite:

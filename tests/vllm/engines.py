@@ -18,6 +18,11 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def outcome(result: dict) -> dict:
+    """A request result's connector outcome (kv_transfer_params["kvt"]; {} when absent)."""
+    return (result.get("kv_transfer_params") or {}).get("kvt", {})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -67,6 +67,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1].startswith("--as
     sys.exit(0)
 
 import engines as E  # noqa: E402
+from engines import outcome  # noqa: E402
 import family  # noqa: E402
 import qwen3_shapes as Q  # noqa: E402
 from kvt_testing.kvtd import Kvtd  # noqa: E402
@@ -82,10 +83,6 @@ def bf16_engine(name, model_dir, config, work, max_model_len, no_connector=False
     engine.cmd = [engine.cmd[0], os.path.abspath(__file__), "--as_engine_host=bfloat16"] + \
         engine.cmd[2:]
     return engine
-
-
-def outcome(result):
-    return (result.get("kv_transfer_params") or {}).get("kvt", {})
 
 
 def prompt_of(n, offset):

@@ -30,6 +30,7 @@ import torch
 import yaml
 
 import engines as E
+from engines import outcome
 import family
 import qwen3_shapes as Q
 
@@ -48,10 +49,6 @@ CALIB_TOKENS, CALIB_WINDOWS = 128, 12
 
 PROMPT = list(b"The Python tutorial: an informal introduction. Numbers, strings and lists; "
               b"control flow with if, for and while; functions with default arguments. " * 3)
-
-
-def outcome(result):
-    return (result.get("kv_transfer_params") or {}).get("kvt", {})
 
 
 class Suite:

@@ -119,7 +119,7 @@ def main():
                                                 cache_salt=f"own{next(salt)}")["wall_s"])
                 settle()
                 miss = L.one(prompt[::-1], 1, cache_salt=f"miss{next(salt)}")
-                assert E_outcome(miss)["outcome"] == "fallback_reprefill", E_outcome(miss)
+                assert E.outcome(miss)["outcome"] == "fallback_reprefill", E.outcome(miss)
                 row["no_reuse"].append(miss["wall_s"])
                 before = family.entry_ids(client, family.NAMES["M"])
                 M.one(prompt[:n - 16], 1, kvt={"reuse": "forbid"})  # publishes M's prefix
@@ -132,7 +132,7 @@ def main():
                     region_load(L, prompt, row, salt)
                 settle()
                 got = L.one(prompt, 1, cache_salt=f"tr{next(salt)}")
-                o = E_outcome(got)
+                o = E.outcome(got)
                 assert o["outcome"] == "applied", o
                 row["translated"].append(got["wall_s"])
                 row["tokens_reused"] = o["tokens_reused"]
@@ -263,15 +263,11 @@ def region_load(engine, prompt, row, salt):
     """The same prefix through the load region (kvt.load = "region"), timed into row."""
     settle()
     got = engine.one(prompt, 1, kvt={"load": "region"}, cache_salt=f"tr{next(salt)}")
-    o = E_outcome(got)
+    o = E.outcome(got)
     assert o["outcome"] == "applied" and o.get("transport") == "shm", o
     row["region_translated"].append(got["wall_s"])
     for key in ("translate_ms", "load_ms", "kvtd_total_ms"):
         row["region_" + key].append(o["timings"][key])
-
-
-def E_outcome(result):
-    return (result.get("kv_transfer_params") or {}).get("kvt", {})
 
 
 def vllm_version():
