@@ -576,16 +576,17 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options)
   openblas_set_num_threads(1);
   const std::string isa = OnednnIsaName();
   switch (options_.gemm_path) {
-    case CpuGemmPath::kAuto:
-      if (OnednnHasBf16Hardware()) {
-        gemm_path_ = CpuGemmPath::kOnednnBf16;
-        gemm_reason_ = absl::StrCat("auto: oneDNN dispatches ", isa, " (bf16 hardware)");
-      } else {
-        gemm_path_ = CpuGemmPath::kSgemm;
-        gemm_reason_ = absl::StrCat("auto: oneDNN dispatches ", isa,
-                                    ", no AVX-512 BF16 or AMX, so sgemm is faster");
-      }
+    case CpuGemmPath::kAuto: {
+      GemmProbeOptions probe;
+      probe.shapes = options_.probe_shapes;
+      probe.rows = options_.token_chunk;
+      probe.budget = options_.probe_budget;
+      gemm_probe_ = ProbeGemmEnginesOnce(probe);
+      gemm_path_ = gemm_probe_->onednn_faster() ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm;
+      gemm_reason_ = absl::StrCat("auto: measured ", gemm_probe_->Summary(),
+                                  "; oneDNN dispatches ", isa);
       break;
+    }
     case CpuGemmPath::kOnednnBf16:
       if (!OnednnBf16MatmulAvailable()) {
         // Forced, but oneDNN has no bf16 matmul below AVX-512: the only correct engine left.

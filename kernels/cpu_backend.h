@@ -7,12 +7,16 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "kernels/gemm_probe.h"
 #include "kernels/thread_pool.h"
 
 namespace kvt {
@@ -24,7 +28,8 @@ namespace kvt {
 // (openblas_get_num_threads() > 1) and runs its pieces serially, letting BLAS thread the GEMMs.
 // The GEMM engine of mappers whose weight matrices are bf16 or fp16 (fp32 mappers always run
 // OpenBLAS sgemm on their weights in place):
-//   kAuto: oneDNN bf16 when oneDNN dispatches to bf16 hardware (AMX, AVX-512 BF16), else sgemm.
+//   kAuto: whichever of the two measures faster here (kernels/gemm_probe.h: both timed at
+//     construction on the served mappers' shapes, single-threaded, within a bounded budget).
 //   kOnednnBf16: oneDNN bf16 on any CPU (correct everywhere; without bf16 hardware oneDNN
 //     converts in software and is slower than sgemm).
 //   kSgemm: fp32 copies of the weights and OpenBLAS sgemm (the exact path).
@@ -45,6 +50,10 @@ struct CpuBackendOptions {
   // hidden activations (H = mlp.hidden).
   int64_t token_chunk = 512;
   CpuGemmPath gemm_path = CpuGemmPath::kAuto;
+  // kAuto's measurement: the shapes (the served mappers' weight matrices; empty: a Qwen3-class
+  // default) and the time it may take. The rows are token_chunk.
+  std::vector<GemmShape> probe_shapes;
+  absl::Duration probe_budget = absl::Milliseconds(200);
 };
 
 class CpuBackend : public Backend {
@@ -59,8 +68,11 @@ class CpuBackend : public Backend {
 
   // The path bf16 / fp16 mappers take here, resolved at construction: kOnednnBf16 or kSgemm.
   CpuGemmPath gemm_path() const { return gemm_path_; }
-  // Why (e.g. "auto: oneDNN dispatches avx512_core_bf16").
+  // Why (e.g. "auto: measured onednn_bf16 226.1 GFLOP/s vs sgemm 101.3 GFLOP/s on ...; oneDNN
+  // dispatches avx512_core_bf16").
   const std::string& gemm_reason() const { return gemm_reason_; }
+  // kAuto's measurement; nullopt when a path was forced.
+  const std::optional<GemmProbeResult>& gemm_probe() const { return gemm_probe_; }
 
   // Checks the weights' shapes against the sigma lists and both models, then on the sgemm path
   // converts every weight to fp32 once (fp32 weights are used in place, not copied), on the
@@ -82,6 +94,7 @@ class CpuBackend : public Backend {
   std::unique_ptr<ThreadPool> pool_;
   CpuGemmPath gemm_path_ = CpuGemmPath::kSgemm;
   std::string gemm_reason_;
+  std::optional<GemmProbeResult> gemm_probe_;
 };
 
 // The GEMM path a mapper prepared by a CpuBackend runs on: kOnednnBf16 or kSgemm (kAuto for a

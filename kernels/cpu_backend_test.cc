@@ -49,8 +49,8 @@ using ::testing::HasSubstr;
 
 #ifdef KVT_TEST_MAX_CPU_ISA
 // cpu_backend_nobf16_test: oneDNN capped below bf16 hardware before its first use, as on a CPU
-// without AVX-512 BF16 or AMX. kAuto must then pick sgemm, and a forced oneDNN path must still
-// be correct (oneDNN's software bf16).
+// without AVX-512 BF16 or AMX. kAuto then times software bf16 against sgemm, and a forced
+// oneDNN path must still be correct (oneDNN's software bf16).
 const bool kIsaCapped = [] {
   return dnnl::set_max_cpu_isa(dnnl::cpu_isa::KVT_TEST_MAX_CPU_ISA) == dnnl::status::success;
 }();
@@ -355,11 +355,19 @@ TEST_F(CpuBackendTest, PreparedBytesCountConversionsOnly) {
 TEST_F(CpuBackendTest, GemmPathFollowsCpuAndOptions) {
   CpuBackendOptions options;
   options.num_threads = 2;
+  options.probe_shapes = {{256, 128}};
+  options.probe_budget = absl::Milliseconds(20);
   CpuBackend automatic(options);
+  // auto takes the engine its own measurement found faster, and says so.
+  ASSERT_TRUE(automatic.gemm_probe().has_value());
+  const GemmProbeResult& probe = *automatic.gemm_probe();
+  EXPECT_EQ(probe.shapes, std::vector<GemmShape>({{256, 128}}));
+  EXPECT_EQ(probe.rows, options.token_chunk);
   EXPECT_EQ(automatic.gemm_path(),
-            OnednnHasBf16Hardware() ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm);
+            probe.onednn_faster() ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm);
   EXPECT_THAT(automatic.gemm_reason(), HasSubstr(OnednnIsaName()));
-  EXPECT_THAT(automatic.description(), HasSubstr(OnednnHasBf16Hardware() ? "oneDNN" : "sgemm"));
+  EXPECT_THAT(automatic.gemm_reason(), HasSubstr(probe.Summary()));
+  EXPECT_THAT(automatic.description(), HasSubstr(probe.onednn_faster() ? "oneDNN" : "sgemm"));
   std::fprintf(stderr, "[gemm path] %s\n", automatic.description().c_str());
   options.gemm_path = CpuGemmPath::kSgemm;
   EXPECT_EQ(CpuBackend(options).gemm_path(), CpuGemmPath::kSgemm);

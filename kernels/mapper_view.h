@@ -44,6 +44,13 @@ struct WeightView {
   int64_t cols = 0;
 };
 
+// One weight matrix of a mapper as a GEMM: x [rows, k] * W [k, n].
+struct GemmShape {
+  int64_t k = 0;
+  int64_t n = 0;
+  bool operator==(const GemmShape& other) const { return k == other.k && n == other.n; }
+};
+
 enum class MapKind { kRidge, kMlp };
 
 // One K or V chain of an MLP mapper, relu(relu(x A1 + c1) A2 + c2) A3 + c3 (SPEC 3), on the same

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -98,6 +99,19 @@ std::vector<TensorSpec> MapperTensorSpecs(const Manifest& m) {
     specs.push_back({MapperTensorName(l, 'v', true), m.weights_dtype, {out}});
   }
   return specs;
+}
+
+std::vector<GemmShape> MapperGemmShapes(const Manifest& manifest) {
+  std::vector<GemmShape> shapes;
+  for (const TensorSpec& spec : MapperTensorSpecs(manifest)) {
+    // Matrices are [k, n] or a per-head stack [heads, k, n]; biases have one dimension fewer.
+    const size_t dims = spec.shape.size();
+    const bool matrix = absl::EndsWith(spec.name, ".weight") && dims >= 2;
+    if (!matrix) continue;
+    const GemmShape shape{spec.shape[dims - 2], spec.shape[dims - 1]};
+    if (std::find(shapes.begin(), shapes.end(), shape) == shapes.end()) shapes.push_back(shape);
+  }
+  return shapes;
 }
 
 uint64_t MapperWeightBytes(const Manifest& manifest) {

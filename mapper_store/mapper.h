@@ -37,6 +37,9 @@ std::string MlpTensorName(int target_layer, char kv /* 'k' or 'v' */, int fc, bo
 //   per_head:  fc1 [n_t, in, H] + [n_t, H], fc2 [n_t, H, H] + [n_t, H],
 //              fc3 [n_t, H, d_t] + [n_t, d_t]
 std::vector<TensorSpec> MapperTensorSpecs(const Manifest& manifest);
+// The distinct GEMM shapes (k x n of each weight matrix, a per-head stack counted once per head)
+// those tensors give the backends: what the CPU backend's `cpu_gemm: auto` times.
+std::vector<GemmShape> MapperGemmShapes(const Manifest& manifest);
 // Total bytes and parameters of those tensors.
 uint64_t MapperWeightBytes(const Manifest& manifest);
 int64_t MapperNumParams(const Manifest& manifest);

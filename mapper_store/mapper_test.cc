@@ -91,6 +91,21 @@ class MapperTest : public ::testing::Test {
   std::string root_ = testing::MakeTempDir("mapper");
 };
 
+// Ridge: one [k, n] per kind and layer (k = |sigma| n_s d_s = 8 per source layer here);
+// an MLP adds its hidden layers, a per-head stack counts once.
+TEST(MapperGemmShapesTest, DistinctMatricesOfTheManifest) {
+  Manifest m = SmallManifest(DType::kBF16);
+  EXPECT_EQ(MapperGemmShapes(m), std::vector<GemmShape>({{16, 8}, {8, 8}}));
+  m.kind = MapperKind::kMlp;
+  m.mlp = MlpConfig{6, MlpGranularity::kPerLayer};
+  EXPECT_EQ(MapperGemmShapes(m),
+            std::vector<GemmShape>({{16, 6}, {6, 6}, {6, 8}, {8, 6}}));
+  m.target = NeoxModelSpec("test/tgt", 2, 2, 4);
+  m.mlp->granularity = MlpGranularity::kPerHead;
+  EXPECT_EQ(MapperGemmShapes(m),
+            std::vector<GemmShape>({{16, 6}, {6, 6}, {6, 4}, {8, 6}}));
+}
+
 TEST_F(MapperTest, WriteThenLoadRoundTripsEveryDType) {
   for (DType dtype : {DType::kBF16, DType::kFP16, DType::kFP32}) {
     SCOPED_TRACE(DTypeName(dtype));

@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,8 @@ struct SelectedBackend {
   std::string cpu_gemm_path;
   std::string cpu_gemm_reason;
   std::string cpu_isa;
+  // What `cpu_gemm: auto` measured; nullopt when the path was forced or on CUDA.
+  std::optional<GemmProbeResult> cpu_gemm_probe;
 };
 
 // How SelectBackend finds and builds engines; empty members mean the real ones
@@ -50,8 +53,17 @@ struct BackendFactories {
 //         CPU; a failed self-check is logged as a warning ("backend self-check failed, using
 //         CPU") and kept in self_checks for the metric.
 // Every self-check is logged (info when it passes, with its time).
+// `served_shapes`: the GEMM shapes of the mappers kvtd will serve (ServedGemmShapes), on which
+// `cpu_gemm: auto` times its engines; empty: a Qwen3-class default. In auto, a GEMM path that
+// fails the self-check gives way to the other one (with a warning) before the CPU counts as
+// failed.
 absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config,
-                                              const BackendFactories& factories = {});
+                                              const BackendFactories& factories = {},
+                                              const std::vector<GemmShape>& served_shapes = {});
+
+// The GEMM shapes (mapper_store MapperGemmShapes) of every mapper directory under `store_path`
+// whose manifest parses; unreadable ones are skipped (the store reports them when it opens).
+std::vector<GemmShape> ServedGemmShapes(const std::string& store_path);
 
 // kvt_backend_self_check{backend, device, result} = 1 for every report (see Metrics).
 void ExportSelfChecks(const std::vector<SelfCheckReport>& reports, Metrics* metrics);

@@ -3,7 +3,10 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_backend.h"
+#include "common/file_util.h"
 #include "kernels/cuda/device.h"
+#include "mapper_store/format/test_util.h"
+#include "mapper_store/synth.h"
 #include "server/faulty_backend.h"
 
 namespace kvt {
@@ -183,6 +186,57 @@ TEST(BackendSelectTest, CpuFailingItsSelfCheckIsFatal) {
     EXPECT_THAT(selected.status().message(),
                 HasSubstr("the CPU backend failed its start-up self-check: cpu self-check failed"));
   }
+}
+
+// auto's measured GEMM path computing wrong values gives way to sgemm; both checks are kept.
+TEST(BackendSelectTest, AutoGemmPathFailingItsSelfCheckFallsBackToSgemm) {
+  BackendFactories factories;
+  factories.new_cpu = [](const CpuBackendOptions& options) -> std::unique_ptr<Backend> {
+    if (options.gemm_path != CpuGemmPath::kAuto) return NewCpuBackend(options);
+    FaultyBackendOptions faulty;
+    faulty.fault = Fault::kPerturb;
+    faulty.name = "cpu";
+    faulty.device = "cpu";
+    return NewFaultyBackend(NewCpuBackend(options), faulty);
+  };
+  absl::StatusOr<SelectedBackend> selected = SelectBackend(WithType("cpu"), factories);
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_EQ(selected->cpu_gemm_path, "sgemm");
+  EXPECT_EQ(selected->cpu_gemm_reason, "forced");
+  ASSERT_EQ(selected->self_checks.size(), 2u);
+  EXPECT_FALSE(selected->self_checks[0].passed());
+  EXPECT_TRUE(selected->self_checks[1].passed());
+}
+
+// The served mappers' matrices are what auto times; a directory without a readable manifest
+// is skipped.
+TEST(BackendSelectTest, ServedGemmShapesReadsEveryManifest) {
+  const std::string store = testing::MakeTempDir("served_shapes");
+  SynthOptions synth;
+  synth.source = NeoxModelSpec("src", 3, 2, 16);
+  synth.target = NeoxModelSpec("tgt", 2, 2, 8);
+  synth.k = 2;
+  ASSERT_TRUE(WriteSynthMapper(JoinPath(store, "ridge"), synth).ok());
+  synth.mlp = MlpConfig{24, MlpGranularity::kPerLayer};
+  ASSERT_TRUE(WriteSynthMapper(JoinPath(store, "mlp"), synth).ok());
+  ASSERT_TRUE(MakeDirs(JoinPath(store, "broken")).ok());
+  // k = 2 source layers x 2 heads x 16 = 64 inputs, 2 x 8 = 16 outputs; the MLP's 64 -> 24 ->
+  // 24 -> 16 (the store lists directories sorted: mlp first).
+  EXPECT_EQ(ServedGemmShapes(store),
+            std::vector<GemmShape>({{64, 24}, {24, 24}, {24, 16}, {64, 16}}));
+  EXPECT_TRUE(ServedGemmShapes(JoinPath(store, "missing")).empty());
+  synth.mlp.reset();
+
+  KvtdConfig::Backend config = WithType("cpu");
+  absl::StatusOr<SelectedBackend> selected = SelectBackend(config, {}, ServedGemmShapes(store));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  ASSERT_TRUE(selected->cpu_gemm_probe.has_value());
+  EXPECT_EQ(selected->cpu_gemm_probe->shapes.size(), 4u);
+  EXPECT_THAT(selected->cpu_gemm_reason, HasSubstr("auto: measured"));
+  config.cpu_gemm = "fp32";
+  selected = SelectBackend(config, {}, ServedGemmShapes(store));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_FALSE(selected->cpu_gemm_probe.has_value());
 }
 
 }  // namespace

@@ -34,9 +34,9 @@ struct KvtdConfig {
     std::string type = "auto";  // auto | cpu | cuda
     int64_t cpu_threads = 0;    // 0 = all cores
     int64_t token_chunk = 1024; // tokens per compute step (bounds working memory)
-    // GEMMs of bf16 / fp16 mappers on the CPU backend: auto (oneDNN bf16 where the CPU has
-    // AVX-512 BF16 or AMX, else sgemm) | bf16 (oneDNN bf16 forced) | fp32 (OpenBLAS sgemm on
-    // fp32 copies). fp32 mappers always run sgemm.
+    // GEMMs of bf16 / fp16 mappers on the CPU backend: auto (whichever of oneDNN bf16 and
+    // sgemm measures faster at start-up on the served shapes) | bf16 (oneDNN bf16 forced) |
+    // fp32 (OpenBLAS sgemm on fp32 copies). fp32 mappers always run sgemm.
     std::string cpu_gemm = "auto";
   } backend;
   struct Limits {

@@ -85,7 +85,8 @@ int Run() {
 
   // Self-checks every engine it tries (server/backend_self_check.h): a CPU failure or a failed
   // forced cuda is an error here; auto falls back to CPU with a warning.
-  absl::StatusOr<SelectedBackend> backend = SelectBackend(config->backend);
+  absl::StatusOr<SelectedBackend> backend =
+      SelectBackend(config->backend, {}, ServedGemmShapes(config->mapper_store.path));
   if (!backend.ok()) return Fatal(backend.status());
   KVT_LOG(kInfo, "backend")
       .With("backend", backend->backend->name())
@@ -154,6 +155,12 @@ int Run() {
   if (!backend->cpu_gemm_path.empty()) {
     (*server)->metrics()->SetCpuGemmPath(backend->cpu_gemm_path, backend->cpu_isa,
                                          config->backend.cpu_gemm);
+    if (const std::optional<GemmProbeResult>& probe = backend->cpu_gemm_probe) {
+      (*server)->metrics()->SetCpuGemmProbe("sgemm", probe->sgemm.gflops);
+      if (probe->onednn_bf16.available) {
+        (*server)->metrics()->SetCpuGemmProbe("onednn_bf16", probe->onednn_bf16.gflops);
+      }
+    }
   }
 
   int signal_number = 0;

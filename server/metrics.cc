@@ -295,6 +295,12 @@ Metrics::Metrics(std::string device)
                               "(onednn_bf16 | sgemm), the ISA oneDNN dispatches, and "
                               "backend.cpu_gemm as 'requested'. Absent on CUDA.")
                         .Register(r);
+  cpu_gemm_probe_ = &BuildGauge()
+                         .Name("kvt_cpu_gemm_probe_gflops")
+                         .Help("What backend.cpu_gemm: auto measured at start-up: single-threaded "
+                               "GFLOP/s of each GEMM engine (onednn_bf16, sgemm) on the served "
+                               "mappers' shapes. Absent when a path was forced.")
+                         .Register(r);
   requests_ = &BuildCounter()
                    .Name("kvt_translate_requests_total")
                    .Help("TranslateKV calls by outcome (canonical gRPC code).")
@@ -433,6 +439,10 @@ void Metrics::SetBackendSelfCheck(const std::string& backend, const std::string&
 void Metrics::SetCpuGemmPath(const std::string& path, const std::string& isa,
                              const std::string& requested) {
   cpu_gemm_path_->Add({{"path", path}, {"isa", isa}, {"requested", requested}}).Set(1);
+}
+
+void Metrics::SetCpuGemmProbe(const std::string& engine, double gflops) {
+  cpu_gemm_probe_->Add({{"engine", engine}}).Set(gflops);
 }
 
 void Metrics::SetScrapeSources(const MapperStore* store,

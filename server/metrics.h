@@ -94,6 +94,9 @@ class Metrics {
   // mappers ("onednn_bf16" | "sgemm"), the ISA oneDNN dispatches, backend.cpu_gemm.
   void SetCpuGemmPath(const std::string& path, const std::string& isa,
                       const std::string& requested);
+  // kvt_cpu_gemm_probe_gflops{engine}: what `cpu_gemm: auto` measured per engine (onednn_bf16,
+  // sgemm) at start-up, single-threaded GFLOP/s on the served shapes. Absent when forced.
+  void SetCpuGemmProbe(const std::string& engine, double gflops);
   // Scrape-time sources: the store (residency) and the number of admitted requests. Either may
   // be null / empty; they must outlive this object or be reset first.
   void SetScrapeSources(const MapperStore* store, std::function<int64_t()> inflight_requests);
@@ -140,6 +143,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* backend_info_;
   prometheus::Family<prometheus::Gauge>* backend_self_check_;
   prometheus::Family<prometheus::Gauge>* cpu_gemm_path_;
+  prometheus::Family<prometheus::Gauge>* cpu_gemm_probe_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* duration_;
   prometheus::Family<prometheus::Counter>* tokens_;

@@ -117,6 +117,8 @@ TEST(MetricsTest, ScrapeTimeValuesComeFromTheStoreAndTheService) {
   Metrics metrics("cpu");
   metrics.SetBackend("cpu", "cpu", "auto");
   metrics.SetCpuGemmPath("onednn_bf16", "avx512_core_bf16", "auto");
+  metrics.SetCpuGemmProbe("onednn_bf16", 226.5);
+  metrics.SetCpuGemmProbe("sgemm", 101.25);
   int64_t inflight = 3;
   metrics.SetScrapeSources(store.get(), [&inflight] { return inflight; });
   const uint64_t bytes = (*store->Get("tiny"))->weight_bytes();
@@ -125,6 +127,8 @@ TEST(MetricsTest, ScrapeTimeValuesComeFromTheStoreAndTheService) {
   EXPECT_THAT(text, HasSubstr(absl::StrCat(R"(kvt_mapper_device_resident_bytes{device="host",mapper="tiny",source="test/src",target="test/dst"} )", bytes)));
   EXPECT_THAT(text, HasSubstr(R"(kvt_backend_info{backend="cpu",device="cpu",requested="auto"} 1)"));
   EXPECT_THAT(text, HasSubstr(R"(kvt_cpu_gemm_path{isa="avx512_core_bf16",path="onednn_bf16",requested="auto"} 1)"));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_cpu_gemm_probe_gflops{engine="onednn_bf16"} 226.5)"));
+  EXPECT_THAT(text, HasSubstr(R"(kvt_cpu_gemm_probe_gflops{engine="sgemm"} 101.25)"));
   // Zero series exist before the first event, so rate() and the alerts have something to read.
   EXPECT_THAT(text, HasSubstr(R"(kvt_mapper_page_ins_total{device="cpu",source="test/src",target="test/dst"} 0)"));
   EXPECT_THAT(text, HasSubstr(R"(kvt_mapper_evictions_total{device="cpu",source="test/src",target="test/dst"} 0)"));
