@@ -49,7 +49,7 @@ absl::StatusOr<double> PinnedHostToDeviceSeconds(size_t bytes, int repeats) {
     const auto start = std::chrono::steady_clock::now();
     if (cudaError_t e = cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice);
         e != cudaSuccess) {
-      status = CudaError("cudaMemcpy", e);
+      status.Update(CudaError("cudaMemcpy", e));  // not `=`: nvcc flags the discarded Status&
     }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
