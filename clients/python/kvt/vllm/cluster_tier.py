@@ -119,6 +119,10 @@ class StoreHandle:
         return self._store
 
 
+class _NotPublished(Exception):
+    """A fetched prefix that kvtd did not take (its Publish from the region failed)."""
+
+
 class ClusterLookup:
     """The scheduler side's store step (runs on a lookup thread). `kvt()`: (client,
     PrefixCache); `count(name, value)`: the connector's counters."""
@@ -171,6 +175,8 @@ class ClusterLookup:
         fetch) and what the store did (None: not asked)."""
         if response.hit:
             local = min(response.matched_tokens, limit) // block_size * block_size
+            if local >= limit // block_size * block_size:
+                return response, None  # kvtd covers all a request can load
         elif response.miss_reason in ASK_STORE_AFTER:
             local = 0
         else:
@@ -214,9 +220,14 @@ class ClusterLookup:
         info.update(source_model=match.geometry.model, tokens=match.tokens)
         try:
             fetched = self._fetch(store, match, prompt)
+        except _NotPublished as error:
+            return response, {**info, **self._error("publish_failed", str(error), count=False)}
         except ClusterError as error:
             if error.reason in ("segment_unavailable", "evicted"):
-                self._failed[keys] = time.monotonic() + self.options.failed_key_ttl_s
+                now = time.monotonic()
+                if len(self._failed) > 1024:
+                    self._failed = {k: t for k, t in self._failed.items() if t > now}
+                self._failed[keys] = now + self.options.failed_key_ttl_s
             return response, {**info, **self._error(error.reason, error.detail)}
         info.update(fetched)
         info["result"] = "fetched"
@@ -268,9 +279,14 @@ class ClusterLookup:
             self._count("cluster_fetch_us", int(fetch_ms * 1e3))
             _, prefix = self.kvt()
             t1 = time.monotonic()
-            prefix.publish_region(g.model, prompt[:match.tokens], region.ref(0, nbytes),
-                                  num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-                                  head_dim=g.head_dim, dtype=g.dtype, timeout=10.0)
+            try:
+                prefix.publish_region(g.model, prompt[:match.tokens], region.ref(0, nbytes),
+                                      num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                                      head_dim=g.head_dim, dtype=g.dtype, timeout=10.0)
+            except Exception as error:
+                # kvtd lost or refuses the region (restarted: register again next time).
+                self._region.mark_failed()
+                raise _NotPublished(f"the fetched prefix's Publish to kvtd: {error}") from error
             publish_ms = (time.monotonic() - t1) * 1e3
             logger.info("kvt: cluster fetch of %d tokens of %s: %d bytes in %.1f ms, published "
                         "to kvtd in %.1f ms", match.tokens, g.model, nbytes, fetch_ms,
