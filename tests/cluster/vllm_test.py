@@ -45,7 +45,7 @@ GEN = 8
 A_NAME, B_NAME = family.TWIN_L, family.NAMES["L"]
 # B waits this long between a store lookup and its fetch (cluster.fetch_delay_s), so that the
 # evicted case can remove the objects in between; the test waits for B's log line, not a time.
-FETCH_DELAY_S = 1.0
+FETCH_DELAY_S = 2.0
 
 
 def l_shape():
