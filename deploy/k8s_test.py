@@ -36,6 +36,9 @@ OVERLAYS = ["cpu", "gpu", "gpu-ipc", "prefix-cache"]
 # Overlays sharing memory with the inference pods on their node.
 SHARED_MEMORY_OVERLAYS = {"gpu-ipc", "prefix-cache"}
 INFERENCE = "deploy/k8s/inference"
+# The cluster tier (Mooncake Store) on top of prefix-cache, and its engine.
+CLUSTER_TIER = "deploy/k8s/overlays/cluster-tier"
+CLUSTER_INFERENCE = "deploy/k8s/overlays/cluster-tier/inference"
 NOT_SCHEMA_CHECKED = {"PodMonitor"}  # CRD: see the module docstring
 INFERENCE_LABEL = {"kvt.io/inference": "true"}
 
@@ -154,7 +157,7 @@ class SchemaTest(unittest.TestCase):
     def test_every_rendered_object_validates(self):
         checked = set()
         for directory in ([f"deploy/k8s/overlays/{o}" for o in OVERLAYS] +
-                          ["deploy/k8s/fit", INFERENCE]):
+                          ["deploy/k8s/fit", INFERENCE, CLUSTER_TIER, CLUSTER_INFERENCE]):
             for doc in render(directory):
                 name = f"{directory}: {doc['kind']}/{doc['metadata']['name']}"
                 if doc["kind"] in NOT_SCHEMA_CHECKED:
@@ -447,6 +450,100 @@ class FitJobTest(unittest.TestCase):
         self.assertEqual(os.path.dirname(out), mounts["mappers"]["mountPath"])
         self.assertFalse(mounts["mappers"].get("readOnly", False))
         self.assertTrue(env["KVT_FIT_WORK"]["value"].startswith(mounts["fit"]["mountPath"] + "/"))
+
+
+def cluster_option_keys():
+    """The keys kv_connector_extra_config.cluster accepts: ClusterOptions' fields, read from
+    clients/python/kvt/vllm/options.py without importing it (kvt.vllm imports vllm)."""
+    import ast
+    with open(os.path.join(_workspace_root(), "clients", "python", "kvt", "vllm",
+                           "options.py")) as f:
+        tree = ast.parse(f.read())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ClusterOptions"]
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+
+
+class ClusterTierTest(unittest.TestCase):
+    """deploy/k8s/overlays/cluster-tier: prefix-cache plus a Mooncake master and segment
+    holders; ./inference: the engine with the connector's cluster section pointed at them."""
+
+    def setUp(self):
+        self.docs = render(CLUSTER_TIER)
+        self.engine = one(render(CLUSTER_INFERENCE), "Deployment")
+        (self.container,) = pod_spec(self.engine)["containers"]
+        (flag,) = [a for a in self.container["args"] if a.startswith("--kv-transfer-config=")]
+        self.extra = json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"]
+        self.cluster = self.extra["cluster"]
+        self.master = one(self.docs, "Service", "mooncake-master")
+
+    def service_address(self, port_name):
+        meta = self.master["metadata"]
+        (port,) = [p["port"] for p in self.master["spec"]["ports"] if p["name"] == port_name]
+        return f"{meta['name']}.{meta['namespace']}.svc.cluster.local:{port}"
+
+    def test_kvtd_is_the_prefix_cache_overlays(self):
+        mine = [d for d in self.docs
+                if d["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") != "mooncake"]
+        self.assertEqual(mine, render("deploy/k8s/overlays/prefix-cache"))
+
+    def test_engine_points_at_the_master(self):
+        self.assertEqual(set(self.cluster) - cluster_option_keys(), set())
+        self.assertEqual(self.cluster["master_server_address"], self.service_address("rpc"))
+        self.assertEqual(self.cluster["metadata_server"],
+                         f"http://{self.service_address('metadata')}/metadata")
+        # The engine advertises its pod IP to the transfer engines of the other nodes.
+        env = {e["name"]: e for e in self.container["env"]}
+        self.assertEqual(env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP")
+        self.assertEqual(env["MC_TCP_BIND_ADDRESS"]["value"], "$(POD_IP)")
+        # Everything else is the plain inference pod's.
+        plain = one(render(INFERENCE), "Deployment")
+        (plain_flag,) = [a for a in pod_spec(plain)["containers"][0]["args"]
+                         if a.startswith("--kv-transfer-config=")]
+        plain_extra = json.loads(plain_flag.split("=", 1)[1])["kv_connector_extra_config"]
+        self.assertEqual({k: v for k, v in self.extra.items() if k != "cluster"}, plain_extra)
+
+    def test_master_and_segments_agree(self):
+        master = pod_spec(one(self.docs, "Deployment", "mooncake-master"))["containers"][0]
+        ports = container_ports(master)
+        args = dict(a[2:].split("=", 1) for a in master["args"])
+        self.assertEqual(int(args["rpc_port"]), ports["rpc"])
+        self.assertEqual(int(args["http_metadata_server_port"]), ports["metadata"])
+        self.assertEqual(int(args["metrics_port"]), ports["metrics"])
+        self.assertEqual(args["enable_http_metadata_server"], "true")
+        self.assertEqual({p["name"]: p["targetPort"] for p in self.master["spec"]["ports"]},
+                         {"rpc": "rpc", "metadata": "metadata", "metrics": "metrics"})
+        segment = one(self.docs, "Deployment", "mooncake-segment")
+        (holder,) = pod_spec(segment)["containers"]
+        args = dict(a[2:].split("=", 1) for a in holder["args"])
+        self.assertEqual(args["master_server_address"], self.cluster["master_server_address"])
+        self.assertEqual(args["metadata_server"], self.cluster["metadata_server"])
+        self.assertEqual(args["protocol"], self.cluster["protocol"])
+        # The pod's memory covers the segment.
+        limit = bytes_of(holder["resources"]["limits"]["memory"])
+        self.assertGreater(limit, int(args["global_segment_size"]))
+        self.assertEqual(holder["resources"]["requests"]["memory"],
+                         holder["resources"]["limits"]["memory"])
+        # The binaries are the wheel's, in the engine image's venv (Python of debian:12).
+        text = read("deploy", "docker", "Dockerfile.vllm")
+        self.assertIn("FROM debian:12", text)
+        for lib in ("libibverbs1", "libnl-3-200", "libnl-route-3-200"):
+            self.assertIn(lib, text)
+        for container in (master, holder):
+            self.assertEqual(container["image"].rsplit("/", 1)[-1].split(":")[0], "kvt-vllm")
+            self.assertRegex(container["command"][0],
+                             r"^/opt/venv/lib/python3\.11/site-packages/mooncake/mooncake_")
+
+    def test_only_the_engines_reach_the_store(self):
+        policy = one(self.docs, "NetworkPolicy", "mooncake")
+        self.assertEqual(policy["spec"]["podSelector"]["matchLabels"],
+                         {"app.kubernetes.io/part-of": "mooncake"})
+        namespaces = {peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                      for rule in policy["spec"]["ingress"] for peer in rule["from"]
+                      if "namespaceSelector" in peer and "ports" not in rule}
+        self.assertEqual(namespaces, {self.engine["metadata"]["namespace"]})
+        for name in ("mooncake-master", "mooncake-segment"):
+            labels = one(self.docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+            self.assertEqual(labels["app.kubernetes.io/part-of"], "mooncake")
 
 
 class DockerfileTest(unittest.TestCase):

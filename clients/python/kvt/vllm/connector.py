@@ -100,17 +100,23 @@ class KvtConnector(KVConnectorBase_V1):
                 logger.info("kvt: setting kv_load_failure_policy=recompute (a failed "
                             "translation falls back to prefill)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        model = vllm_config.model_config
+        dtype = (TORCH_DTYPE_NAMES.get(model.dtype, "fp32") if isinstance(model.dtype, torch.dtype)
+                 else "fp32")
+        if role == KVConnectorRole.SCHEDULER:
+            cluster = None
+            if self.config.cluster is not None:
+                # Only with a cluster section: kvt.cluster (and Mooncake) are never imported
+                # otherwise.
+                from kvt.vllm.cluster_tier import ClusterLookup
+                cluster = ClusterLookup(self.config.cluster, self.config.model_name, dtype,
+                                        self.config.block_tokens, self._link, self._count)
             self._scheduler = KvtScheduler(self.config, vllm_config.cache_config.block_size,
-                                           self._link, self._count)
+                                           self._link, self._count, cluster)
         else:
-            model = vllm_config.model_config
-            dtype = model.dtype
             self._worker = KvtWorker(
                 self.config, model.get_num_kv_heads(vllm_config.parallel_config),
-                model.get_head_size(),
-                TORCH_DTYPE_NAMES.get(dtype, "fp32") if isinstance(dtype, torch.dtype)
-                else "fp32",
-                model.max_model_len, self._link, self._count)
+                model.get_head_size(), dtype, model.max_model_len, self._link, self._count)
 
     @property
     def requires_kv_delivery(self) -> bool:

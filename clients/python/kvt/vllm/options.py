@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 POLICIES = ("auto", "forbid", "force")
 # How a request's translated prefix reaches its blocks: "auto" (in place when the engine's
@@ -52,6 +52,9 @@ class ConnectorConfig:
     # writes translated prefixes straight into the request's blocks and reads published
     # prefixes straight out of them (kvt/vllm/engine_cache.py).
     load_in_place: bool = True
+    # The cross-node source-cache tier on Mooncake Store (docs/CLUSTER_TIER.md); None: the
+    # node-local tier only (kvt.cluster is never imported).
+    cluster: Optional["ClusterOptions"] = None
 
     @classmethod
     def from_extra(cls, extra: Optional[Dict[str, Any]]) -> "ConnectorConfig":
@@ -67,6 +70,9 @@ class ConnectorConfig:
                 raise ValueError(f"kv_connector_extra_config.{key} is required")
         values = {}
         for name, value in extra.items():
+            if name == "cluster":
+                values[name] = ClusterOptions.from_extra(value)
+                continue
             values[name] = _coerce(name, value, fields[name].type)
         config = cls(**values)
         config._check_choices()
@@ -87,6 +93,80 @@ class ConnectorConfig:
             if getattr(self, key) < low:
                 raise ValueError(f"kv_connector_extra_config.{key}: {getattr(self, key)!r} is "
                                  f"not >= {low}")
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """kv_connector_extra_config.cluster: where the deployment's Mooncake Store is and the
+    deadlines of its calls (docs/VLLM.md, "Multi-node: the cluster tier")."""
+    master_server_address: str            # required: the Mooncake master's "host:port"
+    # The transfer engine's metadata: "http://host:port/metadata" (the master's embedded HTTP
+    # metadata server) or "P2PHANDSHAKE".
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"                 # "tcp" or "rdma"
+    device_name: str = ""                 # RDMA device(s); "" for tcp
+    # The address this process's transfer engine advertises: "" = $MC_TCP_BIND_ADDRESS, else
+    # this host's name resolved (a pod's IP). 127.0.0.1 only for single-host tests.
+    local_hostname: str = ""
+    enabled: bool = True                  # false: the section is ignored (node-local tier only)
+    chunk_blocks: int = 4                 # kvtd blocks per store object (one value per cluster)
+    # Element types of the source caches looked for ("fp32", "fp16", "bf16"): "" = this
+    # engine's own.
+    source_dtypes: str = ""
+    setup_timeout_s: float = 10.0         # store client set-up (on a background thread)
+    setup_retry_s: float = 10.0           # after a failed set-up, try again this much later
+    lookup_timeout_s: float = 0.2         # longest_prefix (metadata only)
+    fetch_timeout_s: float = 2.0          # the fetch of a matched prefix
+    put_timeout_s: float = 5.0            # a publish's put
+    put: bool = True                      # put published prefixes into the store
+    # Bytes of the shared-memory region (registered with kvtd and the store) fetches land in;
+    # a longer prefix is fetched in part. One fetch at a time per engine.
+    fetch_region_bytes: int = 64 << 20
+    # After a fetch failed with segment_unavailable or evicted, the same prefix is not fetched
+    # again for this long (a dead node's objects stay listed until the master drops them).
+    failed_key_ttl_s: float = 30.0
+    # Testing: wait this long between the store lookup and the fetch (to remove objects in
+    # between, tests/cluster/vllm_test.py). 0 in any deployment.
+    fetch_delay_s: float = 0.0
+
+    @classmethod
+    def from_extra(cls, extra: Any) -> Optional["ClusterOptions"]:
+        """Parses the cluster section (None when it is absent, null or enabled: false)."""
+        if extra is None:
+            return None
+        if not isinstance(extra, dict):
+            raise ValueError("kv_connector_extra_config.cluster: expected an object, got "
+                             f"{type(extra).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config.cluster: unknown key(s) "
+                             f"{', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+        if not extra.get("master_server_address"):
+            raise ValueError("kv_connector_extra_config.cluster.master_server_address is "
+                             "required")
+        values = {name: _coerce(f"cluster.{name}", value, fields[name].type)
+                  for name, value in extra.items()}
+        options = cls(**values)
+        if options.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"kv_connector_extra_config.cluster.protocol: "
+                             f"{options.protocol!r} is not one of tcp, rdma")
+        for dtype in options.dtypes(""):
+            if dtype not in ("fp32", "fp16", "bf16"):
+                raise ValueError(f"kv_connector_extra_config.cluster.source_dtypes: {dtype!r} "
+                                 "is not one of fp32, fp16, bf16")
+        for key, low in (("chunk_blocks", 1), ("setup_timeout_s", 0.0), ("setup_retry_s", 0.0),
+                         ("lookup_timeout_s", 0.0), ("fetch_timeout_s", 0.0),
+                         ("put_timeout_s", 0.0), ("fetch_region_bytes", 1),
+                         ("failed_key_ttl_s", 0.0), ("fetch_delay_s", 0.0)):
+            if getattr(options, key) < low:
+                raise ValueError(f"kv_connector_extra_config.cluster.{key}: "
+                                 f"{getattr(options, key)!r} is not >= {low}")
+        return options if options.enabled else None
+
+    def dtypes(self, own: str) -> Tuple[str, ...]:
+        names = tuple(d.strip() for d in self.source_dtypes.split(",") if d.strip())
+        return names or ((own,) if own else ())
 
 
 def _coerce(name: str, value: Any, kind: Any) -> Any:

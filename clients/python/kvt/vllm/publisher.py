@@ -123,16 +123,23 @@ class Publisher:
 
     def _publish(self, spec: PublishSpec) -> None:
         nbytes = self.w.kv.cache_bytes(len(spec.token_ids))
-        if self._publish_in_place(spec) or self._publish_region(spec, nbytes):
-            self._count("publishes")
-            self._count("publish_bytes", nbytes)
-            return
-        layers = self.w.kv.gather_arrays(spec.block_ids, len(spec.token_ids))
-        self._call(spec, lambda prefix, kw: prefix.publish(
-            self.w.config.model_name, spec.token_ids, layers, dtype=self.w.kv.dtype,
-            layout="NHD", **kw))
+        if not (self._publish_in_place(spec) or self._publish_region(spec, nbytes)):
+            layers = self.w.kv.gather_arrays(spec.block_ids, len(spec.token_ids))
+            self._call(spec, lambda prefix, kw: prefix.publish(
+                self.w.config.model_name, spec.token_ids, layers, dtype=self.w.kv.dtype,
+                layout="NHD", **kw))
         self._count("publishes")
         self._count("publish_bytes", nbytes)
+        if self.w.cluster_put is not None:
+            # The cluster tier, after the node-local publish, still on this thread (the
+            # request's blocks are held until it returns).
+            try:
+                self.w.cluster_put.put(self.w.kv, spec.block_ids, spec.token_ids,
+                                       self.w.config.block_tokens)
+            except Exception as error:
+                self._count("cluster_put_failed")
+                logger.warning("kvt: cluster put of %s failed: %s", spec.req_id,
+                               describe_error(error))
 
     def _call(self, spec: PublishSpec, publish: Callable[[Any, dict], Any]) -> Any:
         _, prefix = self.w.kvt()

@@ -37,6 +37,8 @@ class RequestState:
     prompt_published: bool = False  # its prompt publish was handed to the workers
     salted: bool = False
     orig_salt: Optional[str] = None
+    # What the cluster tier did for this request (ClusterLookup.consult); None: not asked.
+    cluster: Optional[Dict[str, Any]] = None
 
 
 class KvtScheduler:
@@ -44,8 +46,10 @@ class KvtScheduler:
     `block_ids(req_id)`: the request's block ids of vLLM's KV cache manager."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, kvt: Callable[[], Any],
-                 count: Callable[..., None]) -> None:
+                 count: Callable[..., None], cluster: Any = None) -> None:
         self.config = config
+        # A kvt.vllm.cluster_tier.ClusterLookup when the cluster tier is configured.
+        self.cluster = cluster
         self.block_size = block_size
         self.kvt = kvt
         self._count = count
@@ -53,7 +57,9 @@ class KvtScheduler:
         self._pending_loads: List[LoadSpec] = []
         self._pending_finals: List[PublishSpec] = []
         self._pending_releases: List[str] = []
-        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvt-lookup")
+        # With the cluster tier, a lookup thread may also wait for a fetch from the store.
+        self._lookups = ThreadPoolExecutor(max_workers=2 if cluster is None else 4,
+                                           thread_name_prefix="kvt-lookup")
 
     def shutdown(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
@@ -94,6 +100,8 @@ class KvtScheduler:
             st.outcome = {"outcome": "fallback_reprefill", "reason": reason}
             if detail:
                 st.outcome["detail"] = detail
+            if st.cluster is not None:
+                st.outcome["cluster"] = st.cluster
         return 0, False
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -150,17 +158,43 @@ class KvtScheduler:
         _, prefix = self.kvt()
         st.lookup_started = time.monotonic()
         self._count("lookups")
-        lookup = self._lookups.submit(
-            prefix.lookup, self.config.model_name, list(prompt), policy=st.options.reuse,
-            mapper_id=st.options.mapper_id, min_tokens=min_tokens, max_tokens=limit,
-            request_id=st.request.request_id, timeout=self.config.lookup_timeout_s)
+        tokens = list(prompt)
+
+        def local() -> Any:
+            return prefix.lookup(
+                self.config.model_name, tokens, policy=st.options.reuse,
+                mapper_id=st.options.mapper_id, min_tokens=min_tokens, max_tokens=limit,
+                request_id=st.request.request_id, timeout=self.config.lookup_timeout_s)
+
+        if self.cluster is None:
+            lookup = self._lookups.submit(local)
+        else:
+            lookup = self._lookups.submit(self._both_tiers, st, tokens, local, limit)
         lookup.add_done_callback(_LookupClock(st))
         return lookup
+
+    def _both_tiers(self, st: RequestState, prompt: List[int], local: Callable[[], Any],
+                    limit: int) -> Any:
+        """On a lookup thread: kvtd first; on a miss or a shorter hit the cluster tier, whose
+        fetch ends with kvtd's LookupPrefix again (kvtd's gate and lease decide either way)."""
+        response = local()
+        response, st.cluster = self.cluster.consult(prompt, response, local, limit,
+                                                    self.block_size)
+        return response
 
     def _decide(self, st: RequestState, response: Any, num_computed_tokens: int, limit: int
                 ) -> Tuple[int, bool]:
         from kvt.cache import DTYPE_NAMES
         if not response.hit:
+            cluster = st.cluster or {}
+            if cluster.get("result") == "error":
+                cluster["local_reason"] = response.miss_reason
+                return self._fallback(st, f"cluster_{cluster['reason']}",
+                                      cluster.get("detail", ""))
+            if cluster.get("result") == "miss":
+                cluster["local_reason"] = response.miss_reason
+                return self._fallback(st, "cluster_miss", f"kvtd: {response.detail}; store: "
+                                      f"{cluster.get('detail', '')}")
             return self._fallback(st, response.miss_reason or "miss", response.detail)
         self._count("hits")
         end = min(response.matched_tokens, limit) // self.block_size * self.block_size
@@ -334,6 +368,11 @@ class KvtScheduler:
             else "salted"}
         if result.input_shift_score is not None:
             outcome["input_shift_score"] = result.input_shift_score
+        if self.cluster is not None:
+            fetched = st.cluster is not None and st.cluster.get("result") == "fetched"
+            outcome["tier"] = "cluster" if fetched else "local"
+            if st.cluster is not None:
+                outcome["cluster"] = st.cluster
         return outcome
 
     def _report(self, request: Any, outcome: Dict[str, Any]) -> None:
@@ -341,6 +380,8 @@ class KvtScheduler:
             outcome["outcome"], "unsupported"))
         if outcome["outcome"] == "applied":
             self._count("tokens_reused", outcome["tokens_reused"])
+            if outcome.get("tier") == "cluster":
+                self._count("applied_cluster")
         if self.config.log_outcomes:
             logger.info("kvt_outcome %s", json.dumps(
                 {"request_id": request.request_id, "model": self.config.model_name,

@@ -12,7 +12,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 _COUNTERS = ("requests", "lookups", "lookup_errors", "hits", "applied", "fallback_reprefill",
              "unsupported", "tokens_reused", "load_failures", "publishes", "publish_dropped",
              "publish_failed", "publish_skipped", "publish_bytes", "publishes_in_place",
-             "publishes_shm", "publish_region_full")
+             "publishes_shm", "publish_region_full",
+             # The cluster tier (kv_connector_extra_config.cluster; docs/CLUSTER_TIER.md).
+             # lookups / hits above are kvtd's (the node-local tier).
+             "cluster_lookups", "cluster_hits", "cluster_misses", "cluster_fetches",
+             "cluster_fetch_bytes", "cluster_fetch_us", "applied_cluster", "cluster_puts",
+             "cluster_put_objects", "cluster_put_failed", "cluster_put_skipped") + tuple(
+                 f"cluster_error_{reason}" for reason in (
+                     # kvt.cluster.REASONS (not imported: the tier may be off), and the
+                     # connector's own recently_failed is not an error of the store.
+                     "store_unavailable", "segment_unavailable", "store_timeout", "evicted",
+                     "version_mismatch", "store_full", "store_error"))
 
 
 @dataclass
@@ -63,7 +73,22 @@ _COUNTER_HELP = {
     "publishes_shm": "Publishes kvtd read from the worker's shared-memory region (no inline "
                      "chunks).",
     "publish_region_full": "Publishes sent inline because the publish region had no room.",
+    "cluster_lookups": "Store lookups (longest_prefix) after kvtd missed or matched less.",
+    "cluster_hits": "Store lookups that found a longer prefix than kvtd (a fetch followed).",
+    "cluster_misses": "Store lookups that found nothing longer than kvtd.",
+    "cluster_fetches": "Prefixes fetched from the store into kvtd.",
+    "cluster_fetch_bytes": "Bytes of source KV fetched from the store.",
+    "cluster_fetch_us": "Microseconds spent in store fetches (divide by cluster_fetches).",
+    "applied_cluster": "Requests applied with a prefix fetched from the store.",
+    "cluster_puts": "Published prefixes put into the store.",
+    "cluster_put_objects": "Store objects written by puts (objects already held are not).",
+    "cluster_put_failed": "Puts into the store that failed.",
+    "cluster_put_skipped": "Puts not tried (store client not set up, or a put past its "
+                           "deadline still running).",
 }
+for _reason in ("store_unavailable", "segment_unavailable", "store_timeout", "evicted",
+                "version_mismatch", "store_full", "store_error"):
+    _COUNTER_HELP[f"cluster_error_{_reason}"] = f"Cluster-tier calls that failed: {_reason}."
 
 
 class KvtPromMetrics(KVConnectorPromMetrics):

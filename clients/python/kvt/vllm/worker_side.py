@@ -54,6 +54,11 @@ class KvtWorker:
         self._loads_done: Dict[str, LoadResult] = {}  # guarded by _lock
         self._load_pool = ThreadPoolExecutor(max_workers=config.load_threads,
                                              thread_name_prefix="kvt-load")
+        # The cluster tier's puts (kvt/vllm/cluster_tier.py), made only when configured.
+        self.cluster_put: Any = None
+        if config.cluster is not None and config.cluster.put:
+            from kvt.vllm.cluster_tier import ClusterPut
+            self.cluster_put = ClusterPut(config.cluster, config.model_name, count)
         self.publisher = Publisher(self, config.publish_queue_size, count)
         self._releases: Set[str] = set()  # finished requests whose blocks vLLM holds for us
         self._failed_this_step: Set[str] = set()
