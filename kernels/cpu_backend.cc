@@ -36,7 +36,7 @@ struct Fp32Kind {
 // The oneDNN path's: each matrix packed in bf16 per chain, biases in fp32, all added by the
 // matmuls (the hidden ones with the ReLU fused; the epilogue then only rotates and converts).
 struct Bf16Kind {
-  std::array<std::vector<const PackedBf16Weights*>, 3> matrix;  // one per chain
+  std::array<std::vector<const PackedWeights*>, 3> matrix;  // one per chain
   std::array<const float*, 3> bias = {};
 };
 
@@ -100,7 +100,7 @@ class CpuPreparedMapper : public PreparedMapper {
   std::vector<std::unique_ptr<float[]>> owned_;
   bool onednn_ = false;
   std::vector<std::array<Bf16Kind, 2>> bf16_;  // oneDNN path
-  std::vector<std::unique_ptr<PackedBf16Weights>> packed_;
+  std::vector<std::unique_ptr<PackedWeights>> packed_;
   uint64_t bytes_ = 0;
 };
 
@@ -190,8 +190,8 @@ void PrepareFp32(bool biases_only, ThreadPool* pool, CpuPreparedMapper* prepared
 struct PackJob {
   const WeightView* w;
   int64_t heads, head;
-  const PackedBf16Weights** slot;
-  std::unique_ptr<PackedBf16Weights> packed;
+  const PackedWeights** slot;
+  std::unique_ptr<PackedWeights> packed;
   absl::Status status;
 };
 
@@ -206,7 +206,7 @@ std::vector<PackJob> PlanPackJobs(CpuPreparedMapper* prepared) {
       Bf16Kind& out = prepared->bf16_[l][static_cast<int>(kind.kind)];
       out.bias = prepared->fp32_[l][static_cast<int>(kind.kind)].bias;
       for (const GemmStage& stage : kind.map) {
-        std::vector<const PackedBf16Weights*>& slots = out.matrix[stage.index];
+        std::vector<const PackedWeights*>& slots = out.matrix[stage.index];
         slots.resize(kind.heads);
         const WeightView& w = StageMatrix(plan.mapper(), l, kind.kind, stage.index);
         for (int64_t h = 0; h < kind.heads; ++h) {
@@ -230,7 +230,7 @@ absl::Status RunPackJobs(std::vector<PackJob>& jobs, ThreadPool* pool,
       const int64_t rows = w.rows / job.heads;
       const char* src =
           static_cast<const char*>(w.data) + job.head * rows * w.cols * DTypeSize(w.dtype);
-      absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
+      absl::StatusOr<std::unique_ptr<PackedWeights>> packed =
           PackBf16Weights(w.dtype, src, rows, w.cols);
       if (packed.ok()) {
         job.packed = *std::move(packed);
@@ -399,7 +399,7 @@ absl::Status MultiplyBf16(const KindPlan& kind, const Bf16Kind& w, const uint16_
     for (size_t s = 0; s < kind.map.size(); ++s) {
       const GemmStage& g = kind.map[s];
       const float* bias = w.bias[g.index] ? w.bias[g.index] + h * g.out_width : nullptr;
-      const PackedBf16Weights& matrix = *w.matrix[g.index][h];
+      const PackedWeights& matrix = *w.matrix[g.index][h];
       if (s + 1 < kind.map.size()) {
         if (absl::Status st = Bf16Matmul(gemm_rows, in, g.in_width, matrix, bias, true, true,
                                          out.hidden[s % 2], g.out_width);
@@ -582,7 +582,8 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options)
       probe.rows = options_.token_chunk;
       probe.budget = options_.probe_budget;
       gemm_probe_ = ProbeGemmEnginesOnce(probe);
-      gemm_path_ = gemm_probe_->onednn_faster() ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm;
+      gemm_path_ = gemm_probe_->Fastest(false) == GemmEngine::kOnednnBf16 ? CpuGemmPath::kOnednnBf16
+                                                                        : CpuGemmPath::kSgemm;
       gemm_reason_ = absl::StrCat("auto: measured ", gemm_probe_->Summary(),
                                   "; oneDNN dispatches ", isa);
       break;
@@ -629,7 +630,7 @@ uint64_t CpuBackend::PreparedBytesEstimate(const MapperView& mapper) const {
   uint64_t bytes = 0;
   ForEachMatrix(mapper, [&](const WeightView& w, int heads) {
     if (w.data == nullptr || heads <= 0 || w.rows % heads != 0) return;
-    absl::StatusOr<uint64_t> packed = PackedBf16WeightBytes(w.rows / heads, w.cols);
+    absl::StatusOr<uint64_t> packed = PackedWeightBytes(DType::kBF16, w.rows / heads, w.cols);
     // A shape oneDNN refuses fails Prepare; size the reservation as plain bf16 meanwhile.
     bytes += heads * (packed.ok() ? *packed : static_cast<uint64_t>(w.rows / heads * w.cols * 2));
   });

@@ -343,11 +343,11 @@ void BM_Bf16MatmulPerCore(benchmark::State& state) {
   ThreadPool pool(0);
   std::vector<uint16_t> a(tokens * inputs);
   Fill(DType::kBF16, a.data(), a.size(), 1);
-  std::vector<std::unique_ptr<PackedBf16Weights>> b;
+  std::vector<std::unique_ptr<PackedWeights>> b;
   std::vector<uint16_t> plain(inputs * kWidth);
   for (int g = 0; g < 2 * target_layers; ++g) {
     Fill(DType::kBF16, plain.data(), plain.size(), 2 + g);
-    absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
+    absl::StatusOr<std::unique_ptr<PackedWeights>> packed =
         PackBf16Weights(DType::kBF16, plain.data(), inputs, kWidth);
     if (!packed.ok()) {
       state.SkipWithError(std::string(packed.status().message()).c_str());

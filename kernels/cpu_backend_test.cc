@@ -363,11 +363,11 @@ TEST_F(CpuBackendTest, GemmPathFollowsCpuAndOptions) {
   const GemmProbeResult& probe = *automatic.gemm_probe();
   EXPECT_EQ(probe.shapes, std::vector<GemmShape>({{256, 128}}));
   EXPECT_EQ(probe.rows, options.token_chunk);
-  EXPECT_EQ(automatic.gemm_path(),
-            probe.onednn_faster() ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm);
+  const bool onednn = probe.Fastest(false) == GemmEngine::kOnednnBf16;
+  EXPECT_EQ(automatic.gemm_path(), onednn ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm);
   EXPECT_THAT(automatic.gemm_reason(), HasSubstr(OnednnIsaName()));
   EXPECT_THAT(automatic.gemm_reason(), HasSubstr(probe.Summary()));
-  EXPECT_THAT(automatic.description(), HasSubstr(probe.onednn_faster() ? "oneDNN" : "sgemm"));
+  EXPECT_THAT(automatic.description(), HasSubstr(onednn ? "oneDNN" : "sgemm"));
   std::fprintf(stderr, "[gemm path] %s\n", automatic.description().c_str());
   options.gemm_path = CpuGemmPath::kSgemm;
   EXPECT_EQ(CpuBackend(options).gemm_path(), CpuGemmPath::kSgemm);
@@ -405,7 +405,7 @@ TEST_F(CpuBackendTest, Bf16PreparedBytes) {
   path_ = CpuGemmPath::kOnednnBf16;
   auto backend = MakeBackend();
   // A Qwen3-sized layer (k = 2, 8 x 128 on both sides): no padding, 2 bytes per weight.
-  EXPECT_EQ(*PackedBf16WeightBytes(2048, 1024), 2048u * 1024 * 2);
+  EXPECT_EQ(*PackedWeightBytes(DType::kBF16, 2048, 1024), 2048u * 1024 * 2);
   RandomMapperSpec spec;
   spec.source_rope = MakeTestRope(RopeScalingType::kNone);
   spec.target_rope = MakeTestRope(RopeScalingType::kNone);
@@ -415,7 +415,7 @@ TEST_F(CpuBackendTest, Bf16PreparedBytes) {
   ASSERT_TRUE(prepared.ok()) << prepared.status();
   ASSERT_EQ(PreparedGemmPath(**prepared), CpuGemmPath::kOnednnBf16);
   // 2 layers x (2 packed 32x32 weights + 2 biases of 32 floats); small shapes pad to blocks.
-  const uint64_t packed = *PackedBf16WeightBytes(32, 32);
+  const uint64_t packed = *PackedWeightBytes(DType::kBF16, 32, 32);
   EXPECT_GE(packed, 32u * 32 * 2);
   EXPECT_EQ((*prepared)->bytes(), 2u * (2 * packed + 2 * 32 * 4));
   EXPECT_EQ(backend->PreparedBytesEstimate(ridge.view), (*prepared)->bytes());

@@ -49,7 +49,7 @@ ProbeCache& TheProbeCache() {
 
 double SecondsOf(const absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
 
-// The operands of one shape on both engines; values are small and non-zero (no subnormals).
+// The operands of one shape on every engine; values are small and non-zero (no subnormals).
 struct ShapeOperands {
   ShapeOperands(const GemmShape& shape, int64_t rows)
       : x32(static_cast<size_t>(rows * shape.k)),
@@ -62,20 +62,80 @@ struct ShapeOperands {
   }
   std::vector<float> x32, w32, y32;
   std::vector<uint16_t> x16;
-  std::unique_ptr<PackedBf16Weights> packed;
+  std::array<std::unique_ptr<PackedWeights>, kNumGemmEngines> packed;
 };
+
+// One call of `engine` on `ops`; false when the engine failed (it is then dropped).
+bool RunEngine(GemmEngine engine, const GemmShape& shape, int64_t m, ShapeOperands& ops) {
+  const PackedWeights* packed = ops.packed[static_cast<int>(engine)].get();
+  switch (engine) {
+    case GemmEngine::kSgemm:
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
+                  static_cast<int>(shape.n), static_cast<int>(shape.k), 1.0f, ops.x32.data(),
+                  static_cast<int>(shape.k), ops.w32.data(), static_cast<int>(shape.n), 0.0f,
+                  ops.y32.data(), static_cast<int>(shape.n));
+      return true;
+    case GemmEngine::kOnednnBf16:
+      return Bf16Matmul(m, ops.x16.data(), shape.k, *packed, nullptr, false, false,
+                        ops.y32.data(), shape.n).ok();
+    case GemmEngine::kOnednnF32:
+      return F32Matmul(m, ops.x32.data(), shape.k, *packed, nullptr, false, ops.y32.data(),
+                       shape.n).ok();
+  }
+  return false;
+}
+
+// Packs the oneDNN engines' weights; an engine that cannot pack is unavailable.
+void PackFor(const GemmShape& shape, std::array<bool, kNumGemmEngines>* live,
+             ShapeOperands* ops) {
+  for (GemmEngine engine : {GemmEngine::kOnednnBf16, GemmEngine::kOnednnF32}) {
+    const int e = static_cast<int>(engine);
+    if (!(*live)[e]) continue;
+    absl::StatusOr<std::unique_ptr<PackedWeights>> packed =
+        PackWeights(engine == GemmEngine::kOnednnBf16 ? DType::kBF16 : DType::kFP32,
+                    DType::kFP32, ops->w32.data(), shape.k, shape.n);
+    (*live)[e] = packed.ok();
+    if (packed.ok()) ops->packed[e] = *std::move(packed);
+  }
+}
 
 }  // namespace
 
+const char* GemmEngineName(GemmEngine engine) {
+  switch (engine) {
+    case GemmEngine::kOnednnBf16:
+      return "onednn_bf16";
+    case GemmEngine::kOnednnF32:
+      return "onednn_f32";
+    case GemmEngine::kSgemm:
+      return "sgemm";
+  }
+  return "?";
+}
+
+bool IsFp32Engine(GemmEngine engine) { return engine != GemmEngine::kOnednnBf16; }
+
+GemmEngine GemmProbeResult::Fastest(bool fp32_only) const {
+  GemmEngine best = GemmEngine::kSgemm;
+  for (int e = 0; e < kNumGemmEngines; ++e) {
+    const GemmEngine engine = static_cast<GemmEngine>(e);
+    if (!engines[e].available || (fp32_only && !IsFp32Engine(engine))) continue;
+    if (engines[e].seconds < timing(best).seconds) best = engine;
+  }
+  return best;
+}
+
 std::string GemmProbeResult::Summary() const {
-  std::vector<std::string> dims;
+  std::vector<std::string> dims, rates;
   for (const GemmShape& shape : shapes) dims.push_back(absl::StrCat(shape.k, "x", shape.n));
-  const std::string onednn =
-      onednn_bf16.available ? absl::StrFormat("%.1f GFLOP/s", onednn_bf16.gflops)
-                            : std::string("unavailable");
-  return absl::StrFormat("onednn_bf16 %s vs sgemm %.1f GFLOP/s on %d shape%s x %d rows (%s)",
-                         onednn, sgemm.gflops, static_cast<int>(shapes.size()),
-                         shapes.size() == 1 ? "" : "s", rows, absl::StrJoin(dims, ", "));
+  for (int e = 0; e < kNumGemmEngines; ++e) {
+    const std::string name = GemmEngineName(static_cast<GemmEngine>(e));
+    rates.push_back(engines[e].available ? absl::StrFormat("%s %.1f", name, engines[e].gflops)
+                                         : absl::StrCat(name, " unavailable"));
+  }
+  return absl::StrFormat("%s GFLOP/s on %d shape%s x %d rows (%s)", absl::StrJoin(rates, ", "),
+                         static_cast<int>(shapes.size()), shapes.size() == 1 ? "" : "s", rows,
+                         absl::StrJoin(dims, ", "));
 }
 
 GemmProbeResult ProbeGemmEngines(const GemmProbeOptions& options) {
@@ -84,54 +144,37 @@ GemmProbeResult ProbeGemmEngines(const GemmProbeOptions& options) {
   result.rows = std::max<int64_t>(1, options.rows);
   const int64_t m = result.rows;
   ScopedOmpThreads one(1);
-  result.onednn_bf16.available = OnednnBf16MatmulAvailable();
-  result.sgemm.available = true;
+  std::array<bool, kNumGemmEngines> live = {};
+  live[static_cast<int>(GemmEngine::kOnednnBf16)] = OnednnBf16MatmulAvailable();
+  live[static_cast<int>(GemmEngine::kOnednnF32)] = true;
+  live[static_cast<int>(GemmEngine::kSgemm)] = true;
   double flops = 0;
   const absl::Duration per_shape = options.budget / static_cast<int>(result.shapes.size());
   for (const GemmShape& shape : result.shapes) {
     flops += 2.0 * m * shape.k * shape.n;
     ShapeOperands ops(shape, m);
-    bool onednn = result.onednn_bf16.available;
-    if (onednn) {
-      absl::StatusOr<std::unique_ptr<PackedBf16Weights>> packed =
-          PackBf16Weights(DType::kFP32, ops.w32.data(), shape.k, shape.n);
-      onednn = packed.ok();
-      if (onednn) ops.packed = *std::move(packed);
+    PackFor(shape, &live, &ops);
+    std::array<double, kNumGemmEngines> best;
+    best.fill(std::numeric_limits<double>::infinity());
+    for (int e = 0; e < kNumGemmEngines; ++e) {  // untimed: primitive creation, page faults
+      if (live[e]) live[e] = RunEngine(static_cast<GemmEngine>(e), shape, m, ops);
     }
-    const auto run_sgemm = [&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m),
-                  static_cast<int>(shape.n), static_cast<int>(shape.k), 1.0f, ops.x32.data(),
-                  static_cast<int>(shape.k), ops.w32.data(), static_cast<int>(shape.n), 0.0f,
-                  ops.y32.data(), static_cast<int>(shape.n));
-    };
-    const auto run_onednn = [&] {
-      return Bf16Matmul(m, ops.x16.data(), shape.k, *ops.packed, nullptr, false, false,
-                        ops.y32.data(), shape.n).ok();
-    };
-    // Untimed first calls: primitive creation, page faults of the output.
-    run_sgemm();
-    if (onednn) onednn = run_onednn();
-    double best_sgemm = std::numeric_limits<double>::infinity();
-    double best_onednn = onednn ? best_sgemm : 0;
     const absl::Time deadline = absl::Now() + per_shape;
     for (int call = 0; call < 2 || absl::Now() < deadline; ++call) {
-      absl::Time start = absl::Now();
-      run_sgemm();
-      best_sgemm = std::min(best_sgemm, SecondsOf(start));
-      ++result.sgemm.calls;
-      if (!onednn) continue;
-      start = absl::Now();
-      onednn = run_onednn();
-      best_onednn = std::min(best_onednn, SecondsOf(start));
-      ++result.onednn_bf16.calls;
+      for (int e = 0; e < kNumGemmEngines; ++e) {  // interleaved: load hits every engine alike
+        if (!live[e]) continue;
+        const absl::Time start = absl::Now();
+        live[e] = RunEngine(static_cast<GemmEngine>(e), shape, m, ops);
+        best[e] = std::min(best[e], SecondsOf(start));
+        ++result.engines[e].calls;
+      }
     }
-    result.sgemm.seconds += best_sgemm;
-    result.onednn_bf16.seconds += best_onednn;
-    result.onednn_bf16.available = result.onednn_bf16.available && onednn;
+    for (int e = 0; e < kNumGemmEngines; ++e) result.engines[e].seconds += best[e];
   }
-  result.sgemm.gflops = flops / result.sgemm.seconds / 1e9;
-  if (result.onednn_bf16.available) {
-    result.onednn_bf16.gflops = flops / result.onednn_bf16.seconds / 1e9;
+  for (int e = 0; e < kNumGemmEngines; ++e) {
+    GemmEngineTiming& timing = result.engines[e];
+    timing.available = live[e];
+    timing.gflops = timing.available ? flops / timing.seconds / 1e9 : 0;
   }
   return result;
 }

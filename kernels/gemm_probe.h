@@ -1,8 +1,9 @@
-// Times the CPU backend's candidate GEMM engines (oneDNN bf16 on packed weights, OpenBLAS
-// sgemm on fp32 weights) on given shapes, so `cpu_gemm: auto` picks by measurement on this
-// machine instead of by CPU flags.
+// Times the CPU backend's candidate GEMM engines (oneDNN bf16 and oneDNN fp32 on packed weights,
+// OpenBLAS sgemm on fp32 weights) on given shapes, so `cpu_gemm: auto` picks by measurement on
+// this machine instead of by CPU flags.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -19,12 +20,19 @@ inline constexpr GemmShape kDefaultProbeShape = {2 * 8 * 128, 8 * 128};
 struct GemmProbeOptions {
   std::vector<GemmShape> shapes;  // empty: {kDefaultProbeShape}
   int64_t rows = 512;             // the backend's token piece
-  // Wall time for the timed calls of both engines together (packing and primitive creation
+  // Wall time for the timed calls of all engines together (packing and primitive creation
   // excluded); each engine gets at least two calls per shape whatever the budget.
   absl::Duration budget = absl::Milliseconds(200);
   // At most this many shapes are timed: the largest by k * n (the ones that cost most).
   int max_shapes = 4;
 };
+
+// The GEMM engines of the CPU backend. The two fp32 ones are exact (SPEC 3's fp32 tolerance);
+// oneDNN bf16 rounds x and the weights to bf16.
+enum class GemmEngine : int { kOnednnBf16 = 0, kOnednnF32 = 1, kSgemm = 2 };
+inline constexpr int kNumGemmEngines = 3;
+const char* GemmEngineName(GemmEngine engine);  // "onednn_bf16", "onednn_f32", "sgemm"
+bool IsFp32Engine(GemmEngine engine);
 
 struct GemmEngineTiming {
   bool available = false;  // oneDNN has no bf16 matmul below AVX-512
@@ -36,13 +44,15 @@ struct GemmEngineTiming {
 struct GemmProbeResult {
   std::vector<GemmShape> shapes;  // the shapes timed
   int64_t rows = 0;
-  GemmEngineTiming onednn_bf16;
-  GemmEngineTiming sgemm;
-  // oneDNN bf16 took less time than sgemm over the shapes.
-  bool onednn_faster() const {
-    return onednn_bf16.available && onednn_bf16.seconds < sgemm.seconds;
+  std::array<GemmEngineTiming, kNumGemmEngines> engines;  // indexed by GemmEngine
+
+  const GemmEngineTiming& timing(GemmEngine engine) const {
+    return engines[static_cast<int>(engine)];
   }
-  // "onednn_bf16 226.1 GFLOP/s vs sgemm 101.3 GFLOP/s on 1 shape x 512 rows (2048x1024)".
+  // The available engine that took least time over the shapes; only the exact (fp32) ones
+  // when `fp32_only`. sgemm is always available.
+  GemmEngine Fastest(bool fp32_only) const;
+  // "onednn_bf16 226.1, onednn_f32 111.2, sgemm 101.3 GFLOP/s on 1 shape x 512 rows (2048x1024)".
   std::string Summary() const;
 };
 

@@ -22,16 +22,28 @@ TEST(GemmProbeTest, TimesBothEnginesOnTheLargestDistinctShapes) {
   EXPECT_EQ(result.shapes[0], (GemmShape{256, 128}));
   EXPECT_EQ(result.shapes[1], (GemmShape{512, 64}));
   EXPECT_EQ(result.rows, 16);
-  EXPECT_GE(result.sgemm.calls, 2 * 2);
-  EXPECT_GT(result.sgemm.seconds, 0);
-  EXPECT_GT(result.sgemm.gflops, 0);
-  EXPECT_EQ(result.onednn_bf16.available, OnednnBf16MatmulAvailable());
-  if (result.onednn_bf16.available) {
-    EXPECT_EQ(result.onednn_bf16.calls, result.sgemm.calls);
-    EXPECT_GT(result.onednn_bf16.gflops, 0);
-    EXPECT_EQ(result.onednn_faster(), result.onednn_bf16.seconds < result.sgemm.seconds);
-  } else {
-    EXPECT_FALSE(result.onednn_faster());
+  const GemmEngineTiming& sgemm = result.timing(GemmEngine::kSgemm);
+  EXPECT_TRUE(sgemm.available);
+  EXPECT_GE(sgemm.calls, 2 * 2);
+  EXPECT_GT(sgemm.seconds, 0);
+  EXPECT_GT(sgemm.gflops, 0);
+  EXPECT_TRUE(result.timing(GemmEngine::kOnednnF32).available);
+  EXPECT_EQ(result.timing(GemmEngine::kOnednnBf16).available, OnednnBf16MatmulAvailable());
+  // The engines take turns: each available one got as many calls as sgemm.
+  for (const GemmEngineTiming& timing : result.engines) {
+    if (timing.available) EXPECT_EQ(timing.calls, sgemm.calls);
+  }
+  // Fastest is the least time among the available (exact) engines.
+  for (bool fp32_only : {false, true}) {
+    const GemmEngine fastest = result.Fastest(fp32_only);
+    EXPECT_TRUE(result.timing(fastest).available);
+    if (fp32_only) EXPECT_TRUE(IsFp32Engine(fastest));
+    for (int e = 0; e < kNumGemmEngines; ++e) {
+      const GemmEngine engine = static_cast<GemmEngine>(e);
+      if (!result.engines[e].available || (fp32_only && !IsFp32Engine(engine))) continue;
+      EXPECT_LE(result.timing(fastest).seconds, result.engines[e].seconds)
+          << GemmEngineName(engine);
+    }
   }
   EXPECT_THAT(result.Summary(), HasSubstr("x 16 rows (256x128, 512x64)"));
 }
@@ -53,7 +65,8 @@ TEST(GemmProbeTest, StaysWithinItsBudget) {
   options.budget = absl::Milliseconds(50);
   const absl::Time start = absl::Now();
   const GemmProbeResult result = ProbeGemmEngines(options);
-  const double per_round = result.sgemm.seconds + result.onednn_bf16.seconds;
+  double per_round = 0;
+  for (const GemmEngineTiming& timing : result.engines) per_round += timing.seconds;
   // Packing, the untimed first calls and one round past the deadline, with a wide margin for a
   // loaded machine: the loop must stop, not run for seconds.
   EXPECT_LT(absl::ToDoubleSeconds(absl::Now() - start), 0.05 + 50 * per_round + 1.0);
@@ -66,8 +79,8 @@ TEST(GemmProbeTest, OnceMeasuresEachShapeSetOnce) {
   options.budget = absl::Milliseconds(5);
   const GemmProbeResult first = ProbeGemmEnginesOnce(options);
   const GemmProbeResult again = ProbeGemmEnginesOnce(options);
-  EXPECT_EQ(again.sgemm.seconds, first.sgemm.seconds);
-  EXPECT_EQ(again.sgemm.calls, first.sgemm.calls);
+  EXPECT_EQ(again.timing(GemmEngine::kSgemm).seconds, first.timing(GemmEngine::kSgemm).seconds);
+  EXPECT_EQ(again.timing(GemmEngine::kSgemm).calls, first.timing(GemmEngine::kSgemm).calls);
   options.rows = 16;  // another measurement
   EXPECT_EQ(ProbeGemmEnginesOnce(options).rows, 16);
 }

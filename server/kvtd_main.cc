@@ -156,9 +156,10 @@ int Run() {
     (*server)->metrics()->SetCpuGemmPath(backend->cpu_gemm_path, backend->cpu_isa,
                                          config->backend.cpu_gemm);
     if (const std::optional<GemmProbeResult>& probe = backend->cpu_gemm_probe) {
-      (*server)->metrics()->SetCpuGemmProbe("sgemm", probe->sgemm.gflops);
-      if (probe->onednn_bf16.available) {
-        (*server)->metrics()->SetCpuGemmProbe("onednn_bf16", probe->onednn_bf16.gflops);
+      for (int e = 0; e < kNumGemmEngines; ++e) {
+        if (!probe->engines[e].available) continue;
+        (*server)->metrics()->SetCpuGemmProbe(GemmEngineName(static_cast<GemmEngine>(e)),
+                                              probe->engines[e].gflops);
       }
     }
   }
