@@ -422,6 +422,36 @@ TEST_F(CpuBackendTest, Bf16PreparedBytes) {
     EXPECT_EQ(backend->PreparedBytesEstimate(mlp.view), (*prepared)->bytes());
     EXPECT_GT((*prepared)->bytes(), 0u);
   }
+  // Head-local ridge: each of the 2 heads' [16, 16] blocks (k 1 x g 1 x d_s 16 rows) packed on
+  // its own, fp32 biases.
+  spec.ridge_per_head = true;
+  const RandomMapper per_head = MakeRandomMapper(spec, 3);
+  prepared = backend->Prepare(per_head.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ((*prepared)->bytes(), 2u * 2 * (2 * *PackedBf16WeightBytes(16, 16) + 32 * 4));
+  EXPECT_EQ(backend->PreparedBytesEstimate(per_head.view), (*prepared)->bytes());
+}
+
+// The sgemm path's fp32 copies of a head-local ridge: n_t [|x_h|, d_t] matrices and n_t d_t
+// biases per target layer and K|V, n_kv times fewer than per_layer's, counted exactly.
+TEST_F(CpuBackendTest, RidgePerHeadPreparedBytesAndEstimate) {
+  path_ = CpuGemmPath::kSgemm;
+  auto backend = MakeBackend();
+  RandomMapperSpec spec;
+  spec.ridge_per_head = true;
+  spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.weight_dtype = DType::kBF16;
+  const RandomMapper per_head = MakeRandomMapper(spec, 4);
+  auto prepared = backend->Prepare(per_head.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  // 2 layers x (K, V) x (2 heads x 16 x 16 + 2 x 16) floats.
+  EXPECT_EQ((*prepared)->bytes(), 2u * 2 * (2 * 16 * 16 + 2 * 16) * 4);
+  EXPECT_EQ(backend->PreparedBytesEstimate(per_head.view), (*prepared)->bytes());
+  spec.ridge_per_head = false;
+  const RandomMapper per_layer = MakeRandomMapper(spec, 4);
+  EXPECT_EQ(backend->PreparedBytesEstimate(per_layer.view),
+            2u * 2 * (32 * 32 + 32) * 4);  // n_kv = 2 times the weights
 }
 
 // Where the oneDNN path's error comes from, against the float64 reference, on bf16 caches with
