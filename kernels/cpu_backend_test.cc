@@ -315,6 +315,51 @@ TEST_P(CpuBackendPathTest, OneThreadAndTwoAgree) {
   EXPECT_LE(MaxRelError(results[0], results[1]), 1e-2) << "seed=" << seed;
 }
 
+// A head-local mapper's short request (fewer token pieces than threads) splits the heads over
+// the threads too: 1, 3 and 40 tokens on 1, 3 and 4 threads (4 target heads: 1, 3, 4 or 2
+// head ranges per piece), each against the float64 reference on both layouts.
+TEST_P(CpuBackendPathTest, RidgePerHeadShortRequestsSplitHeadsOverThreads) {
+  const uint64_t seed = FreshSeed("RidgePerHeadShortRequestsSplitHeadsOverThreads");
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  std::mt19937_64 rng(seed);
+  RandomMapperSpec spec;
+  spec.ridge_per_head = true;
+  spec.source_heads = 2;
+  spec.target_heads = 4;
+  spec.target_head_dim = 8;
+  spec.window = 2;
+  spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj);
+  spec.weight_dtype = Weights(DType::kFP32);
+  const RandomMapper mapper = MakeRandomMapper(spec, rng());
+  const double tolerance = bf16_weights_ ? 1e-2 : TranslationTolerance(DType::kFP32);
+  for (int64_t tokens : {1, 3, 40}) {
+    const OwnedCache source = MakeRandomCache(2, 2, 16, tokens, DType::kFP32, Layout::kNHD, rng());
+    Positions positions;
+    positions.offset = 17;
+    for (int threads : {1, 3, 4}) {
+      for (Layout layout : {Layout::kHND, Layout::kNHD}) {
+        auto backend = MakeBackend(threads);
+        auto prepared = backend->Prepare(mapper.view);
+        ASSERT_TRUE(prepared.ok()) << prepared.status();
+        OwnedCache target = MakeOutputCache(2, 4, 8, tokens, DType::kFP32, layout);
+        ASSERT_TRUE(backend->Translate(**prepared, source.view, positions, TranslateOptions(),
+                                       &target.mutable_view)
+                        .ok());
+        for (int l = 0; l < 2; ++l) {
+          for (Kind kind : {Kind::kK, Kind::kV}) {
+            EXPECT_LE(MaxRelError(ReadLayer(target.mutable_view, l, kind),
+                                  ReferenceTranslate(mapper.view, l, kind, source.view, positions)),
+                      tolerance)
+                << tokens << " tokens, " << threads << " threads, " << LayoutName(layout)
+                << ", layer " << l;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Another component re-enabling OpenBLAS threads must not change the answer (the backend then
 // lets BLAS thread the GEMMs instead of its pool).
 TEST_F(CpuBackendTest, ThreadedBlasFallback) {
