@@ -481,7 +481,7 @@ TEST_F(CpuBackendTest, Bf16PreparedBytes) {
   const RandomMapper per_head = MakeRandomMapper(spec, 3);
   prepared = backend->Prepare(per_head.view);
   ASSERT_TRUE(prepared.ok()) << prepared.status();
-  EXPECT_EQ((*prepared)->bytes(), 2u * 2 * (2 * *PackedBf16WeightBytes(16, 16) + 32 * 4));
+  EXPECT_EQ((*prepared)->bytes(), 2u * 2 * (2 * *PackedWeightBytes(DType::kBF16, 16, 16) + 32 * 4));
   EXPECT_EQ(backend->PreparedBytesEstimate(per_head.view), (*prepared)->bytes());
 }
 
