@@ -369,7 +369,8 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   if (heldout != nullptr && heldout->refine.attention) {
     refinement.emplace();
     absl::StatusOr<std::vector<std::pair<std::string, std::string>>> refined = RefineLayers(
-        *heldout, stats, *parsed, manifest, options.weight_dtype, &fits, &*refinement);
+        *heldout, stats, *parsed, manifest, options.weight_dtype, &fits, options.ridge.per_head,
+        &*refinement);
     if (!refined.ok()) return refined.status();
     facts = std::move(*refined);
   }

@@ -58,11 +58,12 @@ std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int
                                                Manifest* manifest);
 
 // `--refine=attention` on solved ridge fits (fit/refine.cc): measures the closed-form mapper as
-// served on the held-out sequences (when they have queries), refines `fits` in place, recomputes
-// their R^2 from `stats`, and returns the report facts (and, when `summary` is set, what ran).
+// served on the held-out sequences (when they have queries), refines `fits` in place (head-local
+// ones with `per_head`, keeping their zeros), recomputes their R^2 from `stats`, and returns the
+// report facts (and, when `summary` is set, what ran).
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
     const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
-    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits,
+    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits, bool per_head,
     RefinementSummary* summary = nullptr);
 
 // The held-out quality (MeasureHeldout) of a mapper in memory: `manifest` with its layers, the

@@ -192,7 +192,78 @@ std::vector<double> Means(const std::vector<double>& sums, double n) {
   return mu;
 }
 
+// rows x cols sub-block of row-major m [.. x ld] at the given rows and columns.
+std::vector<double> SubBlock(const std::vector<double>& m, int64_t ld,
+                             const std::vector<int64_t>& rows, int64_t col0, int64_t cols) {
+  std::vector<double> sub(rows.size() * cols);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::copy(m.begin() + rows[r] * ld + col0, m.begin() + rows[r] * ld + col0 + cols,
+              sub.begin() + r * cols);
+  }
+  return sub;
+}
+
+// The ridge weights from centred sums with `ridge` (lambda, sum scale) on the diagonal: one
+// solve of the whole design, or per target head on the sub-blocks of its own rows (S_xx) and
+// its rows x its d_t columns (S_xy), scattered into the dense layout with zeros elsewhere.
+bool SolveWeights(const FitShape& shape, int64_t blocks, bool per_head, double ridge,
+                  const Centred& centred, std::vector<double>* w, std::string* why) {
+  const int64_t d = blocks * shape.ds(), dt = shape.dt();
+  if (!per_head) {
+    *w = centred.sxy;
+    return CholeskySolve(d, dt, ridge, centred.sxx, w, why);
+  }
+  const int64_t d_t = shape.target.head_dim;
+  w->assign(d * dt, 0.0);
+  for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+    const std::vector<int64_t> rows = HeadSourceRows(shape, blocks, h);
+    const int64_t in = rows.size();
+    std::vector<double> sxx(in * in);
+    for (int64_t r = 0; r < in; ++r) {
+      for (int64_t c = 0; c < in; ++c) sxx[r * in + c] = centred.sxx[rows[r] * d + rows[c]];
+    }
+    std::vector<double> wh = SubBlock(centred.sxy, dt, rows, h * d_t, d_t);
+    if (!CholeskySolve(in, d_t, ridge, std::move(sxx), &wh, why)) {
+      *why = absl::StrCat(*why, " for target head ", h);
+      return false;
+    }
+    for (int64_t r = 0; r < in; ++r) {
+      std::copy(wh.begin() + r * d_t, wh.begin() + (r + 1) * d_t,
+                w->begin() + rows[r] * dt + h * d_t);
+    }
+  }
+  return true;
+}
+
 }  // namespace
+
+absl::Status CheckHeadMatching(int source_heads, int target_heads) {
+  if (source_heads > 0 && target_heads > 0 &&
+      (source_heads % target_heads == 0 || target_heads % source_heads == 0)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--granularity=per_head needs one KV head count to divide the other: the source has ",
+      source_heads, " and the target ", target_heads, " (use --granularity=per_layer)"));
+}
+
+HeadSources SourceHeadsOf(int source_heads, int target_heads, int h) {
+  return HeadSources{static_cast<int>(int64_t{h} * source_heads / target_heads),
+                     std::max(1, source_heads / target_heads)};
+}
+
+std::vector<int64_t> HeadSourceRows(const FitShape& shape, int64_t blocks, int h) {
+  const HeadSources heads = SourceHeadsOf(shape.source.num_kv_heads, shape.target.num_kv_heads, h);
+  const int64_t ds = shape.ds(), d_s = shape.source.head_dim;
+  std::vector<int64_t> rows;
+  rows.reserve(blocks * heads.count * d_s);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t i = heads.first * d_s; i < (heads.first + heads.count) * d_s; ++i) {
+      rows.push_back(b * ds + i);
+    }
+  }
+  return rows;
+}
 
 absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& probe,
                                        std::vector<std::string>* warnings) {
@@ -309,6 +380,10 @@ std::vector<std::vector<int>> SelectLayers(const ProbeTables& tables, int k) {
 absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_stats, int l,
                                     const std::vector<int>& sigma, const RidgeOptions& options) {
   const int64_t ds = shape.ds(), dt = shape.dt(), d = sigma.size() * ds;
+  if (options.per_head) {
+    absl::Status matched = CheckHeadMatching(shape.source.num_kv_heads, shape.target.num_kv_heads);
+    if (!matched.ok()) return matched;
+  }
   LayerFit fit;
   for (int c = 0; c < 2; ++c) {
     const std::string what = absl::StrCat("target layer ", l, " ", c == 0 ? "K" : "V");
@@ -335,18 +410,20 @@ absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_
     const double lambda =
         options.scale == LambdaScale::kCovariance ? options.lambda : options.lambda / n;
     const std::string facts = absl::StrCat(n, " training tokens, ", d, " features (", sigma.size(),
-                                           " source layers), ", constant, " constant features, "
+                                           " source layers", options.per_head ? ", per head" : "",
+                                           "), ", constant, " constant features, "
                                            "lambda ", options.lambda, " (",
                                            LambdaScaleName(options.scale), " scale)");
-    if (lambda == 0 && (constant > 0 || n <= d)) {
+    const int64_t design = options.per_head ? d / shape.target.num_kv_heads : d;
+    if (lambda == 0 && (constant > 0 || n <= design)) {
       return absl::FailedPreconditionError(absl::StrCat(
           what, ": S_xx is singular (", facts,
           "): with lambda = 0 the ridge has no unique solution; use --lambda > 0"));
     }
     // Covariance scale: S_xx = sums / n, so solve with sums and lambda n.
-    std::vector<double> w = centred.sxy;
+    std::vector<double> w;
     std::string why;
-    if (!CholeskySolve(d, dt, lambda * n, centred.sxx, &w, &why)) {
+    if (!SolveWeights(shape, sigma.size(), options.per_head, lambda * n, centred, &w, &why)) {
       return absl::FailedPreconditionError(
           absl::StrCat(what, ": S_xx + lambda I is ", why, " (", facts, "); use a larger --lambda"));
     }

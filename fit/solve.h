@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "fit/stats.h"
 #include "mapper_store/format/manifest.h"
@@ -44,10 +45,27 @@ std::vector<std::vector<int>> SelectLayers(const ProbeTables& tables, int k);
 struct RidgeOptions {
   double lambda = 0.01;
   LambdaScale scale = LambdaScale::kCovariance;
+  // Head-local maps (granularity per_head): target head h is fitted from its matching source
+  // heads only (HeadSourceRows), on the sub-blocks of the same statistics.
+  bool per_head = false;
 };
 
+// Head matching of a head-local map: target head h reads source heads [first, first + count).
+struct HeadSources {
+  int first = 0, count = 1;
+};
+// n_s % n_t == 0 or n_t % n_s == 0, else INVALID_ARGUMENT naming both head counts.
+// Private copy of the serving side's head matching (kernels/), to be replaced by it.
+absl::Status CheckHeadMatching(int source_heads, int target_heads);
+HeadSources SourceHeadsOf(int source_heads, int target_heads, int h);
+// The columns of a gathered row of `blocks` source blocks (block-major, head-major inside,
+// n_s d_s each) that target head h reads, in order: in_h = blocks * count * d_s of them.
+std::vector<int64_t> HeadSourceRows(const FitShape& shape, int64_t blocks, int h);
+
 // One target layer's maps, row-major float64 in the mapper's layout (rows: sigma's source layers
-// in order, head-major inside; columns: target heads).
+// in order, head-major inside; columns: target heads). A head-local fit keeps this dense layout
+// with exact zeros outside each head's rows and columns (HeadSourceRows), so every consumer of
+// a LayerFit (R^2, refinement, the held-out evaluation) reads it unchanged.
 struct LayerFit {
   std::vector<double> w_k, b_k, w_v, b_v;
   std::optional<double> r2_k, r2_v, r2_k_heldout, r2_v_heldout;
