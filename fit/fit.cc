@@ -335,6 +335,20 @@ std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int
   return storage;
 }
 
+namespace {
+
+// The report's line on the ridge's granularity.
+std::string GranularityFact(const FitShape& shape, bool per_head) {
+  if (!per_head) return "per_layer (every target head from every source head of the layers)";
+  const HeadSources heads =
+      SourceHeadsOf(shape.source.num_kv_heads, shape.target.num_kv_heads, 0);
+  return absl::StrCat("per_head (head-local: each of the ", shape.target.num_kv_heads,
+                      " target heads from its ", heads.count, " matching source head",
+                      heads.count == 1 ? "" : "s", " of the layers)");
+}
+
+}  // namespace
+
 absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions& options,
                                         const std::string& out_dir,
                                         std::vector<std::string> warnings,
@@ -354,8 +368,9 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   {
     std::unique_ptr<Progress> progress;
     if (options.show_progress) {
-      progress = std::make_unique<Progress>("solve", shape->target.num_layers, "layers",
-                                            options.log);
+      progress = std::make_unique<Progress>(
+          options.ridge.per_head ? "solve per_head" : "solve per_layer",
+          shape->target.num_layers, "layers", options.log);
     }
     for (int l = 0; l < shape->target.num_layers; ++l) {
       absl::StatusOr<LayerFit> fit = SolveLayer(*shape, stats, l, sigma[l], options.ridge);
@@ -364,7 +379,8 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
       if (progress) progress->Advance(1, 0);
     }
   }
-  std::vector<std::pair<std::string, std::string>> facts;
+  std::vector<std::pair<std::string, std::string>> facts = {{"granularity", GranularityFact(
+      *shape, options.ridge.per_head)}};
   std::optional<RefinementSummary> refinement;
   if (heldout != nullptr && heldout->refine.attention) {
     refinement.emplace();
@@ -372,7 +388,7 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
         *heldout, stats, *parsed, manifest, options.weight_dtype, &fits, options.ridge.per_head,
         &*refinement);
     if (!refined.ok()) return refined.status();
-    facts = std::move(*refined);
+    facts.insert(facts.end(), refined->begin(), refined->end());
   }
   std::vector<std::vector<uint8_t>> storage = RidgeStorage(sigma, fits, options.weight_dtype,
                                                            &manifest);
@@ -640,24 +656,26 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
 
 absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& out_dir,
                                  const StatSet* plan_in) {
-  std::vector<std::string> warnings;
-  StatSet plan;
-  if (plan_in == nullptr) {
-    absl::StatusOr<StatSet> probe = AccumulateProbe(options);
-    if (!probe.ok()) return probe.status();
-    absl::StatusOr<StatSet> made = MakePlan(*probe, &warnings);
-    if (!made.ok()) return made.status();
-    plan = std::move(*made);
-    plan_in = &plan;
-  }
   if (options.kind == FitKind::kBoth) {
     return absl::InvalidArgumentError("RunFit fits one kind; --kind both is RunFitBoth");
+  }
+  if (options.granularity_both) {
+    return absl::InvalidArgumentError(
+        "RunFit fits one granularity; --granularity both is RunFitGranularityBoth");
+  }
+  if (options.solve.ridge.per_head && options.kind != FitKind::kMlp) {
+    absl::Status heads = CheckHeadMatching(options.source.spec.num_kv_heads,
+                                           options.target.spec.num_kv_heads);
+    if (!heads.ok()) return heads;
   }
   if (options.kind == FitKind::kMlp) {
     absl::Status valid = ValidateMlpOptions(options.mlp.train);
     if (!valid.ok()) return valid;
   }
-  absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan_in);
+  std::vector<std::string> warnings;
+  absl::StatusOr<StatSet> plan = PlanOrProbe(options, plan_in, &warnings);
+  if (!plan.ok()) return plan.status();
+  absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan);
   if (!final_stats.ok()) return final_stats.status();
   if (options.kind == FitKind::kMlp) {
     return TrainAndWriteMlp(options, *final_stats, out_dir, std::move(warnings));

@@ -78,6 +78,20 @@ absl::StatusOr<std::optional<HeldoutQuality>> MeasureInMemory(
 absl::StatusOr<MapperView> MapperViewOf(const Manifest& manifest,
                                         const std::vector<TensorRef>& tensors);
 
+// One mapper's held-out figures for a comparison's fit_report.json (`--kind both`,
+// `--granularity both`): cosines, c_K, c_V, R^2, the mapper path and any refinement.
+nlohmann::json QualityJson(const HeldoutQuality& q, const FitResult& fit);
+
+// What a comparison needs before any work (`what` names it: "--kind both"): held-out sequences,
+// target queries in one of them, and none of `subdirs` under `out_dir` unless overwriting;
+// creates `out_dir`.
+absl::Status CheckComparable(const FitOptions& options, const std::string& out_dir,
+                             const std::string& what, const std::vector<std::string>& subdirs);
+
+// `plan` when set, else the probe pass and the plan from it.
+absl::StatusOr<StatSet> PlanOrProbe(const FitOptions& options, const StatSet* plan,
+                                    std::vector<std::string>* warnings);
+
 // The MLP mapper from final statistics (sigma, split, calibration facts) and a third pass over
 // the sequences that keeps the feature rows in memory for training; with
 // options.refine.attention, refined on the attention-output error (fit/refine.h) from the
