@@ -145,6 +145,36 @@ absl::Status CheckMlp(int layer, const char* name, const MlpView& mlp, int64_t i
   return absl::OkStatus();
 }
 
+// A head-local ridge layer: per K|V the n_t heads' matrices stacked along rows
+// (n_t * |x_h| x d_t) and an optional n_t x d_t bias.
+absl::Status CheckHeadLocalLayer(const MapperView& mapper, int l) {
+  const LayerMapView& layer = mapper.layers[l];
+  const int64_t heads = mapper.target.num_kv_heads;
+  const int64_t dt = mapper.target.head_dim;
+  for (const auto& [name, w, b, sigma] :
+       {std::tuple<const char*, const WeightView*, const WeightView*, const std::vector<int>*>{
+            "k", &layer.w_k, &layer.b_k, &layer.sigma_k},
+        {"v", &layer.w_v, &layer.b_v, &layer.sigma_v}}) {
+    const int64_t in =
+        HeadLocalInputWidth(mapper.source, mapper.target, mapper.window, sigma->size());
+    const std::string why = absl::StrCat(
+        "per_head: target n=", heads, " heads of window ", mapper.window, " x |sigma_", name,
+        "|=", sigma->size(), " x ", HeadLocalSources(mapper.source, mapper.target, 0).count,
+        " source head(s) x d=", mapper.source.head_dim, " rows, d=", dt, " cols");
+    if (absl::Status s = CheckWeight(l, absl::StrCat("w_", name).c_str(), *w, heads * in, dt, why);
+        !s.ok()) {
+      return s;
+    }
+    if (b->data == nullptr && b->rows == 0 && b->cols == 0) continue;
+    if (absl::Status s = CheckWeight(l, absl::StrCat("b_", name).c_str(), *b, heads, dt,
+                                     "per_head: one row of d_t per target head");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 uint64_t MlpParams(const MlpView& mlp) {
@@ -166,6 +196,12 @@ absl::Status CheckMapperView(const MapperView& mapper) {
   if (mapper.window < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("mapper.window=", mapper.window, " must be >= 1"));
+  }
+  if (mapper.head_local) {
+    if (mapper.kind != MapKind::kRidge) {
+      return absl::InvalidArgumentError("mapper.head_local is only valid for a ridge mapper");
+    }
+    if (absl::Status s = CheckHeadLocalHeads(mapper.source, mapper.target); !s.ok()) return s;
   }
   // A window mapper's input rows hold every sigma block `window` times (one per token offset).
   const int64_t source_width =
@@ -199,6 +235,10 @@ absl::Status CheckMapperView(const MapperView& mapper) {
           !s.ok()) {
         return s;
       }
+      continue;
+    }
+    if (mapper.head_local) {
+      if (absl::Status s = CheckHeadLocalLayer(mapper, l); !s.ok()) return s;
       continue;
     }
     if (absl::Status s = CheckWeight(l, "w_k", layer.w_k, layer.sigma_k.size() * source_width,

@@ -79,7 +79,7 @@ class Scratch {
 
 // One thread's working memory for a piece of tokens.
 struct Workspace {
-  Scratch<> x;       // gathered, stripped inputs: rows x (window |sigma| n_s d_s)
+  Scratch<> x;       // gathered, stripped inputs: rows x KindPlan::gathered_width
   Scratch<> y;       // GEMM output: rows x (n_t d_t)
   Scratch<> h1, h2;  // MLP hidden activations: rows x H each
   Scratch<> tables;  // both models' RoPE for the piece (RopeTableLayout)
@@ -87,6 +87,7 @@ struct Workspace {
   // while its RoPE is stripped.
   Scratch<uint16_t> x16, h1_16, h2_16;
   Scratch<> block;
+  Scratch<uint16_t> block16;  // head-local: one block in bf16 before it is scattered to chains
   Scratch<> y_head;  // one per_head chain's output: rows x d_t
 };
 
@@ -118,8 +119,10 @@ void ForEachMatrix(const MapperView& mapper, Fn&& fn) {
         fn(mlp->a3, mlp->heads);
       }
     } else {
-      fn(layer.w_k, 1);
-      fn(layer.w_v, 1);
+      // Head-local ridge stacks one matrix per target head, packed per head like MLP chains.
+      const int heads = mapper.head_local ? mapper.target.num_kv_heads : 1;
+      fn(layer.w_k, heads);
+      fn(layer.w_v, heads);
     }
   }
 }
@@ -309,52 +312,81 @@ void StripBlock(const LayerCall& call, const PieceTables& tables, int64_t row, f
   }
 }
 
+// Head-local: block b of row i, already stripped, into every chain's columns of the head-major
+// x (chain h's rows of map[0].in_width back to back, `chain_rows` rows each).
+template <typename T>
+void ScatterHeads(const KindPlan& kind, int64_t ds, const T* block, int64_t chain_rows,
+                  int64_t i, int64_t b, T* x) {
+  const int64_t in = kind.map[0].in_width;
+  for (int64_t h = 0; h < kind.heads; ++h) {
+    const HeadSources& src = kind.chain_sources[h];
+    std::memcpy(x + (h * chain_rows + i) * in + b * src.count * ds, block + src.first * ds,
+                src.count * ds * sizeof(T));
+  }
+}
+
 // Gather + strip, fp32: row i = token begin + i, columns [offset][sigma block][head][dim],
-// block (o, b) from token begin + i - o (zero before the request's first token).
+// block (o, b) from token begin + i - o (zero before the request's first token). Head-local:
+// each block goes through `block` into the chains' head-major rows (ScatterHeads).
 void GatherFp32(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-                const PieceTables& tables, float* x) {
+                const PieceTables& tables, float* block, float* x) {
   const int64_t width = call.plan->source_width();
   const int64_t sigma_size = static_cast<int64_t>(kind.sigma.size());
   const auto& layers = kind.kind == KvKind::kKey ? call.source->k : call.source->v;
   for (int64_t i = 0; i < piece.rows; ++i) {
     for (int64_t b = 0; b < kind.blocks; ++b) {
-      float* out = x + i * kind.input_width + b * width;
+      float* out = kind.head_local() ? block : x + i * kind.input_width + b * width;
       const int64_t t = piece.begin + i - b / sigma_size;
       if (t < 0) {
         std::memset(out, 0, width * sizeof(float));
-        continue;
+      } else {
+        ReadBlock(*call.source, layers[kind.sigma[b % sigma_size]], t, out);
+        if (kind.strip) StripBlock(call, tables, t - piece.read_begin, out);
       }
-      ReadBlock(*call.source, layers[kind.sigma[b % sigma_size]], t, out);
-      if (kind.strip) StripBlock(call, tables, t - piece.read_begin, out);
+      if (kind.head_local()) ScatterHeads(kind, call.source->head_dim, out, piece.rows, i, b, x);
     }
   }
 }
 
 // The same gather for the oneDNN path: each block in fp32 while its RoPE is stripped, then
-// rounded to bf16 (a bf16 value block without RoPE is copied as is).
+// rounded to bf16 (a bf16 value block without RoPE is copied as is). Head-local: through
+// `block16` into the chains' head-major rows of `chain_rows` (the GEMM's padded rows) each.
 void GatherBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-                const PieceTables& tables, float* block, uint16_t* x16) {
+                const PieceTables& tables, int64_t chain_rows, float* block, uint16_t* block16,
+                uint16_t* x16) {
   const int64_t width = call.plan->source_width();
   const int64_t sigma_size = static_cast<int64_t>(kind.sigma.size());
   const auto& layers = kind.kind == KvKind::kKey ? call.source->k : call.source->v;
   const bool copy = !kind.strip && call.source->dtype == DType::kBF16;
   for (int64_t i = 0; i < piece.rows; ++i) {
     for (int64_t b = 0; b < kind.blocks; ++b) {
-      uint16_t* out16 = x16 + i * kind.input_width + b * width;
+      uint16_t* out16 = kind.head_local() ? block16 : x16 + i * kind.input_width + b * width;
       const int64_t t = piece.begin + i - b / sigma_size;
+      const void* layer = layers[kind.sigma[b % sigma_size]];
       if (t < 0) {
         std::memset(out16, 0, width * sizeof(uint16_t));
-        continue;
-      }
-      const void* layer = layers[kind.sigma[b % sigma_size]];
-      if (copy) {
+      } else if (copy) {
         CopyBlockBf16(*call.source, layer, t, out16);
-        continue;
+      } else {
+        ReadBlock(*call.source, layer, t, block);
+        if (kind.strip) StripBlock(call, tables, t - piece.read_begin, block);
+        FromFloat(DType::kBF16, block, out16, width);
       }
-      ReadBlock(*call.source, layer, t, block);
-      if (kind.strip) StripBlock(call, tables, t - piece.read_begin, block);
-      FromFloat(DType::kBF16, block, out16, width);
+      if (kind.head_local()) {
+        ScatterHeads(kind, call.source->head_dim, out16, chain_rows, i, b, x16);
+      }
     }
+  }
+}
+
+// Zero rows [rows, gemm_rows) of the oneDNN input (their outputs unused): after the row block
+// of the whole row, or of every head-local chain.
+void ZeroPaddingRows(const KindPlan& kind, int64_t rows, int64_t gemm_rows, uint16_t* x16) {
+  if (gemm_rows == rows) return;
+  const int64_t chains = kind.head_local() ? kind.heads : 1;
+  const int64_t in = kind.head_local() ? kind.map[0].in_width : kind.input_width;
+  for (int64_t h = 0; h < chains; ++h) {
+    std::memset(x16 + (h * gemm_rows + rows) * in, 0, (gemm_rows - rows) * in * sizeof(uint16_t));
   }
 }
 
@@ -363,7 +395,8 @@ void GatherBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& p
 void MultiplySgemm(const KindPlan& kind, const Fp32Kind& w, const float* x, int64_t rows,
                    int64_t target_width, float* const hidden[2], float* y) {
   for (int64_t h = 0; h < kind.heads; ++h) {
-    const float* in = x;
+    // Head-local chains read their own block of the head-major x; others the whole row.
+    const float* in = kind.head_local() ? x + h * rows * kind.map[0].in_width : x;
     for (size_t s = 0; s < kind.map.size(); ++s) {
       const GemmStage& g = kind.map[s];
       const bool last = s + 1 == kind.map.size();
@@ -395,7 +428,7 @@ absl::Status MultiplyBf16(const KindPlan& kind, const Bf16Kind& w, const uint16_
                           int64_t gemm_rows, int64_t rows, int64_t target_width,
                           const Bf16Outputs& out) {
   for (int64_t h = 0; h < kind.heads; ++h) {
-    const uint16_t* in = x16;
+    const uint16_t* in = kind.head_local() ? x16 + h * gemm_rows * kind.map[0].in_width : x16;
     for (size_t s = 0; s < kind.map.size(); ++s) {
       const GemmStage& g = kind.map[s];
       const float* bias = w.bias[g.index] ? w.bias[g.index] + h * g.out_width : nullptr;
@@ -476,7 +509,7 @@ void RunKindSgemm(const LayerCall& call, const KindPlan& kind, const TokenPiece&
   float* const hidden[2] = {max_hidden ? ws->h1.Get(rows * max_hidden) : nullptr,
                             max_hidden ? ws->h2.Get(rows * max_hidden) : nullptr};
   const Fp32Kind& w = (*call.fp32)[static_cast<int>(kind.kind)];
-  GatherFp32(call, kind, piece, tables, x);
+  GatherFp32(call, kind, piece, tables, ws->block.Get(call.plan->source_width()), x);
   MultiplySgemm(kind, w, x, rows, width, hidden, y);
   Epilogue(call, kind, piece, tables, w.bias[kind.last().index], y);
 }
@@ -508,11 +541,9 @@ absl::Status RunKindBf16(const LayerCall& call, const KindPlan& kind, const Toke
   out.y_head = kind.heads > 1 ? ws->y_head.Get(gemm_rows * call.target->head_dim) : nullptr;
   out.hidden[0] = max_hidden ? ws->h1_16.Get(gemm_rows * max_hidden) : nullptr;
   out.hidden[1] = max_hidden ? ws->h2_16.Get(gemm_rows * max_hidden) : nullptr;
-  GatherBf16(call, kind, piece, tables, ws->block.Get(call.plan->source_width()), x16);
-  if (gemm_rows > piece.rows) {
-    std::memset(x16 + piece.rows * kind.input_width, 0,
-                (gemm_rows - piece.rows) * kind.input_width * sizeof(uint16_t));
-  }
+  GatherBf16(call, kind, piece, tables, gemm_rows, ws->block.Get(call.plan->source_width()),
+             ws->block16.Get(call.plan->source_width()), x16);
+  ZeroPaddingRows(kind, piece.rows, gemm_rows, x16);
   const Bf16Kind& w = (*call.bf16)[static_cast<int>(kind.kind)];
   if (absl::Status s = MultiplyBf16(kind, w, x16, gemm_rows, piece.rows, width, out); !s.ok()) {
     return s;

@@ -42,6 +42,32 @@ std::vector<double> ReadLayerImpl(DType dtype, Layout layout, int heads, int hea
   return out;
 }
 
+// Head-local ridge (MapperView::head_local) of one token's gathered row x: target head h maps
+// x_h, for each block (offset-major, then sigma) heads [first, first + count) of it, through
+// its own |x_h| x d_t matrix (w stacks the heads along rows) and bias row, into y[h d_t ...].
+void HeadLocalRidge(const MapperView& mapper, size_t sigma_size, const std::vector<double>& x,
+                    const std::vector<double>& w, const std::vector<double>& bias, double* y) {
+  const int64_t ns = mapper.source.num_kv_heads, ds = mapper.source.head_dim;
+  const int64_t dt = mapper.target.head_dim;
+  const int64_t blocks = static_cast<int64_t>(mapper.window) * static_cast<int64_t>(sigma_size);
+  const int64_t in = HeadLocalInputWidth(mapper.source, mapper.target, mapper.window, sigma_size);
+  for (int h = 0; h < mapper.target.num_kv_heads; ++h) {
+    const HeadSources src = HeadLocalSources(mapper.source, mapper.target, h);
+    for (int64_t c = 0; c < dt; ++c) {
+      double sum = bias.empty() ? 0.0 : bias[h * dt + c];
+      int64_t row = 0;  // row of head h's matrix
+      for (int64_t block = 0; block < blocks; ++block) {
+        for (int64_t s = src.first; s < src.first + src.count; ++s) {
+          for (int64_t d = 0; d < ds; ++d, ++row) {
+            sum += x[(block * ns + s) * ds + d] * w[(h * in + row) * dt + c];
+          }
+        }
+      }
+      y[h * dt + c] = sum;
+    }
+  }
+}
+
 }  // namespace
 
 void RotateDouble(const Rope& rope, uint64_t position, bool inverse, double* x) {
@@ -138,6 +164,8 @@ std::vector<double> ReferenceTranslate(const MapperView& mapper, int layer, Kind
           y[h * head_out + c] = sum;
         }
       }
+    } else if (mapper.head_local) {
+      HeadLocalRidge(mapper, sigma.size(), x, w, bias, y);
     } else {
       for (int64_t c = 0; c < outputs; ++c) {
         double sum = bias.empty() ? 0.0 : bias[c];

@@ -31,7 +31,9 @@ void RotateDouble(const Rope& rope, uint64_t position, bool inverse, double* x);
 
 // Target layer `layer`'s K or V for every source token, in [token][head][dim] order: the ridge
 // map x W + b, or for an MLP mapper (mapper.kind) the chain relu(relu(x A1 + c1) A2 + c2) A3 + c3
-// per layer or per target head, on the same gathered, RoPE-stripped x. The mapper must have
+// per layer or per target head, on the same gathered, RoPE-stripped x; a head-local ridge
+// (MapperView::head_local) maps each target head from its own source heads of x only. The
+// mapper must have
 // passed CheckMapperView (a bad RoPE config aborts).
 std::vector<double> ReferenceTranslate(const MapperView& mapper, int layer, Kind kind,
                                        const CacheView& source, const Positions& positions,

@@ -35,6 +35,16 @@ KindPlan PlanKind(const MapperView& mapper, const LayerMapView& layer, KvKind ki
     const MlpView& mlp = key ? layer.mlp_k : layer.mlp_v;
     plan.heads = mlp.heads;
     plan.map = MlpStages(mlp, plan.input_width, target_width);
+  } else if (mapper.head_local) {
+    // n_t chains, each mapping its own source heads to its d_t columns.
+    plan.heads = mapper.target.num_kv_heads;
+    for (int h = 0; h < plan.heads; ++h) {
+      plan.chain_sources.push_back(HeadLocalSources(mapper.source, mapper.target, h));
+    }
+    plan.map = RidgeStages(key ? layer.b_k : layer.b_v,
+                           HeadLocalInputWidth(mapper.source, mapper.target, mapper.window,
+                                               plan.sigma.size()),
+                           mapper.target.head_dim);
   } else {
     plan.map = RidgeStages(key ? layer.b_k : layer.b_v, plan.input_width, target_width);
   }
@@ -60,7 +70,7 @@ absl::StatusOr<TranslationPlan> TranslationPlan::Build(const MapperView& mapper)
     for (KvKind kind : {KvKind::kKey, KvKind::kValue}) {
       KindPlan& k = out.kinds[static_cast<int>(kind)];
       k = PlanKind(mapper, layer, kind, plan.source_width_, plan.target_width_);
-      plan.max_input_width_ = std::max(plan.max_input_width_, k.input_width);
+      plan.max_input_width_ = std::max(plan.max_input_width_, k.gathered_width());
       if (mapper.kind == MapKind::kMlp) {
         plan.max_hidden_ = std::max(plan.max_hidden_, k.map[0].out_width);
       }

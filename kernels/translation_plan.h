@@ -43,8 +43,17 @@ struct KindPlan {
   int heads = 1;
   std::vector<GemmStage> map;
   bool rotate = false;  // target RoPE applied at the token's own position (keys)
+  // Head-local ridge: chain h reads only heads [first, first + count) of every block (the
+  // mapper view's HeadLocalSources), so executors gather head-major: chain h's rows of
+  // map[0].in_width = blocks * count * d_s columns, chain after chain. Empty: every chain reads
+  // the whole row of input_width columns.
+  std::vector<HeadSources> chain_sources;
 
   const GemmStage& last() const { return map.back(); }
+  bool head_local() const { return !chain_sources.empty(); }
+  // Gathered floats per token: input_width, or heads * map[0].in_width when head-local (more
+  // than input_width when n_t > n_s, since target heads then share source heads).
+  int64_t gathered_width() const { return head_local() ? heads * map[0].in_width : input_width; }
 };
 
 struct LayerPlan {
@@ -63,7 +72,7 @@ class TranslationPlan {
   int window() const { return mapper_.window; }
   int64_t source_width() const { return source_width_; }  // n_s d_s
   int64_t target_width() const { return target_width_; }  // n_t d_t
-  // Over every layer and kind: the widest gathered row and the widest MLP hidden layer (0 for
+  // Over every layer and kind: the widest gathered row (KindPlan::gathered_width) and the widest MLP hidden layer (0 for
   // ridge), which size an executor's per-call buffers.
   int64_t max_input_width() const { return max_input_width_; }
   int64_t max_hidden() const { return max_hidden_; }

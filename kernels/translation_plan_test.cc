@@ -1,6 +1,8 @@
 #include "kernels/translation_plan.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -48,6 +50,69 @@ TEST(TranslationPlanTest, RidgeKeysStripAndRotateValuesDoNot) {
     EXPECT_EQ(&StageMatrix(mapper.view, l, KvKind::kValue, 0), &mapper.view.layers[l].w_v);
     EXPECT_EQ(&StageBias(mapper.view, l, KvKind::kKey, 0), &mapper.view.layers[l].b_k);
   }
+}
+
+// Head-local ridge: n_t chains of window |sigma| g d_s -> d_t, each reading its own heads.
+TEST(TranslationPlanTest, RidgePerHeadChainsReadTheirOwnHeads) {
+  struct Pairing {
+    int ns, nt;
+    std::vector<HeadSources> sources;
+  };
+  const Pairing pairings[] = {{2, 2, {{0, 1}, {1, 1}}},
+                              {4, 2, {{0, 2}, {2, 2}}},
+                              {2, 4, {{0, 1}, {0, 1}, {1, 1}, {1, 1}}}};
+  for (const Pairing& p : pairings) {
+    RandomMapperSpec spec;
+    spec.ridge_per_head = true;
+    spec.source_heads = p.ns;
+    spec.target_heads = p.nt;
+    spec.source_head_dim = 8;
+    spec.target_head_dim = 4;
+    spec.k = 2;
+    spec.k_v = 1;
+    spec.window = 3;
+    const RandomMapper mapper = MakeRandomMapper(spec, 7);
+    absl::StatusOr<TranslationPlan> plan = TranslationPlan::Build(mapper.view);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const int g = p.ns >= p.nt ? p.ns / p.nt : 1;
+    const KindPlan& k = plan->layer(0).kinds[0];
+    const KindPlan& v = plan->layer(0).kinds[1];
+    EXPECT_TRUE(k.head_local());
+    EXPECT_EQ(k.heads, p.nt);
+    EXPECT_EQ(k.input_width, 3 * 2 * p.ns * 8);
+    EXPECT_EQ(k.map[0].in_width, 3 * 2 * g * 8);
+    EXPECT_EQ(k.map[0].out_width, 4);
+    EXPECT_EQ(v.map[0].in_width, 3 * 1 * g * 8);
+    EXPECT_EQ(k.gathered_width(), p.nt * 3 * 2 * g * 8);
+    EXPECT_EQ(plan->max_input_width(), std::max(k.gathered_width(), k.input_width));
+    ASSERT_EQ(k.chain_sources.size(), p.sources.size());
+    for (size_t h = 0; h < p.sources.size(); ++h) {
+      EXPECT_EQ(k.chain_sources[h].first, p.sources[h].first) << p.ns << "->" << p.nt << " h" << h;
+      EXPECT_EQ(k.chain_sources[h].count, p.sources[h].count) << p.ns << "->" << p.nt << " h" << h;
+    }
+  }
+}
+
+// Head counts neither divides, and a per_layer-shaped matrix under head_local: refused, named.
+TEST(TranslationPlanTest, RidgePerHeadRefusesUnmatchedHeadsAndShapes) {
+  RandomMapperSpec spec;
+  spec.ridge_per_head = true;
+  spec.source_heads = 3;
+  spec.target_heads = 2;
+  RandomMapper mapper = MakeRandomMapper(spec, 8);
+  absl::StatusOr<TranslationPlan> plan = TranslationPlan::Build(mapper.view);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("source.num_kv_heads=3"), std::string::npos);
+  EXPECT_NE(plan.status().message().find("target.num_kv_heads=2"), std::string::npos);
+
+  spec.ridge_per_head = false;
+  spec.source_heads = 2;
+  RandomMapper dense = MakeRandomMapper(spec, 9);
+  dense.view.head_local = true;
+  plan = TranslationPlan::Build(dense.view);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("layers[0].w_k"), std::string::npos) << plan.status();
+  EXPECT_NE(plan.status().message().find("per_head"), std::string::npos) << plan.status();
 }
 
 TEST(TranslationPlanTest, RidgeWithoutBiasAddsNothing) {

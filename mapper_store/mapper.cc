@@ -44,6 +44,21 @@ std::string WindowNote(const Manifest& manifest) {
                               : absl::StrCat("window ", manifest.window, " x ");
 }
 
+// The shape-mismatch explanation of a ridge mapper's tensors.
+std::string RidgeShapeWhy(const Manifest& m) {
+  if (m.ridge_granularity == RidgeGranularity::kPerHead) {
+    return absl::StrCat(
+        WindowNote(m), "ridge.granularity per_head: [target.num_kv_heads ", m.target.num_kv_heads,
+        ", len(sigma) x ", HeadLocalSources(m.source, m.target, 0).count,
+        " matching source head(s) x source.head_dim ", m.source.head_dim,
+        ", target.head_dim ", m.target.head_dim, "], bias [target.num_kv_heads, target.head_dim]");
+  }
+  return absl::StrCat(WindowNote(m), "rows = len(sigma) x source.num_kv_heads ",
+                      m.source.num_kv_heads, " x source.head_dim ", m.source.head_dim,
+                      ", cols = target.num_kv_heads ", m.target.num_kv_heads,
+                      " x target.head_dim ", m.target.head_dim);
+}
+
 }  // namespace
 
 std::string MapperTensorName(int target_layer, char kv, bool bias) {
@@ -54,6 +69,27 @@ std::string MlpTensorName(int target_layer, char kv, int fc, bool bias) {
   return absl::StrCat("layers.", target_layer, ".", std::string(1, kv), ".fc", fc,
                       bias ? ".bias" : ".weight");
 }
+
+namespace {
+
+// Head-local ridge: per target layer and K|V, the n_t heads' [window |sigma| g d_s, d_t]
+// matrices stacked in a leading dimension, and an [n_t, d_t] bias.
+std::vector<TensorSpec> HeadLocalTensorSpecs(const Manifest& m) {
+  std::vector<TensorSpec> specs;
+  const int64_t heads = m.target.num_kv_heads, dt = m.target.head_dim;
+  for (const LayerEntry& layer : m.layers) {
+    const int l = layer.target_layer;
+    for (const auto& [kv, sigma] :
+         {std::pair<char, const std::vector<int>*>{'k', &layer.sigma_k}, {'v', &layer.sigma_v}}) {
+      const int64_t in = HeadLocalInputWidth(m.source, m.target, m.window, sigma->size());
+      specs.push_back({MapperTensorName(l, kv, false), m.weights_dtype, {heads, in, dt}});
+      specs.push_back({MapperTensorName(l, kv, true), m.weights_dtype, {heads, dt}});
+    }
+  }
+  return specs;
+}
+
+}  // namespace
 
 std::vector<TensorSpec> MapperTensorSpecs(const Manifest& m) {
   std::vector<TensorSpec> specs;
@@ -88,6 +124,7 @@ std::vector<TensorSpec> MapperTensorSpecs(const Manifest& m) {
     }
     return specs;
   }
+  if (m.ridge_granularity == RidgeGranularity::kPerHead) return HeadLocalTensorSpecs(m);
   for (const LayerEntry& layer : m.layers) {
     const int l = layer.target_layer;
     const int64_t in_k = static_cast<int64_t>(layer.sigma_k.size()) * in_per_layer;
@@ -151,11 +188,7 @@ absl::Status ValidateMapperTensors(const Manifest& manifest, const std::vector<T
                 : absl::StrCat(", fc3 cols target.num_kv_heads ", manifest.target.num_kv_heads,
                                " x target.head_dim ", manifest.target.head_dim));
       } else {
-        why = absl::StrCat(WindowNote(manifest), "rows = len(sigma) x source.num_kv_heads ",
-                           manifest.source.num_kv_heads, " x source.head_dim ",
-                           manifest.source.head_dim, ", cols = target.num_kv_heads ",
-                           manifest.target.num_kv_heads, " x target.head_dim ",
-                           manifest.target.head_dim);
+        why = RidgeShapeWhy(manifest);
       }
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has shape ",
                                                      FormatShape(t.shape),
@@ -199,6 +232,8 @@ MapperView BuildMapperView(const Manifest& m,
   view.source = m.source;
   view.target = m.target;
   view.window = m.window;
+  view.head_local = m.kind == MapperKind::kRidge &&
+                    m.ridge_granularity == RidgeGranularity::kPerHead;
   view.layers.reserve(m.layers.size());
   for (const LayerEntry& entry : m.layers) {
     LayerMapView layer;

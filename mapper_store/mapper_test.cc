@@ -9,6 +9,7 @@
 #include "common/checksum.h"
 #include "common/file_util.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
 #include "kernels/dtype.h"
 #include "mapper_store/format/test_util.h"
 
@@ -242,6 +243,53 @@ TEST_F(MapperTest, WindowMapperShapesAndView) {
   KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
                    "tensor 'layers.0.k.weight' has shape [16, 8] but the manifest requires [48, 8] "
                    "(window 3 x rows = len(sigma)");
+}
+
+// Head-local ridge: [n_t, window |sigma| g d_s, d_t] weights and [n_t, d_t] biases, the view
+// flagged head_local with the heads stacked along rows; a per_layer file is refused by shape.
+TEST_F(MapperTest, RidgePerHeadShapesViewAndBytes) {
+  Manifest m = SmallManifest(DType::kBF16);
+  // n_t = 2 n_s: target heads 2h, 2h+1 read source head h.
+  m.target = NeoxModelSpec("test/tgt", 2, 4, 2);
+  m.window = 2;
+  m.ridge_granularity = RidgeGranularity::kPerHead;
+  const std::vector<TensorSpec> specs = MapperTensorSpecs(m);
+  using Shape = std::vector<int64_t>;
+  ASSERT_EQ(specs.size(), 8u);
+  EXPECT_EQ(specs[0].name, "layers.0.k.weight");
+  EXPECT_EQ(specs[0].shape, (Shape{4, 2 * 2 * 1 * 4, 2}));  // window 2 x |sigma_k| 2 x g 1 x 4
+  EXPECT_EQ(specs[1].shape, (Shape{4, 2}));
+  EXPECT_EQ(specs[2].shape, (Shape{4, 2 * 1 * 1 * 4, 2}));
+  const int64_t params = 2 * (4 * 16 * 2 + 8 + 4 * 8 * 2 + 8);
+  EXPECT_EQ(MapperNumParams(m), params);
+  EXPECT_EQ(MapperWeightBytes(m), static_cast<uint64_t>(params) * 2);
+
+  Tensors t = MakeTensors(specs);
+  const std::string dir = JoinPath(root_, "per_head");
+  KVT_ASSERT_OK(WriteMapperDir(dir, m, t.refs));
+  EXPECT_NE(ReadFileToString(JoinPath(dir, kManifestFileName))->find("ridge: {granularity: per_head}"),
+            std::string::npos);
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> loaded = LoadMapperDir(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->weight_bytes(), static_cast<uint64_t>(params) * 2);
+  const MapperView& view = (*loaded)->view();
+  EXPECT_TRUE(view.head_local);
+  EXPECT_EQ(view.layers[0].w_k.rows, 4 * 16);
+  EXPECT_EQ(view.layers[0].w_k.cols, 2);
+  EXPECT_EQ(view.layers[0].b_k.rows, 4);
+  EXPECT_EQ(view.layers[0].b_k.cols, 2);
+  KVT_EXPECT_OK(CheckMapperView(view));
+
+  // Two source heads per target head: g = 2.
+  Manifest two = SmallManifest(DType::kFP32);
+  two.ridge_granularity = RidgeGranularity::kPerHead;
+  EXPECT_EQ(MapperTensorSpecs(two)[0].shape, (Shape{1, 2 * 2 * 4, 8}));
+
+  m.ridge_granularity = RidgeGranularity::kPerLayer;
+  ReplaceWeights(dir, MapperTensorSpecs(m));
+  KVT_EXPECT_ERROR(LoadMapperDir(dir), StatusCode::kInvalidArgument,
+                   "tensor 'layers.0.k.weight' has shape [32, 8] but the manifest requires "
+                   "[4, 16, 2] (window 2 x ridge.granularity per_head");
 }
 
 TEST_F(MapperTest, WrongDType) {

@@ -14,7 +14,7 @@ std::string Describe(const ConformanceCase& c) {
   return absl::StrCat(
       s.kind == MapKind::kMlp ? absl::StrCat("mlp ", s.mlp_per_head ? "per_head" : "per_layer",
                                              " H=", s.mlp_hidden, " ")
-                              : "",
+                              : s.ridge_per_head ? "ridge per_head " : "",
       "L", s.source_layers, "x", s.source_heads, "x", s.source_head_dim, " -> L", s.target_layers,
       "x", s.target_heads, "x", s.target_head_dim, " k=", s.k, "/", s.k_v,
       s.window > 1 ? absl::StrCat(" window=", s.window) : "",
@@ -420,6 +420,93 @@ TEST_P(BackendConformanceTest, WindowMappersBf16) {
       c.offset = 11;
       CheckCase(c);
     }
+  }
+}
+
+// ---- Head-local ridge (MapperView::head_local): n_t chains, each reading its own source heads.
+
+// Head pairings n_s = n_t, n_s = 2 n_t (two source heads per target head), n_t = 2 n_s (two
+// target heads share one source head) and n_s = 4 n_t, with windows 1 and 3, both sigma
+// lengths, token counts across chunk sizes and a small workspace where the backend has one.
+TEST_P(BackendConformanceTest, RidgePerHeadHeadPairings) {
+  for (auto [ns, nt] : {std::pair<int, int>{2, 2}, {4, 2}, {2, 4}, {4, 1}}) {
+    for (int window : {1, 3}) {
+      for (int64_t tokens : {1, 37, 130}) {
+        for (int64_t chunk : {0, 16}) {
+          RandomMapperSpec spec;
+          spec.ridge_per_head = true;
+          spec.source_heads = ns;
+          spec.target_heads = nt;
+          spec.target_head_dim = 8;
+          spec.window = window;
+          spec.k_v = 2;
+          ConformanceCase c = ChunkedCase(spec, tokens, chunk,
+                                          chunk == 0 ? 0 : Workspaces(GetParam(), 64 << 10).back());
+          c.explicit_positions = tokens == 37;
+          CheckCase(c);
+        }
+      }
+    }
+  }
+}
+
+// Every cache dtype and layout on both sides, every weight dtype, with and without bias.
+TEST_P(BackendConformanceTest, RidgePerHeadDtypesAndLayouts) {
+  for (DType in : kEveryDtype) {
+    for (DType out : kEveryDtype) {
+      for (Layout in_layout : {Layout::kHND, Layout::kNHD}) {
+        for (Layout out_layout : {Layout::kHND, Layout::kNHD}) {
+          for (DType weights : kEveryDtype) {
+            ConformanceCase c;
+            c.spec.ridge_per_head = true;
+            c.spec.source_heads = 4;
+            c.spec.target_heads = 2;
+            c.spec.target_head_dim = 8;
+            c.spec.k = 2;
+            c.spec.source_layers = 3;
+            c.spec.weight_dtype = weights;
+            c.spec.with_bias = weights != DType::kFP16;
+            c.spec.source_rope = MakeTestRope(RopeScalingType::kLinear);
+            c.spec.target_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj, 4);
+            c.in_dtype = in;
+            c.out_dtype = out;
+            c.in_layout = in_layout;
+            c.out_layout = out_layout;
+            c.tokens = 19;
+            c.chunk = in_layout == out_layout ? 0 : 8;
+            CheckCase(c);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Large and explicit positions (the strip and rotate around the per-head GEMMs), bf16 window
+// mappers (the oneDNN path's padded chains and zero blocks before the first token).
+TEST_P(BackendConformanceTest, RidgePerHeadPositionsAndBf16Window) {
+  for (uint64_t offset : {uint64_t{0}, uint64_t{1} << 40}) {
+    ConformanceCase c;  // fp32 caches
+    c.spec.ridge_per_head = true;
+    c.spec.target_heads = 4;
+    c.spec.source_rope = MakeTestRope(RopeScalingType::kYarn, RopeStyle::kNeox, 0, 1000000);
+    c.spec.target_rope = MakeTestRope(RopeScalingType::kLlama3, RopeStyle::kNeox, 0, 500000);
+    c.offset = offset;
+    c.explicit_positions = offset == 0;
+    CheckCase(c);
+  }
+  for (Layout layout : {Layout::kHND, Layout::kNHD}) {
+    ConformanceCase c;
+    c.spec.ridge_per_head = true;
+    c.spec.window = 3;
+    c.spec.source_layers = 3;
+    c.spec.k = 2;
+    c.spec.weight_dtype = DType::kBF16;
+    c.in_dtype = c.out_dtype = DType::kBF16;
+    c.in_layout = layout;
+    c.tokens = 40;
+    c.offset = 11;
+    CheckCase(c);
   }
 }
 

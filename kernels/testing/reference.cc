@@ -122,6 +122,28 @@ RandomMapper MakeRandomMapper(const RandomMapperSpec& spec, uint64_t seed) {
     }
     return mapper;
   }
+  if (spec.ridge_per_head) {
+    // Head-local: n_t stacked [|x_h|, d_t] matrices and n_t x d_t biases.
+    mapper.view.head_local = true;
+    const int64_t heads = spec.target_heads, dt = spec.target_head_dim;
+    const ModelSpec& source = mapper.view.source;
+    const ModelSpec& target = mapper.view.target;
+    const int64_t in_k = HeadLocalInputWidth(source, target, spec.window, spec.k);
+    const int64_t in_v = HeadLocalInputWidth(source, target, spec.window, k_v);
+    for (int l = 0; l < spec.target_layers; ++l) {
+      LayerMapView layer;
+      layer.sigma_k = sigma(spec.k);
+      layer.sigma_v = sigma(k_v);
+      layer.w_k = weight(4 * l, heads * in_k, dt, 1.0 / std::sqrt(static_cast<double>(in_k)));
+      layer.w_v = weight(4 * l + 1, heads * in_v, dt, 1.0 / std::sqrt(static_cast<double>(in_v)));
+      if (spec.with_bias) {
+        layer.b_k = weight(4 * l + 2, heads, dt, 0.5);
+        layer.b_v = weight(4 * l + 3, heads, dt, 0.5);
+      }
+      mapper.view.layers.push_back(layer);
+    }
+    return mapper;
+  }
   for (int l = 0; l < spec.target_layers; ++l) {
     LayerMapView layer;
     layer.sigma_k = sigma(spec.k);

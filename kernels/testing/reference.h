@@ -53,6 +53,8 @@ struct RandomMapperSpec {
   int mlp_hidden = 8;
   bool mlp_per_head = false;
   int window = 1;  // MapperView::window: tokens each output token reads
+  // kRidge: head-local (per_head) weights, n_t x [window k g d_s, d_t] stacked (MapperView).
+  bool ridge_per_head = false;
 };
 
 // A random mapper whose view points into `storage`. Movable, not copyable.

@@ -21,7 +21,7 @@ namespace {
 // 1-based source lines of the nodes validation may complain about; 0 = unknown (struct built in
 // code). Lets one validation routine serve parsed and hand-built manifests alike.
 struct ManifestLines {
-  int root = 0, kind = 0, mlp = 0, source = 0, target = 0, source_rope = 0, target_rope = 0, k = 0,
+  int root = 0, kind = 0, mlp = 0, ridge = 0, source = 0, target = 0, source_rope = 0, target_rope = 0, k = 0,
       window = 0, lambda = 0, weights = 0, layers = 0, quality = 0;
   std::vector<int> layer, sigma_k, sigma_v;
 };
@@ -108,6 +108,12 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
   if (m.mlp.has_value() && m.mlp->hidden < 1) {
     return error(lines.mlp, absl::StrCat("mlp.hidden must be >= 1, got ", m.mlp->hidden));
   }
+  if (m.kind != MapperKind::kRidge && m.ridge_granularity != RidgeGranularity::kPerLayer) {
+    return error(lines.ridge, absl::StrCat("ridge.granularity ",
+                                           RidgeGranularityName(m.ridge_granularity),
+                                           " is only valid with kind: ridge, but kind is ",
+                                           MapperKindName(m.kind)));
+  }
   if (absl::Status s = ValidateModel(m.source, "source", lines.source, lines.source_rope, error);
       !s.ok()) {
     return s;
@@ -115,6 +121,11 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
   if (absl::Status s = ValidateModel(m.target, "target", lines.target, lines.target_rope, error);
       !s.ok()) {
     return s;
+  }
+  if (m.ridge_granularity == RidgeGranularity::kPerHead) {
+    if (absl::Status s = CheckHeadLocalHeads(m.source, m.target); !s.ok()) {
+      return error(lines.ridge, absl::StrCat("ridge.granularity per_head: ", s.message()));
+    }
   }
   if (m.k < 1 || m.k > m.source.num_layers) {
     return error(lines.k, absl::StrCat("k = ", m.k, " must be between 1 and source.num_layers (",
@@ -342,6 +353,23 @@ class Parser : private strict::YamlReader {
     return config;
   }
 
+  // The `ridge:` map: {granularity: per_layer|per_head}.
+  absl::StatusOr<RidgeGranularity> ParseRidge(const YAML::Node& node) {
+    if (absl::Status s = CheckMap(node, "ridge", {"granularity"}); !s.ok()) return s;
+    std::string granularity;
+    if (absl::Status s = RequiredScalar(node, "ridge", "granularity", "a string", &granularity);
+        !s.ok()) {
+      return s;
+    }
+    std::optional<RidgeGranularity> parsed = ParseRidgeGranularity(granularity);
+    if (!parsed) {
+      return error_(LineOf(node["granularity"]),
+                    absl::StrCat("ridge.granularity '", granularity,
+                                 "' must be per_layer or per_head"));
+    }
+    return *parsed;
+  }
+
   absl::Status ParseModel(const YAML::Node& node, const std::string& where, ModelSpec* model,
                           int* rope_line) {
     if (absl::Status s =
@@ -456,7 +484,7 @@ class Parser : private strict::YamlReader {
     }
     m.format_version = *v;
     if (absl::Status s = CheckMap(root, "",
-                                  {"format_version", "kind", "mlp", "synthetic", "source", "target", "k",
+                                  {"format_version", "kind", "mlp", "ridge", "synthetic", "source", "target", "k",
                                    "window", "lambda", "lambda_scale", "weights", "quality", "layers",
                                    "calibration", "created_by"});
         !s.ok()) {
@@ -486,6 +514,17 @@ class Parser : private strict::YamlReader {
     } else if (m.kind == MapperKind::kMlp) {
       return error_(lines_.kind, "missing required key 'mlp' (kind: mlp needs {hidden: H, "
                                  "granularity: per_layer|per_head})");
+    }
+    const YAML::Node ridge = root["ridge"];
+    if (ridge.IsDefined()) {
+      lines_.ridge = LineOf(ridge);
+      if (m.kind != MapperKind::kRidge) {
+        return error_(lines_.ridge, absl::StrCat("key 'ridge' is only valid with kind: ridge, but "
+                                                 "kind is ", kind));
+      }
+      absl::StatusOr<RidgeGranularity> granularity = ParseRidge(ridge);
+      if (!granularity.ok()) return granularity.status();
+      m.ridge_granularity = *granularity;
     }
     if (absl::Status s = OptionalScalar(root, "", "synthetic", "true or false", &m.synthetic);
         !s.ok()) {
@@ -661,6 +700,17 @@ std::optional<MlpGranularity> ParseMlpGranularity(absl::string_view name) {
   return std::nullopt;
 }
 
+const char* RidgeGranularityName(RidgeGranularity granularity) {
+  return granularity == RidgeGranularity::kPerLayer ? "per_layer" : "per_head";
+}
+
+std::optional<RidgeGranularity> ParseRidgeGranularity(absl::string_view name) {
+  for (RidgeGranularity granularity : {RidgeGranularity::kPerLayer, RidgeGranularity::kPerHead}) {
+    if (name == RidgeGranularityName(granularity)) return granularity;
+  }
+  return std::nullopt;
+}
+
 const char* LambdaScaleName(LambdaScale scale) {
   return scale == LambdaScale::kCovariance ? "covariance" : "sum";
 }
@@ -719,6 +769,13 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
     out << YAML::Key << "hidden" << YAML::Value << m.mlp->hidden;
     out << YAML::Key << "granularity" << YAML::Value << MlpGranularityName(m.mlp->granularity);
     out << YAML::Key << "activation" << YAML::Value << "relu";
+    out << YAML::EndMap;
+  }
+  // per_layer, the default, is left implicit: manifests written before per_head stay unchanged.
+  if (m.ridge_granularity == RidgeGranularity::kPerHead) {
+    out << YAML::Key << "ridge" << YAML::Value << YAML::Flow << YAML::BeginMap;
+    out << YAML::Key << "granularity" << YAML::Value
+        << RidgeGranularityName(m.ridge_granularity);
     out << YAML::EndMap;
   }
   out << YAML::Key << "synthetic" << YAML::Value << m.synthetic;

@@ -44,6 +44,14 @@ struct MlpConfig {
 // --mlp_granularity) when hidden < 1 or the granularity is not per_layer / per_head.
 absl::StatusOr<MlpConfig> MakeMlpConfig(int64_t hidden, absl::string_view granularity);
 
+// Whether a ridge mapper maps each target layer from the whole gathered row (per_layer, SPEC 3)
+// or each target head only from its matching source heads (per_head, head-local: the
+// `ridge: {granularity: per_head}` map; kernels/mapper_view.h HeadLocalSources pairs the heads).
+enum class RidgeGranularity { kPerLayer, kPerHead };
+const char* RidgeGranularityName(RidgeGranularity granularity);
+// The inverse of RidgeGranularityName ("per_layer", "per_head"); nullopt for anything else.
+std::optional<RidgeGranularity> ParseRidgeGranularity(absl::string_view name);
+
 // Where the ridge penalty lambda was added (SPEC 4.1).
 enum class LambdaScale {
   kCovariance,  // to S_xx = X^T X / N (default)
@@ -91,6 +99,9 @@ struct Manifest {
   int format_version = kManifestFormatVersion;
   MapperKind kind = MapperKind::kRidge;
   std::optional<MlpConfig> mlp;  // set iff kind == kMlp
+  // kind: ridge only. per_head is emitted as `ridge: {granularity: per_head}`; per_layer (the
+  // default) emits nothing, so existing manifests and their checksums stay byte-identical.
+  RidgeGranularity ridge_granularity = RidgeGranularity::kPerLayer;
   bool synthetic = false;  // random weights from `kvt synth`
   ModelSpec source;
   ModelSpec target;

@@ -305,6 +305,58 @@ TEST(ManifestTest, MlpKindParsesAndRoundTrips) {
   EXPECT_EQ(EmitManifest(*m)->find("mlp"), std::string::npos);
 }
 
+// `ridge: {granularity: per_head}` (line 4 replaces `synthetic`): parsed, emitted after kind,
+// absent for per_layer (existing manifests stay byte-identical), checked against kind and heads.
+TEST(ManifestTest, RidgeGranularityParsesRoundTripsAndIsChecked) {
+  absl::StatusOr<Manifest> m = ParseManifest(WithLine(4, "ridge: {granularity: per_head}"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->ridge_granularity, RidgeGranularity::kPerHead);
+  absl::StatusOr<std::string> text = EmitManifest(*m);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_NE(text->find("kind: ridge\nridge: {granularity: per_head}\n"), std::string::npos)
+      << *text;
+  absl::StatusOr<Manifest> back = ParseManifest(*text);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->ridge_granularity, RidgeGranularity::kPerHead);
+  EXPECT_EQ(*EmitManifest(*back), *text);
+
+  // per_layer spelled out reads as the default and is not emitted.
+  m = ParseManifest(WithLine(4, "ridge: {granularity: per_layer}"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->ridge_granularity, RidgeGranularity::kPerLayer);
+  EXPECT_EQ(*EmitManifest(*m), *EmitManifest(*ParseManifest(Join(ExampleLines()))));
+  EXPECT_EQ(EmitManifest(*m)->find("ridge:"), std::string::npos);
+
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "ridge: {granularity: per_token}")),
+                   StatusCode::kInvalidArgument,
+                   ":4: ridge.granularity 'per_token' must be per_layer or per_head");
+  KVT_EXPECT_ERROR(ParseManifest(WithLine(4, "ridge: {shape: per_head}")),
+                   StatusCode::kInvalidArgument, "ridge.shape");
+  std::vector<std::string> lines = ExampleLines();
+  lines[2] = "kind: mlp";
+  lines[3] = "mlp: {hidden: 4, granularity: per_head}";
+  lines.insert(lines.begin() + 4, "ridge: {granularity: per_head}");
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   ":5: key 'ridge' is only valid with kind: ridge, but kind is mlp");
+  // Head counts neither divides: both named.
+  lines = ExampleLines();
+  lines[3] = "ridge: {granularity: per_head}";
+  lines[13] = "  num_kv_heads: 3";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   ":4: ridge.granularity per_head: per_head ridge needs one head count to divide "
+                   "the other, but source.num_kv_heads=2 and target.num_kv_heads=3");
+  // A built manifest: kind mlp with per_head ridge granularity is refused by name.
+  m = ParseManifest(WithLine(4, "ridge: {granularity: per_head}"));
+  ASSERT_TRUE(m.ok());
+  m->kind = MapperKind::kMlp;
+  m->mlp = MlpConfig();
+  KVT_EXPECT_ERROR(ValidateManifest(*m), StatusCode::kInvalidArgument,
+                   "ridge.granularity per_head is only valid with kind: ridge, but kind is mlp");
+  EXPECT_EQ(ParseRidgeGranularity("per_head"), RidgeGranularity::kPerHead);
+  EXPECT_EQ(ParseRidgeGranularity("per_layer"), RidgeGranularity::kPerLayer);
+  EXPECT_FALSE(ParseRidgeGranularity("dense").has_value());
+}
+
 // `window` (line 4 replaces `synthetic`): parsed, emitted right after k, omitted when 1 so that
 // token-wise manifests read as before windows existed, and out-of-range values named.
 TEST(ManifestTest, WindowParsesRoundTripsAndIsChecked) {
