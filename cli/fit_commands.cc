@@ -19,6 +19,7 @@
 #include "fit/report.h"
 #include "kernels/types.h"
 #include "mapper_store/format/manifest.h"
+#include "mapper_store/mapper.h"
 
 ABSL_FLAG(std::string, source_config, "",
           "kvt fit / import: the source model's Hugging Face config.json (or its directory).");
@@ -107,6 +108,12 @@ ABSL_FLAG(std::string, unrefined_mlp_out, "",
 ABSL_FLAG(bool, overwrite, false,
           "kvt fit / merge / import: replace an existing mapper directory.");
 
+ABSL_FLAG(std::string, granularity, "per_layer",
+          "kvt fit / merge: the ridge's granularity: per_layer (every target head from the whole "
+          "gathered row), per_head (head-local: each target head from its matching source heads; "
+          "n_kv times fewer bytes and FLOPs), or both (kvt fit only: fits both into "
+          "--out/per_layer and --out/per_head and recommends one from the held-out "
+          "attention-output cosine; needs target dumps with queries).");
 ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
@@ -123,8 +130,27 @@ int Fail(const std::string& message, int code = 2) {
   return code;
 }
 
-absl::StatusOr<fit::SolveOptions> SolveOptionsFromFlags() {
+// --granularity: per_layer or per_head into `options`; both only where `both` is given (kvt
+// fit, not merge), which is then set.
+absl::Status GranularityFromFlags(fit::SolveOptions* options, bool* both) {
+  const std::string granularity = absl::GetFlag(FLAGS_granularity);
+  if (granularity == "both" && both != nullptr) {
+    *both = true;
+    return absl::OkStatus();
+  }
+  std::optional<RidgeGranularity> parsed = ParseRidgeGranularity(granularity);
+  if (!parsed.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--granularity must be per_layer or per_head", both != nullptr ? " or both" : "",
+        ", got '", granularity, "'"));
+  }
+  options->ridge.per_head = *parsed == RidgeGranularity::kPerHead;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<fit::SolveOptions> SolveOptionsFromFlags(bool* granularity_both = nullptr) {
   fit::SolveOptions options;
+  if (absl::Status g = GranularityFromFlags(&options, granularity_both); !g.ok()) return g;
   options.ridge.lambda = absl::GetFlag(FLAGS_lambda);
   if (!(options.ridge.lambda >= 0)) {
     return absl::InvalidArgumentError("--lambda must be >= 0");
@@ -164,6 +190,38 @@ void PrintSummary(const fit::FitResult& result) {
               show(fit::R2Field::kK).c_str(), show(fit::R2Field::kV).c_str(),
               show(fit::R2Field::kKHeldout).c_str(), show(fit::R2Field::kVHeldout).c_str());
   for (const std::string& w : result.warnings) std::printf("warning: %s\n", w.c_str());
+}
+
+int RunGranularityBoth(const fit::FitOptions& options, const std::string& out,
+                       const fit::StatSet* plan) {
+  absl::StatusOr<fit::GranularityResult> both = fit::RunFitGranularityBoth(options, out, plan);
+  if (!both.ok()) return Fail(both.status().ToString());
+  PrintSummary(both->per_layer);
+  PrintSummary(both->per_head);
+  const fit::HeldoutQuality& q = *both->per_layer.heldout;
+  std::printf("held-out (%d sequences, %lld tokens)   attention-output cosine without layer 0 "
+              "[95%% lower bound] (all layers)   mapper bytes   solve+measure (s)\n",
+              q.sequences, static_cast<long long>(q.tokens));
+  for (const fit::FitResult* r : {&both->per_layer, &both->per_head}) {
+    const fit::HeldoutQuality& h = *r->heldout;
+    std::printf("  %-9s %.4f [%s] (%.4f)   %llu   %.2f\n",
+                RidgeGranularityName(r->manifest.ridge_granularity),
+                h.attention_cosine_without_layer0,
+                h.attention_cosine_lower95 ? absl::StrFormat("%.4f", *h.attention_cosine_lower95).c_str()
+                                           : "-",
+                h.attention_cosine, static_cast<unsigned long long>(MapperWeightBytes(r->manifest)),
+                r == &both->per_layer ? both->per_layer_seconds : both->per_head_seconds);
+  }
+  std::printf("per_head minus per_layer: %+.4f [%s, %s] (paired, 95%%)\n", both->difference,
+              both->difference_lower95 ? absl::StrFormat("%+.4f", *both->difference_lower95).c_str()
+                                       : "-",
+              both->difference_upper95 ? absl::StrFormat("%+.4f", *both->difference_upper95).c_str()
+                                       : "-");
+  std::printf("recommended: %s (%s)\n", both->recommended.c_str(),
+              (both->recommended == "per_head" ? both->per_head : both->per_layer)
+                  .mapper_dir.c_str());
+  std::printf("comparison: %s\n", both->report_json_path.c_str());
+  return 0;
 }
 
 int RunMerge(const std::vector<std::string>& shards) {
@@ -217,7 +275,7 @@ int RunFit(const std::vector<std::string>& args) {
                 1);
   }
   fit::FitOptions options;
-  absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags();
+  absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags(&options.granularity_both);
   if (!solve.ok()) return Fail(std::string(solve.status().message()), 1);
   options.solve = *solve;
   const std::string top_k = absl::GetFlag(FLAGS_top_k);
@@ -295,6 +353,14 @@ int RunFit(const std::vector<std::string>& args) {
   options.refine.mlp_learning_rate = absl::GetFlag(FLAGS_refine_mlp_lr);
   options.refine.seed = options.seed;
   options.refine.unrefined_mlp_out = absl::GetFlag(FLAGS_unrefined_mlp_out);
+  if ((options.granularity_both || options.solve.ridge.per_head) &&
+      options.kind != fit::FitKind::kRidge && options.kind != fit::FitKind::kBoth) {
+    return Fail("--granularity is the ridge's; --kind mlp has --mlp_granularity", 1);
+  }
+  if (options.granularity_both && options.kind != fit::FitKind::kRidge) {
+    return Fail("--granularity both compares the ridge's granularities; with --kind both use "
+                "--granularity per_layer or per_head", 1);
+  }
   if (!options.refine.unrefined_mlp_out.empty() &&
       (!options.refine.attention || options.kind == fit::FitKind::kRidge)) {
     return Fail("--unrefined_mlp_out needs --kind mlp|both and --refine=attention", 1);
@@ -373,6 +439,7 @@ int RunFit(const std::vector<std::string>& args) {
     return 0;
   }
   if (!shard.empty()) return Fail("--shard only makes sense with --partial", 1);
+  if (options.granularity_both) return RunGranularityBoth(options, out, plan.get());
   if (options.kind == fit::FitKind::kBoth) {
     absl::StatusOr<fit::BothResult> both = fit::RunFitBoth(options, out, plan.get());
     if (!both.ok()) return Fail(both.status().ToString());

@@ -295,6 +295,8 @@ Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, Ma
   if (kind == MapperKind::kRidge) {
     manifest.lambda = options.ridge.lambda;
     manifest.lambda_scale = options.ridge.scale;
+    manifest.ridge_granularity =
+        options.ridge.per_head ? RidgeGranularity::kPerHead : RidgeGranularity::kPerLayer;
   }
   manifest.weights_dtype = options.weight_dtype;
   manifest.created_by = kFitToolVersion;
@@ -310,6 +312,21 @@ std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype) {
   std::vector<float> floats(values.size());
   ToFloat(dtype, bytes.data(), floats.data(), floats.size());
   return floats;
+}
+
+// A head-local fit's dense [blocks n_s d_s, n_t d_t] weights as stored: head h's rows
+// (HeadSourceRows) x its d_t columns, heads stacked, [n_t, in_h, d_t]. Everything else is 0.
+std::vector<double> HeadLocalWeights(const FitShape& shape, int64_t blocks,
+                                     const std::vector<double>& dense) {
+  const int64_t dt = shape.dt(), d_t = shape.target.head_dim;
+  std::vector<double> stacked;
+  for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+    for (int64_t row : HeadSourceRows(shape, blocks, h)) {
+      stacked.insert(stacked.end(), dense.begin() + row * dt + h * d_t,
+                     dense.begin() + row * dt + (h + 1) * d_t);
+    }
+  }
+  return stacked;
 }
 
 std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int>>& sigma,
@@ -328,8 +345,13 @@ std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int
     entry.r2_k_heldout = fit.r2_k_heldout;
     entry.r2_v_heldout = fit.r2_v_heldout;
     manifest->layers.push_back(entry);
+    const bool per_head = manifest->ridge_granularity == RidgeGranularity::kPerHead;
+    const FitShape shape{manifest->source, manifest->target, manifest->window};
     for (const std::vector<double>* values : {&fit.w_k, &fit.b_k, &fit.w_v, &fit.b_v}) {
-      storage.push_back(ToBytes(*values, dtype));
+      const bool weight = values == &fit.w_k || values == &fit.w_v;
+      storage.push_back(ToBytes(
+          per_head && weight ? HeadLocalWeights(shape, sigma[l].size(), *values) : *values,
+          dtype));
     }
   }
   return storage;
@@ -340,8 +362,7 @@ namespace {
 // The report's line on the ridge's granularity.
 std::string GranularityFact(const FitShape& shape, bool per_head) {
   if (!per_head) return "per_layer (every target head from every source head of the layers)";
-  const HeadSources heads =
-      SourceHeadsOf(shape.source.num_kv_heads, shape.target.num_kv_heads, 0);
+  const HeadSources heads = HeadLocalSources(shape.source, shape.target, 0);
   return absl::StrCat("per_head (head-local: each of the ", shape.target.num_kv_heads,
                       " target heads from its ", heads.count, " matching source head",
                       heads.count == 1 ? "" : "s", " of the layers)");
@@ -664,8 +685,7 @@ absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& o
         "RunFit fits one granularity; --granularity both is RunFitGranularityBoth");
   }
   if (options.solve.ridge.per_head && options.kind != FitKind::kMlp) {
-    absl::Status heads = CheckHeadMatching(options.source.spec.num_kv_heads,
-                                           options.target.spec.num_kv_heads);
+    absl::Status heads = CheckHeadMatching(FitShape{options.source.spec, options.target.spec});
     if (!heads.ok()) return heads;
   }
   if (options.kind == FitKind::kMlp) {

@@ -52,7 +52,8 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
                                       const FitOptions* heldout);
 
 // A ridge manifest's layers (sigma, R^2) and its mapping tensors' bytes, in MapperTensorSpecs
-// order, from per-layer fits.
+// order, from per-layer fits (head-local ones, manifest ridge_granularity per_head, stored
+// compact: HeadLocalWeights).
 std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int>>& sigma,
                                                const std::vector<LayerFit>& fits, DType dtype,
                                                Manifest* manifest);
@@ -65,6 +66,11 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
     const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
     const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits, bool per_head,
     RefinementSummary* summary = nullptr);
+
+// A head-local fit's dense weights (LayerFit) in the stored layout [n_t, in_h, d_t]: head h's
+// HeadSourceRows x its d_t columns.
+std::vector<double> HeadLocalWeights(const FitShape& shape, int64_t blocks,
+                                     const std::vector<double>& dense);
 
 // The held-out quality (MeasureHeldout) of a mapper in memory: `manifest` with its layers, the
 // mapping tensors' bytes in MapperTensorSpecs order; nullopt when no held-out target dump has

@@ -95,8 +95,7 @@ absl::StatusOr<GranularityResult> RunFitGranularityBoth(const FitOptions& option
     return absl::InvalidArgumentError(
         "--granularity both compares ridge granularities: it needs --kind ridge");
   }
-  absl::Status heads = CheckHeadMatching(options.source.spec.num_kv_heads,
-                                         options.target.spec.num_kv_heads);
+  absl::Status heads = CheckHeadMatching(FitShape{options.source.spec, options.target.spec});
   if (!heads.ok()) return heads;
   absl::Status comparable =
       CheckComparable(options, out_dir, "--granularity both", {"per_layer", "per_head"});

@@ -1,14 +1,25 @@
 // Head-local ridge (`kvt fit --granularity per_head`): the per-head closed form from the
-// sub-blocks of the layer's statistics against a float64 reference on fresh random rows.
+// sub-blocks of the layer's statistics against a float64 reference on fresh random rows; on
+// synthetic families a head-local truth is recovered and written compact, a dense truth makes
+// per_head lose, and `--granularity both` recommends accordingly.
+#include <algorithm>
 #include <cmath>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/testing/test_seed.h"
+#include "fit/fit.h"
+#include "fit/fit_internal.h"
+#include "fit/refine.h"
 #include "fit/solve.h"
 #include "fit/stats.h"
+#include "fit/synthetic_family.h"
 #include "gtest/gtest.h"
+#include "kernels/dtype.h"
 #include "kernels/mapper_view.h"
+#include "mapper_store/format/test_util.h"
+#include "mapper_store/mapper.h"
 
 namespace kvt {
 namespace fit {
@@ -45,15 +56,18 @@ struct Reference {
 Reference ReferenceHead(const FitShape& shape, const FeatureRows& rows, int kind, int l,
                         const std::vector<int>& sigma, int h, double lambda) {
   const int64_t n = rows.rows, ds = shape.ds(), dt = shape.dt(), d_t = shape.target.head_dim;
-  const HeadSources src = SourceHeadsOf(shape.source.num_kv_heads, shape.target.num_kv_heads, h);
-  const int64_t d_s = shape.source.head_dim, in = sigma.size() * src.count * d_s;
+  // The pairing written out here, independent of the fit's: g = max(1, n_s / n_t) source heads
+  // from h n_s / n_t on.
+  const int ns = shape.source.num_kv_heads, nt = shape.target.num_kv_heads;
+  const int first = h * ns / nt, count = std::max(1, ns / nt);
+  const int64_t d_s = shape.source.head_dim, in = sigma.size() * count * d_s;
   const std::vector<double>& xs = kind == 0 ? rows.source_k : rows.source_v;
   const std::vector<double>& ys = kind == 0 ? rows.target_k : rows.target_v;
   std::vector<double> x(n * in), y(n * d_t), mx(in, 0.0), my(d_t, 0.0);
   for (int64_t t = 0; t < n; ++t) {
     int64_t c = 0;
     for (int j : sigma) {
-      for (int64_t i = src.first * d_s; i < (src.first + src.count) * d_s; ++i) {
+      for (int64_t i = first * d_s; i < (first + count) * d_s; ++i) {
         x[t * in + c++] = xs[t * rows.source_cols + j * ds + i];
       }
     }
@@ -119,8 +133,8 @@ TEST_P(PerHeadSolveTest, EqualsFloat64ReferenceOnFreshRandomRows) {
   const FitShape shape{NeoxModelSpec("test/src", 3, c.source_heads, c.source_dim, 10000),
                        NeoxModelSpec("test/dst", 2, c.target_heads, c.target_dim, 10000)};
   const std::vector<std::vector<int>> sigma = {{2, 0}, {1}};
-  const FeatureRows train = RandomRows(shape, 300, testing::FreshSeed("train rows"));
-  const FeatureRows held = RandomRows(shape, 60, testing::FreshSeed("held-out rows"));
+  const FeatureRows train = RandomRows(shape, 300, ::kvt::testing::FreshSeed("train rows"));
+  const FeatureRows held = RandomRows(shape, 60, ::kvt::testing::FreshSeed("held-out rows"));
   FinalAccumulator accumulator(shape, BlockPlan::FromSigma(sigma));
   accumulator.Add(train, false);
   accumulator.Add(held, true);
@@ -180,7 +194,7 @@ INSTANTIATE_TEST_SUITE_P(HeadCounts, PerHeadSolveTest,
 TEST(PerHeadMatchingTest, RefusesHeadCountsThatDoNotDivide) {
   const FitShape shape{NeoxModelSpec("test/src", 2, 3, 4, 10000),
                        NeoxModelSpec("test/dst", 2, 2, 4, 10000)};
-  const FeatureRows rows = RandomRows(shape, 50, testing::FreshSeed("rows"));
+  const FeatureRows rows = RandomRows(shape, 50, ::kvt::testing::FreshSeed("rows"));
   FinalAccumulator accumulator(shape, BlockPlan::FromSigma({{0}, {1}}));
   accumulator.Add(rows, false);
   RidgeOptions options;
@@ -189,7 +203,184 @@ TEST(PerHeadMatchingTest, RefusesHeadCountsThatDoNotDivide) {
   ASSERT_FALSE(fit.ok());
   EXPECT_EQ(fit.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(fit.status().message().find("--granularity=per_head"), std::string::npos);
-  EXPECT_NE(fit.status().message().find("source has 3 and the target 2"), std::string::npos);
+  EXPECT_NE(fit.status().message().find("source.num_kv_heads=3 and target.num_kv_heads=2"),
+            std::string::npos);
+}
+
+// 2 KV heads x 8 dims on both sides, every target layer fed by two source layers; the target
+// dumps carry queries. `head_local`: the truth maps head h from source head h only.
+testing::FamilyOptions HeadFamily(bool head_local, uint64_t seed) {
+  testing::FamilyOptions o;
+  o.source = NeoxModelSpec("test/src-4l", 4, 2, 8, 10000);
+  o.target = NeoxModelSpec("test/dst-3l", 3, 2, 8, 500000);
+  o.true_sigma = {{3, 0}, {1, 2}, {2, 3}};
+  o.noise_share = 0.05;
+  o.query_group = 2;
+  o.head_local = head_local;
+  o.seed = seed;
+  return o;
+}
+
+FitOptions HeadOptions(const testing::Family& family, const std::string& dir) {
+  FitOptions options;
+  for (auto [model, spec] : {std::pair{&options.source, &family.options.source},
+                             std::pair{&options.target, &family.options.target}}) {
+    absl::StatusOr<FitModel> m = FitModelFromJson(testing::HfConfigJson(*spec), "", "config");
+    EXPECT_TRUE(m.ok()) << m.status();
+    *model = *m;
+  }
+  absl::StatusOr<std::vector<SequencePair>> pairs =
+      PairsFromDirs(JoinPath(dir, "source"), JoinPath(dir, "target"));
+  EXPECT_TRUE(pairs.ok()) << pairs.status();
+  options.sequences = *pairs;
+  options.heldout_fraction = 0.25;
+  options.heldout_split = HeldoutSplit::kTail;
+  AssignHeldout(options.heldout_fraction, options.seed, &options.sequences, HeldoutSplit::kTail);
+  options.stride = 1;
+  options.k = 2;
+  options.solve.ridge.lambda = 1e-4;
+  options.solve.weight_dtype = DType::kFP32;
+  options.solve.show_progress = false;
+  options.num_threads = 1;
+  return options;
+}
+
+class PerHeadFamilyTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    for (int i = 0; i < 2; ++i) {
+      families_[i] = new testing::Family(testing::MakeFamily(HeadFamily(i == 0, 31 + i)));
+      dirs_[i] = new std::string(::kvt::testing::MakeTempDir(i == 0 ? "head_local" : "dense"));
+      ASSERT_TRUE(
+          testing::WriteSequences(*families_[i], *dirs_[i], 0, 16, 64, DType::kFP32).ok());
+    }
+  }
+  static testing::Family* families_[2];  // head-local truth, dense truth
+  static std::string* dirs_[2];
+};
+testing::Family* PerHeadFamilyTest::families_[2] = {nullptr, nullptr};
+std::string* PerHeadFamilyTest::dirs_[2] = {nullptr, nullptr};
+
+// The stored per_head weights of layer l, K or V, [n_t, in_h, d_t], against the truth's head
+// blocks (rows of the dense truth at HeadSourceRows x the head's columns).
+double HeadWeightError(const LoadedMapper& mapper, const testing::Family& family, int l,
+                       char kv) {
+  const TensorInfo* info = mapper.weights().Find(absl::StrCat("layers.", l, ".", std::string(1, kv), ".weight"));
+  EXPECT_NE(info, nullptr);
+  if (info == nullptr) return 1e9;
+  const FitShape shape{family.options.source, family.options.target};
+  const std::vector<double>& truth = kv == 'k' ? family.w_k[l] : family.w_v[l];
+  const int64_t dt = shape.dt(), d_t = shape.target.head_dim;
+  double diff = 0, norm = 0;
+  int64_t i = 0;
+  for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+    for (int64_t row : HeadSourceRows(shape, 2, h)) {
+      for (int64_t e = 0; e < d_t; ++e, ++i) {
+        const double want = truth[row * dt + h * d_t + e];
+        const double got = LoadAsDouble(info->spec.dtype, mapper.weights().data(*info).data(), i);
+        diff += (got - want) * (got - want);
+        norm += want * want;
+      }
+    }
+  }
+  EXPECT_EQ(i, info->spec.num_elements());
+  return std::sqrt(diff / norm);
+}
+
+TEST_F(PerHeadFamilyTest, HeadLocalTruthIsRecoveredWrittenCompactAndRecommended) {
+  const testing::Family& family = *families_[0];
+  const FitOptions options = HeadOptions(family, *dirs_[0]);
+  const std::string out = ::kvt::testing::MakeTempDir("granularity_head_local");
+  absl::StatusOr<GranularityResult> both = RunFitGranularityBoth(options, out);
+  ASSERT_TRUE(both.ok()) << both.status();
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper =
+      LoadMapperDir(both->per_head.mapper_dir);
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  const Manifest& m = (*mapper)->manifest();
+  EXPECT_EQ(m.ridge_granularity, RidgeGranularity::kPerHead);
+  for (int l = 0; l < family.options.target.num_layers; ++l) {
+    ASSERT_EQ(m.layers[l].sigma_k, family.options.true_sigma[l]);
+    EXPECT_LT(HeadWeightError(**mapper, family, l, 'k'), 0.05) << "layer " << l;
+    EXPECT_LT(HeadWeightError(**mapper, family, l, 'v'), 0.05) << "layer " << l;
+  }
+  // n_t = 2 times fewer weight-matrix bytes than the per_layer mapper of the same sigma.
+  const int64_t head_bytes = MapperWeightBytes(m);
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> dense =
+      LoadMapperDir(both->per_layer.mapper_dir);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  const int64_t bias_bytes = 3 * 2 * 16 * sizeof(float);  // the same [n_t d_t] per layer, K|V
+  EXPECT_EQ(MapperWeightBytes((*dense)->manifest()) - bias_bytes, 2 * (head_bytes - bias_bytes));
+  std::printf("head-local truth: per_layer %.6f, per_head %.6f, difference %.6f [%.6f, %.6f]\n",
+              both->per_layer.heldout->attention_cosine_without_layer0,
+              both->per_head.heldout->attention_cosine_without_layer0, both->difference,
+              both->difference_lower95.value_or(-1), both->difference_upper95.value_or(-1));
+  // Both fit the same truth; per_head has fewer parameters to overfit: not worse beyond noise.
+  EXPECT_EQ(both->recommended, "per_head");
+  EXPECT_GT(both->per_head.heldout->attention_cosine_without_layer0, 0.99);
+  absl::StatusOr<std::string> report = ReadFileToString(both->report_json_path);
+  ASSERT_TRUE(report.ok());
+  EXPECT_NE(report->find("\"recommended\": \"per_head\""), std::string::npos) << *report;
+  EXPECT_NE(report->find("per_head_minus_per_layer"), std::string::npos);
+}
+
+TEST_F(PerHeadFamilyTest, DenseTruthMakesPerHeadLoseAndPerLayerRecommended) {
+  const FitOptions options = HeadOptions(*families_[1], *dirs_[1]);
+  const std::string out = ::kvt::testing::MakeTempDir("granularity_dense");
+  absl::StatusOr<GranularityResult> both = RunFitGranularityBoth(options, out);
+  ASSERT_TRUE(both.ok()) << both.status();
+  std::printf("dense truth: per_layer %.6f, per_head %.6f, difference %.6f [%.6f, %.6f]\n",
+              both->per_layer.heldout->attention_cosine_without_layer0,
+              both->per_head.heldout->attention_cosine_without_layer0, both->difference,
+              both->difference_lower95.value_or(-1), both->difference_upper95.value_or(-1));
+  ASSERT_TRUE(both->difference_upper95.has_value());
+  EXPECT_LT(*both->difference_upper95, 0);
+  EXPECT_EQ(both->recommended, "per_layer");
+  EXPECT_EQ(both->per_layer.manifest.ridge_granularity, RidgeGranularity::kPerLayer);
+}
+
+// --refine=attention on head-local fits moves the weights inside each head's block and leaves
+// every weight outside it exactly 0 (the compact tensors then hold the whole refined map).
+TEST_F(PerHeadFamilyTest, RefinementKeepsTheMapHeadLocal) {
+  FitOptions options = HeadOptions(*families_[1], *dirs_[1]);
+  options.solve.ridge.per_head = true;
+  options.refine.attention = true;
+  options.refine.steps = 20;
+  options.refine.keep_start_unless_better = false;
+  std::vector<std::string> warnings;
+  absl::StatusOr<StatSet> probe = AccumulateProbe(options);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  absl::StatusOr<StatSet> plan = MakePlan(*probe, &warnings);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan);
+  ASSERT_TRUE(final_stats.ok()) << final_stats.status();
+  absl::StatusOr<ParsedFinal> parsed = ParseFinal(*final_stats);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  std::vector<LayerFit> fits;
+  for (int l = 0; l < parsed->shape.target.num_layers; ++l) {
+    absl::StatusOr<LayerFit> fit =
+        SolveLayer(parsed->shape, *final_stats, l, parsed->sigma[l], options.solve.ridge);
+    ASSERT_TRUE(fit.ok()) << fit.status();
+    fits.push_back(*fit);
+  }
+  std::vector<LayerFit> refined = fits;
+  absl::StatusOr<RefineLog> log = RefineRidge(options, *parsed, &refined, /*per_head=*/true);
+  ASSERT_TRUE(log.ok()) << log.status();
+  for (size_t l = 0; l < fits.size(); ++l) {
+    int moved = 0;
+    for (size_t i = 0; i < fits[l].w_k.size(); ++i) {
+      if (fits[l].w_k[i] == 0) {
+        ASSERT_EQ(refined[l].w_k[i], 0.0) << "layer " << l << " weight " << i;
+      } else {
+        moved += refined[l].w_k[i] != fits[l].w_k[i];
+      }
+    }
+    EXPECT_GT(moved, 0) << "layer " << l;
+  }
+  absl::StatusOr<FitResult> written =
+      RunFit(options, JoinPath(::kvt::testing::MakeTempDir("refined_head"), "m"));
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->manifest.ridge_granularity, RidgeGranularity::kPerHead);
+  EXPECT_TRUE(LoadMapperDir(written->mapper_dir).ok());
 }
 
 }  // namespace

@@ -237,23 +237,15 @@ bool SolveWeights(const FitShape& shape, int64_t blocks, bool per_head, double r
 
 }  // namespace
 
-absl::Status CheckHeadMatching(int source_heads, int target_heads) {
-  if (source_heads > 0 && target_heads > 0 &&
-      (source_heads % target_heads == 0 || target_heads % source_heads == 0)) {
-    return absl::OkStatus();
-  }
+absl::Status CheckHeadMatching(const FitShape& shape) {
+  absl::Status heads = CheckHeadLocalHeads(shape.source, shape.target);
+  if (heads.ok()) return heads;
   return absl::InvalidArgumentError(absl::StrCat(
-      "--granularity=per_head needs one KV head count to divide the other: the source has ",
-      source_heads, " and the target ", target_heads, " (use --granularity=per_layer)"));
-}
-
-HeadSources SourceHeadsOf(int source_heads, int target_heads, int h) {
-  return HeadSources{static_cast<int>(int64_t{h} * source_heads / target_heads),
-                     std::max(1, source_heads / target_heads)};
+      "--granularity=per_head: ", heads.message(), " (use --granularity=per_layer)"));
 }
 
 std::vector<int64_t> HeadSourceRows(const FitShape& shape, int64_t blocks, int h) {
-  const HeadSources heads = SourceHeadsOf(shape.source.num_kv_heads, shape.target.num_kv_heads, h);
+  const HeadSources heads = HeadLocalSources(shape.source, shape.target, h);
   const int64_t ds = shape.ds(), d_s = shape.source.head_dim;
   std::vector<int64_t> rows;
   rows.reserve(blocks * heads.count * d_s);
@@ -381,7 +373,7 @@ absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_
                                     const std::vector<int>& sigma, const RidgeOptions& options) {
   const int64_t ds = shape.ds(), dt = shape.dt(), d = sigma.size() * ds;
   if (options.per_head) {
-    absl::Status matched = CheckHeadMatching(shape.source.num_kv_heads, shape.target.num_kv_heads);
+    absl::Status matched = CheckHeadMatching(shape);
     if (!matched.ok()) return matched;
   }
   LayerFit fit;

@@ -45,19 +45,14 @@ std::vector<std::vector<int>> SelectLayers(const ProbeTables& tables, int k);
 struct RidgeOptions {
   double lambda = 0.01;
   LambdaScale scale = LambdaScale::kCovariance;
-  // Head-local maps (granularity per_head): target head h is fitted from its matching source
-  // heads only (HeadSourceRows), on the sub-blocks of the same statistics.
+  // Head-local maps (manifest ridge.granularity per_head): target head h is fitted from its
+  // matching source heads only (HeadSourceRows), on the sub-blocks of the same statistics.
   bool per_head = false;
 };
 
-// Head matching of a head-local map: target head h reads source heads [first, first + count).
-struct HeadSources {
-  int first = 0, count = 1;
-};
-// n_s % n_t == 0 or n_t % n_s == 0, else INVALID_ARGUMENT naming both head counts.
-// Private copy of the serving side's head matching (kernels/), to be replaced by it.
-absl::Status CheckHeadMatching(int source_heads, int target_heads);
-HeadSources SourceHeadsOf(int source_heads, int target_heads, int h);
+// INVALID_ARGUMENT naming --granularity=per_head unless one KV head count divides the other
+// (the pairing is kernels/mapper_view.h's HeadLocalSources).
+absl::Status CheckHeadMatching(const FitShape& shape);
 // The columns of a gathered row of `blocks` source blocks (block-major, head-major inside,
 // n_s d_s each) that target head h reads, in order: in_h = blocks * count * d_s of them.
 std::vector<int64_t> HeadSourceRows(const FitShape& shape, int64_t blocks, int h);

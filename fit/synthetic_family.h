@@ -32,7 +32,7 @@ struct FamilyOptions {
   // token 0), as a window mapper does (MapperView::window); weights' rows offset-major.
   int window = 1;
   // Head-local ground truth: target head h reads only its matching source heads
-  // (SourceHeadsOf, fit/solve.h) of each block; every other weight is 0.
+  // (HeadSourceRows, fit/solve.h) of each block; every other weight is 0.
   bool head_local = false;
 };
 
