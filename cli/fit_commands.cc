@@ -114,6 +114,10 @@ ABSL_FLAG(std::string, granularity, "per_layer",
           "n_kv times fewer bytes and FLOPs), or both (kvt fit only: fits both into "
           "--out/per_layer and --out/per_head and recommends one from the held-out "
           "attention-output cosine; needs target dumps with queries).");
+ABSL_FLAG(std::string, per_head_objective, "mse",
+          "kvt fit --granularity per_head|both: the head-local ridge's objective: mse, or "
+          "attention_weighted (each token's residual weighted by the attention mass the "
+          "target's own queries give it; needs training target dumps with queries).");
 ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
@@ -145,6 +149,21 @@ absl::Status GranularityFromFlags(fit::SolveOptions* options, bool* both) {
         ", got '", granularity, "'"));
   }
   options->ridge.per_head = *parsed == RidgeGranularity::kPerHead;
+  return absl::OkStatus();
+}
+
+// --per_head_objective: mse or attention_weighted, the latter only for a head-local fit.
+absl::Status ObjectiveFromFlags(bool granularity_both, fit::RidgeOptions* ridge) {
+  const std::string objective = absl::GetFlag(FLAGS_per_head_objective);
+  if (objective != "mse" && objective != "attention_weighted") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--per_head_objective must be mse or attention_weighted, got '", objective, "'"));
+  }
+  ridge->attention_weighted = objective == "attention_weighted";
+  if (ridge->attention_weighted && !ridge->per_head && !granularity_both) {
+    return absl::InvalidArgumentError(
+        "--per_head_objective=attention_weighted needs --granularity per_head or both");
+  }
   return absl::OkStatus();
 }
 
@@ -249,6 +268,11 @@ int RunMerge(const std::vector<std::string>& shards) {
     return Fail(absl::StrCat("cannot merge statistics of phase '", phase,
                              "' (expected probe or final shards)"));
   }
+  // Shards accumulated with --per_head_objective=attention_weighted carry its arrays.
+  const auto objective = merged->metadata.find("per_head_objective");
+  solve->ridge.attention_weighted = solve->ridge.per_head &&
+                                    objective != merged->metadata.end() &&
+                                    objective->second == "attention_weighted";
   absl::StatusOr<fit::FitResult> result = fit::SolveAndWrite(*merged, *solve, out);
   if (!result.ok()) return Fail(result.status().ToString());
   PrintSummary(*result);
@@ -278,6 +302,10 @@ int RunFit(const std::vector<std::string>& args) {
   absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags(&options.granularity_both);
   if (!solve.ok()) return Fail(std::string(solve.status().message()), 1);
   options.solve = *solve;
+  if (absl::Status o = ObjectiveFromFlags(options.granularity_both, &options.solve.ridge);
+      !o.ok()) {
+    return Fail(std::string(o.message()), 1);
+  }
   const std::string top_k = absl::GetFlag(FLAGS_top_k);
   if (top_k == "all") {
     options.k = 0;

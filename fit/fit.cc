@@ -227,6 +227,48 @@ absl::StatusOr<ProbeTables> TablesOf(const StatSet& plan, const FitShape& shape)
 
 }  // namespace
 
+namespace {
+
+// `--per_head_objective=attention_weighted`: one more pass over the training sequences, each
+// read with its target's queries, adding the "aw.*" arrays (stats.h) to `stats`.
+absl::Status AccumulateAttentionWeighted(const FitOptions& options, const FitShape& shape,
+                                         const std::vector<std::vector<int>>& sigma,
+                                         StatSet* stats) {
+  HeadWeightedAccumulator accumulator(shape, sigma);
+  std::unique_ptr<Progress> progress;
+  if (options.solve.show_progress) {
+    const int64_t training = std::count_if(options.sequences.begin(), options.sequences.end(),
+                                           [](const SequencePair& p) { return !p.heldout; });
+    progress = std::make_unique<Progress>("attention weights", training, "sequences",
+                                          options.solve.log);
+  }
+  FeatureRows rows;
+  for (const SequencePair& pair : options.sequences) {
+    if (pair.heldout) continue;
+    rows.Reset(shape.source_blocks() * shape.ds(), shape.target.num_layers * shape.dt());
+    absl::StatusOr<int64_t> tokens = AppendSequence(pair, shape.source, shape.target,
+                                                    options.stride, &rows, shape.window);
+    if (!tokens.ok()) return tokens.status();
+    absl::StatusOr<std::vector<double>> weights =
+        AttentionMass(pair, shape.source, shape.target, options.stride);
+    if (absl::IsNotFound(weights.status())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--per_head_objective=attention_weighted weights tokens by the target's own queries, "
+          "and ", pair.target_path, " has none (dump the target with tools/dump_kv.py --queries)"));
+    }
+    if (!weights.ok()) return weights.status();
+    accumulator.Add(rows, *weights);
+    if (progress) progress->Advance(1, rows.rows);
+  }
+  for (auto& [name, values] : accumulator.stats().arrays) {
+    stats->arrays[name] = std::move(values);
+  }
+  stats->metadata["per_head_objective"] = "attention_weighted";
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet& plan) {
   absl::Status need = NeedMetadata(plan, {"source_config", "target_config"}, "plan");
   if (!need.ok()) return need;
@@ -259,6 +301,10 @@ absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet
   if (!status.ok()) return status;
   StatSet stats = std::move(header);
   for (auto& [name, values] : accumulator.stats().arrays) stats.arrays[name] = std::move(values);
+  if (options.solve.ridge.attention_weighted) {
+    absl::Status weighted = AccumulateAttentionWeighted(options, shape, sigma, &stats);
+    if (!weighted.ok()) return weighted;
+  }
   for (const char* name : {"plan.r2_k", "plan.r2_v", "plan.probe_tokens"}) {
     stats.arrays[name] = plan.at(name);
   }
@@ -360,12 +406,16 @@ std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int
 namespace {
 
 // The report's line on the ridge's granularity.
-std::string GranularityFact(const FitShape& shape, bool per_head) {
-  if (!per_head) return "per_layer (every target head from every source head of the layers)";
+std::string GranularityFact(const FitShape& shape, const RidgeOptions& ridge) {
+  if (!ridge.per_head) return "per_layer (every target head from every source head of the layers)";
   const HeadSources heads = HeadLocalSources(shape.source, shape.target, 0);
   return absl::StrCat("per_head (head-local: each of the ", shape.target.num_kv_heads,
                       " target heads from its ", heads.count, " matching source head",
-                      heads.count == 1 ? "" : "s", " of the layers)");
+                      heads.count == 1 ? "" : "s", " of the layers); objective ",
+                      ridge.attention_weighted
+                          ? "attention-weighted (each token's residual weighted by the attention "
+                            "mass the target's own queries give it)"
+                          : "MSE");
 }
 
 }  // namespace
@@ -401,7 +451,7 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
     }
   }
   std::vector<std::pair<std::string, std::string>> facts = {{"granularity", GranularityFact(
-      *shape, options.ridge.per_head)}};
+      *shape, options.ridge)}};
   std::optional<RefinementSummary> refinement;
   if (heldout != nullptr && heldout->refine.attention) {
     refinement.emplace();

@@ -53,8 +53,11 @@ struct Reference {
 
 // Head h of target layer l's map of `kind` from the rows themselves: gather head h's source
 // columns of the sigma blocks (HeadSourceRows order), centre, (X^T X + lambda n I) W = X^T Y.
+// `weights` (optional, [L_t][n_t][rows]): the attention-weighted objective, each row's squared
+// residual weighted (weighted means, lambda on the weighted sums' scale: lambda sum(w)).
 Reference ReferenceHead(const FitShape& shape, const FeatureRows& rows, int kind, int l,
-                        const std::vector<int>& sigma, int h, double lambda) {
+                        const std::vector<int>& sigma, int h, double lambda,
+                        const std::vector<double>* weights = nullptr) {
   const int64_t n = rows.rows, ds = shape.ds(), dt = shape.dt(), d_t = shape.target.head_dim;
   // The pairing written out here, independent of the fit's: g = max(1, n_s / n_t) source heads
   // from h n_s / n_t on.
@@ -73,19 +76,25 @@ Reference ReferenceHead(const FitShape& shape, const FeatureRows& rows, int kind
     }
     for (int64_t e = 0; e < d_t; ++e) y[t * d_t + e] = ys[t * rows.target_cols + l * dt + h * d_t + e];
   }
+  std::vector<double> r(n, 1.0);  // each row's weight
+  if (weights != nullptr) {
+    for (int64_t t = 0; t < n; ++t) r[t] = (*weights)[(int64_t{l} * nt + h) * n + t];
+  }
+  double total = 0;
+  for (double v : r) total += v;
   for (int64_t t = 0; t < n; ++t) {
-    for (int64_t i = 0; i < in; ++i) mx[i] += x[t * in + i] / n;
-    for (int64_t e = 0; e < d_t; ++e) my[e] += y[t * d_t + e] / n;
+    for (int64_t i = 0; i < in; ++i) mx[i] += r[t] * x[t * in + i] / total;
+    for (int64_t e = 0; e < d_t; ++e) my[e] += r[t] * y[t * d_t + e] / total;
   }
   std::vector<double> a(in * in, 0.0), w(in * d_t, 0.0);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t i = 0; i < in; ++i) {
-      const double xi = x[t * in + i] - mx[i];
+      const double xi = r[t] * (x[t * in + i] - mx[i]);
       for (int64_t k = 0; k < in; ++k) a[i * in + k] += xi * (x[t * in + k] - mx[k]);
       for (int64_t e = 0; e < d_t; ++e) w[i * d_t + e] += xi * (y[t * d_t + e] - my[e]);
     }
   }
-  for (int64_t i = 0; i < in; ++i) a[i * in + i] += lambda * n;
+  for (int64_t i = 0; i < in; ++i) a[i * in + i] += lambda * total;
   GaussSolve(in, d_t, a, &w);
   Reference ref{w, my};
   for (int64_t e = 0; e < d_t; ++e) {
@@ -179,6 +188,50 @@ TEST_P(PerHeadSolveTest, EqualsFloat64ReferenceOnFreshRandomRows) {
       EXPECT_NEAR(*again.r2_k, *fit->r2_k, 1e-9);
       EXPECT_NEAR(*again.r2_v_heldout, *fit->r2_v_heldout, 1e-9);
     }
+  }
+}
+
+// The attention-weighted objective: HeadWeightedAccumulator's sums and the weighted solve against
+// the weighted float64 reference, on fresh random rows and random positive weights.
+TEST_P(PerHeadSolveTest, AttentionWeightedEqualsFloat64Reference) {
+  const HeadCase c = GetParam();
+  const FitShape shape{NeoxModelSpec("test/src", 3, c.source_heads, c.source_dim, 10000),
+                       NeoxModelSpec("test/dst", 2, c.target_heads, c.target_dim, 10000)};
+  const std::vector<std::vector<int>> sigma = {{2, 0}, {1}};
+  const FeatureRows train = RandomRows(shape, 300, ::kvt::testing::FreshSeed("train rows"));
+  std::mt19937_64 rng(::kvt::testing::FreshSeed("weights"));
+  std::normal_distribution<double> normal;
+  std::vector<double> weights(2 * c.target_heads * train.rows);
+  for (double& w : weights) w = std::exp(normal(rng));
+  FinalAccumulator plain(shape, BlockPlan::FromSigma(sigma));
+  plain.Add(train, false);
+  HeadWeightedAccumulator weighted(shape, sigma);
+  weighted.Add(train, weights);
+  StatSet stats = plain.stats();
+  for (auto& [name, values] : weighted.stats().arrays) stats.arrays[name] = values;
+  RidgeOptions options;
+  options.per_head = true;
+  options.attention_weighted = true;
+  options.lambda = 0.05;
+  const int64_t dt = shape.dt(), d_t = c.target_dim;
+  for (int l = 0; l < 2; ++l) {
+    absl::StatusOr<LayerFit> fit = SolveLayer(shape, stats, l, sigma[l], options);
+    ASSERT_TRUE(fit.ok()) << fit.status();
+    for (int kind = 0; kind < 2; ++kind) {
+      const std::vector<double>& w = kind == 0 ? fit->w_k : fit->w_v;
+      const std::vector<double>& b = kind == 0 ? fit->b_k : fit->b_v;
+      for (int h = 0; h < c.target_heads; ++h) {
+        const Reference ref = ReferenceHead(shape, train, kind, l, sigma[l], h, 0.05, &weights);
+        const std::vector<int64_t> rows = HeadSourceRows(shape, sigma[l].size(), h);
+        for (size_t r = 0; r < rows.size(); ++r) {
+          for (int64_t e = 0; e < d_t; ++e) {
+            EXPECT_NEAR(w[rows[r] * dt + h * d_t + e], ref.w[r * d_t + e], 1e-10);
+          }
+        }
+        for (int64_t e = 0; e < d_t; ++e) EXPECT_NEAR(b[h * d_t + e], ref.b[e], 1e-10);
+      }
+    }
+    ASSERT_TRUE(fit->r2_k.has_value());  // R^2 of the weighted map on the plain statistics
   }
 }
 
@@ -336,6 +389,54 @@ TEST_F(PerHeadFamilyTest, DenseTruthMakesPerHeadLoseAndPerLayerRecommended) {
   EXPECT_LT(*both->difference_upper95, 0);
   EXPECT_EQ(both->recommended, "per_layer");
   EXPECT_EQ(both->per_layer.manifest.ridge_granularity, RidgeGranularity::kPerLayer);
+}
+
+// The token weights: per (layer, head) non-negative with mean 1 over the kept tokens, token 0
+// (which every query sees, and which its own query gives everything) above the mean, and the
+// strided weights the stride-1 ones rescaled.
+TEST_F(PerHeadFamilyTest, AttentionMassIsNormalisedPerLayerAndHead) {
+  const FitOptions options = HeadOptions(*families_[1], *dirs_[1]);
+  const SequencePair& pair = options.sequences.front();
+  const ModelSpec& target = options.target.spec;
+  absl::StatusOr<std::vector<double>> all =
+      AttentionMass(pair, options.source.spec, target, 1);
+  absl::StatusOr<std::vector<double>> strided =
+      AttentionMass(pair, options.source.spec, target, 4);
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_TRUE(strided.ok()) << strided.status();
+  const int64_t T = 64, kept = 16;
+  ASSERT_EQ(all->size(), static_cast<size_t>(target.num_layers * target.num_kv_heads * T));
+  ASSERT_EQ(strided->size(), static_cast<size_t>(target.num_layers * target.num_kv_heads * kept));
+  for (int lh = 0; lh < target.num_layers * target.num_kv_heads; ++lh) {
+    double mean = 0, strided_mean = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      EXPECT_GE((*all)[lh * T + t], 0.0);
+      mean += (*all)[lh * T + t] / T;
+    }
+    for (int64_t t = 0; t < T; t += 4) strided_mean += (*all)[lh * T + t] / kept;
+    EXPECT_NEAR(mean, 1.0, 1e-12);
+    EXPECT_GT((*all)[lh * T], 1.0);
+    for (int64_t i = 0; i < kept; ++i) {
+      EXPECT_NEAR((*strided)[lh * kept + i], (*all)[lh * T + 4 * i] / strided_mean, 1e-9);
+    }
+  }
+}
+
+// --per_head_objective=attention_weighted end to end: the fit passes and writes a head-local
+// mapper whose report names the objective.
+TEST_F(PerHeadFamilyTest, AttentionWeightedFitWritesAHeadLocalMapper) {
+  FitOptions options = HeadOptions(*families_[0], *dirs_[0]);
+  options.solve.ridge.per_head = true;
+  options.solve.ridge.attention_weighted = true;
+  absl::StatusOr<FitResult> fit =
+      RunFit(options, JoinPath(::kvt::testing::MakeTempDir("aw_head"), "m"));
+  ASSERT_TRUE(fit.ok()) << fit.status();
+  EXPECT_EQ(fit->manifest.ridge_granularity, RidgeGranularity::kPerHead);
+  ASSERT_TRUE(fit->heldout.has_value());
+  EXPECT_GT(fit->heldout->attention_cosine_without_layer0, 0.99);  // head-local truth
+  absl::StatusOr<std::string> report = ReadFileToString(fit->report_path);
+  ASSERT_TRUE(report.ok());
+  EXPECT_NE(report->find("objective attention-weighted"), std::string::npos);
 }
 
 // --refine=attention on head-local fits moves the weights inside each head's block and leaves

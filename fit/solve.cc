@@ -244,18 +244,6 @@ absl::Status CheckHeadMatching(const FitShape& shape) {
       "--granularity=per_head: ", heads.message(), " (use --granularity=per_layer)"));
 }
 
-std::vector<int64_t> HeadSourceRows(const FitShape& shape, int64_t blocks, int h) {
-  const HeadSources heads = HeadLocalSources(shape.source, shape.target, h);
-  const int64_t ds = shape.ds(), d_s = shape.source.head_dim;
-  std::vector<int64_t> rows;
-  rows.reserve(blocks * heads.count * d_s);
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t i = heads.first * d_s; i < (heads.first + heads.count) * d_s; ++i) {
-      rows.push_back(b * ds + i);
-    }
-  }
-  return rows;
-}
 
 absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& probe,
                                        std::vector<std::string>* warnings) {
@@ -369,12 +357,93 @@ std::vector<std::vector<int>> SelectLayers(const ProbeTables& tables, int k) {
   return sigma;
 }
 
+namespace {
+
+// Head h's attention-weighted moments of target layer l (stats.h: "aw.*"); n is the weights' sum.
+Moments GatherWeighted(const StatSet& stats, int kind, int l, int h) {
+  Moments m;
+  m.n = stats.at(WeightedName(kind, l, h, "n"))[0];
+  m.gram = stats.at(WeightedName(kind, l, h, "gram"));
+  m.cross = stats.at(WeightedName(kind, l, h, "cross"));
+  m.sum_x = stats.at(WeightedName(kind, l, h, "sum_x"));
+  m.sum_y = stats.at(WeightedName(kind, l, h, "sum_y"));
+  m.sumsq_y = stats.at(WeightedName(kind, l, h, "sumsq_y"));
+  return m;
+}
+
+// The attention-weighted head-local fit of target layer l: per head and kind, the weighted ridge
+// (weighted means, lambda on the head's weighted S_xx as SolveLayer scales it) scattered into
+// the dense layout; R^2 of the result on the plain statistics (EvaluateLayerR2).
+absl::StatusOr<LayerFit> SolveLayerWeighted(const FitShape& shape, const StatSet& stats, int l,
+                                            const std::vector<int>& sigma,
+                                            const RidgeOptions& options) {
+  if (stats.arrays.count(WeightedName(0, l, 0, "n")) == 0) {
+    return absl::FailedPreconditionError(
+        "the statistics have no attention-weighted arrays: accumulate them with "
+        "--per_head_objective=attention_weighted");
+  }
+  const int64_t dt = shape.dt(), d_t = shape.target.head_dim;
+  const int64_t d = sigma.size() * shape.ds();
+  LayerFit fit;
+  for (int c = 0; c < 2; ++c) {
+    std::vector<double> w(d * dt, 0.0), b(dt, 0.0);
+    for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+      const Moments m = GatherWeighted(stats, c, l, h);
+      const std::string what = absl::StrCat("target layer ", l, " ", c == 0 ? "K" : "V",
+                                            " head ", h, " (attention-weighted)");
+      if (!(m.n > 0)) return absl::FailedPreconditionError(absl::StrCat(what, ": no weight"));
+      const int64_t in = m.sum_x.size();
+      const std::vector<double> mu_x = Means(m.sum_x, m.n), mu_y = Means(m.sum_y, m.n);
+      Centred centred = CentreAbout(m, mu_x, mu_y);
+      std::vector<double> var(in);
+      for (int64_t i = 0; i < in; ++i) var[i] = centred.sxx[i * in + i] / m.n;
+      const std::vector<bool> constant = ConstantFeatures(var, mu_x);
+      for (int64_t i = 0; i < in; ++i) {
+        if (!constant[i]) continue;
+        for (int64_t t = 0; t < in; ++t) centred.sxx[i * in + t] = centred.sxx[t * in + i] = 0;
+        for (int64_t t = 0; t < d_t; ++t) centred.sxy[i * d_t + t] = 0;
+      }
+      const double lambda = options.scale == LambdaScale::kCovariance
+                                ? options.lambda * m.n
+                                : options.lambda * m.n / stats.at("train.n")[0];
+      std::vector<double> wh = centred.sxy;
+      std::string why;
+      if (!CholeskySolve(in, d_t, lambda, centred.sxx, &wh, &why)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(what, ": S_xx + lambda I is ", why, "; use a larger --lambda"));
+      }
+      const std::vector<int64_t> rows = HeadSourceRows(shape, sigma.size(), h);
+      for (int64_t e = 0; e < d_t; ++e) {
+        double bias = mu_y[e];
+        for (int64_t r = 0; r < in; ++r) {
+          w[rows[r] * dt + h * d_t + e] = wh[r * d_t + e];
+          bias -= mu_x[r] * wh[r * d_t + e];
+        }
+        b[h * d_t + e] = bias;
+      }
+    }
+    if (!AllFinite(w) || !AllFinite(b)) {
+      return absl::InternalError(absl::StrCat("target layer ", l, ": the attention-weighted "
+                                              "solution is not finite"));
+    }
+    (c == 0 ? fit.w_k : fit.w_v) = std::move(w);
+    (c == 0 ? fit.b_k : fit.b_v) = std::move(b);
+  }
+  EvaluateLayerR2(shape, stats, l, sigma, &fit);
+  return fit;
+}
+
+}  // namespace
+
 absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_stats, int l,
                                     const std::vector<int>& sigma, const RidgeOptions& options) {
   const int64_t ds = shape.ds(), dt = shape.dt(), d = sigma.size() * ds;
   if (options.per_head) {
     absl::Status matched = CheckHeadMatching(shape);
     if (!matched.ok()) return matched;
+    if (options.attention_weighted) {
+      return SolveLayerWeighted(shape, final_stats, l, sigma, options);
+    }
   }
   LayerFit fit;
   for (int c = 0; c < 2; ++c) {

@@ -48,14 +48,15 @@ struct RidgeOptions {
   // Head-local maps (manifest ridge.granularity per_head): target head h is fitted from its
   // matching source heads only (HeadSourceRows), on the sub-blocks of the same statistics.
   bool per_head = false;
+  // per_head only: each head minimises its residuals weighted by the attention mass the
+  // target's own queries give each token (CacheBridge; the "aw.*" arrays of stats.h) instead of
+  // plain MSE.
+  bool attention_weighted = false;
 };
 
 // INVALID_ARGUMENT naming --granularity=per_head unless one KV head count divides the other
 // (the pairing is kernels/mapper_view.h's HeadLocalSources).
 absl::Status CheckHeadMatching(const FitShape& shape);
-// The columns of a gathered row of `blocks` source blocks (block-major, head-major inside,
-// n_s d_s each) that target head h reads, in order: in_h = blocks * count * d_s of them.
-std::vector<int64_t> HeadSourceRows(const FitShape& shape, int64_t blocks, int h);
 
 // One target layer's maps, row-major float64 in the mapper's layout (rows: sigma's source layers
 // in order, head-major inside; columns: target heads). A head-local fit keeps this dense layout
