@@ -114,10 +114,11 @@ ABSL_FLAG(std::string, granularity, "per_layer",
           "n_kv times fewer bytes and FLOPs), or both (kvt fit only: fits both into "
           "--out/per_layer and --out/per_head and recommends one from the held-out "
           "attention-output cosine; needs target dumps with queries).");
-ABSL_FLAG(std::string, per_head_objective, "mse",
-          "kvt fit --granularity per_head|both: the head-local ridge's objective: mse, or "
+ABSL_FLAG(std::string, per_head_objective, "auto",
+          "kvt fit --granularity per_head|both: the head-local ridge's objective: mse, "
           "attention_weighted (each token's residual weighted by the attention mass the "
-          "target's own queries give it; needs training target dumps with queries).");
+          "target's own queries give it; needs training target dumps with queries), or auto "
+          "(attention_weighted when the first training target dump has queries, else mse).");
 ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
@@ -152,17 +153,34 @@ absl::Status GranularityFromFlags(fit::SolveOptions* options, bool* both) {
   return absl::OkStatus();
 }
 
-// --per_head_objective: mse or attention_weighted, the latter only for a head-local fit.
-absl::Status ObjectiveFromFlags(bool granularity_both, fit::RidgeOptions* ridge) {
+// --per_head_objective into ridge->attention_weighted for a head-local fit (per_head, or
+// `granularity_both`): mse, attention_weighted, or auto (attention_weighted when the first
+// training target dump of `sequences` has queries; the choice is printed).
+absl::Status ObjectiveFromFlags(bool granularity_both,
+                                const std::vector<fit::SequencePair>& sequences,
+                                const ModelSpec& target, fit::RidgeOptions* ridge) {
   const std::string objective = absl::GetFlag(FLAGS_per_head_objective);
-  if (objective != "mse" && objective != "attention_weighted") {
+  if (objective != "mse" && objective != "attention_weighted" && objective != "auto") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--per_head_objective must be mse or attention_weighted, got '", objective, "'"));
+        "--per_head_objective must be mse, attention_weighted or auto, got '", objective, "'"));
   }
-  ridge->attention_weighted = objective == "attention_weighted";
-  if (ridge->attention_weighted && !ridge->per_head && !granularity_both) {
+  const bool head_local = ridge->per_head || granularity_both;
+  if (objective == "attention_weighted" && !head_local) {
     return absl::InvalidArgumentError(
         "--per_head_objective=attention_weighted needs --granularity per_head or both");
+  }
+  ridge->attention_weighted = head_local && objective == "attention_weighted";
+  if (head_local && objective == "auto") {
+    for (const fit::SequencePair& pair : sequences) {
+      if (pair.heldout) continue;
+      absl::StatusOr<fit::DumpQueries> q = fit::ReadDumpQueries(pair.target_path, target);
+      if (!q.ok() && !absl::IsNotFound(q.status())) return q.status();
+      ridge->attention_weighted = q.ok();
+      std::printf("--per_head_objective=auto: %s\n",
+                  q.ok() ? "attention_weighted (the target dumps carry queries)"
+                         : "mse (the target dumps carry no queries)");
+      break;
+    }
   }
   return absl::OkStatus();
 }
@@ -302,10 +320,6 @@ int RunFit(const std::vector<std::string>& args) {
   absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags(&options.granularity_both);
   if (!solve.ok()) return Fail(std::string(solve.status().message()), 1);
   options.solve = *solve;
-  if (absl::Status o = ObjectiveFromFlags(options.granularity_both, &options.solve.ridge);
-      !o.ok()) {
-    return Fail(std::string(o.message()), 1);
-  }
   const std::string top_k = absl::GetFlag(FLAGS_top_k);
   if (top_k == "all") {
     options.k = 0;
@@ -429,6 +443,11 @@ int RunFit(const std::vector<std::string>& args) {
   options.heldout_split = *split;
   fit::AssignHeldout(options.heldout_fraction, options.seed, &*pairs, options.heldout_split);
   options.sequences = *pairs;
+  if (absl::Status o = ObjectiveFromFlags(options.granularity_both, options.sequences,
+                                          options.target.spec, &options.solve.ridge);
+      !o.ok()) {
+    return Fail(std::string(o.message()), absl::IsInvalidArgument(o) ? 1 : 2);
+  }
   const std::string shard = absl::GetFlag(FLAGS_shard);
   if (!shard.empty()) {
     std::vector<std::string> parts = absl::StrSplit(shard, '/');

@@ -1,5 +1,7 @@
 #include "fit/calibration.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -452,23 +454,22 @@ absl::StatusOr<DumpQueries> ReadDumpQueries(const std::string& path, const Model
 
 namespace {
 
-// Adds to `mass` [T] what each key receives from query rows q [T, q_stride] (head at offset
-// q_off, d values) over keys k [T, d], causal softmax of q . k / sqrt(d).
+// Adds to `mass` [T] what each key receives from the query rows q (head of `d` values at row
+// stride q_stride) over keys k [T, d]: causal softmax of q . k / sqrt(d), scores by one dgemm.
 void AddAttentionMass(int64_t T, int d, const float* q, int64_t q_stride, const double* k,
                       double* mass) {
-  std::vector<double> p(T);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> queries(T * d), p(T * T);
   for (int64_t i = 0; i < T; ++i) {
-    double top = -INFINITY;
-    for (int64_t j = 0; j <= i; ++j) {
-      double s = 0;
-      for (int e = 0; e < d; ++e) s += static_cast<double>(q[i * q_stride + e]) * k[j * d + e];
-      p[j] = s * scale;
-      top = std::max(top, p[j]);
-    }
+    for (int e = 0; e < d; ++e) queries[i * d + e] = q[i * q_stride + e];
+  }
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, d,
+              1.0 / std::sqrt(static_cast<double>(d)), queries.data(), d, k, d, 0.0, p.data(), T);
+  for (int64_t i = 0; i < T; ++i) {
+    double* row = p.data() + i * T;
+    const double top = *std::max_element(row, row + i + 1);
     double sum = 0;
-    for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - top));
-    for (int64_t j = 0; j <= i; ++j) mass[j] += p[j] / sum;
+    for (int64_t j = 0; j <= i; ++j) sum += (row[j] = std::exp(row[j] - top));
+    for (int64_t j = 0; j <= i; ++j) mass[j] += row[j] / sum;
   }
 }
 
