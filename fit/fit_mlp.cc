@@ -373,6 +373,11 @@ nlohmann::json QualityJson(const HeldoutQuality& q, const FitResult& fit) {
          {"c_v", round(q.c_v)},
          {"r2_k", round(q.r2_k)},
          {"r2_v", round(q.r2_v)}};
+  // Per held-out sequence (the same sequences in every mapper of one fit, in order), so that
+  // two fits on the same split compare paired.
+  json sequences = json::array();
+  for (double c : q.sequence_attention_cosine) sequences.push_back(round(c));
+  j["sequence_attention_cosine_without_layer0"] = std::move(sequences);
   for (auto [name, field] : {std::pair<const char*, R2Field>{"r2_k_heldout_mean", R2Field::kKHeldout},
                              {"r2_v_heldout_mean", R2Field::kVHeldout}}) {
     std::optional<double> mean = MeanR2(fit.manifest, field, /*skip_layer0=*/false);

@@ -439,6 +439,52 @@ TEST_F(PerHeadFamilyTest, AttentionWeightedFitWritesAHeadLocalMapper) {
   EXPECT_NE(report->find("objective attention-weighted"), std::string::npos);
 }
 
+// Sharded: final shards with the attention-weighted sums, merged and solved per head, give the
+// single run's mapper (up to the order of float64 additions).
+TEST_F(PerHeadFamilyTest, AttentionWeightedShardsMergeToTheSingleRun) {
+  FitOptions options = HeadOptions(*families_[1], *dirs_[1]);
+  options.solve.ridge.per_head = true;
+  options.solve.ridge.attention_weighted = true;
+  const std::string dir = ::kvt::testing::MakeTempDir("aw_shards");
+  absl::StatusOr<FitResult> single = RunFit(options, JoinPath(dir, "single"));
+  ASSERT_TRUE(single.ok()) << single.status();
+  std::vector<std::string> warnings;
+  absl::StatusOr<StatSet> probe = AccumulateProbe(options);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  absl::StatusOr<StatSet> plan = MakePlan(*probe, &warnings);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<std::string> files;
+  for (int i = 0; i < 2; ++i) {
+    FitOptions shard = options;
+    shard.sequences = SelectShard(options.sequences, i, 2);
+    absl::StatusOr<StatSet> final_stats = AccumulateFinal(shard, *plan);
+    ASSERT_TRUE(final_stats.ok()) << final_stats.status();
+    files.push_back(JoinPath(dir, absl::StrCat("final", i, ".kvtstats")));
+    ASSERT_TRUE(WriteStatSet(files.back(), *final_stats).ok());
+  }
+  absl::StatusOr<StatSet> merged = MergeStatFiles(files);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  absl::StatusOr<FitResult> from_shards =
+      SolveAndWrite(*merged, options.solve, JoinPath(dir, "merged"));
+  ASSERT_TRUE(from_shards.ok()) << from_shards.status();
+  auto a = LoadMapperDir(single->mapper_dir), b = LoadMapperDir(from_shards->mapper_dir);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ((*b)->manifest().ridge_granularity, RidgeGranularity::kPerHead);
+  for (const TensorInfo& t : (*a)->weights().tensors()) {
+    const TensorInfo* other = (*b)->weights().Find(t.spec.name);
+    ASSERT_NE(other, nullptr) << t.spec.name;
+    if (t.spec.name.rfind("layers.", 0) != 0) continue;
+    double diff = 0, norm = 0;
+    for (int64_t i = 0; i < t.spec.num_elements(); ++i) {
+      const double x = LoadAsDouble(t.spec.dtype, (*a)->weights().data(t).data(), i);
+      const double y = LoadAsDouble(t.spec.dtype, (*b)->weights().data(*other).data(), i);
+      diff += (x - y) * (x - y);
+      norm += x * x;
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 1e-6) << t.spec.name;
+  }
+}
+
 // --refine=attention on head-local fits moves the weights inside each head's block and leaves
 // every weight outside it exactly 0 (the compact tensors then hold the whole refined map).
 TEST_F(PerHeadFamilyTest, RefinementKeepsTheMapHeadLocal) {
