@@ -439,6 +439,28 @@ TEST_F(PerHeadFamilyTest, AttentionWeightedFitWritesAHeadLocalMapper) {
   EXPECT_NE(report->find("objective attention-weighted"), std::string::npos);
 }
 
+// A window fit (the chosen layers at p and p - 1), head-local with either objective: the
+// compact tensors hold window k g d_s rows per head, load, and serve the head-local truth.
+TEST_F(PerHeadFamilyTest, WindowFitsAreHeadLocalToo) {
+  for (bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "attention_weighted" : "mse");
+    FitOptions options = HeadOptions(*families_[0], *dirs_[0]);
+    options.window = 2;
+    options.solve.ridge.per_head = true;
+    options.solve.ridge.attention_weighted = weighted;
+    absl::StatusOr<FitResult> fit =
+        RunFit(options, JoinPath(::kvt::testing::MakeTempDir("window_head"), "m"));
+    ASSERT_TRUE(fit.ok()) << fit.status();
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(fit->mapper_dir);
+    ASSERT_TRUE(mapper.ok()) << mapper.status();
+    const TensorInfo* w = (*mapper)->weights().Find("layers.0.k.weight");
+    ASSERT_NE(w, nullptr);
+    EXPECT_EQ(w->spec.shape, (std::vector<int64_t>{2, 2 * 2 * 8, 8}));  // [n_t, window k g d_s, d_t]
+    ASSERT_TRUE(fit->heldout.has_value());
+    EXPECT_GT(fit->heldout->attention_cosine_without_layer0, 0.99);
+  }
+}
+
 // Sharded: final shards with the attention-weighted sums, merged and solved per head, give the
 // single run's mapper (up to the order of float64 additions).
 TEST_F(PerHeadFamilyTest, AttentionWeightedShardsMergeToTheSingleRun) {

@@ -475,7 +475,8 @@ absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_
                                            "), ", constant, " constant features, "
                                            "lambda ", options.lambda, " (",
                                            LambdaScaleName(options.scale), " scale)");
-    const int64_t design = options.per_head ? d / shape.target.num_kv_heads : d;
+    const int64_t design =
+        options.per_head ? static_cast<int64_t>(HeadSourceRows(shape, sigma.size(), 0).size()) : d;
     if (lambda == 0 && (constant > 0 || n <= design)) {
       return absl::FailedPreconditionError(absl::StrCat(
           what, ": S_xx is singular (", facts,
