@@ -272,7 +272,7 @@ int RunMerge(const std::vector<std::string>& shards) {
   const std::string phase = merged->metadata["kvt_fit_phase"];
   if (phase == "probe") {
     std::vector<std::string> warnings;
-    absl::StatusOr<fit::StatSet> plan = fit::MakePlan(*merged, &warnings);
+    absl::StatusOr<fit::StatSet> plan = fit::MakePlan(*merged, &warnings, solve->ridge.per_head);
     if (!plan.ok()) return Fail(plan.status().ToString());
     absl::Status written = fit::WriteStatSet(out, *plan);
     if (!written.ok()) return Fail(written.ToString());

@@ -29,6 +29,9 @@ namespace {
 using nlohmann::json;
 
 constexpr char kPhase[] = "kvt_fit_phase";
+// Set in a plan (and the final statistics made from it) whose unmatched probe was head-local.
+constexpr char kProbeKey[] = "probe";
+constexpr char kHeadLocalProbe[] = "head-local";
 
 json SequenceLog(const SequencePair& pair, int64_t tokens, int64_t observations) {
   return json{{"name", pair.name},
@@ -190,16 +193,18 @@ absl::StatusOr<StatSet> AccumulateProbe(const FitOptions& options) {
   return stats;
 }
 
-absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings) {
+absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings,
+                                 bool head_local) {
   absl::Status need = NeedMetadata(probe, {"source_config", "target_config"}, "probe");
   if (!need.ok()) return need;
   absl::StatusOr<FitShape> shape = ShapeOf(probe);
   if (!shape.ok()) return shape.status();
-  absl::StatusOr<ProbeTables> tables = SolveProbe(*shape, probe, warnings);
+  absl::StatusOr<ProbeTables> tables = SolveProbe(*shape, probe, warnings, head_local);
   if (!tables.ok()) return tables.status();
   StatSet plan;
   plan.metadata = probe.metadata;
   plan.metadata[kPhase] = "plan";
+  if (head_local && !shape->matched()) plan.metadata[kProbeKey] = kHeadLocalProbe;
   plan.arrays["plan.r2_k"] = tables->r2_k;
   plan.arrays["plan.r2_v"] = tables->r2_v;
   plan.arrays["plan.probe_tokens"] = probe.at("probe.n");
@@ -313,6 +318,7 @@ absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet
                             ? "all"
                             : absl::StrCat(options.k);
   stats.metadata["sigma"] = json(sigma).dump();
+  if (plan.metadata.count(kProbeKey)) stats.metadata[kProbeKey] = plan.metadata.at(kProbeKey);
   return stats;
 }
 
@@ -625,7 +631,10 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
            : absl::StrCat("by sequence: fraction ", stats.metadata.at("heldout_fraction"),
                           ", seed ", stats.metadata.at("seed"),
                           " (hash of seed and dump file name)"));
+  const bool local_probe = stats.metadata.count(kProbeKey) > 0;
   fact("probe", shape->matched() ? "head h on head h (matched KV shapes)"
+                : local_probe    ? "each target head on its matching source heads (unmatched, "
+                                   "head-local)"
                                  : "each target head on the whole source layer (unmatched)");
   fact("k", stats.metadata.at("k"));
   if (manifest.kind == MapperKind::kRidge) {
@@ -676,7 +685,9 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
       {"seed", split_seed},
       {"by", tail_split ? "sequence: the list's last sequences (--heldout_split=tail)"
                         : "sequence (hash of seed and dump file name)"}};
-  calibration["probe"] = shape->matched() ? "head-matched" : "full-source-layer";
+  calibration["probe"] = shape->matched() ? "head-matched"
+                         : local_probe      ? "head-local"
+                                            : "full-source-layer";
   calibration["k_requested"] = stats.metadata.at("k");
   json means;
   for (auto [name, field] : {std::pair<const char*, R2Field>{"k", R2Field::kK},

@@ -186,7 +186,10 @@ void SetBlasThreads(int num_threads);
 // Pass 1 over the training sequences: probe statistics (phase "probe").
 absl::StatusOr<StatSet> AccumulateProbe(const FitOptions& options);
 // Probe R^2 tables from (summed) probe statistics: phase "plan", arrays plan.r2_k/plan.r2_v.
-absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings);
+// `head_local` (a per_head fit): unmatched KV shapes are probed head-locally (SolveProbe), the
+// plan's metadata says so and the report names it.
+absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings,
+                                 bool head_local = false);
 // Pass 2 over all sequences: the blocks that sigma (top-k of the plan's scores) needs, training
 // and held-out apart (phase "final"; carries the plan's tables).
 absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet& plan);

@@ -246,7 +246,7 @@ absl::Status CheckHeadMatching(const FitShape& shape) {
 
 
 absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& probe,
-                                       std::vector<std::string>* warnings) {
+                                       std::vector<std::string>* warnings, bool head_local) {
   const int ls = shape.source.num_layers, lt = shape.target.num_layers;
   const int64_t ds = shape.ds(), dt = shape.dt();
   const double n = probe.at("probe.n")[0];
@@ -259,11 +259,16 @@ absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& pro
   tables.target_layers = lt;
   const bool matched = shape.matched();
   // Matched: one problem per (source layer, head) predicting that head of every target layer.
-  // Unmatched: one per source layer (all its heads) predicting every target column.
-  const int groups = matched ? shape.source.num_kv_heads : 1;
-  const int64_t dx = matched ? shape.source.head_dim : ds;
-  const int64_t dy = matched ? shape.target.head_dim : dt;  // columns per target layer
-  const int heads_per_group = matched ? 1 : shape.target.num_kv_heads;
+  // Head-local (unmatched, for a per_head fit): one per (source layer, target head h) from h's
+  // matching source heads (HeadLocalSources) predicting head h of every target layer.
+  // Otherwise one per source layer (all its heads) predicting every target column.
+  const bool local = head_local && !matched;
+  const int groups = matched ? shape.source.num_kv_heads : local ? shape.target.num_kv_heads : 1;
+  const int64_t dx = matched ? shape.source.head_dim
+                     : local ? HeadSourceRows(shape, 1, 0).size()
+                             : ds;
+  const int64_t dy = matched || local ? shape.target.head_dim : dt;  // columns per target layer
+  const int heads_per_group = matched || local ? 1 : shape.target.num_kv_heads;
   for (int c = 0; c < 2; ++c) {
     std::vector<double>& table = c == 0 ? tables.r2_k : tables.r2_v;
     table.assign(ls * lt, 0.0);
@@ -276,26 +281,38 @@ absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& pro
       std::vector<double> layer_gram = probe.at(ProbeName(c, absl::StrCat("gram.", j)));
       Symmetrize(ds, layer_gram.data());
       for (int g = 0; g < groups; ++g) {
-        const int64_t x0 = j * ds + g * dx;  // first column of this design in sum_x
+        // First column of this design within the layer, and in sum_x.
+        const int64_t in_layer = local ? HeadSourceRows(shape, 1, g)[0] : g * dx;
+        const int64_t x0 = j * ds + in_layer;
         Moments m;
         m.n = n;
         m.sum_x.assign(sum_x.begin() + x0, sum_x.begin() + x0 + dx);
         m.gram.resize(dx * dx);
         for (int64_t r = 0; r < dx; ++r) {
-          std::copy(layer_gram.begin() + (g * dx + r) * ds + g * dx,
-                    layer_gram.begin() + (g * dx + r) * ds + g * dx + dx,
+          std::copy(layer_gram.begin() + (in_layer + r) * ds + in_layer,
+                    layer_gram.begin() + (in_layer + r) * ds + in_layer + dx,
                     m.gram.begin() + r * dx);
         }
         const std::vector<double>& cross =
             probe.at(matched ? ProbeName(c, absl::StrCat("cross.h", g)) : ProbeName(c, "cross"));
         const int64_t e = lt * dy;
-        m.cross.resize(dx * e);
         // Matched cross.h{g} rows are [source layer][dim], columns [target layer][dim]; the
-        // unmatched cross rows are the full source columns.
-        const int64_t row0 = matched ? j * dx : j * ds;
-        std::copy(cross.begin() + row0 * e, cross.begin() + (row0 + dx) * e, m.cross.begin());
+        // unmatched cross rows are the full source columns, columns every target column (the
+        // head-local problem takes head g's of each target layer).
+        const int64_t row0 = matched ? j * dx : x0;
+        if (local) {
+          m.cross.reserve(dx * e);
+          for (int64_t r = 0; r < dx; ++r) {
+            for (int l = 0; l < lt; ++l) {
+              const auto from = cross.begin() + (row0 + r) * lt * dt + l * dt + g * dy;
+              m.cross.insert(m.cross.end(), from, from + dy);
+            }
+          }
+        } else {
+          m.cross.assign(cross.begin() + row0 * e, cross.begin() + (row0 + dx) * e);
+        }
         for (int l = 0; l < lt; ++l) {
-          const int64_t y0 = l * dt + (matched ? g * dy : 0);
+          const int64_t y0 = l * dt + (matched || local ? g * dy : 0);
           m.sum_y.insert(m.sum_y.end(), sum_y.begin() + y0, sum_y.begin() + y0 + dy);
           m.sumsq_y.insert(m.sumsq_y.end(), sumsq_y.begin() + y0, sumsq_y.begin() + y0 + dy);
         }

@@ -35,8 +35,11 @@ std::optional<double> HeadAveragedR2(const std::vector<double>& sse, const std::
 // Probe ridge uses lambda = kProbeRidge x the mean diagonal of S_xx (SPEC 4.2: "tiny, for
 // stability"). Warnings (constant target heads, ...) are appended to `warnings`.
 inline constexpr double kProbeRidge = 1e-6;
+// `head_local` (a per_head fit): unmatched shapes score each target head on its matching
+// source heads only (the head-local map's probe); matched shapes always do.
 absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& probe,
-                                       std::vector<std::string>* warnings);
+                                       std::vector<std::string>* warnings,
+                                       bool head_local = false);
 
 // sigma(l): the k source layers with the highest score (R2_K + R2_V) / 2, ties to the lower
 // index, in descending-score order. k <= 0 or k >= L_s: all source layers.
