@@ -119,6 +119,10 @@ ABSL_FLAG(std::string, per_head_objective, "auto",
           "attention_weighted (each token's residual weighted by the attention mass the "
           "target's own queries give it; needs training target dumps with queries), or auto "
           "(attention_weighted when the first training target dump has queries, else mse).");
+ABSL_FLAG(std::string, per_head_probe, "full",
+          "kvt fit / merge --granularity per_head: how unmatched KV shapes rank source layers: "
+          "full (each target head on the whole source layer) or head_local (on its matching "
+          "source heads only).");
 ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
@@ -151,6 +155,19 @@ absl::Status GranularityFromFlags(fit::SolveOptions* options, bool* both) {
   }
   options->ridge.per_head = *parsed == RidgeGranularity::kPerHead;
   return absl::OkStatus();
+}
+
+// --per_head_probe: whether a per_head fit probes unmatched shapes head-locally.
+absl::StatusOr<bool> HeadLocalProbeFromFlags(bool per_head) {
+  const std::string probe = absl::GetFlag(FLAGS_per_head_probe);
+  if (probe != "full" && probe != "head_local") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--per_head_probe must be full or head_local, got '", probe, "'"));
+  }
+  if (probe == "head_local" && !per_head) {
+    return absl::InvalidArgumentError("--per_head_probe=head_local needs --granularity per_head");
+  }
+  return probe == "head_local";
 }
 
 // --per_head_objective into ridge->attention_weighted for a head-local fit (per_head, or
@@ -272,7 +289,9 @@ int RunMerge(const std::vector<std::string>& shards) {
   const std::string phase = merged->metadata["kvt_fit_phase"];
   if (phase == "probe") {
     std::vector<std::string> warnings;
-    absl::StatusOr<fit::StatSet> plan = fit::MakePlan(*merged, &warnings, solve->ridge.per_head);
+    absl::StatusOr<bool> local = HeadLocalProbeFromFlags(solve->ridge.per_head);
+    if (!local.ok()) return Fail(std::string(local.status().message()), 1);
+    absl::StatusOr<fit::StatSet> plan = fit::MakePlan(*merged, &warnings, *local);
     if (!plan.ok()) return Fail(plan.status().ToString());
     absl::Status written = fit::WriteStatSet(out, *plan);
     if (!written.ok()) return Fail(written.ToString());
@@ -320,6 +339,9 @@ int RunFit(const std::vector<std::string>& args) {
   absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags(&options.granularity_both);
   if (!solve.ok()) return Fail(std::string(solve.status().message()), 1);
   options.solve = *solve;
+  absl::StatusOr<bool> local_probe = HeadLocalProbeFromFlags(options.solve.ridge.per_head);
+  if (!local_probe.ok()) return Fail(std::string(local_probe.status().message()), 1);
+  options.head_local_probe = *local_probe;
   const std::string top_k = absl::GetFlag(FLAGS_top_k);
   if (top_k == "all") {
     options.k = 0;

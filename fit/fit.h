@@ -118,6 +118,10 @@ struct FitOptions {
   int window = 1;
   // The ridge's granularity is solve.ridge.per_head; this fits both (RunFitGranularityBoth).
   bool granularity_both = false;
+  // `--per_head_probe=head_local`: a per_head fit of unmatched KV shapes ranks source layers by
+  // the head-local probe (MakePlan) instead of the full-layer one (docs/FIT.md: worse on 3 of
+  // the 4 U pairs, so not the default).
+  bool head_local_probe = false;
   SolveOptions solve;
   double heldout_fraction = 0.1;  // recorded: the marks are in `sequences`
   HeldoutSplit heldout_split = HeldoutSplit::kHash;  // recorded
@@ -186,8 +190,8 @@ void SetBlasThreads(int num_threads);
 // Pass 1 over the training sequences: probe statistics (phase "probe").
 absl::StatusOr<StatSet> AccumulateProbe(const FitOptions& options);
 // Probe R^2 tables from (summed) probe statistics: phase "plan", arrays plan.r2_k/plan.r2_v.
-// `head_local` (a per_head fit): unmatched KV shapes are probed head-locally (SolveProbe), the
-// plan's metadata says so and the report names it.
+// `head_local` (--per_head_probe=head_local): unmatched KV shapes are probed head-locally
+// (SolveProbe), the plan's metadata says so and the report names it.
 absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings,
                                  bool head_local = false);
 // Pass 2 over all sequences: the blocks that sigma (top-k of the plan's scores) needs, training

@@ -434,7 +434,7 @@ absl::StatusOr<StatSet> PlanOrProbe(const FitOptions& options, const StatSet* pl
   if (plan != nullptr) return *plan;
   absl::StatusOr<StatSet> probe = AccumulateProbe(options);
   if (!probe.ok()) return probe.status();
-  return MakePlan(*probe, warnings, options.solve.ridge.per_head);
+  return MakePlan(*probe, warnings, options.head_local_probe);
 }
 
 absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::string& out_dir,
