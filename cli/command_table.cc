@@ -30,8 +30,8 @@ constexpr char kMappersUsage[] =
 constexpr char kSynthUsage[] =
     "usage: kvt synth --out=DIR (--preset=NAME | custom shapes) [--k=N] [--window=1]\n"
     "                 [--weight_dtype=bf16|fp16|fp32] [--seed=1]\n"
-    "                 [--kind=ridge|mlp [--mlp_hidden=1024]\n"
-    "                  [--mlp_granularity=per_layer|per_head]]\n"
+    "                 [--kind=ridge [--ridge_granularity=per_layer|per_head]\n"
+    "                  | --kind=mlp [--mlp_hidden=1024] [--mlp_granularity=per_layer|per_head]]\n"
     "custom shapes:   [--source_model=NAME] [--target_model=NAME] [--rope_theta=10000]\n"
     "                 [--source_layers=4] [--source_heads=2] [--source_head_dim=32]\n"
     "                 [--target_layers=6] [--target_heads=2] [--target_head_dim=32]\n"
@@ -129,8 +129,8 @@ const std::vector<CommandSpec>& Commands() {
        kMappersUsage, {"server", "timeout_ms"}},
       {"synth", RunSynth,
        "write a deterministic random mapper (--out; --preset or shapes; --kind=mlp)", kSynthUsage,
-       {"out", "preset", "k", "window", "weight_dtype", "seed", "kind", "mlp_hidden",
-        "mlp_granularity",
+       {"out", "preset", "k", "window", "weight_dtype", "seed", "kind", "ridge_granularity",
+        "mlp_hidden", "mlp_granularity",
         "source_model", "target_model", "rope_theta", "source_layers", "source_heads",
         "source_head_dim", "target_layers", "target_heads", "target_head_dim"}},
       {"inspect", RunInspect, "summarise a mapper directory: `inspect DIR`", kInspectUsage, {}},

@@ -32,6 +32,9 @@ ABSL_FLAG(int32_t, target_layers, 6, "kvt synth custom: target layers.");
 ABSL_FLAG(int32_t, target_heads, 2, "kvt synth custom: target KV heads.");
 ABSL_FLAG(int32_t, target_head_dim, 32, "kvt synth custom: target head_dim.");
 ABSL_FLAG(double, rope_theta, 10000.0, "kvt synth custom: RoPE theta of both models (neox).");
+ABSL_FLAG(std::string, ridge_granularity, "per_layer",
+          "kvt synth --kind=ridge: per_layer (each target layer from the whole row) or per_head "
+          "(each target head from its matching source heads only: n_kv times fewer weights).");
 // Shared with `kvt fit` (defined in fit_commands.cc): synth --kind=mlp writes a random MLP.
 ABSL_DECLARE_FLAG(std::string, kind);
 ABSL_DECLARE_FLAG(int64_t, mlp_hidden);
@@ -95,6 +98,14 @@ int RunSynth(const std::vector<std::string>& args) {
     options.mlp = *mlp;
   } else if (kind != "ridge") {
     std::fprintf(stderr, "kvt synth: --kind='%s' must be ridge or mlp\n", kind.c_str());
+    return 1;
+  }
+  const std::string granularity = absl::GetFlag(FLAGS_ridge_granularity);
+  if (std::optional<RidgeGranularity> parsed = ParseRidgeGranularity(granularity)) {
+    options.ridge_granularity = *parsed;  // with --kind=mlp, per_head is refused by name below
+  } else {
+    std::fprintf(stderr, "kvt synth: --ridge_granularity='%s' must be per_layer or per_head\n",
+                 granularity.c_str());
     return 1;
   }
   absl::Status written = WriteSynthMapper(out, options);

@@ -265,6 +265,18 @@ struct LayerCall {
   const Positions* positions;
 };
 
+// Target heads [begin, end) of a work item. A head-local mapper's short requests split the heads
+// over the threads as well as the tokens (CpuWork); every other item covers all n_t heads.
+struct HeadRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+// The chains an item runs: a per_layer map's one chain whole, else those of its heads.
+HeadRange ChainRange(const KindPlan& kind, const HeadRange& heads) {
+  return kind.heads == 1 ? HeadRange{0, 1} : heads;
+}
+
 // The RoPE tables of the piece in the workspace: the source's for every token it reads, the
 // target's for its own.
 struct PieceTables {
@@ -312,16 +324,16 @@ void StripBlock(const LayerCall& call, const PieceTables& tables, int64_t row, f
   }
 }
 
-// Head-local: block b of row i, already stripped, into every chain's columns of the head-major
-// x (chain h's rows of map[0].in_width back to back, `chain_rows` rows each).
+// Head-local: block b of row i, already stripped, into the columns of the item's chains in the
+// head-major x (chain heads.begin + c's rows of map[0].in_width at c, `chain_rows` rows each).
 template <typename T>
 void ScatterHeads(const KindPlan& kind, int64_t ds, const T* block, int64_t chain_rows,
-                  int64_t i, int64_t b, T* x) {
+                  int64_t i, int64_t b, const HeadRange& heads, T* x) {
   const int64_t in = kind.map[0].in_width;
-  for (int64_t h = 0; h < kind.heads; ++h) {
+  for (int64_t h = heads.begin; h < heads.end; ++h) {
     const HeadSources& src = kind.chain_sources[h];
-    std::memcpy(x + (h * chain_rows + i) * in + b * src.count * ds, block + src.first * ds,
-                src.count * ds * sizeof(T));
+    std::memcpy(x + ((h - heads.begin) * chain_rows + i) * in + b * src.count * ds,
+                block + src.first * ds, src.count * ds * sizeof(T));
   }
 }
 
@@ -329,7 +341,7 @@ void ScatterHeads(const KindPlan& kind, int64_t ds, const T* block, int64_t chai
 // block (o, b) from token begin + i - o (zero before the request's first token). Head-local:
 // each block goes through `block` into the chains' head-major rows (ScatterHeads).
 void GatherFp32(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-                const PieceTables& tables, float* block, float* x) {
+                const PieceTables& tables, const HeadRange& heads, float* block, float* x) {
   const int64_t width = call.plan->source_width();
   const int64_t sigma_size = static_cast<int64_t>(kind.sigma.size());
   const auto& layers = kind.kind == KvKind::kKey ? call.source->k : call.source->v;
@@ -343,7 +355,9 @@ void GatherFp32(const LayerCall& call, const KindPlan& kind, const TokenPiece& p
         ReadBlock(*call.source, layers[kind.sigma[b % sigma_size]], t, out);
         if (kind.strip) StripBlock(call, tables, t - piece.read_begin, out);
       }
-      if (kind.head_local()) ScatterHeads(kind, call.source->head_dim, out, piece.rows, i, b, x);
+      if (kind.head_local()) {
+        ScatterHeads(kind, call.source->head_dim, out, piece.rows, i, b, heads, x);
+      }
     }
   }
 }
@@ -352,8 +366,8 @@ void GatherFp32(const LayerCall& call, const KindPlan& kind, const TokenPiece& p
 // rounded to bf16 (a bf16 value block without RoPE is copied as is). Head-local: through
 // `block16` into the chains' head-major rows of `chain_rows` (the GEMM's padded rows) each.
 void GatherBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-                const PieceTables& tables, int64_t chain_rows, float* block, uint16_t* block16,
-                uint16_t* x16) {
+                const PieceTables& tables, const HeadRange& heads, int64_t chain_rows,
+                float* block, uint16_t* block16, uint16_t* x16) {
   const int64_t width = call.plan->source_width();
   const int64_t sigma_size = static_cast<int64_t>(kind.sigma.size());
   const auto& layers = kind.kind == KvKind::kKey ? call.source->k : call.source->v;
@@ -373,7 +387,7 @@ void GatherBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& p
         FromFloat(DType::kBF16, block, out16, width);
       }
       if (kind.head_local()) {
-        ScatterHeads(kind, call.source->head_dim, out16, chain_rows, i, b, x16);
+        ScatterHeads(kind, call.source->head_dim, out16, chain_rows, i, b, heads, x16);
       }
     }
   }
@@ -381,9 +395,10 @@ void GatherBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& p
 
 // Zero rows [rows, gemm_rows) of the oneDNN input (their outputs unused): after the row block
 // of the whole row, or of every head-local chain.
-void ZeroPaddingRows(const KindPlan& kind, int64_t rows, int64_t gemm_rows, uint16_t* x16) {
+void ZeroPaddingRows(const KindPlan& kind, const HeadRange& heads, int64_t rows,
+                     int64_t gemm_rows, uint16_t* x16) {
   if (gemm_rows == rows) return;
-  const int64_t chains = kind.head_local() ? kind.heads : 1;
+  const int64_t chains = kind.head_local() ? heads.end - heads.begin : 1;
   const int64_t in = kind.head_local() ? kind.map[0].in_width : kind.input_width;
   for (int64_t h = 0; h < chains; ++h) {
     std::memset(x16 + (h * gemm_rows + rows) * in, 0, (gemm_rows - rows) * in * sizeof(uint16_t));
@@ -393,10 +408,13 @@ void ZeroPaddingRows(const KindPlan& kind, int64_t rows, int64_t gemm_rows, uint
 // Multiply, add, activate on the sgemm path: each chain's stages in turn, the hidden stages'
 // bias + ReLU in the pass after their GEMM. The last stage's bias waits for the epilogue.
 void MultiplySgemm(const KindPlan& kind, const Fp32Kind& w, const float* x, int64_t rows,
-                   int64_t target_width, float* const hidden[2], float* y) {
-  for (int64_t h = 0; h < kind.heads; ++h) {
+                   int64_t target_width, const HeadRange& heads, float* const hidden[2],
+                   float* y) {
+  const HeadRange chains = ChainRange(kind, heads);
+  for (int64_t h = chains.begin; h < chains.end; ++h) {
     // Head-local chains read their own block of the head-major x; others the whole row.
-    const float* in = kind.head_local() ? x + h * rows * kind.map[0].in_width : x;
+    const float* in =
+        kind.head_local() ? x + (h - chains.begin) * rows * kind.map[0].in_width : x;
     for (size_t s = 0; s < kind.map.size(); ++s) {
       const GemmStage& g = kind.map[s];
       const bool last = s + 1 == kind.map.size();
@@ -426,9 +444,11 @@ struct Bf16Outputs {
 // strided one falls to a far slower gemm): per_head chains write through y_head.
 absl::Status MultiplyBf16(const KindPlan& kind, const Bf16Kind& w, const uint16_t* x16,
                           int64_t gemm_rows, int64_t rows, int64_t target_width,
-                          const Bf16Outputs& out) {
-  for (int64_t h = 0; h < kind.heads; ++h) {
-    const uint16_t* in = kind.head_local() ? x16 + h * gemm_rows * kind.map[0].in_width : x16;
+                          const HeadRange& heads, const Bf16Outputs& out) {
+  const HeadRange chains = ChainRange(kind, heads);
+  for (int64_t h = chains.begin; h < chains.end; ++h) {
+    const uint16_t* in =
+        kind.head_local() ? x16 + (h - chains.begin) * gemm_rows * kind.map[0].in_width : x16;
     for (size_t s = 0; s < kind.map.size(); ++s) {
       const GemmStage& g = kind.map[s];
       const float* bias = w.bias[g.index] ? w.bias[g.index] + h * g.out_width : nullptr;
@@ -459,24 +479,27 @@ absl::Status MultiplyBf16(const KindPlan& kind, const Bf16Kind& w, const uint16_
   return absl::OkStatus();
 }
 
-// Convert: one fp32 row of n_t d_t into token t of the target layer, in its dtype and layout.
-void WriteRow(const MutableCacheView& target, void* layer, int64_t t, const float* row) {
+// Convert: heads [heads.begin, heads.end) of one fp32 row of n_t d_t into token t of the target
+// layer, in its dtype and layout.
+void WriteRow(const MutableCacheView& target, void* layer, int64_t t, const HeadRange& heads,
+              const float* row) {
   char* base = static_cast<char*>(layer);
   const size_t element = DTypeSize(target.dtype);
   const int64_t dt = target.head_dim;
   const int64_t width = target.num_kv_heads * dt;
   if (target.layout == Layout::kNHD) {
-    FromFloat(target.dtype, row, base + t * width * element, width);
+    FromFloat(target.dtype, row + heads.begin * dt,
+              base + (t * width + heads.begin * dt) * element, (heads.end - heads.begin) * dt);
     return;
   }
-  for (int64_t h = 0; h < target.num_kv_heads; ++h) {
+  for (int64_t h = heads.begin; h < heads.end; ++h) {
     FromFloat(target.dtype, row + h * dt, base + (h * target.num_tokens + t) * dt * element, dt);
   }
 }
 
-// Epilogue: add (`bias` when not fused into the GEMM), rotate, convert.
+// Epilogue of the item's heads: add (`bias` when not fused into the GEMM), rotate, convert.
 void Epilogue(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-              const PieceTables& tables, const float* bias, float* y) {
+              const PieceTables& tables, const HeadRange& heads, const float* bias, float* y) {
   const Rope& apply = call.plan->rope().apply();
   const int half = call.plan->rope().apply_half();
   const int64_t width = call.plan->target_width();
@@ -485,22 +508,20 @@ void Epilogue(const LayerCall& call, const KindPlan& kind, const TokenPiece& pie
   for (int64_t i = 0; i < piece.rows; ++i) {
     float* row = y + i * width;
     if (bias) {
-      for (int64_t c = 0; c < width; ++c) row[c] += bias[c];
+      for (int64_t c = heads.begin * dt; c < heads.end * dt; ++c) row[c] += bias[c];
     }
     if (kind.rotate) {
       const float* cos = tables.base + tables.layout.apply_cos + i * half;
       const float* sin = tables.base + tables.layout.apply_sin + i * half;
-      for (int64_t h = 0; h < call.target->num_kv_heads; ++h) {
-        apply.ApplyHead(cos, sin, row + h * dt);
-      }
+      for (int64_t h = heads.begin; h < heads.end; ++h) apply.ApplyHead(cos, sin, row + h * dt);
     }
-    WriteRow(*call.target, layer, piece.begin + i, row);
+    WriteRow(*call.target, layer, piece.begin + i, heads, row);
   }
 }
 
 // One kind of one piece on the sgemm path.
 void RunKindSgemm(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-                  const PieceTables& tables, Workspace* ws) {
+                  const PieceTables& tables, const HeadRange& heads, Workspace* ws) {
   const int64_t rows = piece.rows;
   const int64_t width = call.plan->target_width();
   const int64_t max_hidden = call.plan->max_hidden();
@@ -509,9 +530,9 @@ void RunKindSgemm(const LayerCall& call, const KindPlan& kind, const TokenPiece&
   float* const hidden[2] = {max_hidden ? ws->h1.Get(rows * max_hidden) : nullptr,
                             max_hidden ? ws->h2.Get(rows * max_hidden) : nullptr};
   const Fp32Kind& w = (*call.fp32)[static_cast<int>(kind.kind)];
-  GatherFp32(call, kind, piece, tables, ws->block.Get(call.plan->source_width()), x);
-  MultiplySgemm(kind, w, x, rows, width, hidden, y);
-  Epilogue(call, kind, piece, tables, w.bias[kind.last().index], y);
+  GatherFp32(call, kind, piece, tables, heads, ws->block.Get(call.plan->source_width()), x);
+  MultiplySgemm(kind, w, x, rows, width, heads, hidden, y);
+  Epilogue(call, kind, piece, tables, heads, w.bias[kind.last().index], y);
 }
 
 // oneDNN path, values into a bf16 [tokens, heads, dim] target: the last matmul writes the target
@@ -530,7 +551,7 @@ void* DirectOutput(const LayerCall& call, const KindPlan& kind, const TokenPiece
 // One kind of one piece on the oneDNN path: GEMM rows rounded up, the padding rows of x zero
 // (their outputs unused).
 absl::Status RunKindBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-                         const PieceTables& tables, Workspace* ws) {
+                         const PieceTables& tables, const HeadRange& heads, Workspace* ws) {
   const int64_t gemm_rows = RoundUp(piece.rows, kRowQuantum);
   const int64_t width = call.plan->target_width();
   const int64_t max_hidden = call.plan->max_hidden();
@@ -541,20 +562,30 @@ absl::Status RunKindBf16(const LayerCall& call, const KindPlan& kind, const Toke
   out.y_head = kind.heads > 1 ? ws->y_head.Get(gemm_rows * call.target->head_dim) : nullptr;
   out.hidden[0] = max_hidden ? ws->h1_16.Get(gemm_rows * max_hidden) : nullptr;
   out.hidden[1] = max_hidden ? ws->h2_16.Get(gemm_rows * max_hidden) : nullptr;
-  GatherBf16(call, kind, piece, tables, gemm_rows, ws->block.Get(call.plan->source_width()),
-             ws->block16.Get(call.plan->source_width()), x16);
-  ZeroPaddingRows(kind, piece.rows, gemm_rows, x16);
+  GatherBf16(call, kind, piece, tables, heads, gemm_rows,
+             ws->block.Get(call.plan->source_width()), ws->block16.Get(call.plan->source_width()),
+             x16);
+  ZeroPaddingRows(kind, heads, piece.rows, gemm_rows, x16);
   const Bf16Kind& w = (*call.bf16)[static_cast<int>(kind.kind)];
-  if (absl::Status s = MultiplyBf16(kind, w, x16, gemm_rows, piece.rows, width, out); !s.ok()) {
+  if (absl::Status s = MultiplyBf16(kind, w, x16, gemm_rows, piece.rows, width, heads, out);
+      !s.ok()) {
     return s;
   }
-  if (out.direct == nullptr) Epilogue(call, kind, piece, tables, nullptr, out.y);
+  if (out.direct == nullptr) Epilogue(call, kind, piece, tables, heads, nullptr, out.y);
   return absl::OkStatus();
 }
 
-// Tokens [begin, begin + rows) through gather -> GEMM -> epilogue, for K then V, on one thread
-// with its own workspace; both models' rotations for these positions once per piece.
-absl::Status RunPiece(const LayerCall& call, const TokenPiece& piece, Workspace* ws) {
+// One work item: a piece of tokens and a range of target heads.
+struct WorkItem {
+  TokenPiece piece;
+  HeadRange heads;
+};
+
+// Tokens [begin, begin + rows) of the item's heads through gather -> GEMM -> epilogue, for K then
+// V, on one thread with its own workspace; both models' rotations for these positions once per
+// item.
+absl::Status RunPiece(const LayerCall& call, const WorkItem& item, Workspace* ws) {
+  const TokenPiece& piece = item.piece;
   const TranslationRope& rope = call.plan->rope();
   PieceTables tables;
   tables.layout = rope.TableLayout(piece.read_rows(), piece.rows);
@@ -563,8 +594,8 @@ absl::Status RunPiece(const LayerCall& call, const TokenPiece& piece, Workspace*
   tables.base = base;
   for (const KindPlan& kind : call.layer->kinds) {
     if (call.bf16 == nullptr) {
-      RunKindSgemm(call, kind, piece, tables, ws);
-    } else if (absl::Status s = RunKindBf16(call, kind, piece, tables, ws); !s.ok()) {
+      RunKindSgemm(call, kind, piece, tables, item.heads, ws);
+    } else if (absl::Status s = RunKindBf16(call, kind, piece, tables, item.heads, ws); !s.ok()) {
       return s;
     }
   }
@@ -709,8 +740,29 @@ std::vector<TokenPiece> CpuPieces(int64_t num_tokens, int64_t chunk, bool onednn
                      window);
 }
 
+// The items of one call: each piece with every head, or, for a head-local mapper with fewer
+// pieces than threads (a short request), each piece with near-equal head ranges so every thread
+// has work: the heads' GEMMs are independent.
+std::vector<WorkItem> CpuWork(const std::vector<TokenPiece>& pieces, const TranslationPlan& plan,
+                              int threads) {
+  const int64_t heads = plan.mapper().target.num_kv_heads;
+  const int64_t count = static_cast<int64_t>(pieces.size());
+  int64_t groups = 1;
+  if (plan.mapper().head_local && count > 0 && count < threads) {
+    groups = std::min(heads, (threads + count - 1) / count);
+  }
+  std::vector<WorkItem> items;
+  items.reserve(count * groups);
+  for (const TokenPiece& piece : pieces) {
+    for (int64_t g = 0; g < groups; ++g) {
+      items.push_back({piece, HeadRange{heads * g / groups, heads * (g + 1) / groups}});
+    }
+  }
+  return items;
+}
+
 absl::Status RunPiecesParallel(ThreadPool* pool, const LayerCall& call,
-                               const std::vector<TokenPiece>& pieces, bool onednn) {
+                               const std::vector<WorkItem>& pieces, bool onednn) {
   Mutex error_mu;
   absl::Status error;
   pool->ParallelFor(static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
@@ -758,17 +810,18 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
   // When someone in this process re-enabled OpenBLAS threading after the constructor, running
   // pieces on the pool too would oversubscribe the cores: BLAS owns the parallelism then.
   const bool serial = !onednn && openblas_get_num_threads() > 1;
-  const std::vector<TokenPiece> pieces = CpuPieces(source.num_tokens, chunk, onednn,
-                                                   prepared->plan_.window(),
-                                                   serial ? 0 : pool_->num_threads());
+  const int threads = serial ? 0 : pool_->num_threads();
+  const std::vector<WorkItem> items =
+      CpuWork(CpuPieces(source.num_tokens, chunk, onednn, prepared->plan_.window(), threads),
+              prepared->plan_, threads);
   if (serial) {
     Workspace ws;
-    for (const TokenPiece& piece : pieces) {
-      if (absl::Status s = RunPiece(call, piece, &ws); !s.ok()) return s;
+    for (const WorkItem& item : items) {
+      if (absl::Status s = RunPiece(call, item, &ws); !s.ok()) return s;
     }
     return absl::OkStatus();
   }
-  return RunPiecesParallel(pool_.get(), call, pieces, onednn);
+  return RunPiecesParallel(pool_.get(), call, items, onednn);
 }
 
 std::unique_ptr<Backend> NewCpuBackend(const CpuBackendOptions& options) {

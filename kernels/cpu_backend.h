@@ -41,7 +41,8 @@ struct CpuBackendOptions {
   // Threads of the pool (the calling thread included). 0: every core.
   int num_threads = 0;
   // Tokens per step when TranslateOptions::token_chunk is 0. Working memory per thread is about
-  // token_chunk * (k n_s d_s + n_t d_t) floats, plus token_chunk * 2 H for an MLP mapper's
+  // token_chunk * (k n_s d_s + n_t d_t) floats (a head-local ridge: k g d_s n_t instead of
+  // k n_s d_s, each head's inputs apart), plus token_chunk * 2 H for an MLP mapper's
   // hidden activations (H = mlp.hidden).
   int64_t token_chunk = 512;
   CpuGemmPath gemm_path = CpuGemmPath::kAuto;

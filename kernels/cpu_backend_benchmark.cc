@@ -43,6 +43,17 @@
 //   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark
 //       --benchmark_filter='BM_TranslateWindow|BM_Translate/512/[28]/2/' --benchmark_repetitions=3
 //       --benchmark_enable_random_interleaving=true
+//
+// Head-local (per_head) vs per_layer ridge at real model shapes, with --kvt_per_head (which
+// registers these instead of everything above): BM_TranslatePairRidge/pair/T/k/per_head
+// translates every target layer of pair 0 = Qwen3-0.6B -> 1.7B (28 -> 28 layers) or 1 =
+// Qwen3-14B -> 32B (40 -> 64 layers), 8 KV heads x 128 on both sides, bf16 synthetic weights
+// and caches, per_layer ([k n d, n d] per target layer and K|V) then per_head ([n, k d, d]),
+// back to back; a last table prints per pair/T/k both translate times, their ratio (wall and
+// process CPU time) and both mappers' bytes per direction with their ratio:
+//
+//   bazel-out/k8-opt/bin/kernels/cpu_backend_benchmark --kvt_per_head
+//       [--benchmark_filter='BM_TranslatePairRidge/0/512/'] --benchmark_repetitions=3
 #include <cblas.h>
 
 #include <algorithm>
@@ -123,13 +134,17 @@ struct Fixture {
   std::vector<std::vector<uint16_t>> weights, source_bytes, target_bytes;
 };
 
+// source_layers 0: k (sigma = every source layer). ridge_per_head: a head-local ridge mapper
+// (MapperView::head_local), n stacked [window k d, d] matrices per target layer and K|V.
 std::unique_ptr<Fixture> MakeFixture(int64_t tokens, int k, int target_layers, int64_t hidden,
-                                     bool per_head, int window = 1) {
+                                     bool per_head, int window = 1, int source_layers = 0,
+                                     bool ridge_per_head = false) {
   auto f = std::make_unique<Fixture>();
-  const int source_layers = k;
+  if (source_layers == 0) source_layers = k;
   MapperView& mapper = f->mapper;
   mapper.kind = hidden > 0 ? MapKind::kMlp : MapKind::kRidge;
   mapper.window = window;
+  mapper.head_local = ridge_per_head;
   mapper.source = {"source", source_layers, kHeads, kHeadDim, Qwen3Rope()};
   mapper.target = {"target", target_layers, kHeads, kHeadDim, Qwen3Rope()};
   f->weights.reserve(12 * target_layers);
@@ -153,12 +168,20 @@ std::unique_ptr<Fixture> MakeFixture(int64_t tokens, int k, int target_layers, i
   };
   for (int l = 0; l < target_layers; ++l) {
     LayerMapView layer;
-    for (int j = 0; j < k; ++j) layer.sigma_k.push_back((j + l) % source_layers);
+    // The source layers at the target layer's relative depth and after it (distinct, k of them).
+    const int first = static_cast<int>(static_cast<int64_t>(l) * source_layers / target_layers);
+    for (int j = 0; j < k; ++j) layer.sigma_k.push_back((first + j) % source_layers);
     layer.sigma_v = layer.sigma_k;
     const int64_t inputs = static_cast<int64_t>(window) * k * kWidth;
     if (hidden > 0) {
       layer.mlp_k = chain(inputs);
       layer.mlp_v = chain(inputs);
+    } else if (ridge_per_head) {
+      const int64_t head_inputs = static_cast<int64_t>(window) * k * kHeadDim;
+      layer.w_k = weight(kHeads * head_inputs, kHeadDim);
+      layer.w_v = weight(kHeads * head_inputs, kHeadDim);
+      layer.b_k = weight(kHeads, kHeadDim);
+      layer.b_v = weight(kHeads, kHeadDim);
     } else {
       layer.w_k = weight(inputs, kWidth);
       layer.w_v = weight(inputs, kWidth);
@@ -380,6 +403,60 @@ void BM_Bf16MatmulPerCore(benchmark::State& state) {
 
 // Args: tokens, k, target layers, token chunk (0 = backend default). Each shape registers its
 // translate and its sgemm twin back to back, so both see the same machine state.
+// The model pairs of BM_TranslatePairRidge: source and target layer counts (8 x 128 KV heads).
+struct ModelPair {
+  const char* name;
+  int source_layers, target_layers;
+};
+constexpr ModelPair kPairs[] = {{"Qwen3-0.6B->1.7B", 28, 28}, {"Qwen3-14B->32B", 40, 64}};
+
+// Bytes of a mapper's weights and biases as stored (bf16 here): one direction's mapper.
+uint64_t MapperBytes(const MapperView& mapper) {
+  uint64_t bytes = 0;
+  for (const LayerMapView& layer : mapper.layers) {
+    for (const WeightView* w : {&layer.w_k, &layer.b_k, &layer.w_v, &layer.b_v}) {
+      bytes += static_cast<uint64_t>(w->rows * w->cols) * DTypeSize(w->dtype);
+    }
+  }
+  return bytes;
+}
+
+// Args: pair, tokens, k, per_head (0 / 1). Every target layer of the pair; the backend's
+// default chunk. per_head does 1/n of per_layer's GEMM FLOPs.
+void BM_TranslatePairRidge(benchmark::State& state) {
+  const ModelPair& pair = kPairs[state.range(0)];
+  const int64_t tokens = state.range(1);
+  const int k = static_cast<int>(state.range(2));
+  const bool per_head = state.range(3) != 0;
+  std::unique_ptr<Fixture> f = MakeFixture(tokens, k, pair.target_layers, 0, false, 1,
+                                           pair.source_layers, per_head);
+  state.counters["mapper_bytes"] = static_cast<double>(MapperBytes(f->mapper));
+  RunTranslate(state, *f, 0, Flops(tokens, k, pair.target_layers) / (per_head ? kHeads : 1),
+               g_gemm_path);
+}
+
+// --kvt_per_head's set: per pair, T and k, per_layer then per_head.
+void RegisterPerHeadShapes() {
+  for (int64_t pair : {0, 1}) {
+    const std::vector<int64_t> ks = pair == 0 ? std::vector<int64_t>{2, 3, 4}
+                                              : std::vector<int64_t>{4, 8};
+    for (int64_t tokens : {512, 2048, 4096}) {
+      for (int64_t k : ks) {
+        for (int64_t per_head : {0, 1}) {
+          benchmark::RegisterBenchmark("BM_TranslatePairRidge", BM_TranslatePairRidge)
+              ->Args({pair, tokens, k, per_head})
+              ->Unit(benchmark::kMillisecond)
+              ->MeasureProcessCPUTime()
+              ->UseRealTime()
+              ->ComputeStatistics("max", [](const std::vector<double>& v) {
+                return *std::max_element(v.begin(), v.end());
+              });
+        }
+      }
+    }
+  }
+}
+
 void RegisterShapes() {
   std::vector<std::vector<int64_t>> shapes;
   for (int k : {2, 4, 8}) shapes.push_back({512, k, 4, 0});
@@ -448,7 +525,12 @@ class RatioReporter : public benchmark::ConsoleReporter {
       const auto it = run.counters.find("FLOP/s");
       if (it == run.counters.end()) continue;
       const std::string& name = run.run_name.function_name;
-      auto& table = name == "BM_Translate"             ? translate_
+      if (name == "BM_TranslatePairRidge") {
+        const auto bytes = run.counters.find("mapper_bytes");
+        if (bytes != run.counters.end()) pair_bytes_[run.run_name.args] = bytes->second;
+      }
+      auto& table = name == "BM_TranslatePairRidge"    ? pair_
+                    : name == "BM_Translate"           ? translate_
                     : name == "BM_TranslateMlp"        ? mlp_
                     : name == "BM_TranslateMlpSgemmPath" ? mlp_sgemm_
                     : name == "BM_TranslateWindow"     ? window_
@@ -475,6 +557,36 @@ class RatioReporter : public benchmark::ConsoleReporter {
 
   void Finalize() override {
     ConsoleReporter::Finalize();
+    const auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+    if (!translate_.empty()) PrintTranslateTables();  // none with --kvt_per_head
+    PrintWindowTable(ratio);
+    PrintPerHeadTable(ratio);
+    if (mlp_.empty()) return;
+    // MLP args "T/k/L/H/per_head" against the ridge "T/k/L/0" of the same pair.
+    std::printf("\n%-24s %12s %12s %12s %10s %10s %12s %10s\n", "MLP T/k/L/H/per_head",
+                "MLP tok/s", "ridge tok/s", "MLP/ridge", "MLP GF/s", "ridge GF/s",
+                "sgemmP tok/s", "MLP/sgemmP");
+    for (const auto& [args, mlp_flops] : mlp_) {
+      const std::string ridge_args = args.substr(0, args.rfind('/', args.rfind('/') - 1)) + "/0";
+      const auto ridge = translate_.find(ridge_args);
+      const auto mlp_tokens = tokens_per_s_.find("BM_TranslateMlp" + args);
+      const auto ridge_tokens = tokens_per_s_.find("BM_Translate" + ridge_args);
+      if (ridge == translate_.end() || mlp_tokens == tokens_per_s_.end() ||
+          ridge_tokens == tokens_per_s_.end()) {
+        continue;
+      }
+      const auto today = tokens_per_s_.find("BM_TranslateMlpSgemmPath" + args);
+      const double today_tokens = today == tokens_per_s_.end() ? 0.0 : double(today->second);
+      std::printf("%-24s %12.0f %12.0f %12.3f %10.1f %10.1f %12.0f %10.3f\n", args.c_str(),
+                  mlp_tokens->second, ridge_tokens->second,
+                  mlp_tokens->second / ridge_tokens->second, mlp_flops / 1e9, ridge->second / 1e9,
+                  today_tokens, today_tokens > 0 ? mlp_tokens->second / today_tokens : 0.0);
+    }
+  }
+
+ private:
+  // translate_'s shapes against their GEMM twins, in wall and in process CPU time.
+  void PrintTranslateTables() const {
     // GF/s of: translate (the path in use), its bare bf16 matmul ceiling, translate forced
     // onto sgemm (today's path), the bare sgemm; then translate / bf16 matmul, translate /
     // today's translate and today's translate / sgemm. 0 where a twin did not run.
@@ -512,31 +624,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
       std::printf("%-22s %12.1f %12.1f %12.1f %12.1f %10.3f %10.3f %10.3f\n", args.c_str(), tr,
                   mm, per_core, today, ratio(mm, tr), ratio(per_core, tr), ratio(today, tr));
     }
-    PrintWindowTable(ratio);
-    if (mlp_.empty()) return;
-    // MLP args "T/k/L/H/per_head" against the ridge "T/k/L/0" of the same pair.
-    std::printf("\n%-24s %12s %12s %12s %10s %10s %12s %10s\n", "MLP T/k/L/H/per_head",
-                "MLP tok/s", "ridge tok/s", "MLP/ridge", "MLP GF/s", "ridge GF/s",
-                "sgemmP tok/s", "MLP/sgemmP");
-    for (const auto& [args, mlp_flops] : mlp_) {
-      const std::string ridge_args = args.substr(0, args.rfind('/', args.rfind('/') - 1)) + "/0";
-      const auto ridge = translate_.find(ridge_args);
-      const auto mlp_tokens = tokens_per_s_.find("BM_TranslateMlp" + args);
-      const auto ridge_tokens = tokens_per_s_.find("BM_Translate" + ridge_args);
-      if (ridge == translate_.end() || mlp_tokens == tokens_per_s_.end() ||
-          ridge_tokens == tokens_per_s_.end()) {
-        continue;
-      }
-      const auto today = tokens_per_s_.find("BM_TranslateMlpSgemmPath" + args);
-      const double today_tokens = today == tokens_per_s_.end() ? 0.0 : double(today->second);
-      std::printf("%-24s %12.0f %12.0f %12.3f %10.1f %10.1f %12.0f %10.3f\n", args.c_str(),
-                  mlp_tokens->second, ridge_tokens->second,
-                  mlp_tokens->second / ridge_tokens->second, mlp_flops / 1e9, ridge->second / 1e9,
-                  today_tokens, today_tokens > 0 ? mlp_tokens->second / today_tokens : 0.0);
-    }
   }
 
- private:
   // Window args "T/k/L/w" against the token-wise ridge "T/(w k)/L/0" of the same input blocks
   // (GEMM FLOPs): tokens/s of both and window time / token-wise time, in wall time (best
   // repetition) and in process CPU time (least over the repetitions). 0 where the twin did not
@@ -570,8 +659,38 @@ class RatioReporter : public benchmark::ConsoleReporter {
     }
   }
 
+  // Per pair/T/k ("p/T/k/0" and ".../1"): per_layer and per_head translate ms (T / tokens/s,
+  // best repetition) and process CPU ms, their ratios per_head / per_layer, and both mappers'
+  // bytes and their ratio.
+  template <typename Ratio>
+  void PrintPerHeadTable(const Ratio& ratio) const {
+    if (pair_.empty()) return;
+    std::printf("\n%-18s %-17s %10s %10s %8s %8s %11s %11s %8s\n", "pair/T/k", "pair",
+                "layer ms", "head ms", "time", "cpu", "layer MB", "head MB", "bytes");
+    const auto find = [](const std::map<std::string, double>& table, const std::string& key) {
+      const auto it = table.find(key);
+      return it == table.end() ? 0.0 : it->second;
+    };
+    for (const auto& [args, flops] : pair_) {
+      if (args.size() < 2 || args.substr(args.size() - 2) != "/0") continue;
+      const std::string stem = args.substr(0, args.size() - 2), head = stem + "/1";
+      int64_t pair = 0, tokens = 0, k = 0;
+      if (std::sscanf(stem.c_str(), "%ld/%ld/%ld", &pair, &tokens, &k) != 3) continue;
+      const std::string name = "BM_TranslatePairRidge";
+      const double layer_tps = find(tokens_per_s_, name + args),
+                   head_tps = find(tokens_per_s_, name + head);
+      const double layer_ms = layer_tps > 0 ? 1e3 * tokens / layer_tps : 0.0;
+      const double head_ms = head_tps > 0 ? 1e3 * tokens / head_tps : 0.0;
+      const double layer_mb = find(pair_bytes_, args) / 1e6, head_mb = find(pair_bytes_, head) / 1e6;
+      std::printf("%-18s %-17s %10.1f %10.1f %8.3f %8.3f %11.1f %11.1f %8.3f\n", stem.c_str(),
+                  kPairs[pair].name, layer_ms, head_ms, ratio(head_ms, layer_ms),
+                  ratio(find(cpu_seconds_, name + head), find(cpu_seconds_, name + args)),
+                  layer_mb, head_mb, ratio(head_mb, layer_mb));
+    }
+  }
+
   std::map<std::string, double> translate_, sgemm_, mlp_, tokens_per_s_, translate_sgemm_, bf16_,
-      bf16_per_core_, mlp_sgemm_, window_;
+      bf16_per_core_, mlp_sgemm_, window_, pair_, pair_bytes_;
   std::map<std::string, double> cpu_seconds_;
   std::set<std::string> best_seen_;
 };
@@ -580,11 +699,16 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace kvt
 
 int main(int argc, char** argv) {
-  // --kvt_gemm_path=auto|bf16|fp32 and --kvt_target_layout=HND|NHD (ours; taken out before
-  // the benchmark library's flags).
+  // --kvt_gemm_path=auto|bf16|fp32, --kvt_target_layout=HND|NHD and --kvt_per_head (ours;
+  // taken out before the benchmark library's flags).
   int kept = 1;
+  bool per_head = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--kvt_per_head") {
+      per_head = true;
+      continue;
+    }
     const std::string path_flag = "--kvt_gemm_path=";
     const std::string layout_flag = "--kvt_target_layout=";
     if (arg.rfind(path_flag, 0) == 0) {
@@ -619,7 +743,11 @@ int main(int argc, char** argv) {
                 kvt::LayoutName(kvt::g_target_layout));
     std::fflush(stdout);
   }
-  kvt::RegisterShapes();
+  if (per_head) {
+    kvt::RegisterPerHeadShapes();
+  } else {
+    kvt::RegisterShapes();
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   kvt::RatioReporter reporter;

@@ -315,6 +315,51 @@ TEST_P(CpuBackendPathTest, OneThreadAndTwoAgree) {
   EXPECT_LE(MaxRelError(results[0], results[1]), 1e-2) << "seed=" << seed;
 }
 
+// A head-local mapper's short request (fewer token pieces than threads) splits the heads over
+// the threads too: 1, 3 and 40 tokens on 1, 3 and 4 threads (4 target heads: 1, 3, 4 or 2
+// head ranges per piece), each against the float64 reference on both layouts.
+TEST_P(CpuBackendPathTest, RidgePerHeadShortRequestsSplitHeadsOverThreads) {
+  const uint64_t seed = FreshSeed("RidgePerHeadShortRequestsSplitHeadsOverThreads");
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  std::mt19937_64 rng(seed);
+  RandomMapperSpec spec;
+  spec.ridge_per_head = true;
+  spec.source_heads = 2;
+  spec.target_heads = 4;
+  spec.target_head_dim = 8;
+  spec.window = 2;
+  spec.source_rope = MakeTestRope(RopeScalingType::kYarn);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone, RopeStyle::kGptj);
+  spec.weight_dtype = Weights(DType::kFP32);
+  const RandomMapper mapper = MakeRandomMapper(spec, rng());
+  const double tolerance = bf16_weights_ ? 1e-2 : TranslationTolerance(DType::kFP32);
+  for (int64_t tokens : {1, 3, 40}) {
+    const OwnedCache source = MakeRandomCache(2, 2, 16, tokens, DType::kFP32, Layout::kNHD, rng());
+    Positions positions;
+    positions.offset = 17;
+    for (int threads : {1, 3, 4}) {
+      for (Layout layout : {Layout::kHND, Layout::kNHD}) {
+        auto backend = MakeBackend(threads);
+        auto prepared = backend->Prepare(mapper.view);
+        ASSERT_TRUE(prepared.ok()) << prepared.status();
+        OwnedCache target = MakeOutputCache(2, 4, 8, tokens, DType::kFP32, layout);
+        ASSERT_TRUE(backend->Translate(**prepared, source.view, positions, TranslateOptions(),
+                                       &target.mutable_view)
+                        .ok());
+        for (int l = 0; l < 2; ++l) {
+          for (Kind kind : {Kind::kK, Kind::kV}) {
+            EXPECT_LE(MaxRelError(ReadLayer(target.mutable_view, l, kind),
+                                  ReferenceTranslate(mapper.view, l, kind, source.view, positions)),
+                      tolerance)
+                << tokens << " tokens, " << threads << " threads, " << LayoutName(layout)
+                << ", layer " << l;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Another component re-enabling OpenBLAS threads must not change the answer (the backend then
 // lets BLAS thread the GEMMs instead of its pool).
 TEST_F(CpuBackendTest, ThreadedBlasFallback) {
@@ -422,6 +467,36 @@ TEST_F(CpuBackendTest, Bf16PreparedBytes) {
     EXPECT_EQ(backend->PreparedBytesEstimate(mlp.view), (*prepared)->bytes());
     EXPECT_GT((*prepared)->bytes(), 0u);
   }
+  // Head-local ridge: each of the 2 heads' [16, 16] blocks (k 1 x g 1 x d_s 16 rows) packed on
+  // its own, fp32 biases.
+  spec.ridge_per_head = true;
+  const RandomMapper per_head = MakeRandomMapper(spec, 3);
+  prepared = backend->Prepare(per_head.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ((*prepared)->bytes(), 2u * 2 * (2 * *PackedBf16WeightBytes(16, 16) + 32 * 4));
+  EXPECT_EQ(backend->PreparedBytesEstimate(per_head.view), (*prepared)->bytes());
+}
+
+// The sgemm path's fp32 copies of a head-local ridge: n_t [|x_h|, d_t] matrices and n_t d_t
+// biases per target layer and K|V, n_kv times fewer than per_layer's, counted exactly.
+TEST_F(CpuBackendTest, RidgePerHeadPreparedBytesAndEstimate) {
+  path_ = CpuGemmPath::kSgemm;
+  auto backend = MakeBackend();
+  RandomMapperSpec spec;
+  spec.ridge_per_head = true;
+  spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.weight_dtype = DType::kBF16;
+  const RandomMapper per_head = MakeRandomMapper(spec, 4);
+  auto prepared = backend->Prepare(per_head.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  // 2 layers x (K, V) x (2 heads x 16 x 16 + 2 x 16) floats.
+  EXPECT_EQ((*prepared)->bytes(), 2u * 2 * (2 * 16 * 16 + 2 * 16) * 4);
+  EXPECT_EQ(backend->PreparedBytesEstimate(per_head.view), (*prepared)->bytes());
+  spec.ridge_per_head = false;
+  const RandomMapper per_layer = MakeRandomMapper(spec, 4);
+  EXPECT_EQ(backend->PreparedBytesEstimate(per_layer.view),
+            2u * 2 * (32 * 32 + 32) * 4);  // n_kv = 2 times the weights
 }
 
 // Where the oneDNN path's error comes from, against the float64 reference, on bf16 caches with

@@ -58,11 +58,12 @@ inline absl::Status CheckHeadLocalHeads(const ModelSpec& source, const ModelSpec
   return absl::OkStatus();
 }
 
-// The one home of the head matching (fit, reference and every executor call it). The heads
-// must have passed CheckHeadLocalHeads.
+// The one home of the head matching (fit, reference and every executor call it). Meaningful
+// for heads that passed CheckHeadLocalHeads (a non-positive count is clamped to 1 so that sizing
+// an unchecked manifest cannot divide by zero).
 inline HeadSources HeadLocalSources(const ModelSpec& source, const ModelSpec& target,
                                     int target_head) {
-  const int ns = source.num_kv_heads, nt = target.num_kv_heads;
+  const int ns = std::max(1, source.num_kv_heads), nt = std::max(1, target.num_kv_heads);
   HeadSources out;
   out.first = static_cast<int>(static_cast<int64_t>(target_head) * ns / nt);
   out.count = std::max(1, ns / nt);

@@ -317,8 +317,30 @@ float LoadF32(const uint8_t* data, int64_t index) {
 // One kvt weight or bias and where it comes from.
 struct Source {
   const TensorInfo* info = nullptr;
-  bool compact_per_head = false;  // W stored as [n, k d, d]: expand to the dense block matrix
+  bool compact_per_head = false;  // W stored as [n, k d, d], kvt's head-local layout already
 };
+
+// A kvt head-local W [n, k d, d] from a per_head W: head h's row b d + i is source head
+// HeadLocalSources(h) (= h: both models have n heads) of block b, dim i; from the compact
+// [n, k d, d] as it is, or from the dense block matrix's row (b n + h) d + i, columns
+// [h d, (h + 1) d) (the only non-zero block, checked in step 6).
+absl::Status FillPerHead(const Manifest& out, const TensorSpec& spec, const Source& src,
+                         const uint8_t* data, absl::Span<uint8_t> dst) {
+  const int64_t n = spec.shape[0], rows = spec.shape[1], d = spec.shape[2];
+  const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(spec.dtype);
+  std::vector<float> row(d);
+  for (int64_t h = 0; h < n; ++h) {
+    const int64_t s = HeadLocalSources(out.source, out.target, static_cast<int>(h)).first;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = r / d, i = r % d;
+      const int64_t first = src.compact_per_head ? (h * rows + r) * d
+                                                 : ((b * n + s) * d + i) * (n * d) + h * d;
+      for (int64_t o = 0; o < d; ++o) row[o] = LoadF32(data, first + o);
+      FromFloat(spec.dtype, row.data(), dst.data() + (h * rows + r) * row_bytes, d);
+    }
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -542,9 +564,12 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
 
   // 7. The kvt manifest. Rows and columns already follow kvt's convention (x W + b; row block b
   // is the b-th listed source layer, head-major inside; column block h is target head h), so
-  // full_head weights are copied as they are.
+  // full_head weights are copied as they are. per_head maps target head h from source head h of
+  // each selected layer only: kvt's head-local ridge (n_s = n_t, one source head per target
+  // head), kept compact [n, k d, d] rather than expanded into an n times larger dense matrix.
   Manifest out;
   out.kind = MapperKind::kRidge;
+  out.ridge_granularity = per_head ? RidgeGranularity::kPerHead : RidgeGranularity::kPerLayer;
   out.synthetic = false;
   out.source = *source;
   out.target = *target;
@@ -597,21 +622,14 @@ absl::StatusOr<SemanticRouterImportResult> ImportSemanticRouterMapper(
     const bool bias = index % 2 == 1;
     const Source& src = sources.at(TensorName(l, kv, bias));
     const uint8_t* data = file.data(*src.info).data();
+    if (per_head && !bias) return FillPerHead(out, spec, src, data, dst);
+    // A per_head bias [n, d] holds the same floats as the dense [n d], row after row.
     const int64_t rows = spec.shape.size() == 2 ? spec.shape[0] : 1;
     const int64_t cols = spec.shape.back();
     const size_t out_row_bytes = static_cast<size_t>(cols) * DTypeSize(spec.dtype);
     std::vector<float> row(cols);
     for (int64_t r = 0; r < rows; ++r) {
-      if (src.compact_per_head) {
-        // Dense row r = (block b, source head h, dim i) reads compact [h][b d + i][:], which
-        // only target head h's columns receive.
-        const int64_t b = r / width, h = (r / d) % n, i = r % d;
-        std::fill(row.begin(), row.end(), 0.0f);
-        const int64_t base = (h * (spec.shape[0] / n) + b * d + i) * d;
-        for (int64_t o = 0; o < d; ++o) row[h * d + o] = LoadF32(data, base + o);
-      } else {
-        std::memcpy(row.data(), data + r * cols * sizeof(float), cols * sizeof(float));
-      }
+      std::memcpy(row.data(), data + r * cols * sizeof(float), cols * sizeof(float));
       FromFloat(spec.dtype, row.data(), dst.data() + r * out_row_bytes, cols);
     }
     return absl::OkStatus();

@@ -109,6 +109,14 @@ std::string InspectManifest(const Manifest& m, const std::string& id) {
                         : " (one chain per target layer and K|V)",
                     ", relu\n");
   }
+  if (m.ridge_granularity == RidgeGranularity::kPerHead) {
+    const int g = HeadLocalSources(m.source, m.target, 0).count;
+    absl::StrAppend(&out, "ridge         per_head: target head h maps only source head",
+                    g == 1 ? "" : "s", " ",
+                    g == 1 ? "h x n_s / n_t" : absl::StrCat("[h x n_s / n_t, + ", g, ")"),
+                    " of each selected layer (", m.target.num_kv_heads, " GEMMs per target layer "
+                    "and K|V)\n");
+  }
   absl::StrAppend(&out, "format        version ", m.format_version,
                   m.created_by.empty() ? "" : absl::StrCat(", created by ", m.created_by), "\n");
   absl::StrAppend(&out, "source        ", DescribeModel(m.source), "\n");
@@ -138,9 +146,17 @@ std::string InspectManifest(const Manifest& m, const std::string& id) {
                       "], fc2 [", hidden, ", ", hidden, "], fc3 [", hidden, ", ", out_cols,
                       "] + biases\n");
     }
+  } else if (m.ridge_granularity == RidgeGranularity::kPerHead) {
+    const int64_t head_in = static_cast<int64_t>(HeadLocalSources(m.source, m.target, 0).count) *
+                            m.source.head_dim;
+    absl::StrAppend(&out, "per layer     W_K, W_V [", m.target.num_kv_heads, ", ",
+                    m.window > 1 ? absl::StrCat(m.window, " x ") : "", "len(sigma) x ", head_in,
+                    ", ", m.target.head_dim, "], b_K, b_V [", m.target.num_kv_heads, ", ",
+                    m.target.head_dim, "]\n");
   } else {
-    absl::StrAppend(&out, "per layer     W_K, W_V [len(sigma) x ", in_per_layer, ", ", out_cols,
-                    "], b_K, b_V [", out_cols, "]\n");
+    absl::StrAppend(&out, "per layer     W_K, W_V [", m.window > 1 ? absl::StrCat(m.window, " x ") : "",
+                    "len(sigma) x ", in_per_layer, ", ", out_cols, "], b_K, b_V [", out_cols,
+                    "]\n");
   }
   if (!m.calibration_yaml.empty()) {
     absl::StrAppend(&out, "calibration\n");

@@ -113,6 +113,26 @@ TEST(InspectTest, MlpMapperShowsKindHiddenGranularityAndParameters) {
   }
 }
 
+// demo-tiny (2 -> 2 heads of 32, k = 2, 6 target layers) as a head-local ridge, window 2: the
+// granularity, the head matching and the per-head shapes, and n_kv = 2 times fewer weights.
+TEST(InspectTest, RidgePerHeadShowsGranularityAndPerHeadShapes) {
+  SynthOptions options = *SynthPreset("demo-tiny");
+  options.window = 2;
+  options.ridge_granularity = RidgeGranularity::kPerHead;
+  const std::string dir = JoinPath(testing::MakeTempDir("inspect_per_head"), "m");
+  KVT_ASSERT_OK(WriteSynthMapper(dir, options));
+  absl::StatusOr<std::string> report = InspectMapperDir(dir);
+  ASSERT_TRUE(report.ok()) << report.status();
+  const std::string& r = *report;
+  EXPECT_TRUE(Contains(r, "kind          ridge (SYNTHETIC")) << r;
+  EXPECT_TRUE(Contains(r, "ridge         per_head: target head h maps only source head "
+                          "h x n_s / n_t of each selected layer (2 GEMMs"))
+      << r;
+  EXPECT_TRUE(Contains(r, "W_K, W_V [2, 2 x len(sigma) x 32, 32], b_K, b_V [2, 32]")) << r;
+  const int64_t params = 6 * 2 * (2 * (2 * 2 * 32) * 32 + 2 * 32);
+  EXPECT_TRUE(Contains(r, absl::StrCat(" parameters (", params, "), "))) << r;
+}
+
 TEST(InspectTest, BrokenDirectoryGivesTheLoaderError) {
   KVT_EXPECT_ERROR(InspectMapperDir(JoinPath(testing::MakeTempDir("inspect_none"), "x")),
                    StatusCode::kNotFound, "not a mapper directory");

@@ -187,6 +187,7 @@ absl::StatusOr<Manifest> SynthManifest(const SynthOptions& options) {
   Manifest m;
   m.kind = options.mlp.has_value() ? MapperKind::kMlp : MapperKind::kRidge;
   m.mlp = options.mlp;
+  m.ridge_granularity = options.ridge_granularity;  // ValidateManifest refuses it with mlp
   m.synthetic = true;
   m.lambda = 0;  // nothing was fitted, so no regularisation to report
   m.source = options.source;
@@ -224,7 +225,7 @@ absl::Status FillSynthTensor(const SynthOptions& options, const Manifest& manife
     return absl::InvalidArgumentError(absl::StrCat("tensor '", spec.name, "' needs ",
                                                    spec.num_bytes(), " bytes, got ", dst.size()));
   }
-  // Ridge: W [in, out], b [out]. MLP: the last dimension is the output, the one before it the
+  // Ridge: W [in, out], b [out]; per_head [heads, in, d_t], [heads, d_t]. MLP: the last dimension is the output, the one before it the
   // fan-in, a leading one (per_head) counts heads; a bias has no fan-in dimension.
   const bool mlp = manifest.kind == MapperKind::kMlp;
   const bool bias = absl::EndsWith(spec.name, ".bias");

@@ -36,6 +36,9 @@ struct SynthOptions {
   // sqrt(2) times that (fan_in = H), which makes up for the half of the second moment each ReLU
   // removes, so hidden activations and outputs stay O(1) for unit-variance inputs.
   std::optional<MlpConfig> mlp;
+  // Ridge only: per_head writes a head-local mapper ([n_t, window |sigma| g d_s, d_t] per target
+  // layer and K|V; fan_in = window |sigma| g d_s).
+  RidgeGranularity ridge_granularity = RidgeGranularity::kPerLayer;
   // Use one list for K and V (as the paper does) instead of independent draws.
   bool shared_sigma = false;
   // > 1: a window mapper (manifest `window`): fan_in counts every offset's blocks.

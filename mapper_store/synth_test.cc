@@ -237,6 +237,49 @@ TEST(SynthTest, MlpMappersLoadAndKeepTheScale) {
   KVT_EXPECT_ERROR(SynthManifest(o), StatusCode::kInvalidArgument, "mlp hidden must be >= 1");
 }
 
+// Head-local ridge: n_s = n_t, 2 n_t and n_t / 2; loads as a head_local view whose outputs keep
+// the input scale (fan_in = window |sigma| g d_s), deterministic, and refused with kind mlp.
+TEST(SynthTest, RidgePerHeadLoadsAndKeepsTheScale) {
+  for (int target_heads : {2, 1, 4}) {
+    SCOPED_TRACE(absl::StrCat("target heads ", target_heads));
+    SynthOptions o = Small(12);
+    o.dtype = DType::kFP32;
+    o.weight_scale = 1.0;
+    o.window = target_heads == 1 ? 2 : 1;
+    o.target = NeoxModelSpec("t", 3, target_heads, 16);
+    o.ridge_granularity = RidgeGranularity::kPerHead;
+    const std::string dir = JoinPath(testing::MakeTempDir("synth_per_head"), "m");
+    KVT_ASSERT_OK(WriteSynthMapper(dir, o));
+    absl::StatusOr<std::unique_ptr<LoadedMapper>> loaded = LoadMapperDir(dir);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    EXPECT_EQ((*loaded)->manifest().ridge_granularity, RidgeGranularity::kPerHead);
+    EXPECT_TRUE((*loaded)->view().head_local);
+    const kvt::testing::OwnedCache cache =
+        kvt::testing::MakeRandomCache(5, 2, 16, 64, DType::kFP32, Layout::kHND, 3);
+    for (int layer = 0; layer < 3; ++layer) {
+      const std::vector<double> y = kvt::testing::ReferenceTranslate(
+          (*loaded)->view(), layer, kvt::testing::Kind::kV, cache.view, Positions());
+      double sum_sq = 0;
+      for (double v : y) sum_sq += v * v;
+      const double mean_sq = sum_sq / y.size();
+      EXPECT_GT(mean_sq, 0.4) << "layer " << layer;
+      EXPECT_LT(mean_sq, 2.5) << "layer " << layer;
+    }
+    absl::StatusOr<std::unique_ptr<InMemoryMapper>> in_memory = MakeSynthMapperInMemory(o);
+    ASSERT_TRUE(in_memory.ok()) << in_memory.status();
+    EXPECT_TRUE((*in_memory)->view.head_local);
+  }
+  SynthOptions o = Small(4);
+  o.ridge_granularity = RidgeGranularity::kPerHead;
+  o.mlp = MlpConfig{8, MlpGranularity::kPerLayer};
+  KVT_EXPECT_ERROR(SynthManifest(o), StatusCode::kInvalidArgument,
+                   "ridge.granularity per_head is only valid with kind: ridge");
+  o.mlp.reset();
+  o.target = NeoxModelSpec("t", 3, 3, 16);
+  KVT_EXPECT_ERROR(SynthManifest(o), StatusCode::kInvalidArgument,
+                   "source.num_kv_heads=2 and target.num_kv_heads=3");
+}
+
 TEST(SynthTest, BadOptionsAreNamed) {
   SynthOptions o = Small(1);
   o.k = 6;

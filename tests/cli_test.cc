@@ -166,6 +166,31 @@ TEST(KvtCliTest, SynthKindMlpWritesAnMlpMapperThatInspectDescribes) {
   EXPECT_THAT(bad.output, HasSubstr("--kind='lasso' must be ridge or mlp"));
 }
 
+TEST(KvtCliTest, SynthRidgePerHeadWritesAHeadLocalMapperThatInspectDescribes) {
+  const std::string store = TempDir() + "/per_head_store";
+  ASSERT_EQ(std::system(("rm -rf " + store + " && mkdir -p " + store).c_str()), 0);
+  CommandResult synth = RunKvt(absl::StrCat(
+      "synth --preset=demo-tiny --ridge_granularity=per_head --out=", store, "/ph"));
+  ASSERT_EQ(synth.exit_code, 0) << synth.output;
+  EXPECT_THAT(synth.output, HasSubstr("ridge         per_head: target head h maps only"));
+  CommandResult inspect = RunKvt(absl::StrCat("inspect ", store, "/ph"));
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_THAT(inspect.output, HasSubstr("W_K, W_V [2, len(sigma) x 32, 32], b_K, b_V [2, 32]"));
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(store + "/ph");
+  ASSERT_TRUE(mapper.ok()) << mapper.status();
+  EXPECT_TRUE((*mapper)->view().head_local);
+
+  CommandResult bad = RunKvt(absl::StrCat(
+      "synth --preset=demo-tiny --ridge_granularity=per_token --out=", store, "/bad"));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.output,
+              HasSubstr("--ridge_granularity='per_token' must be per_layer or per_head"));
+  bad = RunKvt(absl::StrCat("synth --preset=demo-tiny --kind=mlp --ridge_granularity=per_head "
+                            "--out=", store, "/bad"));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.output, HasSubstr("ridge.granularity per_head is only valid with kind: ridge"));
+}
+
 // Every `--name` in `text`.
 std::set<std::string> FlagsNamed(const std::string& text) {
   std::set<std::string> names;

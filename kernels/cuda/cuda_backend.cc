@@ -217,6 +217,7 @@ class CudaPreparedMapper : public PreparedMapper {
   DeviceBuffer bias_;         // ridge b or MLP c3: [target layer][kind][n_t d_t] fp32
   DeviceBuffer hidden_bias_;  // MLP only: c1 then c2, each [target layer][kind][heads H] fp32
   DeviceBuffer sigma_;        // [target layer][kind][max_blocks] int, -1 padded
+  DeviceBuffer chain_first_;  // head-local ridge only: [n_t] int, each chain's first source head
   uint64_t bytes_ = 0;
 };
 
@@ -371,6 +372,7 @@ struct HostTables {
   std::vector<float> bias;
   std::vector<float> hidden_bias;
   std::vector<int> sigma;
+  std::vector<int> chain_first;  // head-local ridge: the plan's chain_sources[h].first
 };
 
 HostTables MakeHostTables(const TranslationPlan& plan, const cuda::DeviceLayout& layout) {
@@ -400,6 +402,10 @@ HostTables MakeHostTables(const TranslationPlan& plan, const cuda::DeviceLayout&
       }
       std::copy(kind.sigma.begin(), kind.sigma.end(), t.sigma.begin() + lk * layout.max_blocks);
     }
+  }
+  // Every (layer, kind) pairs its heads the same way: one table from the plan.
+  for (const HeadSources& chain : plan.layer(0).kinds[0].chain_sources) {
+    t.chain_first.push_back(chain.first);
   }
   return t;
 }
@@ -464,8 +470,16 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CudaBackend::BeginPrepare(
   if (absl::Status s = UploadTable(tables.sigma.data(), sigma_bytes, &prepared->sigma_); !s.ok()) {
     return s;
   }
+  const int64_t chain_bytes = tables.chain_first.size() * sizeof(int);
+  if (chain_bytes > 0) {
+    if (absl::Status s =
+            UploadTable(tables.chain_first.data(), chain_bytes, &prepared->chain_first_);
+        !s.ok()) {
+      return s;
+    }
+  }
   // The same sum PreparedBytesEstimate reserves by (DeviceLayout::prepared_bytes).
-  prepared->bytes_ += static_cast<uint64_t>(bias_bytes + hidden_bytes + sigma_bytes);
+  prepared->bytes_ += static_cast<uint64_t>(bias_bytes + hidden_bytes + sigma_bytes + chain_bytes);
   // A pageable cudaMemcpy may return before its DMA lands, and translations run on
   // non-blocking streams that do not wait for the legacy stream: wait here.
   KVT_CUDA_RETURN_IF_ERROR("cudaStreamSynchronize", cudaStreamSynchronize(cudaStreamLegacy));
@@ -506,6 +520,24 @@ absl::Status UploadWeight(const WeightView& w, const cuda::DeviceLayout& layout,
   return absl::OkStatus();
 }
 
+// A head-local ridge W, its n_t chains stacked along rows, chain by chain into its device block
+// of chain_width rows (each padded per token offset like a whole-row W).
+absl::Status UploadChains(const WeightView& w, const cuda::DeviceLayout& layout, char* device) {
+  const int64_t heads = layout.ridge_heads;
+  WeightView chain = w;
+  chain.rows = w.rows / heads;
+  const int64_t stored_bytes = chain.rows * chain.cols * static_cast<int64_t>(DTypeSize(w.dtype));
+  const int64_t device_bytes = layout.chain_width * layout.head_out *
+                               static_cast<int64_t>(DTypeSize(layout.weight_dtype));
+  for (int64_t h = 0; h < heads; ++h) {
+    chain.data = static_cast<const char*>(w.data) + h * stored_bytes;
+    if (absl::Status s = UploadWeight(chain, layout, 1, true, device + h * device_bytes); !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int target_layer) {
   auto* prepared = dynamic_cast<CudaPreparedMapper*>(&prepared_mapper);
   if (prepared == nullptr) {
@@ -524,6 +556,15 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
     const int64_t lk = static_cast<int64_t>(target_layer) * 2 + static_cast<int>(kind.kind);
     // Stage 0 (W or A1) reads the gathered rows; an MLP's A1 chains sit side by side on the
     // device. A2 [heads H][H] and A3 [heads H][head_out] are stored head by head already.
+    if (kind.head_local()) {
+      if (absl::Status s = UploadChains(StageMatrix(mapper, target_layer, kind.kind, 0), layout,
+                                        prepared->weights_.data() + lk * layout.stage_elements(0) *
+                                                                        element);
+          !s.ok()) {
+        return s;
+      }
+      continue;
+    }
     for (const GemmStage& stage : kind.map) {
       const bool input_rows = stage.index == 0;
       char* device = prepared->stage_weights(stage.index).data() +
@@ -625,6 +666,7 @@ class CudaCall {
   absl::Status RunGroup(const TokenPiece& piece, int l0, int group, int step);
   absl::StatusOr<GroupWeights> ConvertWeights(int l0, int group);
   absl::Status MultiplyRidge(const GroupWeights& weights, int64_t tokens, int group);
+  absl::Status MultiplyRidgeHeads(const GroupWeights& weights, int64_t tokens, int group);
   absl::Status MultiplyMlp(const GroupWeights& weights, int64_t tokens, int l0, int group);
   absl::Status Emit(const TokenPiece& piece, int l0, int group, int step);
   absl::Status FinishOutput(int slot);
@@ -771,7 +813,7 @@ absl::Status CudaCall::PlanWorkspace(int64_t token_chunk) {
   cuda::StepShape shape;
   shape.num_tokens = num_tokens_;
   shape.num_layers = layer_end_ - layer_begin_;
-  shape.input_width = layout_.input_width;
+  shape.input_width = layout_.gathered_width();
   shape.target_width = target_width_;
   shape.window = layout_.window;
   shape.hidden_width = layout_.hidden_width();
@@ -851,6 +893,10 @@ void CudaCall::SetKernelParams() {
   gather_.max_blocks = layout_.max_blocks;
   gather_.window = layout_.window;
   gather_.x = workspace_ + x_offset_;
+  gather_.chains = layout_.ridge_heads;
+  gather_.group = layout_.group;
+  gather_.chain_first = reinterpret_cast<const int*>(mapper_.chain_first_.data());
+  gather_.chain_width = layout_.chain_width;
   gather_.x_type = static_cast<int>(gemm_dtype_);
   gather_.strip.half = plan_.rope().strip_half();
   gather_.strip.neox = strip.style() == RopeStyle::kNeox ? 1 : 0;
@@ -868,8 +914,9 @@ void CudaCall::SetKernelParams() {
   epilogue_.num_tokens = num_tokens_;
   epilogue_.apply.half = plan_.rope().apply_half();
   epilogue_.apply.neox = apply.style() == RopeStyle::kNeox ? 1 : 0;
-  // Per-head MLP outputs come out of their batched GEMM head by head.
-  epilogue_.y_head_major = layout_.kind == MapKind::kMlp && layout_.heads > 1 ? 1 : 0;
+  // Per-head MLP and head-local ridge outputs come out of their batched GEMM head by head.
+  epilogue_.y_head_major =
+      (layout_.kind == MapKind::kMlp && layout_.heads > 1) || layout_.head_local() ? 1 : 0;
 
   relu_.out = workspace_ + hidden_offset_;
   relu_.out_type = static_cast<int>(gemm_dtype_);
@@ -988,6 +1035,7 @@ absl::StatusOr<CudaCall::GroupWeights> CudaCall::ConvertWeights(int l0, int grou
 // as an (n_t d_t) x K matrix and X as K x T. One batch entry per (layer, kind).
 absl::Status CudaCall::MultiplyRidge(const GroupWeights& weights, int64_t tokens, int group) {
   const float alpha = 1.0f, beta = 0.0f;
+  if (layout_.head_local()) return MultiplyRidgeHeads(weights, tokens, group);
   const int64_t input_width = layout_.input_width;
   KVT_CUBLAS_RETURN_IF_ERROR(
       "cublasGemmStridedBatchedEx",
@@ -998,6 +1046,23 @@ absl::Status CudaCall::MultiplyRidge(const GroupWeights& weights, int64_t tokens
           workspace_ + x_offset_, CudaType(gemm_dtype_), static_cast<int>(input_width),
           tokens * input_width, &beta, workspace_ + y_offset_, CUDA_R_32F,
           static_cast<int>(target_width_), tokens * target_width_, 2 * group,
+          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+// Head-local: n_t small GEMMs per (layer, kind), all of the group's in one strided batch
+// (cuda_plan.h RidgeHeadGemm), Y head-major for the epilogue.
+absl::Status CudaCall::MultiplyRidgeHeads(const GroupWeights& weights, int64_t tokens,
+                                          int group) {
+  const float alpha = 1.0f, beta = 0.0f;
+  const cuda::StridedGemm gemm = cuda::RidgeHeadGemm(layout_, tokens, int64_t{2} * group);
+  KVT_CUBLAS_RETURN_IF_ERROR(
+      "cublasGemmStridedBatchedEx",
+      cublasGemmStridedBatchedEx(
+          context_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, gemm.m, gemm.n, gemm.k, &alpha,
+          weights.stage[0], CudaType(gemm_dtype_), gemm.lda, gemm.stride_a,
+          workspace_ + x_offset_, CudaType(gemm_dtype_), gemm.ldb, gemm.stride_b, &beta,
+          workspace_ + y_offset_, CUDA_R_32F, gemm.ldc, gemm.stride_c, gemm.batch,
           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
 }

@@ -55,12 +55,13 @@ __device__ __forceinline__ int64_t HeadOffset(int layout, int heads, int64_t tok
 
 // One block per row of X (a (target layer, kind, token) triple, 64-bit index arithmetic once),
 // its threads over the row's (block, head, pair) items with 32-bit index arithmetic:
-// neighbouring threads read and write neighbouring elements.
+// neighbouring threads read and write neighbouring elements. Head-local (p.chains > 0): the
+// items are (chain, block, chain head, pair) and each chain's part goes to its own head-major row.
 template <typename In, typename X>
 __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams p) {
   const int pairs = (p.head_dim + 1) / 2;
   const int blocks = p.window * p.max_blocks;
-  const int row_items = blocks * p.heads * pairs;
+  const int row_items = (p.chains > 0 ? p.chains * blocks * p.group : blocks * p.heads) * pairs;
   const int64_t width = static_cast<int64_t>(blocks) * p.heads * p.head_dim;
   const int64_t rows = static_cast<int64_t>(p.num_layers) * 2 * p.chunk_tokens;
   // A staged source slot holds tokens [window_begin, chunk_begin + chunk_tokens).
@@ -80,11 +81,26 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams p) {
     const float* cos_row = p.strip.cos + r0 * p.strip.half;
     const float* sin_row = p.strip.sin + r0 * p.strip.half;
     for (int item = threadIdx.x; item < row_items; item += blockDim.x) {
-      // item = ((o * max_blocks + b) * heads + h) * pairs + q
+      // item = ((o * max_blocks + b) * heads + h) * pairs + q, or head-local
+      // ((c * blocks + o * max_blocks + b) * group + s) * pairs + q reading head chain_first[c] + s.
       const int q = item % pairs;
       const int bh = item / pairs;
-      const int h = bh % p.heads;
-      const int ob = bh / p.heads;
+      int h, ob;
+      X* out;
+      if (p.chains > 0) {
+        const int s = bh % p.group;
+        const int cob = bh / p.group;
+        ob = cob % blocks;
+        const int c = cob / blocks;
+        h = p.chain_first[c] + s;
+        out = static_cast<X*>(p.x) +
+              (((row / p.chunk_tokens) * p.chains + c) * p.chunk_tokens + i) * p.chain_width +
+              static_cast<int64_t>(ob * p.group + s) * p.head_dim;
+      } else {
+        h = bh % p.heads;
+        ob = bh / p.heads;
+        out = out_row + static_cast<int64_t>(bh) * p.head_dim;
+      }
       // The division only where there is a window (uniform across the grid).
       const int o = p.window == 1 ? 0 : ob / p.max_blocks;
       const int b = ob - o * p.max_blocks;
@@ -92,7 +108,6 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(GatherParams p) {
       int d0, d1;
       PairDims(q, p.strip.half, p.strip.neox, kind == 0, &d0, &d1);
       const bool second = d1 < p.head_dim;
-      X* out = out_row + static_cast<int64_t>(bh) * p.head_dim;
       const int j = sigma[b];
       // A padding block of a shorter sigma list, or a token before the request's first.
       if (j < 0 || o > t0) {

@@ -544,6 +544,9 @@ void CheckSplitEqualsWhole(const RandomMapperSpec& base, const char* name) {
 
 TEST_F(CudaBackendTest, SplitTranslationEqualsWhole) {
   CheckSplitEqualsWhole(RandomMapperSpec(), "SplitTranslationEqualsWhole ridge");
+  RandomMapperSpec per_head;
+  per_head.ridge_per_head = true;
+  CheckSplitEqualsWhole(per_head, "SplitTranslationEqualsWhole ridge per_head");
   CheckSplitEqualsWhole(MlpSpec(true, 24), "SplitTranslationEqualsWhole mlp");
 }
 
@@ -743,6 +746,59 @@ TEST_F(CudaBackendTest, MlpRealHeadShapesBf16) {
     SCOPED_TRACE(absl::StrCat(per_head ? "per_head" : "per_layer", " seed=", seed));
     CheckLongCache(RealHeadShapes(MlpSpec(per_head, per_head ? 256 : 1024), 3), /*tokens=*/700,
                    /*offset=*/321, /*begin=*/500, /*end=*/516, seed);
+  }
+}
+
+// Head-local ridge at real head shapes (8 x 128, k = 3, window 1 and 2, one bf16 batched GEMM of
+// 2 x layers x 8 heads): CUDA vs CPU on every token, the float64 reference on a slice.
+TEST_F(CudaBackendTest, RidgePerHeadRealHeadShapesBf16) {
+  for (int window : {1, 2}) {
+    const std::string name = absl::StrCat("RidgePerHeadRealHeadShapesBf16 window ", window);
+    const uint64_t seed = FreshSeed(name.c_str());
+    SCOPED_TRACE(absl::StrCat("window ", window, " seed=", seed));
+    RandomMapperSpec spec = RealHeadShapes(RandomMapperSpec(), 3);
+    spec.ridge_per_head = true;
+    spec.window = window;
+    CheckLongCache(spec, /*tokens=*/700, /*offset=*/321, /*begin=*/500, /*end=*/516, seed);
+  }
+}
+
+// Streamed page-in of a head-local ridge mapper: the estimate equals bytes() (the chain table
+// included), and layer l translates right after PrepareLayer(l), n_s = 2 n_t and padded sigma.
+TEST_F(CudaBackendTest, RidgePerHeadStreamedPrepareCountsEveryWeight) {
+  const uint64_t seed = FreshSeed("RidgePerHeadStreamedPrepareCountsEveryWeight");
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  std::mt19937_64 rng(seed);
+  RandomMapperSpec spec;
+  spec.ridge_per_head = true;
+  spec.source_layers = 4;
+  spec.source_heads = 4;
+  spec.target_layers = 3;
+  spec.k = 2;
+  spec.k_v = 3;
+  spec.window = 2;
+  spec.weight_dtype = DType::kBF16;
+  const RandomMapper mapper = MakeRandomMapper(spec, rng());
+  const OwnedCache source = MakeRandomCache(4, 4, 16, 50, DType::kBF16, Layout::kNHD, rng());
+  OwnedCache target = MakeOutputCache(3, 2, 16, 50, DType::kBF16, Layout::kHND);
+  std::unique_ptr<Backend> backend = MakeCuda();
+  ASSERT_NE(backend, nullptr);
+  absl::StatusOr<std::shared_ptr<PreparedMapper>> prepared = backend->BeginPrepare(mapper.view);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ((*prepared)->bytes(), backend->PreparedBytesEstimate(mapper.view));
+  Positions positions;
+  positions.offset = 77;
+  for (int l = 0; l < 3; ++l) {
+    ASSERT_TRUE(backend->PrepareLayer(**prepared, l).ok());
+    absl::Status status = backend->TranslateLayer(**prepared, l, source.view, positions,
+                                                  TranslateOptions(), &target.mutable_view);
+    ASSERT_TRUE(status.ok()) << status;
+    for (Kind kind : {Kind::kK, Kind::kV}) {
+      EXPECT_LE(MaxRelError(ReadLayer(target.mutable_view, l, kind),
+                            ReferenceTranslate(mapper.view, l, kind, source.view, positions)),
+                TranslationTolerance(DType::kBF16))
+          << "layer " << l;
+    }
   }
 }
 

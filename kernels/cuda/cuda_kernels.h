@@ -65,6 +65,13 @@ struct GatherParams {
   int64_t window_begin = 0;
   // Output X: [num_layers][2][chunk_tokens][window * max_blocks * heads * head_dim] in x_type.
   void* x = nullptr;
+  // Head-local ridge: chains (n_t) > 0 writes X head-major instead, [num_layers][2][chains]
+  // [chunk_tokens][chain_width], chain c's row holding source heads [chain_first[c],
+  // chain_first[c] + group) of every block (offset-major, then sigma); 0: the whole row.
+  int chains = 0;
+  int group = 0;
+  const int* chain_first = nullptr;  // device [chains], from the plan's chain_sources
+  int64_t chain_width = 0;           // window * max_blocks * group * head_dim
   int x_type = kBF16;
   RopeTable strip;
 };

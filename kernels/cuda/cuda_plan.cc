@@ -52,6 +52,14 @@ absl::StatusOr<DeviceLayout> DeviceLayoutOf(const MapperView& mapper) {
   layout.input_width = static_cast<int64_t>(layout.window) * layout.max_blocks *
                        mapper.source.num_kv_heads * mapper.source.head_dim;
   layout.target_width = static_cast<int64_t>(mapper.target.num_kv_heads) * mapper.target.head_dim;
+  if (mapper.head_local) {
+    if (absl::Status s = CheckHeadLocalHeads(mapper.source, mapper.target); !s.ok()) return s;
+    layout.ridge_heads = mapper.target.num_kv_heads;
+    layout.group = HeadLocalSources(mapper.source, mapper.target, 0).count;
+    layout.chain_width = static_cast<int64_t>(layout.window) * layout.max_blocks * layout.group *
+                         mapper.source.head_dim;
+    layout.head_out = mapper.target.head_dim;
+  }
   if (mlp && !mapper.layers.empty()) {
     const MlpView& head = mapper.layers[0].mlp_k;
     layout.heads = head.heads;
@@ -75,7 +83,8 @@ absl::StatusOr<DeviceLayout> DeviceLayoutOf(const MapperView& mapper) {
        {std::pair<const char*, int64_t>{"input width window * |sigma| * n_s * d_s",
                                         layout.input_width},
         {"target width n_t * d_t", layout.target_width},
-        {"MLP hidden width heads * hidden", layout.hidden_width()}}) {
+        {"MLP hidden width heads * hidden", layout.hidden_width()},
+        {"per_head gathered width n_t * window * |sigma| * g * d_s", layout.gathered_width()}}) {
     if (value > kIntMax) {
       return absl::InvalidArgumentError(absl::StrCat(name, " = ", value,
                                                      " exceeds cuBLAS's int dimensions"));
@@ -98,7 +107,7 @@ void InterleaveHeads(const void* src, size_t element_bytes, int heads, int64_t r
 
 InputRowCopies InputRowCopiesOf(const DeviceLayout& layout, int64_t rows, int64_t row_bytes) {
   InputRowCopies copies;
-  if (layout.window == 1 || rows == layout.input_width) {
+  if (layout.window == 1 || rows == layout.stage0_rows()) {
     copies.bytes = rows * row_bytes;
     copies.device_stride = copies.bytes;
     return copies;
@@ -127,6 +136,14 @@ std::array<StridedGemm, 3> MlpGemms(const DeviceLayout& layout, int64_t tokens, 
   gemms[2] = {out, t, h, out, h, out, layout.hidden * layout.head_out, tokens * h,
               tokens * out, chains};
   return gemms;
+}
+
+StridedGemm RidgeHeadGemm(const DeviceLayout& layout, int64_t tokens, int64_t pairs) {
+  const int t = static_cast<int>(tokens);
+  const int in = static_cast<int>(layout.chain_width);
+  const int out = static_cast<int>(layout.head_out);
+  return {out,          t, in, out, in, out, layout.chain_width * layout.head_out,
+          tokens * in,  tokens * out, static_cast<int>(pairs * layout.ridge_heads)};
 }
 
 absl::StatusOr<StepPlan> PlanSteps(const StepShape& shape, int64_t token_chunk,

@@ -40,6 +40,10 @@ inline constexpr int64_t kContextOverheadBytes = int64_t{64} << 20;
 //                                                   so one GEMM feeds every head from the shared x)
 //   A2 [layer][kind][heads][hidden][hidden]
 //   A3 [layer][kind][heads][hidden][head_out]      (head_out: n_t d_t per_layer, d_t per_head)
+// Head-local ridge (MapperView::head_local): W [layer][kind][n_t][chain_width][d_t], chain_width
+// = window * max_blocks * g * d_s padded per token offset like the whole row, and the gathered
+// X head-major [pair][n_t][T][chain_width], so one strided batch over (pair, head) multiplies it
+// (RidgeHeadGemm); chain_first [n_t] ints: each chain's first source head (HeadLocalSources).
 // Biases are fp32: the output bias (ridge b, MLP c3) [layer][kind][target_width], and for MLP
 // c1 and c2 [layer][kind][heads * hidden] each. sigma: [layer][kind][max_blocks] ints.
 struct DeviceLayout {
@@ -52,34 +56,49 @@ struct DeviceLayout {
   bool padded = false;       // some sigma list is shorter than max_blocks
   int heads = 0;             // MLP chains per (layer, kind); 0 for ridge
   int64_t hidden = 0;        // MLP hidden width H
-  int64_t head_out = 0;      // MLP output columns of one chain
+  int64_t head_out = 0;      // output columns of one chain: MLP, or head-local ridge (d_t)
+  // Head-local ridge: chains (n_t) per (layer, kind), source heads per chain (g) and each
+  // chain's input rows; 0 for the per_layer map.
+  int ridge_heads = 0;
+  int group = 0;
+  int64_t chain_width = 0;
 
+  bool head_local() const { return ridge_heads > 0; }
   int64_t hidden_width() const { return heads * hidden; }  // 0 for ridge
-  // Input rows of one token offset: max_blocks * n_s * d_s.
-  int64_t offset_width() const { return input_width / window; }
+  // Rows of the matrix stage 0 multiplies X by: chain_width head-local, else input_width.
+  int64_t stage0_rows() const { return head_local() ? chain_width : input_width; }
+  // Gathered X elements per (pair, token): the whole row, or every chain's row.
+  int64_t gathered_width() const { return head_local() ? ridge_heads * chain_width : input_width; }
+  // Input rows of one token offset: max_blocks * n_s * d_s (head-local: max_blocks * g * d_s).
+  int64_t offset_width() const { return stage0_rows() / window; }
+  int64_t ridge_elements() const {
+    return head_local() ? ridge_heads * chain_width * head_out : input_width * target_width;
+  }
   int64_t a1_elements() const { return input_width * heads * hidden; }
   int64_t a2_elements() const { return static_cast<int64_t>(heads) * hidden * hidden; }
   int64_t a3_elements() const { return static_cast<int64_t>(heads) * hidden * head_out; }
   // Weight elements of one (layer, kind): W, or A1 + A2 + A3.
   int64_t matrix_elements() const {
     return kind == MapKind::kMlp ? a1_elements() + a2_elements() + a3_elements()
-                                 : input_width * target_width;
+                                 : ridge_elements();
   }
   // Elements per (layer, kind) of the device array GemmStage `index` reads: ridge W or MLP A1
   // (0), A2 (1), A3 (2).
   int64_t stage_elements(int index) const {
     if (index == 1) return a2_elements();
     if (index == 2) return a3_elements();
-    return kind == MapKind::kMlp ? a1_elements() : input_width * target_width;
+    return kind == MapKind::kMlp ? a1_elements() : ridge_elements();
   }
   uint64_t weight_bytes(int layers) const {
     return static_cast<uint64_t>(layers) * 2 * matrix_elements() * DTypeSize(weight_dtype);
   }
-  // Everything a prepared mapper holds on the device: weights, fp32 biases, sigma lists.
+  // Everything a prepared mapper holds on the device: weights, fp32 biases, sigma lists (and a
+  // head-local ridge's chain_first).
   uint64_t prepared_bytes(int layers) const {
     const uint64_t bias_floats = static_cast<uint64_t>(target_width) + 2 * hidden_width();
     return weight_bytes(layers) + static_cast<uint64_t>(layers) * 2 * bias_floats * sizeof(float) +
-           static_cast<uint64_t>(layers) * 2 * max_blocks * sizeof(int);
+           static_cast<uint64_t>(layers) * 2 * max_blocks * sizeof(int) +
+           static_cast<uint64_t>(ridge_heads) * sizeof(int);
   }
 };
 
@@ -97,7 +116,7 @@ void InterleaveHeads(const void* src, size_t element_bytes, int heads, int64_t r
                      void* dst);
 
 // Where PrepareLayer puts a stored W or A1 of `rows` input rows (window * its own |sigma| *
-// n_s * d_s) of `row_bytes` each (A1 after InterleaveHeads): copy o < count moves `bytes` from
+// n_s * d_s; one head-local chain's: window * |sigma| * g * d_s) of `row_bytes` each (A1 after InterleaveHeads): copy o < count moves `bytes` from
 // the stored matrix + o * bytes to its (layer, kind)'s device slot + o * device_stride. One
 // copy when the rows need no moving (no window, or |sigma| = max_blocks); else one per token
 // offset, each to its own block of offset_width() rows.
@@ -128,11 +147,17 @@ struct StridedGemm {
 //   [2] A = A3, B = activations                    -> C = Y [pair][head][T][head_out]
 std::array<StridedGemm, 3> MlpGemms(const DeviceLayout& layout, int64_t tokens, int64_t pairs);
 
+// Head-local ridge over `pairs` pairs: one entry per (pair, head), A = W [pair][head][chain_width]
+// [d_t], B = X [pair][head][T][chain_width] -> C = Y [pair][head][T][d_t] (the epilogue's
+// head-major Y).
+StridedGemm RidgeHeadGemm(const DeviceLayout& layout, int64_t tokens, int64_t pairs);
+
 // What one translation call needs per token and per layer; bytes are device bytes.
 struct StepShape {
   int64_t num_tokens = 0;
   int num_layers = 0;            // target layers in the call
-  int64_t input_width = 0;       // K: window * the widest |sigma| * n_s * d_s
+  // K: window * the widest |sigma| * n_s * d_s (head-local: DeviceLayout::gathered_width).
+  int64_t input_width = 0;
   int64_t target_width = 0;      // n_t * d_t
   // MLP: hidden activations per token of one (layer, kind), heads * H (0 for ridge). They take
   // an fp32 GEMM output (sharing the output buffer, max(target, hidden) wide) plus a copy in the

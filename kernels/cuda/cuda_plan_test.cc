@@ -586,6 +586,128 @@ TEST(MlpGemmsTest, ChainOnTheDeviceLayoutMatchesTheStoredMlp) {
   }
 }
 
+// Head-local ridge on the device layout: W chain by chain, each padded per token offset, X
+// head-major as the gather writes it (chain c: heads [first_c, first_c + g) of every block), one
+// strided batch over (pair, head) (RidgeHeadGemm) into the epilogue's head-major Y; checked
+// against the stored per-chain matrices applied to the whole row in double.
+TEST(RidgeHeadGemmTest, ChainsOnTheDeviceLayoutMatchTheStoredMatrices) {
+  const int ns = 4, ds = 2, nt = 2, dt = 3, window = 2, g = 2;
+  MapperView view;
+  view.window = window;
+  view.head_local = true;
+  view.source = NeoxModelSpec("s", 3, ns, ds);
+  view.target = NeoxModelSpec("t", 2, nt, dt);
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<float>> stored;  // per pair: [nt][window |sigma| g ds][dt]
+  std::vector<int> sigma_sizes;
+  for (int l = 0; l < 2; ++l) {
+    LayerMapView layer;
+    layer.sigma_k = {1, 0};
+    layer.sigma_v = {2};
+    for (const std::vector<int>* sigma : {&layer.sigma_k, &layer.sigma_v}) {
+      const int64_t rows = static_cast<int64_t>(window) * sigma->size() * g * ds;
+      stored.emplace_back(nt * rows * dt);
+      for (float& v : stored.back()) v = normal(rng);
+      sigma_sizes.push_back(static_cast<int>(sigma->size()));
+    }
+    layer.w_k = WeightView{stored[stored.size() - 2].data(), DType::kFP32, nt * 16, dt};
+    layer.w_v = WeightView{stored.back().data(), DType::kFP32, nt * 8, dt};
+    view.layers.push_back(layer);
+  }
+  absl::StatusOr<DeviceLayout> layout_or = DeviceLayoutOf(view);
+  ASSERT_TRUE(layout_or.ok()) << layout_or.status();
+  const DeviceLayout& layout = *layout_or;
+  EXPECT_TRUE(layout.head_local());
+  EXPECT_EQ(layout.ridge_heads, nt);
+  EXPECT_EQ(layout.group, g);
+  EXPECT_EQ(layout.chain_width, window * 2 * g * ds);
+  EXPECT_EQ(layout.head_out, dt);
+  EXPECT_EQ(layout.gathered_width(), nt * 16);
+  EXPECT_EQ(layout.offset_width(), 2 * g * ds);
+  EXPECT_EQ(layout.matrix_elements(), nt * 16 * dt);
+  EXPECT_EQ(layout.prepared_bytes(2), 2u * 2 * (nt * 16 * dt * 4 + nt * dt * 4 + 2 * 4) + nt * 4);
+
+  const int64_t pairs = 4, tokens = 5, cw = layout.chain_width;
+  // W as PrepareLayer's UploadChains lays it out.
+  std::vector<float> w(pairs * layout.stage_elements(0), 0.0f);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t rows = static_cast<int64_t>(window) * sigma_sizes[pair] * g * ds;
+    const InputRowCopies copies = InputRowCopiesOf(layout, rows, dt * sizeof(float));
+    for (int c = 0; c < nt; ++c) {
+      char* slot = reinterpret_cast<char*>(w.data() + pair * layout.stage_elements(0) +
+                                           c * cw * dt);
+      const char* from = reinterpret_cast<const char*>(stored[pair].data() + c * rows * dt);
+      for (int o = 0; o < copies.count; ++o) {
+        std::memcpy(slot + o * copies.device_stride, from + o * copies.bytes, copies.bytes);
+      }
+    }
+  }
+  // Whole rows [pair][T][window][max_blocks][ns][ds] (padding blocks zero), and X head-major.
+  std::vector<float> row(pairs * tokens * window * 2 * ns * ds, 0.0f);
+  std::vector<float> x(pairs * tokens * layout.gathered_width(), 0.0f);
+  const auto row_at = [&](int64_t pair, int64_t i, int o, int b, int h, int d) -> float& {
+    return row[((((pair * tokens + i) * window + o) * 2 + b) * ns + h) * ds + d];
+  };
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    for (int64_t i = 0; i < tokens; ++i) {
+      for (int o = 0; o < window; ++o) {
+        for (int b = 0; b < sigma_sizes[pair]; ++b) {
+          for (int h = 0; h < ns; ++h) {
+            for (int d = 0; d < ds; ++d) row_at(pair, i, o, b, h, d) = normal(rng);
+          }
+        }
+      }
+      for (int c = 0; c < nt; ++c) {
+        const HeadSources src = HeadLocalSources(view.source, view.target, c);
+        for (int o = 0; o < window; ++o) {
+          for (int b = 0; b < 2; ++b) {
+            for (int sl = 0; sl < g; ++sl) {
+              for (int d = 0; d < ds; ++d) {
+                x[((pair * nt + c) * tokens + i) * cw + ((o * 2 + b) * g + sl) * ds + d] =
+                    row_at(pair, i, o, b, src.first + sl, d);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  const StridedGemm gemm = RidgeHeadGemm(layout, tokens, pairs);
+  EXPECT_EQ(gemm.batch, pairs * nt);
+  std::vector<float> y(pairs * nt * tokens * dt, 0.0f);
+  HostGemm(gemm, w, x, &y);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int sig = sigma_sizes[pair];
+    const int64_t rows = static_cast<int64_t>(window) * sig * g * ds;
+    for (int c = 0; c < nt; ++c) {
+      const HeadSources src = HeadLocalSources(view.source, view.target, c);
+      for (int64_t i = 0; i < tokens; ++i) {
+        for (int col = 0; col < dt; ++col) {
+          double sum = 0;
+          for (int o = 0; o < window; ++o) {
+            for (int b = 0; b < sig; ++b) {
+              for (int sl = 0; sl < g; ++sl) {
+                for (int d = 0; d < ds; ++d) {
+                  const int64_t r = ((o * sig + b) * g + sl) * ds + d;
+                  sum += row_at(pair, i, o, b, src.first + sl, d) *
+                         static_cast<double>(stored[pair][(c * rows + r) * dt + col]);
+                }
+              }
+            }
+          }
+          const float got = y[((pair * nt + c) * tokens + i) * dt + col];
+          EXPECT_NEAR(got, sum, 1e-4 * (1 + std::abs(sum)))
+              << "pair " << pair << " chain " << c << " token " << i << " col " << col;
+        }
+      }
+    }
+  }
+  // Head counts neither divides: refused naming both.
+  view.target.num_kv_heads = 3;
+  EXPECT_THAT(DeviceLayoutOf(view).status().message(), HasSubstr("target.num_kv_heads=3"));
+}
+
 TEST(CudaCallStatusTest, NamesTheCallAndCodeWithTheRightCanonicalCode) {
   absl::Status oom = CudaCallStatus("cudaMalloc", CudaFailure::kOutOfMemory, 2,
                                     "cudaErrorMemoryAllocation", "out of memory");
