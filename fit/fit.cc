@@ -366,6 +366,8 @@ std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype) {
   return floats;
 }
 
+namespace {
+
 // A head-local fit's dense [blocks n_s d_s, n_t d_t] weights as stored: head h's rows
 // (HeadSourceRows) x its d_t columns, heads stacked, [n_t, in_h, d_t]. Everything else is 0.
 std::vector<double> HeadLocalWeights(const FitShape& shape, int64_t blocks,
@@ -380,6 +382,8 @@ std::vector<double> HeadLocalWeights(const FitShape& shape, int64_t blocks,
   }
   return stacked;
 }
+
+}  // namespace
 
 std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int>>& sigma,
                                                const std::vector<LayerFit>& fits, DType dtype,

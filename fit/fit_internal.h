@@ -67,11 +67,6 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
     const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits, bool per_head,
     RefinementSummary* summary = nullptr);
 
-// A head-local fit's dense weights (LayerFit) in the stored layout [n_t, in_h, d_t]: head h's
-// HeadSourceRows x its d_t columns.
-std::vector<double> HeadLocalWeights(const FitShape& shape, int64_t blocks,
-                                     const std::vector<double>& dense);
-
 // The held-out quality (MeasureHeldout) of a mapper in memory: `manifest` with its layers, the
 // mapping tensors' bytes in MapperTensorSpecs order; nullopt when no held-out target dump has
 // queries. Logs it as `what`'s when progress is shown. The refinement's "before".
