@@ -72,7 +72,9 @@ constexpr char kFitUsage[] =
     "               [--lambda_scale=covariance|sum] [--heldout_fraction=0.1] [--heldout_split=hash|tail]\n"
     "               [--seed=1] [--weight_dtype=bf16] [--corpus=TEXT]\n"
     "               [--source_model=NAME] [--target_model=NAME] [--threads=0] [--chunk_mb=256]\n"
-    "               [--overwrite]\n"
+    "               [--overwrite] [--granularity=per_layer|per_head|both\n"
+    "                [--per_head_objective=auto|mse|attention_weighted]\n"
+    "                [--per_head_probe=full|head_local]]\n"
     "               [--partial [--shard=i/n] [--plan=PLAN] --out=SHARD_FILE]\n"
     "               [--kind=ridge|mlp|both [--mlp_hidden=1024] [--mlp_epochs=20]\n"
     "                [--mlp_batch=4096] [--mlp_lr=1e-3] [--mlp_granularity=per_layer|per_head]\n"
@@ -83,7 +85,9 @@ constexpr char kFitUsage[] =
     "                [--refine_queries_from=handoff|prefix] [--refine_cache_mb=1024]\n"
     "                [--unrefined_mlp_out=DIR]]\n"
     "       kvt fit merge --out=PLAN_FILE|MAPPER_DIR [--lambda=0.01] [--lambda_scale=...]\n"
-    "                     [--weight_dtype=...] [--threads=0] [--overwrite] SHARD_FILE...\n"
+    "                     [--weight_dtype=...] [--threads=0] [--overwrite]\n"
+    "                     [--granularity=per_layer|per_head [--per_head_probe=full|head_local]]\n"
+    "                     SHARD_FILE...\n"
     "\n"
     "Fits a mapper from KV dumps of two models on the same text (docs/FIT.md); `fit merge`\n"
     "merges --partial shards into a plan (probe shards) or a mapper (final shards).\n";
@@ -141,7 +145,7 @@ const std::vector<CommandSpec>& Commands() {
       {"fit", RunFit, "fit a mapper from KV dumps of two models (docs/FIT.md)", kFitUsage,
        {"source_config", "target_config", "source_dumps", "target_dumps", "pairs", "out",
         "source_model", "target_model", "top_k", "stride", "window", "lambda", "lambda_scale",
-        "heldout_fraction", "heldout_split", "seed", "weight_dtype", "corpus", "threads", "chunk_mb", "overwrite",
+        "heldout_fraction", "heldout_split", "seed", "weight_dtype", "corpus", "threads", "chunk_mb", "overwrite", "granularity", "per_head_objective", "per_head_probe",
         "partial", "shard", "plan", "kind", "mlp_hidden", "mlp_epochs", "mlp_batch", "mlp_lr",
         "mlp_granularity", "mlp_max_observations", "mlp_keep_best_epoch", "refine", "refine_steps", "refine_batch",
         "refine_queries", "refine_lr", "refine_mlp_steps", "refine_mlp_batch",

@@ -19,6 +19,7 @@
 #include "fit/report.h"
 #include "kernels/types.h"
 #include "mapper_store/format/manifest.h"
+#include "mapper_store/mapper.h"
 
 ABSL_FLAG(std::string, source_config, "",
           "kvt fit / import: the source model's Hugging Face config.json (or its directory).");
@@ -107,6 +108,21 @@ ABSL_FLAG(std::string, unrefined_mlp_out, "",
 ABSL_FLAG(bool, overwrite, false,
           "kvt fit / merge / import: replace an existing mapper directory.");
 
+ABSL_FLAG(std::string, granularity, "per_layer",
+          "kvt fit / merge: the ridge's granularity: per_layer (every target head from the whole "
+          "gathered row), per_head (head-local: each target head from its matching source heads; "
+          "n_kv times fewer bytes and FLOPs), or both (kvt fit only: fits both into "
+          "--out/per_layer and --out/per_head and recommends one from the held-out "
+          "attention-output cosine; needs target dumps with queries).");
+ABSL_FLAG(std::string, per_head_objective, "auto",
+          "kvt fit --granularity per_head|both: the head-local ridge's objective: mse, "
+          "attention_weighted (each token's residual weighted by the attention mass the "
+          "target's own queries give it; needs training target dumps with queries), or auto "
+          "(attention_weighted when the first training target dump has queries, else mse).");
+ABSL_FLAG(std::string, per_head_probe, "full",
+          "kvt fit / merge --granularity per_head: how unmatched KV shapes rank source layers: "
+          "full (each target head on the whole source layer) or head_local (on its matching "
+          "source heads only).");
 ABSL_DECLARE_FLAG(std::string, out);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
@@ -123,8 +139,72 @@ int Fail(const std::string& message, int code = 2) {
   return code;
 }
 
-absl::StatusOr<fit::SolveOptions> SolveOptionsFromFlags() {
+// --granularity: per_layer or per_head into `options`; both only where `both` is given (kvt
+// fit, not merge), which is then set.
+absl::Status GranularityFromFlags(fit::SolveOptions* options, bool* both) {
+  const std::string granularity = absl::GetFlag(FLAGS_granularity);
+  if (granularity == "both" && both != nullptr) {
+    *both = true;
+    return absl::OkStatus();
+  }
+  std::optional<RidgeGranularity> parsed = ParseRidgeGranularity(granularity);
+  if (!parsed.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--granularity must be per_layer or per_head", both != nullptr ? " or both" : "",
+        ", got '", granularity, "'"));
+  }
+  options->ridge.per_head = *parsed == RidgeGranularity::kPerHead;
+  return absl::OkStatus();
+}
+
+// --per_head_probe: whether a per_head fit probes unmatched shapes head-locally.
+absl::StatusOr<bool> HeadLocalProbeFromFlags(bool per_head) {
+  const std::string probe = absl::GetFlag(FLAGS_per_head_probe);
+  if (probe != "full" && probe != "head_local") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--per_head_probe must be full or head_local, got '", probe, "'"));
+  }
+  if (probe == "head_local" && !per_head) {
+    return absl::InvalidArgumentError("--per_head_probe=head_local needs --granularity per_head");
+  }
+  return probe == "head_local";
+}
+
+// --per_head_objective into ridge->attention_weighted for a head-local fit (per_head, or
+// `granularity_both`): mse, attention_weighted, or auto (attention_weighted when the first
+// training target dump of `sequences` has queries; the choice is printed).
+absl::Status ObjectiveFromFlags(bool granularity_both,
+                                const std::vector<fit::SequencePair>& sequences,
+                                const ModelSpec& target, fit::RidgeOptions* ridge) {
+  const std::string objective = absl::GetFlag(FLAGS_per_head_objective);
+  if (objective != "mse" && objective != "attention_weighted" && objective != "auto") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--per_head_objective must be mse, attention_weighted or auto, got '", objective, "'"));
+  }
+  const bool head_local = ridge->per_head || granularity_both;
+  if (objective == "attention_weighted" && !head_local) {
+    return absl::InvalidArgumentError(
+        "--per_head_objective=attention_weighted needs --granularity per_head or both");
+  }
+  ridge->attention_weighted = head_local && objective == "attention_weighted";
+  if (head_local && objective == "auto") {
+    for (const fit::SequencePair& pair : sequences) {
+      if (pair.heldout) continue;
+      absl::StatusOr<fit::DumpQueries> q = fit::ReadDumpQueries(pair.target_path, target);
+      if (!q.ok() && !absl::IsNotFound(q.status())) return q.status();
+      ridge->attention_weighted = q.ok();
+      std::printf("--per_head_objective=auto: %s\n",
+                  q.ok() ? "attention_weighted (the target dumps carry queries)"
+                         : "mse (the target dumps carry no queries)");
+      break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<fit::SolveOptions> SolveOptionsFromFlags(bool* granularity_both = nullptr) {
   fit::SolveOptions options;
+  if (absl::Status g = GranularityFromFlags(&options, granularity_both); !g.ok()) return g;
   options.ridge.lambda = absl::GetFlag(FLAGS_lambda);
   if (!(options.ridge.lambda >= 0)) {
     return absl::InvalidArgumentError("--lambda must be >= 0");
@@ -166,6 +246,38 @@ void PrintSummary(const fit::FitResult& result) {
   for (const std::string& w : result.warnings) std::printf("warning: %s\n", w.c_str());
 }
 
+int RunGranularityBoth(const fit::FitOptions& options, const std::string& out,
+                       const fit::StatSet* plan) {
+  absl::StatusOr<fit::GranularityResult> both = fit::RunFitGranularityBoth(options, out, plan);
+  if (!both.ok()) return Fail(both.status().ToString());
+  PrintSummary(both->per_layer);
+  PrintSummary(both->per_head);
+  const fit::HeldoutQuality& q = *both->per_layer.heldout;
+  std::printf("held-out (%d sequences, %lld tokens)   attention-output cosine without layer 0 "
+              "[95%% lower bound] (all layers)   mapper bytes   solve+measure (s)\n",
+              q.sequences, static_cast<long long>(q.tokens));
+  for (const fit::FitResult* r : {&both->per_layer, &both->per_head}) {
+    const fit::HeldoutQuality& h = *r->heldout;
+    std::printf("  %-9s %.4f [%s] (%.4f)   %llu   %.2f\n",
+                RidgeGranularityName(r->manifest.ridge_granularity),
+                h.attention_cosine_without_layer0,
+                h.attention_cosine_lower95 ? absl::StrFormat("%.4f", *h.attention_cosine_lower95).c_str()
+                                           : "-",
+                h.attention_cosine, static_cast<unsigned long long>(MapperWeightBytes(r->manifest)),
+                r == &both->per_layer ? both->per_layer_seconds : both->per_head_seconds);
+  }
+  std::printf("per_head minus per_layer: %+.4f [%s, %s] (paired, 95%%)\n", both->difference,
+              both->difference_lower95 ? absl::StrFormat("%+.4f", *both->difference_lower95).c_str()
+                                       : "-",
+              both->difference_upper95 ? absl::StrFormat("%+.4f", *both->difference_upper95).c_str()
+                                       : "-");
+  std::printf("recommended: %s (%s)\n", both->recommended.c_str(),
+              (both->recommended == "per_head" ? both->per_head : both->per_layer)
+                  .mapper_dir.c_str());
+  std::printf("comparison: %s\n", both->report_json_path.c_str());
+  return 0;
+}
+
 int RunMerge(const std::vector<std::string>& shards) {
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty() || shards.empty()) return Fail(CommandUsage("fit"), 1);
@@ -177,7 +289,9 @@ int RunMerge(const std::vector<std::string>& shards) {
   const std::string phase = merged->metadata["kvt_fit_phase"];
   if (phase == "probe") {
     std::vector<std::string> warnings;
-    absl::StatusOr<fit::StatSet> plan = fit::MakePlan(*merged, &warnings);
+    absl::StatusOr<bool> local = HeadLocalProbeFromFlags(solve->ridge.per_head);
+    if (!local.ok()) return Fail(std::string(local.status().message()), 1);
+    absl::StatusOr<fit::StatSet> plan = fit::MakePlan(*merged, &warnings, *local);
     if (!plan.ok()) return Fail(plan.status().ToString());
     absl::Status written = fit::WriteStatSet(out, *plan);
     if (!written.ok()) return Fail(written.ToString());
@@ -191,6 +305,11 @@ int RunMerge(const std::vector<std::string>& shards) {
     return Fail(absl::StrCat("cannot merge statistics of phase '", phase,
                              "' (expected probe or final shards)"));
   }
+  // Shards accumulated with --per_head_objective=attention_weighted carry its arrays.
+  const auto objective = merged->metadata.find("per_head_objective");
+  solve->ridge.attention_weighted = solve->ridge.per_head &&
+                                    objective != merged->metadata.end() &&
+                                    objective->second == "attention_weighted";
   absl::StatusOr<fit::FitResult> result = fit::SolveAndWrite(*merged, *solve, out);
   if (!result.ok()) return Fail(result.status().ToString());
   PrintSummary(*result);
@@ -217,9 +336,12 @@ int RunFit(const std::vector<std::string>& args) {
                 1);
   }
   fit::FitOptions options;
-  absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags();
+  absl::StatusOr<fit::SolveOptions> solve = SolveOptionsFromFlags(&options.granularity_both);
   if (!solve.ok()) return Fail(std::string(solve.status().message()), 1);
   options.solve = *solve;
+  absl::StatusOr<bool> local_probe = HeadLocalProbeFromFlags(options.solve.ridge.per_head);
+  if (!local_probe.ok()) return Fail(std::string(local_probe.status().message()), 1);
+  options.head_local_probe = *local_probe;
   const std::string top_k = absl::GetFlag(FLAGS_top_k);
   if (top_k == "all") {
     options.k = 0;
@@ -295,6 +417,14 @@ int RunFit(const std::vector<std::string>& args) {
   options.refine.mlp_learning_rate = absl::GetFlag(FLAGS_refine_mlp_lr);
   options.refine.seed = options.seed;
   options.refine.unrefined_mlp_out = absl::GetFlag(FLAGS_unrefined_mlp_out);
+  if ((options.granularity_both || options.solve.ridge.per_head) &&
+      options.kind != fit::FitKind::kRidge && options.kind != fit::FitKind::kBoth) {
+    return Fail("--granularity is the ridge's; --kind mlp has --mlp_granularity", 1);
+  }
+  if (options.granularity_both && options.kind != fit::FitKind::kRidge) {
+    return Fail("--granularity both compares the ridge's granularities; with --kind both use "
+                "--granularity per_layer or per_head", 1);
+  }
   if (!options.refine.unrefined_mlp_out.empty() &&
       (!options.refine.attention || options.kind == fit::FitKind::kRidge)) {
     return Fail("--unrefined_mlp_out needs --kind mlp|both and --refine=attention", 1);
@@ -335,6 +465,11 @@ int RunFit(const std::vector<std::string>& args) {
   options.heldout_split = *split;
   fit::AssignHeldout(options.heldout_fraction, options.seed, &*pairs, options.heldout_split);
   options.sequences = *pairs;
+  if (absl::Status o = ObjectiveFromFlags(options.granularity_both, options.sequences,
+                                          options.target.spec, &options.solve.ridge);
+      !o.ok()) {
+    return Fail(std::string(o.message()), absl::IsInvalidArgument(o) ? 1 : 2);
+  }
   const std::string shard = absl::GetFlag(FLAGS_shard);
   if (!shard.empty()) {
     std::vector<std::string> parts = absl::StrSplit(shard, '/');
@@ -373,6 +508,7 @@ int RunFit(const std::vector<std::string>& args) {
     return 0;
   }
   if (!shard.empty()) return Fail("--shard only makes sense with --partial", 1);
+  if (options.granularity_both) return RunGranularityBoth(options, out, plan.get());
   if (options.kind == fit::FitKind::kBoth) {
     absl::StatusOr<fit::BothResult> both = fit::RunFitBoth(options, out, plan.get());
     if (!both.ok()) return Fail(both.status().ToString());

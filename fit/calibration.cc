@@ -1,5 +1,7 @@
 #include "fit/calibration.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -448,6 +450,63 @@ absl::StatusOr<DumpQueries> ReadDumpQueries(const std::string& path, const Model
     queries.positions.push_back(placement->offset + static_cast<uint64_t>(t) * placement->step);
   }
   return queries;
+}
+
+namespace {
+
+// Adds to `mass` [T] what each key receives from the query rows q (head of `d` values at row
+// stride q_stride) over keys k [T, d]: causal softmax of q . k / sqrt(d), scores by one dgemm.
+void AddAttentionMass(int64_t T, int d, const float* q, int64_t q_stride, const double* k,
+                      double* mass) {
+  std::vector<double> queries(T * d), p(T * T);
+  for (int64_t i = 0; i < T; ++i) {
+    for (int e = 0; e < d; ++e) queries[i * d + e] = q[i * q_stride + e];
+  }
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, d,
+              1.0 / std::sqrt(static_cast<double>(d)), queries.data(), d, k, d, 0.0, p.data(), T);
+  for (int64_t i = 0; i < T; ++i) {
+    double* row = p.data() + i * T;
+    const double top = *std::max_element(row, row + i + 1);
+    double sum = 0;
+    for (int64_t j = 0; j <= i; ++j) sum += (row[j] = std::exp(row[j] - top));
+    for (int64_t j = 0; j <= i; ++j) mass[j] += row[j] / sum;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<double>> AttentionMass(const SequencePair& pair, const ModelSpec& source,
+                                                  const ModelSpec& target, int stride) {
+  absl::StatusOr<DumpQueries> queries = ReadDumpQueries(pair.target_path, target);
+  if (!queries.ok()) return queries.status();
+  absl::StatusOr<PairCaches> caches = ReadPairCaches(pair, source, target);
+  if (!caches.ok()) return caches.status();
+  const HostCache& cache = caches->target;
+  const int64_t T = cache.num_tokens, kept = KeptTokens(T, stride);
+  const int n = target.num_kv_heads, d = target.head_dim, nq = queries->num_query_heads;
+  const int group = nq / n;
+  std::vector<double> weights;
+  weights.reserve(target.num_layers * n * kept);
+  std::vector<double> keys(T * d), mass(T);
+  std::vector<float> row(d);
+  for (int l = 0; l < target.num_layers; ++l) {
+    for (int h = 0; h < n; ++h) {
+      for (int64_t t = 0; t < T; ++t) {  // HND: head h's rows are contiguous
+        ToFloat(cache.dtype, cache.k[l].data() + (h * T + t) * d * DTypeSize(cache.dtype),
+                row.data(), d);
+        std::copy(row.begin(), row.end(), keys.begin() + t * d);
+      }
+      std::fill(mass.begin(), mass.end(), 0.0);
+      for (int g = 0; g < group; ++g) {
+        const float* q = queries->layers[l].data() + (h * group + g) * d;  // [T][nq][d]
+        AddAttentionMass(T, d, q, int64_t{nq} * d, keys.data(), mass.data());
+      }
+      double mean = 0;
+      for (int64_t t = 0; t < T; t += stride) mean += mass[t] / kept;
+      for (int64_t t = 0; t < T; t += stride) weights.push_back(mean > 0 ? mass[t] / mean : 1.0);
+    }
+  }
+  return weights;
 }
 
 }  // namespace fit

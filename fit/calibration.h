@@ -113,5 +113,13 @@ struct DumpQueries {
 // the dump's token count) or a dtype kvt does not read.
 absl::StatusOr<DumpQueries> ReadDumpQueries(const std::string& path, const ModelSpec& target);
 
+// CacheBridge's token weights (`--per_head_objective=attention_weighted`): for each target layer
+// l and KV head h, the attention mass token t receives from the target's own queries of that
+// head's query group, causal, scores q . k / sqrt(d) on the dump's post-RoPE keys, summed over
+// the queries and query heads; at the kept tokens (0, stride, ...), scaled to mean 1 per (l, h)
+// over them. [L_t][n_t][kept tokens], flat. NOT_FOUND when the target dump has no queries.
+absl::StatusOr<std::vector<double>> AttentionMass(const SequencePair& pair, const ModelSpec& source,
+                                                  const ModelSpec& target, int stride);
+
 }  // namespace fit
 }  // namespace kvt

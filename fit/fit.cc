@@ -29,6 +29,9 @@ namespace {
 using nlohmann::json;
 
 constexpr char kPhase[] = "kvt_fit_phase";
+// Set in a plan (and the final statistics made from it) whose unmatched probe was head-local.
+constexpr char kProbeKey[] = "probe";
+constexpr char kHeadLocalProbe[] = "head-local";
 
 json SequenceLog(const SequencePair& pair, int64_t tokens, int64_t observations) {
   return json{{"name", pair.name},
@@ -190,16 +193,18 @@ absl::StatusOr<StatSet> AccumulateProbe(const FitOptions& options) {
   return stats;
 }
 
-absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings) {
+absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings,
+                                 bool head_local) {
   absl::Status need = NeedMetadata(probe, {"source_config", "target_config"}, "probe");
   if (!need.ok()) return need;
   absl::StatusOr<FitShape> shape = ShapeOf(probe);
   if (!shape.ok()) return shape.status();
-  absl::StatusOr<ProbeTables> tables = SolveProbe(*shape, probe, warnings);
+  absl::StatusOr<ProbeTables> tables = SolveProbe(*shape, probe, warnings, head_local);
   if (!tables.ok()) return tables.status();
   StatSet plan;
   plan.metadata = probe.metadata;
   plan.metadata[kPhase] = "plan";
+  if (head_local && !shape->matched()) plan.metadata[kProbeKey] = kHeadLocalProbe;
   plan.arrays["plan.r2_k"] = tables->r2_k;
   plan.arrays["plan.r2_v"] = tables->r2_v;
   plan.arrays["plan.probe_tokens"] = probe.at("probe.n");
@@ -223,6 +228,48 @@ absl::StatusOr<ProbeTables> TablesOf(const StatSet& plan, const FitShape& shape)
   tables.r2_k = plan.at("plan.r2_k");
   tables.r2_v = plan.at("plan.r2_v");
   return tables;
+}
+
+}  // namespace
+
+namespace {
+
+// `--per_head_objective=attention_weighted`: one more pass over the training sequences, each
+// read with its target's queries, adding the "aw.*" arrays (stats.h) to `stats`.
+absl::Status AccumulateAttentionWeighted(const FitOptions& options, const FitShape& shape,
+                                         const std::vector<std::vector<int>>& sigma,
+                                         StatSet* stats) {
+  HeadWeightedAccumulator accumulator(shape, sigma);
+  std::unique_ptr<Progress> progress;
+  if (options.solve.show_progress) {
+    const int64_t training = std::count_if(options.sequences.begin(), options.sequences.end(),
+                                           [](const SequencePair& p) { return !p.heldout; });
+    progress = std::make_unique<Progress>("attention weights", training, "sequences",
+                                          options.solve.log);
+  }
+  FeatureRows rows;
+  for (const SequencePair& pair : options.sequences) {
+    if (pair.heldout) continue;
+    rows.Reset(shape.source_blocks() * shape.ds(), shape.target.num_layers * shape.dt());
+    absl::StatusOr<int64_t> tokens = AppendSequence(pair, shape.source, shape.target,
+                                                    options.stride, &rows, shape.window);
+    if (!tokens.ok()) return tokens.status();
+    absl::StatusOr<std::vector<double>> weights =
+        AttentionMass(pair, shape.source, shape.target, options.stride);
+    if (absl::IsNotFound(weights.status())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--per_head_objective=attention_weighted weights tokens by the target's own queries, "
+          "and ", pair.target_path, " has none (dump the target with tools/dump_kv.py --queries)"));
+    }
+    if (!weights.ok()) return weights.status();
+    accumulator.Add(rows, *weights);
+    if (progress) progress->Advance(1, rows.rows);
+  }
+  for (auto& [name, values] : accumulator.stats().arrays) {
+    stats->arrays[name] = std::move(values);
+  }
+  stats->metadata["per_head_objective"] = "attention_weighted";
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -259,6 +306,10 @@ absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet
   if (!status.ok()) return status;
   StatSet stats = std::move(header);
   for (auto& [name, values] : accumulator.stats().arrays) stats.arrays[name] = std::move(values);
+  if (options.solve.ridge.attention_weighted) {
+    absl::Status weighted = AccumulateAttentionWeighted(options, shape, sigma, &stats);
+    if (!weighted.ok()) return weighted;
+  }
   for (const char* name : {"plan.r2_k", "plan.r2_v", "plan.probe_tokens"}) {
     stats.arrays[name] = plan.at(name);
   }
@@ -267,6 +318,7 @@ absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet
                             ? "all"
                             : absl::StrCat(options.k);
   stats.metadata["sigma"] = json(sigma).dump();
+  if (plan.metadata.count(kProbeKey)) stats.metadata[kProbeKey] = plan.metadata.at(kProbeKey);
   return stats;
 }
 
@@ -295,6 +347,8 @@ Manifest BaseManifest(const ParsedFinal& parsed, const SolveOptions& options, Ma
   if (kind == MapperKind::kRidge) {
     manifest.lambda = options.ridge.lambda;
     manifest.lambda_scale = options.ridge.scale;
+    manifest.ridge_granularity =
+        options.ridge.per_head ? RidgeGranularity::kPerHead : RidgeGranularity::kPerLayer;
   }
   manifest.weights_dtype = options.weight_dtype;
   manifest.created_by = kFitToolVersion;
@@ -312,6 +366,25 @@ std::vector<float> RoundTrip(const std::vector<double>& values, DType dtype) {
   return floats;
 }
 
+namespace {
+
+// A head-local fit's dense [blocks n_s d_s, n_t d_t] weights as stored: head h's rows
+// (HeadSourceRows) x its d_t columns, heads stacked, [n_t, in_h, d_t]. Everything else is 0.
+std::vector<double> HeadLocalWeights(const FitShape& shape, int64_t blocks,
+                                     const std::vector<double>& dense) {
+  const int64_t dt = shape.dt(), d_t = shape.target.head_dim;
+  std::vector<double> stacked;
+  for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+    for (int64_t row : HeadSourceRows(shape, blocks, h)) {
+      stacked.insert(stacked.end(), dense.begin() + row * dt + h * d_t,
+                     dense.begin() + row * dt + (h + 1) * d_t);
+    }
+  }
+  return stacked;
+}
+
+}  // namespace
+
 std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int>>& sigma,
                                                const std::vector<LayerFit>& fits, DType dtype,
                                                Manifest* manifest) {
@@ -328,12 +401,34 @@ std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int
     entry.r2_k_heldout = fit.r2_k_heldout;
     entry.r2_v_heldout = fit.r2_v_heldout;
     manifest->layers.push_back(entry);
+    const bool per_head = manifest->ridge_granularity == RidgeGranularity::kPerHead;
+    const FitShape shape{manifest->source, manifest->target, manifest->window};
     for (const std::vector<double>* values : {&fit.w_k, &fit.b_k, &fit.w_v, &fit.b_v}) {
-      storage.push_back(ToBytes(*values, dtype));
+      const bool weight = values == &fit.w_k || values == &fit.w_v;
+      storage.push_back(ToBytes(
+          per_head && weight ? HeadLocalWeights(shape, sigma[l].size(), *values) : *values,
+          dtype));
     }
   }
   return storage;
 }
+
+namespace {
+
+// The report's line on the ridge's granularity.
+std::string GranularityFact(const FitShape& shape, const RidgeOptions& ridge) {
+  if (!ridge.per_head) return "per_layer (every target head from every source head of the layers)";
+  const HeadSources heads = HeadLocalSources(shape.source, shape.target, 0);
+  return absl::StrCat("per_head (head-local: each of the ", shape.target.num_kv_heads,
+                      " target heads from its ", heads.count, " matching source head",
+                      heads.count == 1 ? "" : "s", " of the layers); objective ",
+                      ridge.attention_weighted
+                          ? "attention-weighted (each token's residual weighted by the attention "
+                            "mass the target's own queries give it)"
+                          : "MSE");
+}
+
+}  // namespace
 
 absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions& options,
                                         const std::string& out_dir,
@@ -354,8 +449,9 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
   {
     std::unique_ptr<Progress> progress;
     if (options.show_progress) {
-      progress = std::make_unique<Progress>("solve", shape->target.num_layers, "layers",
-                                            options.log);
+      progress = std::make_unique<Progress>(
+          options.ridge.per_head ? "solve per_head" : "solve per_layer",
+          shape->target.num_layers, "layers", options.log);
     }
     for (int l = 0; l < shape->target.num_layers; ++l) {
       absl::StatusOr<LayerFit> fit = SolveLayer(*shape, stats, l, sigma[l], options.ridge);
@@ -364,14 +460,16 @@ absl::StatusOr<FitResult> SolveAndWrite(const StatSet& stats, const SolveOptions
       if (progress) progress->Advance(1, 0);
     }
   }
-  std::vector<std::pair<std::string, std::string>> facts;
+  std::vector<std::pair<std::string, std::string>> facts = {{"granularity", GranularityFact(
+      *shape, options.ridge)}};
   std::optional<RefinementSummary> refinement;
   if (heldout != nullptr && heldout->refine.attention) {
     refinement.emplace();
     absl::StatusOr<std::vector<std::pair<std::string, std::string>>> refined = RefineLayers(
-        *heldout, stats, *parsed, manifest, options.weight_dtype, &fits, &*refinement);
+        *heldout, stats, *parsed, manifest, options.weight_dtype, &fits, options.ridge.per_head,
+        &*refinement);
     if (!refined.ok()) return refined.status();
-    facts = std::move(*refined);
+    facts.insert(facts.end(), refined->begin(), refined->end());
   }
   std::vector<std::vector<uint8_t>> storage = RidgeStorage(sigma, fits, options.weight_dtype,
                                                            &manifest);
@@ -537,7 +635,10 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
            : absl::StrCat("by sequence: fraction ", stats.metadata.at("heldout_fraction"),
                           ", seed ", stats.metadata.at("seed"),
                           " (hash of seed and dump file name)"));
+  const bool local_probe = stats.metadata.count(kProbeKey) > 0;
   fact("probe", shape->matched() ? "head h on head h (matched KV shapes)"
+                : local_probe    ? "each target head on its matching source heads (unmatched, "
+                                   "head-local)"
                                  : "each target head on the whole source layer (unmatched)");
   fact("k", stats.metadata.at("k"));
   if (manifest.kind == MapperKind::kRidge) {
@@ -588,7 +689,9 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
       {"seed", split_seed},
       {"by", tail_split ? "sequence: the list's last sequences (--heldout_split=tail)"
                         : "sequence (hash of seed and dump file name)"}};
-  calibration["probe"] = shape->matched() ? "head-matched" : "full-source-layer";
+  calibration["probe"] = shape->matched() ? "head-matched"
+                         : local_probe      ? "head-local"
+                                            : "full-source-layer";
   calibration["k_requested"] = stats.metadata.at("k");
   json means;
   for (auto [name, field] : {std::pair<const char*, R2Field>{"k", R2Field::kK},
@@ -639,24 +742,25 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
 
 absl::StatusOr<FitResult> RunFit(const FitOptions& options, const std::string& out_dir,
                                  const StatSet* plan_in) {
-  std::vector<std::string> warnings;
-  StatSet plan;
-  if (plan_in == nullptr) {
-    absl::StatusOr<StatSet> probe = AccumulateProbe(options);
-    if (!probe.ok()) return probe.status();
-    absl::StatusOr<StatSet> made = MakePlan(*probe, &warnings);
-    if (!made.ok()) return made.status();
-    plan = std::move(*made);
-    plan_in = &plan;
-  }
   if (options.kind == FitKind::kBoth) {
     return absl::InvalidArgumentError("RunFit fits one kind; --kind both is RunFitBoth");
+  }
+  if (options.granularity_both) {
+    return absl::InvalidArgumentError(
+        "RunFit fits one granularity; --granularity both is RunFitGranularityBoth");
+  }
+  if (options.solve.ridge.per_head && options.kind != FitKind::kMlp) {
+    absl::Status heads = CheckHeadMatching(FitShape{options.source.spec, options.target.spec});
+    if (!heads.ok()) return heads;
   }
   if (options.kind == FitKind::kMlp) {
     absl::Status valid = ValidateMlpOptions(options.mlp.train);
     if (!valid.ok()) return valid;
   }
-  absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan_in);
+  std::vector<std::string> warnings;
+  absl::StatusOr<StatSet> plan = PlanOrProbe(options, plan_in, &warnings);
+  if (!plan.ok()) return plan.status();
+  absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan);
   if (!final_stats.ok()) return final_stats.status();
   if (options.kind == FitKind::kMlp) {
     return TrainAndWriteMlp(options, *final_stats, out_dir, std::move(warnings));

@@ -116,6 +116,12 @@ struct FitOptions {
   // Tokens each output token reads (manifest `window`; 1: SPEC 3's token-wise map): the k
   // chosen source layers at p, p-1, ..., p-window+1 (docs/FIT.md, "Window mappers").
   int window = 1;
+  // The ridge's granularity is solve.ridge.per_head; this fits both (RunFitGranularityBoth).
+  bool granularity_both = false;
+  // `--per_head_probe=head_local`: a per_head fit of unmatched KV shapes ranks source layers by
+  // the head-local probe (MakePlan) instead of the full-layer one (docs/FIT.md: worse on 3 of
+  // the 4 U pairs, so not the default).
+  bool head_local_probe = false;
   SolveOptions solve;
   double heldout_fraction = 0.1;  // recorded: the marks are in `sequences`
   HeldoutSplit heldout_split = HeldoutSplit::kHash;  // recorded
@@ -184,7 +190,10 @@ void SetBlasThreads(int num_threads);
 // Pass 1 over the training sequences: probe statistics (phase "probe").
 absl::StatusOr<StatSet> AccumulateProbe(const FitOptions& options);
 // Probe R^2 tables from (summed) probe statistics: phase "plan", arrays plan.r2_k/plan.r2_v.
-absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings);
+// `head_local` (--per_head_probe=head_local): unmatched KV shapes are probed head-locally
+// (SolveProbe), the plan's metadata says so and the report names it.
+absl::StatusOr<StatSet> MakePlan(const StatSet& probe, std::vector<std::string>* warnings,
+                                 bool head_local = false);
 // Pass 2 over all sequences: the blocks that sigma (top-k of the plan's scores) needs, training
 // and held-out apart (phase "final"; carries the plan's tables).
 absl::StatusOr<StatSet> AccumulateFinal(const FitOptions& options, const StatSet& plan);
@@ -225,6 +234,30 @@ struct BothResult {
 absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::string& out_dir,
                                       const StatSet* plan = nullptr);
 inline constexpr char kCompareFileName[] = "fit_report.json";
+
+// `kvt fit --granularity both`: the ridge at both granularities from one probe and fit pass
+// (the same sigma), `out_dir`/per_layer and `out_dir`/per_head, each measured as served on the
+// held-out sequences, and `out_dir`/fit_report.json with both and the choice. per_head (n_t
+// times fewer bytes and FLOPs when n_s = n_t) is recommended unless per_layer is better beyond
+// noise: the one-sided 95% lower bound of the paired per-sequence difference (per_layer minus
+// per_head, held-out attention-output cosine without layer 0: the figure kvtd gates on) is
+// above 0; with fewer than 2 held-out sequences, the higher mean (per_head on a tie within
+// 1e-4). Preconditions as RunFitBoth's (FAILED_PRECONDITION naming the fix).
+struct GranularityResult {
+  FitResult per_layer, per_head;
+  // Wall time of each solve, refinement, held-out measurement and write (the statistics'
+  // passes are shared).
+  double per_layer_seconds = 0, per_head_seconds = 0;
+  // per_head minus per_layer over the held-out sequences, with its lower bound (n >= 2) and
+  // the upper bound -(lower bound of per_layer minus per_head).
+  double difference = 0;
+  std::optional<double> difference_lower95, difference_upper95;
+  std::string recommended;  // "per_layer" or "per_head"
+  std::string report_json_path;
+};
+absl::StatusOr<GranularityResult> RunFitGranularityBoth(const FitOptions& options,
+                                                        const std::string& out_dir,
+                                                        const StatSet* plan = nullptr);
 
 // Sums shard files (every one the same phase, models, stride and split; disjoint sequences).
 absl::StatusOr<StatSet> MergeStatFiles(const std::vector<std::string>& paths);

@@ -52,17 +52,19 @@ absl::StatusOr<FitResult> WriteFitted(const StatSet& stats, const ParsedFinal& p
                                       const FitOptions* heldout);
 
 // A ridge manifest's layers (sigma, R^2) and its mapping tensors' bytes, in MapperTensorSpecs
-// order, from per-layer fits.
+// order, from per-layer fits (head-local ones, manifest ridge_granularity per_head, stored
+// compact: HeadLocalWeights).
 std::vector<std::vector<uint8_t>> RidgeStorage(const std::vector<std::vector<int>>& sigma,
                                                const std::vector<LayerFit>& fits, DType dtype,
                                                Manifest* manifest);
 
 // `--refine=attention` on solved ridge fits (fit/refine.cc): measures the closed-form mapper as
-// served on the held-out sequences (when they have queries), refines `fits` in place, recomputes
-// their R^2 from `stats`, and returns the report facts (and, when `summary` is set, what ran).
+// served on the held-out sequences (when they have queries), refines `fits` in place (head-local
+// ones with `per_head`, keeping their zeros), recomputes their R^2 from `stats`, and returns the
+// report facts (and, when `summary` is set, what ran).
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
     const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
-    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits,
+    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits, bool per_head,
     RefinementSummary* summary = nullptr);
 
 // The held-out quality (MeasureHeldout) of a mapper in memory: `manifest` with its layers, the
@@ -76,6 +78,20 @@ absl::StatusOr<std::optional<HeldoutQuality>> MeasureInMemory(
 // the written file (the same bytes): what the held-out evaluation serves.
 absl::StatusOr<MapperView> MapperViewOf(const Manifest& manifest,
                                         const std::vector<TensorRef>& tensors);
+
+// One mapper's held-out figures for a comparison's fit_report.json (`--kind both`,
+// `--granularity both`): cosines, c_K, c_V, R^2, the mapper path and any refinement.
+nlohmann::json QualityJson(const HeldoutQuality& q, const FitResult& fit);
+
+// What a comparison needs before any work (`what` names it: "--kind both"): held-out sequences,
+// target queries in one of them, and none of `subdirs` under `out_dir` unless overwriting;
+// creates `out_dir`.
+absl::Status CheckComparable(const FitOptions& options, const std::string& out_dir,
+                             const std::string& what, const std::vector<std::string>& subdirs);
+
+// `plan` when set, else the probe pass and the plan from it.
+absl::StatusOr<StatSet> PlanOrProbe(const FitOptions& options, const StatSet* plan,
+                                    std::vector<std::string>* warnings);
 
 // The MLP mapper from final statistics (sigma, split, calibration facts) and a third pass over
 // the sequences that keeps the feature rows in memory for training; with

@@ -109,36 +109,6 @@ void AppendFloats(const std::vector<float>& values, DType dtype,
   storage->push_back(ToBytes(std::vector<double>(values.begin(), values.end()), dtype));
 }
 
-json QualityJson(const HeldoutQuality& q, const FitResult& fit) {
-  auto round = [](double x) { return std::round(x * 1e6) / 1e6; };
-  json j{{"mapper", fit.mapper_dir},
-         {"attention_cosine", round(q.attention_cosine)},
-         {"attention_cosine_without_layer0", round(q.attention_cosine_without_layer0)},
-         {"c_k", round(q.c_k)},
-         {"c_v", round(q.c_v)},
-         {"r2_k", round(q.r2_k)},
-         {"r2_v", round(q.r2_v)}};
-  for (auto [name, field] : {std::pair<const char*, R2Field>{"r2_k_heldout_mean", R2Field::kKHeldout},
-                             {"r2_v_heldout_mean", R2Field::kVHeldout}}) {
-    std::optional<double> mean = MeanR2(fit.manifest, field, /*skip_layer0=*/false);
-    if (mean.has_value()) j[name] = round(*mean);
-  }
-  if (fit.refinement.has_value()) {
-    const RefinementSummary& r = *fit.refinement;
-    json refinement{{"steps", r.steps},
-                    {"batch", r.batch},
-                    {"queries", r.queries},
-                    {"learning_rate", r.learning_rate},
-                    {"queries_from", r.handoff ? "handoff" : "prefix"},
-                    {"seconds", std::round(r.seconds * 100) / 100},
-                    {"kept_start", r.kept_start}};
-    if (r.heldout_before) refinement["heldout_loss_before"] = *r.heldout_before;
-    if (r.heldout_after) refinement["heldout_loss_after"] = *r.heldout_after;
-    j["refinement"] = std::move(refinement);
-  }
-  return j;
-}
-
 double Mean(const std::vector<double>& values) {
   double sum = 0;
   for (double v : values) sum += v;
@@ -394,46 +364,88 @@ absl::StatusOr<FitResult> TrainAndWriteMlp(const FitOptions& options, const Stat
   return result;
 }
 
-absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::string& out_dir,
-                                      const StatSet* plan_in) {
-  // Before hours of work: the comparison needs held-out sequences with target queries.
+nlohmann::json QualityJson(const HeldoutQuality& q, const FitResult& fit) {
+  auto round = [](double x) { return std::round(x * 1e6) / 1e6; };
+  json j{{"mapper", fit.mapper_dir},
+         {"attention_cosine", round(q.attention_cosine)},
+         {"attention_cosine_without_layer0", round(q.attention_cosine_without_layer0)},
+         {"c_k", round(q.c_k)},
+         {"c_v", round(q.c_v)},
+         {"r2_k", round(q.r2_k)},
+         {"r2_v", round(q.r2_v)}};
+  // Per held-out sequence (the same sequences in every mapper of one fit, in order), so that
+  // two fits on the same split compare paired.
+  json sequences = json::array();
+  for (double c : q.sequence_attention_cosine) sequences.push_back(round(c));
+  j["sequence_attention_cosine_without_layer0"] = std::move(sequences);
+  for (auto [name, field] : {std::pair<const char*, R2Field>{"r2_k_heldout_mean", R2Field::kKHeldout},
+                             {"r2_v_heldout_mean", R2Field::kVHeldout}}) {
+    std::optional<double> mean = MeanR2(fit.manifest, field, /*skip_layer0=*/false);
+    if (mean.has_value()) j[name] = round(*mean);
+  }
+  if (fit.refinement.has_value()) {
+    const RefinementSummary& r = *fit.refinement;
+    json refinement{{"steps", r.steps},
+                    {"batch", r.batch},
+                    {"queries", r.queries},
+                    {"learning_rate", r.learning_rate},
+                    {"queries_from", r.handoff ? "handoff" : "prefix"},
+                    {"seconds", std::round(r.seconds * 100) / 100},
+                    {"kept_start", r.kept_start}};
+    if (r.heldout_before) refinement["heldout_loss_before"] = *r.heldout_before;
+    if (r.heldout_after) refinement["heldout_loss_after"] = *r.heldout_after;
+    j["refinement"] = std::move(refinement);
+  }
+  return j;
+}
+
+absl::Status CheckComparable(const FitOptions& options, const std::string& out_dir,
+                             const std::string& what, const std::vector<std::string>& subdirs) {
   const bool have_heldout =
       std::any_of(options.sequences.begin(), options.sequences.end(),
                   [](const SequencePair& pair) { return pair.heldout; });
   absl::StatusOr<bool> have_queries = HeldoutHasQueries(options);
   if (!have_queries.ok()) return have_queries.status();
   if (!have_heldout) {
-    return absl::FailedPreconditionError(
-        "kvt fit --kind both compares the kinds on held-out sequences, and none is held out "
-        "(raise --heldout_fraction or add sequences)");
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kvt fit ", what, " compares on held-out sequences, and none is held out "
+        "(raise --heldout_fraction or add sequences)"));
   }
   if (!*have_queries) {
-    return absl::FailedPreconditionError(
-        "kvt fit --kind both recommends from the held-out attention-output cosine, which needs "
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kvt fit ", what, " recommends from the held-out attention-output cosine, which needs "
         "the target's queries: no held-out target dump has 'queries.0' (dump the target with "
-        "tools/dump_kv.py --queries)");
+        "tools/dump_kv.py --queries)"));
   }
   if (IsDirectory(out_dir) && !options.solve.overwrite) {
-    // The two mapper directories below refuse on their own; say it once, up front.
-    for (const char* sub : {"ridge", "mlp"}) {
+    // The mapper directories below refuse on their own; say it once, up front.
+    for (const std::string& sub : subdirs) {
       if (IsDirectory(JoinPath(out_dir, sub))) {
         return absl::AlreadyExistsError(
             absl::StrCat(JoinPath(out_dir, sub), " exists (use --overwrite)"));
       }
     }
   }
-  absl::Status made = MakeDirs(out_dir);
-  if (!made.ok()) return made;
+  return MakeDirs(out_dir);
+}
+
+absl::StatusOr<StatSet> PlanOrProbe(const FitOptions& options, const StatSet* plan,
+                                    std::vector<std::string>* warnings) {
+  if (plan != nullptr) return *plan;
+  absl::StatusOr<StatSet> probe = AccumulateProbe(options);
+  if (!probe.ok()) return probe.status();
+  return MakePlan(*probe, warnings, options.head_local_probe);
+}
+
+absl::StatusOr<BothResult> RunFitBoth(const FitOptions& options, const std::string& out_dir,
+                                      const StatSet* plan_in) {
+  // Before hours of work: the comparison needs held-out sequences with target queries.
+  absl::Status comparable = CheckComparable(options, out_dir, "--kind both", {"ridge", "mlp"});
+  if (!comparable.ok()) return comparable;
   std::vector<std::string> warnings;
-  StatSet plan;
-  if (plan_in == nullptr) {
-    absl::StatusOr<StatSet> probe = AccumulateProbe(options);
-    if (!probe.ok()) return probe.status();
-    absl::StatusOr<StatSet> made_plan = MakePlan(*probe, &warnings);
-    if (!made_plan.ok()) return made_plan.status();
-    plan = std::move(*made_plan);
-    plan_in = &plan;
-  }
+  absl::StatusOr<StatSet> plan = PlanOrProbe(options, plan_in, &warnings);
+  if (!plan.ok()) return plan.status();
+  plan_in = &*plan;
   absl::StatusOr<StatSet> final_stats = AccumulateFinal(options, *plan_in);
   if (!final_stats.ok()) return final_stats.status();
   BothResult both;

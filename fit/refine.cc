@@ -657,16 +657,35 @@ absl::Status ValidateRefineOptions(const RefineOptions& options) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// 1 where a head-local map may be non-zero (HeadSourceRows x the head's columns), [in, out].
+std::vector<char> HeadLocalMask(const FitShape& shape, int64_t blocks) {
+  const int64_t out = shape.dt(), d_t = shape.target.head_dim;
+  std::vector<char> mask(blocks * shape.ds() * out, 0);
+  for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+    for (int64_t row : HeadSourceRows(shape, blocks, h)) {
+      std::fill(mask.begin() + row * out + h * d_t, mask.begin() + row * out + (h + 1) * d_t, 1);
+    }
+  }
+  return mask;
+}
+
+}  // namespace
+
 absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
-                                      std::vector<LayerFit>* fits) {
+                                      std::vector<LayerFit>* fits, bool per_head) {
   if (absl::Status valid = ValidateRefineOptions(options.refine); !valid.ok()) return valid;
   const FitShape& shape = parsed.shape;
   const int L = shape.target.num_layers;
   const int64_t out = shape.dt();
   std::vector<RidgeMaps> maps(L), grads(L);
   std::vector<Adam<double>> adam(L);
+  // Head-local maps: their zeros stay zeros (a zero gradient leaves Adam's step at 0).
+  std::vector<std::vector<char>> masks(per_head ? L : 0);
   for (int l = 0; l < L; ++l) {
     const LayerFit& f = (*fits)[l];
+    if (per_head) masks[l] = HeadLocalMask(shape, parsed.sigma[l].size());
     maps[l].in = static_cast<int64_t>(parsed.sigma[l].size()) * shape.ds();
     maps[l].out = out;
     maps[l].w_k = f.w_k;
@@ -685,6 +704,11 @@ absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFin
   };
   target.update = [&](int l, double norm) {
     DivideAll(grads[l].Tensors(), norm);
+    if (per_head) {
+      for (std::vector<double>* w : {&grads[l].w_k, &grads[l].w_v}) {
+        for (size_t i = 0; i < w->size(); ++i) (*w)[i] *= masks[l][i];
+      }
+    }
     adam[l].Update(maps[l].Tensors(), grads[l].Tensors());
   };
   absl::StatusOr<RefineLog> log =
@@ -769,7 +793,7 @@ absl::StatusOr<std::optional<HeldoutQuality>> MeasureInMemory(
 
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
     const FitOptions& options, const StatSet& stats, const ParsedFinal& parsed,
-    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits,
+    const Manifest& manifest, DType dtype, std::vector<LayerFit>* fits, bool per_head,
     RefinementSummary* summary) {
   // The start as served: its bytes through the CPU backend, as WriteFitted measures the result.
   Manifest start = manifest;
@@ -778,7 +802,7 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> RefineLayers(
   absl::StatusOr<std::optional<HeldoutQuality>> before =
       MeasureInMemory(options, start, storage, "closed-form ridge");
   if (!before.ok()) return before.status();
-  absl::StatusOr<RefineLog> log = RefineRidge(options, parsed, fits);
+  absl::StatusOr<RefineLog> log = RefineRidge(options, parsed, fits, per_head);
   if (!log.ok()) return log.status();
   for (int l = 0; l < static_cast<int>(fits->size()); ++l) {
     EvaluateLayerR2(parsed.shape, stats, l, parsed.sigma[l], &(*fits)[l]);

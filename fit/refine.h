@@ -128,9 +128,10 @@ RefinementSummary SummaryOf(const RefineOptions& budget, const RefineLog& log);
 // Refines `fits` (one per target layer, sigma from `parsed`) in place on the training sequences
 // of `options` whose target dumps carry queries, as `options.refine` says. Deterministic for
 // options.refine.seed and the OpenBLAS thread count. FAILED_PRECONDITION when no training dump
-// has queries.
+// has queries. `per_head`: head-local maps (RidgeOptions::per_head) whose weights outside each
+// head's rows and columns stay exactly 0 (the gradient there is dropped).
 absl::StatusOr<RefineLog> RefineRidge(const FitOptions& options, const ParsedFinal& parsed,
-                                      std::vector<LayerFit>* fits);
+                                      std::vector<LayerFit>* fits, bool per_head = false);
 
 // The same for MLP chains (one MlpMaps per target layer, float32 as trained, before rounding to
 // the weight dtype): the same sequences, query sampling, seeded order and Adam, on the MLP's

@@ -192,10 +192,61 @@ std::vector<double> Means(const std::vector<double>& sums, double n) {
   return mu;
 }
 
+// rows x cols sub-block of row-major m [.. x ld] at the given rows and columns.
+std::vector<double> SubBlock(const std::vector<double>& m, int64_t ld,
+                             const std::vector<int64_t>& rows, int64_t col0, int64_t cols) {
+  std::vector<double> sub(rows.size() * cols);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::copy(m.begin() + rows[r] * ld + col0, m.begin() + rows[r] * ld + col0 + cols,
+              sub.begin() + r * cols);
+  }
+  return sub;
+}
+
+// The ridge weights from centred sums with `ridge` (lambda, sum scale) on the diagonal: one
+// solve of the whole design, or per target head on the sub-blocks of its own rows (S_xx) and
+// its rows x its d_t columns (S_xy), scattered into the dense layout with zeros elsewhere.
+bool SolveWeights(const FitShape& shape, int64_t blocks, bool per_head, double ridge,
+                  const Centred& centred, std::vector<double>* w, std::string* why) {
+  const int64_t d = blocks * shape.ds(), dt = shape.dt();
+  if (!per_head) {
+    *w = centred.sxy;
+    return CholeskySolve(d, dt, ridge, centred.sxx, w, why);
+  }
+  const int64_t d_t = shape.target.head_dim;
+  w->assign(d * dt, 0.0);
+  for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+    const std::vector<int64_t> rows = HeadSourceRows(shape, blocks, h);
+    const int64_t in = rows.size();
+    std::vector<double> sxx(in * in);
+    for (int64_t r = 0; r < in; ++r) {
+      for (int64_t c = 0; c < in; ++c) sxx[r * in + c] = centred.sxx[rows[r] * d + rows[c]];
+    }
+    std::vector<double> wh = SubBlock(centred.sxy, dt, rows, h * d_t, d_t);
+    if (!CholeskySolve(in, d_t, ridge, std::move(sxx), &wh, why)) {
+      *why = absl::StrCat(*why, " for target head ", h);
+      return false;
+    }
+    for (int64_t r = 0; r < in; ++r) {
+      std::copy(wh.begin() + r * d_t, wh.begin() + (r + 1) * d_t,
+                w->begin() + rows[r] * dt + h * d_t);
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
+absl::Status CheckHeadMatching(const FitShape& shape) {
+  absl::Status heads = CheckHeadLocalHeads(shape.source, shape.target);
+  if (heads.ok()) return heads;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--granularity=per_head: ", heads.message(), " (use --granularity=per_layer)"));
+}
+
+
 absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& probe,
-                                       std::vector<std::string>* warnings) {
+                                       std::vector<std::string>* warnings, bool head_local) {
   const int ls = shape.source.num_layers, lt = shape.target.num_layers;
   const int64_t ds = shape.ds(), dt = shape.dt();
   const double n = probe.at("probe.n")[0];
@@ -208,11 +259,16 @@ absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& pro
   tables.target_layers = lt;
   const bool matched = shape.matched();
   // Matched: one problem per (source layer, head) predicting that head of every target layer.
-  // Unmatched: one per source layer (all its heads) predicting every target column.
-  const int groups = matched ? shape.source.num_kv_heads : 1;
-  const int64_t dx = matched ? shape.source.head_dim : ds;
-  const int64_t dy = matched ? shape.target.head_dim : dt;  // columns per target layer
-  const int heads_per_group = matched ? 1 : shape.target.num_kv_heads;
+  // Head-local (unmatched, for a per_head fit): one per (source layer, target head h) from h's
+  // matching source heads (HeadLocalSources) predicting head h of every target layer.
+  // Otherwise one per source layer (all its heads) predicting every target column.
+  const bool local = head_local && !matched;
+  const int groups = matched ? shape.source.num_kv_heads : local ? shape.target.num_kv_heads : 1;
+  const int64_t dx = matched ? shape.source.head_dim
+                     : local ? HeadSourceRows(shape, 1, 0).size()
+                             : ds;
+  const int64_t dy = matched || local ? shape.target.head_dim : dt;  // columns per target layer
+  const int heads_per_group = matched || local ? 1 : shape.target.num_kv_heads;
   for (int c = 0; c < 2; ++c) {
     std::vector<double>& table = c == 0 ? tables.r2_k : tables.r2_v;
     table.assign(ls * lt, 0.0);
@@ -225,26 +281,38 @@ absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& pro
       std::vector<double> layer_gram = probe.at(ProbeName(c, absl::StrCat("gram.", j)));
       Symmetrize(ds, layer_gram.data());
       for (int g = 0; g < groups; ++g) {
-        const int64_t x0 = j * ds + g * dx;  // first column of this design in sum_x
+        // First column of this design within the layer, and in sum_x.
+        const int64_t in_layer = local ? HeadSourceRows(shape, 1, g)[0] : g * dx;
+        const int64_t x0 = j * ds + in_layer;
         Moments m;
         m.n = n;
         m.sum_x.assign(sum_x.begin() + x0, sum_x.begin() + x0 + dx);
         m.gram.resize(dx * dx);
         for (int64_t r = 0; r < dx; ++r) {
-          std::copy(layer_gram.begin() + (g * dx + r) * ds + g * dx,
-                    layer_gram.begin() + (g * dx + r) * ds + g * dx + dx,
+          std::copy(layer_gram.begin() + (in_layer + r) * ds + in_layer,
+                    layer_gram.begin() + (in_layer + r) * ds + in_layer + dx,
                     m.gram.begin() + r * dx);
         }
         const std::vector<double>& cross =
             probe.at(matched ? ProbeName(c, absl::StrCat("cross.h", g)) : ProbeName(c, "cross"));
         const int64_t e = lt * dy;
-        m.cross.resize(dx * e);
         // Matched cross.h{g} rows are [source layer][dim], columns [target layer][dim]; the
-        // unmatched cross rows are the full source columns.
-        const int64_t row0 = matched ? j * dx : j * ds;
-        std::copy(cross.begin() + row0 * e, cross.begin() + (row0 + dx) * e, m.cross.begin());
+        // unmatched cross rows are the full source columns, columns every target column (the
+        // head-local problem takes head g's of each target layer).
+        const int64_t row0 = matched ? j * dx : x0;
+        if (local) {
+          m.cross.reserve(dx * e);
+          for (int64_t r = 0; r < dx; ++r) {
+            for (int l = 0; l < lt; ++l) {
+              const auto from = cross.begin() + (row0 + r) * lt * dt + l * dt + g * dy;
+              m.cross.insert(m.cross.end(), from, from + dy);
+            }
+          }
+        } else {
+          m.cross.assign(cross.begin() + row0 * e, cross.begin() + (row0 + dx) * e);
+        }
         for (int l = 0; l < lt; ++l) {
-          const int64_t y0 = l * dt + (matched ? g * dy : 0);
+          const int64_t y0 = l * dt + (matched || local ? g * dy : 0);
           m.sum_y.insert(m.sum_y.end(), sum_y.begin() + y0, sum_y.begin() + y0 + dy);
           m.sumsq_y.insert(m.sumsq_y.end(), sumsq_y.begin() + y0, sumsq_y.begin() + y0 + dy);
         }
@@ -306,9 +374,94 @@ std::vector<std::vector<int>> SelectLayers(const ProbeTables& tables, int k) {
   return sigma;
 }
 
+namespace {
+
+// Head h's attention-weighted moments of target layer l (stats.h: "aw.*"); n is the weights' sum.
+Moments GatherWeighted(const StatSet& stats, int kind, int l, int h) {
+  Moments m;
+  m.n = stats.at(WeightedName(kind, l, h, "n"))[0];
+  m.gram = stats.at(WeightedName(kind, l, h, "gram"));
+  m.cross = stats.at(WeightedName(kind, l, h, "cross"));
+  m.sum_x = stats.at(WeightedName(kind, l, h, "sum_x"));
+  m.sum_y = stats.at(WeightedName(kind, l, h, "sum_y"));
+  m.sumsq_y = stats.at(WeightedName(kind, l, h, "sumsq_y"));
+  return m;
+}
+
+// The attention-weighted head-local fit of target layer l: per head and kind, the weighted ridge
+// (weighted means, lambda on the head's weighted S_xx as SolveLayer scales it) scattered into
+// the dense layout; R^2 of the result on the plain statistics (EvaluateLayerR2).
+absl::StatusOr<LayerFit> SolveLayerWeighted(const FitShape& shape, const StatSet& stats, int l,
+                                            const std::vector<int>& sigma,
+                                            const RidgeOptions& options) {
+  if (stats.arrays.count(WeightedName(0, l, 0, "n")) == 0) {
+    return absl::FailedPreconditionError(
+        "the statistics have no attention-weighted arrays: accumulate them with "
+        "--per_head_objective=attention_weighted");
+  }
+  const int64_t dt = shape.dt(), d_t = shape.target.head_dim;
+  const int64_t d = sigma.size() * shape.ds();
+  LayerFit fit;
+  for (int c = 0; c < 2; ++c) {
+    std::vector<double> w(d * dt, 0.0), b(dt, 0.0);
+    for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+      const Moments m = GatherWeighted(stats, c, l, h);
+      const std::string what = absl::StrCat("target layer ", l, " ", c == 0 ? "K" : "V",
+                                            " head ", h, " (attention-weighted)");
+      if (!(m.n > 0)) return absl::FailedPreconditionError(absl::StrCat(what, ": no weight"));
+      const int64_t in = m.sum_x.size();
+      const std::vector<double> mu_x = Means(m.sum_x, m.n), mu_y = Means(m.sum_y, m.n);
+      Centred centred = CentreAbout(m, mu_x, mu_y);
+      std::vector<double> var(in);
+      for (int64_t i = 0; i < in; ++i) var[i] = centred.sxx[i * in + i] / m.n;
+      const std::vector<bool> constant = ConstantFeatures(var, mu_x);
+      for (int64_t i = 0; i < in; ++i) {
+        if (!constant[i]) continue;
+        for (int64_t t = 0; t < in; ++t) centred.sxx[i * in + t] = centred.sxx[t * in + i] = 0;
+        for (int64_t t = 0; t < d_t; ++t) centred.sxy[i * d_t + t] = 0;
+      }
+      const double lambda = options.scale == LambdaScale::kCovariance
+                                ? options.lambda * m.n
+                                : options.lambda * m.n / stats.at("train.n")[0];
+      std::vector<double> wh = centred.sxy;
+      std::string why;
+      if (!CholeskySolve(in, d_t, lambda, centred.sxx, &wh, &why)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(what, ": S_xx + lambda I is ", why, "; use a larger --lambda"));
+      }
+      const std::vector<int64_t> rows = HeadSourceRows(shape, sigma.size(), h);
+      for (int64_t e = 0; e < d_t; ++e) {
+        double bias = mu_y[e];
+        for (int64_t r = 0; r < in; ++r) {
+          w[rows[r] * dt + h * d_t + e] = wh[r * d_t + e];
+          bias -= mu_x[r] * wh[r * d_t + e];
+        }
+        b[h * d_t + e] = bias;
+      }
+    }
+    if (!AllFinite(w) || !AllFinite(b)) {
+      return absl::InternalError(absl::StrCat("target layer ", l, ": the attention-weighted "
+                                              "solution is not finite"));
+    }
+    (c == 0 ? fit.w_k : fit.w_v) = std::move(w);
+    (c == 0 ? fit.b_k : fit.b_v) = std::move(b);
+  }
+  EvaluateLayerR2(shape, stats, l, sigma, &fit);
+  return fit;
+}
+
+}  // namespace
+
 absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_stats, int l,
                                     const std::vector<int>& sigma, const RidgeOptions& options) {
   const int64_t ds = shape.ds(), dt = shape.dt(), d = sigma.size() * ds;
+  if (options.per_head) {
+    absl::Status matched = CheckHeadMatching(shape);
+    if (!matched.ok()) return matched;
+    if (options.attention_weighted) {
+      return SolveLayerWeighted(shape, final_stats, l, sigma, options);
+    }
+  }
   LayerFit fit;
   for (int c = 0; c < 2; ++c) {
     const std::string what = absl::StrCat("target layer ", l, " ", c == 0 ? "K" : "V");
@@ -335,18 +488,21 @@ absl::StatusOr<LayerFit> SolveLayer(const FitShape& shape, const StatSet& final_
     const double lambda =
         options.scale == LambdaScale::kCovariance ? options.lambda : options.lambda / n;
     const std::string facts = absl::StrCat(n, " training tokens, ", d, " features (", sigma.size(),
-                                           " source layers), ", constant, " constant features, "
+                                           " source layers", options.per_head ? ", per head" : "",
+                                           "), ", constant, " constant features, "
                                            "lambda ", options.lambda, " (",
                                            LambdaScaleName(options.scale), " scale)");
-    if (lambda == 0 && (constant > 0 || n <= d)) {
+    const int64_t design =
+        options.per_head ? static_cast<int64_t>(HeadSourceRows(shape, sigma.size(), 0).size()) : d;
+    if (lambda == 0 && (constant > 0 || n <= design)) {
       return absl::FailedPreconditionError(absl::StrCat(
           what, ": S_xx is singular (", facts,
           "): with lambda = 0 the ridge has no unique solution; use --lambda > 0"));
     }
     // Covariance scale: S_xx = sums / n, so solve with sums and lambda n.
-    std::vector<double> w = centred.sxy;
+    std::vector<double> w;
     std::string why;
-    if (!CholeskySolve(d, dt, lambda * n, centred.sxx, &w, &why)) {
+    if (!SolveWeights(shape, sigma.size(), options.per_head, lambda * n, centred, &w, &why)) {
       return absl::FailedPreconditionError(
           absl::StrCat(what, ": S_xx + lambda I is ", why, " (", facts, "); use a larger --lambda"));
     }

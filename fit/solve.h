@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "fit/stats.h"
 #include "mapper_store/format/manifest.h"
@@ -34,8 +35,11 @@ std::optional<double> HeadAveragedR2(const std::vector<double>& sse, const std::
 // Probe ridge uses lambda = kProbeRidge x the mean diagonal of S_xx (SPEC 4.2: "tiny, for
 // stability"). Warnings (constant target heads, ...) are appended to `warnings`.
 inline constexpr double kProbeRidge = 1e-6;
+// `head_local` (a per_head fit): unmatched shapes score each target head on its matching
+// source heads only (the head-local map's probe); matched shapes always do.
 absl::StatusOr<ProbeTables> SolveProbe(const FitShape& shape, const StatSet& probe,
-                                       std::vector<std::string>* warnings);
+                                       std::vector<std::string>* warnings,
+                                       bool head_local = false);
 
 // sigma(l): the k source layers with the highest score (R2_K + R2_V) / 2, ties to the lower
 // index, in descending-score order. k <= 0 or k >= L_s: all source layers.
@@ -44,10 +48,23 @@ std::vector<std::vector<int>> SelectLayers(const ProbeTables& tables, int k);
 struct RidgeOptions {
   double lambda = 0.01;
   LambdaScale scale = LambdaScale::kCovariance;
+  // Head-local maps (manifest ridge.granularity per_head): target head h is fitted from its
+  // matching source heads only (HeadSourceRows), on the sub-blocks of the same statistics.
+  bool per_head = false;
+  // per_head only: each head minimises its residuals weighted by the attention mass the
+  // target's own queries give each token (CacheBridge; the "aw.*" arrays of stats.h) instead of
+  // plain MSE.
+  bool attention_weighted = false;
 };
 
+// INVALID_ARGUMENT naming --granularity=per_head unless one KV head count divides the other
+// (the pairing is kernels/mapper_view.h's HeadLocalSources).
+absl::Status CheckHeadMatching(const FitShape& shape);
+
 // One target layer's maps, row-major float64 in the mapper's layout (rows: sigma's source layers
-// in order, head-major inside; columns: target heads).
+// in order, head-major inside; columns: target heads). A head-local fit keeps this dense layout
+// with exact zeros outside each head's rows and columns (HeadSourceRows), so every consumer of
+// a LayerFit (R^2, refinement, the held-out evaluation) reads it unchanged.
 struct LayerFit {
   std::vector<double> w_k, b_k, w_v, b_v;
   std::optional<double> r2_k, r2_v, r2_k_heldout, r2_v_heldout;

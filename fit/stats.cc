@@ -2,6 +2,7 @@
 
 #include <cblas.h>
 
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -294,6 +295,83 @@ void FinalAccumulator::Add(const FeatureRows& rows, bool heldout) {
     for (auto [j, l] : plan_.cross) {
       AddCross(x + j * ds, ls * ds, ds, y + l * dt, lt * dt, dt, n,
                stats_.at(CrossName(heldout, c, j, l)).data());
+    }
+  }
+}
+
+std::vector<int64_t> HeadSourceRows(const FitShape& shape, int64_t blocks, int h) {
+  const HeadSources heads = HeadLocalSources(shape.source, shape.target, h);
+  const int64_t ds = shape.ds(), d_s = shape.source.head_dim;
+  std::vector<int64_t> rows;
+  rows.reserve(blocks * heads.count * d_s);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t i = heads.first * d_s; i < (heads.first + heads.count) * d_s; ++i) {
+      rows.push_back(b * ds + i);
+    }
+  }
+  return rows;
+}
+
+std::string WeightedName(int kind, int l, int h, const std::string& what) {
+  return absl::StrCat("aw.", KindName(kind), ".", l, ".", h, ".", what);
+}
+
+HeadWeightedAccumulator::HeadWeightedAccumulator(const FitShape& shape,
+                                                 const std::vector<std::vector<int>>& sigma)
+    : shape_(shape), sigma_(sigma) {
+  const int64_t d_t = shape.target.head_dim;
+  for (int c = 0; c < 2; ++c) {
+    for (int l = 0; l < shape.target.num_layers; ++l) {
+      const int64_t in = HeadSourceRows(shape, sigma[l].size(), 0).size();
+      for (int h = 0; h < shape.target.num_kv_heads; ++h) {
+        for (auto [what, size] : {std::pair<const char*, int64_t>{"n", 1}, {"sum_x", in},
+                                  {"gram", in * in}, {"cross", in * d_t}, {"sum_y", d_t},
+                                  {"sumsq_y", d_t}}) {
+          stats_.arrays[WeightedName(c, l, h, what)].assign(size, 0.0);
+        }
+      }
+    }
+  }
+}
+
+void HeadWeightedAccumulator::Add(const FeatureRows& rows, const std::vector<double>& weights) {
+  const int64_t n = rows.rows, ds = shape_.ds(), dt = shape_.dt(), d_t = shape_.target.head_dim;
+  const int heads = shape_.target.num_kv_heads;
+  for (int l = 0; l < shape_.target.num_layers; ++l) {
+    const std::vector<int>& sigma = sigma_[l];
+    for (int h = 0; h < heads; ++h) {
+      const double* w = weights.data() + (int64_t{l} * heads + h) * n;
+      std::vector<int64_t> cols = HeadSourceRows(shape_, sigma.size(), h);
+      for (int64_t& c : cols) c = sigma[c / ds] * ds + c % ds;  // gathered -> feature column
+      const int64_t in = cols.size();
+      for (int c = 0; c < 2; ++c) {
+        const std::vector<double>& xs = c == 0 ? rows.source_k : rows.source_v;
+        const std::vector<double>& ys = c == 0 ? rows.target_k : rows.target_v;
+        std::vector<double> x(n * in), y(n * d_t);  // rows scaled by sqrt(w)
+        std::vector<double>& sum_x = stats_.at(WeightedName(c, l, h, "sum_x"));
+        std::vector<double>& sum_y = stats_.at(WeightedName(c, l, h, "sum_y"));
+        std::vector<double>& sumsq_y = stats_.at(WeightedName(c, l, h, "sumsq_y"));
+        double& total = stats_.at(WeightedName(c, l, h, "n"))[0];
+        for (int64_t t = 0; t < n; ++t) {
+          const double r = std::sqrt(w[t]);
+          total += w[t];
+          for (int64_t i = 0; i < in; ++i) {
+            const double v = xs[t * rows.source_cols + cols[i]];
+            x[t * in + i] = r * v;
+            sum_x[i] += w[t] * v;
+          }
+          for (int64_t e = 0; e < d_t; ++e) {
+            const double v = ys[t * rows.target_cols + l * dt + h * d_t + e];
+            y[t * d_t + e] = r * v;
+            sum_y[e] += w[t] * v;
+            sumsq_y[e] += w[t] * v * v;
+          }
+        }
+        cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in, in, n, 1.0, x.data(), in,
+                    x.data(), in, 1.0, stats_.at(WeightedName(c, l, h, "gram")).data(), in);
+        cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in, d_t, n, 1.0, x.data(), in,
+                    y.data(), d_t, 1.0, stats_.at(WeightedName(c, l, h, "cross")).data(), d_t);
+      }
     }
   }
 }

@@ -61,6 +61,11 @@ std::vector<int> WindowBlocks(const std::vector<int>& sigma, int source_layers, 
 // The manifest's sigma of a block list from WindowBlocks: its offset-0 blocks.
 std::vector<int> SigmaOfBlocks(const std::vector<int>& blocks, int window);
 
+// The columns of a gathered row of `blocks` source blocks (block-major, head-major inside,
+// n_s d_s each) that target head h of a head-local map reads, in order (kernels/mapper_view.h
+// HeadLocalSources pairs the heads): in_h = blocks * g * d_s of them.
+std::vector<int64_t> HeadSourceRows(const FitShape& shape, int64_t blocks, int h);
+
 // "k" or "v": index 0 is K (RoPE-stripped), 1 is V.
 inline const char* KindName(int kind) { return kind == 0 ? "k" : "v"; }
 
@@ -106,7 +111,26 @@ class FinalAccumulator {
   StatSet stats_;
 };
 
+// Head-local attention-weighted statistics (`--per_head_objective=attention_weighted`), for c in
+// {k, v}, target layer l and head h, over the training tokens, token t weighted by w_t (its
+// attention mass, AttentionMass), on head h's input columns (HeadSourceRows of sigma[l]):
+//   aw.{c}.{l}.{h}.n (sum of w), sum_x [in_h], gram [in_h, in_h] (full), cross [in_h, d_t],
+//   sum_y and sumsq_y [d_t] (head h's columns of target layer l), all weighted sums.
+class HeadWeightedAccumulator {
+ public:
+  HeadWeightedAccumulator(const FitShape& shape, const std::vector<std::vector<int>>& sigma);
+  // `rows`: training rows of one sequence; `weights` [L_t][n_t][rows.rows] (AttentionMass).
+  void Add(const FeatureRows& rows, const std::vector<double>& weights);
+  StatSet& stats() { return stats_; }
+
+ private:
+  FitShape shape_;
+  std::vector<std::vector<int>> sigma_;
+  StatSet stats_;
+};
+
 // Array names, shared by the accumulators and the solver.
+std::string WeightedName(int kind, int l, int h, const std::string& what);
 std::string ProbeName(int kind, const std::string& what);
 std::string FinalName(bool heldout, int kind, const std::string& what);
 std::string GramName(bool heldout, int kind, int j, int j2);

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/file_util.h"
+#include "fit/solve.h"
 #include "host_cache/cache_file.h"
 #include "kernels/dtype.h"
 #include "kernels/rope.h"
@@ -82,6 +83,22 @@ absl::Status WriteWithQueries(const FamilyOptions& o, const Rope& rope, int s,
   return WriteSafetensors(path, tensors, {{"rope", "post"}}).status();
 }
 
+// Zeroes every weight outside the head-local pattern (rows of target head h's source heads x
+// its d_t columns), rows block-major, head-major inside.
+void KeepHeadLocal(const FamilyOptions& o, size_t blocks, std::vector<double>* weights) {
+  const int64_t dt = Width(o.target);
+  std::vector<double> kept(weights->size(), 0.0);
+  const FitShape shape{o.source, o.target};
+  for (int h = 0; h < o.target.num_kv_heads; ++h) {
+    for (int64_t row : HeadSourceRows(shape, blocks, h)) {
+      for (int64_t c = h * o.target.head_dim; c < (h + 1) * o.target.head_dim; ++c) {
+        kept[row * dt + c] = (*weights)[row * dt + c];
+      }
+    }
+  }
+  *weights = std::move(kept);
+}
+
 }  // namespace
 
 std::string SequenceFileName(int index) {
@@ -113,6 +130,7 @@ Family MakeFamily(const FamilyOptions& options) {
         const double scale = std::pow(0.6, a) * std::pow(0.7, o) / std::sqrt(static_cast<double>(ds));
         for (int64_t i = 0; i < ds * dt; ++i) weights[block * ds * dt + i] = scale * normal(rng);
       }
+      if (options.head_local) KeepHeadLocal(options, blocks, &weights);
       std::vector<double> bias(dt);
       for (double& x : bias) x = 0.5 * normal(rng);
       w->push_back(weights);

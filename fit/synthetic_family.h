@@ -31,6 +31,9 @@ struct FamilyOptions {
   // > 1: the target also reads true_sigma[l] at the window - 1 tokens before (zero before
   // token 0), as a window mapper does (MapperView::window); weights' rows offset-major.
   int window = 1;
+  // Head-local ground truth: target head h reads only its matching source heads
+  // (HeadSourceRows, fit/solve.h) of each block; every other weight is 0.
+  bool head_local = false;
 };
 
 struct Family {

@@ -308,6 +308,19 @@ TEST(KvtCliTest, UnknownCommandAndMissingFlagsAreUsageErrors) {
   CommandResult cache = RunKvt(fit + "--refine_cache_mb=-1");
   EXPECT_EQ(cache.exit_code, 1);
   EXPECT_THAT(cache.output, HasSubstr("--refine_cache_mb must be in [0, 2^40], got -1"));
+  // The ridge's granularity likewise, and it is not the MLP's.
+  const std::string plain = "fit --source_config=/nonexistent --target_config=/nonexistent "
+                            "--out=/tmp/never ";
+  CommandResult granularity = RunKvt(plain + "--granularity=per_token");
+  EXPECT_EQ(granularity.exit_code, 1);
+  EXPECT_THAT(granularity.output,
+              HasSubstr("--granularity must be per_layer or per_head or both, got 'per_token'"));
+  CommandResult mlp = RunKvt(plain + "--granularity=per_head --kind=mlp");
+  EXPECT_EQ(mlp.exit_code, 1);
+  EXPECT_THAT(mlp.output, HasSubstr("--kind mlp has --mlp_granularity"));
+  CommandResult both = RunKvt(plain + "--granularity=both --kind=both");
+  EXPECT_EQ(both.exit_code, 1);
+  EXPECT_THAT(both.output, HasSubstr("--granularity both compares the ridge's granularities"));
 }
 
 }  // namespace
