@@ -554,8 +554,6 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
   const size_t element = DTypeSize(layout.weight_dtype);
   for (const KindPlan& kind : prepared->plan_.layer(target_layer).kinds) {
     const int64_t lk = static_cast<int64_t>(target_layer) * 2 + static_cast<int>(kind.kind);
-    // Stage 0 (W or A1) reads the gathered rows; an MLP's A1 chains sit side by side on the
-    // device. A2 [heads H][H] and A3 [heads H][head_out] are stored head by head already.
     if (kind.head_local()) {
       if (absl::Status s = UploadChains(StageMatrix(mapper, target_layer, kind.kind, 0), layout,
                                         prepared->weights_.data() + lk * layout.stage_elements(0) *
@@ -565,6 +563,8 @@ absl::Status CudaBackend::PrepareLayer(PreparedMapper& prepared_mapper, int targ
       }
       continue;
     }
+    // Stage 0 (W or A1) reads the gathered rows; an MLP's A1 chains sit side by side on the
+    // device. A2 [heads H][H] and A3 [heads H][head_out] are stored head by head already.
     for (const GemmStage& stage : kind.map) {
       const bool input_rows = stage.index == 0;
       char* device = prepared->stage_weights(stage.index).data() +
@@ -1034,8 +1034,8 @@ absl::StatusOr<CudaCall::GroupWeights> CudaCall::ConvertWeights(int l0, int grou
 // Row-major Y[T, n_t d_t] = X[T, K] W[K, n_t d_t] is column-major Y^T = W^T X^T: cuBLAS sees W
 // as an (n_t d_t) x K matrix and X as K x T. One batch entry per (layer, kind).
 absl::Status CudaCall::MultiplyRidge(const GroupWeights& weights, int64_t tokens, int group) {
-  const float alpha = 1.0f, beta = 0.0f;
   if (layout_.head_local()) return MultiplyRidgeHeads(weights, tokens, group);
+  const float alpha = 1.0f, beta = 0.0f;
   const int64_t input_width = layout_.input_width;
   KVT_CUBLAS_RETURN_IF_ERROR(
       "cublasGemmStridedBatchedEx",
