@@ -28,15 +28,19 @@ constexpr int64_t kRowQuantum = 16;
 // One K or V chain's weights in fp32, slot i for GemmStage::index i (ridge W / b in slot 0, an
 // MLP's A1..A3 / c1..c3 in 0..2; chains stacked as in MlpView): owned conversions, or the
 // store's bytes when already fp32. A null bias is none.
+// A stage's matrix packed by oneDNN: one block per chain.
+using PackedChains = std::vector<const PackedWeights*>;
+
 struct Fp32Kind {
-  std::array<const float*, 3> matrix = {};
+  std::array<const float*, 3> matrix = {};  // sgemm engine
   std::array<const float*, 3> bias = {};
+  std::array<PackedChains, 3> packed;  // oneDNN fp32 engine: the matrices packed as fp32
 };
 
 // The oneDNN path's: each matrix packed in bf16 per chain, biases in fp32, all added by the
 // matmuls (the hidden ones with the ReLU fused; the epilogue then only rotates and converts).
 struct Bf16Kind {
-  std::array<std::vector<const PackedWeights*>, 3> matrix;  // one per chain
+  std::array<PackedChains, 3> matrix;
   std::array<const float*, 3> bias = {};
 };
 
@@ -97,10 +101,10 @@ class CpuPreparedMapper : public PreparedMapper {
   uint64_t bytes() const override { return bytes_; }
 
   TranslationPlan plan_;
-  std::vector<std::array<Fp32Kind, 2>> fp32_;  // sgemm: everything; oneDNN: biases only
+  std::vector<std::array<Fp32Kind, 2>> fp32_;  // sgemm: everything; oneDNN: biases (+ packed)
   std::vector<std::unique_ptr<float[]>> owned_;
-  bool onednn_ = false;
-  std::vector<std::array<Bf16Kind, 2>> bf16_;  // oneDNN path
+  CpuGemmPath path_ = CpuGemmPath::kSgemm;     // kOnednnBf16, kOnednnF32 or kSgemm
+  std::vector<std::array<Bf16Kind, 2>> bf16_;  // oneDNN bf16 path
   std::vector<std::unique_ptr<PackedWeights>> packed_;
   uint64_t bytes_ = 0;
 };
@@ -189,31 +193,36 @@ void PrepareFp32(bool biases_only, ThreadPool* pool, CpuPreparedMapper* prepared
   }
 }
 
-// One matrix block (one chain of a stage) to pack into oneDNN's bf16 layout.
+// One matrix block (one chain of a stage) to pack into oneDNN's layout of `packed_as`.
 struct PackJob {
   const WeightView* w;
+  DType packed_as;
   int64_t heads, head;
   const PackedWeights** slot;
   std::unique_ptr<PackedWeights> packed;
   absl::Status status;
 };
 
-// The jobs of every stage's chains; their slots have final addresses once this returns.
-std::vector<PackJob> PlanPackJobs(CpuPreparedMapper* prepared) {
+// The jobs of every stage's chains, packed as bf16 (into bf16_) or fp32 (into fp32_'s packed);
+// their slots have final addresses once this returns.
+std::vector<PackJob> PlanPackJobs(DType packed_as, CpuPreparedMapper* prepared) {
   const TranslationPlan& plan = prepared->plan_;
   const int layers = plan.mapper().target.num_layers;
-  prepared->bf16_.resize(layers);
+  const bool bf16 = packed_as == DType::kBF16;
+  if (bf16) prepared->bf16_.resize(layers);
   std::vector<PackJob> jobs;
   for (int l = 0; l < layers; ++l) {
     for (const KindPlan& kind : plan.layer(l).kinds) {
-      Bf16Kind& out = prepared->bf16_[l][static_cast<int>(kind.kind)];
-      out.bias = prepared->fp32_[l][static_cast<int>(kind.kind)].bias;
+      const int k = static_cast<int>(kind.kind);
+      if (bf16) prepared->bf16_[l][k].bias = prepared->fp32_[l][k].bias;
       for (const GemmStage& stage : kind.map) {
-        std::vector<const PackedWeights*>& slots = out.matrix[stage.index];
+        PackedChains& slots = bf16 ? prepared->bf16_[l][k].matrix[stage.index]
+                                   : prepared->fp32_[l][k].packed[stage.index];
         slots.resize(kind.heads);
         const WeightView& w = StageMatrix(plan.mapper(), l, kind.kind, stage.index);
         for (int64_t h = 0; h < kind.heads; ++h) {
-          jobs.push_back(PackJob{&w, kind.heads, h, &slots[h], nullptr, absl::OkStatus()});
+          jobs.push_back(
+              PackJob{&w, packed_as, kind.heads, h, &slots[h], nullptr, absl::OkStatus()});
         }
       }
     }
@@ -234,7 +243,7 @@ absl::Status RunPackJobs(std::vector<PackJob>& jobs, ThreadPool* pool,
       const char* src =
           static_cast<const char*>(w.data) + job.head * rows * w.cols * DTypeSize(w.dtype);
       absl::StatusOr<std::unique_ptr<PackedWeights>> packed =
-          PackBf16Weights(w.dtype, src, rows, w.cols);
+          PackWeights(job.packed_as, w.dtype, src, rows, w.cols);
       if (packed.ok()) {
         job.packed = *std::move(packed);
       } else {
@@ -258,7 +267,7 @@ struct LayerCall {
   const TranslationPlan* plan;
   const LayerPlan* layer;
   const std::array<Fp32Kind, 2>* fp32;
-  const std::array<Bf16Kind, 2>* bf16;  // oneDNN path only
+  const std::array<Bf16Kind, 2>* bf16;  // oneDNN bf16 path only
   const CacheView* source;
   const MutableCacheView* target;
   std::array<void*, 2> outputs;  // the target layer's K and V
@@ -339,9 +348,11 @@ void ScatterHeads(const KindPlan& kind, int64_t ds, const T* block, int64_t chai
 
 // Gather + strip, fp32: row i = token begin + i, columns [offset][sigma block][head][dim],
 // block (o, b) from token begin + i - o (zero before the request's first token). Head-local:
-// each block goes through `block` into the chains' head-major rows (ScatterHeads).
+// each block goes through `block` into the chains' head-major rows of `chain_rows` each (the
+// GEMM's rows, padded on the oneDNN engine).
 void GatherFp32(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-                const PieceTables& tables, const HeadRange& heads, float* block, float* x) {
+                const PieceTables& tables, const HeadRange& heads, int64_t chain_rows,
+                float* block, float* x) {
   const int64_t width = call.plan->source_width();
   const int64_t sigma_size = static_cast<int64_t>(kind.sigma.size());
   const auto& layers = kind.kind == KvKind::kKey ? call.source->k : call.source->v;
@@ -356,7 +367,7 @@ void GatherFp32(const LayerCall& call, const KindPlan& kind, const TokenPiece& p
         if (kind.strip) StripBlock(call, tables, t - piece.read_begin, out);
       }
       if (kind.head_local()) {
-        ScatterHeads(kind, call.source->head_dim, out, piece.rows, i, b, heads, x);
+        ScatterHeads(kind, call.source->head_dim, out, chain_rows, i, b, heads, x);
       }
     }
   }
@@ -395,39 +406,70 @@ void GatherBf16(const LayerCall& call, const KindPlan& kind, const TokenPiece& p
 
 // Zero rows [rows, gemm_rows) of the oneDNN input (their outputs unused): after the row block
 // of the whole row, or of every head-local chain.
+template <typename T>
 void ZeroPaddingRows(const KindPlan& kind, const HeadRange& heads, int64_t rows,
-                     int64_t gemm_rows, uint16_t* x16) {
+                     int64_t gemm_rows, T* x) {
   if (gemm_rows == rows) return;
   const int64_t chains = kind.head_local() ? heads.end - heads.begin : 1;
   const int64_t in = kind.head_local() ? kind.map[0].in_width : kind.input_width;
   for (int64_t h = 0; h < chains; ++h) {
-    std::memset(x16 + (h * gemm_rows + rows) * in, 0, (gemm_rows - rows) * in * sizeof(uint16_t));
+    std::memset(x + (h * gemm_rows + rows) * in, 0, (gemm_rows - rows) * in * sizeof(T));
   }
 }
 
-// Multiply, add, activate on the sgemm path: each chain's stages in turn, the hidden stages'
+// One fp32 GEMM of a chain's stage, out = in * matrix (ld_out apart), on the kind's engine:
+// OpenBLAS sgemm on the fp32 copy, or oneDNN on the packed chain (`gemm_rows`, padded). oneDNN
+// 2.6's brgemm wants a dense dst (a strided one falls to a far slower gemm): a strided output
+// goes through `dense` and is copied.
+absl::Status Fp32Gemm(const Fp32Kind& w, const GemmStage& g, int64_t h, const float* in,
+                      int64_t rows, int64_t gemm_rows, float* out, int64_t ld_out,
+                      float* dense) {
+  if (w.packed[g.index].empty()) {
+    Sgemm(rows, g.out_width, g.in_width, in, g.in_width,
+          w.matrix[g.index] + h * g.in_width * g.out_width, g.out_width, out, ld_out);
+    return absl::OkStatus();
+  }
+  const bool strided = ld_out != g.out_width;
+  if (absl::Status st = F32Matmul(gemm_rows, in, g.in_width, *w.packed[g.index][h], nullptr,
+                                  false, strided ? dense : out, g.out_width);
+      !st.ok()) {
+    return st;
+  }
+  if (strided) {
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(out + i * ld_out, dense + i * g.out_width, g.out_width * sizeof(float));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Multiply, add, activate on an fp32 engine: each chain's stages in turn, the hidden stages'
 // bias + ReLU in the pass after their GEMM. The last stage's bias waits for the epilogue.
-void MultiplySgemm(const KindPlan& kind, const Fp32Kind& w, const float* x, int64_t rows,
-                   int64_t target_width, const HeadRange& heads, float* const hidden[2],
-                   float* y) {
+absl::Status MultiplyFp32(const KindPlan& kind, const Fp32Kind& w, const float* x,
+                          int64_t rows, int64_t gemm_rows, int64_t target_width,
+                          const HeadRange& heads, float* const hidden[2], float* dense,
+                          float* y) {
   const HeadRange chains = ChainRange(kind, heads);
   for (int64_t h = chains.begin; h < chains.end; ++h) {
     // Head-local chains read their own block of the head-major x; others the whole row.
     const float* in =
-        kind.head_local() ? x + (h - chains.begin) * rows * kind.map[0].in_width : x;
+        kind.head_local() ? x + (h - chains.begin) * gemm_rows * kind.map[0].in_width : x;
     for (size_t s = 0; s < kind.map.size(); ++s) {
       const GemmStage& g = kind.map[s];
       const bool last = s + 1 == kind.map.size();
       float* out = last ? y + h * g.out_width : hidden[s % 2];
-      Sgemm(rows, g.out_width, g.in_width, in, g.in_width,
-            w.matrix[g.index] + h * g.in_width * g.out_width, g.out_width, out,
-            last ? target_width : g.out_width);
+      if (absl::Status st = Fp32Gemm(w, g, h, in, rows, gemm_rows, out,
+                                     last ? target_width : g.out_width, dense);
+          !st.ok()) {
+        return st;
+      }
       if (g.activate) {
-        BiasRelu(w.bias[g.index] + h * g.out_width, rows, g.out_width, g.out_width, out);
+        BiasRelu(w.bias[g.index] + h * g.out_width, gemm_rows, g.out_width, g.out_width, out);
       }
       in = out;
     }
   }
+  return absl::OkStatus();
 }
 
 // Where the oneDNN path's last matmul writes: `direct` into the target rows when set, else y
@@ -519,20 +561,30 @@ void Epilogue(const LayerCall& call, const KindPlan& kind, const TokenPiece& pie
   }
 }
 
-// One kind of one piece on the sgemm path.
-void RunKindSgemm(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
-                  const PieceTables& tables, const HeadRange& heads, Workspace* ws) {
+// One kind of one piece on an fp32 engine (sgemm, or oneDNN fp32 with its rows rounded up and
+// the padding rows of x zero).
+absl::Status RunKindFp32(const LayerCall& call, const KindPlan& kind, const TokenPiece& piece,
+                         const PieceTables& tables, const HeadRange& heads, Workspace* ws) {
+  const Fp32Kind& w = (*call.fp32)[static_cast<int>(kind.kind)];
   const int64_t rows = piece.rows;
+  const int64_t gemm_rows = w.packed[0].empty() ? rows : RoundUp(rows, kRowQuantum);
   const int64_t width = call.plan->target_width();
   const int64_t max_hidden = call.plan->max_hidden();
-  float* x = ws->x.Get(rows * call.plan->max_input_width());
-  float* y = ws->y.Get(rows * width);
-  float* const hidden[2] = {max_hidden ? ws->h1.Get(rows * max_hidden) : nullptr,
-                            max_hidden ? ws->h2.Get(rows * max_hidden) : nullptr};
-  const Fp32Kind& w = (*call.fp32)[static_cast<int>(kind.kind)];
-  GatherFp32(call, kind, piece, tables, heads, ws->block.Get(call.plan->source_width()), x);
-  MultiplySgemm(kind, w, x, rows, width, heads, hidden, y);
+  float* x = ws->x.Get(gemm_rows * call.plan->max_input_width());
+  float* y = ws->y.Get(gemm_rows * width);
+  float* const hidden[2] = {max_hidden ? ws->h1.Get(gemm_rows * max_hidden) : nullptr,
+                            max_hidden ? ws->h2.Get(gemm_rows * max_hidden) : nullptr};
+  float* dense = ws->y_head.Get(gemm_rows * std::max<int64_t>(kind.last().out_width, 1));
+  GatherFp32(call, kind, piece, tables, heads, gemm_rows,
+             ws->block.Get(call.plan->source_width()), x);
+  ZeroPaddingRows(kind, heads, rows, gemm_rows, x);
+  if (absl::Status st =
+          MultiplyFp32(kind, w, x, rows, gemm_rows, width, heads, hidden, dense, y);
+      !st.ok()) {
+    return st;
+  }
   Epilogue(call, kind, piece, tables, heads, w.bias[kind.last().index], y);
+  return absl::OkStatus();
 }
 
 // oneDNN path, values into a bf16 [tokens, heads, dim] target: the last matmul writes the target
@@ -593,11 +645,10 @@ absl::Status RunPiece(const LayerCall& call, const WorkItem& item, Workspace* ws
   rope.Fill(*call.positions, piece.read_begin, piece.read_rows(), piece.begin, piece.rows, base);
   tables.base = base;
   for (const KindPlan& kind : call.layer->kinds) {
-    if (call.bf16 == nullptr) {
-      RunKindSgemm(call, kind, piece, tables, item.heads, ws);
-    } else if (absl::Status s = RunKindBf16(call, kind, piece, tables, item.heads, ws); !s.ok()) {
-      return s;
-    }
+    absl::Status s = call.bf16 == nullptr
+                         ? RunKindFp32(call, kind, piece, tables, item.heads, ws)
+                         : RunKindBf16(call, kind, piece, tables, item.heads, ws);
+    if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -610,6 +661,8 @@ const char* CpuGemmPathName(CpuGemmPath path) {
       return "auto";
     case CpuGemmPath::kOnednnBf16:
       return "onednn_bf16";
+    case CpuGemmPath::kOnednnF32:
+      return "onednn_f32";
     case CpuGemmPath::kSgemm:
       return "sgemm";
   }
@@ -620,14 +673,15 @@ absl::StatusOr<CpuGemmPath> ParseCpuGemmPath(absl::string_view name) {
   if (name == "auto") return CpuGemmPath::kAuto;
   if (name == "bf16" || name == "onednn_bf16") return CpuGemmPath::kOnednnBf16;
   if (name == "fp32" || name == "sgemm") return CpuGemmPath::kSgemm;
-  return absl::InvalidArgumentError(
-      absl::StrCat("cpu gemm path '", name, "' is not one of auto, bf16, fp32"));
+  if (name == "onednn_f32") return CpuGemmPath::kOnednnF32;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cpu gemm path '", name, "' is not one of auto, bf16, fp32, onednn_f32"));
 }
 
 CpuGemmPath PreparedGemmPath(const PreparedMapper& prepared) {
   const auto* cpu = dynamic_cast<const CpuPreparedMapper*>(&prepared);
   if (cpu == nullptr) return CpuGemmPath::kAuto;
-  return cpu->onednn_ ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm;
+  return cpu->path_;
 }
 
 CpuBackend::CpuBackend(const CpuBackendOptions& options)
@@ -644,8 +698,8 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options)
       probe.rows = options_.token_chunk;
       probe.budget = options_.probe_budget;
       gemm_probe_ = ProbeGemmEnginesOnce(probe);
-      gemm_path_ = gemm_probe_->Fastest(false) == GemmEngine::kOnednnBf16 ? CpuGemmPath::kOnednnBf16
-                                                                        : CpuGemmPath::kSgemm;
+      gemm_path_ = PathOf(gemm_probe_->Fastest(false));
+      fp32_path_ = PathOf(gemm_probe_->Fastest(true));
       gemm_reason_ = absl::StrCat("auto: measured ", gemm_probe_->Summary(),
                                   "; oneDNN dispatches ", isa);
       break;
@@ -662,39 +716,60 @@ CpuBackend::CpuBackend(const CpuBackendOptions& options)
       gemm_reason_ = absl::StrCat("forced; oneDNN dispatches ", isa,
                                   OnednnHasBf16Hardware() ? "" : " (no bf16 hardware: emulated)");
       break;
+    case CpuGemmPath::kOnednnF32:
     case CpuGemmPath::kSgemm:
-      gemm_path_ = CpuGemmPath::kSgemm;
+      gemm_path_ = fp32_path_ = options_.gemm_path;
       gemm_reason_ = "forced";
       break;
   }
 }
 
-std::string CpuBackend::description() const {
-  if (gemm_path_ == CpuGemmPath::kOnednnBf16) {
-    return absl::StrCat("cpu, ", pool_->num_threads(), " threads: bf16/fp16 mappers on oneDNN ",
-                        OnednnVersion(), " bf16 matmul (", gemm_reason_,
-                        "), fp32 mappers on OpenBLAS sgemm");
+CpuGemmPath CpuBackend::PathOf(GemmEngine engine) {
+  switch (engine) {
+    case GemmEngine::kOnednnBf16:
+      return CpuGemmPath::kOnednnBf16;
+    case GemmEngine::kOnednnF32:
+      return CpuGemmPath::kOnednnF32;
+    case GemmEngine::kSgemm:
+      return CpuGemmPath::kSgemm;
   }
-  return absl::StrCat("cpu, ", pool_->num_threads(),
-                      " threads: every mapper on OpenBLAS sgemm (fp32 weights; ", gemm_reason_,
-                      ")");
+  return CpuGemmPath::kSgemm;
 }
 
-bool CpuBackend::UsesOnednn(const MapperView& mapper) const {
-  if (gemm_path_ != CpuGemmPath::kOnednnBf16) return false;
+std::string CpuBackend::description() const {
+  const auto engine = [](CpuGemmPath path) {
+    switch (path) {
+      case CpuGemmPath::kOnednnBf16:
+        return absl::StrCat("oneDNN ", OnednnVersion(), " bf16 matmul");
+      case CpuGemmPath::kOnednnF32:
+        return absl::StrCat("oneDNN ", OnednnVersion(), " fp32 matmul");
+      default:
+        return std::string("OpenBLAS sgemm");
+    }
+  };
+  return absl::StrCat("cpu, ", pool_->num_threads(), " threads: bf16/fp16 mappers on ",
+                      engine(gemm_path_), ", fp32 mappers on ", engine(fp32_path_), " (",
+                      gemm_reason_, ")");
+}
+
+CpuGemmPath CpuBackend::PathFor(const MapperView& mapper) const {
   bool low_precision = false;
   ForEachMatrix(mapper, [&](const WeightView& w, int) { low_precision |= !IsFp32(w); });
-  return low_precision;
+  return low_precision ? gemm_path_ : fp32_path_;
 }
 
 uint64_t CpuBackend::PreparedBytesEstimate(const MapperView& mapper) const {
-  if (!UsesOnednn(mapper)) return Backend::PreparedBytesEstimate(mapper);
+  const CpuGemmPath path = PathFor(mapper);
+  if (path == CpuGemmPath::kSgemm) return Backend::PreparedBytesEstimate(mapper);
+  const DType packed_as = path == CpuGemmPath::kOnednnBf16 ? DType::kBF16 : DType::kFP32;
   uint64_t bytes = 0;
   ForEachMatrix(mapper, [&](const WeightView& w, int heads) {
     if (w.data == nullptr || heads <= 0 || w.rows % heads != 0) return;
-    absl::StatusOr<uint64_t> packed = PackedWeightBytes(DType::kBF16, w.rows / heads, w.cols);
-    // A shape oneDNN refuses fails Prepare; size the reservation as plain bf16 meanwhile.
-    bytes += heads * (packed.ok() ? *packed : static_cast<uint64_t>(w.rows / heads * w.cols * 2));
+    absl::StatusOr<uint64_t> packed = PackedWeightBytes(packed_as, w.rows / heads, w.cols);
+    // A shape oneDNN refuses fails Prepare; size the reservation as plain rows meanwhile.
+    bytes += heads * (packed.ok() ? *packed
+                                  : static_cast<uint64_t>(w.rows / heads * w.cols) *
+                                        DTypeSize(packed_as));
   });
   ForEachBias(mapper, [&](const WeightView& b) {
     if (!IsFp32(b)) bytes += static_cast<uint64_t>(b.rows * b.cols) * sizeof(float);
@@ -707,12 +782,16 @@ absl::StatusOr<std::shared_ptr<PreparedMapper>> CpuBackend::Prepare(const Mapper
   if (!plan.ok()) return plan.status();
   auto prepared = std::make_shared<CpuPreparedMapper>();
   prepared->plan_ = *std::move(plan);
-  prepared->onednn_ = UsesOnednn(mapper);
-  PrepareFp32(prepared->onednn_, pool_.get(), prepared.get());
-  if (prepared->onednn_) {
-    // Each matrix (each chain's block of a per_head MLP) is packed into oneDNN's bf16 layout
-    // by a job; the jobs run on the pool once every slot they fill has its final address.
-    std::vector<PackJob> jobs = PlanPackJobs(prepared.get());
+  prepared->path_ = PathFor(mapper);
+  const bool onednn = prepared->path_ != CpuGemmPath::kSgemm;
+  PrepareFp32(/*biases_only=*/onednn, pool_.get(), prepared.get());
+  if (onednn) {
+    // Each matrix (each chain's block of a per_head MLP or head-local ridge) is packed into
+    // oneDNN's layout by a job; the jobs run on the pool once every slot they fill has its
+    // final address.
+    std::vector<PackJob> jobs = PlanPackJobs(
+        prepared->path_ == CpuGemmPath::kOnednnBf16 ? DType::kBF16 : DType::kFP32,
+        prepared.get());
     if (absl::Status s = RunPackJobs(jobs, pool_.get(), prepared.get()); !s.ok()) return s;
   }
   return std::shared_ptr<PreparedMapper>(std::move(prepared));
@@ -802,13 +881,15 @@ absl::Status CpuBackend::TranslateLayer(const PreparedMapper& mapper, int target
   const LayerCall call{&prepared->plan_,
                        &prepared->plan_.layer(target_layer),
                        &prepared->fp32_[target_layer],
-                       prepared->onednn_ ? &prepared->bf16_[target_layer] : nullptr,
+                       prepared->path_ == CpuGemmPath::kOnednnBf16
+                           ? &prepared->bf16_[target_layer]
+                           : nullptr,
                        &source,
                        target,
                        {target->k[target_layer], target->v[target_layer]},
                        &positions};
   const int64_t chunk = options.token_chunk > 0 ? options.token_chunk : options_.token_chunk;
-  const bool onednn = prepared->onednn_;
+  const bool onednn = prepared->path_ != CpuGemmPath::kSgemm;
   // When someone in this process re-enabled OpenBLAS threading after the constructor, running
   // pieces on the pool too would oversubscribe the cores: BLAS owns the parallelism then.
   const bool serial = !onednn && openblas_get_num_threads() > 1;

@@ -26,20 +26,24 @@ namespace kvt {
 // calls openblas_set_num_threads(1), which is process-wide: other BLAS users in the same process
 // that want OpenBLAS threads must set them for themselves. If they do, TranslateLayer notices
 // (openblas_get_num_threads() > 1) and runs its pieces serially, letting BLAS thread the GEMMs.
-// The GEMM engine of mappers whose weight matrices are bf16 or fp16 (fp32 mappers always run
-// OpenBLAS sgemm on their weights in place):
-//   kAuto: whichever of the two measures faster here (kernels/gemm_probe.h: both timed at
-//     construction on the served mappers' shapes, single-threaded, within a bounded budget).
-//   kOnednnBf16: oneDNN bf16 on any CPU (correct everywhere; without bf16 hardware oneDNN
-//     converts in software and is slower than sgemm).
-//   kSgemm: fp32 copies of the weights and OpenBLAS sgemm (the exact path).
-// fp16 weights take the bf16 path too, rounded to bf16 when packed (oneDNN 2.6 has no fp16
-// matmul on these CPUs; the rounding is within SPEC 3's bf16 tolerance).
-enum class CpuGemmPath { kAuto, kOnednnBf16, kSgemm };
+// The GEMM engines of the CPU backend (kernels/gemm_probe.h times them):
+//   kOnednnBf16: oneDNN's bf16 matmul on packed bf16 weights, x rounded to bf16 (bf16 / fp16
+//     mappers only: SPEC 3's bf16 tolerance; fp16 weights are rounded to bf16 when packed);
+//   kOnednnF32: oneDNN's fp32 matmul on packed fp32 weights (exact);
+//   kSgemm: OpenBLAS sgemm on fp32 weights (exact; fp32 mappers' weights used in place).
+// Configured (backend.cpu_gemm) as:
+//   kAuto: bf16 / fp16 mappers on whichever of the three measures fastest here, fp32 mappers
+//     on the faster exact one (measured at construction on the served mappers' shapes,
+//     single-threaded, within a bounded budget);
+//   kOnednnBf16: bf16 / fp16 mappers on oneDNN bf16 (correct everywhere; without bf16 hardware
+//     oneDNN converts in software), fp32 mappers on sgemm;
+//   kOnednnF32, kSgemm: every mapper on that exact engine.
+enum class CpuGemmPath { kAuto, kOnednnBf16, kOnednnF32, kSgemm };
 
-// "auto", "onednn_bf16", "sgemm".
+// "auto", "onednn_bf16", "onednn_f32", "sgemm".
 const char* CpuGemmPathName(CpuGemmPath path);
-// "auto"; "bf16" / "onednn_bf16"; "fp32" / "sgemm" (the config spellings and the enum names).
+// "auto"; "bf16" / "onednn_bf16"; "fp32" / "sgemm"; "onednn_f32" (the config spellings and
+// the enum names).
 absl::StatusOr<CpuGemmPath> ParseCpuGemmPath(absl::string_view name);
 
 struct CpuBackendOptions {
@@ -67,8 +71,10 @@ class CpuBackend : public Backend {
   // fp32 mappers on OpenBLAS sgemm".
   std::string description() const override;
 
-  // The path bf16 / fp16 mappers take here, resolved at construction: kOnednnBf16 or kSgemm.
+  // The engine bf16 / fp16 mappers take here, resolved at construction (never kAuto), and the
+  // one fp32 mappers take (kOnednnF32 or kSgemm).
   CpuGemmPath gemm_path() const { return gemm_path_; }
+  CpuGemmPath fp32_gemm_path() const { return fp32_path_; }
   // Why (e.g. "auto: measured onednn_bf16 226.1 GFLOP/s vs sgemm 101.3 GFLOP/s on ...; oneDNN
   // dispatches avx512_core_bf16").
   const std::string& gemm_reason() const { return gemm_reason_; }
@@ -88,18 +94,21 @@ class CpuBackend : public Backend {
                               const TranslateOptions& options, MutableCacheView* target) override;
 
  private:
-  // Whether `mapper` runs on oneDNN bf16 here: bf16 / fp16 weight matrices and that path.
-  bool UsesOnednn(const MapperView& mapper) const;
+  // The engine `mapper` runs on here: gemm_path() for bf16 / fp16 weight matrices, else
+  // fp32_gemm_path().
+  CpuGemmPath PathFor(const MapperView& mapper) const;
+  static CpuGemmPath PathOf(GemmEngine engine);
 
   CpuBackendOptions options_;
   std::unique_ptr<ThreadPool> pool_;
   CpuGemmPath gemm_path_ = CpuGemmPath::kSgemm;
+  CpuGemmPath fp32_path_ = CpuGemmPath::kSgemm;
   std::string gemm_reason_;
   std::optional<GemmProbeResult> gemm_probe_;
 };
 
-// The GEMM path a mapper prepared by a CpuBackend runs on: kOnednnBf16 or kSgemm (kAuto for a
-// mapper some other backend prepared).
+// The GEMM engine a mapper prepared by a CpuBackend runs on (kAuto for a mapper some other
+// backend prepared).
 CpuGemmPath PreparedGemmPath(const PreparedMapper& prepared);
 
 std::unique_ptr<Backend> NewCpuBackend(const CpuBackendOptions& options = CpuBackendOptions());

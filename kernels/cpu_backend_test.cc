@@ -128,10 +128,11 @@ class CpuBackendTest : public ::testing::Test {
   bool bf16_weights_ = false;
 };
 
-// The property suites run three ways: as written with the path the CPU picks (Auto), forced
+// The property suites run four ways: as written with the path the CPU picks (Auto), forced
 // onto oneDNN bf16 with bf16 weights wherever a test asks for fp32 (Bf16; fresh random inputs
-// against the float64 reference at 1e-2), and forced onto sgemm (Sgemm; bf16 / fp16 weights as
-// fp32 copies, 1e-5 for fp32 outputs on the sgemm path).
+// against the float64 reference at 1e-2), forced onto sgemm (Sgemm; bf16 / fp16 weights as
+// fp32 copies, 1e-5 for fp32 outputs) and onto oneDNN fp32 (OnednnF32; packed fp32 weights,
+// the same exact tolerances as sgemm).
 struct PathParam {
   const char* name;
   CpuGemmPath path;
@@ -140,7 +141,8 @@ struct PathParam {
 
 const PathParam kPaths[] = {{"Auto", CpuGemmPath::kAuto, false},
                             {"Bf16", CpuGemmPath::kOnednnBf16, true},
-                            {"Sgemm", CpuGemmPath::kSgemm, false}};
+                            {"Sgemm", CpuGemmPath::kSgemm, false},
+                            {"OnednnF32", CpuGemmPath::kOnednnF32, false}};
 
 ConformanceBackend CpuOnPath(const PathParam& param) {
   ConformanceBackend backend;
@@ -154,7 +156,7 @@ ConformanceBackend CpuOnPath(const PathParam& param) {
 // The shared case table (kernels/testing/backend_conformance.cc), on every path.
 INSTANTIATE_TEST_SUITE_P(Paths, BackendConformanceTest,
                          ::testing::Values(CpuOnPath(kPaths[0]), CpuOnPath(kPaths[1]),
-                                           CpuOnPath(kPaths[2])),
+                                           CpuOnPath(kPaths[2]), CpuOnPath(kPaths[3])),
                          ConformanceBackendName);
 
 // The CPU backend's own properties, on every path too.
@@ -408,11 +410,19 @@ TEST_F(CpuBackendTest, GemmPathFollowsCpuAndOptions) {
   const GemmProbeResult& probe = *automatic.gemm_probe();
   EXPECT_EQ(probe.shapes, std::vector<GemmShape>({{256, 128}}));
   EXPECT_EQ(probe.rows, options.token_chunk);
-  const bool onednn = probe.Fastest(false) == GemmEngine::kOnednnBf16;
-  EXPECT_EQ(automatic.gemm_path(), onednn ? CpuGemmPath::kOnednnBf16 : CpuGemmPath::kSgemm);
+  const auto path_of = [](GemmEngine engine) {
+    return engine == GemmEngine::kOnednnBf16  ? CpuGemmPath::kOnednnBf16
+           : engine == GemmEngine::kOnednnF32 ? CpuGemmPath::kOnednnF32
+                                              : CpuGemmPath::kSgemm;
+  };
+  EXPECT_EQ(automatic.gemm_path(), path_of(probe.Fastest(false)));
+  EXPECT_EQ(automatic.fp32_gemm_path(), path_of(probe.Fastest(true)));
+  EXPECT_NE(automatic.fp32_gemm_path(), CpuGemmPath::kOnednnBf16);  // fp32 mappers stay exact
   EXPECT_THAT(automatic.gemm_reason(), HasSubstr(OnednnIsaName()));
   EXPECT_THAT(automatic.gemm_reason(), HasSubstr(probe.Summary()));
-  EXPECT_THAT(automatic.description(), HasSubstr(onednn ? "oneDNN" : "sgemm"));
+  EXPECT_THAT(automatic.description(),
+              HasSubstr(automatic.fp32_gemm_path() == CpuGemmPath::kSgemm ? "fp32 mappers on OpenBLAS"
+                                                                        : "fp32 mappers on oneDNN"));
   std::fprintf(stderr, "[gemm path] %s\n", automatic.description().c_str());
   options.gemm_path = CpuGemmPath::kSgemm;
   EXPECT_EQ(CpuBackend(options).gemm_path(), CpuGemmPath::kSgemm);
@@ -435,6 +445,11 @@ TEST_F(CpuBackendTest, GemmPathFollowsCpuAndOptions) {
         << DTypeName(weights);
   }
 
+  options.gemm_path = CpuGemmPath::kOnednnF32;
+  CpuBackend f32(options);
+  EXPECT_EQ(f32.gemm_path(), CpuGemmPath::kOnednnF32);
+  EXPECT_EQ(f32.fp32_gemm_path(), CpuGemmPath::kOnednnF32);
+  EXPECT_EQ(*ParseCpuGemmPath("onednn_f32"), CpuGemmPath::kOnednnF32);
   EXPECT_EQ(*ParseCpuGemmPath("auto"), CpuGemmPath::kAuto);
   EXPECT_EQ(*ParseCpuGemmPath("bf16"), CpuGemmPath::kOnednnBf16);
   EXPECT_EQ(*ParseCpuGemmPath("onednn_bf16"), CpuGemmPath::kOnednnBf16);
@@ -483,6 +498,28 @@ TEST_F(CpuBackendTest, Bf16PreparedBytes) {
   ASSERT_TRUE(prepared.ok()) << prepared.status();
   EXPECT_EQ((*prepared)->bytes(), 2u * 2 * (2 * *PackedWeightBytes(DType::kBF16, 16, 16) + 32 * 4));
   EXPECT_EQ(backend->PreparedBytesEstimate(per_head.view), (*prepared)->bytes());
+}
+
+// The oneDNN fp32 engine holds each matrix packed as fp32 (no fp32 copy beside it) and biases
+// converted only when they are not fp32; the estimate is exact.
+TEST_F(CpuBackendTest, OnednnF32PreparedBytesAndEstimate) {
+  path_ = CpuGemmPath::kOnednnF32;
+  auto backend = MakeBackend();
+  RandomMapperSpec spec;
+  spec.source_rope = MakeTestRope(RopeScalingType::kNone);
+  spec.target_rope = MakeTestRope(RopeScalingType::kNone);
+  const uint64_t packed = *PackedWeightBytes(DType::kFP32, 32, 32);
+  EXPECT_GE(packed, 32u * 32 * 4);
+  for (DType weights : {DType::kFP32, DType::kBF16}) {
+    spec.weight_dtype = weights;
+    const RandomMapper ridge = MakeRandomMapper(spec, 5);
+    auto prepared = backend->Prepare(ridge.view);
+    ASSERT_TRUE(prepared.ok()) << prepared.status();
+    EXPECT_EQ(PreparedGemmPath(**prepared), CpuGemmPath::kOnednnF32);
+    const uint64_t biases = weights == DType::kFP32 ? 0 : 2 * 32 * 4;  // used in place if fp32
+    EXPECT_EQ((*prepared)->bytes(), 2u * (2 * packed + biases)) << DTypeName(weights);
+    EXPECT_EQ(backend->PreparedBytesEstimate(ridge.view), (*prepared)->bytes());
+  }
 }
 
 // The sgemm path's fp32 copies of a head-local ridge: n_t [|x_h|, d_t] matrices and n_t d_t
