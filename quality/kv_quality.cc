@@ -268,4 +268,10 @@ QualitySummary SummarizeQuality(const std::vector<LayerQuality>& layers) {
   return {mean_of(0), mean_of(1)};
 }
 
+double KvCosineOverLayers(const std::vector<LayerQuality>& layers) {
+  const QualitySummary summary = SummarizeQuality(layers);
+  const LayerQuality& mean = layers.size() > 1 ? summary.without_layer0 : summary.all;
+  return (mean.cosine_k + mean.cosine_v) / 2;
+}
+
 }  // namespace kvt

@@ -202,6 +202,15 @@ TEST(KvQualityTest, SummaryAveragesLayersWithAndWithoutLayerZero) {
   EXPECT_FALSE(one.without_layer0.attention_cosine.has_value());
 }
 
+TEST(KvQualityTest, KvCosineAveragesKAndVPastLayerZero) {
+  LayerQuality a, b, c;
+  a.cosine_k = 1.0, a.cosine_v = 1.0;  // layer 0: left out when there are others
+  b.cosine_k = 0.8, b.cosine_v = 0.6;
+  c.cosine_k = 0.4, c.cosine_v = 0.2;
+  EXPECT_NEAR(KvCosineOverLayers({a, b, c}), 0.5, 1e-12);
+  EXPECT_NEAR(KvCosineOverLayers({b}), 0.7, 1e-12);  // one layer: itself
+}
+
 TEST(KvQualityTest, RejectsInconsistentShapes) {
   std::vector<float> x(2 * 3 * 4, 1.0f);
   LayerQualityInputs in{2, 3, 4, 4, x.data(), x.data(), x.data(), x.data(), x.data()};
