@@ -27,6 +27,9 @@ struct LayerQualityInputs {
   const float* k_true = nullptr;
   const float* v_true = nullptr;
   const float* queries = nullptr;  // set iff num_query_heads > 0
+  // Only cosine_k and cosine_v (R^2 left 0, queries ignored): what live verification needs,
+  // without the RoPE strip and covariances R^2 costs.
+  bool cosines_only = false;
 };
 
 struct LayerQuality {

@@ -59,7 +59,7 @@ void LiveVerifier::Count(const VerifiedMapper& mapper, const char* result) const
 
 LiveVerifier::MapperRecord& LiveVerifier::RecordFor(const VerifiedMapper& mapper) {
   MapperRecord& record = mappers_[mapper.id];
-  if (record.mapper.id.empty() || record.mapper.generation != mapper.generation) {
+  if (record.mapper.id.empty() || record.mapper.version != mapper.version) {
     if (record.out_of_service) {
       KVT_LOG(kInfo, "live verification: new mapper version back in service")
           .With("mapper", mapper.id)
@@ -83,6 +83,7 @@ bool LiveVerifier::Sample(const VerifiedMapper& mapper) {
   if (period_ == 0) return false;
   MutexLock lock(&mutex_);
   MapperRecord& record = RecordFor(mapper);
+  record.mapper.generation = mapper.generation;  // same weights, maybe reloaded
   return ++record.lookups % period_ == 0;
 }
 
@@ -149,7 +150,7 @@ void LiveVerifier::OnPublish(const std::shared_ptr<const PrefixEntry>& own) {
 void LiveVerifier::Record(const VerifiedMapper& mapper, const absl::StatusOr<double>& live) {
   MutexLock lock(&mutex_);
   auto it = mappers_.find(mapper.id);
-  if (it == mappers_.end() || it->second.mapper.generation != mapper.generation ||
+  if (it == mappers_.end() || it->second.mapper.version != mapper.version ||
       !live.ok()) {
     // Taken on a version no longer served, or not measurable: no evidence either way.
     Count(mapper, "skipped");

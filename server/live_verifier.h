@@ -44,7 +44,11 @@ struct LiveVerifierOptions {
 // One version of one mapper, as the store served it to a lookup.
 struct VerifiedMapper {
   std::string id;
-  int64_t generation = 0;  // MapperInfo::generation: a hot reload makes a new version
+  // What identifies the version: the weights' SHA-256 (LoadedMapper::weights_sha256), or
+  // "generation N" for a store that does not verify checksums. A different value is a new
+  // version (its state starts clean); a reload of the same files is not.
+  std::string version;
+  int64_t generation = 0;  // MapperInfo::generation, for reports
   PairLabels pair = PairLabels::Unknown();
   std::optional<double> recorded;  // manifest quality.kv_cosine_heldout
 };

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/mapper_view.h"
@@ -32,6 +33,7 @@ VerifiedMapper Version(int64_t generation, std::optional<double> recorded = 0.9)
   VerifiedMapper mapper;
   mapper.id = "ab";
   mapper.generation = generation;
+  mapper.version = absl::StrCat("weights-", generation);
   mapper.pair = Pair();
   mapper.recorded = recorded;
   return mapper;
@@ -155,12 +157,18 @@ TEST_F(LiveVerifierTest, WindowMeanBelowRecordedMinusToleranceTakesTheVersionOut
   EXPECT_NE(verifier->OutOfService(Version(1)), "");
   EXPECT_EQ(verifier->OutOfService(Version(2)), "");
   EXPECT_THAT(metrics_.Serialize(), HasSubstr(R"(kvt_mapper_out_of_service{mapper="ab",source="m/src",target="m/dst"} 0)"));
+  // The same weights loaded again (an eviction and a reload: a new generation) are the same
+  // version: still in service, and the window is kept.
+  VerifiedMapper reloaded = Version(2);
+  reloaded.generation = 3;
+  verifier->Record(reloaded, 0.95);
+  EXPECT_EQ(verifier->List().front().samples, 1);
+  verifier->Record(Version(2), absl::NotFoundError("gone"));  // unmeasurable: skipped
+  EXPECT_EQ(verifier->List().front().samples, 1);
   // A sample taken on the old version no longer counts.
   verifier->Record(Version(1), 0.1);
   EXPECT_THAT(metrics_.Serialize(), HasSubstr(R"(result="skipped")"));
-  EXPECT_EQ(verifier->List().front().samples, 0);
-  verifier->Record(Version(2), absl::NotFoundError("gone"));  // unmeasurable: skipped
-  EXPECT_EQ(verifier->List().front().samples, 0);
+  EXPECT_EQ(verifier->List().front().samples, 1);
 }
 
 TEST_F(LiveVerifierTest, MappersWithoutARecordedFigureAreMeasuredButNeverTakenOut) {

@@ -68,6 +68,7 @@ absl::Status MeasureTranslation(const MapperHandle& mapper, const ComputeMapper&
     quality_in.v_mapped = v_mapped.data();
     quality_in.k_true = k_true.data();
     quality_in.v_true = v_true.data();
+    quality_in.cosines_only = in.cosines_only;
     if (num_query_heads > 0) {
       ToTokenMajorFloat(in.queries.dtype, in.queries.layout, num_query_heads, T, tgt.head_dim,
                         in.queries.k[layer], q.data());

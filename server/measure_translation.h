@@ -25,6 +25,7 @@ struct MeasureInputs {
   CacheView queries;
   Positions positions;
   TranslateOptions options;
+  bool cosines_only = false;  // LayerQualityInputs::cosines_only (live verification)
 };
 
 // Translates `in.source` target layer by target layer with the backend exactly as TranslateKV

@@ -375,7 +375,8 @@ Metrics::Metrics(std::string device)
   prefix_lookups_ = &BuildCounter()
                          .Name("kvt_prefix_lookups_total")
                          .Help("LookupPrefix calls by target model and result (\"hit\" or the "
-                               "miss reason: no_prefix, no_mapper, gate, forbidden, too_short).")
+                               "miss reason: no_prefix, no_mapper, gate, live_quality, "
+                               "verification_sample, forbidden, too_short).")
                          .Register(r);
   prefix_reused_tokens_ = &BuildCounter()
                                .Name("kvt_prefix_reused_tokens_total")

@@ -114,10 +114,13 @@ absl::StatusOr<double> PrefixCacheService::MeasureSample(const PendingSample& sa
   AcquireOptions wait = MapperWait(config_, deadline);
   absl::StatusOr<MapperHandle> handle = store_->Acquire(sample.mapper.id, wait);
   if (!handle.ok()) return handle.status();
-  if (handle->generation() != sample.mapper.generation) {
+  const std::string& sha = handle->mapper().weights_sha256();
+  const std::string now =
+      sha.empty() ? absl::StrCat("generation ", handle->generation()) : sha;
+  if (now != sample.mapper.version) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "mapper '", sample.mapper.id, "' is now version ", handle->generation(),
-        ", the sample was taken on version ", sample.mapper.generation));
+        "mapper '", sample.mapper.id, "' now has weights ", now,
+        ", the sample was taken on ", sample.mapper.version));
   }
   absl::StatusOr<ComputeMapper> compute = PinForCompute(store_, shift_stats_, &*handle, deadline);
   if (!compute.ok()) return compute.status();
@@ -125,6 +128,7 @@ absl::StatusOr<double> PrefixCacheService::MeasureSample(const PendingSample& sa
   in.source = sample.source.entry->View(sample.source.tokens);
   in.truth = own.View(sample.source.tokens);  // canonical: token i at position i in both
   in.options.token_chunk = config_.backend.token_chunk;
+  in.cosines_only = true;
   std::vector<LayerQuality> layers;
   if (absl::Status measured =
           MeasureTranslation(*handle, *compute, in, deadline, nullptr, &layers);
@@ -494,6 +498,9 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
     VerifiedMapper version;
     version.id = candidate.mapper->id;
     version.generation = candidate.mapper->generation;
+    version.version = (*mapper)->weights_sha256().empty()
+                          ? absl::StrCat("generation ", version.generation)
+                          : (*mapper)->weights_sha256();
     version.pair = PairLabels::Of((*mapper)->view());
     version.recorded = (*mapper)->manifest().quality.kv_cosine_heldout;
     const v1::GateVerdict verdict = Gate(*mapper, candidate.match, version);
@@ -603,6 +610,7 @@ void FillVerification(const VerificationState& state, double tolerance,
                       v1::MapperVerification* out) {
   out->set_mapper_id(state.mapper.id);
   out->set_generation(state.mapper.generation);
+  out->set_version(state.mapper.version);
   out->set_source_model(state.mapper.pair.source());
   out->set_target_model(state.mapper.pair.target());
   if (state.mapper.recorded) out->set_recorded(*state.mapper.recorded);
