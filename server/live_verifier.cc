@@ -10,6 +10,10 @@
 
 namespace kvt {
 
+std::string MapperVersionOf(const std::string& weights_sha256, int64_t generation) {
+  return weights_sha256.empty() ? absl::StrCat("generation ", generation) : weights_sha256;
+}
+
 absl::StatusOr<std::unique_ptr<LiveVerifier>> LiveVerifier::Create(LiveVerifierOptions options,
                                                                    Measure measure,
                                                                    Metrics* metrics) {
@@ -134,6 +138,14 @@ void LiveVerifier::OnPublish(const std::shared_ptr<const PrefixEntry>& own) {
     }
   }
   for (PendingSample& sample : matched) {
+    // Bounded: samples waiting for the worker count against verify_max_pending too.
+    if (worker_.queued() >= static_cast<size_t>(options_.max_pending)) {
+      Count(sample.mapper, "skipped");
+      KVT_LOG(kWarning, "live verification sample skipped: the verifier is behind")
+          .With("mapper", sample.mapper.id)
+          .With("queued", static_cast<int64_t>(worker_.queued()));
+      continue;
+    }
     worker_.Submit([this, sample = std::move(sample), own] {
       const absl::Time start = absl::Now();
       absl::StatusOr<double> live = measure_(sample, *own);

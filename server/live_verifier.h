@@ -41,12 +41,15 @@ struct LiveVerifierOptions {
   std::function<absl::Time()> now;      // default absl::Now
 };
 
+// A mapper version's identity: `weights_sha256` (LoadedMapper::weights_sha256), or
+// "generation N" when the store does not verify checksums (empty hash).
+std::string MapperVersionOf(const std::string& weights_sha256, int64_t generation);
+
 // One version of one mapper, as the store served it to a lookup.
 struct VerifiedMapper {
   std::string id;
-  // What identifies the version: the weights' SHA-256 (LoadedMapper::weights_sha256), or
-  // "generation N" for a store that does not verify checksums. A different value is a new
-  // version (its state starts clean); a reload of the same files is not.
+  // MapperVersionOf: a different value is a new version (its state starts clean); a reload of
+  // the same weights is not.
   std::string version;
   int64_t generation = 0;  // MapperInfo::generation, for reports
   PairLabels pair = PairLabels::Unknown();
@@ -100,7 +103,8 @@ class LiveVerifier {
   void AddPending(const VerifiedMapper& mapper, const PrefixMatch& source)
       ABSL_LOCKS_EXCLUDED(mutex_);
   // Publish side: `own` was just committed. Pending samples of its model whose prefix it holds
-  // (same chain hash of the last matched block) are measured on the worker.
+  // (same chain hash of the last matched block) are measured on the worker; with
+  // max_pending samples already waiting for it, a matched sample is counted "skipped".
   void OnPublish(const std::shared_ptr<const PrefixEntry>& own) ABSL_LOCKS_EXCLUDED(mutex_);
   // One measured sample (the worker calls this; tests may too).
   void Record(const VerifiedMapper& mapper, const absl::StatusOr<double>& live)

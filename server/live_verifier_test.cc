@@ -109,6 +109,11 @@ TEST_F(LiveVerifierTest, OptionsAreCheckedByName) {
               HasSubstr("prefix_cache.verify_window = 0"));
 }
 
+TEST(MapperVersionOfTest, IsTheWeightsHashOrTheGeneration) {
+  EXPECT_EQ(MapperVersionOf("9f86d081", 3), "9f86d081");
+  EXPECT_EQ(MapperVersionOf("", 3), "generation 3");  // a store that skips checksums
+}
+
 TEST_F(LiveVerifierTest, SamplesEveryRoundedInverseFractionthLookupPerVersion) {
   std::unique_ptr<LiveVerifier> verifier = Make(0.25);
   EXPECT_EQ(verifier->period(), 4);

@@ -114,9 +114,8 @@ absl::StatusOr<double> PrefixCacheService::MeasureSample(const PendingSample& sa
   AcquireOptions wait = MapperWait(config_, deadline);
   absl::StatusOr<MapperHandle> handle = store_->Acquire(sample.mapper.id, wait);
   if (!handle.ok()) return handle.status();
-  const std::string& sha = handle->mapper().weights_sha256();
   const std::string now =
-      sha.empty() ? absl::StrCat("generation ", handle->generation()) : sha;
+      MapperVersionOf(handle->mapper().weights_sha256(), handle->generation());
   if (now != sample.mapper.version) {
     return absl::FailedPreconditionError(absl::StrCat(
         "mapper '", sample.mapper.id, "' now has weights ", now,
@@ -498,9 +497,7 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
     VerifiedMapper version;
     version.id = candidate.mapper->id;
     version.generation = candidate.mapper->generation;
-    version.version = (*mapper)->weights_sha256().empty()
-                          ? absl::StrCat("generation ", version.generation)
-                          : (*mapper)->weights_sha256();
+    version.version = MapperVersionOf((*mapper)->weights_sha256(), version.generation);
     version.pair = PairLabels::Of((*mapper)->view());
     version.recorded = (*mapper)->manifest().quality.kv_cosine_heldout;
     const v1::GateVerdict verdict = Gate(*mapper, candidate.match, version);
@@ -521,8 +518,9 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
       response->set_verify(true);
       response->set_miss_reason("verification_sample");
       response->set_detail(absl::StrCat(
-          "live verification sample (every ", verifier_->period(), "th applicable lookup of "
-          "the mapper): prefill and publish; kvtd compares the publish with its translation"));
+          "live verification sample (one in ", verifier_->period(), " applicable lookups of "
+          "mapper ", candidate.mapper->id, "): prefill and publish; kvtd compares the publish "
+          "with its translation of the stored prefix"));
       response->set_source_model(candidate.mapper->source_model);
       response->set_mapper_id(candidate.mapper->id);
       response->set_matched_tokens(static_cast<uint32_t>(tokens));
