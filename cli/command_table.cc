@@ -23,9 +23,11 @@ constexpr char kServerInfoUsage[] =
 
 constexpr char kMappersUsage[] =
     "usage: kvt mappers [--server=HOST:PORT] [--timeout_ms=MS] [MAPPER_ID]\n"
+    "       kvt mappers [--server=HOST:PORT] restore MAPPER_ID\n"
     "\n"
     "Lists the mappers a kvtd serves (id, models, kind, k, state, size, weight dtype), or\n"
-    "prints one mapper's whole MapperInfo.\n";
+    "prints one mapper's whole MapperInfo. `restore` puts a mapper that live verification took\n"
+    "out of service back in service (admin role; docs/OPERATIONS.md).\n";
 
 constexpr char kSynthUsage[] =
     "usage: kvt synth --out=DIR (--preset=NAME | custom shapes) [--k=N] [--window=1]\n"

@@ -75,6 +75,21 @@ int RunServerInfo(const std::vector<std::string>& args) {
 
 int RunMappers(const std::vector<std::string>& args) {
   std::unique_ptr<Client> client = ConnectFromFlags();
+  if (!args.empty() && args[0] == "restore") {
+    if (args.size() != 2) {
+      std::fprintf(stderr, "kvt mappers restore: expected exactly one MAPPER_ID\n");
+      return 2;
+    }
+    absl::StatusOr<v1::RestoreMapperResponse> restored = client->RestoreMapper(args[1]);
+    if (!restored.ok()) {
+      std::fprintf(stderr, "kvt mappers restore: %s\n", restored.status().ToString().c_str());
+      return 2;
+    }
+    std::printf("%s %s\n", args[1].c_str(),
+                restored->restored() ? "restored to service" : "was not out of service");
+    std::printf("%s", restored->verification().DebugString().c_str());
+    return 0;
+  }
   if (!args.empty()) {
     absl::StatusOr<v1::MapperInfo> info = client->GetMapper(args[0]);
     if (!info.ok()) {

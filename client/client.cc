@@ -140,6 +140,18 @@ absl::StatusOr<v1::MapperInfo> Client::GetMapper(const std::string& mapper_id) {
   return response;
 }
 
+absl::StatusOr<v1::RestoreMapperResponse> Client::RestoreMapper(const std::string& mapper_id) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::RestoreMapperRequest request;
+  request.set_mapper_id(mapper_id);
+  v1::RestoreMapperResponse response;
+  grpc::Status status =
+      v1::KvPrefixCache::NewStub(channel_)->RestoreMapper(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 // Signals when gRPC has dropped the last slice pointing into the caller's source buffers.
 struct SendRelease {
   Mutex mutex;

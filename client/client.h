@@ -16,6 +16,7 @@
 #include "host_cache/host_cache.h"
 #include "kernels/backend.h"
 #include "kernels/types.h"
+#include "proto/kvt/v1/prefix_cache.grpc.pb.h"
 #include "proto/kvt/v1/service.grpc.pb.h"
 
 namespace kvt {
@@ -102,6 +103,9 @@ class Client {
 
   absl::StatusOr<v1::ListMappersResponse> ListMappers();
   absl::StatusOr<v1::MapperInfo> GetMapper(const std::string& mapper_id);
+  // KvPrefixCache.RestoreMapper (admin role): puts a mapper that live verification took out of
+  // service back (docs/OPERATIONS.md, "Live verification").
+  absl::StatusOr<v1::RestoreMapperResponse> RestoreMapper(const std::string& mapper_id);
 
   // Sends `source` (its dtype, layout and token count override the header's) and returns the
   // target cache in the header's output dtype/layout. The header names the pair or mapper.

@@ -51,7 +51,9 @@ bool IsKvtdSeries(const std::string& name) {
       "kvt_quality_error_concentration",  "kvt_mapper_device_resident_bytes",
       "kvt_mapper_page_ins_total",        "kvt_mapper_evictions_total",
       "kvt_mapper_page_in_duration_seconds", "kvt_inflight_requests",
-      "kvt_build_info",                   "kvt_backend_info"};
+      "kvt_build_info",                   "kvt_backend_info",
+      "kvt_live_quality",                 "kvt_mapper_out_of_service",
+      "kvt_live_verifications_total"};
   for (const char* suffix : {"", "_bucket", "_sum", "_count"}) {
     for (const std::string& family : families) {
       if (name == family + suffix) return true;
@@ -84,7 +86,8 @@ TEST(DeployTest, DashboardHasThePanelsAndValidQueries) {
   for (const char* wanted : {"Speedup", "Latency p50 / p95 / p99 by pair", "Latency p95 by stage",
                              "Tokens translated per second", "Requests by code",
                              "Attention-output cosine by turn", "Drift", "Input-shift score",
-                             "Mapper residency", "page-ins", "evictions", "In-flight"}) {
+                             "Mapper residency", "page-ins", "evictions", "In-flight",
+                             "Live verification"}) {
     EXPECT_THAT(all_titles, HasSubstr(wanted));
   }
   // Every series a query reads is one kvtd exports.
@@ -114,7 +117,7 @@ TEST(DeployTest, AlertRulesPassPromtoolAndTheirUnitTests) {
       << output;
   EXPECT_THAT(output, HasSubstr("SUCCESS"));
   for (const char* alert : {"KvtLowAttentionCosine", "KvtTranslateErrorRate",
-                            "KvtMapperPageInStorm", "KvtSaturated"}) {
+                            "KvtMapperPageInStorm", "KvtSaturated", "KvtMapperOutOfService"}) {
     EXPECT_THAT(ReadFile("deploy/prometheus/alerts.yaml"), HasSubstr("alert: " + std::string(alert)));
   }
   output.clear();

@@ -487,6 +487,7 @@ void RecordHeldout(const HeldoutQuality& heldout, ManifestQuality* quality,
   quality->attention_cosine_heldout = heldout.attention_cosine_without_layer0;
   quality->attention_cosine_heldout_all_layers = heldout.attention_cosine;
   quality->attention_cosine_heldout_lower95 = heldout.attention_cosine_lower95;
+  quality->kv_cosine_heldout = heldout.kv_cosine;
   quality->heldout_sequences = heldout.sequences;
   quality->heldout_tokens = heldout.tokens;
   if (heldout.sequences < kMinHeldoutSequences) {

@@ -154,6 +154,9 @@ struct HeldoutQuality {
   // bound of their mean (quality/mean_interval.h; absent with fewer than two sequences).
   std::vector<double> sequence_attention_cosine;
   std::optional<double> attention_cosine_lower95;
+  // quality/kv_quality.h KvCosineOverLayers, averaged over the held-out sequences: the figure
+  // kvtd's live verification compares its samples with (quality.kv_cosine_heldout).
+  double kv_cosine = 0;
   double seconds = 0;  // wall time of the evaluation
 };
 

@@ -609,6 +609,10 @@ TEST_F(FitQueryTest, LowerBoundOverHeldoutSequencesMatchesTheFloat64Reference) {
   ASSERT_TRUE(m.quality.attention_cosine_heldout_lower95.has_value());
   EXPECT_NEAR(*m.quality.attention_cosine_heldout_lower95, *want.lower95, 1e-6);
   EXPECT_LT(*m.quality.attention_cosine_heldout_lower95, *m.quality.attention_cosine_heldout);
+  // The K/V cosine live verification compares with: recorded beside the attention cosine.
+  ASSERT_TRUE(m.quality.kv_cosine_heldout.has_value());
+  EXPECT_GT(*m.quality.kv_cosine_heldout, 0.0);
+  EXPECT_LE(*m.quality.kv_cosine_heldout, 1.0);
   EXPECT_THAT(absl::StrJoin(fit->warnings, "\n"),
               HasSubstr("rests on 4 sequences (256 tokens)"));
 }

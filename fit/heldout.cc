@@ -146,6 +146,7 @@ absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options,
         (L > 1 ? summary.without_layer0 : summary.all).attention_cosine.value_or(0);
     total.attention_cosine_without_layer0 += sequence_cosine;
     total.sequence_attention_cosine.push_back(sequence_cosine);
+    total.kv_cosine += KvCosineOverLayers(layers);
     total.c_k += summary.all.c_k.value_or(0);
     total.c_v += summary.all.c_v.value_or(0);
     total.r2_k += summary.all.r2_k;
@@ -159,7 +160,7 @@ absl::StatusOr<HeldoutQuality> MeasureHeldout(const FitOptions& options,
         "--queries and keep --heldout_fraction > 0");
   }
   for (double* v : {&total.attention_cosine, &total.attention_cosine_without_layer0, &total.c_k,
-                    &total.c_v, &total.r2_k, &total.r2_v}) {
+                    &total.c_v, &total.r2_k, &total.r2_v, &total.kv_cosine}) {
     *v /= total.sequences;
   }
   for (double& v : total.layer_attention_cosine) v /= total.sequences;

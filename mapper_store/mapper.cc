@@ -373,6 +373,7 @@ absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string& d
   mapper->id_ = Basename(dir);
   mapper->path_ = dir;
   mapper->checksums_verified_ = options.verify_checksums;
+  if (options.verify_checksums) mapper->weights_sha256_ = expected_weights_sum;
   mapper->manifest_ = *std::move(manifest);
   mapper->weights_ = *std::move(weights);
   const SafetensorsFile& file = *mapper->weights_;

@@ -84,6 +84,10 @@ class LoadedMapper {
   int64_t num_params() const { return MapperNumParams(manifest_); }
   // False when loaded with verify_checksums = false.
   bool checksums_verified() const { return checksums_verified_; }
+  // SHA-256 (hex) of the weights file as SHA256SUMS lists it and the read verified; empty when
+  // loaded with verify_checksums = false. Identifies the weights across reloads (e.g. live
+  // verification's mapper version).
+  const std::string& weights_sha256() const { return weights_sha256_; }
 
  private:
   friend absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string&,
@@ -96,6 +100,7 @@ class LoadedMapper {
   std::unique_ptr<SafetensorsFile> weights_;
   MapperView view_;
   bool checksums_verified_ = false;
+  std::string weights_sha256_;
 };
 
 // Loads and validates a mapper directory. Order: SHA256SUMS parsed (NOT_FOUND if missing);

@@ -154,6 +154,8 @@ TEST_F(MapperTest, WriteThenLoadRoundTripsEveryDType) {
     EXPECT_EQ(sums, absl::StrCat(*Sha256OfFile(JoinPath(dir, kManifestFileName)), "  manifest.yaml\n",
                                  *Sha256OfFile(JoinPath(dir, kDefaultWeightsFileName)),
                                  "  weights.safetensors\n"));
+    // The verified weights' hash identifies this version of the mapper.
+    EXPECT_EQ(mapper.weights_sha256(), *Sha256OfFile(JoinPath(dir, kDefaultWeightsFileName)));
   }
   // No temporary directories left behind.
   absl::StatusOr<std::vector<std::string>> dirs = ListSubdirectories(root_);

@@ -482,10 +482,12 @@ absl::StatusOr<PublishResult> PrefixCache::Commit(std::unique_ptr<PendingEntry> 
       result.deduplicated = true;
       result.entry_id = best->entry->id();
       result.entry_bytes = best->entry->bytes();
+      result.entry = best->entry;
     } else {
       Slot* slot = Insert(entry, now + pending->ttl_, now);
       result.entry_id = slot->entry->id();
       result.entry_bytes = slot->entry->bytes();
+      result.entry = slot->entry;
       result.subsumed_entries = DropSubsumed(*slot->entry, &removed);
     }
     // After Insert counted the entry, so the model's shape record never lapses in between.

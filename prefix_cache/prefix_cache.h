@@ -143,6 +143,9 @@ struct PublishResult {
   // that entry refreshed (last use, expiry) instead.
   bool deduplicated = false;
   int64_t entry_bytes = 0;
+  // The entry now holding the sequence (null when stored_tokens is 0), e.g. for live
+  // verification to read the published cache after the commit.
+  std::shared_ptr<const PrefixEntry> entry;
 };
 
 struct PrefixMatch {

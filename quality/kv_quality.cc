@@ -140,14 +140,15 @@ absl::StatusOr<LayerQuality> ComputeLayerQuality(const LayerQualityInputs& in,
   const int H = in.num_kv_heads;
   const int d = in.head_dim;
   LayerQuality q;
+  q.cosine_k = MeanCosine(in.k_mapped, in.k_true, T, H, d);
+  q.cosine_v = MeanCosine(in.v_mapped, in.v_true, T, H, d);
+  if (in.cosines_only) return q;
   {
     const std::vector<float> k_mapped = StripKeys(in.k_mapped, T, H, d, target_rope, positions);
     const std::vector<float> k_true = StripKeys(in.k_true, T, H, d, target_rope, positions);
     q.r2_k = HeadAveragedR2(k_mapped.data(), k_true.data(), T, H, d);
   }
   q.r2_v = HeadAveragedR2(in.v_mapped, in.v_true, T, H, d);
-  q.cosine_k = MeanCosine(in.k_mapped, in.k_true, T, H, d);
-  q.cosine_v = MeanCosine(in.v_mapped, in.v_true, T, H, d);
   if (in.num_query_heads == 0) return q;
 
   const int nq = in.num_query_heads;
@@ -266,6 +267,12 @@ QualitySummary SummarizeQuality(const std::vector<LayerQuality>& layers) {
     return out;
   };
   return {mean_of(0), mean_of(1)};
+}
+
+double KvCosineOverLayers(const std::vector<LayerQuality>& layers) {
+  const QualitySummary summary = SummarizeQuality(layers);
+  const LayerQuality& mean = layers.size() > 1 ? summary.without_layer0 : summary.all;
+  return (mean.cosine_k + mean.cosine_v) / 2;
 }
 
 }  // namespace kvt

@@ -27,6 +27,9 @@ struct LayerQualityInputs {
   const float* k_true = nullptr;
   const float* v_true = nullptr;
   const float* queries = nullptr;  // set iff num_query_heads > 0
+  // Only cosine_k and cosine_v (R^2 left 0, queries ignored): what live verification needs,
+  // without the RoPE strip and covariances R^2 costs.
+  bool cosines_only = false;
 };
 
 struct LayerQuality {
@@ -64,6 +67,13 @@ struct QualitySummary {
   LayerQuality without_layer0;
 };
 QualitySummary SummarizeQuality(const std::vector<LayerQuality>& layers);
+
+// The K/V cosine of a translation: (cosine_k + cosine_v) / 2 of the mean over target layers
+// past 0 (every layer when there is one), i.e. cos(translated, true) per token and head averaged
+// over tokens, heads, layers, K and V. Needs no queries. Keys: a rotation preserves dot products,
+// so the post-RoPE cosine at shared positions equals the content-space one. What `kvt fit`
+// records as quality.kv_cosine_heldout and what kvtd's live verification measures per sample.
+double KvCosineOverLayers(const std::vector<LayerQuality>& layers);
 
 // One layer's K or V in any dtype and layout into float [token][head][dim] (`dst` holds
 // tokens * heads * head_dim floats).

@@ -114,6 +114,27 @@ TEST(KvQualityTest, MatchesTheFloat64ReferenceOnRandomData) {
   CheckAgainstReference({20, 2, 16, 0, 0.3, false}, testing::FreshSeed("quality no queries"));
 }
 
+TEST(KvQualityTest, CosinesOnlyGivesTheSameCosinesAndNothingElse) {
+  std::mt19937_64 rng(11);
+  const int64_t T = 21;
+  const int H = 2, d = 16, nq = 4;
+  const std::vector<float> k = ToFloats(Normal(T * H * d, 1.0, &rng));
+  const std::vector<float> v = ToFloats(Normal(T * H * d, 1.0, &rng));
+  const std::vector<float> k2 = ToFloats(Normal(T * H * d, 1.0, &rng));
+  const std::vector<float> v2 = ToFloats(Normal(T * H * d, 1.0, &rng));
+  const std::vector<float> q = ToFloats(Normal(T * nq * d, 1.0, &rng));
+  LayerQualityInputs in{T, H, d, nq, k.data(), v.data(), k2.data(), v2.data(), q.data()};
+  Positions positions;
+  absl::StatusOr<LayerQuality> all = ComputeLayerQuality(in, TargetRope(d), positions);
+  in.cosines_only = true;
+  absl::StatusOr<LayerQuality> cosines = ComputeLayerQuality(in, TargetRope(d), positions);
+  ASSERT_TRUE(all.ok() && cosines.ok());
+  EXPECT_EQ(cosines->cosine_k, all->cosine_k);
+  EXPECT_EQ(cosines->cosine_v, all->cosine_v);
+  EXPECT_EQ(cosines->r2_k, 0.0);
+  EXPECT_FALSE(cosines->attention_cosine.has_value());
+}
+
 TEST(KvQualityTest, IdenticalCachesGiveCosineOneAndR2One) {
   std::mt19937_64 rng(5);
   const int64_t T = 33;
@@ -200,6 +221,15 @@ TEST(KvQualityTest, SummaryAveragesLayersWithAndWithoutLayerZero) {
   const QualitySummary one = SummarizeQuality({a});
   EXPECT_EQ(one.without_layer0.r2_k, 0.0);
   EXPECT_FALSE(one.without_layer0.attention_cosine.has_value());
+}
+
+TEST(KvQualityTest, KvCosineAveragesKAndVPastLayerZero) {
+  LayerQuality a, b, c;
+  a.cosine_k = 1.0, a.cosine_v = 1.0;  // layer 0: left out when there are others
+  b.cosine_k = 0.8, b.cosine_v = 0.6;
+  c.cosine_k = 0.4, c.cosine_v = 0.2;
+  EXPECT_NEAR(KvCosineOverLayers({a, b, c}), 0.5, 1e-12);
+  EXPECT_NEAR(KvCosineOverLayers({b}), 0.7, 1e-12);  // one layer: itself
 }
 
 TEST(KvQualityTest, RejectsInconsistentShapes) {

@@ -374,6 +374,15 @@ const std::vector<Row>& Rows() {
       Key(KVTD_KEY(prefix_cache, pair_min_quality))
           .ReadWith(ReadPairFloors),
       Key(KVTD_KEY(prefix_cache, max_input_shift)).AtLeast(0, " (0: not checked)"),
+      Key(KVTD_KEY(prefix_cache, verify_sample_fraction))
+          .Check([](const KvtdConfig&, const double& fraction) {
+            return fraction >= 0 && fraction <= 1 ? std::string()
+                                                  : "must be in [0, 1] (0: off)";
+          }),
+      Key(KVTD_KEY(prefix_cache, verify_window)).InRange(1, 4096),
+      Key(KVTD_KEY(prefix_cache, verify_tolerance)).AtLeast(0),
+      Key(KVTD_KEY(prefix_cache, verify_max_pending)).InRange(1, 1 << 20),
+      Key(KVTD_KEY(prefix_cache, verify_pending_seconds)).Above(0),
 
       Key(KVTD_KEY(security, tls_cert_file))
           .Flag("tls_cert_file", "Overrides security.tls_cert_file (PEM, enables TLS)."),

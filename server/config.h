@@ -91,6 +91,17 @@ struct KvtdConfig {
     double min_r2_heldout = 0.0;
     std::map<std::string, double> pair_min_quality;
     double max_input_shift = 0;  // 0 = not checked
+    // Live verification (docs/OPERATIONS.md): every round(1 / verify_sample_fraction)-th
+    // gate-passing lookup of a pair answers "verify" instead of a lease; the requester prefills
+    // and publishes its own cache, which kvtd compares with its translation of the same source
+    // prefix. A mapper version whose last verify_window samples average below its recorded
+    // quality.kv_cosine_heldout - verify_tolerance is taken out of service until restored or
+    // replaced. 0 = off.
+    double verify_sample_fraction = 0.02;
+    int64_t verify_window = 8;
+    double verify_tolerance = 0.05;
+    int64_t verify_max_pending = 64;       // pending samples held (oldest expire first)
+    double verify_pending_seconds = 120;   // a sample whose own publish has not arrived expires
   } prefix_cache;
   struct Security {
     std::string tls_cert_file;       // PEM certificate chain; set with tls_key_file for TLS

@@ -31,6 +31,7 @@ class KvtdServer {
   TranslatorService* service() { return service_.get(); }
   // Null unless prefix_cache.enabled.
   PrefixCache* prefix_cache() { return prefix_cache_.get(); }
+  PrefixCacheService* prefix_service() { return prefix_service_.get(); }
   Metrics* metrics() { return metrics_.get(); }
   // The bound port of the Prometheus endpoint (metrics.listen_address); 0 when it is off.
   int metrics_port() const { return metrics_->port(); }

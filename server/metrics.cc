@@ -375,7 +375,8 @@ Metrics::Metrics(std::string device)
   prefix_lookups_ = &BuildCounter()
                          .Name("kvt_prefix_lookups_total")
                          .Help("LookupPrefix calls by target model and result (\"hit\" or the "
-                               "miss reason: no_prefix, no_mapper, gate, forbidden, too_short).")
+                               "miss reason: no_prefix, no_mapper, gate, live_quality, "
+                               "verification_sample, forbidden, too_short).")
                          .Register(r);
   prefix_reused_tokens_ = &BuildCounter()
                                .Name("kvt_prefix_reused_tokens_total")
@@ -400,6 +401,23 @@ Metrics::Metrics(std::string device)
                                .Name("kvt_prefix_evicted_bytes_total")
                                .Help("Bytes of stored source caches dropped, by reason.")
                                .Register(r);
+  live_verifications_ = &BuildCounter()
+                            .Name("kvt_live_verifications_total")
+                            .Help("Live verification samples by pair, mapper and result (pass, "
+                                  "fail, no_reference, expired, skipped).")
+                            .Register(r);
+  live_quality_ = &BuildGauge()
+                      .Name("kvt_live_quality")
+                      .Help("Mean K/V cosine of a mapper's last window of live verification "
+                            "samples (translated stored prefix against the target's own "
+                            "cache), by pair and mapper.")
+                      .Register(r);
+  out_of_service_ = &BuildGauge()
+                        .Name("kvt_mapper_out_of_service")
+                        .Help("1 while live verification holds a mapper out of service (its "
+                              "live quality fell below the recorded kv_cosine_heldout minus "
+                              "the tolerance), by pair and mapper.")
+                        .Register(r);
   prefix_bytes_ = &BuildGauge()
                        .Name("kvt_prefix_cache_bytes")
                        .Help("Prefix cache host memory: kind=\"held\" (stored and reserved) "
@@ -574,6 +592,26 @@ void Metrics::RecordPrefixPublish(const std::string& model, const std::string& r
 void Metrics::RecordPrefixEviction(const std::string& reason, int64_t bytes) {
   prefix_evictions_->Add({{"reason", reason}}).Increment();
   prefix_evicted_bytes_->Add({{"reason", reason}}).Increment(static_cast<double>(bytes));
+}
+
+void Metrics::RecordLiveVerification(const PairLabels& pair, const std::string& mapper,
+                                     const std::string& result) {
+  live_verifications_
+      ->Add({{"source", pair.source()}, {"target", pair.target()}, {"mapper", mapper},
+             {"result", result}})
+      .Increment();
+}
+
+void Metrics::SetLiveQuality(const PairLabels& pair, const std::string& mapper, double value) {
+  live_quality_->Add({{"source", pair.source()}, {"target", pair.target()}, {"mapper", mapper}})
+      .Set(value);
+}
+
+void Metrics::SetMapperOutOfService(const PairLabels& pair, const std::string& mapper,
+                                    bool out) {
+  out_of_service_
+      ->Add({{"source", pair.source()}, {"target", pair.target()}, {"mapper", mapper}})
+      .Set(out ? 1 : 0);
 }
 
 void Metrics::SetPrefixCacheUsage(int64_t bytes_held, int64_t max_bytes, int64_t entries) {

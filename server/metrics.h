@@ -120,6 +120,17 @@ class Metrics {
   // reason: "lru", "ttl", "subsumed", "admin".
   void RecordPrefixEviction(const std::string& reason, int64_t bytes);
   void SetPrefixCacheUsage(int64_t bytes_held, int64_t max_bytes, int64_t entries);
+  // Live verification (server/live_verifier.h). result: "pass" / "fail" (the sample against
+  // the mapper's recorded kv_cosine_heldout - tolerance; "pass" when it records none), "expired"
+  // (no own publish in time, or pushed out), "skipped" (the mapper changed version or could not
+  // be measured).
+  void RecordLiveVerification(const PairLabels& pair, const std::string& mapper,
+                              const std::string& result);
+  // kvt_live_quality{source, target, mapper}: mean K/V cosine of the last window of samples.
+  void SetLiveQuality(const PairLabels& pair, const std::string& mapper, double value);
+  // kvt_mapper_out_of_service{source, target, mapper}: 1 while live verification holds the
+  // mapper's current version out of service, else 0.
+  void SetMapperOutOfService(const PairLabels& pair, const std::string& mapper, bool out);
 
   // The text exposition (what GET /metrics returns).
   std::string Serialize() const;
@@ -165,6 +176,9 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* prefix_published_tokens_;
   prometheus::Family<prometheus::Counter>* prefix_evictions_;
   prometheus::Family<prometheus::Counter>* prefix_evicted_bytes_;
+  prometheus::Family<prometheus::Counter>* live_verifications_;
+  prometheus::Family<prometheus::Gauge>* live_quality_;
+  prometheus::Family<prometheus::Gauge>* out_of_service_;
   prometheus::Family<prometheus::Gauge>* prefix_bytes_;
   prometheus::Family<prometheus::Gauge>* prefix_entries_;
 };

@@ -12,7 +12,10 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "kernels/finite.h"
+#include "quality/kv_quality.h"
 #include "quality/mapper_quality.h"
+#include "server/measure_translation.h"
+#include "server/translate/request_plan.h"
 #include "server/request_checks.h"
 #include "transport/kv_chunks.h"
 #include "transport/paged.h"
@@ -81,7 +84,57 @@ PrefixCacheService::PrefixCacheService(const KvtdConfig& config, MapperStore* st
       shift_stats_(shift_stats),
       metrics_(metrics),
       auth_(auth) {
+  const KvtdConfig::PrefixCache& pc = config_.prefix_cache;
+  if (cache_ != nullptr && pc.verify_sample_fraction > 0) {
+    LiveVerifierOptions options;
+    options.sample_fraction = pc.verify_sample_fraction;
+    options.window = static_cast<int>(pc.verify_window);
+    options.tolerance = pc.verify_tolerance;
+    options.max_pending = static_cast<int>(pc.verify_max_pending);
+    options.pending_ttl = absl::Seconds(pc.verify_pending_seconds);
+    options.block_tokens = cache_->block_tokens();
+    absl::StatusOr<std::unique_ptr<LiveVerifier>> verifier = LiveVerifier::Create(
+        std::move(options),
+        [this](const PendingSample& sample, const PrefixEntry& own) {
+          return MeasureSample(sample, own);
+        },
+        metrics_);
+    if (verifier.ok()) {
+      verifier_ = std::move(*verifier);
+    } else {  // config validation refuses these first
+      KVT_LOG(kError, "live verification off").With("error", verifier.status().message());
+    }
+  }
   UpdateUsage();
+}
+
+absl::StatusOr<double> PrefixCacheService::MeasureSample(const PendingSample& sample,
+                                                         const PrefixEntry& own) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(config_.prefix_cache.lease_seconds);
+  AcquireOptions wait = MapperWait(config_, deadline);
+  absl::StatusOr<MapperHandle> handle = store_->Acquire(sample.mapper.id, wait);
+  if (!handle.ok()) return handle.status();
+  const std::string now =
+      MapperVersionOf(handle->mapper().weights_sha256(), handle->generation());
+  if (now != sample.mapper.version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "mapper '", sample.mapper.id, "' now has weights ", now,
+        ", the sample was taken on ", sample.mapper.version));
+  }
+  absl::StatusOr<ComputeMapper> compute = PinForCompute(store_, shift_stats_, &*handle, deadline);
+  if (!compute.ok()) return compute.status();
+  MeasureInputs in;
+  in.source = sample.source.entry->View(sample.source.tokens);
+  in.truth = own.View(sample.source.tokens);  // canonical: token i at position i in both
+  in.options.token_chunk = config_.backend.token_chunk;
+  in.cosines_only = true;
+  std::vector<LayerQuality> layers;
+  if (absl::Status measured =
+          MeasureTranslation(*handle, *compute, in, deadline, nullptr, &layers);
+      !measured.ok()) {
+    return measured;
+  }
+  return KvCosineOverLayers(layers);
 }
 
 grpc::Status PrefixCacheService::Authorize(const grpc::ServerContext* context, Role role) const {
@@ -270,6 +323,8 @@ absl::Status PrefixCacheService::PublishImpl(grpc::ServerReader<v1::PublishReque
   }
   absl::StatusOr<PublishResult> result = cache_->Commit(std::move(*pending));
   if (!result.ok()) return result.status();
+  // A sampled lookup's own prefill of the prefix: measured off the request path.
+  if (verifier_ != nullptr) verifier_->OnPublish(result->entry);
   response->set_stored_tokens(static_cast<uint32_t>(stored));
   response->set_reused_blocks(static_cast<uint32_t>(result->reused_blocks));
   response->set_new_blocks(static_cast<uint32_t>(result->new_blocks));
@@ -306,7 +361,8 @@ grpc::Status PrefixCacheService::LookupPrefix(grpc::ServerContext* context,
 }
 
 v1::GateVerdict PrefixCacheService::Gate(const std::shared_ptr<const LoadedMapper>& mapper,
-                                         const PrefixMatch& match) {
+                                         const PrefixMatch& match,
+                                         const VerifiedMapper& version) {
   const KvtdConfig::PrefixCache& gate = config_.prefix_cache;
   const Manifest& manifest = mapper->manifest();
   // The recorded held-out quality, by the rule `kvt fit` records it with.
@@ -341,6 +397,7 @@ v1::GateVerdict PrefixCacheService::Gate(const std::shared_ptr<const LoadedMappe
       }
     }
   }
+  if (reason.empty() && verifier_ != nullptr) reason = verifier_->OutOfService(version);
   verdict.set_passed(reason.empty());
   verdict.set_reason(reason);
   return verdict;
@@ -437,7 +494,13 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
   for (Candidate& candidate : found) {
     absl::StatusOr<std::shared_ptr<const LoadedMapper>> mapper = store_->Get(candidate.mapper->id);
     if (!mapper.ok()) continue;  // unloaded or failed since the listing
-    const v1::GateVerdict verdict = Gate(*mapper, candidate.match);
+    VerifiedMapper version;
+    version.id = candidate.mapper->id;
+    version.generation = candidate.mapper->generation;
+    version.version = MapperVersionOf((*mapper)->weights_sha256(), version.generation);
+    version.pair = PairLabels::Of((*mapper)->view());
+    version.recorded = (*mapper)->manifest().quality.kv_cosine_heldout;
+    const v1::GateVerdict verdict = Gate(*mapper, candidate.match, version);
     const std::string& reason = verdict.reason();
     if (&candidate == &found.front()) first_verdict = verdict;
     for (v1::PrefixCandidate& c : *response->mutable_candidates()) {
@@ -448,6 +511,23 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
     const bool forced = request.policy() == v1::REUSE_POLICY_FORCE;
     if (!verdict.passed() && !forced) continue;
     const int64_t tokens = candidate.match.tokens;
+    if (verdict.passed() && !forced && verifier_ != nullptr && verifier_->Sample(version)) {
+      // A live verification sample: no lease; the engine prefills and publishes its own cache.
+      verifier_->AddPending(version, candidate.match);
+      response->set_hit(false);
+      response->set_verify(true);
+      response->set_miss_reason("verification_sample");
+      response->set_detail(absl::StrCat(
+          "live verification sample (one in ", verifier_->period(), " applicable lookups of "
+          "mapper ", candidate.mapper->id, "): prefill and publish; kvtd compares the publish "
+          "with its translation of the stored prefix"));
+      response->set_source_model(candidate.mapper->source_model);
+      response->set_mapper_id(candidate.mapper->id);
+      response->set_matched_tokens(static_cast<uint32_t>(tokens));
+      *response->mutable_gate() = verdict;
+      record("verification_sample");
+      return absl::OkStatus();
+    }
     response->set_hit(true);
     response->set_source_model(candidate.mapper->source_model);
     response->set_mapper_id(candidate.mapper->id);
@@ -468,8 +548,10 @@ absl::Status PrefixCacheService::LookupImpl(const v1::LookupPrefixRequest& reque
     return absl::OkStatus();
   }
   *response->mutable_gate() = first_verdict;
-  record("gate");
-  return miss("gate", absl::StrCat("quality gate: ", first_verdict.reason()));
+  const char* reason =
+      absl::StartsWith(first_verdict.reason(), "live_quality") ? "live_quality" : "gate";
+  record(reason);
+  return miss(reason, absl::StrCat("quality gate: ", first_verdict.reason()));
 }
 
 grpc::Status PrefixCacheService::ListPrefixes(grpc::ServerContext* context,
@@ -517,6 +599,62 @@ grpc::Status PrefixCacheService::EvictPrefixes(grpc::ServerContext* context,
       .With("entry_id", request->entry_id())
       .With("entries", result.evicted_entries)
       .With("bytes", result.evicted_bytes);
+  return grpc::Status::OK;
+}
+
+namespace {
+
+void FillVerification(const VerificationState& state, double tolerance,
+                      v1::MapperVerification* out) {
+  out->set_mapper_id(state.mapper.id);
+  out->set_generation(state.mapper.generation);
+  out->set_version(state.mapper.version);
+  out->set_source_model(state.mapper.pair.source());
+  out->set_target_model(state.mapper.pair.target());
+  if (state.mapper.recorded) out->set_recorded(*state.mapper.recorded);
+  out->set_tolerance(tolerance);
+  out->set_samples(static_cast<uint32_t>(state.samples));
+  if (state.live) out->set_live(*state.live);
+  out->set_out_of_service(state.out_of_service);
+  out->set_reason(state.reason);
+}
+
+constexpr char kVerifyOff[] =
+    "live verification is off on this server (prefix_cache.enabled, "
+    "prefix_cache.verify_sample_fraction)";
+
+}  // namespace
+
+grpc::Status PrefixCacheService::ListVerifications(grpc::ServerContext* context,
+                                                   const v1::ListVerificationsRequest*,
+                                                   v1::ListVerificationsResponse* response) {
+  if (grpc::Status auth = Authorize(context, Role::kAdmin); !auth.ok()) return auth;
+  if (verifier_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, kVerifyOff);
+  }
+  for (const VerificationState& state : verifier_->List()) {
+    FillVerification(state, config_.prefix_cache.verify_tolerance, response->add_mappers());
+  }
+  response->set_pending(static_cast<uint32_t>(verifier_->pending()));
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefixCacheService::RestoreMapper(grpc::ServerContext* context,
+                                               const v1::RestoreMapperRequest* request,
+                                               v1::RestoreMapperResponse* response) {
+  if (grpc::Status auth = Authorize(context, Role::kAdmin); !auth.ok()) return auth;
+  if (verifier_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, kVerifyOff);
+  }
+  if (request->mapper_id().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "mapper_id is required");
+  }
+  absl::StatusOr<std::pair<bool, VerificationState>> restored =
+      verifier_->Restore(request->mapper_id());
+  if (!restored.ok()) return ToGrpcStatus(restored.status());
+  response->set_restored(restored->first);
+  FillVerification(restored->second, config_.prefix_cache.verify_tolerance,
+                   response->mutable_verification());
   return grpc::Status::OK;
 }
 

@@ -12,6 +12,7 @@
 #include "quality/input_shift_cache.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "server/live_verifier.h"
 #include "server/metrics.h"
 #include "transport/shm_registry.h"
 
@@ -38,6 +39,15 @@ class PrefixCacheService final : public v1::KvPrefixCache::Service {
   grpc::Status EvictPrefixes(grpc::ServerContext* context,
                              const v1::EvictPrefixesRequest* request,
                              v1::EvictPrefixesResponse* response) override;
+  grpc::Status ListVerifications(grpc::ServerContext* context,
+                                 const v1::ListVerificationsRequest* request,
+                                 v1::ListVerificationsResponse* response) override;
+  grpc::Status RestoreMapper(grpc::ServerContext* context,
+                             const v1::RestoreMapperRequest* request,
+                             v1::RestoreMapperResponse* response) override;
+
+  // Live verification (null when prefix_cache.verify_sample_fraction is 0 or the cache is off).
+  LiveVerifier* verifier() { return verifier_.get(); }
 
  private:
   absl::Status PublishImpl(grpc::ServerReader<v1::PublishRequest>* reader,
@@ -45,8 +55,11 @@ class PrefixCacheService final : public v1::KvPrefixCache::Service {
   absl::Status LookupImpl(const v1::LookupPrefixRequest& request,
                           v1::LookupPrefixResponse* response);
   // The quality gate's verdict on leasing `match` for translation through `mapper`.
+  // `version`: the mapper as live verification keys it (out of service refuses it).
   v1::GateVerdict Gate(const std::shared_ptr<const LoadedMapper>& mapper,
-                       const PrefixMatch& match);
+                       const PrefixMatch& match, const VerifiedMapper& version);
+  // Live verification's measurement of one sample (runs on the verifier's worker).
+  absl::StatusOr<double> MeasureSample(const PendingSample& sample, const PrefixEntry& own);
   grpc::Status Authorize(const grpc::ServerContext* context, Role role) const;
   void UpdateUsage();
 
@@ -57,6 +70,7 @@ class PrefixCacheService final : public v1::KvPrefixCache::Service {
   InputShiftCache* const shift_stats_;
   Metrics* const metrics_;
   const Authenticator* const auth_;
+  std::unique_ptr<LiveVerifier> verifier_;  // last: its worker calls MeasureSample
 };
 
 }  // namespace kvt

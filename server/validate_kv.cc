@@ -12,6 +12,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "quality/kv_quality.h"
+#include "server/measure_translation.h"
 #include "server/request_checks.h"
 #include "server/translate/request_plan.h"
 #include "server/translator_service.h"
@@ -174,79 +175,32 @@ class ValidateIntake {
   const ChunkExpectation source_chunks_, truth_chunks_, query_chunks_;
 };
 
-// The translation, computed layer by layer as TranslateKV returns it by default (the request's
-// dtype, token-major), measured against the true cache per SPEC 5. Runs on the executor.
-absl::Status MeasureLayers(grpc::ServerContext* context, const MapperHandle& mapper,
-                           const ComputeMapper& compute, const ModelSpec& src,
-                           const ModelSpec& tgt, const ValidateShapes& shapes,
-                           const InputHeader& input, const TranslateOptions& options,
-                           const Rope& target_rope, const ValidateIntake& caches,
-                           std::vector<LayerQuality>* layers) {
-  const int64_t T = shapes.tokens;
-  const int num_query_heads = shapes.num_query_heads;
-  const Positions& positions = input.positions;
-  CacheView source_view;
-  source_view.dtype = input.dtype;
-  source_view.layout = input.layout;
-  source_view.num_kv_heads = src.num_kv_heads;
-  source_view.head_dim = src.head_dim;
-  source_view.num_tokens = T;
+// The three caches as views (the request's dtype and layout) for MeasureTranslation.
+MeasureInputs Views(const ModelSpec& src, const ModelSpec& tgt, const ValidateShapes& shapes,
+                    const InputHeader& input, const ValidateIntake& caches) {
+  MeasureInputs in;
+  for (CacheView* view : {&in.source, &in.truth, &in.queries}) {
+    view->dtype = input.dtype;
+    view->layout = input.layout;
+    view->num_tokens = shapes.tokens;
+  }
+  in.source.num_kv_heads = src.num_kv_heads;
+  in.source.head_dim = src.head_dim;
   for (int l = 0; l < src.num_layers; ++l) {
-    source_view.k.push_back(caches.source.k[l].get());
-    source_view.v.push_back(caches.source.v[l].get());
+    in.source.k.push_back(caches.source.k[l].get());
+    in.source.v.push_back(caches.source.v[l].get());
   }
-  const LayerGeometry mapped_geometry{Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
-                                      shapes.element};
-  CacheBuffers mapped(1, mapped_geometry.layer_bytes(), true);
-  MutableCacheView target;
-  target.dtype = input.dtype;
-  target.layout = Layout::kNHD;
-  target.num_kv_heads = tgt.num_kv_heads;
-  target.head_dim = tgt.head_dim;
-  target.num_tokens = T;
-  const int64_t floats = shapes.target_layer_floats;
-  std::vector<float> k_mapped(floats), v_mapped(floats), k_true(floats), v_true(floats),
-      q(static_cast<size_t>(num_query_heads) * T * tgt.head_dim);
-  for (int layer = 0; layer < tgt.num_layers; ++layer) {
-    if (context->IsCancelled()) return absl::CancelledError("client went away");
-    target.k.assign(tgt.num_layers, nullptr);
-    target.v.assign(tgt.num_layers, nullptr);
-    target.k[layer] = mapped.k[0].get();
-    target.v[layer] = mapped.v[0].get();
-    // A cold page-in streams per layer: this layer's weights may still be arriving.
-    absl::Status status = mapper.WaitLayerReady(layer, absl::FromChrono(context->deadline()));
-    if (status.ok()) {
-      status = compute.backend->TranslateLayer(*compute.prepared, layer, source_view, positions,
-                                               options, &target);
-    }
-    if (!status.ok()) return status;
-    ToTokenMajorFloat(input.dtype, Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
-                      mapped.k[0].get(), k_mapped.data());
-    ToTokenMajorFloat(input.dtype, Layout::kNHD, tgt.num_kv_heads, T, tgt.head_dim,
-                      mapped.v[0].get(), v_mapped.data());
-    ToTokenMajorFloat(input.dtype, input.layout, tgt.num_kv_heads, T, tgt.head_dim,
-                      caches.truth.k[layer].get(), k_true.data());
-    ToTokenMajorFloat(input.dtype, input.layout, tgt.num_kv_heads, T, tgt.head_dim,
-                      caches.truth.v[layer].get(), v_true.data());
-    LayerQualityInputs in;
-    in.num_tokens = T;
-    in.num_kv_heads = tgt.num_kv_heads;
-    in.head_dim = tgt.head_dim;
-    in.k_mapped = k_mapped.data();
-    in.v_mapped = v_mapped.data();
-    in.k_true = k_true.data();
-    in.v_true = v_true.data();
-    if (num_query_heads > 0) {
-      ToTokenMajorFloat(input.dtype, input.layout, num_query_heads, T, tgt.head_dim,
-                        caches.queries.k[layer].get(), q.data());
-      in.num_query_heads = num_query_heads;
-      in.queries = q.data();
-    }
-    absl::StatusOr<LayerQuality> quality = ComputeLayerQuality(in, target_rope, positions);
-    if (!quality.ok()) return quality.status();
-    (*layers)[layer] = *quality;
+  in.truth.num_kv_heads = tgt.num_kv_heads;
+  in.truth.head_dim = tgt.head_dim;
+  in.queries.num_kv_heads = shapes.num_query_heads;
+  in.queries.head_dim = tgt.head_dim;
+  for (int l = 0; l < tgt.num_layers; ++l) {
+    in.truth.k.push_back(caches.truth.k[l].get());
+    in.truth.v.push_back(caches.truth.v[l].get());
+    if (shapes.num_query_heads > 0) in.queries.k.push_back(caches.queries.k[l].get());
   }
-  return absl::OkStatus();
+  in.positions = input.positions;
+  return in;
 }
 
 // The response and the metrics record from the per-layer quality; the "validate done" line.
@@ -374,14 +328,12 @@ grpc::Status TranslatorService::ValidateKVImpl(grpc::ServerContext* context,
   if (absl::Status complete = caches.CheckComplete(); !complete.ok()) return fail(complete);
 
   // --- Translate and measure, layer by layer, on the compute executor. ---
-  absl::StatusOr<Rope> target_rope = Rope::Create(tgt.rope, tgt.head_dim);
-  if (!target_rope.ok()) return fail(target_rope.status());
-  std::vector<LayerQuality> layers(tgt.num_layers);
-  TranslateOptions options;
-  options.token_chunk = config_.backend.token_chunk;
+  MeasureInputs measure = Views(src, tgt, shapes, *input, caches);
+  measure.options.token_chunk = config_.backend.token_chunk;
+  std::vector<LayerQuality> layers;
   absl::Status computed = compute_.Submit([&]() -> absl::Status {
-    return MeasureLayers(context, *mapper, *prepared, src, tgt, shapes, *input, options,
-                         *target_rope, caches, &layers);
+    return MeasureTranslation(*mapper, *prepared, measure, absl::FromChrono(context->deadline()),
+                              [context] { return context->IsCancelled(); }, &layers);
   }).get();
   if (context->IsCancelled()) return CancelledOrDeadline(context);
   if (!computed.ok()) return fail(computed);

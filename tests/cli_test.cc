@@ -81,6 +81,14 @@ TEST(KvtCliTest, SynthInspectAndTranslateThroughARealServer) {
   CommandResult mappers = RunKvt("mappers --server=" + address);
   EXPECT_EQ(mappers.exit_code, 0) << mappers.output;
   EXPECT_THAT(mappers.output, HasSubstr("cli/a -> cli/b"));
+  // `mappers restore` reaches KvPrefixCache.RestoreMapper: this kvtd has no prefix cache, so
+  // live verification is off and the error says so.
+  CommandResult restore = RunKvt("mappers --server=" + address + " restore pair");
+  EXPECT_EQ(restore.exit_code, 2) << restore.output;
+  EXPECT_THAT(restore.output, HasSubstr("live verification is off on this server"));
+  CommandResult restore_two = RunKvt("mappers --server=" + address + " restore a b");
+  EXPECT_EQ(restore_two.exit_code, 2) << restore_two.output;
+  EXPECT_THAT(restore_two.output, HasSubstr("expected exactly one MAPPER_ID"));
 
   // A source dump with unit-variance entries.
   absl::StatusOr<std::unique_ptr<LoadedMapper>> mapper = LoadMapperDir(store + "/pair");

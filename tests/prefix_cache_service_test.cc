@@ -21,6 +21,8 @@
 #include "mapper_store/synth.h"
 #include "proto/kvt/v1/prefix_cache.grpc.pb.h"
 #include "server/kvtd_server.h"
+#include "server/live_verifier.h"
+#include "server/prefix_cache_service.h"
 #include "server/server_metadata.h"
 #include "tests/in_process_kvtd.h"
 #include "transport/kv_chunks.h"
@@ -459,6 +461,176 @@ TEST(PrefixCacheDisabledTest, LookupMissesAndCachedInputIsRefused) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(refused.status().message(), HasSubstr("prefix_cache.enabled"));
+}
+
+
+// Mapper `synth_dir` rewritten into `out_dir` with the held-out figures `kvt fit` records,
+// K/V cosine 0.99 among them (what live verification compares with).
+absl::Status WriteWithRecordedQuality(const std::string& synth_dir, const std::string& out_dir,
+                                      bool overwrite) {
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> synth = LoadMapperDir(synth_dir);
+  if (!synth.ok()) return synth.status();
+  Manifest manifest = (*synth)->manifest();
+  manifest.quality.attention_cosine_heldout = 0.95;
+  manifest.quality.attention_cosine_heldout_lower95 = 0.94;
+  manifest.quality.heldout_sequences = 32;
+  manifest.quality.heldout_tokens = 8192;
+  manifest.quality.kv_cosine_heldout = 0.99;
+  std::vector<TensorRef> tensors;
+  for (const TensorInfo& info : (*synth)->weights().tensors()) {
+    tensors.push_back({info.spec, (*synth)->weights().data(info)});
+  }
+  WriteOptions options;
+  options.overwrite = overwrite;
+  return WriteMapperDir(out_dir, manifest, tensors, options);
+}
+
+SynthOptions SrcToDst(uint64_t seed) {
+  SynthOptions options;
+  options.source = NeoxModelSpec("test/src", kSourceLayers, kSourceHeads, kSourceDim, 10000);
+  options.target = NeoxModelSpec("test/dst", 4, 3, 16, 500000);
+  options.k = 2;
+  options.dtype = DType::kFP32;
+  options.seed = seed;
+  return options;
+}
+
+// Live verification end to end over gRPC, with real safetensors mappers: sampled lookups answer
+// "verify" (no lease); the target publishes its own prefill of the prompt; kvtd translates the
+// stored source prefix through the same mapper version and compares. A mapper whose weights are
+// replaced under the same id by worse ones is out of service after at most verify_window
+// samples of the new version (here 3 samples = 6 applicable lookups at fraction 0.5); lookups
+// then answer "live_quality"; a restore puts it back.
+TEST_F(PrefixCacheServiceTest, LiveVerificationTakesASwappedMapperOutOfServiceUntilRestored) {
+  const char* root = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(root ? root : "/tmp", "/live_verification");
+  const std::string store = dir + "/store";
+  ASSERT_TRUE(WriteSynthMapper(dir + "/good_synth", SrcToDst(5)).ok());
+  ASSERT_TRUE(WriteSynthMapper(dir + "/bad_synth", SrcToDst(77)).ok());
+  ASSERT_TRUE(WriteWithRecordedQuality(dir + "/good_synth", store + "/m", false).ok());
+  // The target must be publishable: some mapper reads it.
+  SynthOptions reverse = SrcToDst(9);
+  std::swap(reverse.source, reverse.target);
+  ASSERT_TRUE(WriteSynthMapper(store + "/r", reverse).ok());
+
+  KvtdConfig config;
+  config.prefix_cache.enabled = true;
+  config.prefix_cache.block_tokens = 16;
+  config.prefix_cache.verify_sample_fraction = 0.5;  // every 2nd applicable lookup
+  config.prefix_cache.verify_window = 3;
+  config.prefix_cache.verify_tolerance = 0.05;
+  config.mapper_store.reload_interval_seconds = 0;  // the test rescans when it swaps
+  kvtd_.reset();
+  Start(config, store);
+  LiveVerifier* verifier = kvtd_->server().prefix_service()->verifier();
+  ASSERT_NE(verifier, nullptr);
+
+  // The target engine's own caches: what the good mapper makes of each prompt's source cache
+  // (so the good mapper's live cosine is 1 and a different mapper's is far below 0.94).
+  constexpr int kPrompts = 16;
+  std::vector<std::vector<uint32_t>> prompts;
+  std::vector<HostCache> sources, owns;
+  for (int i = 0; i < kPrompts; ++i) {
+    prompts.push_back(Tokens(48, 100 + i));
+    sources.push_back(Source(48, Layout::kNHD, 200 + i));
+    v1::TranslateHeader header;
+    header.set_mapper_id("m");
+    header.set_dtype(v1::DTYPE_FP32);
+    header.set_layout(v1::LAYOUT_NHD);
+    header.set_output_layout(v1::LAYOUT_NHD);
+    header.set_num_tokens(48);
+    absl::StatusOr<TranslateResult> own = kvtd_->client().Translate(header, sources.back());
+    ASSERT_TRUE(own.ok()) << own.status();
+    owns.push_back(std::move(own->target));
+  }
+  // One engine request: the source member has published the prompt; the target looks up and,
+  // when asked to verify, prefills (its own cache) and publishes it.
+  int next = 0;
+  auto request = [&]() -> v1::LookupPrefixResponse {
+    const int i = next++ % kPrompts;
+    v1::PublishResponse published;
+    EXPECT_TRUE(Publish("test/src", prompts[i], sources[i], &published).ok());
+    const v1::LookupPrefixResponse response = Lookup(prompts[i]);
+    if (response.verify()) {
+      EXPECT_FALSE(response.hit());
+      EXPECT_TRUE(response.lease_id().empty());
+      EXPECT_EQ(response.miss_reason(), "verification_sample");
+      EXPECT_EQ(response.mapper_id(), "m");
+      EXPECT_EQ(response.matched_tokens(), 48u);
+      grpc::Status own = Publish("test/dst", prompts[i], owns[i], &published, -1, 4);
+      EXPECT_TRUE(own.ok()) << own.error_message();
+      verifier->Drain();  // the comparison runs off the request path
+    }
+    return response;
+  };
+  auto state = [&]() {
+    std::vector<VerificationState> states = verifier->List();
+    EXPECT_EQ(states.size(), 1u);
+    return states.empty() ? VerificationState() : states.front();
+  };
+
+  // The good mapper: 4 samples in 8 requests, every one passes.
+  int samples = 0;
+  for (int r = 0; r < 8; ++r) {
+    const v1::LookupPrefixResponse response = request();
+    samples += response.verify();
+    EXPECT_TRUE(response.hit() || response.verify()) << response.detail();
+  }
+  EXPECT_EQ(samples, 4);
+  EXPECT_EQ(state().samples, 3);  // the window
+  ASSERT_TRUE(state().live.has_value());
+  EXPECT_GT(*state().live, 0.999);
+  EXPECT_FALSE(state().out_of_service);
+  const std::string metrics = kvtd_->server().metrics()->Serialize();
+  EXPECT_THAT(metrics, HasSubstr(R"(kvt_live_verifications_total{mapper="m",result="pass",source="test/src",target="test/dst"} 4)"));
+
+  // Worse weights under the same id, same manifest figures (staged beside the store, written
+  // over it in one step, then rescanned): a new version.
+  ASSERT_TRUE(WriteWithRecordedQuality(dir + "/bad_synth", store + "/m", true).ok());
+  ASSERT_TRUE(kvtd_->store().Scan().ok());
+  ASSERT_EQ(kvtd_->client().GetMapper("m")->generation(), 2);
+
+  // Out of service within verify_window samples of the new version, i.e. 2 * 3 requests.
+  int requests = 0;
+  while (!state().out_of_service && requests < 6) {
+    request();
+    ++requests;
+  }
+  EXPECT_TRUE(state().out_of_service);
+  EXPECT_EQ(requests, 6);
+  EXPECT_LT(*state().live, 0.94);
+  const v1::LookupPrefixResponse refused = request();
+  EXPECT_FALSE(refused.hit());
+  EXPECT_FALSE(refused.verify());
+  EXPECT_EQ(refused.miss_reason(), "live_quality");
+  EXPECT_FALSE(refused.gate().passed());
+  EXPECT_THAT(refused.gate().reason(), HasSubstr("live_quality: mean K/V cosine"));
+  EXPECT_THAT(kvtd_->server().metrics()->Serialize(),
+              HasSubstr(R"(kvt_mapper_out_of_service{mapper="m",source="test/src",target="test/dst"} 1)"));
+
+  // The operator restores it (admin RPC): lookups apply it again.
+  {
+    grpc::ClientContext context;
+    v1::RestoreMapperRequest restore;
+    restore.set_mapper_id("m");
+    v1::RestoreMapperResponse restored;
+    grpc::Status status = prefix_->RestoreMapper(&context, restore, &restored);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_TRUE(restored.restored());
+    EXPECT_EQ(restored.verification().generation(), 2);
+    EXPECT_FALSE(restored.verification().out_of_service());
+  }
+  const v1::LookupPrefixResponse back = request();
+  EXPECT_TRUE(back.hit() || back.verify()) << back.miss_reason() << ": " << back.detail();
+  {
+    grpc::ClientContext context;
+    v1::ListVerificationsResponse listed;
+    ASSERT_TRUE(prefix_->ListVerifications(&context, v1::ListVerificationsRequest(), &listed).ok());
+    ASSERT_EQ(listed.mappers_size(), 1);
+    EXPECT_EQ(listed.mappers(0).mapper_id(), "m");
+    EXPECT_DOUBLE_EQ(listed.mappers(0).recorded(), 0.99);
+    EXPECT_EQ(listed.pending(), 0u);
+  }
 }
 
 }  // namespace

@@ -195,7 +195,8 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
         {"quality.attention_cosine_heldout_all_layers",
          &m.quality.attention_cosine_heldout_all_layers},
         {"quality.attention_cosine_heldout_lower95",
-         &m.quality.attention_cosine_heldout_lower95}}) {
+         &m.quality.attention_cosine_heldout_lower95},
+        {"quality.kv_cosine_heldout", &m.quality.kv_cosine_heldout}}) {
     if (absl::Status s = ValidateCosine(*value, name, lines.quality, error); !s.ok()) return s;
   }
   if (m.quality.attention_cosine_heldout_lower95.has_value() &&
@@ -437,7 +438,7 @@ class Parser : private strict::YamlReader {
                                   {"attention_cosine_heldout",
                                    "attention_cosine_heldout_all_layers",
                                    "attention_cosine_heldout_lower95", "heldout_sequences",
-                                   "heldout_tokens", "r2_heldout"});
+                                   "heldout_tokens", "r2_heldout", "kv_cosine_heldout"});
         !s.ok()) {
       return s;
     }
@@ -446,7 +447,8 @@ class Parser : private strict::YamlReader {
                                                          &quality->attention_cosine_heldout},
           {"attention_cosine_heldout_all_layers", &quality->attention_cosine_heldout_all_layers},
           {"attention_cosine_heldout_lower95", &quality->attention_cosine_heldout_lower95},
-          {"r2_heldout", &quality->r2_heldout}}) {
+          {"r2_heldout", &quality->r2_heldout},
+          {"kv_cosine_heldout", &quality->kv_cosine_heldout}}) {
       const YAML::Node value = node[key];
       if (!value.IsDefined()) continue;
       absl::StatusOr<double> number = Scalar<double>(value, Path("quality", key), "a number");
@@ -799,7 +801,8 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
               "attention_cosine_heldout", &m.quality.attention_cosine_heldout},
           {"attention_cosine_heldout_all_layers", &m.quality.attention_cosine_heldout_all_layers},
           {"attention_cosine_heldout_lower95", &m.quality.attention_cosine_heldout_lower95},
-          {"r2_heldout", &m.quality.r2_heldout}}) {
+          {"r2_heldout", &m.quality.r2_heldout},
+          {"kv_cosine_heldout", &m.quality.kv_cosine_heldout}}) {
       if (value->has_value()) out << YAML::Key << key << YAML::Value << FormatDouble(**value);
     }
     for (const auto& [key, value] :

@@ -88,10 +88,16 @@ struct ManifestQuality {
   // Mean of r2_k_heldout and r2_v_heldout over target layers past 0 (every layer when only
   // layer 0 has them).
   std::optional<double> r2_heldout;
+  // The statistic kvtd's live verification measures on served handoffs (quality/kv_quality.h
+  // KvCosineOverLayers): cos(translated, true) per token and head, averaged over tokens, heads,
+  // K and V, then over target layers past 0 (every layer when the target has one), over the
+  // held-out sequences. Absent in manifests written before it (live checks then never take the
+  // mapper out of service).
+  std::optional<double> kv_cosine_heldout;
   bool empty() const {
     return !attention_cosine_heldout && !attention_cosine_heldout_all_layers &&
            !attention_cosine_heldout_lower95 && !heldout_sequences && !heldout_tokens &&
-           !r2_heldout;
+           !r2_heldout && !kv_cosine_heldout;
   }
 };
 

@@ -148,7 +148,7 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   lines[24] =
       "quality: {attention_cosine_heldout: 0.9731, attention_cosine_heldout_all_layers: "
       "0.98125, attention_cosine_heldout_lower95: 0.9625, heldout_sequences: 12, "
-      "heldout_tokens: 6144, r2_heldout: -0.25}";
+      "heldout_tokens: 6144, r2_heldout: -0.25, kv_cosine_heldout: 0.875}";
   lines.insert(lines.begin() + 25, "layers:");  // the example's line 25 became `quality:`
   lines[26] = "  - {target_layer: 0, sigma_k: [3, 1], sigma_v: [3], attention_cosine_heldout: 0.999}";
   lines[27] =
@@ -162,6 +162,7 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   EXPECT_EQ(m->quality.attention_cosine_heldout_lower95, 0.9625);
   EXPECT_EQ(m->quality.heldout_sequences, 12);
   EXPECT_EQ(m->quality.heldout_tokens, 6144);
+  EXPECT_EQ(m->quality.kv_cosine_heldout, 0.875);
   EXPECT_EQ(m->layers[0].attention_cosine_heldout, 0.999);
   EXPECT_EQ(m->layers[1].attention_cosine_heldout, -0.125);
   EXPECT_FALSE(m->layers[2].attention_cosine_heldout);
@@ -177,6 +178,7 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
             m->quality.attention_cosine_heldout_lower95);
   EXPECT_EQ(back->quality.heldout_sequences, m->quality.heldout_sequences);
   EXPECT_EQ(back->quality.heldout_tokens, m->quality.heldout_tokens);
+  EXPECT_EQ(back->quality.kv_cosine_heldout, m->quality.kv_cosine_heldout);
   for (size_t l = 0; l < m->layers.size(); ++l) {
     EXPECT_EQ(back->layers[l].attention_cosine_heldout, m->layers[l].attention_cosine_heldout);
   }
@@ -190,6 +192,7 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   absl::StatusOr<Manifest> partial = ParseManifest(Join(lines));
   ASSERT_TRUE(partial.ok()) << partial.status();
   EXPECT_FALSE(partial->quality.attention_cosine_heldout);
+  EXPECT_FALSE(partial->quality.kv_cosine_heldout);  // older manifests: valid without it
   EXPECT_EQ(partial->quality.r2_heldout, 0.5);
   lines[24] = "quality: {}";
   absl::StatusOr<Manifest> empty = ParseManifest(Join(lines));
@@ -206,6 +209,9 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   lines[24] = "quality: {attention_cosine_heldout_all_layers: 1.5}";
   KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
                    "quality.attention_cosine_heldout_all_layers = 1.5 is not a valid cosine");
+  lines[24] = "quality: {kv_cosine_heldout: -1.5}";
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   "quality.kv_cosine_heldout = -1.5 is not a valid cosine");
   lines[24] = "quality: {r2_heldout: 2}";
   KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
                    "quality.r2_heldout = 2 is not a valid R^2");

@@ -530,6 +530,21 @@ class KvtConnectorTest(unittest.TestCase):
         finally:
             stop_kvtd()
             start_kvtd()
+        # verification_sample: kvtd's live verification samples every applicable lookup
+        # (fraction 1): the request prefills itself, so its output is the plain run's, and its
+        # prompt publish is what kvtd compares the translation with.
+        stop_kvtd()
+        start_kvtd(family.kvtd_yaml(os.path.join(WORK, "kvtd-verify.yaml"),
+                                    verify_sample_fraction=1.0))
+        try:
+            self.publish_via(M, context)  # a fresh kvtd holds nothing yet
+            sampled = L.one(prompt, GEN, cache_salt="f-verify")
+            self.assertEqual(reason(sampled), "verification_sample")
+            plain_run = L.one(prompt, GEN, kvt={"reuse": "forbid"}, cache_salt="f-verify-plain")
+            self.assertEqual(sampled["token_ids"], plain_run["token_ids"])
+        finally:
+            stop_kvtd()
+            start_kvtd()
 
 
 class MechanicsTest(unittest.TestCase):

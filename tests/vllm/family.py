@@ -44,11 +44,15 @@ def fit_store(work: str, pairs=PAIRS) -> str:
 
 def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Optional[Dict] = None,
               min_mapper_quality: float = 0.0, lease_seconds: float = 30,
-              allow_client_regions: bool = True, prefix_cache_enabled: bool = True) -> str:
+              allow_client_regions: bool = True, prefix_cache_enabled: bool = True,
+              verify_sample_fraction: float = 0.0) -> str:
+    # Live verification is off unless a test asks for it: a sampled lookup prefills instead of
+    # loading, which the handoff tests and benchmarks must not see by chance.
     lines = ["prefix_cache:", f"  enabled: {'true' if prefix_cache_enabled else 'false'}",
              f"  max_bytes: {max_bytes}",
              "  ttl_seconds: 600", "  block_tokens: 16", f"  lease_seconds: {lease_seconds}",
-             f"  min_mapper_quality: {min_mapper_quality}"]
+             f"  min_mapper_quality: {min_mapper_quality}",
+             f"  verify_sample_fraction: {verify_sample_fraction}"]
     if pair_min_quality:
         lines.append("  pair_min_quality:")
         lines += [f'    "{k}": {v}' for k, v in pair_min_quality.items()]

@@ -185,6 +185,11 @@ class KvtScheduler:
     def _decide(self, st: RequestState, response: Any, num_computed_tokens: int, limit: int
                 ) -> Tuple[int, bool]:
         from kvt.cache import DTYPE_NAMES
+        if getattr(response, "verify", False):
+            # kvtd's live verification sample: prefill this request (its output is the plain
+            # engine's); its prompt publish is what kvtd compares the translation with.
+            self._count("verification_samples")
+            return self._fallback(st, "verification_sample", response.detail)
         if not response.hit:
             cluster = st.cluster or {}
             if cluster.get("result") == "error":

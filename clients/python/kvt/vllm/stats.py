@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 _COUNTERS = ("requests", "lookups", "lookup_errors", "hits", "applied", "fallback_reprefill",
              "unsupported", "tokens_reused", "load_failures", "publishes", "publish_dropped",
              "publish_failed", "publish_skipped", "publish_bytes", "publishes_in_place",
-             "publishes_shm", "publish_region_full",
+             "publishes_shm", "publish_region_full", "verification_samples",
              # The cluster tier (kv_connector_extra_config.cluster; docs/CLUSTER_TIER.md).
              # lookups / hits above are kvtd's (the node-local tier).
              "cluster_lookups", "cluster_hits", "cluster_misses", "cluster_fetches",
@@ -73,6 +73,9 @@ _COUNTER_HELP = {
     "publishes_shm": "Publishes kvtd read from the worker's shared-memory region (no inline "
                      "chunks).",
     "publish_region_full": "Publishes sent inline because the publish region had no room.",
+    "verification_samples": "Lookups kvtd answered with a live verification sample (the "
+                            "request prefilled itself; outcome fallback_reprefill, reason "
+                            "verification_sample).",
     "cluster_lookups": "Store lookups (longest_prefix) after kvtd missed or matched less.",
     "cluster_hits": "Store lookups that found a longer prefix than kvtd (a fetch followed).",
     "cluster_misses": "Store lookups that found nothing longer than kvtd.",
