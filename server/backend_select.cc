@@ -84,7 +84,7 @@ absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config,
   absl::StatusOr<CpuGemmPath> gemm_path = ParseCpuGemmPath(config.cpu_gemm);
   if (!gemm_path.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "backend.cpu_gemm='", config.cpu_gemm, "' is not one of auto, bf16, fp32"));
+        "backend.cpu_gemm='", config.cpu_gemm, "' is not one of auto, bf16, fp32, onednn_f32"));
   }
   cpu_options.gemm_path = *gemm_path;
   cpu_options.probe_shapes = served_shapes;
@@ -96,6 +96,7 @@ absl::StatusOr<SelectedBackend> SelectBackend(const KvtdConfig::Backend& config,
   const auto use_cpu = [&] {
     if (const auto* engine = dynamic_cast<const CpuBackend*>(cpu.get())) {
       selected.cpu_gemm_path = CpuGemmPathName(engine->gemm_path());
+      selected.cpu_fp32_gemm_path = CpuGemmPathName(engine->fp32_gemm_path());
       selected.cpu_gemm_reason = engine->gemm_reason();
       selected.cpu_isa = OnednnIsaName();
       selected.cpu_gemm_probe = engine->gemm_probe();

@@ -28,6 +28,7 @@ struct SelectedBackend {
   // CPU backend only: the GEMM path of bf16 / fp16 mappers ("onednn_bf16" or "sgemm"), why,
   // and the ISA oneDNN dispatches; empty for CUDA.
   std::string cpu_gemm_path;
+  std::string cpu_fp32_gemm_path;  // the engine of fp32 mappers ("onednn_f32" or "sgemm")
   std::string cpu_gemm_reason;
   std::string cpu_isa;
   // What `cpu_gemm: auto` measured; nullopt when the path was forced or on CUDA.

@@ -41,6 +41,7 @@ TEST(BackendSelectTest, CpuGemmIsPassedOn) {
   absl::StatusOr<SelectedBackend> selected = SelectBackend(config);
   ASSERT_TRUE(selected.ok()) << selected.status();
   EXPECT_EQ(selected->cpu_gemm_path, "sgemm");
+  EXPECT_EQ(selected->cpu_fp32_gemm_path, "sgemm");
   EXPECT_THAT(selected->backend->description(), HasSubstr("sgemm"));
   config.cpu_gemm = "bf16";
   selected = SelectBackend(config);
@@ -51,6 +52,12 @@ TEST(BackendSelectTest, CpuGemmIsPassedOn) {
   } else {
     EXPECT_THAT(selected->cpu_gemm_reason, HasSubstr("has no bf16 matmul"));
   }
+  config.cpu_gemm = "onednn_f32";
+  selected = SelectBackend(config);
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_EQ(selected->cpu_gemm_path, "onednn_f32");
+  EXPECT_EQ(selected->cpu_fp32_gemm_path, "onednn_f32");
+  EXPECT_THAT(selected->backend->description(), HasSubstr("fp32 matmul"));
   config.cpu_gemm = "fp16";
   EXPECT_EQ(SelectBackend(config).status().code(), absl::StatusCode::kInvalidArgument);
 }

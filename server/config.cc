@@ -322,8 +322,8 @@ const std::vector<Row>& Rows() {
           .Flag("cpu_threads", "Overrides backend.cpu_threads (0 = all cores)."),
       Key(KVTD_KEY(backend, token_chunk)).AtLeast(16),
       Key(KVTD_KEY(backend, cpu_gemm))
-          .OneOf({"auto", "bf16", "fp32"})
-          .Flag("cpu_gemm", "Overrides backend.cpu_gemm: auto | bf16 | fp32."),
+          .OneOf({"auto", "bf16", "fp32", "onednn_f32"})
+          .Flag("cpu_gemm", "Overrides backend.cpu_gemm: auto | bf16 | fp32 | onednn_f32."),
 
       Key(KVTD_KEY(limits, max_tokens))
           .AtLeast(1)

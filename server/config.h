@@ -34,9 +34,10 @@ struct KvtdConfig {
     std::string type = "auto";  // auto | cpu | cuda
     int64_t cpu_threads = 0;    // 0 = all cores
     int64_t token_chunk = 1024; // tokens per compute step (bounds working memory)
-    // GEMMs of bf16 / fp16 mappers on the CPU backend: auto (whichever of oneDNN bf16 and
-    // sgemm measures faster at start-up on the served shapes) | bf16 (oneDNN bf16 forced) |
-    // fp32 (OpenBLAS sgemm on fp32 copies). fp32 mappers always run sgemm.
+    // GEMM engines of the CPU backend: auto (bf16 / fp16 mappers on whichever of oneDNN bf16,
+    // oneDNN fp32 and sgemm measures fastest at start-up on the served shapes, fp32 mappers on
+    // the faster exact one) | bf16 (oneDNN bf16 forced for bf16 / fp16 mappers, fp32 ones on
+    // sgemm) | fp32 (every mapper on OpenBLAS sgemm) | onednn_f32 (every mapper on oneDNN fp32).
     std::string cpu_gemm = "auto";
   } backend;
   struct Limits {

@@ -96,6 +96,7 @@ int Run() {
   if (!backend->cpu_gemm_path.empty()) {
     KVT_LOG(kInfo, "cpu_gemm")
         .With("path", backend->cpu_gemm_path)
+        .With("fp32_path", backend->cpu_fp32_gemm_path)
         .With("isa", backend->cpu_isa)
         .With("requested", config->backend.cpu_gemm)
         .With("reason", backend->cpu_gemm_reason);
