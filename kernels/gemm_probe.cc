@@ -122,7 +122,8 @@ GemmEngine GemmProbeResult::Fastest(bool fp32_only) const {
     if (!engines[e].available || (fp32_only && !IsFp32Engine(engine))) continue;
     if (engines[e].seconds < timing(best).seconds) best = engine;
   }
-  return best;
+  const double sgemm = timing(GemmEngine::kSgemm).seconds;
+  return sgemm < timing(best).seconds * kGemmSwitchMargin ? GemmEngine::kSgemm : best;
 }
 
 std::string GemmProbeResult::Summary() const {

@@ -27,6 +27,12 @@ struct GemmProbeOptions {
   int max_shapes = 4;
 };
 
+// How much faster than sgemm another engine must measure to replace it. The probe's figures move
+// by about 10% on a shared machine, and a oneDNN engine holds a cached primitive (JIT code and
+// descriptors) per GEMM shape and padded row count where sgemm holds nothing: an engine that is
+// not clearly faster is not worth that memory or a choice that flips between restarts.
+inline constexpr double kGemmSwitchMargin = 1.2;
+
 // The GEMM engines of the CPU backend. The two fp32 ones are exact (SPEC 3's fp32 tolerance);
 // oneDNN bf16 rounds x and the weights to bf16.
 enum class GemmEngine : int { kOnednnBf16 = 0, kOnednnF32 = 1, kSgemm = 2 };
@@ -49,8 +55,8 @@ struct GemmProbeResult {
   const GemmEngineTiming& timing(GemmEngine engine) const {
     return engines[static_cast<int>(engine)];
   }
-  // The available engine that took least time over the shapes; only the exact (fp32) ones
-  // when `fp32_only`. sgemm is always available.
+  // The available engine that took least time over the shapes (only the exact, fp32 ones when
+  // `fp32_only`), where it beats sgemm by kGemmSwitchMargin; else sgemm, always available.
   GemmEngine Fastest(bool fp32_only) const;
   // "onednn_bf16 226.1, onednn_f32 111.2, sgemm 101.3 GFLOP/s on 1 shape x 512 rows (2048x1024)".
   std::string Summary() const;

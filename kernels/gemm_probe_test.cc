@@ -33,11 +33,14 @@ TEST(GemmProbeTest, TimesBothEnginesOnTheLargestDistinctShapes) {
   for (const GemmEngineTiming& timing : result.engines) {
     if (timing.available) EXPECT_EQ(timing.calls, sgemm.calls);
   }
-  // Fastest is the least time among the available (exact) engines.
+  // Fastest is the least time among the available (exact) engines, or sgemm when that engine
+  // does not beat it by the margin.
   for (bool fp32_only : {false, true}) {
     const GemmEngine fastest = result.Fastest(fp32_only);
     EXPECT_TRUE(result.timing(fastest).available);
     if (fp32_only) EXPECT_TRUE(IsFp32Engine(fastest));
+    if (fastest == GemmEngine::kSgemm) continue;
+    EXPECT_LT(result.timing(fastest).seconds * kGemmSwitchMargin, sgemm.seconds);
     for (int e = 0; e < kNumGemmEngines; ++e) {
       const GemmEngine engine = static_cast<GemmEngine>(e);
       if (!result.engines[e].available || (fp32_only && !IsFp32Engine(engine))) continue;
@@ -46,6 +49,26 @@ TEST(GemmProbeTest, TimesBothEnginesOnTheLargestDistinctShapes) {
     }
   }
   EXPECT_THAT(result.Summary(), HasSubstr("x 16 rows (256x128, 512x64)"));
+}
+
+// The rule on made-up timings: the fastest wins only by the margin over sgemm; bf16 is never an
+// answer for fp32 mappers, nor when unavailable.
+TEST(GemmProbeTest, FastestNeedsTheMarginOverSgemm) {
+  GemmProbeResult result;
+  const auto set = [&](GemmEngine engine, bool available, double seconds) {
+    result.engines[static_cast<int>(engine)] = {available, seconds, 1.0 / seconds, 2};
+  };
+  set(GemmEngine::kSgemm, true, 1.0);
+  set(GemmEngine::kOnednnF32, true, 0.9);   // 1.11x: not enough
+  set(GemmEngine::kOnednnBf16, true, 0.45);  // 2.2x
+  EXPECT_EQ(result.Fastest(false), GemmEngine::kOnednnBf16);
+  EXPECT_EQ(result.Fastest(true), GemmEngine::kSgemm);
+  set(GemmEngine::kOnednnF32, true, 0.3);  // 3.3x, as where OpenBLAS does not know the CPU
+  EXPECT_EQ(result.Fastest(false), GemmEngine::kOnednnF32);
+  EXPECT_EQ(result.Fastest(true), GemmEngine::kOnednnF32);
+  set(GemmEngine::kOnednnF32, false, 0.0);
+  set(GemmEngine::kOnednnBf16, false, 0.0);
+  EXPECT_EQ(result.Fastest(false), GemmEngine::kSgemm);
 }
 
 TEST(GemmProbeTest, NoShapesMeansTheDefaultShape) {
