@@ -68,7 +68,7 @@ class ConnectorConfig:
         for key in ("kvtd_address", "model_name"):
             if not extra.get(key):
                 raise ValueError(f"kv_connector_extra_config.{key} is required")
-        values = {}
+        values: Dict[str, Any] = {}
         for name, value in extra.items():
             if name == "cluster":
                 values[name] = ClusterOptions.from_extra(value)
