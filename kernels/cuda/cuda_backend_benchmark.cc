@@ -18,6 +18,11 @@
 // alone (x A1, h A2, h A3: the same FLOPs, no bias / ReLU / gather / epilogue). The last block
 // printed compares the two: mlp ms / ridge ms per T (also --mlp_out as TSV).
 //
+// Head-local ridge: each preset in --per_head_presets is also timed as a head-local mapper
+// (ridge granularity per_head, [n_t, k d, d] per target layer and K|V: n_kv times fewer bytes
+// and FLOPs); its "gemm" is one strided-batched GEMM per (layer, kind) over the heads, and it
+// joins the same comparison (variant ms / ridge ms).
+//
 // Values: after its timed runs at each T the output of the last run is checked against the
 // float64 reference on the last --check_tokens tokens of the first and last target layer (K and
 // V, bf16's 1e-2), so the 32K figures are of a translation that is right; a failed check exits
@@ -64,7 +69,11 @@ ABSL_FLAG(std::string, mlp_presets, "qwen3-14b-to-32b",
           "presets also timed as an MLP mapper of the same pair (empty: none)");
 ABSL_FLAG(int64_t, mlp_hidden, 1024, "MLP hidden width H");
 ABSL_FLAG(std::string, mlp_granularity, "per_layer", "MLP granularity: per_layer or per_head");
-ABSL_FLAG(std::string, mlp_out, "", "also write the MLP vs ridge comparison as TSV to this file");
+ABSL_FLAG(std::string, mlp_out, "",
+          "also write the MLP (and head-local ridge) vs ridge comparison as TSV to this file");
+ABSL_FLAG(std::string, per_head_presets, "qwen3-14b-to-32b",
+          "presets also timed as head-local ridge mappers (ridge granularity per_head: "
+          "n_t [k d, d] GEMMs per layer and K|V), compared with their per_layer ridge");
 ABSL_FLAG(int64_t, check_tokens, 32,
           "tokens at the end of each T checked against the float64 reference (0: none)");
 ABSL_FLAG(std::string, host_presets, "qwen3-14b-to-32b",
@@ -276,17 +285,18 @@ double TimeHostLayers(Backend* backend, const PreparedMapper& prepared, const Ma
   return Median(ms);
 }
 
-void RunPreset(const std::string& preset, const std::optional<MlpConfig>& mlp,
+void RunPreset(const std::string& preset, const std::optional<MlpConfig>& mlp, bool head_local,
                const std::vector<int64_t>& token_counts, const std::vector<uint16_t>& pattern,
                bool host_layers, std::vector<Row>* rows) {
   absl::StatusOr<SynthOptions> options = SynthPreset(preset);
   CHECK_OK(options.status());
   options->mlp = mlp;
+  if (head_local) options->ridge_granularity = RidgeGranularity::kPerHead;
   absl::StatusOr<Manifest> manifest = SynthManifest(*options);
   CHECK_OK(manifest.status());
   const std::string kind =
       mlp ? absl::StrCat("mlp-", MlpGranularityName(mlp->granularity), "-", mlp->hidden)
-          : "ridge";
+          : head_local ? "ridge-per_head" : "ridge";
   // One target layer's tensors, generated once; every layer's view points at them (each
   // layer still gets its own device copy and its own sigma lists; every preset has |sigma| = k
   // for all layers, so the shapes agree). Ridge: k.weight, k.bias, v.weight, v.bias; MLP: for
@@ -307,6 +317,7 @@ void RunPreset(const std::string& preset, const std::optional<MlpConfig>& mlp,
   }
   MapperView view;
   view.kind = mlp ? MapKind::kMlp : MapKind::kRidge;
+  view.head_local = head_local;
   view.source = manifest->source;
   view.target = manifest->target;
   const int heads =
@@ -372,6 +383,9 @@ void RunPreset(const std::string& preset, const std::optional<MlpConfig>& mlp,
     baseline.push_back({heads * h, k_width, pairs});
     baseline.push_back({h, h, pairs * heads});
     baseline.push_back({target_width / heads, h, pairs * heads});
+  } else if (head_local) {
+    // One [T, in_h] x [in_h, d_t] GEMM per (layer, kind, head): specs[0] is [n_t, in_h, d_t].
+    baseline.push_back({specs[0].shape[2], specs[0].shape[1], pairs * t.num_kv_heads});
   } else {
     baseline.push_back({target_width, k_width, pairs});
   }
@@ -531,15 +545,21 @@ int Main() {
     mlp_presets.emplace_back(preset);
   }
 
+  const std::vector<std::string> per_head_presets =
+      absl::StrSplit(absl::GetFlag(FLAGS_per_head_presets), ',', absl::SkipEmpty());
   const std::vector<std::string> host_presets =
       absl::StrSplit(absl::GetFlag(FLAGS_host_presets), ',', absl::SkipEmpty());
   std::vector<Row> rows;
   for (absl::string_view preset : absl::StrSplit(absl::GetFlag(FLAGS_presets), ',')) {
     const bool host = std::find(host_presets.begin(), host_presets.end(), preset) !=
                       host_presets.end();
-    RunPreset(std::string(preset), std::nullopt, token_counts, pattern, host, &rows);
+    RunPreset(std::string(preset), std::nullopt, false, token_counts, pattern, host, &rows);
     if (std::find(mlp_presets.begin(), mlp_presets.end(), preset) != mlp_presets.end()) {
-      RunPreset(std::string(preset), mlp, token_counts, pattern, host, &rows);
+      RunPreset(std::string(preset), mlp, false, token_counts, pattern, host, &rows);
+    }
+    if (std::find(per_head_presets.begin(), per_head_presets.end(), preset) !=
+        per_head_presets.end()) {
+      RunPreset(std::string(preset), std::nullopt, true, token_counts, pattern, host, &rows);
     }
   }
   std::string tsv = "preset\tkind\ttokens\ttranslate_ms\ttranslate_min_ms\ttranslate_tflops\t"
@@ -554,8 +574,8 @@ int Main() {
   if (!out.empty()) std::ofstream(out) << tsv;
   std::printf("\n%s", tsv.c_str());
 
-  // MLP vs ridge of the same pair, from the same run.
-  std::string compare = "preset\tmlp\ttokens\tridge_ms\tmlp_ms\tmlp_over_ridge\n";
+  // MLP and head-local ridge vs per_layer ridge of the same pair, from the same run.
+  std::string compare = "preset\tvariant\ttokens\tridge_ms\tvariant_ms\tvariant_over_ridge\n";
   for (const Row& m : rows) {
     if (m.kind == "ridge") continue;
     for (const Row& r : rows) {
@@ -566,7 +586,7 @@ int Main() {
       }
     }
   }
-  if (!mlp_presets.empty()) {
+  if (!mlp_presets.empty() || !per_head_presets.empty()) {
     const std::string mlp_out = absl::GetFlag(FLAGS_mlp_out);
     if (!mlp_out.empty()) std::ofstream(mlp_out) << compare;
     std::printf("\n%s", compare.c_str());

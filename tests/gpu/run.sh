@@ -438,7 +438,7 @@ case "${1:-}" in
     PARITY_S=120
     BENCH_S=60
     BENCH_ARGS=(--presets=qwen3-14b-to-32b --tokens=1024,32768 --repeats=3 --mlp_presets=
-                --host_presets=)
+                --per_head_presets= --host_presets=)
     ;;
   "") ;;
   *) die "unknown option $1 (see the top of this script)" ;;
