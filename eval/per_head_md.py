@@ -86,7 +86,8 @@ def measures_table(rows):
 def difference_table(rows):
     out = ["| pair | benefit per_head - per_layer [95%] | KL per_head - per_layer [95%] | "
            "copy share diff [95%] | lookup share diff [95%] | bytes per_head / per_layer | "
-           "translate time per_head / per_layer: wall / kvtd compute | fit cos per_layer / per_head "
+           "translate time per_head / per_layer: wall / kvtd compute | "
+           "fit cos per_layer / per_head "
            "(recommended) | measured | agrees |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

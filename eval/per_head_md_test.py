@@ -56,7 +56,8 @@ class PerHeadMdTest(unittest.TestCase):
         self.assertIn("| S->M | per_layer | 0.400 [0.300, 0.500] (0.550) | 0.280 (0.350) | - | - "
                       "| 0.080 / - | 0.100 / 0.330 | 198,144 | 2.00 / - |", measures)
         self.assertIn("| U->L | per_head | 0.400 [0.300, 0.500] (0.550) | 0.300 (0.350) | "
-                      "0.080 [0.030, 0.130] | - | 0.050 / 0.000 | 0.100 / 0.330 | 99,840 | 1.50 / 0.400 |",
+                      "0.080 [0.030, 0.130] | - | 0.050 / 0.000 | 0.100 / 0.330 | 99,840 | "
+                      "1.50 / 0.400 |",
                       measures)
         diff = per_head_md.difference_table(rows).splitlines()
         self.assertEqual(len(diff), 2 + 2)
