@@ -49,13 +49,13 @@ def weight_bytes(mapper_dir):
                if f.endswith(".safetensors"))
 
 
-def fit_both(dumps, members, source, a, b, work, store, suffix=""):
-    """`kvt fit --granularity=both` of source -> b; both halves copied into the store as
-    {a}-to-{b}-k2{suffix} and ...-per-head. Returns (fit_report, wall seconds)."""
-    out = os.path.join(work, "both", f"{a}-to-{b}")
+def fit_both(dumps, members, source, a, b, work, store, flags=(), tag=""):
+    """`kvt fit --granularity=both` (and `flags`) of source -> b; both halves copied into the
+    store as {a}-to-{b}-k2 and ...-per-head. Returns (fit_report, wall seconds)."""
+    out = os.path.join(work, "both" + tag, f"{a}-to-{b}")
     t0 = time.time()
     R.fit(dumps[a], dumps[b], source.name, members[b].name, 2, out,
-          extra=["--granularity=both"])
+          extra=["--granularity=both"] + list(flags))
     seconds = time.time() - t0
     for half, tail in (("per_layer", ""), ("per_head", "-per-head")):
         dest = os.path.join(store, f"{a}-to-{b}-k2{tail}")
@@ -96,7 +96,7 @@ def retime(args, work, out_path, members, windows):
     for row in rows:
         a, b = row["pair"].split("->")
         ids = {"ridge": f"{a}-to-{b}-k2", "ridge_per_head": f"{a}-to-{b}-k2-per-head"}
-        store = os.path.join(work, "store", f"{a}-to-{b}")
+        store = os.path.join(work, "store" + args.tag, f"{a}-to-{b}")
         with R.start_kvtd(store) as server, kvt.Client(server.address, timeout=120) as client:
             t = translate_ms(client, members[a], ids, windows[:args.timing_windows],
                              args.context, args.timing_repeats)
@@ -113,17 +113,18 @@ def kl_gap(kl, better, worse):
                                       lambda m: m[better] - m[worse])
 
 
-def reference_diff(ce, theirs):
+def reference_diff(ce, theirs, label="ridge"):
     """The largest per-window CE difference between this run's per_layer ridge and the
-    reference run's ridge on the same windows (checked by intervals.attach_reference), or the
+    reference run's `label` (its ridge, or ridge_refined for --fit_flags=["--refine=attention"])
+    on the same windows (checked by intervals.attach_reference), or the
     reason it cannot be compared."""
     if theirs is None:
         return "no reference for this pair"
     try:
-        both = intervals.attach_reference(ce, theirs, ["ridge"])
+        both = intervals.attach_reference(ce, theirs, [label])
     except ValueError as e:
         return str(e)
-    return float(np.max(np.abs(np.asarray(both["ridge"]) - np.asarray(both["ref_ridge"]))))
+    return float(np.max(np.abs(np.asarray(both["ridge"]) - np.asarray(both["ref_" + label]))))
 
 
 def rounded(interval):
@@ -144,6 +145,15 @@ def main():
     p.add_argument("--long_windows", type=int, default=32)
     p.add_argument("--timing_windows", type=int, default=8)
     p.add_argument("--timing_repeats", type=int, default=5)
+    p.add_argument("--fit_flags", default="[]",
+                   help='JSON list of more `kvt fit` flags for both granularities and their '
+                        'controls, e.g. ["--refine=attention"]')
+    p.add_argument("--tag", default="",
+                   help="suffix of --work's fit and store folders, so that fits with other "
+                        "--fit_flags share the dumps, e.g. -refined")
+    p.add_argument("--reference_label", default="ridge",
+                   help="the --reference condition the per_layer half is checked against "
+                        "(ridge_refined with --fit_flags='[\"--refine=attention\"]')")
     p.add_argument("--retime", action="store_true",
                    help="only measure the translate time again for every pair in --out, on "
                         "the mappers in --work's store, and rewrite --out")
@@ -192,13 +202,16 @@ def main():
         if name in done:
             continue
         t0 = time.time()
-        store = os.path.join(work, "store", f"{a}-to-{b}")
-        report, fit_seconds = fit_both(dumps, members, members[a], a, b, work, store)
-        _, control_seconds = fit_both(dumps, members, untrained[a], a + "0", b, work, store)
+        store = os.path.join(work, "store" + args.tag, f"{a}-to-{b}")
+        flags = json.loads(args.fit_flags)
+        report, fit_seconds = fit_both(dumps, members, members[a], a, b, work, store, flags,
+                                       args.tag)
+        _, control_seconds = fit_both(dumps, members, untrained[a], a + "0", b, work, store,
+                                      flags, args.tag)
         ids = {"ridge": f"{a}-to-{b}-k2", "ridge_per_head": f"{a}-to-{b}-k2-per-head"}
         control_ids = {label + "_untrained": mid.replace(f"{a}-to-", f"{a}0-to-")
                        for label, mid in ids.items()}
-        row = {"pair": name, "fit_seconds": round(fit_seconds, 1),
+        row = {"pair": name, "fit_flags": flags, "fit_seconds": round(fit_seconds, 1),
                "control_fit_seconds": round(control_seconds, 1),
                "recommended": report["recommended"],
                "fit_cosine": {label: report[HALVES[label]]["attention_cosine_without_layer0"]
@@ -229,7 +242,7 @@ def main():
                 "kl": rounded(kl_gap(kl, "ridge_per_head", "ridge"))}
             if reference:
                 row["reference_ridge_max_abs_ce_diff"] = reference_diff(
-                    ce, reference["kinds"].get(name, {}).get("ce"))
+                    ce, reference["kinds"].get(name, {}).get("ce"), args.reference_label)
             for kind, (lw, lc) in long_range.items():
                 lr = R.evaluate_long_range(client, members[a], members[b], ids, lw, lc,
                                            args.context, None,
@@ -246,7 +259,7 @@ def main():
                 if reference:
                     row[f"{kind}_reference_ridge_max_abs_ce_diff"] = reference_diff(
                         lce, reference.get("long_range", {}).get(kind, {}).get(name, {})
-                        .get("ce"))
+                        .get("ce"), args.reference_label)
             t = translate_ms(client, members[a], ids, windows[:args.timing_windows],
                              args.context, args.timing_repeats)
             row["translate_ms"], row["compute_ms"] = t["wall"], t["compute"]
