@@ -329,7 +329,7 @@ def evaluate_kinds(client, source, target, mapper_ids, windows, context, sources
                       "kl_no_target_rope": kl[label + NO_ROPE]["all"]}
     out["ce"] = {"own": ce["own"]["all"], "none": ce["none"]["all"]}
     out["kl"] = {"none": kl["none"]["all"]}
-    out["per_window"] = {"ce": window_means(scores.nll)}
+    out["per_window"] = {"ce": window_means(scores.nll), "kl": window_means(scores.kl)}
     return out
 
 
