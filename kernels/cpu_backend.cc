@@ -567,14 +567,16 @@ absl::Status RunKindFp32(const LayerCall& call, const KindPlan& kind, const Toke
                          const PieceTables& tables, const HeadRange& heads, Workspace* ws) {
   const Fp32Kind& w = (*call.fp32)[static_cast<int>(kind.kind)];
   const int64_t rows = piece.rows;
-  const int64_t gemm_rows = w.packed[0].empty() ? rows : RoundUp(rows, kRowQuantum);
+  const bool onednn = !w.packed[0].empty();
+  const int64_t gemm_rows = onednn ? RoundUp(rows, kRowQuantum) : rows;
   const int64_t width = call.plan->target_width();
   const int64_t max_hidden = call.plan->max_hidden();
   float* x = ws->x.Get(gemm_rows * call.plan->max_input_width());
   float* y = ws->y.Get(gemm_rows * width);
   float* const hidden[2] = {max_hidden ? ws->h1.Get(gemm_rows * max_hidden) : nullptr,
                             max_hidden ? ws->h2.Get(gemm_rows * max_hidden) : nullptr};
-  float* dense = ws->y_head.Get(gemm_rows * std::max<int64_t>(kind.last().out_width, 1));
+  // oneDNN's strided outputs go through a dense block (Fp32Gemm); sgemm writes them directly.
+  float* dense = onednn ? ws->y_head.Get(gemm_rows * kind.last().out_width) : nullptr;
   GatherFp32(call, kind, piece, tables, heads, gemm_rows,
              ws->block.Get(call.plan->source_width()), x);
   ZeroPaddingRows(kind, heads, rows, gemm_rows, x);
