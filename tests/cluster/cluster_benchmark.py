@@ -1,21 +1,32 @@
-"""Cross-node reuse vs same-node reuse vs the plain engine's own prefill, at 2K tokens on the tiny
-family, with the store's transfer rate next to memcpy and a raw TCP socket in the same run.
+"""Cross-node reuse vs same-node reuse vs the plain engine's own prefill at 2K tokens, on the tiny
+family or on the Qwen3-shaped pair, with the store's transfer rate next to memcpy and a raw TCP
+socket in the same run.
 
-Two simulated nodes as in tests/cluster/vllm_test.py (each its own kvtd and vLLM engine, one
-Mooncake master and segment holder on loopback): engine A serves the tiny family's L as
-"kvt-tiny-L-twin", engine B as "kvt-tiny-L"; each kvtd serves the identity mappers between them.
+Phase 1: engine B's model without any KV connector, alone (the baseline of every ratio).
+Phase 2: two simulated nodes as in tests/cluster/vllm_test.py (each its own kvtd and vLLM
+engine, one Mooncake master and segment holder on loopback, nothing else shared):
+
+  --pair=tiny   engine A serves the tiny family's L as "kvt-tiny-L-twin", engine B as
+                "kvt-tiny-L"; each kvtd serves the identity mappers between them
+  --pair=qwen3  engine A the Qwen3-0.6B-shaped model, engine B the Qwen3-1.7B-shaped one (random
+                bf16 weights and a synthesised ridge mapper written at run time, as
+                tests/vllm/qwen3_benchmark.py), engines in bf16
+
 Per prompt (fresh held-out text, --tokens long):
 
-  plain     B prefills the prompt itself (reuse forbidden, a cache salt of its own)
+  plain     B's model without the connector prefills the prompt (phase 1)
+  own       B with the connector prefills it itself (reuse forbidden; --own, tiny pair default)
   cross     A served the prompt (published to kvtd A and put into the store); B's first request
             finds it in the store, fetches it into kvtd B and loads it translated
   same      B again, another salt: kvtd B now holds the prefix (node-local tier)
 
 TTFT is the wall time of a 1-token request (engine_host.py's wall_s). Then, in the same process
 and run: memcpy, one TCP stream over loopback, and the store's put_prefix / fetch of a cache of
-the same size (kvt-tiny-L's geometry) at chunk_blocks 4 and 16.
+the same size (A's geometry) at chunk_blocks 4 and 16.
 
     PATH=$PWD/.venv/bin:$PATH bazel run //tests/cluster:cluster_benchmark -- --prompts=5
+    PATH=$PWD/.venv/bin:$PATH bazel run //tests/cluster:cluster_benchmark -- --pair=qwen3 \
+        --tokens=2048 --prompts=2
 """
 
 from __future__ import annotations
@@ -23,37 +34,97 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable, List
 
 import numpy as np
 
 import engines as E
 import family
+import qwen3_shapes as Q
 from engines import outcome
 from kvt.cluster import ClusterStore, Geometry
 from mooncake_cluster import MooncakeCluster
 
-A_NAME, B_NAME = family.TWIN_L, family.NAMES["L"]
+
+@dataclass
+class Pair:
+    """What the two nodes serve: engine A (node A) publishes, engine B (node B) reuses."""
+    name: str
+    a_model: str          # served model name of engine A (the source)
+    b_model: str          # of engine B (the target)
+    a_dir: str
+    b_dir: str
+    a_shape: tuple        # (layers, kv heads, head_dim) of A's cache: the store's geometry
+    wire_dtype: str       # the engines' KV dtype as kvt names it
+    engine_dtype: str     # vLLM's dtype of the engines
+    stores: Callable[[str], str]  # node work dir -> that node's mapper store
+    prompt: Callable[[int, int], List[int]]  # (tokens, offset) -> prompt ids
+    max_len: int
 
 
-def l_shape():
-    with open(os.path.join(family.model_dir("L"), "config.json")) as f:
+def model_shape(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return config["num_hidden_layers"], config["num_key_value_heads"], dim
 
 
-def node_kvtd(work, name):
-    store = os.path.join(work, f"node-{name}", "store")
-    family.identity_mapper(store, "Ltwin-to-L")
-    family.identity_mapper(store, "L-to-Ltwin", source_name=B_NAME, target_name=A_NAME)
-    config = family.kvtd_yaml(os.path.join(work, f"node-{name}", "kvtd.yaml"), max_bytes=1 << 30)
-    return family.start_kvtd(store, E.free_port(), config, f"kvtd-{name}").__enter__()
+def tiny_pair(work):
+    """The tiny family's L served under two names (engine A as kvt-tiny-L-twin, B as kvt-tiny-L)
+    and the identity mappers between them: a translated prefix is exactly B's own cache."""
+    del work
+
+    def stores(node_dir):
+        store = os.path.join(node_dir, "store")
+        family.identity_mapper(store, "Ltwin-to-L")
+        family.identity_mapper(store, "L-to-Ltwin", source_name=family.NAMES["L"],
+                               target_name=family.TWIN_L)
+        return store
+
+    # The tiny family's max_position_embeddings is 2048 (as tests/vllm/ttft_benchmark.py).
+    return Pair("tiny family (L as kvt-tiny-L-twin on node A, kvt-tiny-L on node B)",
+                family.TWIN_L, family.NAMES["L"], family.model_dir("L"), family.model_dir("L"),
+                model_shape(family.model_dir("L")), "fp32", "float32", stores,
+                lambda n, offset: family.heldout_text(n, offset), 2048)
+
+
+def qwen3_pair(work, shapes):
+    """The Qwen3-0.6B -> 1.7B-shaped pair of tests/vllm/qwen3_benchmark.py (random bf16 weights
+    and a synthesised ridge mapper, written at run time), engines in bf16."""
+    paths = Q.write_all(os.path.join(work, "models"), tiny=shapes == "tiny")
+    source, target = Q.TINY_PAIR if shapes == "tiny" else Q.PAIR
+
+    def stores(node_dir):
+        # Each node its own copy: the nodes share nothing but the Mooncake Store.
+        store = os.path.join(node_dir, "store")
+        shutil.copytree(paths["store"], store)
+        return store
+
+    def prompt(n, offset):
+        stream = family.heldout_text(n, offset)
+        return (stream + family.heldout_text(n, 0))[:n]
+
+    return Pair(f"Qwen3-shaped {source} (node A) -> {target} (node B), bf16", source, target,
+                paths[source], paths[target], model_shape(paths[source]), "bf16", "bfloat16",
+                stores, prompt, 4096)
+
+
+def node_kvtd(work, name, pair, max_bytes, threads):
+    node_dir = os.path.join(work, f"node-{name}")
+    store = pair.stores(node_dir)
+    # The Qwen3 pair's mapper is synthetic (no recorded quality): the gate's floor is 0 there,
+    # as in the single-node Qwen3 benchmark; the identity mappers have no quality either.
+    config = family.kvtd_yaml(os.path.join(node_dir, "kvtd.yaml"), max_bytes=max_bytes)
+    return family.start_kvtd(store, E.free_port(), config, f"kvtd-{name}",
+                             cpu_threads=threads).__enter__()
 
 
 def wait_log(engine, needle, count, timeout=120.0):
@@ -123,10 +194,11 @@ def tcp_rate(nbytes, repeats):
     return min(times), statistics.median(times)
 
 
-def store_rates(store, shape, tokens, chunk_blocks, repeats):
-    layers, heads, dim = shape
+def store_rates(store, pair, tokens, chunk_blocks, repeats):
+    layers, heads, dim = pair.a_shape
     tokens = tokens // 16 * 16  # the store holds whole blocks
-    g = Geometry(f"kvt-bench-{chunk_blocks}", layers, heads, dim, "fp32", 16, chunk_blocks)
+    g = Geometry(f"kvt-bench-{chunk_blocks}", layers, heads, dim, pair.wire_dtype, 16,
+                 chunk_blocks)
     nbytes = g.packed_bytes(tokens)
     dst = np.empty(nbytes, np.uint8)
     address, _ = store.register(dst)
@@ -134,7 +206,7 @@ def store_rates(store, shape, tokens, chunk_blocks, repeats):
     try:
         for i in range(repeats):
             ids = [int(t) for t in np.random.default_rng(100 + i).integers(0, 256, tokens)]
-            cache = np.random.default_rng(i).standard_normal(nbytes // 4).astype(np.float32)
+            cache = np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8)
             t = time.perf_counter()
             store.put_prefix(g, ids, cache, timeout=30)
             puts.append(time.perf_counter() - t)
@@ -142,7 +214,7 @@ def store_rates(store, shape, tokens, chunk_blocks, repeats):
             t = time.perf_counter()
             store.fetch(match, dst, timeout=30)
             gets.append(time.perf_counter() - t)
-            assert np.array_equal(dst.view(np.float32), cache)
+            assert np.array_equal(dst, cache)
     finally:
         store.unregister(address)
     return nbytes, (min(puts), statistics.median(puts)), (min(gets), statistics.median(gets))
@@ -150,73 +222,105 @@ def store_rates(store, shape, tokens, chunk_blocks, repeats):
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--pair", default="tiny", choices=("tiny", "qwen3"))
+    parser.add_argument("--shapes", default="full", choices=("full", "tiny"),
+                        help="--pair=qwen3 only: the Qwen3-0.6B / 1.7B shapes, or the tiny "
+                             "Qwen3 pair (minutes, for development)")
     # 2047: the tiny family's max_position_embeddings is 2048 (as tests/vllm/ttft_benchmark.py).
     parser.add_argument("--tokens", type=int, default=2047)
     parser.add_argument("--prompts", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="of each transfer measurement")
     # The engines' cluster.chunk_blocks (kvtd blocks per store object).
     parser.add_argument("--chunk_blocks", type=int, default=4)
+    parser.add_argument("--own", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time B's own prefill with the connector on (default: tiny "
+                             "pair only; the Qwen3 single-node benchmark has that row)")
+    parser.add_argument("--warm_tokens", type=int, default=0,
+                        help="warm-up prompt length (default: --tokens; 512 for the Qwen3 pair)")
+    parser.add_argument("--segment_gib", type=int, default=0,
+                        help="the store's segment (default 1 GiB; 3 GiB for the Qwen3 pair)")
+    parser.add_argument("--kvtd_threads", type=int, default=2)
+    parser.add_argument("--settle_s", type=float, default=1.0,
+                        help="pause before each timed request: the other engine's idle polling "
+                             "and the publishes' work end before the clock starts")
     args = parser.parse_args()
+    qwen3 = args.pair == "qwen3"
+    own = args.own if args.own is not None else not qwen3
+    warm_tokens = args.warm_tokens or (min(512, args.tokens) if qwen3 else args.tokens)
+    segment = (args.segment_gib or (3 if qwen3 else 1)) << 30
     work = tempfile.mkdtemp(prefix="kvt-cluster-bench-")
-    shape = l_shape()
+    pair = qwen3_pair(work, args.shapes) if qwen3 else tiny_pair(work)
+    prompts = [pair.prompt(args.tokens, 4000 + i * args.tokens) for i in range(args.prompts)]
+    rows = {"plain": plain_engine_ttft(pair, work, prompts, args.settle_s),
+            "own": [], "cross": [], "same": []}
+    details, transfers = two_nodes(args, pair, work, prompts, rows, own, warm_tokens, segment)
+    report(args, pair, rows, details, transfers)
+    return 0
+
+
+def plain_engine_ttft(pair, work, prompts, settle_s):
+    """Phase 1, the baseline: engine B's model without any KV connector, alone on the machine."""
+    plain = E.Engine("B-plain", pair.b_dir, {}, work, max_model_len=pair.max_len,
+                     no_connector=True, dtype=pair.engine_dtype).start()
+    try:
+        plain.wait_ready(timeout=1200)
+        for i in range(2):  # the first requests of an engine are slower
+            plain.one(pair.prompt(64, 0), 1, cache_salt=f"warm-{i}")
+        out = []
+        for i, prompt in enumerate(prompts):
+            time.sleep(settle_s)
+            out.append(plain.one(prompt, 1, cache_salt=f"plain-{i}")["wall_s"])
+            print(f"plain engine, prompt {i + 1}: {out[-1] * 1e3:.0f} ms", file=sys.stderr)
+        return out
+    finally:
+        plain.stop()
+
+
+def two_nodes(args, pair, work, prompts, rows, own, warm_tokens, segment):
+    """Phase 2: node A (kvtd A, engine A) publishes, node B (kvtd B, engine B) reuses, one
+    Mooncake master and segment holder between them; then the transfer rates."""
     engines, kvtds = {}, {}
-    with MooncakeCluster(1 << 30, "bench") as cluster:
+    with MooncakeCluster(segment, "bench") as cluster:
         store = ClusterStore(cluster.config())
         try:
             cluster.wait_ready(store)
             common = {"master_server_address": cluster.master_address,
                       "metadata_server": cluster.metadata_server, "local_hostname": "127.0.0.1",
-                      "lookup_timeout_s": 0.5, "fetch_timeout_s": 10.0, "put_timeout_s": 10.0,
+                      "lookup_timeout_s": 0.5, "fetch_timeout_s": 30.0, "put_timeout_s": 30.0,
                       "chunk_blocks": args.chunk_blocks}
-            for name, model_name in (("A", A_NAME), ("B", B_NAME)):
-                kvtds[name] = kvtd = node_kvtd(work, name)
+            max_bytes = 3 << 30 if args.pair == "qwen3" else 1 << 30
+            for name, model_name, model_dir in (("A", pair.a_model, pair.a_dir),
+                                                ("B", pair.b_model, pair.b_dir)):
+                kvtds[name] = kvtd = node_kvtd(work, name, pair, max_bytes, args.kvtd_threads)
                 config = {"kvtd_address": kvtd.address, "model_name": model_name,
-                          "lookup_timeout_s": 2.0, "translate_timeout_s": 60.0,
+                          "lookup_timeout_s": 30.0, "translate_timeout_s": 300.0,
                           "cluster": common}
-                engines[name] = E.Engine(name, family.model_dir("L"), config, work,
-                                         max_model_len=2048,
+                engines[name] = E.Engine(name, model_dir, config, work,
+                                         max_model_len=pair.max_len, dtype=pair.engine_dtype,
                                          env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"}).start()
             for engine in engines.values():
-                engine.wait_ready()
+                engine.wait_ready(timeout=1200)
                 wait_log(engine, "cluster tier: store client ready", 2)
             A, B = engines["A"], engines["B"]
-            geometry_a = Geometry(A_NAME, *shape, "fp32", 16, args.chunk_blocks)
+            geometry_a = Geometry(pair.a_model, *pair.a_shape, pair.wire_dtype, 16,
+                                  args.chunk_blocks)
             # Warm-up: the first load pays the mapper's page-in and vLLM's first-shape costs.
-            warm = family.heldout_text(args.tokens, 0)
+            warm = pair.prompt(warm_tokens, 0)
             A.one(warm, 1)
             wait_in_store(store, geometry_a, warm)
             B.one(warm, 1, cache_salt="warm-1")
             B.one(warm, 1, cache_salt="warm-2")
             B.one(warm, 1, kvt={"reuse": "forbid"}, cache_salt="warm-3")
-            rows = {"plain": [], "cross": [], "same": []}
-            details = []
-            for i in range(args.prompts):
-                prompt = family.heldout_text(args.tokens, 4000 + i * args.tokens)
-                plain = B.one(prompt, 1, kvt={"reuse": "forbid"}, cache_salt=f"plain-{i}")
-                rows["plain"].append(plain["wall_s"])
-                A.one(prompt, 1)
-                wait_in_store(store, geometry_a, prompt)
-                cross = B.one(prompt, 1, cache_salt=f"cross-{i}")
-                o = outcome(cross)
-                if o.get("tier") != "cluster":
-                    raise RuntimeError(f"cross-node request not applied from the store: {o}")
-                rows["cross"].append(cross["wall_s"])
-                same = B.one(prompt, 1, cache_salt=f"same-{i}")
-                s = outcome(same)
-                if s.get("outcome") != "applied" or s.get("tier") != "local":
-                    raise RuntimeError(f"same-node request not applied locally: {s}")
-                rows["same"].append(same["wall_s"])
-                details.append({"cross": {"tokens_reused": o["tokens_reused"],
-                                          "cluster": o["cluster"], "timings": o["timings"]},
-                                "same": {"tokens_reused": s["tokens_reused"],
-                                         "timings": s["timings"]}})
+            details = [one_prompt(A, B, store, geometry_a, prompt, i, rows, own, args.settle_s)
+                       for i, prompt in enumerate(prompts)]
             nbytes = details[0]["cross"]["cluster"]["bytes"]
             transfers = {"bytes": nbytes,
                          "memcpy": memcpy_rate(nbytes, args.repeats),
                          "tcp": tcp_rate(nbytes, args.repeats)}
             for c in (4, 16):
-                size, put, get = store_rates(store, shape, args.tokens, c, args.repeats)
+                size, put, get = store_rates(store, pair, args.tokens, c, args.repeats)
                 transfers[f"store_c{c}"] = {"bytes": size, "put": put, "fetch": get}
+            return details, transfers
         finally:
             for engine in engines.values():
                 engine.stop()
@@ -224,22 +328,60 @@ def main():
                 kvtd.__exit__(None, None, None)
             store.close(timeout=2.0)
 
+
+def one_prompt(A, B, store, geometry_a, prompt, i, rows, own, settle_s):
+    if own:
+        time.sleep(settle_s)
+        rows["own"].append(B.one(prompt, 1, kvt={"reuse": "forbid"},
+                                 cache_salt=f"own-{i}")["wall_s"])
+    A.one(prompt, 1, cache_salt=f"src-{i}")
+    wait_in_store(store, geometry_a, prompt)
+    time.sleep(settle_s)
+    cross = B.one(prompt, 1, cache_salt=f"cross-{i}")
+    o = outcome(cross)
+    if o.get("outcome") != "applied" or o.get("tier") != "cluster":
+        raise RuntimeError(f"cross-node request not applied from the store: {o}")
+    rows["cross"].append(cross["wall_s"])
+    time.sleep(settle_s)
+    same = B.one(prompt, 1, cache_salt=f"same-{i}")
+    s = outcome(same)
+    if s.get("outcome") != "applied" or s.get("tier") != "local":
+        raise RuntimeError(f"same-node request not applied locally: {s}")
+    rows["same"].append(same["wall_s"])
+    print(f"prompt {i + 1}: cross {cross['wall_s'] * 1e3:.0f} ms ({o['cluster']}, "
+          f"{o['timings']}), same {same['wall_s'] * 1e3:.0f} ms", file=sys.stderr)
+    return {"cross": {"tokens_reused": o["tokens_reused"], "cluster": o["cluster"],
+                      "timings": o["timings"], "wall_ms": cross["wall_s"] * 1e3},
+            "same": {"tokens_reused": s["tokens_reused"], "timings": s["timings"]}}
+
+
+def report(args, pair, rows, details, transfers):
     plain_ms = statistics.median(rows["plain"]) * 1e3
-    print(f"\nTTFT at {args.tokens} tokens, tiny family (L as kvt-tiny-L-twin on node A, "
-          f"kvt-tiny-L on node B), chunk_blocks {args.chunk_blocks}, median of {args.prompts} "
-          "prompts:")
-    for name in ("plain", "cross", "same"):
+    print(f"\nTTFT at {args.tokens} tokens, {pair.name}, chunk_blocks {args.chunk_blocks}, median "
+          f"of {args.prompts} prompts; {os.cpu_count()} CPUs, load average at the end "
+          f"{os.getloadavg()[0]:.1f}; ratios against the plain engine (no connector) of this "
+          "run:")
+    for name in ("plain", "own", "cross", "same"):
+        if not rows[name]:
+            continue
         ms = statistics.median(rows[name]) * 1e3
         print(f"  {name:6s} {ms:8.1f} ms  ({ms / plain_ms:.2f}x plain)   all: "
               f"{', '.join(f'{t * 1e3:.0f}' for t in rows[name])}")
     med = lambda key, sub: statistics.median(d["cross"][sub][key] for d in details)  # noqa
-    print(f"  cross-node parts (median): store lookup {med('lookup_ms', 'cluster'):.1f} ms, "
-          f"fetch {med('fetch_ms', 'cluster'):.1f} ms, publish to kvtd "
-          f"{med('publish_ms', 'cluster'):.1f} ms, scheduler lookup total "
-          f"{med('lookup_ms', 'timings'):.1f} ms, translate+load "
-          f"{med('translate_ms', 'timings'):.1f} ms; tokens reused "
+    parts = {"store lookup": med("lookup_ms", "cluster"), "fetch": med("fetch_ms", "cluster"),
+             "publish to kvtd B": med("publish_ms", "cluster"),
+             "translate + load": med("translate_ms", "timings")}
+    rest = statistics.median(d["cross"]["wall_ms"] for d in details) - \
+        med("lookup_ms", "timings") - parts["translate + load"]
+    print(f"  cross-node parts (median, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                           parts.items())
+          + f"; scheduler lookup in all {med('lookup_ms', 'timings'):.1f}; the rest (tail "
+          f"prefill, scheduling) {rest:.1f}; tokens reused "
           f"{details[0]['cross']['tokens_reused']} (same-node "
           f"{details[0]['same']['tokens_reused']})")
+    parts["the rest (tail prefill, scheduling)"] = rest
+    print(f"  dominant term: {max(parts, key=parts.get)}")
+    nbytes = transfers["bytes"]
     print(f"Transfers of {nbytes / 2**20:.1f} MiB (best / median of {args.repeats}):")
     for name in ("memcpy", "tcp"):
         best, median = transfers[name]
@@ -251,7 +393,6 @@ def main():
             print(f"  store {kind:5s} c{c:<3d} {rate(t['bytes'], best):6.2f} / "
                   f"{rate(t['bytes'], median):6.2f} GB/s")
     print(json.dumps({"ttft_s": rows, "details": details, "transfers": transfers}))
-    return 0
 
 
 if __name__ == "__main__":

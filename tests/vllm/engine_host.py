@@ -2,7 +2,8 @@
 stdout by tests/vllm/engines.py: one JSON command per stdin line; each answer is one stdout line
 starting with "@@kvt " (vLLM's own logs share stdout and are passed through to a log file).
 
-    python3 engine_host.py --model=DIR --config='{"kvtd_address": ..., "model_name": ...}'
+    python3 engine_host.py --model=DIR --config='{"kvtd_address": ..., "model_name": ...}' \
+        [--dtype=float32|bfloat16] [--no_connector]
 
 Commands:
   {"op": "generate", "requests": [{"prompt": [ids], "max_tokens": n, "kvt": {...} | null,
@@ -33,6 +34,7 @@ def main():
     parser.add_argument("--max_model_len", type=int, default=1024)
     parser.add_argument("--block_size", type=int, default=32)
     parser.add_argument("--no_connector", action="store_true")
+    parser.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM LLM dtype)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -52,7 +54,7 @@ def main():
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtConnector", kv_connector_module_path="kvt.vllm",
             kv_role="kv_both", kv_connector_extra_config=json.loads(args.config))
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32",
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
               max_model_len=args.max_model_len, enforce_eager=True, block_size=args.block_size,
               disable_log_stats=False, **kwargs)
     answer({"ready": True, "start_s": time.monotonic() - t0})

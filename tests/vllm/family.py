@@ -66,9 +66,10 @@ def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Option
     return path
 
 
-def start_kvtd(store: str, port: int, config: str, name: str = "vllm-kvtd") -> Kvtd:
+def start_kvtd(store: str, port: int, config: str, name: str = "vllm-kvtd",
+               cpu_threads: int = 1) -> Kvtd:
     return Kvtd([f"--config={config}", f"--listen_address=127.0.0.1:{port}",
-                 f"--mapper_store={store}", "--backend=cpu", "--cpu_threads=1",
+                 f"--mapper_store={store}", "--backend=cpu", f"--cpu_threads={cpu_threads}",
                  "--drain_grace_seconds=0", "--max_tokens=65536"], name)
 
 

@@ -40,37 +40,11 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _host(dtype: str) -> None:
-    """tests/vllm/engine_host.py with the engine's dtype set to `dtype` (it loads float32): the
-    1.7B-shaped engines run in bf16, the weights' own dtype, as a deployment would."""
-    import vllm
-
-    class LLM(vllm.LLM):
-        def __init__(self, *args, **kwargs):
-            kwargs["dtype"] = dtype
-            super().__init__(*args, **kwargs)
-
-    vllm.LLM = LLM
-    # engine_host.py sits beside this file, whose directory is first on the path when it runs as
-    # a script (and the py_binary's PYTHONPATH, which the engine process inherits, has it too).
-    import engine_host
-
-    engine_host.main()
-
-
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1].startswith("--as_engine_host="):
-    _dtype = sys.argv.pop(1).split("=", 1)[1]
-    _host(_dtype)
-    sys.exit(0)
-
-import engines as E  # noqa: E402
-from engines import outcome  # noqa: E402
-import family  # noqa: E402
-import qwen3_shapes as Q  # noqa: E402
-from kvt_testing.kvtd import Kvtd  # noqa: E402
+import engines as E
+from engines import outcome
+import family
+import qwen3_shapes as Q
+from kvt_testing.kvtd import Kvtd
 
 
 def median(values):
@@ -78,11 +52,10 @@ def median(values):
 
 
 def bf16_engine(name, model_dir, config, work, max_model_len, no_connector=False, kv_space=1):
-    engine = E.Engine(name, model_dir, config, work, max_model_len=max_model_len,
-                      no_connector=no_connector, env={"VLLM_CPU_KVCACHE_SPACE": str(kv_space)})
-    engine.cmd = [engine.cmd[0], os.path.abspath(__file__), "--as_engine_host=bfloat16"] + \
-        engine.cmd[2:]
-    return engine
+    """The 1.7B-shaped engines run in bf16, the weights' own dtype, as a deployment would."""
+    return E.Engine(name, model_dir, config, work, max_model_len=max_model_len,
+                    no_connector=no_connector, dtype="bfloat16",
+                    env={"VLLM_CPU_KVCACHE_SPACE": str(kv_space)})
 
 
 def prompt_of(n, offset):

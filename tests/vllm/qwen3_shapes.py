@@ -130,8 +130,11 @@ def kvt_binary() -> str:
         root = os.environ.get(variable)
         if root and os.path.exists(os.path.join(root, "kvt", "cli", "kvt")):
             return os.path.join(root, "kvt", "cli", "kvt")
+    # Beside this file in the runfiles tree (a py_binary run directly: no RUNFILES_DIR), else in
+    # the workspace's bazel-bin.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.join(root, "bazel-bin", "cli", "kvt")
+    beside = os.path.join(root, "cli", "kvt")
+    return beside if os.path.exists(beside) else os.path.join(root, "bazel-bin", "cli", "kvt")
 
 
 def synth_mapper(store: str, source: str, target: str, k: int = 2, seed: int = 1) -> str:
