@@ -47,7 +47,7 @@ so with skip_reading_prefix_cache=False set explicitly the translated prefix is 
 log-probabilities of the positions L computes are exact; positions inside the loaded prefix have
 none (the test never reads them). With vLLM's default the request is a plain prefill (checked:
 prompt log-probabilities identical to the forbid run) and the connector reports
-fallback_reprefill, reason not_scheduled ("the request ended before a reuse decision").
+unsupported, reason prefix_cache_skipped (decided when the request arrives, no lookup).
 tests/vllm/engine_host.py sets skip_reading_prefix_cache=False for requests with prompt_logprobs.
 """
 

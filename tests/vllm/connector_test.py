@@ -493,7 +493,9 @@ class KvtConnectorTest(unittest.TestCase):
 
     def test_f_every_reason_a_request_can_be_steered_into(self):
         """The outcome reasons of docs/VLLM.md that a request can be steered into, each
-        produced (rescheduled and not_loaded come from vLLM scheduling races, not requests)."""
+        produced. rescheduled, not_loaded and not_scheduled come from vLLM's scheduling (an
+        allocation that failed, an abort), not from a request's parameters:
+        //tests/vllm:scheduler_outcomes_test produces them through the scheduler side."""
         M, L = Suite.engines["M"], Suite.engines["L"]
         context = text(CONTEXT, 34000)
         prompt = context + text(CONTINUATION, 34000 + CONTEXT)
