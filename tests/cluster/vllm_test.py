@@ -19,6 +19,8 @@ single-node suite's MechanicsTest checks it (greedy tokens equal, first log-prob
      (cluster_evicted), the master not answering (SIGSTOP: cluster_store_timeout), the segment
      holder gone (SIGKILL: cluster_segment_unavailable), the master gone (SIGKILL:
      cluster_store_unavailable). The last two are last: they take the store down.
+  3. A prefix longer than a node's fetch region (cluster.fetch_region_bytes) is fetched in part,
+     once: the next request finds the part in the node's kvtd (a store miss naming the region).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ A_NAME, B_NAME = family.TWIN_L, family.NAMES["L"]
 # B waits this long between a store lookup and its fetch (cluster.fetch_delay_s), so that the
 # evicted case can remove the objects in between; the test waits for B's log line, not a time.
 FETCH_DELAY_S = 2.0
+# A's fetch region may not grow past 1 MiB: five 64-token objects of kvt-tiny-L (192 KiB each),
+# so a longer prefix is fetched in part (test 6).
+A_FETCH_REGION = 1 << 20
 
 
 def l_shape():
@@ -88,7 +93,7 @@ def setUpModule():
                    "local_hostname": "127.0.0.1", "lookup_timeout_s": 0.3,
                    "fetch_timeout_s": 5.0}
         env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-        for name, model_name, extra in (("A", A_NAME, {}),
+        for name, model_name, extra in (("A", A_NAME, {"fetch_region_bytes": A_FETCH_REGION}),
                                         ("B", B_NAME, {"fetch_delay_s": FETCH_DELAY_S})):
             Suite.kvtds[name] = kvtd = node_kvtd(name)
             config = {"kvtd_address": kvtd.address, "model_name": model_name,
@@ -266,6 +271,31 @@ class ClusterTierVllmTest(unittest.TestCase):
         self.assertEqual((o.get("outcome"), o.get("reason")),
                          ("fallback_reprefill", "cluster_store_timeout"), o)
         self.assert_like_plain(Suite.engines["B"], got, context + text(20, 25128))
+
+    # -- 6 ----------------------------------------------------------------------------------
+
+    def test_6_a_prefix_longer_than_the_fetch_region_is_fetched_in_part_once(self):
+        A, B = Suite.engines["A"], Suite.engines["B"]
+        context = text(512, 28000)
+        prompt = context + text(40, 28512)
+        B.one(context, 2)
+        wait_in_store(B_NAME, context)
+        got = A.one(prompt, GEN, logprobs=5, cache_salt="region-1")
+        o = outcome(got)
+        self.assertEqual((o.get("outcome"), o.get("tier")), ("applied", "cluster"), o)
+        self.assertEqual(o["cluster"]["fetched_tokens"], 320, o)  # the objects that fit 1 MiB
+        self.assertEqual(o["tokens_reused"], 320, o)
+        self.assert_like_plain(A, got, prompt)
+        # kvtd A holds those 320 tokens now; the store's longer prefix does not fit the region
+        # either: no second fetch of the same objects, the local tier serves.
+        fetches = len(A.log_lines("kvt: cluster: fetching"))
+        got = A.one(prompt, GEN, logprobs=5, cache_salt="region-2")
+        o = outcome(got)
+        self.assertEqual((o.get("outcome"), o.get("tier")), ("applied", "local"), o)
+        self.assertEqual(o["cluster"]["result"], "miss", o)
+        self.assertIn("fit cluster.fetch_region_bytes", o["cluster"]["detail"], o)
+        self.assertEqual(len(A.log_lines("kvt: cluster: fetching")), fetches)
+        self.assert_like_plain(A, got, prompt)
 
     def test_8_segment_holder_gone(self):
         A = Suite.engines["A"]

@@ -123,6 +123,10 @@ class _NotPublished(Exception):
     """A fetched prefix that kvtd did not take (its Publish from the region failed)."""
 
 
+# The smallest fetch region made (bytes); it grows in powers of two up to fetch_region_bytes.
+_MIN_FETCH_REGION = 64 << 20
+
+
 class ClusterLookup:
     """The scheduler side's store step (runs on a lookup thread). `kvt()`: (client,
     PrefixCache); `count(name, value)`: the connector's counters."""
@@ -203,13 +207,18 @@ class ClusterLookup:
             return response, self._error(error.reason, error.detail)
         lookup_ms = round((time.monotonic() - t0) * 1e3, 3)
         match = max(matches.values(), key=lambda m: m.tokens)
-        usable = match.tokens // block_size * block_size
         info: Dict[str, Any] = {"lookup_ms": lookup_ms}
-        if usable <= local:
+        try:
+            fitting = self._fitting(match)
+        except ClusterError as error:
+            return response, {**info, **self._error(error.reason, error.detail)}
+        if fitting.tokens // block_size * block_size <= local:
             self._count("cluster_misses")
-            return response, {**info, "result": "miss",
-                              "detail": f"the store holds {match.tokens} tokens, kvtd "
-                                        f"{local}"}
+            detail = f"the store holds {match.tokens} tokens, kvtd {local}"
+            if fitting is not match:
+                detail += f" ({fitting.tokens} fit cluster.fetch_region_bytes)"
+            return response, {**info, "result": "miss", "detail": detail}
+        match = fitting
         keys = tuple(k for k, _, _ in match.objects)
         retry_at = self._failed.get(keys, 0.0)
         if time.monotonic() < retry_at:
@@ -238,28 +247,35 @@ class ClusterLookup:
             self._count(f"cluster_error_{reason}")
         return {"result": "error", "reason": reason, "detail": detail}
 
-    def _fetch(self, store: Any, match: Any, prompt: List[int]) -> Dict[str, Any]:
+    def _fitting(self, match: Any) -> Any:
+        """The leading objects of `match` that fit fetch_region_bytes (all of them, mostly)."""
         from kvt.cluster import ClusterError, PrefixMatch
-        o = self.options
+        limit = self.options.fetch_region_bytes
+        if match.nbytes <= limit:
+            return match
         g = match.geometry
         per_block = g.packed_bytes(g.block_tokens)
-        if match.nbytes > o.fetch_region_bytes:  # fetch the leading objects that fit
-            objects, blocks = [], 0
-            for key, start, end in match.objects:
-                if end * per_block > o.fetch_region_bytes:
-                    break
-                objects.append((key, start, end))
-                blocks = end
-            if not blocks:
-                raise ClusterError("store_error", f"one object of {per_block * g.chunk_blocks} "
-                                   f"bytes exceeds cluster.fetch_region_bytes")
-            match = PrefixMatch(g, blocks, objects, match.hashes[:blocks])
+        objects, blocks = [], 0
+        for key, start, end in match.objects:
+            if end * per_block > limit:
+                break
+            objects.append((key, start, end))
+            blocks = end
+        if not blocks:
+            raise ClusterError("store_error", f"one object of {per_block * g.chunk_blocks} "
+                               f"bytes exceeds cluster.fetch_region_bytes")
+        return PrefixMatch(g, blocks, objects, match.hashes[:blocks])
+
+    def _fetch(self, store: Any, match: Any, prompt: List[int]) -> Dict[str, Any]:
+        from kvt.cluster import ClusterError
+        o = self.options
+        g = match.geometry
         if not self._fetch_lock.acquire(timeout=o.fetch_timeout_s):
             raise ClusterError("store_timeout", "the fetch region stayed busy for "
                                f"{o.fetch_timeout_s} s")
         held = True
         try:
-            region = self._ensure_region(store)
+            region = self._ensure_region(store, match.nbytes)
             logger.info("kvt: cluster: fetching %d tokens of %s (%d objects)", match.tokens,
                         g.model, len(match.objects))
             if o.fetch_delay_s:
@@ -297,15 +313,22 @@ class ClusterLookup:
             if held:
                 self._fetch_lock.release()
 
-    def _ensure_region(self, store: Any) -> Any:
-        """The fetch region, registered with kvtd (kvt.vllm.regions.WorkerRegion: again after
-        a kvtd restart) and with the store (once: its memory never moves)."""
+    def _ensure_region(self, store: Any, nbytes: int) -> Any:
+        """A fetch region of at least `nbytes`, registered with kvtd (kvt.vllm.regions.
+        WorkerRegion: again after a kvtd restart) and with the store (once per region: its
+        memory never moves). It is made at the first fetch and replaced by a larger one when a
+        longer prefix comes (sizes in powers of two from 64 MiB, at most fetch_region_bytes): a
+        node whose prefixes are short never holds more than it uses, and kvtd maps the region
+        resident."""
         from kvt.cluster import ClusterError
         from kvt.vllm.regions import WorkerRegion
-        if self._region is None:
-            self._region = WorkerRegion(lambda: self.kvt()[0], self.options.fetch_region_bytes,
-                                        "cluster fetches", warn=True, retry_s=5.0)
-        region = self._region.get(self.options.fetch_region_bytes)
+        if self._region is None or self._region.byte_size < nbytes:
+            size = max(nbytes, _MIN_FETCH_REGION)
+            size = min(1 << (size - 1).bit_length(), self.options.fetch_region_bytes)
+            self._drop_region(store)
+            self._region = WorkerRegion(lambda: self.kvt()[0], size, "cluster fetches",
+                                        warn=True, retry_s=5.0)
+        region = self._region.get(nbytes)
         if region is None:
             raise ClusterError("store_error", "no shared-memory region registered with kvtd "
                                "for cluster fetches (kvtd's shared_memory."
@@ -314,6 +337,19 @@ class ClusterLookup:
             address, _ = store.register(region.buf)
             self._registered = (region, address)
         return region
+
+    def _drop_region(self, store: Any) -> None:
+        """Unregisters and frees the current fetch region (the fetch lock is held: no fetch
+        writes it)."""
+        if self._registered is not None:
+            try:
+                store.unregister(self._registered[1])
+            except Exception as error:  # the store went away: nothing is registered any more
+                logger.info("kvt: cluster: unregistering the old fetch region: %s", error)
+            self._registered = None
+        if self._region is not None:
+            self._region.close()
+            self._region = None
 
 
 class ClusterPut:

@@ -119,9 +119,11 @@ class ClusterOptions:
     fetch_timeout_s: float = 2.0          # the fetch of a matched prefix
     put_timeout_s: float = 5.0            # a publish's put
     put: bool = True                      # put published prefixes into the store
-    # Bytes of the shared-memory region (registered with kvtd and the store) fetches land in;
-    # a longer prefix is fetched in part. One fetch at a time per engine.
-    fetch_region_bytes: int = 64 << 20
+    # Most bytes of the shared-memory region (registered with kvtd and the store) fetches land
+    # in: made at the first fetch, grown to the longest prefix fetched so far (powers of two
+    # from 64 MiB) up to this; a longer prefix is fetched in part. One fetch at a time per
+    # engine.
+    fetch_region_bytes: int = 2 << 30
     # After a fetch failed with segment_unavailable or evicted, the same prefix is not fetched
     # again for this long (a dead node's objects stay listed until the master drops them).
     failed_key_ttl_s: float = 30.0
