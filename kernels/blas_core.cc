@@ -75,13 +75,15 @@ std::optional<int> BlasCoreLevel(absl::string_view core) {
     const char* name;
     int level;
   } kCores[] = {
-      {"Unknown", 0},     {"Katmai", 0},      {"Coppermine", 0},     {"Northwood", 0},
-      {"Prescott", 0},    {"Banias", 0},      {"Atom", 0},           {"Core2", 0},
-      {"Penryn", 0},      {"Dunnington", 0},  {"Nehalem", 0},        {"Athlon", 0},
-      {"Opteron", 0},     {"Opteron_SSE3", 0}, {"Barcelona", 0},     {"Nano", 0},
-      {"Bobcat", 0},      {"Sandybridge", 1}, {"Bulldozer", 1},      {"Piledriver", 1},
-      {"Steamroller", 1}, {"Haswell", 2},     {"Zen", 2},            {"Excavator", 2},
-      {"SkylakeX", 3},    {"Cooperlake", 3},  {"SapphireRapids", 3},
+      {"Unknown", 0},    {"Katmai", 0},       {"Coppermine", 0},
+      {"Northwood", 0},  {"Prescott", 0},     {"Banias", 0},
+      {"Atom", 0},       {"Core2", 0},        {"Penryn", 0},
+      {"Dunnington", 0}, {"Nehalem", 0},      {"Athlon", 0},
+      {"Opteron", 0},    {"Opteron_SSE3", 0}, {"Barcelona", 0},
+      {"Nano", 0},       {"Bobcat", 0},       {"Sandybridge", 1},
+      {"Bulldozer", 1},  {"Piledriver", 1},   {"Steamroller", 1},
+      {"Haswell", 2},    {"Zen", 2},          {"Excavator", 2},
+      {"SkylakeX", 3},   {"Cooperlake", 3},   {"SapphireRapids", 3},
   };
   for (const auto& entry : kCores) {
     if (absl::EqualsIgnoreCase(core, entry.name)) return entry.level;
@@ -106,8 +108,8 @@ BlasCoreDecision DecideBlasCore(absl::string_view picked, bool dynamic_arch,
     return decision;
   }
   if (env.restarted.has_value()) {
-    decision.reason = absl::StrCat("already restarted once (", kBlasCoreRestartedEnv, "=",
-                                   *env.restarted, ")");
+    decision.reason =
+        absl::StrCat("already restarted once (", kBlasCoreRestartedEnv, "=", *env.restarted, ")");
     return decision;
   }
   if (env.openblas_coretype.has_value() && !env.openblas_coretype->empty()) {
@@ -164,9 +166,8 @@ absl::Status ReexecWithBlasCore(absl::string_view core, absl::string_view picked
   const int error = errno;
   RestoreEnv(kOpenblasCoretypeEnv, old_coretype);
   RestoreEnv(kBlasCoreRestartedEnv, old_restarted);
-  return absl::InternalError(
-      absl::StrCat("execv(/proc/self/exe) with ", kOpenblasCoretypeEnv, "=", core_value, ": ",
-                   std::strerror(error)));
+  return absl::InternalError(absl::StrCat("execv(/proc/self/exe) with ", kOpenblasCoretypeEnv, "=",
+                                          core_value, ": ", std::strerror(error)));
 }
 
 absl::Status RestartWithBestBlasCore(char** argv) {
@@ -190,9 +191,9 @@ BlasCoreState CurrentBlasCore() {
 std::string BlasCoreState::Summary() const {
   std::string line = absl::StrCat("OpenBLAS core ", core, ": ");
   if (restarted()) {
-    absl::StrAppend(&line, "OpenBLAS picked ", picked, " on a CPU with ", cpu,
-                    "; restarted with ", kOpenblasCoretypeEnv, "=", forced, " (",
-                    kBlasCoreCheckEnv, "=off keeps OpenBLAS's pick)");
+    absl::StrAppend(&line, "OpenBLAS picked ", picked, " on a CPU with ", cpu, "; restarted with ",
+                    kOpenblasCoretypeEnv, "=", forced, " (", kBlasCoreCheckEnv,
+                    "=off keeps OpenBLAS's pick)");
   } else if (!forced.empty()) {
     absl::StrAppend(&line, kOpenblasCoretypeEnv, "=", forced, " from the environment");
   } else {

@@ -1,4 +1,4 @@
-// Restarts a BLAS-heavy binary once when OpenBLAS (DYNAMIC_ARCH) picked weaker kernels than the CPU runs.
+// Restarts a BLAS-heavy binary once when OpenBLAS picked weaker kernels than the CPU runs.
 #pragma once
 
 // Debian 12's OpenBLAS 0.3.21 chooses its kernels ("core") once, in its library constructor,

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/blas_core.h"
@@ -34,8 +34,8 @@ ProbeRun RunProbe(const std::vector<std::string>& env_assignments,
                   const std::vector<std::string>& args) {
   const std::string binary =
       absl::StrCat(std::getenv("TEST_SRCDIR"), "/kvt/kernels/testing/blas_core_probe");
-  std::string command = absl::StrCat("env -u ", kOpenblasCoretypeEnv, " -u ",
-                                     kBlasCoreRestartedEnv, " -u ", kBlasCoreCheckEnv);
+  std::string command = absl::StrCat("env -u ", kOpenblasCoretypeEnv, " -u ", kBlasCoreRestartedEnv,
+                                     " -u ", kBlasCoreCheckEnv);
   for (const std::string& assignment : env_assignments) absl::StrAppend(&command, " ", assignment);
   absl::StrAppend(&command, " '", binary, "'");
   for (const std::string& arg : args) absl::StrAppend(&command, " '", arg, "'");

@@ -109,8 +109,8 @@ TEST(DecideBlasCore, NeverDowngrades) {
   EXPECT_EQ(Force("Haswell", Avx()), "");
   EXPECT_EQ(Force("Zen", CpuBlasFeatures{}), "");
   // Every known name against every CPU: a forced core always ranks strictly above the pick.
-  for (const char* picked : {"Prescott", "Sandybridge", "Haswell", "Zen", "SkylakeX",
-                             "Cooperlake", "Steamroller", "Excavator"}) {
+  for (const char* picked : {"Prescott", "Sandybridge", "Haswell", "Zen", "SkylakeX", "Cooperlake",
+                             "Steamroller", "Excavator"}) {
     for (const CpuBlasFeatures& cpu :
          {CpuBlasFeatures{}, Avx(), Avx2(), Avx2(true), Avx512(), Avx512(true)}) {
       const std::string force = Force(picked, cpu);
