@@ -6,7 +6,9 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
 #include "cli/command_table.h"
+#include "kernels/blas_core.h"
 
 namespace {
 
@@ -17,6 +19,15 @@ bool IsHelpFlag(const std::string& arg) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First, before anything starts threads: `kvt fit`'s float64 statistics run on OpenBLAS, whose
+  // kernels are fixed when it loads; restart once with better ones if it picked weak ones
+  // (kernels/blas_core.h). Returns only when no restart happened or it failed.
+  if (const absl::Status restarted = kvt::RestartWithBestBlasCore(argv); !restarted.ok()) {
+    std::fprintf(stderr, "kvt: warning: keeping OpenBLAS core %s: %s\n",
+                 kvt::OpenblasCoreName().c_str(), std::string(restarted.message()).c_str());
+  } else if (const kvt::BlasCoreState blas = kvt::CurrentBlasCore(); blas.restarted()) {
+    std::fprintf(stderr, "kvt: %s\n", blas.Summary().c_str());
+  }
   using kvt::cli::CommandSpec;
   using kvt::cli::FindCommand;
   absl::SetProgramUsageMessage(kvt::cli::GlobalUsage());

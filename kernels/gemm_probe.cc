@@ -134,9 +134,12 @@ std::string GemmProbeResult::Summary() const {
     rates.push_back(engines[e].available ? absl::StrFormat("%s %.1f", name, engines[e].gflops)
                                          : absl::StrCat(name, " unavailable"));
   }
-  return absl::StrFormat("%s GFLOP/s on %d shape%s x %d rows (%s)", absl::StrJoin(rates, ", "),
-                         static_cast<int>(shapes.size()), shapes.size() == 1 ? "" : "s", rows,
-                         absl::StrJoin(dims, ", "));
+  // sgemm's rate depends on the kernels OpenBLAS picked ("Prescott" on a CPU it does not know).
+  const char* core = openblas_get_corename();
+  return absl::StrFormat("%s GFLOP/s on %d shape%s x %d rows (%s); sgemm on OpenBLAS core %s",
+                         absl::StrJoin(rates, ", "), static_cast<int>(shapes.size()),
+                         shapes.size() == 1 ? "" : "s", rows, absl::StrJoin(dims, ", "),
+                         core == nullptr ? "?" : core);
 }
 
 GemmProbeResult ProbeGemmEngines(const GemmProbeOptions& options) {

@@ -58,7 +58,8 @@ struct GemmProbeResult {
   // The available engine that took least time over the shapes (only the exact, fp32 ones when
   // `fp32_only`), where it beats sgemm by kGemmSwitchMargin; else sgemm, always available.
   GemmEngine Fastest(bool fp32_only) const;
-  // "onednn_bf16 226.1, onednn_f32 111.2, sgemm 101.3 GFLOP/s on 1 shape x 512 rows (2048x1024)".
+  // "onednn_bf16 226.1, onednn_f32 111.2, sgemm 101.3 GFLOP/s on 1 shape x 512 rows (2048x1024);
+  // sgemm on OpenBLAS core Cooperlake".
   std::string Summary() const;
 };
 

@@ -49,6 +49,7 @@ TEST(GemmProbeTest, TimesBothEnginesOnTheLargestDistinctShapes) {
     }
   }
   EXPECT_THAT(result.Summary(), HasSubstr("x 16 rows (256x128, 512x64)"));
+  EXPECT_THAT(result.Summary(), HasSubstr("x 16 rows (256x128, 512x64); sgemm on OpenBLAS core "));
 }
 
 // The rule on made-up timings: the fastest wins only by the margin over sgemm; bf16 is never an

@@ -13,8 +13,10 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/allocator.h"
 #include "common/logging.h"
+#include "kernels/blas_core.h"
 #include "mapper_store/store.h"
 #include "server/mapper_store_setup.h"
 #include "server/backend_select.h"
@@ -62,11 +64,22 @@ pthread_t g_signal_thread;
 // to the sigwaiting thread, where it is pending (pthread_kill is async-signal-safe).
 void ForwardToSignalThread(int signal_number) { pthread_kill(g_signal_thread, signal_number); }
 
-int Run() {
+// `blas_restart`: what RestartWithBestBlasCore returned at the top of main.
+int Run(const absl::Status& blas_restart) {
   TuneAllocatorForCacheTraffic();
   absl::StatusOr<KvtdConfig> config = BuildConfig();
   if (!config.ok()) return Fatal(config.status());
   SetMinLogLevel(config->logging.level);
+  const BlasCoreState blas = CurrentBlasCore();
+  // The OpenBLAS core serving sgemm; `picked` (OpenBLAS's own) differs only after a restart.
+  LogLine(blas_restart.ok() ? LogLevel::kInfo : LogLevel::kWarning, "blas core")
+      .With("core", blas.core)
+      .With("picked", blas.restarted() ? blas.picked : blas.core)
+      .With("openblas_coretype", blas.forced)
+      .With("cpu", blas.cpu)
+      .With("reason", blas_restart.ok()
+                          ? blas.Summary()
+                          : absl::StrCat("restart failed: ", blas_restart.ToString()));
 
   // Signals are taken synchronously by sigwait below; every thread created from here on
   // inherits the blocked mask, so none of them is interrupted by SIGTERM; threads that existed
@@ -176,6 +189,10 @@ int Run() {
 }  // namespace kvt
 
 int main(int argc, char** argv) {
+  // First, before anything starts threads: sgemm (fp32 mappers, the GEMM probe) runs the kernels
+  // OpenBLAS picked when it loaded; restart once with better ones if it picked weak ones
+  // (kernels/blas_core.h). Returns only when no restart happened or it failed.
+  const absl::Status blas_restart = kvt::RestartWithBestBlasCore(argv);
   absl::SetProgramUsageMessage(
       "translates the KV cache of one LLM into the KV cache of another model of the same "
       "family over gRPC (kvt.v1.KvTranslator), so the receiving model skips prefill.\n\n"
@@ -195,5 +212,5 @@ int main(int argc, char** argv) {
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
-  return kvt::Run();
+  return kvt::Run(blas_restart);
 }
