@@ -18,7 +18,13 @@ Each timed request follows a pause (--settle_s) so that neither engine's idle sp
 previous request overlaps it. Then the concurrent case: 16 requests of mixed lengths in flight at
 once per engine, throughput in generated tokens per second.
 
+--sequential=N runs the engines one at a time instead: N rounds, each starting a plain engine and
+a connector engine in turn (the order alternating between rounds), measuring every shape and the
+concurrent case on it, and stopping it. No engine's idle polling then shares the cores with
+another's request, and the rounds show how much two instances of the same engine differ.
+
     PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:tax_benchmark -- [--repeat=5] [--json=OUT]
+        [--sequential=2]
 """
 
 import argparse
@@ -51,6 +57,8 @@ def main():
                              "a twin name), so kvtd stores every publish instead of refusing it; "
                              "lookups into L still miss")
     parser.add_argument("--json", default="")
+    parser.add_argument("--sequential", type=int, default=0,
+                        help="rounds of one engine at a time (0: both engines side by side)")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="kvt-tax-")
     os.makedirs(os.path.join(work, "store"), exist_ok=True)
@@ -60,33 +68,75 @@ def main():
     port = E.free_port()
     config = {"kvtd_address": f"127.0.0.1:{port}", "model_name": family.NAMES["L"],
               **json.loads(args.config)}
-    engines = {
-        "plain": E.Engine("plain", family.model_dir("L"), {}, work, max_model_len=2048,
-                          no_connector=True),
-        "kvt": E.Engine("kvt", family.model_dir("L"), config, work, max_model_len=2048),
-    }
+    def make(name, round_=0):
+        return E.Engine(f"{name}-{round_}", family.model_dir("L"),
+                        {} if name == "plain" else config, work, max_model_len=2048,
+                        no_connector=name == "plain")
+
     kvtd = family.start_kvtd(os.path.join(work, "store"), port,
                              family.kvtd_yaml(os.path.join(work, "kvtd.yaml"),
                                               max_bytes=1 << 30)).__enter__()
+    texts = Prompts()
     try:
-        E.start_engines(list(engines.values()))
-        texts = Prompts()
-        for engine in engines.values():  # warm-up: first requests are slower
-            for n in (256, 1024):
-                engine.one(texts.take(n), 4, kvt=({"reuse": "forbid"} if engine.name == "kvt"
-                                                  else None))
-        latency = measure_latency(engines, texts, args)
-        throughput = measure_throughput(engines, texts, args)
-        outcomes = engines["kvt"].metrics()
+        if args.sequential:
+            latency, throughput, outcomes, rounds = run_sequential(make, texts, args)
+        else:
+            engines = {"plain": make("plain"), "kvt": make("kvt")}
+            try:
+                E.start_engines(list(engines.values()))
+                warm_up(engines, texts)
+                latency = measure_latency(engines, texts, args, MODES)
+                throughput = measure_throughput(engines, texts, args, MODES)
+                outcomes = engines["kvt"].metrics()
+                rounds = []
+            finally:
+                for engine in engines.values():
+                    engine.stop()
     finally:
-        for engine in engines.values():
-            engine.stop()
         kvtd.__exit__(None, None, None)
-    report(latency, throughput, outcomes, args)
+    report(latency, throughput, outcomes, args, rounds)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"latency": latency, "throughput": throughput, "metrics": outcomes}, f,
-                      indent=1)
+            json.dump({"latency": latency, "throughput": throughput, "metrics": outcomes,
+                       "rounds": rounds}, f, indent=1)
+
+
+def warm_up(engines, texts):
+    for name, engine in engines.items():  # the first requests of an engine are slower
+        for n in (256, 1024):
+            engine.one(texts.take(n), 4, kvt=({"reuse": "forbid"} if name == "kvt" else None))
+
+
+def run_sequential(make, texts, args):
+    """Rounds of one engine at a time; every sample of a mode pooled over the rounds, and each
+    round's medians kept."""
+    latency = {f"{n}/{gen}": {mode: [] for mode in MODES} for n, gen in SHAPES}
+    throughput = {mode: [] for mode in MODES}
+    outcomes, rounds = {}, []
+    for r in range(args.sequential):
+        for name in (("plain", "kvt") if r % 2 == 0 else ("kvt", "plain")):
+            modes = ("plain",) if name == "plain" else ("forbid", "miss")
+            engine = make(name, r).start()
+            try:
+                engine.wait_ready()
+                warm_up({name: engine}, texts)
+                lat = measure_latency({name: engine}, texts, args, modes)
+                thr = measure_throughput({name: engine}, texts, args, modes)
+                if name == "kvt":
+                    for key, value in engine.metrics().items():
+                        outcomes[key] = outcomes.get(key, 0) + value
+            finally:
+                engine.stop()
+            for shape, walls in lat.items():
+                for mode in modes:
+                    latency[shape][mode] += walls[mode]
+            for mode in modes:
+                throughput[mode] += thr[mode]
+            rounds.append({"round": r, "engine": name,
+                           "latency": {shape: {m: statistics.median(w[m]) for m in modes}
+                                       for shape, w in lat.items()},
+                           "throughput": {m: statistics.median(thr[m]) for m in modes}})
+    return latency, throughput, outcomes, rounds
 
 
 class Prompts:
@@ -117,12 +167,12 @@ def engine_of(engines, mode):
     return engines["plain" if mode == "plain" else "kvt"]
 
 
-def measure_latency(engines, texts, args):
+def measure_latency(engines, texts, args, modes):
     out = {}
     for n, gen in SHAPES:
-        walls = {mode: [] for mode in MODES}
+        walls = {mode: [] for mode in modes}
         for rep in range(args.repeat):
-            order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]
+            order = modes[rep % len(modes):] + modes[:rep % len(modes)]
             for mode in order:
                 time.sleep(args.settle_s)
                 got = engine_of(engines, mode).generate([request(mode, texts.take(n), gen)])[0]
@@ -135,13 +185,13 @@ def measure_latency(engines, texts, args):
     return out
 
 
-def measure_throughput(engines, texts, args):
+def measure_throughput(engines, texts, args, modes):
     rng = random.Random(1)
-    out = {mode: [] for mode in MODES}
+    out = {mode: [] for mode in modes}
     for rep in range(args.concurrent_repeat):
         shapes = [(rng.choice((128, 256, 512, 1024)), rng.choice((16, 32, 64)))
                   for _ in range(args.concurrent)]
-        order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]
+        order = modes[rep % len(modes):] + modes[:rep % len(modes)]
         for mode in order:
             time.sleep(args.settle_s)
             batch = [request(mode, texts.take(n), gen) for n, gen in shapes]
@@ -153,9 +203,12 @@ def measure_throughput(engines, texts, args):
     return out
 
 
-def report(latency, throughput, metrics, args):
+def report(latency, throughput, metrics, args, rounds):
     med = statistics.median
-    print(f"Connector tax on kvt-tiny-L (vLLM CPU, block size 32, median of {args.repeat}; "
+    samples = args.repeat * max(1, args.sequential)
+    how = (f"engines one at a time, {args.sequential} rounds" if args.sequential
+           else "engines side by side")
+    print(f"Connector tax on kvt-tiny-L (vLLM CPU, block size 32, {how}, median of {samples}; "
           "request latency in ms; ratio = mode / plain; publishes "
           f"{'stored' if args.reader else 'refused (no mapper reads the model)'})")
     print("| prompt / generated | plain engine | forbid | ratio | miss | ratio |")
@@ -177,6 +230,11 @@ def report(latency, throughput, metrics, args):
         value = med(throughput[mode])
         cells += [f"{value:.0f}", f"{value / plain:.3f}x"]
     print("| " + " | ".join(cells) + " |")
+    for r in rounds:
+        print(f"round {r['round']} {r['engine']}: " + ", ".join(
+            f"{shape} " + "/".join(f"{v:.1f}" for v in medians.values())
+            for shape, medians in r["latency"].items())
+            + " ms; tokens/s " + "/".join(f"{v:.0f}" for v in r["throughput"].values()))
     print("\nconnector counters:", {k.replace("vllm:kvt_", ""): v for k, v in metrics.items()
                                      if v})
 

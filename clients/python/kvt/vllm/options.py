@@ -29,6 +29,9 @@ class ConnectorConfig:
     publish: bool = True                # publish after prefill
     publish_final: bool = True          # publish prompt + generated when a request ends
     publish_queue_size: int = 8         # pending publishes; beyond it they are dropped
+    # A publish waits this long after the engine step that queued it, so that the step's output
+    # reaches the client before kvtd's work on the publish competes with it for the cores.
+    publish_delay_ms: float = 30.0
     # Bytes of the region a publish is copied into when the engine's cache is not shared with
     # kvtd; a publish that does not fit goes inline. 0: four requests of max_model_len tokens,
     # at most 256 MiB.
@@ -86,6 +89,7 @@ class ConnectorConfig:
             raise ValueError(f"kv_connector_extra_config.reuse: {self.reuse!r} is not one of "
                              f"{', '.join(POLICIES)}")
         for key, low in (("idle_wait_ms", 0.0), ("load_threads", 1), ("publish_queue_size", 1),
+                         ("publish_delay_ms", 0.0),
                          ("block_tokens", 1), ("min_reuse_tokens", 0),
                          ("publish_region_bytes", 0), ("lookup_timeout_s", 0.0),
                          ("lookup_wait_s", 0.0), ("translate_timeout_s", 0.0),

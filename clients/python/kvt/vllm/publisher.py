@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 from kvt.errors import NotFoundError
 from kvt.vllm.engine_kv import bits_to_float
@@ -40,10 +40,17 @@ class Publisher:
     """`worker`: the KvtWorker whose cache and regions are published (read-only here);
     `count(name, value)`: the connector's counters."""
 
-    def __init__(self, worker: Any, queue_size: int, count: Callable[..., None]) -> None:
+    def __init__(self, worker: Any, queue_size: int, count: Callable[..., None],
+                 delay_s: float = 0.0) -> None:
         self.w = worker
         self._count = count
-        self._queue: "queue.Queue[Optional[PublishSpec]]" = queue.Queue(maxsize=queue_size)
+        # Each publish waits this long after the step that queued it: the step's output reaches
+        # the client before kvtd's work on the publish (and this thread's) competes for the
+        # cores. A fence (preemption) cuts the wait short.
+        self._delay_s = delay_s
+        self._hurry = threading.Event()
+        self._queue: "queue.Queue[Optional[Tuple[PublishSpec, float]]]" = \
+            queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: Counter = Counter()  # req_id -> publishes queued or running
@@ -63,7 +70,7 @@ class Publisher:
             return
         with self._lock:
             try:
-                self._queue.put_nowait(spec)
+                self._queue.put_nowait((spec, time.monotonic()))
             except queue.Full:
                 self._count("publish_dropped")
                 logger.warning("kvt: publish queue full, dropped the %s publish of %s",
@@ -76,17 +83,24 @@ class Publisher:
         with self._lock:
             return self._pending[req_id] > 0
 
-    def wait_for(self, req_ids: Iterable[str], timeout: float) -> bool:
-        """Until no publish of `req_ids` is queued or running, or `timeout` s; False on timeout."""
+    def wait_for(self, req_ids: Iterable[str], timeout: float, hurry: bool = False) -> bool:
+        """Until no publish of `req_ids` is queued or running, or `timeout` s; False on timeout.
+        `hurry`: the queued publishes skip what is left of their delay (the step waits)."""
         wanted = set(req_ids)
         end = time.monotonic() + timeout
-        with self._lock:
-            while any(self._pending[r] > 0 for r in wanted):
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        if hurry:
+            self._hurry.set()
+        try:
+            with self._lock:
+                while any(self._pending[r] > 0 for r in wanted):
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._idle.wait(left)
+            return True
+        finally:
+            if hurry:
+                self._hurry.clear()
 
     def close(self) -> None:
         try:
@@ -98,9 +112,13 @@ class Publisher:
 
     def _loop(self) -> None:
         while True:
-            spec = self._queue.get()
-            if spec is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            spec, queued_at = item
+            wait = queued_at + self._delay_s - time.monotonic()
+            if wait > 0:
+                self._hurry.wait(wait)
             try:
                 self._publish(spec)
             except NotFoundError as error:

@@ -59,7 +59,8 @@ class KvtWorker:
         if config.cluster is not None and config.cluster.put:
             from kvt.vllm.cluster_tier import ClusterPut
             self.cluster_put = ClusterPut(config.cluster, config.model_name, count)
-        self.publisher = Publisher(self, config.publish_queue_size, count)
+        self.publisher = Publisher(self, config.publish_queue_size, count,
+                                   delay_s=config.publish_delay_ms / 1e3)
         self._releases: Set[str] = set()  # finished requests whose blocks vLLM holds for us
         self._failed_this_step: Set[str] = set()
         self._reported: Dict[str, LoadResult] = {}
@@ -140,7 +141,7 @@ class KvtWorker:
 
     def start_load_kv(self, meta: KvtConnectorMetadata) -> None:
         """Before the step's forward: fence, releases, and the loads to start."""
-        if meta.fence and not self.publisher.wait_for(meta.fence, _FENCE_TIMEOUT_S):
+        if meta.fence and not self.publisher.wait_for(meta.fence, _FENCE_TIMEOUT_S, hurry=True):
             logger.error("kvt: publishes of preempted requests %s still read their blocks "
                          "after %.0f s", sorted(meta.fence), _FENCE_TIMEOUT_S)
         self._releases.update(meta.releases)
