@@ -163,10 +163,12 @@ def copy_gain(member, windows, controls, context):
 
 # -- pipeline: dumps, fits, kvtd ---------------------------------------------------------------
 
-def start_kvtd(store):
+def start_kvtd(store, config=None):
+    """kvtd serving `store` on the CPU backend; config: a kvtd YAML (e.g. the source-cache tier
+    and its quality gate on, handoff_demo)."""
     return Kvtd(["--listen_address=127.0.0.1:0", f"--mapper_store={store}", "--backend=cpu",
-                 "--cpu_threads=1", "--drain_grace_seconds=0", "--max_tokens=65536"],
-                "eval-kvtd")
+                 "--cpu_threads=1", "--drain_grace_seconds=0", "--max_tokens=65536"] +
+                ([f"--config={config}"] if config else []), "eval-kvtd")
 
 
 # -- controls ----------------------------------------------------------------------------------

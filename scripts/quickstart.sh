@@ -40,9 +40,10 @@ trap - EXIT
 echo "kvtd drained and exited cleanly"
 
 # Then a handoff between two trained members of the bundled family (eval/tinyfamily): dumps
-# their caches through transformers, fits the mapper with `kvt fit`, serves it from a fresh kvtd
-# and prints latency, the speedup over the target's own prefill and the context benefit
-# recovered. KVT_QUICKSTART_FAMILY=0 skips it (it needs the Python venv: torch, transformers).
+# their caches through transformers, fits ridge and MLP with `kvt fit --kind both` (about 2
+# minutes on 2 cores), serves the recommended one from a fresh kvtd behind its quality gate and
+# prints the recommendation, the gate's verdict, latency, the speedup over the target's own
+# prefill and the context benefit recovered. KVT_QUICKSTART_FAMILY=0 skips it (it needs the Python venv: torch, transformers).
 if [ "${KVT_QUICKSTART_FAMILY:-1}" != 0 ]; then
   echo
   bash scripts/bootstrap.sh --python

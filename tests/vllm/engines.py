@@ -1,6 +1,6 @@
 """Test support: vLLM engines (tests/vllm/engine_host.py) as child processes, started in parallel
 and driven over pipes; kvtd (//server:kvtd) on a fixed port that survives a restart; the tiny
-family's mappers fitted once per suite with `kvt fit` (as eval/handoff_demo.py does)."""
+family's ridge mappers fitted once per suite with `kvt fit` (tests/vllm/family.py)."""
 
 from __future__ import annotations
 

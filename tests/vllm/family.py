@@ -1,6 +1,7 @@
-"""The bundled family's mappers for the vLLM tests, fitted once per suite the way
-eval/handoff_demo.py fits them (tools/dump_kv.py calibration dumps, `kvt fit` ridge, k=2), and a
-kvtd with the source-cache tier on a fixed port (so it can be killed and restarted)."""
+"""The bundled family's mappers for the vLLM tests, fitted once per suite (tools/dump_kv.py
+calibration dumps, `kvt fit` ridge, k=2; eval/handoff_demo.py serves what `--kind both`
+recommends instead, with its gate on), and a kvtd with the source-cache tier on a fixed port
+(so it can be killed and restarted)."""
 
 from __future__ import annotations
 
