@@ -43,7 +43,8 @@ echo "kvtd drained and exited cleanly"
 # their caches through transformers, fits ridge and MLP with `kvt fit --kind both` (about 2
 # minutes on 2 cores), serves the recommended one from a fresh kvtd behind its quality gate and
 # prints the recommendation, the gate's verdict, latency, the speedup over the target's own
-# prefill and the context benefit recovered. KVT_QUICKSTART_FAMILY=0 skips it (it needs the Python venv: torch, transformers).
+# prefill and the context benefit recovered. KVT_QUICKSTART_FAMILY=0 skips it (it needs the
+# Python venv: torch, transformers).
 if [ "${KVT_QUICKSTART_FAMILY:-1}" != 0 ]; then
   echo
   bash scripts/bootstrap.sh --python
