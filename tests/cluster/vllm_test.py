@@ -17,8 +17,9 @@ single-node suite's MechanicsTest checks it (greedy tokens equal, first log-prob
      another scheme version (cluster_miss), a v1 key whose object is not what the scheme
      promises (cluster_version_mismatch), objects removed between the lookup and the fetch
      (cluster_evicted), the master not answering (SIGSTOP: cluster_store_timeout), the segment
-     holder gone (SIGKILL: cluster_segment_unavailable), the master gone (SIGKILL:
-     cluster_store_unavailable). The last two are last: they take the store down.
+     holder gone (SIGKILL: cluster_segment_unavailable, then cluster_recently_failed for the same
+     objects), the master gone (SIGKILL: cluster_store_unavailable). The last two are last: they
+     take the store down.
   3. A prefix longer than a node's fetch region (cluster.fetch_region_bytes) is fetched in part,
      once: the next request finds the part in the node's kvtd (a store miss naming the region).
 """
@@ -189,9 +190,9 @@ class ClusterTierVllmTest(unittest.TestCase):
               f"{o['cluster']}; timings {o['timings']}", file=sys.stderr)
         return o
 
-    def fallback(self, prompt, reason):
+    def fallback(self, prompt, reason, cache_salt=None):
         B = Suite.engines["B"]
-        got = B.one(prompt, GEN, logprobs=5)
+        got = B.one(prompt, GEN, logprobs=5, cache_salt=cache_salt)
         o = outcome(got)
         self.assertEqual((o.get("outcome"), o.get("reason")), ("fallback_reprefill", reason), o)
         self.assert_like_plain(B, got, prompt)
@@ -304,7 +305,11 @@ class ClusterTierVllmTest(unittest.TestCase):
         wait_in_store(A_NAME, context)
         Suite.cluster.holder.send_signal(signal.SIGKILL)
         Suite.cluster.holder.wait()
-        self.fallback(context + text(20, 26128), "cluster_segment_unavailable")
+        prompt = context + text(20, 26128)
+        self.fallback(prompt, "cluster_segment_unavailable")
+        # The dead segment's objects stay listed until the master drops them: the same objects
+        # are not fetched again for failed_key_ttl_s (another salt: not the engine's own hit).
+        self.fallback(prompt, "cluster_recently_failed", cache_salt="again")
 
     def test_9_master_gone(self):
         Suite.cluster.master.send_signal(signal.SIGKILL)
