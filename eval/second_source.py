@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""The ridge mapper's context benefit recovered on a second text source next to the family's own
-held-out windows (docs/EVAL.md, "A second text source").
+"""The k = 2 mapper's context benefit recovered on a second text source next to the family's own
+held-out windows (docs/EVAL.md, "A second text source"): the ridge, or with --kind=mlp the MLP.
 
     bazel build //eval:second_source && PATH=$PWD/.venv/bin:$PATH bazel-bin/eval/second_source \
         --work=/tmp/kvt-source2 --out=/tmp/kvt-source2/results.jsonl --md=/tmp/kvt-source2/table.md
 
-Per ordered pair (all 12 of S, M, L, U unless --pairs): the plain ridge, k = 2, fitted as
-run_eval fits it (retention.fit: `kvt fit`, stride 1, one thread, on run_eval's calibration dumps
-with the target's queries, --calib_windows windows of --calib_tokens bytes), served by one kvtd
+Per ordered pair (all 12 of S, M, L, U unless --pairs): the plain ridge (or the MSE-trained MLP),
+k = 2, fitted as run_eval fits it (retention.fit: `kvt fit`, stride 1, one thread, on run_eval's
+calibration dumps with the target's queries, --calib_windows windows of --calib_tokens bytes),
+served by one kvtd
 (CPU backend, one thread), scored by retention.evaluate_pair on two sets of windows of the same
 geometry (--context + --continuation + 1 bytes): the family's held-out windows (run_eval's) and
 windows of Debian's license texts (eval/license_text.py: texts whose word 8-grams mostly occur
@@ -62,28 +63,33 @@ def gate_bound(mapper_dir):
 
 
 def table(rows, gate, promise):
-    """Markdown: one line per pair, benefit [95% interval] per source for the mapper and token
-    identity, the own context gain, the gate's bound and verdict."""
+    """Markdown: one line per pair and kind, benefit [95% interval] per source for the mapper,
+    token identity and their paired difference, the own context gain, the gate's bound and
+    verdict."""
     order = {p: i for i, p in enumerate(PAIRS.replace(":", "->").split(","))}
-    rows = sorted(rows, key=lambda r: order.get(r["pair"], 99))
+    rows = sorted(rows, key=lambda r: (r.get("kind", "ridge") != "ridge",
+                                       order.get(r["pair"], 99)))
 
     def cell(x):
         b, lo, hi = x
         mark = "" if lo <= 0 <= hi else " *"
         return f"{b:.2f} [{lo:.2f}, {hi:.2f}]{mark}"
-    head = ("| pair | gate bound (>= %.2f?) | own: ridge | own: token identity | own gain | "
-            "licenses: ridge | licenses: token identity | licenses gain |" % gate)
-    lines = [head, "|" + "---|" * 8]
+    head = "| pair | mapper | gate bound (>= %.2f?) |" % gate + "".join(
+        f" {s}: mapper | {s}: token identity | {s}: mapper - identity | {s}: gain |"
+        for s in SOURCES)
+    lines = [head, "|" + "---|" * (3 + 4 * len(SOURCES))]
     for r in rows:
         g = r["gate_bound"]
         gcell = "n/a" if g is None else f"{g:.3f} ({'pass' if g >= gate else 'fail'})"
-        cells = [r["pair"], gcell]
+        cells = [r["pair"], r.get("kind", "ridge"), gcell]
         for s in SOURCES:
             x = r[s]
-            cells += [cell(x["ridge"]), cell(x["identity"]), f"{x['own_gain']:.3f}"]
+            cells += [cell(x["mapped"]), cell(x["identity"]), cell(x["mapped_minus_identity"]),
+                      f"{x['own_gain']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(f"Benefit recovered [95% paired bootstrap interval]; * the interval excludes 0. "
+    lines.append(f"Benefit recovered [95% paired bootstrap interval] (mapper - identity: "
+                 f"the paired difference); * the interval excludes 0. "
                  f"Gain: CE_none - CE_own, nats/byte. Gate: kvtd's min_mapper_quality on the "
                  f"manifest's attention_cosine_heldout_lower95; its promise is >= {promise} "
                  f"recovered above it.")
@@ -105,6 +111,9 @@ def main():
     p.add_argument("--licenses", default=license_text.DIRECTORY)
     p.add_argument("--gate", type=float, default=0.87, help="kvtd's min_mapper_quality")
     p.add_argument("--promise", type=float, default=0.65)
+    p.add_argument("--kind", default="ridge", choices=("ridge", "mlp"),
+                   help="mlp: the MSE-trained MLP (kvt fit --kind mlp, retention.MLP_FLAGS, no "
+                        "refinement; minutes per pair) instead of the ridge")
     args = p.parse_args()
     caller = os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd())
     work = os.path.join(caller, args.work)
@@ -116,7 +125,8 @@ def main():
     done = set()
     if os.path.exists(out_path):
         with open(out_path) as f:
-            done = {json.loads(line)["pair"] for line in f if line.strip()}
+            done = {(r["pair"], r.get("kind", "ridge"))
+                    for r in map(json.loads, filter(str.strip, f))}
 
     length = args.context + args.continuation + 1
     kept, selection = license_text.select(license_text.read_texts(args.licenses),
@@ -142,18 +152,19 @@ def main():
     identity = {}
     for a, b in pairs:
         name = f"{a}->{b}"
-        if name in done:
+        if (name, args.kind) in done:
             continue
         t0 = time.time()
-        mid = f"{a}-to-{b}-k2"
+        mid = f"{a}-to-{b}-k2" + ("-mlp" if args.kind == "mlp" else "")
         mapper_dir = os.path.join(store, mid)
         if not os.path.exists(os.path.join(mapper_dir, "manifest.yaml")):
-            R.fit(dumps[a], dumps[b], members[a].name, members[b].name, 2, mapper_dir)
+            R.fit(dumps[a], dumps[b], members[a].name, members[b].name, 2, mapper_dir,
+                  kind=args.kind)
         fit_seconds = time.time() - t0
         if b not in identity:
             identity[b] = R.TokenIdentityMap(members[b], calib_windows)
         bound = gate_bound(mapper_dir)
-        row = {"pair": name, "gate_bound": bound,
+        row = {"pair": name, "kind": args.kind, "gate_bound": bound,
                "gate_passes": bound is not None and bound >= args.gate,
                "fit_seconds": round(fit_seconds, 1)}
         with R.start_kvtd(store) as server, kvt.Client(server.address, timeout=120) as client:
@@ -162,9 +173,9 @@ def main():
                                     args.context, {"identity": identity[b]})
                 ce = r["per_window"]["ce"]
                 row[source] = {
-                    "ridge": rounded(intervals.benefit_interval(ce, "mapped")),
+                    "mapped": rounded(intervals.benefit_interval(ce, "mapped")),
                     "identity": rounded(intervals.benefit_interval(ce, "identity")),
-                    "ridge_minus_identity": rounded(intervals.benefit_gap(ce, "mapped",
+                    "mapped_minus_identity": rounded(intervals.benefit_gap(ce, "mapped",
                                                                           "identity")),
                     "benefit_first": round(r["benefit"]["mapped"]["first"], 4),
                     "own_gain": round(r["ce"]["none"]["all"] - r["ce"]["own"]["all"], 4),
@@ -179,8 +190,8 @@ def main():
                            "licenses": [n for n, _ in kept], "license_selection": selection}
         with open(out_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"second_source: {name}: ridge own {row['own']['ridge']} licenses "
-              f"{row['licenses']['ridge']} gate {bound} ({row['seconds']:.0f} s, "
+        print(f"second_source: {name} {args.kind}: own {row['own']['mapped']} licenses "
+              f"{row['licenses']['mapped']} gate {bound} ({row['seconds']:.0f} s, "
               f"{time.time() - start:.0f} s in all)", flush=True)
     if args.md:
         with open(out_path) as f:
