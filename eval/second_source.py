@@ -141,12 +141,14 @@ def main():
 
     calib = R.write_split("calib", os.path.join(work, "calib.jsonl"))
     names = sorted({x for pair in pairs for x in pair})
-    targets = {b for _, b in pairs}
     members, dumps = {}, {}
     for m in names:
         members[m] = R.Member(os.path.join(args.family, m))
+        # Every member's dump carries its queries (kvt fit records the gate's cosine bound from
+        # the target's), whatever --pairs: the dumps of runs with other --pairs are the same
+        # files, so runs in one --work never rewrite a dump another run's fit is reading.
         dumps[m] = R.dump(members[m].dir, calib, os.path.join(work, "dumps", m),
-                          args.calib_tokens, args.calib_windows, queries=m in targets)
+                          args.calib_tokens, args.calib_windows, queries=True)
     calib_windows = R.calib_windows(args.calib_tokens, args.calib_windows)
     store = os.path.join(work, "store")
     identity = {}
