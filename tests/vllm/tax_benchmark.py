@@ -222,7 +222,8 @@ def report(latency, throughput, metrics, args, rounds):
         print(f"| {shape} | " + " | ".join(cells) + " |")
     plain = med(throughput["plain"])
     print(f"\n{args.concurrent} requests in flight, mixed lengths (128-1024 prompt, 16-64 "
-          f"generated), generated tokens/s, median of {args.concurrent_repeat}")
+          f"generated), generated tokens/s, median of "
+          f"{args.concurrent_repeat * max(1, args.sequential)}")
     print("| plain engine | forbid | ratio | miss | ratio |")
     print("|---:|---:|---:|---:|---:|")
     cells = [f"{plain:.0f}"]
