@@ -34,6 +34,11 @@ void RestoreEnv(const char* name, const std::optional<std::string>& value) {
   }
 }
 
+// What OpenBLAS's AVX-512 (SkylakeX) kernels need.
+bool HasBlasAvx512(const CpuBlasFeatures& cpu) {
+  return cpu.avx512f && cpu.avx512vl && cpu.avx512bw && cpu.avx512dq && cpu.avx512cd;
+}
+
 }  // namespace
 
 CpuBlasFeatures DetectCpuBlasFeatures() {
@@ -53,8 +58,7 @@ CpuBlasFeatures DetectCpuBlasFeatures() {
 }
 
 std::string CpuBlasLevelName(const CpuBlasFeatures& cpu) {
-  const bool avx512 = cpu.avx512f && cpu.avx512vl && cpu.avx512bw && cpu.avx512dq && cpu.avx512cd;
-  if (avx512) return cpu.avx512_bf16 ? "AVX-512 BF16" : "AVX-512";
+  if (HasBlasAvx512(cpu)) return cpu.avx512_bf16 ? "AVX-512 BF16" : "AVX-512";
   if (cpu.avx2 && cpu.fma) return "AVX2";
   if (cpu.avx) return "AVX";
   return "SSE";
@@ -92,9 +96,7 @@ std::optional<int> BlasCoreLevel(absl::string_view core) {
 }
 
 std::string BestBlasCore(const CpuBlasFeatures& cpu) {
-  if (cpu.avx512f && cpu.avx512vl && cpu.avx512bw && cpu.avx512dq && cpu.avx512cd) {
-    return "SkylakeX";
-  }
+  if (HasBlasAvx512(cpu)) return "SkylakeX";
   if (cpu.avx2 && cpu.fma) return cpu.amd ? "Zen" : "Haswell";
   if (cpu.avx) return "Sandybridge";
   return "";

@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/mutex.h"
+#include "kernels/blas_core.h"
 #include "kernels/dtype.h"
 #include "kernels/onednn_matmul.h"
 
@@ -135,11 +136,11 @@ std::string GemmProbeResult::Summary() const {
                                          : absl::StrCat(name, " unavailable"));
   }
   // sgemm's rate depends on the kernels OpenBLAS picked ("Prescott" on a CPU it does not know).
-  const char* core = openblas_get_corename();
+  const std::string core = OpenblasCoreName();
   return absl::StrFormat("%s GFLOP/s on %d shape%s x %d rows (%s); sgemm on OpenBLAS core %s",
                          absl::StrJoin(rates, ", "), static_cast<int>(shapes.size()),
                          shapes.size() == 1 ? "" : "s", rows, absl::StrJoin(dims, ", "),
-                         core == nullptr ? "?" : core);
+                         core.empty() ? "?" : core);
 }
 
 GemmProbeResult ProbeGemmEngines(const GemmProbeOptions& options) {

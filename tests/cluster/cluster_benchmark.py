@@ -70,13 +70,6 @@ class Pair:
     max_len: int
 
 
-def model_shape(model_dir):
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config["num_hidden_layers"], config["num_key_value_heads"], dim
-
-
 def tiny_pair(work):
     """The tiny family's L served under two names (engine A as kvt-tiny-L-twin, B as kvt-tiny-L)
     and the identity mappers between them: a translated prefix is exactly B's own cache."""
@@ -92,7 +85,7 @@ def tiny_pair(work):
     # The tiny family's max_position_embeddings is 2048 (as tests/vllm/ttft_benchmark.py).
     return Pair("tiny family (L as kvt-tiny-L-twin on node A, kvt-tiny-L on node B)",
                 family.TWIN_L, family.NAMES["L"], family.model_dir("L"), family.model_dir("L"),
-                model_shape(family.model_dir("L")), "fp32", "float32", stores,
+                family.cache_shape(family.model_dir("L")), "fp32", "float32", stores,
                 lambda n, offset: family.heldout_text(n, offset), 2048)
 
 
@@ -113,8 +106,8 @@ def qwen3_pair(work, shapes):
         return (stream + family.heldout_text(n, 0))[:n]
 
     return Pair(f"Qwen3-shaped {source} (node A) -> {target} (node B), bf16", source, target,
-                paths[source], paths[target], model_shape(paths[source]), "bf16", "bfloat16",
-                stores, prompt, 4096)
+                paths[source], paths[target], family.cache_shape(paths[source]), "bf16",
+                "bfloat16", stores, prompt, 4096)
 
 
 def node_kvtd(work, name, pair, max_bytes, threads):

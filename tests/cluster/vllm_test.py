@@ -26,7 +26,6 @@ single-node suite's MechanicsTest checks it (greedy tokens equal, first log-prob
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -54,14 +53,7 @@ FETCH_DELAY_S = 2.0
 A_FETCH_REGION = 1 << 20
 
 
-def l_shape():
-    with open(os.path.join(family.model_dir("L"), "config.json")) as f:
-        config = json.load(f)
-    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config["num_hidden_layers"], config["num_key_value_heads"], dim
-
-
-LAYERS, HEADS, DIM = l_shape()
+LAYERS, HEADS, DIM = family.cache_shape(family.model_dir("L"))
 
 
 def geometry(model):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from kvt.prefix import PrefixCache, first_block_hash
 from kvt_testing import identity_mappers, tinyfamily
@@ -111,6 +111,14 @@ def heldout_text(n: int, offset: int = 0) -> List[int]:
 TWIN_L = "kvt-tiny-L-twin"  # a second name for L's weights: the source of the identity mappers
 
 
+def cache_shape(model_path: str) -> Tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of the model directory's config.json."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"], config["num_key_value_heads"], dim
+
+
 def identity_mapper(store: str, mapper: str, member: str = "L", source_name: str = TWIN_L,
                     zero_v: bool = False, target_name: Optional[str] = None) -> str:
     """A real mapper directory (manifest, safetensors weights, SHA256SUMS) from `source_name` to
@@ -122,11 +130,10 @@ def identity_mapper(store: str, mapper: str, member: str = "L", source_name: str
     target_name: the target model's name (default `member`'s own; the reverse identity, from
     `member` to the twin, reads back what an engine of `member` published)."""
     with open(os.path.join(model_dir(member), "config.json")) as f:
-        config = json.load(f)
-    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    theta = float(config.get("rope_theta", 10000.0))
+        theta = float(json.load(f).get("rope_theta", 10000.0))
+    layers, heads, dim = cache_shape(model_dir(member))
     return identity_mappers.write(
         os.path.join(store, mapper), source_name=source_name,
-        target_name=target_name or NAMES[member], layers=config["num_hidden_layers"],
-        heads=config["num_key_value_heads"], dim=dim, source_theta=theta, target_theta=theta,
+        target_name=target_name or NAMES[member], layers=layers,
+        heads=heads, dim=dim, source_theta=theta, target_theta=theta,
         zero_v=zero_v, created_by="tests/vllm/family.py identity_mapper")
