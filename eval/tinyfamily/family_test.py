@@ -1,7 +1,8 @@
 """The committed family: each member loads with transformers' LlamaForCausalLM (HF key names and
 config.json), and its logits and KV cache equal those of model.py (the training code) on fresh
 random bytes; the matched members share num_key_value_heads and head_dim, the unmatched one does
-not; every member beats the unigram level on held-out text (summary.json)."""
+not; every member beats the unigram level on held-out text (summary.json) and uses its context up
+to the declared max_position_embeddings."""
 
 import json
 import os
@@ -17,6 +18,7 @@ except ImportError as e:
 
 import dump_kv  # tools/dump_kv.py
 import model as tiny
+import position_curve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,6 +63,19 @@ class FamilyTest(unittest.TestCase):
         layers = [self.config(n)["num_hidden_layers"] for n in MATCHED]
         widths = [self.config(n)["hidden_size"] for n in MATCHED]
         self.assertEqual(len(set(zip(layers, widths))), len(MATCHED))
+
+    def test_declared_context_is_covered(self):
+        # Every member declares the context it was trained on (engines refuse longer prompts)
+        # and still uses context at its end: the 64 bytes ending there score better after the
+        # whole window than after only the 64 bytes before them (README.md, "Context").
+        stream = position_curve.heldout_stream()
+        for name in MATCHED + UNMATCHED:
+            with self.subTest(member=name):
+                declared = self.config(name)["max_position_embeddings"]
+                self.assertEqual(declared, tiny.DECLARED_CONTEXT)
+                long, short = position_curve.long_vs_short(os.path.join(MODELS, name), stream,
+                                                           32, declared)
+                self.assertLess(long, short)
 
     def test_summaries(self):
         for name in MATCHED + UNMATCHED:

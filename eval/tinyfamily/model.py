@@ -21,7 +21,14 @@ VOCAB = 256
 EOS = dump_kv.ByteTokenizer.eos_token_id
 
 
-def hf_config(layers, hidden, heads, kv_heads, head_dim, ffn, name, max_positions=2048):
+# The context the members declare (config.json max_position_embeddings): the longest sequences
+# they were trained on (512 bytes in runs 1-2, 448 in run 3); past it their cross-entropy rises
+# above what no context at all gives (README.md, "Context"), so engines must refuse longer prompts.
+DECLARED_CONTEXT = 512
+
+
+def hf_config(layers, hidden, heads, kv_heads, head_dim, ffn, name,
+              max_positions=DECLARED_CONTEXT):
     """The config.json of LlamaForCausalLM for these shapes."""
     return {
         "architectures": ["LlamaForCausalLM"],

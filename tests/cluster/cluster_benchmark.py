@@ -82,7 +82,7 @@ def tiny_pair(work):
                                target_name=family.TWIN_L)
         return store
 
-    # The tiny family's max_position_embeddings is 2048 (as tests/vllm/ttft_benchmark.py).
+    # The tiny family declares 512 positions; engine_host raises it to max_len for timing only.
     return Pair("tiny family (L as kvt-tiny-L-twin on node A, kvt-tiny-L on node B)",
                 family.TWIN_L, family.NAMES["L"], family.model_dir("L"), family.model_dir("L"),
                 family.cache_shape(family.model_dir("L")), "fp32", "float32", stores,
@@ -219,7 +219,7 @@ def main():
     parser.add_argument("--shapes", default="full", choices=("full", "tiny"),
                         help="--pair=qwen3 only: the Qwen3-0.6B / 1.7B shapes, or the tiny "
                              "Qwen3 pair (minutes, for development)")
-    # 2047: the tiny family's max_position_embeddings is 2048 (as tests/vllm/ttft_benchmark.py).
+    # 2047: the engines' max_model_len is 2048 (past the tiny family's declared 512: timing only).
     parser.add_argument("--tokens", type=int, default=2047)
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="of each transfer measurement")

@@ -3,7 +3,13 @@ stdout by tests/vllm/engines.py: one JSON command per stdin line; each answer is
 starting with "@@kvt " (vLLM's own logs share stdout and are passed through to a log file).
 
     python3 engine_host.py --model=DIR --config='{"kvtd_address": ..., "model_name": ...}' \
-        [--dtype=float32|bfloat16] [--no_connector]
+        [--dtype=float32|bfloat16] [--no_connector] [--max_model_len=N]
+
+--max_model_len=0 keeps the context the model declares (config.json max_position_embeddings),
+so vLLM refuses longer prompts. A larger N than the declared context raises the model's
+max_position_embeddings to N for this engine only (vLLM's hf_overrides), and says so in the log:
+the bundled family declares the 512 positions it was trained on, and the speed benchmarks time it
+at 1K-2K tokens, where its outputs are meaningless but its cost is not.
 
 Commands:
   {"op": "generate", "requests": [{"prompt": [ids], "max_tokens": n, "kvt": {...} | null,
@@ -27,11 +33,27 @@ import time
 import traceback
 
 
+def context_kwargs(model_dir, max_model_len):
+    """LLM arguments for --max_model_len (see the module docstring)."""
+    if max_model_len == 0:
+        return {}
+    with open(os.path.join(model_dir, "config.json")) as f:
+        declared = json.load(f).get("max_position_embeddings")
+    if declared is None or max_model_len <= declared:
+        return {"max_model_len": max_model_len}
+    print(f"engine_host: max_model_len {max_model_len} is past the model's declared context "
+          f"({declared} positions): raised for this engine, for timing only", file=sys.stderr,
+          flush=True)
+    return {"max_model_len": max_model_len,
+            "hf_overrides": {"max_position_embeddings": max_model_len}}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--config", required=True, help="kv_connector_extra_config as JSON")
-    parser.add_argument("--max_model_len", type=int, default=1024)
+    parser.add_argument("--max_model_len", type=int, default=1024,
+                        help="0: the model's declared context")
     parser.add_argument("--block_size", type=int, default=32)
     parser.add_argument("--no_connector", action="store_true")
     parser.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM LLM dtype)")
@@ -54,9 +76,9 @@ def main():
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtConnector", kv_connector_module_path="kvt.vllm",
             kv_role="kv_both", kv_connector_extra_config=json.loads(args.config))
+    kwargs.update(context_kwargs(args.model, args.max_model_len))
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
-              max_model_len=args.max_model_len, enforce_eager=True, block_size=args.block_size,
-              disable_log_stats=False, **kwargs)
+              enforce_eager=True, block_size=args.block_size, disable_log_stats=False, **kwargs)
     answer({"ready": True, "start_s": time.monotonic() - t0})
     for line in sys.stdin:
         if not line.strip():
