@@ -47,6 +47,17 @@ constexpr char kInspectUsage[] =
     "Summarises a mapper directory on local disk (models, shapes, kind, weights, fit quality);\n"
     "no server involved.\n";
 
+constexpr char kRecordBenefitUsage[] =
+    "usage: kvt record-benefit --mapper=DIR --benefit=FILE.json\n"
+    "\n"
+    "Records the context benefit `python -m kvt.qualify` measured (FILE.json: {\"benefit\":\n"
+    "[{\"text\", \"windows\", \"context_tokens\", \"continuation_tokens\", \"recovered\",\n"
+    "\"lower95\", \"upper95\", \"kl\"}, ...]}) in the mapper's manifest (quality.benefit), which\n"
+    "kvtd's prefix-cache gate reads (prefix_cache.min_benefit_recovered). The mapper is loaded\n"
+    "with its checksums verified; an entry replaces the one of the same text, others are kept.\n"
+    "Only manifest.yaml and SHA256SUMS are rewritten (the weights are kept, not copied); on any\n"
+    "error the mapper is unchanged.\n";
+
 constexpr char kTranslateUsage[] =
     "usage: kvt translate [--server=HOST:PORT] --in=SRC.safetensors --result=OUT.safetensors\n"
     "                     (--source_model=A --target_model=B | --mapper_id=ID)\n"
@@ -136,6 +147,9 @@ const std::vector<CommandSpec>& Commands() {
         "source_model", "target_model", "rope_theta", "source_layers", "source_heads",
         "source_head_dim", "target_layers", "target_heads", "target_head_dim"}},
       {"inspect", RunInspect, "summarise a mapper directory: `inspect DIR`", kInspectUsage, {}},
+      {"record-benefit", RunRecordBenefit,
+       "record a measured context benefit in a mapper's manifest (--mapper, --benefit)",
+       kRecordBenefitUsage, {"mapper", "benefit"}},
       {"translate", RunTranslate,
        "translate a safetensors cache through a kvtd (--in, --result)", kTranslateUsage,
        {"server", "timeout_ms", "in", "result", "source_model", "target_model", "mapper_id",
@@ -176,7 +190,7 @@ std::string GlobalUsage() {
       "usage: kvt <command> [--flags] [args]\n\ncommands:\n";
   for (const CommandSpec& command : Commands()) {
     const std::string name = command.name;
-    const size_t pad = name.size() < 12 ? 12 - name.size() : 1;
+    const size_t pad = name.size() < 16 ? 16 - name.size() : 1;  // record-benefit + 2
     absl::StrAppend(&usage, "  ", name, std::string(pad, ' '), command.summary, "\n");
   }
   absl::StrAppend(&usage,

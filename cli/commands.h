@@ -12,6 +12,7 @@ int RunServerInfo(const std::vector<std::string>& args);
 int RunMappers(const std::vector<std::string>& args);
 int RunSynth(const std::vector<std::string>& args);
 int RunInspect(const std::vector<std::string>& args);
+int RunRecordBenefit(const std::vector<std::string>& args);
 int RunTranslate(const std::vector<std::string>& args);
 int RunDemo(const std::vector<std::string>& args);
 int RunFit(const std::vector<std::string>& args);

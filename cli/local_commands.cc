@@ -1,4 +1,5 @@
-// `kvt synth` and `kvt inspect`: mapper directories on local disk, no server involved.
+// `kvt synth`, `kvt inspect` and `kvt record-benefit`: mapper directories on local disk, no server
+// involved.
 #include <cstdio>
 #include <optional>
 
@@ -8,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
 #include "mapper_store/inspect.h"
+#include "mapper_store/record_benefit.h"
 #include "mapper_store/synth.h"
 
 ABSL_FLAG(std::string, preset, "",
@@ -36,6 +38,11 @@ ABSL_FLAG(std::string, ridge_granularity, "per_layer",
           "kvt synth --kind=ridge: per_layer (each target layer from the whole row) or per_head "
           "(each target head from its matching source heads only: n_kv times fewer weights).");
 // Shared with `kvt fit` (defined in fit_commands.cc): synth --kind=mlp writes a random MLP.
+ABSL_FLAG(std::string, mapper, "",
+          "kvt record-benefit: the mapper directory whose manifest records the benefit.");
+ABSL_FLAG(std::string, benefit, "",
+          "kvt record-benefit: the JSON file `python -m kvt.qualify` wrote "
+          "({\"benefit\": [entries]}).");
 ABSL_DECLARE_FLAG(std::string, kind);
 ABSL_DECLARE_FLAG(int64_t, mlp_hidden);
 ABSL_DECLARE_FLAG(std::string, mlp_granularity);
@@ -134,6 +141,27 @@ int RunInspect(const std::vector<std::string>& args) {
     return 2;
   }
   std::printf("%s", report->c_str());
+  return 0;
+}
+
+int RunRecordBenefit(const std::vector<std::string>& args) {
+  const std::string dir = absl::GetFlag(FLAGS_mapper);
+  const std::string benefit = absl::GetFlag(FLAGS_benefit);
+  if (!args.empty() || dir.empty() || benefit.empty()) {
+    std::fprintf(stderr, "usage: kvt record-benefit --mapper=DIR --benefit=FILE.json\n");
+    return 1;
+  }
+  absl::StatusOr<std::vector<BenefitRecord>> merged = RecordBenefit(dir, benefit);
+  if (!merged.ok()) {
+    std::fprintf(stderr, "kvt record-benefit: %s (the mapper is unchanged)\n",
+                 merged.status().ToString().c_str());
+    return 2;
+  }
+  std::printf("%s: quality.benefit now records %zu text%s\n", dir.c_str(), merged->size(),
+              merged->size() == 1 ? "" : "s");
+  for (const BenefitRecord& record : *merged) {
+    std::printf("  %s\n", DescribeBenefit(record).c_str());
+  }
   return 0;
 }
 

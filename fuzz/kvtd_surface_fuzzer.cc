@@ -121,6 +121,8 @@ void SetUp() {
   config.prefix_cache.block_tokens = 4;
   config.prefix_cache.max_bytes = 1 << 20;
   config.prefix_cache.pair_min_quality["fz/src->fz/other"] = 0.9;  // synth records none
+  // Synth mappers record no benefit either: off, so fz/src->fz/dst lookups still lease.
+  config.prefix_cache.min_benefit_recovered = 0;
   absl::StatusOr<std::unique_ptr<kvt::KvtdServer>> server =
       kvt::KvtdServer::Start(config, env->store.get(), env->backend.get());
   if (!server.ok()) Die(server.status().ToString());

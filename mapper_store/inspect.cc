@@ -183,6 +183,15 @@ std::string InspectManifest(const Manifest& m, const std::string& id) {
     absl::StrAppend(&out, "\n");
   }
 
+  if (!m.quality.benefit.empty()) {
+    // What kvtd's benefit gate holds to prefix_cache.min_benefit_recovered: each lower bound.
+    absl::StrAppend(&out, "benefit       context benefit recovered [95% interval] per text "
+                          "(quality.benefit)\n");
+    for (const BenefitRecord& record : m.quality.benefit) {
+      absl::StrAppend(&out, "  ", DescribeBenefit(record), "\n");
+    }
+  }
+
   // Per-layer table; a V list equal to the K list prints as "= sigma_k" to keep lines short.
   size_t k_width = 7;
   for (const LayerEntry& layer : m.layers) k_width = std::max(k_width, List(layer.sigma_k).size());
@@ -214,6 +223,13 @@ std::string InspectManifest(const Manifest& m, const std::string& id) {
     absl::StrAppend(&out, line, "\n");
   }
   return out;
+}
+
+std::string DescribeBenefit(const BenefitRecord& r) {
+  return absl::StrCat(r.text, ": recovered ", FormatDouble(r.recovered), " [",
+                      FormatDouble(r.lower95), ", ", FormatDouble(r.upper95), "], KL ",
+                      FormatDouble(r.kl), " nats/token (", r.windows, " windows, ",
+                      r.context_tokens, " + ", r.continuation_tokens, " tokens)");
 }
 
 std::string InspectMapper(const LoadedMapper& mapper) {

@@ -18,6 +18,10 @@ std::string InspectMapper(const LoadedMapper& mapper);
 absl::StatusOr<std::string> InspectMapperDir(const std::string& dir,
                                              const LoadOptions& options = {});
 
+// One quality.benefit entry on a line: "python-docs-heldout: recovered 0.64 [0.5, 0.86], KL 0.12
+// nats/token (64 windows, 384 + 96 tokens)".
+std::string DescribeBenefit(const BenefitRecord& record);
+
 // "2.00 GiB", "512 B", "1.50 KiB".
 std::string HumanBytes(uint64_t bytes);
 // "1.07 B", "12.3 M", "4.1 K", "17".

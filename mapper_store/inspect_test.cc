@@ -67,6 +67,26 @@ TEST(InspectTest, ReportsSummarySizesSigmaAndR2) {
   EXPECT_TRUE(Contains(r, "0.750")) << r;  // layer 5 r2_v
 }
 
+TEST(InspectTest, ReportsTheMeasuredBenefitPerText) {
+  Manifest m = *SynthManifest(*SynthPreset("demo-tiny"));
+  EXPECT_FALSE(Contains(InspectManifest(m, "x"), "benefit")) << InspectManifest(m, "x");
+  BenefitRecord docs;
+  docs.text = "python-docs-heldout";
+  docs.windows = 64;
+  docs.context_tokens = 384;
+  docs.continuation_tokens = 96;
+  docs.recovered = 0.64;
+  docs.lower95 = 0.5;
+  docs.upper95 = 0.86;
+  docs.kl = 0.12;
+  m.quality.benefit = {docs};
+  const std::string r = InspectManifest(m, "x");
+  EXPECT_TRUE(Contains(r, "benefit       context benefit recovered [95% interval] per text "
+                          "(quality.benefit)\n  python-docs-heldout: recovered 0.64 [0.5, 0.86], "
+                          "KL 0.12 nats/token (64 windows, 384 + 96 tokens)\n"))
+      << r;
+}
+
 TEST(InspectTest, SyntheticMapperIsFlaggedAndHasNoR2Columns) {
   const std::string dir = JoinPath(testing::MakeTempDir("inspect_synth"), "demo");
   KVT_ASSERT_OK(WriteSynthMapper(dir, *SynthPreset("demo-tiny")));

@@ -386,6 +386,41 @@ absl::StatusOr<std::unique_ptr<LoadedMapper>> LoadMapperDir(const std::string& d
 
 namespace {
 
+std::string UniqueSuffix() {
+  static std::atomic<uint64_t> counter{0};
+  return absl::StrCat(::getpid(), "-", counter++);
+}
+
+// A hidden sibling of `dir` on the same file system, so the final rename is atomic and a
+// concurrent MapperStore::Scan (which skips dot-directories) never sees a half-written mapper.
+std::string TempSibling(const std::string& dir, const std::string& suffix) {
+  return JoinPath(Dirname(dir), absl::StrCat(".", Basename(dir), ".tmp-", suffix));
+}
+
+// Renames the complete directory `tmp` to `dir`; an existing `dir` is moved aside first and
+// removed after (put back when the rename fails). On error `tmp` is left for the caller.
+absl::Status MoveIntoPlace(const std::string& tmp, const std::string& dir, bool exists,
+                           const std::string& suffix) {
+  if (!exists) {
+    if (::rename(tmp.c_str(), dir.c_str()) != 0) {
+      return ErrnoStatus(errno, "cannot rename into place", dir);
+    }
+    return absl::OkStatus();
+  }
+  const std::string old =
+      JoinPath(Dirname(dir), absl::StrCat(".", Basename(dir), ".old-", suffix));
+  if (::rename(dir.c_str(), old.c_str()) != 0) {
+    return ErrnoStatus(errno, "cannot move aside", dir);
+  }
+  if (::rename(tmp.c_str(), dir.c_str()) != 0) {
+    const absl::Status status = ErrnoStatus(errno, "cannot rename into place", dir);
+    ::rename(old.c_str(), dir.c_str());  // put the previous mapper back
+    return status;
+  }
+  RemoveTree(old).IgnoreError();
+  return absl::OkStatus();
+}
+
 absl::Status WriteMapperDirImpl(
     const std::string& dir_in, const Manifest& manifest, const std::vector<TensorSpec>& specs,
     const std::function<absl::StatusOr<SafetensorsWriteResult>(const std::string& path)>& write_weights,
@@ -407,11 +442,8 @@ absl::Status WriteMapperDirImpl(
   }
   if (absl::Status s = MakeDirs(parent); !s.ok()) return s;
 
-  static std::atomic<uint64_t> counter{0};
-  const std::string suffix = absl::StrCat(::getpid(), "-", counter++);
-  // Hidden sibling on the same file system, so the final rename is atomic and a concurrent
-  // MapperStore::Scan (which skips dot-directories) never sees a half-written mapper.
-  const std::string tmp = JoinPath(parent, absl::StrCat(".", name, ".tmp-", suffix));
+  const std::string suffix = UniqueSuffix();
+  const std::string tmp = TempSibling(dir, suffix);
   if (absl::Status s = RemoveTree(tmp); !s.ok()) return s;
   if (absl::Status s = MakeDirs(tmp); !s.ok()) return s;
 
@@ -433,21 +465,7 @@ absl::Status WriteMapperDirImpl(
     return fail(s);
   }
   if (absl::Status s = SyncDirectory(tmp); !s.ok()) return fail(s);
-
-  if (exists) {
-    const std::string old = JoinPath(parent, absl::StrCat(".", name, ".old-", suffix));
-    if (::rename(dir.c_str(), old.c_str()) != 0) {
-      return fail(ErrnoStatus(errno, "cannot move aside", dir));
-    }
-    if (::rename(tmp.c_str(), dir.c_str()) != 0) {
-      const absl::Status status = ErrnoStatus(errno, "cannot rename into place", dir);
-      ::rename(old.c_str(), dir.c_str());  // put the previous mapper back
-      return fail(status);
-    }
-    RemoveTree(old).IgnoreError();
-  } else if (::rename(tmp.c_str(), dir.c_str()) != 0) {
-    return fail(ErrnoStatus(errno, "cannot rename into place", dir));
-  }
+  if (absl::Status s = MoveIntoPlace(tmp, dir, exists, suffix); !s.ok()) return fail(s);
   return SyncDirectory(parent);
 }
 
@@ -479,6 +497,91 @@ absl::Status WriteMapperDir(const std::string& dir, const Manifest& manifest,
         return WriteSafetensors(path, specs, fill, WeightsMetadata(manifest));
       },
       options);
+}
+
+namespace {
+
+// SHA256SUMS of `dir` with the manifest's line given `manifest_hex`; every other line kept.
+absl::StatusOr<std::string> SumsWithManifest(const std::string& dir,
+                                             const std::string& manifest_hex) {
+  absl::StatusOr<std::string> text = ReadFileToString(JoinPath(dir, kChecksumFileName));
+  if (!text.ok()) return InDir(dir, text.status());
+  absl::StatusOr<std::vector<ChecksumEntry>> entries = ParseSha256Sums(*text);
+  if (!entries.ok()) return InDir(dir, entries.status());
+  bool listed = false;
+  for (ChecksumEntry& entry : *entries) {
+    if (entry.filename != kManifestFileName) continue;
+    entry.hex = manifest_hex;
+    listed = true;
+  }
+  if (!listed) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, ": ", kChecksumFileName, " has no entry for ", kManifestFileName));
+  }
+  return FormatSha256Sums(*entries);
+}
+
+// Hard-links every file of `dir` but manifest.yaml and SHA256SUMS into `tmp`: the new directory
+// shares the weights' bytes instead of copying them.
+absl::Status LinkOtherFiles(const std::string& dir, const std::string& tmp) {
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(dir);
+  if (!names.ok()) return InDir(dir, names.status());
+  for (const std::string& name : *names) {
+    if (name == kManifestFileName || name == kChecksumFileName) continue;
+    const std::string from = JoinPath(dir, name);
+    if (IsDirectory(from)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          dir, ": holds a subdirectory '", name, "' (a mapper directory holds only files)"));
+    }
+    if (::link(from.c_str(), JoinPath(tmp, name).c_str()) != 0) {
+      return ErrnoStatus(errno, "cannot hard-link", from);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RewriteMapperManifest(const LoadedMapper& mapper, const Manifest& manifest) {
+  const std::string dir = NormalizeDir(mapper.path());
+  if (!mapper.checksums_verified()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, ": load the mapper with its checksums verified before rewriting its manifest"));
+  }
+  if (manifest.weights_file != mapper.manifest().weights_file) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weights.file '", manifest.weights_file, "' must stay '",
+        mapper.manifest().weights_file, "': a manifest rewrite keeps the weights"));
+  }
+  if (absl::Status s = ValidateManifest(manifest); !s.ok()) return s;
+  std::vector<TensorSpec> specs;
+  for (const TensorInfo& info : mapper.weights().tensors()) specs.push_back(info.spec);
+  if (absl::Status s = ValidateMapperTensors(manifest, specs); !s.ok()) return s;
+  absl::StatusOr<std::string> text = EmitManifest(manifest);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<std::string> manifest_hex = Sha256Hex(*text);
+  if (!manifest_hex.ok()) return manifest_hex.status();
+  absl::StatusOr<std::string> sums = SumsWithManifest(dir, *manifest_hex);
+  if (!sums.ok()) return sums.status();
+
+  const std::string suffix = UniqueSuffix();
+  const std::string tmp = TempSibling(dir, suffix);
+  if (absl::Status s = RemoveTree(tmp); !s.ok()) return s;
+  if (absl::Status s = MakeDirs(tmp); !s.ok()) return s;
+  auto fail = [&tmp](absl::Status status) {
+    RemoveTree(tmp).IgnoreError();
+    return status;
+  };
+  if (absl::Status s = WriteStringToFile(JoinPath(tmp, kManifestFileName), *text); !s.ok()) {
+    return fail(s);
+  }
+  if (absl::Status s = WriteStringToFile(JoinPath(tmp, kChecksumFileName), *sums); !s.ok()) {
+    return fail(s);
+  }
+  if (absl::Status s = LinkOtherFiles(dir, tmp); !s.ok()) return fail(s);
+  if (absl::Status s = SyncDirectory(tmp); !s.ok()) return fail(s);
+  if (absl::Status s = MoveIntoPlace(tmp, dir, /*exists=*/true, suffix); !s.ok()) return fail(s);
+  return SyncDirectory(Dirname(dir));
 }
 
 }  // namespace kvt

@@ -128,4 +128,13 @@ absl::Status WriteMapperDir(const std::string& dir, const Manifest& manifest,
                             const std::vector<TensorSpec>& specs, const TensorFiller& fill,
                             const WriteOptions& options = {});
 
+// Rewrites only manifest.yaml (as `manifest`) and its SHA256SUMS line in the directory `mapper`
+// was loaded from, keeping every other file byte for byte (`kvt record-benefit`: weights can be
+// GBs). A hidden sibling gets the two new files and hard links to the others, then replaces the
+// directory as WriteMapperDir does, so a store scanning concurrently sees the old mapper or the
+// new one, never a manifest that disagrees with SHA256SUMS. `mapper` must have been loaded with
+// checksums verified; `manifest` must validate and describe the loaded tensors under the same
+// weights.file. On any error the directory is untouched.
+absl::Status RewriteMapperManifest(const LoadedMapper& mapper, const Manifest& manifest);
+
 }  // namespace kvt

@@ -37,4 +37,15 @@ RecordedQuality MapperRecordedQuality(const Manifest& manifest) {
   return {MeanHeldoutR2(manifest)};
 }
 
+std::optional<RecordedBenefit> MapperRecordedBenefit(const Manifest& manifest) {
+  std::optional<RecordedBenefit> worst;
+  for (const BenefitRecord& record : manifest.quality.benefit) {
+    // Strictly lower: among equal bounds the first listed is named, so the reason is stable.
+    if (!worst.has_value() || record.lower95 < worst->lower95) {
+      worst = RecordedBenefit{record.lower95, record.text};
+    }
+  }
+  return worst;
+}
+
 }  // namespace kvt

@@ -31,4 +31,13 @@ struct RecordedQuality {
 };
 RecordedQuality MapperRecordedQuality(const Manifest& manifest);
 
+// The measured context benefit the benefit gate holds to its floor (quality.benefit, written by
+// `kvt record-benefit` from `python -m kvt.qualify`): the entry with the lowest lower95, since
+// every text source must clear the floor; nullopt when none is recorded.
+struct RecordedBenefit {
+  double lower95 = 0;
+  std::string text;
+};
+std::optional<RecordedBenefit> MapperRecordedBenefit(const Manifest& manifest);
+
 }  // namespace kvt

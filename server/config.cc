@@ -252,7 +252,8 @@ std::string HostPort(const std::string& address, const char* rule) {
   return address.empty() || address.rfind(':') != std::string::npos ? std::string() : rule;
 }
 
-// prefix_cache.pair_min_quality: keys are "source->target"; the error names the key's line.
+// prefix_cache.pair_min_quality, pair_min_benefit: keys are "source->target"; the error names
+// the key's line.
 absl::Status ReadPairFloors(const YamlReader& reader, const std::string& path,
                             const YAML::Node& node, std::map<std::string, double>* out) {
   if (!node.IsMap()) {
@@ -374,6 +375,17 @@ const std::vector<Row>& Rows() {
       Key(KVTD_KEY(prefix_cache, pair_min_quality))
           .ReadWith(ReadPairFloors),
       Key(KVTD_KEY(prefix_cache, max_input_shift)).AtLeast(0, " (0: not checked)"),
+      Key(KVTD_KEY(prefix_cache, min_benefit_recovered)).InRange(0.0, 1.0, " (0: off)"),
+      Key(KVTD_KEY(prefix_cache, pair_min_benefit))
+          .ReadWith(ReadPairFloors)
+          .Check([](const KvtdConfig&, const std::map<std::string, double>& floors) {
+            for (const auto& [pair, floor] : floors) {
+              if (!(floor >= 0 && floor <= 1)) {
+                return absl::StrCat("the floor of '", pair, "' must be in [0, 1] (0: off)");
+              }
+            }
+            return std::string();
+          }),
       Key(KVTD_KEY(prefix_cache, verify_sample_fraction))
           .Check([](const KvtdConfig&, const double& fraction) {
             return fraction >= 0 && fraction <= 1 ? std::string()

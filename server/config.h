@@ -92,6 +92,14 @@ struct KvtdConfig {
     double min_r2_heldout = 0.0;
     std::map<std::string, double> pair_min_quality;
     double max_input_shift = 0;  // 0 = not checked
+    // Benefit gate, in addition to the one above: every text source the mapper's manifest
+    // records a measured benefit for (quality.benefit, `python -m kvt.qualify` then
+    // `kvt record-benefit`) must have its recovered context benefit's 95% lower bound at least
+    // pair_min_benefit["source->target"] when listed, else min_benefit_recovered; a mapper that
+    // records none is refused. The attention cosine does not see that benefit (docs/EVAL.md,
+    // "A second text source"). 0 = off; in [0, 1].
+    double min_benefit_recovered = 0.5;
+    std::map<std::string, double> pair_min_benefit;
     // Live verification (docs/OPERATIONS.md): every round(1 / verify_sample_fraction)-th
     // gate-passing lookup of a pair answers "verify" instead of a lease; the requester prefills
     // and publishes its own cache, which kvtd compares with its translation of the same source

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -207,6 +208,8 @@ prefix_cache:
   min_mapper_quality: 0.4
   pair_min_quality: {"a->b": 0.7}
   max_input_shift: 3.5
+  min_benefit_recovered: 0.3
+  pair_min_benefit: {"a->b": 0.6}
 )", "x.yaml");
   ASSERT_TRUE(config.ok()) << config.status();
   const KvtdConfig::PrefixCache& prefix = config->prefix_cache;
@@ -218,6 +221,8 @@ prefix_cache:
   EXPECT_EQ(prefix.min_mapper_quality, 0.4);
   EXPECT_EQ(prefix.pair_min_quality.at("a->b"), 0.7);
   EXPECT_EQ(prefix.max_input_shift, 3.5);
+  EXPECT_EQ(prefix.min_benefit_recovered, 0.3);
+  EXPECT_EQ(prefix.pair_min_benefit.at("a->b"), 0.6);
   // The shipped file documents the defaults: off.
   absl::StatusOr<KvtdConfig> shipped = LoadKvtdConfigFile("server/kvtd.yaml");
   ASSERT_TRUE(shipped.ok()) << shipped.status();
@@ -227,6 +232,33 @@ prefix_cache:
   EXPECT_EQ(shipped->prefix_cache.min_mapper_quality,
             KvtdConfig().prefix_cache.min_mapper_quality);
   EXPECT_EQ(shipped->prefix_cache.min_r2_heldout, KvtdConfig().prefix_cache.min_r2_heldout);
+  // The benefit gate is on by default: a mapper must record a measured benefit.
+  EXPECT_EQ(shipped->prefix_cache.min_benefit_recovered, 0.5);
+  EXPECT_EQ(KvtdConfig().prefix_cache.min_benefit_recovered, 0.5);
+}
+
+TEST(ConfigTest, BenefitFloorsMustBeInZeroToOne) {
+  for (const char* bad : {"1.5", "-0.1"}) {
+    absl::StatusOr<KvtdConfig> config = ParseKvtdConfig(
+        absl::StrCat("prefix_cache:\n  min_benefit_recovered: ", bad, "\n"), "x.yaml");
+    ASSERT_FALSE(config.ok()) << bad;
+    EXPECT_THAT(config.status().message(),
+                HasSubstr("key 'prefix_cache.min_benefit_recovered'"));
+    EXPECT_THAT(config.status().message(), HasSubstr("must be in [0, 1] (0: off)"));
+  }
+  absl::StatusOr<KvtdConfig> off =
+      ParseKvtdConfig("prefix_cache:\n  min_benefit_recovered: 0\n", "x.yaml");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->prefix_cache.min_benefit_recovered, 0);
+  absl::StatusOr<KvtdConfig> bad_floor =
+      ParseKvtdConfig("prefix_cache:\n  pair_min_benefit: {\"a->b\": 2}\n", "x.yaml");
+  ASSERT_FALSE(bad_floor.ok());
+  EXPECT_THAT(bad_floor.status().message(), HasSubstr("key 'prefix_cache.pair_min_benefit'"));
+  EXPECT_THAT(bad_floor.status().message(), HasSubstr("'a->b' must be in [0, 1]"));
+  absl::StatusOr<KvtdConfig> bad_pair =
+      ParseKvtdConfig("prefix_cache:\n  pair_min_benefit: {ab: 0.5}\n", "x.yaml");
+  ASSERT_FALSE(bad_pair.ok());
+  EXPECT_THAT(bad_pair.status().message(), HasSubstr("prefix_cache.pair_min_benefit.ab"));
 }
 
 TEST(ConfigTest, PrefixCacheErrorsNameTheKey) {

@@ -71,6 +71,33 @@ std::string PairKey(const std::string& source, const std::string& target) {
   return absl::StrCat(source, "->", target);
 }
 
+// The benefit gate, after the quality gate: every text source the mapper records a measured
+// benefit for must keep at least the floor of the context benefit at its 95% lower bound (the
+// worst text decides); with the floor above 0 a mapper that records none is refused. Fills the
+// verdict's benefit fields; returns why it fails, or "".
+std::string BenefitGateReason(const KvtdConfig::PrefixCache& gate, const Manifest& manifest,
+                              v1::GateVerdict* verdict) {
+  const auto pair = gate.pair_min_benefit.find(PairKey(manifest.source.name, manifest.target.name));
+  const bool own_floor = pair != gate.pair_min_benefit.end();
+  const double floor = own_floor ? pair->second : gate.min_benefit_recovered;
+  verdict->set_min_benefit_recovered(floor);
+  const std::optional<RecordedBenefit> worst = MapperRecordedBenefit(manifest);
+  if (worst.has_value()) {
+    verdict->set_benefit_lower95(worst->lower95);
+    verdict->set_benefit_text(worst->text);
+  }
+  if (floor <= 0) return "";
+  if (!worst.has_value()) {
+    return "the mapper records no measured benefit (quality.benefit): measure it with "
+           "`python -m kvt.qualify`";
+  }
+  if (worst->lower95 >= floor) return "";
+  return absl::StrCat("mapper context benefit recovered on text '", worst->text,
+                      "' (95% lower bound) ", worst->lower95, " < floor ", floor,
+                      own_floor ? absl::StrCat(" (prefix_cache.pair_min_benefit \"", pair->first, "\")")
+                                : std::string(" (prefix_cache.min_benefit_recovered)"));
+}
+
 }  // namespace
 
 PrefixCacheService::PrefixCacheService(const KvtdConfig& config, MapperStore* store,
@@ -386,6 +413,8 @@ v1::GateVerdict PrefixCacheService::Gate(const std::shared_ptr<const LoadedMappe
     reason = absl::StrCat("mapper ", recorded.description, " ", *quality, " < floor ",
                           min_quality);
   }
+  const std::string benefit = BenefitGateReason(gate, manifest, &verdict);
+  if (reason.empty()) reason = benefit;
   if (reason.empty() && gate.max_input_shift > 0) {
     std::shared_ptr<const InputShiftStats> stats = shift_stats_->Get(mapper);
     if (stats != nullptr) {

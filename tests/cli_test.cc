@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "host_cache/cache_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -210,6 +211,84 @@ std::set<std::string> FlagsNamed(const std::string& text) {
   return names;
 }
 
+std::string ReadOrEmpty(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  return text.ok() ? *text : std::string();
+}
+
+// `kvt record-benefit` on a mapper `kvt synth` wrote: the mapper then loads with its checksums
+// verified and carries the entries, `kvt inspect` shows them; a bad file or a missing mapper
+// exits non-zero naming the problem and leaves the files byte-identical.
+TEST(KvtCliTest, RecordBenefitRewritesTheManifestAndChecksumsOnly) {
+  const std::string store = TempDir() + "/benefit_store";
+  ASSERT_EQ(std::system(("rm -rf " + store + " && mkdir -p " + store).c_str()), 0);
+  const std::string dir = store + "/pair";
+  CommandResult synth = RunKvt(absl::StrCat("synth --out=", dir, " --preset=demo-tiny --seed=3"));
+  ASSERT_EQ(synth.exit_code, 0) << synth.output;
+  const std::string weights = ReadOrEmpty(dir + "/weights.safetensors");
+  ASSERT_FALSE(weights.empty());
+  auto write = [&](const std::string& name, const std::string& text) {
+    const std::string path = store + "/" + name;
+    EXPECT_TRUE(WriteStringToFile(path, text).ok());
+    return path;
+  };
+  const std::string good = write(
+      "good.json",
+      R"({"benefit": [{"text": "python-docs-heldout", "windows": 64, "context_tokens": 384,
+                       "continuation_tokens": 96, "recovered": 0.64, "lower95": 0.5,
+                       "upper95": 0.86, "kl": 0.12}]})");
+  CommandResult recorded =
+      RunKvt(absl::StrCat("record-benefit --mapper=", dir, " --benefit=", good));
+  ASSERT_EQ(recorded.exit_code, 0) << recorded.output;
+  EXPECT_THAT(recorded.output, HasSubstr("quality.benefit now records 1 text\n"));
+  EXPECT_THAT(recorded.output,
+              HasSubstr("  python-docs-heldout: recovered 0.64 [0.5, 0.86], KL 0.12 nats/token"));
+
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> loaded = LoadMapperDir(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE((*loaded)->checksums_verified());
+  ASSERT_EQ((*loaded)->manifest().quality.benefit.size(), 1u);
+  EXPECT_EQ((*loaded)->manifest().quality.benefit[0].lower95, 0.5);
+  EXPECT_TRUE(ReadOrEmpty(dir + "/weights.safetensors") == weights);
+  CommandResult inspect = RunKvt("inspect " + dir);
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_THAT(inspect.output, HasSubstr("checksums verified"));
+  EXPECT_THAT(inspect.output, HasSubstr("  python-docs-heldout: recovered 0.64 [0.5, 0.86]"));
+
+  const std::string manifest = ReadOrEmpty(dir + "/manifest.yaml");
+  const std::string sums = ReadOrEmpty(dir + "/SHA256SUMS");
+  const std::pair<std::string, std::string> bad[] = {
+      {"{\"benefit\": [", "not valid JSON"},
+      {R"({"benefit": [{"text": "a", "windows": 8, "context_tokens": 1, "continuation_tokens": 1,
+                        "recovered": 0.5, "lower95": 0.6, "upper95": 0.7, "kl": 0}]})",
+       "benefit[0].lower95 = 0.6 exceeds recovered 0.5"},
+      {R"({"benefit": [{"text": "a", "windows": 8, "context_tokens": 1, "continuation_tokens": 1,
+                        "recovered": 0.5, "lower95": 0.4, "upper95": 0.7, "kl": 0},
+                       {"text": "a", "windows": 8, "context_tokens": 1, "continuation_tokens": 1,
+                        "recovered": 0.5, "lower95": 0.4, "upper95": 0.7, "kl": 0}]})",
+       "benefit[1].text 'a' is already benefit[0]"},
+  };
+  int n = 0;
+  for (const auto& [json, message] : bad) {
+    const std::string path = write(absl::StrCat("bad", n++, ".json"), json);
+    CommandResult refused =
+        RunKvt(absl::StrCat("record-benefit --mapper=", dir, " --benefit=", path));
+    EXPECT_EQ(refused.exit_code, 2) << refused.output;
+    EXPECT_THAT(refused.output, HasSubstr(message));
+    EXPECT_THAT(refused.output, HasSubstr("the mapper is unchanged"));
+    EXPECT_EQ(ReadOrEmpty(dir + "/manifest.yaml"), manifest);
+    EXPECT_EQ(ReadOrEmpty(dir + "/SHA256SUMS"), sums);
+    EXPECT_TRUE(ReadOrEmpty(dir + "/weights.safetensors") == weights);
+  }
+  CommandResult missing =
+      RunKvt(absl::StrCat("record-benefit --mapper=", store, "/nope --benefit=", good));
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_THAT(missing.output, HasSubstr("not a mapper directory"));
+  CommandResult usage = RunKvt(absl::StrCat("record-benefit --mapper=", dir));
+  EXPECT_EQ(usage.exit_code, 1) << usage.output;
+  EXPECT_THAT(usage.output, HasSubstr("usage: kvt record-benefit --mapper=DIR --benefit=FILE.json"));
+}
+
 // `kvt help`'s command lines: name -> summary.
 std::map<std::string, std::string> GlobalCommands(const std::string& usage) {
   std::map<std::string, std::string> commands;
@@ -250,8 +329,8 @@ TEST(KvtCliTest, EveryCommandHasItsOwnHelpAndTheGlobalUsageNamesOnlyRealFlags) {
   ASSERT_EQ(global.exit_code, 0) << global.output;
   const std::map<std::string, std::string> commands = GlobalCommands(global.output);
   for (const char* expected :
-       {"health", "server-info", "mappers", "synth", "inspect", "translate", "demo", "fit",
-        "import"}) {
+       {"health", "server-info", "mappers", "synth", "inspect", "record-benefit", "translate",
+        "demo", "fit", "import"}) {
     EXPECT_EQ(commands.count(expected), 1u) << expected << " missing from:\n" << global.output;
   }
   EXPECT_EQ(RunKvt("--help").output, global.output);

@@ -97,6 +97,7 @@ class HardeningTest : public ::testing::Test {
   void Start(KvtdConfig config) {
     config.shared_memory.allow_client_regions = true;
     config.prefix_cache.enabled = true;
+    config.prefix_cache.min_benefit_recovered = 0;  // records no benefit; not under test
     config.prefix_cache.block_tokens = 16;
     kvtd_ = StartKvtdForTest(StoreDir(), config);
     ASSERT_NE(kvtd_, nullptr);

@@ -2,7 +2,9 @@
 // LookupPrefix + TranslateKV(header.input.cached) bit-identical to translating the same prefix
 // inline; leases are single use; every miss reason, the quality gate, the byte budget, bad
 // publishes, listing and eviction.
+#include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -64,6 +66,7 @@ class PrefixCacheServiceTest : public ::testing::Test {
   void SetUp() override {
     KvtdConfig config;
     config.prefix_cache.enabled = true;
+    config.prefix_cache.min_benefit_recovered = 0;  // records no benefit; not under test
     config.prefix_cache.block_tokens = 16;
     Start(config);
   }
@@ -260,6 +263,7 @@ TEST_F(PrefixCacheServiceTest, MissReasons) {
 TEST_F(PrefixCacheServiceTest, GateRefusesUnlessForced) {
   KvtdConfig config;
   config.prefix_cache.enabled = true;
+  config.prefix_cache.min_benefit_recovered = 0;  // records no benefit; not under test
   config.prefix_cache.pair_min_quality["test/src->test/dst"] = 0.9;  // synth mappers record none
   kvtd_.reset();
   Start(config);
@@ -316,6 +320,7 @@ TEST_F(PrefixCacheServiceTest, GateComparesTheCosinesLowerBound) {
     SCOPED_TRACE(floor);
     KvtdConfig config;
     config.prefix_cache.enabled = true;
+    config.prefix_cache.min_benefit_recovered = 0;  // records no benefit; not under test
     config.prefix_cache.min_mapper_quality = floor;  // R^2 0.2 would fail all
     kvtd_.reset();
     Start(config, StoreWithRecordedCosine());
@@ -336,11 +341,132 @@ TEST_F(PrefixCacheServiceTest, GateComparesTheCosinesLowerBound) {
   }
 }
 
+// A store whose one mapper is the synth mapper of StoreDir() with a passing recorded cosine
+// (lower bound 0.94) and the measured benefit `benefit` (quality.benefit), written under `name`.
+std::string StoreWithBenefit(const std::string& name, const std::vector<BenefitRecord>& benefit) {
+  const std::string dir = absl::StrCat(StoreDir(), "_benefit_", name);
+  absl::StatusOr<std::unique_ptr<LoadedMapper>> cosine =
+      LoadMapperDir(StoreWithRecordedCosine() + "/m");
+  EXPECT_TRUE(cosine.ok()) << cosine.status();
+  if (!cosine.ok()) return dir;
+  Manifest manifest = (*cosine)->manifest();
+  manifest.quality.benefit = benefit;
+  std::vector<TensorRef> tensors;
+  for (const TensorInfo& info : (*cosine)->weights().tensors()) {
+    tensors.push_back({info.spec, (*cosine)->weights().data(info)});
+  }
+  const absl::Status written = WriteMapperDir(dir + "/m", manifest, tensors);
+  EXPECT_TRUE(written.ok()) << written;
+  return dir;
+}
+
+BenefitRecord Benefit(const std::string& text, double recovered, double lower95) {
+  BenefitRecord record;
+  record.text = text;
+  record.windows = 64;
+  record.context_tokens = 384;
+  record.continuation_tokens = 96;
+  record.recovered = recovered;
+  record.lower95 = lower95;
+  record.upper95 = recovered + 0.1;
+  record.kl = 0.1;
+  return record;
+}
+
+// The benefit gate on top of the cosine gate (which the store's 0.94 bound passes at 0.87):
+// with kvtd's default floor a mapper must record a measured benefit, every text's lower95 at
+// least the floor (or the pair's own), and floor 0 turns it off.
+TEST_F(PrefixCacheServiceTest, BenefitGateHoldsEveryRecordedTextsBoundToTheFloor) {
+  struct Case {
+    const char* name;
+    std::vector<BenefitRecord> benefit;
+    std::map<std::string, double> pair_floors;
+    double floor;
+    bool passes;
+    std::string reason;  // a substring of the refusal
+  };
+  const std::vector<Case> cases = {
+      {"none", {}, {}, 0.5, false,
+       "the mapper records no measured benefit (quality.benefit): measure it with "
+       "`python -m kvt.qualify`"},
+      {"one", {Benefit("docs", 0.6, 0.55)}, {}, 0.5, true, ""},
+      {"two", {Benefit("docs", 0.6, 0.55), Benefit("license", 0.4, 0.3)}, {}, 0.5, false,
+       "mapper context benefit recovered on text 'license' (95% lower bound) 0.3 < floor 0.5 "
+       "(prefix_cache.min_benefit_recovered)"},
+      {"pair_lower", {Benefit("docs", 0.6, 0.55), Benefit("license", 0.4, 0.3)},
+       {{"test/src->test/dst", 0.25}}, 0.5, true, ""},
+      {"pair_higher", {Benefit("docs", 0.6, 0.55)}, {{"test/src->test/dst", 0.6}}, 0.5, false,
+       "on text 'docs' (95% lower bound) 0.55 < floor 0.6 (prefix_cache.pair_min_benefit "
+       "\"test/src->test/dst\")"},
+      {"other_pair", {Benefit("docs", 0.6, 0.55)}, {{"test/src->test/other", 0.9}}, 0.5, true,
+       ""},
+      {"off", {}, {}, 0, true, ""},
+  };
+  uint32_t seed = 40;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    KvtdConfig config;
+    config.prefix_cache.enabled = true;
+    ASSERT_EQ(config.prefix_cache.min_benefit_recovered, 0.5);  // the default
+    config.prefix_cache.min_benefit_recovered = c.floor;
+    config.prefix_cache.pair_min_benefit = c.pair_floors;
+    kvtd_.reset();
+    Start(config, StoreWithBenefit(c.name, c.benefit));
+    const std::vector<uint32_t> tokens = Tokens(48, ++seed);
+    v1::PublishResponse published;
+    ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, ++seed), &published).ok());
+    const v1::LookupPrefixResponse response = Lookup(tokens);
+    EXPECT_EQ(response.hit(), c.passes) << response.gate().reason();
+    EXPECT_EQ(response.gate().passed(), c.passes);
+    EXPECT_DOUBLE_EQ(response.gate().mapper_quality(), 0.94);  // the cosine gate passed
+    const double floor =
+        c.pair_floors.count("test/src->test/dst") ? c.pair_floors.at("test/src->test/dst")
+                                                  : c.floor;
+    EXPECT_EQ(response.gate().min_benefit_recovered(), floor);
+    EXPECT_EQ(response.gate().has_benefit_lower95(), !c.benefit.empty());
+    if (!c.benefit.empty()) {
+      const BenefitRecord& worst =
+          *std::min_element(c.benefit.begin(), c.benefit.end(),
+                            [](const BenefitRecord& a, const BenefitRecord& b) {
+                              return a.lower95 < b.lower95;
+                            });
+      EXPECT_EQ(response.gate().benefit_lower95(), worst.lower95);
+      EXPECT_EQ(response.gate().benefit_text(), worst.text);
+    }
+    if (!c.passes) {
+      EXPECT_EQ(response.miss_reason(), "gate");
+      EXPECT_THAT(response.gate().reason(), HasSubstr(c.reason));
+      EXPECT_THAT(response.detail(), HasSubstr(c.reason));
+      ASSERT_EQ(response.candidates_size(), 1);
+      EXPECT_THAT(response.candidates(0).rejected(), HasSubstr(c.reason));
+      EXPECT_TRUE(Lookup(tokens, "test/dst", v1::REUSE_POLICY_FORCE).hit());
+    }
+  }
+}
+
+// Both gates must pass: a benefit above the floor does not rescue a cosine below its own.
+TEST_F(PrefixCacheServiceTest, BenefitGateDoesNotReplaceTheCosineGate) {
+  KvtdConfig config;
+  config.prefix_cache.enabled = true;
+  config.prefix_cache.min_mapper_quality = 0.97;  // above the store's 0.94 bound
+  kvtd_.reset();
+  Start(config, StoreWithBenefit("cosine_fails", {Benefit("docs", 0.9, 0.85)}));
+  const std::vector<uint32_t> tokens = Tokens(48, 60);
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 61), &published).ok());
+  const v1::LookupPrefixResponse response = Lookup(tokens);
+  EXPECT_FALSE(response.hit());
+  EXPECT_EQ(response.miss_reason(), "gate");
+  EXPECT_THAT(response.gate().reason(), HasSubstr("0.94 < floor 0.97"));
+  EXPECT_EQ(response.gate().benefit_lower95(), 0.85);
+}
+
 TEST_F(PrefixCacheServiceTest, GateRefusesACosineWithoutABound) {
   // One held-out sequence: a point estimate of 0.95 above the floor, and still refused.
   const std::vector<uint32_t> tokens = Tokens(48, 14);
   KvtdConfig config;
   config.prefix_cache.enabled = true;
+  config.prefix_cache.min_benefit_recovered = 0;  // records no benefit; not under test
   config.prefix_cache.min_mapper_quality = 0.5;
   kvtd_.reset();
   Start(config, StoreWithRecordedCosine(std::nullopt));
@@ -386,6 +512,7 @@ TEST_F(PrefixCacheServiceTest, BadPublishesNameTheField) {
 TEST_F(PrefixCacheServiceTest, FullBudgetRefusesThePublishAndLeasedPrefixesSurvive) {
   KvtdConfig config;
   config.prefix_cache.enabled = true;
+  config.prefix_cache.min_benefit_recovered = 0;  // records no benefit; not under test
   // One 64-token entry of the source: 3 layers x 2 x 64 x 2 x 32 x 4 bytes = 98304.
   config.prefix_cache.max_bytes = 100000;
   kvtd_.reset();
@@ -515,6 +642,7 @@ TEST_F(PrefixCacheServiceTest, LiveVerificationTakesASwappedMapperOutOfServiceUn
 
   KvtdConfig config;
   config.prefix_cache.enabled = true;
+  config.prefix_cache.min_benefit_recovered = 0;  // records no benefit; not under test
   config.prefix_cache.block_tokens = 16;
   config.prefix_cache.verify_sample_fraction = 0.5;  // every 2nd applicable lookup
   config.prefix_cache.verify_window = 3;

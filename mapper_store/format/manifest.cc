@@ -1,5 +1,6 @@
 #include "mapper_store/format/manifest.h"
 
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -23,7 +24,7 @@ namespace {
 struct ManifestLines {
   int root = 0, kind = 0, mlp = 0, ridge = 0, source = 0, target = 0, source_rope = 0, target_rope = 0, k = 0,
       window = 0, lambda = 0, weights = 0, layers = 0, quality = 0;
-  std::vector<int> layer, sigma_k, sigma_v;
+  std::vector<int> layer, sigma_k, sigma_v, benefit;
 };
 
 int LineAt(const std::vector<int>& lines, size_t i) { return i < lines.size() ? lines[i] : 0; }
@@ -87,6 +88,66 @@ absl::Status ValidateCosine(const std::optional<double>& value, const std::strin
   if (value.has_value() && !(std::isfinite(*value) && std::fabs(*value) <= 1.0 + 1e-9)) {
     return error(line, absl::StrCat(name, " = ", FormatDouble(*value),
                                     " is not a valid cosine (finite, in [-1, 1])"));
+  }
+  return absl::OkStatus();
+}
+
+bool IsBenefitTextName(const std::string& text) {
+  return !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+}
+
+// What is wrong with one quality.benefit entry (fields named under `path`), or "".
+std::string BenefitRecordProblem(const BenefitRecord& r, absl::string_view path) {
+  const auto field = [&](const char* key) { return Path(path, key); };
+  if (!IsBenefitTextName(r.text)) {
+    return absl::StrCat(field("text"), " '", r.text,
+                        "' must be a non-empty name of letters, digits, '.', '_' and '-'");
+  }
+  for (const auto& [key, value, min] :
+       {std::tuple<const char*, int64_t, int64_t>{"windows", r.windows, 2},
+        {"context_tokens", r.context_tokens, 1},
+        {"continuation_tokens", r.continuation_tokens, 1}}) {
+    if (value < min) return absl::StrCat(field(key), " = ", value, " must be >= ", min);
+  }
+  for (const auto& [key, value] : {std::pair<const char*, double>{"recovered", r.recovered},
+                                   {"lower95", r.lower95},
+                                   {"upper95", r.upper95},
+                                   {"kl", r.kl}}) {
+    if (!std::isfinite(value)) {
+      return absl::StrCat(field(key), " = ", FormatDouble(value), " is not finite");
+    }
+  }
+  // The interval must hold its own estimate.
+  if (r.lower95 > r.recovered) {
+    return absl::StrCat(field("lower95"), " = ", FormatDouble(r.lower95), " exceeds recovered ",
+                        FormatDouble(r.recovered));
+  }
+  if (r.upper95 < r.recovered) {
+    return absl::StrCat(field("upper95"), " = ", FormatDouble(r.upper95), " is below recovered ",
+                        FormatDouble(r.recovered));
+  }
+  if (r.kl < 0) return absl::StrCat(field("kl"), " = ", FormatDouble(r.kl), " must be >= 0");
+  return "";
+}
+
+// Every entry valid and each text named once: the gate holds each text's bound to the floor.
+absl::Status ValidateBenefit(const std::vector<BenefitRecord>& benefit, const ManifestLines& lines,
+                             const ErrorMaker& error) {
+  for (size_t i = 0; i < benefit.size(); ++i) {
+    const std::string path = absl::StrCat("quality.benefit[", i, "]");
+    const int line = LineAt(lines.benefit, i) != 0 ? LineAt(lines.benefit, i) : lines.quality;
+    if (std::string problem = BenefitRecordProblem(benefit[i], path); !problem.empty()) {
+      return error(line, problem);
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (benefit[j].text == benefit[i].text) {
+        return error(line, absl::StrCat(path, ".text '", benefit[i].text,
+                                        "' is already quality.benefit[", j,
+                                        "] (one entry per text)"));
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -220,6 +281,7 @@ absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const E
                                              FormatDouble(*m.quality.r2_heldout),
                                              " is not a valid R^2 (finite, <= 1)"));
   }
+  if (absl::Status s = ValidateBenefit(m.quality.benefit, lines, error); !s.ok()) return s;
   if (static_cast<int>(longest) != m.k) {
     return error(lines.k, absl::StrCat("k = ", m.k, " but the longest sigma list has ", longest,
                                        " entries (k must equal the longest list)"));
@@ -438,7 +500,8 @@ class Parser : private strict::YamlReader {
                                   {"attention_cosine_heldout",
                                    "attention_cosine_heldout_all_layers",
                                    "attention_cosine_heldout_lower95", "heldout_sequences",
-                                   "heldout_tokens", "r2_heldout", "kv_cosine_heldout"});
+                                   "heldout_tokens", "r2_heldout", "kv_cosine_heldout",
+                                   "benefit"});
         !s.ok()) {
       return s;
     }
@@ -464,6 +527,48 @@ class Parser : private strict::YamlReader {
       absl::StatusOr<int64_t> number = Scalar<int64_t>(value, Path("quality", key), "an integer");
       if (!number.ok()) return number.status();
       *out = *number;
+    }
+    const YAML::Node benefit = node["benefit"];
+    if (!benefit.IsDefined() || benefit.IsNull()) return absl::OkStatus();
+    if (!benefit.IsSequence()) {
+      return WrongType(benefit, "quality.benefit", "a list of {text, windows, ...} maps");
+    }
+    for (size_t i = 0; i < benefit.size(); ++i) {
+      lines_.benefit.push_back(LineOf(benefit[i]));
+      BenefitRecord record;
+      if (absl::Status s = ParseBenefitRecord(benefit[i], absl::StrCat("quality.benefit[", i, "]"),
+                                              &record);
+          !s.ok()) {
+        return s;
+      }
+      quality->benefit.push_back(std::move(record));
+    }
+    return absl::OkStatus();
+  }
+
+  // One quality.benefit entry: every key required (ValidateImpl checks the values).
+  absl::Status ParseBenefitRecord(const YAML::Node& node, const std::string& where,
+                                  BenefitRecord* record) {
+    if (absl::Status s = CheckMap(node, where,
+                                  {"text", "windows", "context_tokens", "continuation_tokens",
+                                   "recovered", "lower95", "upper95", "kl"});
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = RequiredScalar(node, where, "text", "a string", &record->text); !s.ok()) {
+      return s;
+    }
+    for (const auto& [key, out] :
+         {std::pair<const char*, int64_t*>{"windows", &record->windows},
+          {"context_tokens", &record->context_tokens},
+          {"continuation_tokens", &record->continuation_tokens}}) {
+      if (absl::Status s = RequiredScalar(node, where, key, "an integer", out); !s.ok()) return s;
+    }
+    for (const auto& [key, out] : {std::pair<const char*, double*>{"recovered", &record->recovered},
+                                   {"lower95", &record->lower95},
+                                   {"upper95", &record->upper95},
+                                   {"kl", &record->kl}}) {
+      if (absl::Status s = RequiredScalar(node, where, key, "a number", out); !s.ok()) return s;
     }
     return absl::OkStatus();
   }
@@ -664,6 +769,25 @@ void EmitModel(YAML::Emitter& out, const ModelSpec& model) {
   out << YAML::EndMap;
 }
 
+void EmitBenefit(YAML::Emitter& out, const std::vector<BenefitRecord>& benefit) {
+  out << YAML::Key << "benefit" << YAML::Value << YAML::BeginSeq;
+  for (const BenefitRecord& r : benefit) {
+    out << YAML::Flow << YAML::BeginMap;
+    out << YAML::Key << "text" << YAML::Value << r.text;
+    out << YAML::Key << "windows" << YAML::Value << r.windows;
+    out << YAML::Key << "context_tokens" << YAML::Value << r.context_tokens;
+    out << YAML::Key << "continuation_tokens" << YAML::Value << r.continuation_tokens;
+    for (const auto& [key, value] : {std::pair<const char*, double>{"recovered", r.recovered},
+                                     {"lower95", r.lower95},
+                                     {"upper95", r.upper95},
+                                     {"kl", r.kl}}) {
+      out << YAML::Key << key << YAML::Value << FormatDouble(value);
+    }
+    out << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+}
+
 void EmitIntList(YAML::Emitter& out, const std::vector<int>& values) {
   out << YAML::Flow << YAML::BeginSeq;
   for (int v : values) out << v;
@@ -743,6 +867,11 @@ absl::StatusOr<Manifest> ReadManifestFile(const std::string& path) {
   return ParseManifest(*text, path);
 }
 
+absl::Status ValidateBenefitRecord(const BenefitRecord& record, absl::string_view path) {
+  std::string problem = BenefitRecordProblem(record, path);
+  return problem.empty() ? absl::OkStatus() : absl::InvalidArgumentError(problem);
+}
+
 absl::Status ValidateManifest(const Manifest& manifest) {
   if (absl::Status s = ValidateImpl(manifest, ManifestLines(), ErrorMaker("manifest")); !s.ok()) {
     return s;
@@ -795,7 +924,10 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
   out << YAML::Key << "dtype" << YAML::Value << DTypeName(m.weights_dtype);
   out << YAML::EndMap;
   if (!m.quality.empty()) {
-    out << YAML::Key << "quality" << YAML::Value << YAML::Flow << YAML::BeginMap;
+    // One flow line as before unless benefit is recorded; then a block map, one line per text.
+    out << YAML::Key << "quality" << YAML::Value;
+    if (m.quality.benefit.empty()) out << YAML::Flow;
+    out << YAML::BeginMap;
     for (const auto& [key, value] :
          {std::pair<const char*, const std::optional<double>*>{
               "attention_cosine_heldout", &m.quality.attention_cosine_heldout},
@@ -811,6 +943,7 @@ absl::StatusOr<std::string> EmitManifest(const Manifest& m) {
           {"heldout_tokens", &m.quality.heldout_tokens}}) {
       if (value->has_value()) out << YAML::Key << key << YAML::Value << **value;
     }
+    if (!m.quality.benefit.empty()) EmitBenefit(out, m.quality.benefit);
     out << YAML::EndMap;
   }
   out << YAML::Key << "layers" << YAML::Value << YAML::BeginSeq;

@@ -71,6 +71,22 @@ struct LayerEntry {
   std::optional<double> attention_cosine_heldout;
 };
 
+// One `quality.benefit` entry: what `python -m kvt.qualify` measured of the target model on
+// held-out windows of one named text source. "Recovered" is the share of the context benefit
+// the mapped cache keeps: (CE_none - CE_mapped) / (CE_none - CE_own), the target's cross-entropy
+// on the continuation with no context, the translated context, and its own context. The
+// attention cosine does not see this (docs/EVAL.md, "A second text source"), so kvtd's gate
+// reads it (prefix_cache.min_benefit_recovered).
+struct BenefitRecord {
+  std::string text;  // the source's name; unique within the list, [A-Za-z0-9._-]+
+  int64_t windows = 0;              // >= 2 (the interval needs two)
+  int64_t context_tokens = 0;       // >= 1 per window
+  int64_t continuation_tokens = 0;  // >= 1 per window
+  double recovered = 0;             // point estimate; may be < 0 or > 1
+  double lower95 = 0, upper95 = 0;  // 95% paired-bootstrap interval around it
+  double kl = 0;  // mean KL(own || mapped), nats per continuation token, >= 0
+};
+
 // The `quality:` map: held-out summaries `kvt fit` records for gates (kvtd's prefix cache).
 // Every field is optional; an empty map is the same as none.
 struct ManifestQuality {
@@ -94,10 +110,13 @@ struct ManifestQuality {
   // held-out sequences. Absent in manifests written before it (live checks then never take the
   // mapper out of service).
   std::optional<double> kv_cosine_heldout;
+  // Measured context benefit per text source (`kvt record-benefit` writes it); empty in
+  // manifests from before it, which then emit exactly as they did.
+  std::vector<BenefitRecord> benefit;
   bool empty() const {
     return !attention_cosine_heldout && !attention_cosine_heldout_all_layers &&
            !attention_cosine_heldout_lower95 && !heldout_sequences && !heldout_tokens &&
-           !r2_heldout && !kv_cosine_heldout;
+           !r2_heldout && !kv_cosine_heldout && benefit.empty();
   }
 };
 
@@ -142,6 +161,12 @@ absl::Status ValidateManifest(const Manifest& manifest);
 
 // YAML text of a valid manifest (validated first). ParseManifest(EmitManifest(m)) == m.
 absl::StatusOr<std::string> EmitManifest(const Manifest& manifest);
+
+// The semantic checks of one quality.benefit entry, messages naming `path`'s fields
+// ("quality.benefit[1].lower95 = ..."): the text name's characters, the counts, a finite
+// interval around the estimate, a non-negative KL. ValidateManifest applies it to each entry
+// (and refuses a text named twice); `kvt record-benefit` to the entries it reads.
+absl::Status ValidateBenefitRecord(const BenefitRecord& record, absl::string_view path);
 
 // Shortest decimal that reads back as the same double ("0.01", "1000000", "1e-07").
 std::string FormatDouble(double value);

@@ -1,11 +1,13 @@
 #include "mapper_store/format/manifest.h"
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "mapper_store/format/test_util.h"
 
@@ -232,6 +234,150 @@ TEST(ManifestTest, HeldoutQualityFieldsRoundTrip) {
   lines[28] = "  - {target_layer: 2, sigma_k: [2], sigma_v: [1], attention_cosine_heldout: -2}";
   KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
                    ":29: layers[2].attention_cosine_heldout = -2 is not a valid cosine");
+}
+
+// quality.benefit: a block list of one flow map per text after the cosine summaries.
+std::vector<std::string> BenefitLines(const std::vector<std::string>& entries) {
+  std::vector<std::string> lines = ExampleLines();
+  std::vector<std::string> quality = {"quality:", "  attention_cosine_heldout: 0.93",
+                                      "  attention_cosine_heldout_lower95: 0.91", "  benefit:"};
+  for (const std::string& entry : entries) quality.push_back("    - " + entry);
+  lines.insert(lines.begin() + 24, quality.begin(), quality.end());  // before `layers:`
+  return lines;
+}
+
+constexpr char kPythonDocs[] =
+    "{text: python-docs-heldout, windows: 64, context_tokens: 384, continuation_tokens: 96, "
+    "recovered: 0.64, lower95: 0.5, upper95: 0.86, kl: 0.12}";
+constexpr char kWiki[] =
+    "{text: wiki_2.v1, windows: 2, context_tokens: 1, continuation_tokens: 1, recovered: -0.25, "
+    "lower95: -1.5, upper95: 1.25, kl: 0}";
+
+TEST(ManifestTest, BenefitParsesAndRoundTrips) {
+  absl::StatusOr<Manifest> m = ParseManifest(Join(BenefitLines({kPythonDocs, kWiki})));
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->quality.benefit.size(), 2u);
+  const BenefitRecord& docs = m->quality.benefit[0];
+  EXPECT_EQ(docs.text, "python-docs-heldout");
+  EXPECT_EQ(docs.windows, 64);
+  EXPECT_EQ(docs.context_tokens, 384);
+  EXPECT_EQ(docs.continuation_tokens, 96);
+  EXPECT_EQ(docs.recovered, 0.64);
+  EXPECT_EQ(docs.lower95, 0.5);
+  EXPECT_EQ(docs.upper95, 0.86);
+  EXPECT_EQ(docs.kl, 0.12);
+  EXPECT_EQ(m->quality.benefit[1].text, "wiki_2.v1");
+  EXPECT_EQ(m->quality.benefit[1].recovered, -0.25);  // worse than no context: still a record
+  EXPECT_EQ(m->quality.attention_cosine_heldout_lower95, 0.91);
+
+  absl::StatusOr<std::string> text = EmitManifest(*m);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_NE(text->find("quality:\n  attention_cosine_heldout: 0.93\n"), std::string::npos)
+      << *text;
+  EXPECT_NE(text->find("  benefit:\n    - {text: python-docs-heldout, windows: 64, "
+                       "context_tokens: 384, continuation_tokens: 96, recovered: 0.64, "
+                       "lower95: 0.5, upper95: 0.86, kl: 0.12}\n"),
+            std::string::npos)
+      << *text;
+  absl::StatusOr<Manifest> back = ParseManifest(*text);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << *text;
+  ASSERT_EQ(back->quality.benefit.size(), 2u);
+  EXPECT_EQ(back->quality.benefit[1].lower95, -1.5);
+  EXPECT_EQ(back->quality.benefit[1].upper95, 1.25);
+  absl::StatusOr<std::string> again = EmitManifest(*back);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *text);
+
+  // Without benefit the quality map stays the one flow line it always was.
+  back->quality.benefit.clear();
+  absl::StatusOr<std::string> plain = EmitManifest(*back);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_NE(plain->find("quality: {attention_cosine_heldout: 0.93, "
+                        "attention_cosine_heldout_lower95: 0.91}\n"),
+            std::string::npos)
+      << *plain;
+  Manifest only_benefit = *m;
+  only_benefit.quality = ManifestQuality();
+  EXPECT_TRUE(only_benefit.quality.empty());
+  only_benefit.quality.benefit = m->quality.benefit;
+  EXPECT_FALSE(only_benefit.quality.empty());
+  absl::StatusOr<std::string> only = EmitManifest(only_benefit);
+  ASSERT_TRUE(only.ok()) << only.status();
+  absl::StatusOr<Manifest> only_back = ParseManifest(*only);
+  ASSERT_TRUE(only_back.ok()) << only_back.status() << "\n" << *only;
+  EXPECT_EQ(only_back->quality.benefit.size(), 2u);
+  EXPECT_FALSE(only_back->quality.attention_cosine_heldout);
+}
+
+// Existing manifests emit byte-identically, so their SHA256SUMS stay valid.
+TEST(ManifestTest, TheDemoManifestRoundTripsByteIdentically) {
+  const std::string path =
+      absl::StrCat(std::getenv("TEST_SRCDIR"), "/kvt/demo/mappers/demo-tiny/manifest.yaml");
+  absl::StatusOr<std::string> original = ReadFileToString(path);
+  ASSERT_TRUE(original.ok()) << original.status();
+  absl::StatusOr<Manifest> m = ParseManifest(*original);
+  ASSERT_TRUE(m.ok()) << m.status();
+  absl::StatusOr<std::string> text = EmitManifest(*m);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(*text, *original);
+}
+
+TEST(ManifestTest, BenefitErrorsNameTheField) {
+  const std::string ok = kPythonDocs;
+  // Line 30: the second entry (quality: is line 25, benefit: 28).
+  KVT_EXPECT_ERROR(ParseManifest(Join(BenefitLines({ok, ok}))), StatusCode::kInvalidArgument,
+                   ":30: quality.benefit[1].text 'python-docs-heldout' is already "
+                   "quality.benefit[0] (one entry per text)");
+  const std::string wiki = absl::StrReplaceAll(ok, {{"python-docs-heldout", "wiki"}});
+  const auto second = [&](absl::string_view from, absl::string_view to) {
+    return Join(BenefitLines({ok, absl::StrReplaceAll(wiki, {{from, to}})}));
+  };
+  KVT_EXPECT_ERROR(ParseManifest(second("lower95: 0.5", "lower95: 0.7")),
+                   StatusCode::kInvalidArgument,
+                   ":30: quality.benefit[1].lower95 = 0.7 exceeds recovered 0.64");
+  KVT_EXPECT_ERROR(ParseManifest(second("upper95: 0.86", "upper95: 0.6")),
+                   StatusCode::kInvalidArgument,
+                   "quality.benefit[1].upper95 = 0.6 is below recovered 0.64");
+  KVT_EXPECT_ERROR(ParseManifest(second("windows: 64", "windows: 1")),
+                   StatusCode::kInvalidArgument, "quality.benefit[1].windows = 1 must be >= 2");
+  KVT_EXPECT_ERROR(ParseManifest(second("context_tokens: 384", "context_tokens: 0")),
+                   StatusCode::kInvalidArgument,
+                   "quality.benefit[1].context_tokens = 0 must be >= 1");
+  KVT_EXPECT_ERROR(ParseManifest(second("continuation_tokens: 96", "continuation_tokens: -1")),
+                   StatusCode::kInvalidArgument,
+                   "quality.benefit[1].continuation_tokens = -1 must be >= 1");
+  KVT_EXPECT_ERROR(ParseManifest(second("kl: 0.12", "kl: -0.01")), StatusCode::kInvalidArgument,
+                   "quality.benefit[1].kl = -0.01 must be >= 0");
+  KVT_EXPECT_ERROR(ParseManifest(second("recovered: 0.64", "recovered: .nan")),
+                   StatusCode::kInvalidArgument, "quality.benefit[1].recovered = .nan is not finite");
+  KVT_EXPECT_ERROR(ParseManifest(second("text: wiki", "text: 'a b'")),
+                   StatusCode::kInvalidArgument,
+                   "quality.benefit[1].text 'a b' must be a non-empty name");
+  KVT_EXPECT_ERROR(ParseManifest(second("text: wiki", "text: ''")), StatusCode::kInvalidArgument,
+                   "quality.benefit[1].text '' must be a non-empty name");
+  KVT_EXPECT_ERROR(ParseManifest(second("windows: 64", "windows: 6.5")),
+                   StatusCode::kInvalidArgument,
+                   "key 'quality.benefit[1].windows' must be an integer");
+  KVT_EXPECT_ERROR(ParseManifest(second("lower95: 0.5", "lower95: low")),
+                   StatusCode::kInvalidArgument,
+                   "key 'quality.benefit[1].lower95' must be a number, got 'low'");
+  KVT_EXPECT_ERROR(ParseManifest(second(", kl: 0.12", "")), StatusCode::kInvalidArgument,
+                   "quality.benefit[1].kl");
+  KVT_EXPECT_ERROR(ParseManifest(second("kl:", "kl_nats:")), StatusCode::kInvalidArgument,
+                   "unknown key 'quality.benefit[1].kl_nats'");
+  std::vector<std::string> scalar = BenefitLines({});
+  scalar[27] = "  benefit: 0.5";
+  KVT_EXPECT_ERROR(ParseManifest(Join(scalar)), StatusCode::kInvalidArgument,
+                   "key 'quality.benefit' must be a list");
+
+  // Hand-built manifests get the same checks, without a line.
+  absl::StatusOr<Manifest> m = ParseManifest(Join(BenefitLines({ok})));
+  ASSERT_TRUE(m.ok()) << m.status();
+  m->quality.benefit[0].upper95 = 0.1;
+  KVT_EXPECT_ERROR(ValidateManifest(*m), StatusCode::kInvalidArgument,
+                   "manifest: quality.benefit[0].upper95 = 0.1 is below recovered 0.64");
+  KVT_EXPECT_ERROR(ValidateBenefitRecord(m->quality.benefit[0], "benefit[3]"),
+                   StatusCode::kInvalidArgument, "benefit[3].upper95 = 0.1 is below");
 }
 
 TEST(ManifestTest, UnknownKeyNamesKeyAndLine) {

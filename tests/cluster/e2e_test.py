@@ -39,6 +39,7 @@ def kvtd_flags(work: str, store: str, name: str) -> list:
     with open(config, "w") as f:
         f.write("prefix_cache:\n  enabled: true\n  max_bytes: 67108864\n  ttl_seconds: 600\n"
                 "  block_tokens: 16\n  lease_seconds: 30\n  min_mapper_quality: 0.0\n"
+                "  min_benefit_recovered: 0.0\n"
                 "  pair_min_quality: {}\nshared_memory:\n  allow_client_regions: true\n")
     return ["--listen_address=127.0.0.1:0", f"--mapper_store={store}", "--backend=cpu",
             "--cpu_threads=1", "--drain_grace_seconds=0", f"--config={config}"]

@@ -44,7 +44,8 @@ def fit_store(work: str, pairs=PAIRS) -> str:
 
 
 def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Optional[Dict] = None,
-              min_mapper_quality: float = 0.0, lease_seconds: float = 30,
+              min_mapper_quality: float = 0.0, min_benefit_recovered: float = 0.0,
+              lease_seconds: float = 30,
               allow_client_regions: bool = True, prefix_cache_enabled: bool = True,
               verify_sample_fraction: float = 0.0) -> str:
     # Live verification is off unless a test asks for it: a sampled lookup prefills instead of
@@ -53,6 +54,9 @@ def kvtd_yaml(path: str, *, max_bytes: int = 256 << 20, pair_min_quality: Option
              f"  max_bytes: {max_bytes}",
              "  ttl_seconds: 600", "  block_tokens: 16", f"  lease_seconds: {lease_seconds}",
              f"  min_mapper_quality: {min_mapper_quality}",
+             # The benefit gate (kvtd's default 0.5) off unless asked for: the family's fits
+             # record no quality.benefit.
+             f"  min_benefit_recovered: {min_benefit_recovered}",
              f"  verify_sample_fraction: {verify_sample_fraction}"]
     if pair_min_quality:
         lines.append("  pair_min_quality:")
