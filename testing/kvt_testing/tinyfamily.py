@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 import corpus  # eval/tinyfamily
 import dump_kv  # tools/dump_kv.py
-from kvt import adapters
+from kvt import adapters, text
 from kvt_testing.runfiles import ROOT, runfile
 
 # The committed members' directories (config.json, model.safetensors): S, M, L, U.
@@ -111,11 +111,10 @@ def token_stream(name):
 
 
 def heldout_windows(length, count):
-    """`count` windows of `length` bytes spread evenly over the held-out documents."""
+    """`count` windows of `length` bytes spread evenly over the held-out documents (as
+    kvt.qualify spreads its windows: kvt.text.spread_windows)."""
     stream = [t for ids in token_stream("heldout") for t in ids]
-    n = len(stream) // length
-    picks = np.linspace(0, n - 1, min(count, n)).astype(int)
-    return [stream[i * length:(i + 1) * length] for i in picks]
+    return text.spread_windows(stream, length, count)
 
 
 # -- dumps and fits -----------------------------------------------------------------------------
