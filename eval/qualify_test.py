@@ -148,7 +148,8 @@ class QualifyTest(unittest.TestCase):
         flags[2] = f"--source_model={self.target.dir}"  # the target translated to itself
         done = subprocess.run([sys.executable, "-m", "kvt.qualify"] + flags +
                               [f"--windows={WINDOWS}", f"--context={CONTEXT}",
-                               f"--continuation={CONTINUATION}", f"--out={out}"],
+                               f"--continuation={CONTINUATION}", f"--out={out}",
+                               "--device=cpu"],
                               capture_output=True, text=True, env=env)
         self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
         self.assertIn("worst lower95", done.stdout)
@@ -179,6 +180,11 @@ class QualifyTest(unittest.TestCase):
         self.assertEqual(status, 2)
         self.assertIn("--context=2040 + --continuation=16: 2056 positions, more than "
                       "--target_model's max_position_embeddings 2048", err)
+
+    def test_bad_device(self):
+        status, err = self.main_fails(self.common_flags() + ["--device=abacus"])
+        self.assertEqual(status, 2)
+        self.assertIn("--device=abacus: ", err)
 
     def test_tokenizers_that_differ_are_refused(self):
         words = ["the", "a", "of", "and", "to", "in"]

@@ -21,7 +21,8 @@ paired bootstrap interval over the windows (kvt.intervals). `--record=MAPPER_DIR
 figures into the mapper's manifest (`kvt record-benefit`, quality.benefit), where kvtd's quality
 gate reads the worst text's lower95.
 
-Needs torch and transformers (pip install kvt[hf]). Exit status 2 with a message naming the flag
+Needs torch and transformers (pip install kvt[hf]). The models run on `--device` (default cpu);
+caches go to kvtd through host memory. Exit status 2 with a message naming the flag
 when the text, the windows or the models cannot give an honest figure.
 """
 
@@ -64,12 +65,13 @@ class QualifyError(Exception):
 
 # -- the target and source through transformers -------------------------------------------------
 
-def load_model(directory: str, dtype: str = "float32") -> Any:
-    """A Hugging Face causal LM from `directory`, in eval mode."""
+def load_model(directory: str, dtype: str = "float32", device: str = "cpu") -> Any:
+    """A Hugging Face causal LM from `directory`, in eval mode, on `device`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+    return model.to(torch.device(device)).eval()
 
 
 def prefill(model: Any, ids: Sequence[int]) -> Layers:
@@ -78,7 +80,7 @@ def prefill(model: Any, ids: Sequence[int]) -> Layers:
     import torch
 
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([list(ids)]), use_cache=True)
+        out = model(input_ids=torch.tensor([list(ids)], device=model.device), use_cache=True)
     return [(k.clone(), v.clone()) for k, v in adapters.dynamic_cache_layers(out.past_key_values)]
 
 
@@ -91,10 +93,10 @@ def continuation_logprobs(model: Any, layers: Optional[Layers], cont: Sequence[i
     cache = None
     if layers is not None:
         cache = adapters.to_dynamic_cache(adapters.from_torch(layers), dtype=model.dtype,
-                                          config=model.config)
+                                          device=model.device, config=model.config)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([list(cont)]), past_key_values=cache,
-                    use_cache=cache is not None)
+        out = model(input_ids=torch.tensor([list(cont)], device=model.device),
+                    past_key_values=cache, use_cache=cache is not None)
     return F.log_softmax(out.logits[0].double(), dim=-1)
 
 
@@ -102,7 +104,8 @@ def nll_of(logp: Any, targets: Sequence[int]) -> np.ndarray:
     """Per-token negative log-likelihood (nats, float64) of `targets` under rows of `logp`."""
     import torch
 
-    return -logp.gather(1, torch.tensor(list(targets))[:, None])[:, 0].numpy()
+    index = torch.tensor(list(targets), device=logp.device)[:, None]
+    return -logp.gather(1, index)[:, 0].cpu().numpy()
 
 
 def kl_of(own: Any, logp: Any) -> Any:
@@ -128,7 +131,7 @@ def score_window(client: Client, mapper_id: str, source: Any, target: Any, ids: 
     mapped = continuation_logprobs(target, translate(client, mapper_id, prefill(source, ctx)),
                                    cont)
     return {"own": nll_of(own, targets), "none": nll_of(none, targets),
-            "mapped": nll_of(mapped, targets), "kl": kl_of(own, mapped).numpy()}
+            "mapped": nll_of(mapped, targets), "kl": kl_of(own, mapped).cpu().numpy()}
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -224,7 +227,8 @@ def measure_text(client: Client, mapper_id: str, source: Any, target: Any, name:
 def qualify(kvtd: str, mapper_id: str, source_model: str, target_model: str,
             texts: Sequence[Tuple[str, str]], tokenizer: str = "auto", windows: int = 64,
             context: int = 384, continuation: int = 96, seed: int = 0,
-            dtype: str = "float32", timeout: float = 300.0) -> Dict[str, Any]:
+            dtype: str = "float32", timeout: float = 300.0,
+            device: str = "cpu") -> Dict[str, Any]:
     """The result document of `python -m kvt.qualify` (texts: [(name, path)])."""
     for name, _ in texts:
         if not TEXT_NAME.match(name):
@@ -242,9 +246,15 @@ def qualify(kvtd: str, mapper_id: str, source_model: str, target_model: str,
         raise QualifyError(f"--dtype={dtype}: expected one of {', '.join(DTYPES)}")
     import torch
 
+    try:
+        where = torch.device(device)
+    except RuntimeError as e:
+        raise QualifyError(f"--device={device}: {e}") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise QualifyError(f"--device={device}: torch sees no CUDA device here")
     torch.manual_seed(seed)
-    target = load_model(target_model, dtype)
-    source = load_model(source_model, dtype)
+    target = load_model(target_model, dtype, device)
+    source = load_model(source_model, dtype, device)
     for flag, model in (("--target_model", target), ("--source_model", source)):
         limit = max_positions(model)
         needed = context + continuation if model is target else context
@@ -361,13 +371,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--kvt_binary", help="the kvt binary for --record")
     p.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--device", default="cpu",
+                   help="where the models run (torch device: cpu, cuda, cuda:1, ...)")
     p.add_argument("--timeout", type=float, default=300.0, help="per translate call, seconds")
     args = p.parse_args(argv)
     try:
         result = qualify(args.kvtd, args.mapper_id, args.source_model, args.target_model,
                          args.text, tokenizer=args.tokenizer, windows=args.windows,
                          context=args.context, continuation=args.continuation, seed=args.seed,
-                         dtype=args.dtype, timeout=args.timeout)
+                         dtype=args.dtype, timeout=args.timeout, device=args.device)
         print(summary(result))
         if args.out:
             with open(args.out, "w") as f:
