@@ -175,11 +175,13 @@ class QualifyTest(unittest.TestCase):
         self.assertRegex(err, r"--text=heldout=.*fewer than --windows=100000")
 
     def test_context_over_max_position_embeddings(self):
-        status, err = self.main_fails(self.common_flags() + ["--context=2040",
+        limit = self.target.config.max_position_embeddings  # what the family declares
+        context = limit - 8
+        status, err = self.main_fails(self.common_flags() + [f"--context={context}",
                                                              "--continuation=16"])
         self.assertEqual(status, 2)
-        self.assertIn("--context=2040 + --continuation=16: 2056 positions, more than "
-                      "--target_model's max_position_embeddings 2048", err)
+        self.assertIn(f"--context={context} + --continuation=16: {limit + 8} positions, more "
+                      f"than --target_model's max_position_embeddings {limit}", err)
 
     def test_bad_device(self):
         status, err = self.main_fails(self.common_flags() + ["--device=abacus"])
