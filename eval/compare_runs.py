@@ -8,7 +8,10 @@ before -> after, with the 95% paired interval of after - before (eval/intervals.
 per kind where the change is beyond noise. The windows are checked to be the same
 (intervals.attach_reference: the target's own, no-context and control CE agree window by window).
 
-    python3 eval/compare_runs.py --before=<old per_window.json> --after=docs/eval/per_window.json
+    bazel build //eval:compare_runs && bazel-bin/eval/compare_runs --before=<old per_window.json> \
+        --after=docs/eval/per_window.json
+
+(the bootstrap is kvt.intervals: run through Bazel, or with the kvt package on PYTHONPATH.)
 """
 
 import argparse

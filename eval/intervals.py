@@ -4,44 +4,14 @@ conditions measured on the same held-out windows is (docs/EVAL.md, "How sure").
 Every condition of the evaluation is scored on the same windows, so a comparison (refined ridge
 against plain ridge, a mapper against token identity) is paired: resampling the windows, not the
 tokens, keeps both the pairing and the correlation of the tokens inside one window, which a
-per-token standard error would ignore. numpy only, so write_eval_md can import it without torch.
+per-token standard error would ignore. The bootstrap itself and benefit_of live in the kvt
+package (kvt.intervals: numpy only, so write_eval_md can import it without torch), where
+kvt.qualify uses them too; the evaluation's figures are built on the same code.
 """
 
 import numpy as np
 
-
-def paired_bootstrap(per_window, statistic, resamples=4000, seed=0, level=0.95):
-    """per_window {condition: [value per window]}, every list over the same windows in the same
-    order; statistic(means) -> the figure, where means {condition: mean over windows} holds
-    floats for the estimate and arrays (one entry per resample) for the interval, so it must be
-    written with numpy operations. Returns (estimate, low, high): the statistic on all windows
-    and the percentile interval of `level` over `resamples` resamples of the windows (resamples
-    where the statistic is undefined, e.g. a ratio over 0, are left out)."""
-    arrays = {key: np.asarray(values, dtype=np.float64) for key, values in per_window.items()}
-    lengths = {len(a) for a in arrays.values()}
-    if len(lengths) != 1:
-        raise ValueError(f"per_window: conditions over different window counts {sorted(lengths)}")
-    n = lengths.pop()
-    if n < 2:
-        raise ValueError(f"per_window: {n} window(s); an interval needs at least 2")
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, n, size=(resamples, n))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        estimate = float(statistic({key: float(a.mean()) for key, a in arrays.items()}))
-        samples = np.asarray(statistic({key: a[picks].mean(axis=1)
-                                        for key, a in arrays.items()}), dtype=np.float64)
-    samples = samples[np.isfinite(samples)]
-    if samples.size == 0:
-        return estimate, float("nan"), float("nan")
-    tail = (1.0 - level) / 2.0
-    low, high = np.quantile(samples, [tail, 1.0 - tail])
-    return estimate, float(low), float(high)
-
-
-def benefit_of(means, label):
-    """Benefit recovered by `label`, (CE_none - CE_label) / (CE_none - CE_own), from mean CE per
-    condition (floats, or arrays of resampled means)."""
-    return (means["none"] - means[label]) / (means["none"] - means["own"])
+from kvt.intervals import benefit_of, paired_bootstrap  # noqa: F401  (intervals.paired_bootstrap)
 
 
 def share_of(means, label):

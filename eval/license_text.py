@@ -7,13 +7,14 @@ Texts are taken in PREFERRED order and a text is kept only when few of its word 
 the Python documentation (the BSD license is quoted there: docs/license) or in a text already
 kept (GPL-2 after GPL-3, LGPL-2 after LGPL-2.1, ...). Windows are cut as the family's held-out
 windows are (testing/kvt_testing/tinyfamily.heldout_windows): the texts' bytes end to end, each
-followed by EOS, windows of one length spread evenly over the stream.
+followed by EOS, windows of one length spread evenly over the stream (kvt.text.spread_windows,
+which kvt.qualify cuts an operator's text with).
 """
 
 import os
 import re
 
-import numpy as np
+from kvt.text import spread_windows  # noqa: F401  (license_text.spread_windows: kvt.qualify's)
 
 DIRECTORY = "/usr/share/common-licenses"
 # Newest version of each license first, so the older near-duplicates are the ones dropped.
@@ -69,13 +70,3 @@ def read_texts(directory=DIRECTORY, names=PREFERRED):
 def stream(texts, encode, eos):
     """The texts' tokens end to end, each text followed by eos."""
     return [t for _, text in texts for t in encode(text) + [eos]]
-
-
-def spread_windows(tokens, length, count):
-    """`count` windows of `length` tokens spread evenly over the stream (the first and the last
-    whole window included), as tinyfamily.heldout_windows cuts the held-out documents."""
-    n = len(tokens) // length
-    if n == 0:
-        raise ValueError(f"a stream of {len(tokens)} tokens holds no window of {length}")
-    picks = np.linspace(0, n - 1, min(count, n)).astype(int)
-    return [tokens[i * length:(i + 1) * length] for i in picks]

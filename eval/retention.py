@@ -31,7 +31,7 @@ import torch
 import dump_kv  # tools/dump_kv.py
 import intervals
 import model as tiny  # eval/tinyfamily
-from kvt import adapters
+from kvt import adapters, qualify
 from kvt_testing.kvtd import Kvtd
 # The family's members, text, dumps, fits and measures, shared with tests/vllm; imported here
 # under these names for the evaluation programs (R.Member, R.fit, ...).
@@ -42,10 +42,9 @@ from kvt_testing.tinyfamily import (FIRST, MLP_FLAGS, MODELS, Member, benefit,  
 
 # -- models ------------------------------------------------------------------------------------
 
-def kl_of(own, logp):
-    """Per position KL(own || logp) of two next-token log-probability rows (torch, so that
-    eval/refine_through_target can take its gradient)."""
-    return (own.exp() * (own - logp)).sum(-1)
+# Per position KL(own || logp) of two next-token log-probability rows (torch, so that
+# eval/refine_through_target can take its gradient): kvt.qualify's, one formula for both.
+kl_of = qualify.kl_of
 
 
 class Scores:

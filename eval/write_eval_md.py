@@ -2,9 +2,11 @@
 """Writes the generated tables of docs/EVAL.md from docs/eval/results.json (run_eval.py calls
 it; the prose outside the GENERATED markers is kept as is).
 
-    PATH=$PWD/.venv/bin:$PATH python3 eval/write_eval_md.py docs/eval/results.json docs/EVAL.md
+    bazel build //clients/python:kvt && PATH=$PWD/.venv/bin:$PATH \
+        PYTHONPATH=clients/python:bazel-bin/clients/python/gen \
+        python3 eval/write_eval_md.py docs/eval/results.json docs/EVAL.md
 
-(numpy, for the intervals: the project venv has it.)
+(numpy, and the kvt package for the intervals' bootstrap, kvt.intervals.)
 """
 
 import json

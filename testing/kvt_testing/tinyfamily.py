@@ -13,13 +13,12 @@ import subprocess
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import corpus  # eval/tinyfamily
 import dump_kv  # tools/dump_kv.py
-from kvt import adapters
+from kvt import qualify, text
 from kvt_testing.runfiles import ROOT, runfile
 
 # The committed members' directories (config.json, model.safetensors): S, M, L, U.
@@ -31,7 +30,9 @@ FIRST = 16  # tokens right after the cache boundary, reported separately
 # -- models ------------------------------------------------------------------------------------
 
 class Member:
-    """One family member loaded through transformers (the real Hugging Face code path)."""
+    """One family member loaded through transformers (the real Hugging Face code path). The
+    cache and the continuation's scores come from kvt.qualify (one home for any causal LM);
+    Member adds the Llama specifics: RoPE and the post-RoPE queries."""
 
     def __init__(self, directory):
         self.dir = directory
@@ -61,12 +62,11 @@ class Member:
             for layer in self.hf.model.layers:
                 hooks.append(layer.self_attn.q_proj.register_forward_hook(
                     lambda mod, inp, out: captured.append(out)))
-        with torch.no_grad():
-            out = self.hf(input_ids=torch.tensor([ids]), use_cache=True)
-        for h in hooks:
-            h.remove()
-        layers = [(k.clone(), v.clone()) for k, v in adapters.dynamic_cache_layers(
-            out.past_key_values)]
+        try:
+            layers = qualify.prefill(self.hf, ids)
+        finally:
+            for h in hooks:
+                h.remove()
         if not queries:
             return layers
         heads = self.config.num_attention_heads
@@ -76,14 +76,9 @@ class Member:
 
     def continuation_logprobs(self, layers, cont):
         """Next-token log-probabilities [len(cont), vocab] (float64) after feeding `cont` on top
-        of the cache `layers` (None: no context, positions from 0)."""
-        cache = None
-        if layers is not None:
-            cache = adapters.to_dynamic_cache(adapters.from_torch(layers))
-        with torch.no_grad():
-            out = self.hf(input_ids=torch.tensor([cont]), past_key_values=cache,
-                          use_cache=cache is not None)
-        return F.log_softmax(out.logits[0].double(), dim=-1)
+        of the cache `layers` (None: no context, positions from 0): kvt.qualify's, which
+        measures a mapper on an operator's text the way the evaluation measures it here."""
+        return qualify.continuation_logprobs(self.hf, layers, cont)
 
     def continuation_nll(self, layers, cont, targets):
         """Per-token negative log-likelihood (nats, float64) of `targets` after feeding `cont`
@@ -91,8 +86,7 @@ class Member:
         return nll_of(self.continuation_logprobs(layers, cont), targets)
 
 
-def nll_of(logp, targets):
-    return -logp.gather(1, torch.tensor(targets)[:, None])[:, 0].numpy()
+nll_of = qualify.nll_of
 
 
 # -- text ---------------------------------------------------------------------------------------
@@ -111,11 +105,10 @@ def token_stream(name):
 
 
 def heldout_windows(length, count):
-    """`count` windows of `length` bytes spread evenly over the held-out documents."""
+    """`count` windows of `length` bytes spread evenly over the held-out documents (as
+    kvt.qualify spreads its windows: kvt.text.spread_windows)."""
     stream = [t for ids in token_stream("heldout") for t in ids]
-    n = len(stream) // length
-    picks = np.linspace(0, n - 1, min(count, n)).astype(int)
-    return [stream[i * length:(i + 1) * length] for i in picks]
+    return text.spread_windows(stream, length, count)
 
 
 # -- dumps and fits -----------------------------------------------------------------------------
@@ -187,9 +180,7 @@ def fit(source_dump, target_dump, source_name, target_name, k, out, stride=1, ki
 
 # -- measures ----------------------------------------------------------------------------------
 
-def translate(client, mapper_id, layers):
-    result = client.translate(adapters.from_torch(layers), mapper_id=mapper_id)
-    return adapters.to_torch(result.target)
+translate = qualify.translate
 
 
 def benefit(ce, key, part="all"):
