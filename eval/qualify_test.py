@@ -10,7 +10,7 @@ served by a real kvtd, the target and source through transformers.
   through the command line (--out JSON, the summary table).
 - The refusals name the flag: too few windows, context over max_position_embeddings, source and
   target tokenizers that differ, a text the target gains nothing from context on.
-- --record writes the figures through `kvt record-benefit` where the kvt binary has it.
+- --record writes the figures through `kvt record-benefit`; a refused record fails naming it.
 """
 
 import json
@@ -218,8 +218,8 @@ class QualifyTest(unittest.TestCase):
             qualify.text_windows("bad", bad, qualify.ByteTokenizer(), 2, 4, 4)
 
     def test_record(self):
-        # `kvt record-benefit` writes quality.benefit into the manifest; until the kvt binary
-        # has the command, --record must fail naming it (never silently record nothing).
+        # `kvt record-benefit` writes quality.benefit into the manifest, and the mapper still
+        # loads with its checksums verified (kvt inspect); a refused record fails naming it.
         result = {"mapper_id": "x", "source_model": "s", "target_model": "t", "benefit": [
             {"text": "heldout", "windows": 8, "context_tokens": 64, "continuation_tokens": 16,
              "recovered": 0.5, "lower95": 0.4, "upper95": 0.6, "kl": 0.1, "ce_own": 1.0,
@@ -228,20 +228,20 @@ class QualifyTest(unittest.TestCase):
         self.assertEqual(list(document), ["benefit"])
         self.assertEqual(list(document["benefit"][0]), list(qualify.RECORD_KEYS))
         binary = runfile("cli/kvt")
-        usage = subprocess.run([binary], capture_output=True, text=True)
         mapper = os.path.join(self.work, "record_mapper")
         identity_mapper(mapper, self.target)
         mapper = os.path.join(mapper, "identity")
-        if "record-benefit" in usage.stdout + usage.stderr:
-            qualify.record(result, mapper, binary)
-            with open(os.path.join(mapper, "manifest.yaml")) as f:
-                recorded = yaml.safe_load(f)["quality"]["benefit"]
-            self.assertEqual(recorded, document["benefit"])
-        else:
-            with self.assertRaisesRegex(qualify.QualifyError,
-                                        r"--record: .*kvt record-benefit --mapper=.* failed"):
-                qualify.record(result, mapper, binary)
-
+        qualify.record(result, mapper, binary)
+        with open(os.path.join(mapper, "manifest.yaml")) as f:
+            recorded = yaml.safe_load(f)["quality"]["benefit"]
+        self.assertEqual(recorded, document["benefit"])
+        inspect = subprocess.run([binary, "inspect", mapper], capture_output=True, text=True)
+        self.assertEqual(inspect.returncode, 0, inspect.stderr)
+        self.assertIn("heldout", inspect.stdout)
+        bad = dict(result, benefit=[dict(result["benefit"][0], lower95=0.7)])
+        with self.assertRaisesRegex(qualify.QualifyError,
+                                    r"--record: .*kvt record-benefit --mapper=.* failed"):
+            qualify.record(bad, mapper, binary)
 
 if __name__ == "__main__":
     unittest.main()
