@@ -28,7 +28,6 @@ import time
 
 import torch
 
-import corpus  # eval/tinyfamily
 import kvt
 import license_text
 import retention as R
@@ -43,18 +42,12 @@ FLOOR = 0.5  # kvtd's default prefix_cache.min_benefit_recovered (server/kvtd.ya
 def reversed_texts(work, licenses_dir):
     """[(name, path)]: the held-out documents and the kept license texts, each in reverse order,
     as JSON lines kvt.qualify reads."""
-    heldout = [d["text"] for d in corpus.splits()["heldout"]]
     kept, _ = license_text.select(license_text.read_texts(licenses_dir),
                                   second_source.corpus_grams())
-    out = []
-    for name, docs in (("python-docs-heldout", heldout),
-                       ("debian-licenses", [text for _, text in kept])):
-        path = os.path.join(work, f"{name}-reversed.jsonl")
-        with open(path, "w", encoding="utf-8") as f:
-            for text in reversed(docs):
-                f.write(json.dumps({"text": text}) + "\n")
-        out.append((name, path))
-    return out
+    return [("python-docs-heldout", R.write_split(
+                "heldout", os.path.join(work, "heldout-reversed.jsonl"), reverse=True)),
+            ("debian-licenses", R.write_documents(
+                os.path.join(work, "licenses-reversed.jsonl"), [t for _, t in kept][::-1]))]
 
 
 def verdict(store, source, target, context):

@@ -37,7 +37,7 @@ from kvt_testing.kvtd import Kvtd
 # under these names for the evaluation programs (R.Member, R.fit, ...).
 from kvt_testing.tinyfamily import (FIRST, MLP_FLAGS, MODELS, Member, benefit,  # noqa: F401
                                     dump, fit, heldout_windows, nll_of, summarize, token_stream,
-                                    translate, write_split)
+                                    translate, write_documents, write_split)
 
 
 # -- models ------------------------------------------------------------------------------------

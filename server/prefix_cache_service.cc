@@ -92,10 +92,11 @@ std::string BenefitGateReason(const KvtdConfig::PrefixCache& gate, const Manifes
            "`python -m kvt.qualify`";
   }
   if (worst->lower95 >= floor) return "";
+  const std::string key =
+      own_floor ? absl::StrCat("prefix_cache.pair_min_benefit \"", pair->first, "\"")
+                : std::string("prefix_cache.min_benefit_recovered");
   return absl::StrCat("mapper context benefit recovered on text '", worst->text,
-                      "' (95% lower bound) ", worst->lower95, " < floor ", floor,
-                      own_floor ? absl::StrCat(" (prefix_cache.pair_min_benefit \"", pair->first, "\")")
-                                : std::string(" (prefix_cache.min_benefit_recovered)"));
+                      "' (95% lower bound) ", worst->lower95, " < floor ", floor, " (", key, ")");
 }
 
 }  // namespace

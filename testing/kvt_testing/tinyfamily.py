@@ -91,11 +91,19 @@ nll_of = qualify.nll_of
 
 # -- text ---------------------------------------------------------------------------------------
 
-def write_split(name, path):
+def write_documents(path, texts):
+    """The texts as JSON lines ({"text": ...}), what `kvt fit`'s dumps and kvt.qualify read."""
     with open(path, "w", encoding="utf-8") as f:
-        for d in corpus.splits()[name]:
-            f.write(json.dumps({"text": d["text"]}) + "\n")
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
     return path
+
+
+def write_split(name, path, reverse=False):
+    """The corpus split's documents as JSON lines; reverse: in reverse order, so windows spread
+    evenly over it are other cuts of the same text than heldout_windows'."""
+    docs = [d["text"] for d in corpus.splits()[name]]
+    return write_documents(path, docs[::-1] if reverse else docs)
 
 
 def token_stream(name):
