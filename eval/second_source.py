@@ -65,7 +65,7 @@ def gate_bound(mapper_dir):
         return (yaml.safe_load(f).get("quality") or {}).get("attention_cosine_heldout_lower95")
 
 
-def table(rows, gate, promise):
+def table(rows, gate):
     """Markdown: one line per pair and kind, benefit [95% interval] per source for the mapper,
     token identity and their paired difference, the own context gain, the gate's bound and
     verdict."""
@@ -91,11 +91,11 @@ def table(rows, gate, promise):
                       f"{x['own_gain']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(f"Benefit recovered [95% paired bootstrap interval] (mapper - identity: "
-                 f"the paired difference); * the interval excludes 0. "
-                 f"Gain: CE_none - CE_own, nats/byte. Gate: kvtd's min_mapper_quality on the "
-                 f"manifest's attention_cosine_heldout_lower95; its promise is >= {promise} "
-                 f"recovered above it.")
+    lines.append("Benefit recovered [95% paired bootstrap interval] (mapper - identity: "
+                 "the paired difference); * the interval excludes 0. "
+                 "Gain: CE_none - CE_own, nats/byte. Gate bound: the manifest's "
+                 "attention_cosine_heldout_lower95 against kvtd's min_mapper_quality, the cosine "
+                 "half of the gate (its benefit half: eval/gate_check.py).")
     return "\n".join(lines) + "\n"
 
 
@@ -113,7 +113,6 @@ def main():
     p.add_argument("--continuation", type=int, default=96)
     p.add_argument("--licenses", default=license_text.DIRECTORY)
     p.add_argument("--gate", type=float, default=0.87, help="kvtd's min_mapper_quality")
-    p.add_argument("--promise", type=float, default=0.65)
     p.add_argument("--kind", default="ridge", choices=tuple(KINDS),
                    help="mlp: the MSE-trained MLP (kvt fit --kind mlp, retention.MLP_FLAGS, no "
                         "refinement; minutes per pair) instead of the ridge; mlp_refined: that "
@@ -206,7 +205,7 @@ def main():
         with open(out_path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         with open(os.path.join(caller, args.md), "w") as f:
-            f.write(table(rows, args.gate, args.promise))
+            f.write(table(rows, args.gate))
 
 
 if __name__ == "__main__":
