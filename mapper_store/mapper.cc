@@ -421,6 +421,27 @@ absl::Status MoveIntoPlace(const std::string& tmp, const std::string& dir, bool 
   return absl::OkStatus();
 }
 
+// A fresh temporary sibling of a mapper directory to build its new contents in (TempSibling:
+// invisible to MapperStore::Scan), and the suffix MoveIntoPlace names the old one with.
+struct Staging {
+  std::string tmp;
+  std::string suffix;
+};
+
+absl::StatusOr<Staging> MakeStaging(const std::string& dir) {
+  Staging staging{"", UniqueSuffix()};
+  staging.tmp = TempSibling(dir, staging.suffix);
+  if (absl::Status s = RemoveTree(staging.tmp); !s.ok()) return s;
+  if (absl::Status s = MakeDirs(staging.tmp); !s.ok()) return s;
+  return staging;
+}
+
+// Makes the staged directory durable and moves it into place as `dir`.
+absl::Status Finish(const Staging& staging, const std::string& dir, bool exists) {
+  if (absl::Status s = SyncDirectory(staging.tmp); !s.ok()) return s;
+  return MoveIntoPlace(staging.tmp, dir, exists, staging.suffix);
+}
+
 absl::Status WriteMapperDirImpl(
     const std::string& dir_in, const Manifest& manifest, const std::vector<TensorSpec>& specs,
     const std::function<absl::StatusOr<SafetensorsWriteResult>(const std::string& path)>& write_weights,
@@ -442,11 +463,9 @@ absl::Status WriteMapperDirImpl(
   }
   if (absl::Status s = MakeDirs(parent); !s.ok()) return s;
 
-  const std::string suffix = UniqueSuffix();
-  const std::string tmp = TempSibling(dir, suffix);
-  if (absl::Status s = RemoveTree(tmp); !s.ok()) return s;
-  if (absl::Status s = MakeDirs(tmp); !s.ok()) return s;
-
+  absl::StatusOr<Staging> staging = MakeStaging(dir);
+  if (!staging.ok()) return staging.status();
+  const std::string& tmp = staging->tmp;
   auto fail = [&tmp](absl::Status status) {
     RemoveTree(tmp).IgnoreError();
     return status;
@@ -464,8 +483,7 @@ absl::Status WriteMapperDirImpl(
   if (absl::Status s = WriteStringToFile(JoinPath(tmp, kChecksumFileName), sums); !s.ok()) {
     return fail(s);
   }
-  if (absl::Status s = SyncDirectory(tmp); !s.ok()) return fail(s);
-  if (absl::Status s = MoveIntoPlace(tmp, dir, exists, suffix); !s.ok()) return fail(s);
+  if (absl::Status s = Finish(*staging, dir, exists); !s.ok()) return fail(s);
   return SyncDirectory(parent);
 }
 
@@ -564,10 +582,9 @@ absl::Status RewriteMapperManifest(const LoadedMapper& mapper, const Manifest& m
   absl::StatusOr<std::string> sums = SumsWithManifest(dir, *manifest_hex);
   if (!sums.ok()) return sums.status();
 
-  const std::string suffix = UniqueSuffix();
-  const std::string tmp = TempSibling(dir, suffix);
-  if (absl::Status s = RemoveTree(tmp); !s.ok()) return s;
-  if (absl::Status s = MakeDirs(tmp); !s.ok()) return s;
+  absl::StatusOr<Staging> staging = MakeStaging(dir);
+  if (!staging.ok()) return staging.status();
+  const std::string& tmp = staging->tmp;
   auto fail = [&tmp](absl::Status status) {
     RemoveTree(tmp).IgnoreError();
     return status;
@@ -579,8 +596,7 @@ absl::Status RewriteMapperManifest(const LoadedMapper& mapper, const Manifest& m
     return fail(s);
   }
   if (absl::Status s = LinkOtherFiles(dir, tmp); !s.ok()) return fail(s);
-  if (absl::Status s = SyncDirectory(tmp); !s.ok()) return fail(s);
-  if (absl::Status s = MoveIntoPlace(tmp, dir, /*exists=*/true, suffix); !s.ok()) return fail(s);
+  if (absl::Status s = Finish(*staging, dir, /*exists=*/true); !s.ok()) return fail(s);
   return SyncDirectory(Dirname(dir));
 }
 

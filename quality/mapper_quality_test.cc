@@ -1,3 +1,4 @@
+#include "mapper_store/format/manifest_testing.h"
 #include "quality/mapper_quality.h"
 
 #include <optional>
@@ -87,17 +88,6 @@ TEST(MapperRecordedQualityTest, NothingRecorded) {
   EXPECT_EQ(std::string(recorded.metric), "r2_heldout");
 }
 
-BenefitRecord Benefit(const std::string& text, double recovered, double lower95) {
-  BenefitRecord record;
-  record.text = text;
-  record.windows = 64;
-  record.context_tokens = 384;
-  record.continuation_tokens = 96;
-  record.recovered = recovered;
-  record.lower95 = lower95;
-  record.upper95 = recovered + 0.1;
-  return record;
-}
 
 TEST(MapperRecordedBenefitTest, NoneWhenNothingIsRecorded) {
   Manifest manifest;
@@ -108,13 +98,13 @@ TEST(MapperRecordedBenefitTest, NoneWhenNothingIsRecorded) {
 
 TEST(MapperRecordedBenefitTest, IsTheEntryWithTheLowestBound) {
   Manifest manifest;
-  manifest.quality.benefit = {Benefit("docs", 0.6, 0.55), Benefit("wiki", 0.5, 0.3),
-                              Benefit("code", 0.4, 0.3)};  // ties: the first listed is named
+  manifest.quality.benefit = {TestBenefitRecord("docs", 0.6, 0.55), TestBenefitRecord("wiki", 0.5, 0.3),
+                              TestBenefitRecord("code", 0.4, 0.3)};  // ties: the first listed is named
   const std::optional<RecordedBenefit> worst = MapperRecordedBenefit(manifest);
   ASSERT_TRUE(worst.has_value());
   EXPECT_EQ(worst->lower95, 0.3);  // the bound, never the point estimate
   EXPECT_EQ(worst->text, "wiki");
-  manifest.quality.benefit = {Benefit("docs", 0.6, 0.55)};
+  manifest.quality.benefit = {TestBenefitRecord("docs", 0.6, 0.55)};
   ASSERT_TRUE(MapperRecordedBenefit(manifest).has_value());
   EXPECT_EQ(MapperRecordedBenefit(manifest)->text, "docs");
   EXPECT_EQ(MapperRecordedBenefit(manifest)->lower95, 0.55);

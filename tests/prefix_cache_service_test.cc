@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "mapper_store/format/manifest_testing.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "gmock/gmock.h"
@@ -360,18 +361,6 @@ std::string StoreWithBenefit(const std::string& name, const std::vector<BenefitR
   return dir;
 }
 
-BenefitRecord Benefit(const std::string& text, double recovered, double lower95) {
-  BenefitRecord record;
-  record.text = text;
-  record.windows = 64;
-  record.context_tokens = 384;
-  record.continuation_tokens = 96;
-  record.recovered = recovered;
-  record.lower95 = lower95;
-  record.upper95 = recovered + 0.1;
-  record.kl = 0.1;
-  return record;
-}
 
 // The benefit gate on top of the cosine gate (which the store's 0.94 bound passes at 0.87):
 // with kvtd's default floor a mapper must record a measured benefit, every text's lower95 at
@@ -389,16 +378,16 @@ TEST_F(PrefixCacheServiceTest, BenefitGateHoldsEveryRecordedTextsBoundToTheFloor
       {"none", {}, {}, 0.5, false,
        "the mapper records no measured benefit (quality.benefit): measure it with "
        "`python -m kvt.qualify`"},
-      {"one", {Benefit("docs", 0.6, 0.55)}, {}, 0.5, true, ""},
-      {"two", {Benefit("docs", 0.6, 0.55), Benefit("license", 0.4, 0.3)}, {}, 0.5, false,
+      {"one", {TestBenefitRecord("docs", 0.6, 0.55)}, {}, 0.5, true, ""},
+      {"two", {TestBenefitRecord("docs", 0.6, 0.55), TestBenefitRecord("license", 0.4, 0.3)}, {}, 0.5, false,
        "mapper context benefit recovered on text 'license' (95% lower bound) 0.3 < floor 0.5 "
        "(prefix_cache.min_benefit_recovered)"},
-      {"pair_lower", {Benefit("docs", 0.6, 0.55), Benefit("license", 0.4, 0.3)},
+      {"pair_lower", {TestBenefitRecord("docs", 0.6, 0.55), TestBenefitRecord("license", 0.4, 0.3)},
        {{"test/src->test/dst", 0.25}}, 0.5, true, ""},
-      {"pair_higher", {Benefit("docs", 0.6, 0.55)}, {{"test/src->test/dst", 0.6}}, 0.5, false,
+      {"pair_higher", {TestBenefitRecord("docs", 0.6, 0.55)}, {{"test/src->test/dst", 0.6}}, 0.5, false,
        "on text 'docs' (95% lower bound) 0.55 < floor 0.6 (prefix_cache.pair_min_benefit "
        "\"test/src->test/dst\")"},
-      {"other_pair", {Benefit("docs", 0.6, 0.55)}, {{"test/src->test/other", 0.9}}, 0.5, true,
+      {"other_pair", {TestBenefitRecord("docs", 0.6, 0.55)}, {{"test/src->test/other", 0.9}}, 0.5, true,
        ""},
       {"off", {}, {}, 0, true, ""},
   };
@@ -450,7 +439,7 @@ TEST_F(PrefixCacheServiceTest, BenefitGateDoesNotReplaceTheCosineGate) {
   config.prefix_cache.enabled = true;
   config.prefix_cache.min_mapper_quality = 0.97;  // above the store's 0.94 bound
   kvtd_.reset();
-  Start(config, StoreWithBenefit("cosine_fails", {Benefit("docs", 0.9, 0.85)}));
+  Start(config, StoreWithTestBenefitRecord("cosine_fails", {TestBenefitRecord("docs", 0.9, 0.85)}));
   const std::vector<uint32_t> tokens = Tokens(48, 60);
   v1::PublishResponse published;
   ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 61), &published).ok());
