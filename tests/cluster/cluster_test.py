@@ -4,9 +4,10 @@ client: no segment of its own); node B is a child process (node_b.py) that share
 it. Checked: put -> longest_prefix -> fetch returns the bytes exactly on node B; a chunk of a
 longer publisher's prefix is matched at chunk granularity; a key of another scheme version is not
 read, and an object under a kvt key that is not what the key promises is refused
-(version_mismatch); a removed object gives evicted; the segment holder killed gives
-segment_unavailable; the master down gives store_unavailable, and a master that does not answer
-(SIGSTOP) gives store_timeout, each within the call's deadline."""
+(version_mismatch); a removed object gives evicted; a store status of no other reason gives
+store_error; the segment holder killed gives segment_unavailable; the master down gives
+store_unavailable, and a master that does not answer (SIGSTOP) gives store_timeout, each within
+the call's deadline."""
 
 from __future__ import annotations
 
@@ -165,6 +166,16 @@ class ClusterStoreTest(unittest.TestCase):
         finally:
             self.store.unregister(address)
         np.testing.assert_array_equal(buffer.reshape(cache.shape), cache)
+
+    def test_a_status_of_no_other_reason_gives_store_error(self):
+        # The store client refuses a put of more bytes than its local buffer (put copies
+        # through it) with INVALID_PARAMS: neither space, nor reachability, nor a gone object.
+        size = self.store.config.local_buffer_size + (1 << 20)
+        with self.assertRaises(ClusterError) as error:
+            self.store.put_raw(f"kvt-test/too-large/{os.getpid()}", bytes(size))
+        self.assertEqual((error.exception.reason, error.exception.code), ("store_error", -600),
+                         error.exception)
+        self.assertIn("-600", error.exception.detail)
 
     def test_chain_hashes_are_kvtds(self):
         # prefix_cache/chain_hash_test.cc's known answers.
