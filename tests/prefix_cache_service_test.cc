@@ -439,7 +439,7 @@ TEST_F(PrefixCacheServiceTest, BenefitGateDoesNotReplaceTheCosineGate) {
   config.prefix_cache.enabled = true;
   config.prefix_cache.min_mapper_quality = 0.97;  // above the store's 0.94 bound
   kvtd_.reset();
-  Start(config, StoreWithTestBenefitRecord("cosine_fails", {TestBenefitRecord("docs", 0.9, 0.85)}));
+  Start(config, StoreWithBenefit("cosine_fails", {TestBenefitRecord("docs", 0.9, 0.85)}));
   const std::vector<uint32_t> tokens = Tokens(48, 60);
   v1::PublishResponse published;
   ASSERT_TRUE(Publish("test/src", tokens, Source(48, Layout::kNHD, 61), &published).ok());
