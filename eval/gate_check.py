@@ -103,7 +103,7 @@ def table(rows):
         gate = "**serves**" if r["gate_passed"] else "refuses (" + (
             "benefit" if "benefit" in r["gate_reason"] else "cosine") + ")"
         lines.append("| " + " | ".join(
-            [r["pair"], r["kind"]] + [f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]" for x in q] +
+            [r["pair"], r["kind"]] + [f"{x[0]:.2f} [{x[1]:.3f}, {x[2]:.2f}]" for x in q] +
             [gate] + [f"{r['measured'][s]:.2f}" for s in second_source.SOURCES]) + " |")
     broken = [r for r in rows if r["broken_promise"]]
     lines += ["", f"{sum(r['gate_passed'] for r in rows)} of {len(rows)} mappers served; "
