@@ -70,7 +70,7 @@ def table(rows, gate):
     token identity and their paired difference, the own context gain, the gate's bound and
     verdict."""
     order = {p: i for i, p in enumerate(PAIRS.replace(":", "->").split(","))}
-    rows = sorted(rows, key=lambda r: (r.get("kind", "ridge") != "ridge",
+    rows = sorted(rows, key=lambda r: (list(KINDS).index(r.get("kind", "ridge")),
                                        order.get(r["pair"], 99)))
 
     def cell(x):
