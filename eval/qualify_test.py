@@ -149,7 +149,7 @@ class QualifyTest(unittest.TestCase):
         done = subprocess.run([sys.executable, "-m", "kvt.qualify"] + flags +
                               [f"--windows={WINDOWS}", f"--context={CONTEXT}",
                                f"--continuation={CONTINUATION}", f"--out={out}",
-                               "--device=cpu"],
+                               "--device=cpu", "--threads=1"],
                               capture_output=True, text=True, env=env)
         self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
         self.assertIn("worst lower95", done.stdout)

@@ -374,7 +374,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--device", default="cpu",
                    help="where the models run (torch device: cpu, cuda, cuda:1, ...)")
     p.add_argument("--timeout", type=float, default=300.0, help="per translate call, seconds")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch's default, one per core). On a machine "
+                        "kvtd shares, 1 keeps the two from oversubscribing the cores "
+                        "(docs/OPERATIONS.md)")
     args = p.parse_args(argv)
+    if args.threads < 0:
+        print(f"kvt.qualify: error: --threads={args.threads} must be >= 0", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         result = qualify(args.kvtd, args.mapper_id, args.source_model, args.target_model,
                          args.text, tokenizer=args.tokenizer, windows=args.windows,
