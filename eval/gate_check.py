@@ -128,12 +128,8 @@ def main():
     args.work = os.path.join(caller, args.work)
     out_path = os.path.join(caller, args.out)
     torch.set_num_threads(1)
-    with open(os.path.join(caller, args.results)) as f:
-        evaluated = [json.loads(line) for line in f if line.strip()]
-    done = set()
-    if os.path.exists(out_path):
-        with open(out_path) as f:
-            done = {(r["pair"], r["kind"]) for r in map(json.loads, filter(str.strip, f))}
+    evaluated = second_source.read_rows(os.path.join(caller, args.results))
+    done = {(r["pair"], r["kind"]) for r in second_source.read_rows(out_path)}
     texts = reversed_texts(args.work, args.licenses)
     members = {m: R.Member(os.path.join(R.MODELS, m)) for m in "SMLU"}
     kvt_binary = runfile("cli/kvt")
@@ -147,10 +143,8 @@ def main():
               f"gate {'serves' if result['gate_passed'] else 'refuses'}; measured "
               f"{result['measured']} ({result['seconds']:.0f} s)", flush=True)
     if args.md:
-        with open(out_path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
         with open(os.path.join(caller, args.md), "w") as f:
-            f.write(table(rows))
+            f.write(table(second_source.read_rows(out_path)))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,14 @@ def corpus_grams():
     return grams
 
 
+def read_rows(path):
+    """The JSON lines of a results file ([] when it does not exist yet)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def rounded(interval):
     return [round(x, 4) for x in interval]
 
@@ -127,11 +135,7 @@ def main():
     torch.set_num_threads(1)
     start = time.time()
     pairs = [tuple(x.split(":")) for x in args.pairs.split(",") if x]
-    done = set()
-    if os.path.exists(out_path):
-        with open(out_path) as f:
-            done = {(r["pair"], r.get("kind", "ridge"))
-                    for r in map(json.loads, filter(str.strip, f))}
+    done = {(r["pair"], r.get("kind", "ridge")) for r in read_rows(out_path)}
 
     length = args.context + args.continuation + 1
     kept, selection = license_text.select(license_text.read_texts(args.licenses),
@@ -202,10 +206,8 @@ def main():
               f"{row['licenses']['mapped']} gate {bound} ({row['seconds']:.0f} s, "
               f"{time.time() - start:.0f} s in all)", flush=True)
     if args.md:
-        with open(out_path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
         with open(os.path.join(caller, args.md), "w") as f:
-            f.write(table(rows, args.gate))
+            f.write(table(read_rows(out_path), args.gate))
 
 
 if __name__ == "__main__":

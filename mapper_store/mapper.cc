@@ -426,6 +426,11 @@ absl::Status MoveIntoPlace(const std::string& tmp, const std::string& dir, bool 
 struct Staging {
   std::string tmp;
   std::string suffix;
+  // Removes the staged directory and passes `status` on: every failure after MakeStaging.
+  absl::Status Discard(absl::Status status) const {
+    RemoveTree(tmp).IgnoreError();
+    return status;
+  }
 };
 
 absl::StatusOr<Staging> MakeStaging(const std::string& dir) {
@@ -466,10 +471,7 @@ absl::Status WriteMapperDirImpl(
   absl::StatusOr<Staging> staging = MakeStaging(dir);
   if (!staging.ok()) return staging.status();
   const std::string& tmp = staging->tmp;
-  auto fail = [&tmp](absl::Status status) {
-    RemoveTree(tmp).IgnoreError();
-    return status;
-  };
+  auto fail = [&staging](absl::Status status) { return staging->Discard(status); };
   if (absl::Status s = WriteStringToFile(JoinPath(tmp, kManifestFileName), *manifest_text); !s.ok()) {
     return fail(s);
   }
@@ -585,10 +587,7 @@ absl::Status RewriteMapperManifest(const LoadedMapper& mapper, const Manifest& m
   absl::StatusOr<Staging> staging = MakeStaging(dir);
   if (!staging.ok()) return staging.status();
   const std::string& tmp = staging->tmp;
-  auto fail = [&tmp](absl::Status status) {
-    RemoveTree(tmp).IgnoreError();
-    return status;
-  };
+  auto fail = [&staging](absl::Status status) { return staging->Discard(status); };
   if (absl::Status s = WriteStringToFile(JoinPath(tmp, kManifestFileName), *text); !s.ok()) {
     return fail(s);
   }
