@@ -157,6 +157,11 @@ absl::StatusOr<std::unique_ptr<PrefixCache>> PrefixCache::Create(PrefixCacheOpti
         absl::StrCat("prefix_cache.lease_duration=", absl::FormatDuration(options.lease_duration),
                      " must be > 0"));
   }
+  if (options.digest != nullptr && options.digest->block_tokens() != options.block_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_cache.block_tokens=", options.block_tokens, " differs from the "
+                     "digest's block_tokens=", options.digest->block_tokens()));
+  }
   return std::make_unique<PrefixCache>(std::move(options));
 }
 
@@ -273,6 +278,7 @@ PrefixCache::Slot* PrefixCache::Insert(std::shared_ptr<PrefixEntry> entry, absl:
   slot->lru = lru_.begin();
   expiry_.insert({expires, slot->seq});
   for (const BlockHash& hash : slot->entry->block_hashes()) index_[hash].push_back(slot->seq);
+  UpdateDigest(*slot->entry, /*add=*/true);
   bytes_held_ += slot->entry->bytes();
   ++models_[slot->entry->model()].entries;
   Slot* raw = slot.get();
@@ -311,6 +317,7 @@ void PrefixCache::Remove(Slot* slot, const char* reason, std::vector<Removed>* r
     seqs.erase(std::remove(seqs.begin(), seqs.end(), seq), seqs.end());
     if (seqs.empty()) index_.erase(it);
   }
+  UpdateDigest(*slot->entry, /*add=*/false);
   lru_.erase(slot->lru);
   expiry_.erase({slot->expires, seq});
   bytes_held_ -= slot->entry->bytes();
@@ -324,6 +331,18 @@ void PrefixCache::Remove(Slot* slot, const char* reason, std::vector<Removed>* r
   ForgetModelIfUnused(slot->entry->model());
   removed->push_back({std::move(slot->entry), reason});
   slots_.erase(seq);
+}
+
+void PrefixCache::UpdateDigest(const PrefixEntry& entry, bool add) {
+  if (options_.digest == nullptr) return;
+  const std::optional<BlockHash> key =
+      PrefixDigest::KeyOf(entry.tokens(), options_.digest->block_tokens());
+  if (!key.has_value()) return;
+  if (add) {
+    options_.digest->Add(*key);
+  } else {
+    options_.digest->Remove(*key);
+  }
 }
 
 void PrefixCache::Touch(Slot* slot, absl::Time now) {

@@ -27,6 +27,7 @@
 #include "kernels/backend.h"
 #include "kernels/types.h"
 #include "prefix_cache/chain_hash.h"
+#include "prefix_cache/prefix_digest.h"
 
 namespace kvt {
 
@@ -44,6 +45,9 @@ struct PrefixCacheOptions {
   // Allocates entry buffers; default HostBuffer::Allocate. A CUDA build passes pinned memory so
   // that uploads of a leased prefix to the GPU run at full speed.
   HostAllocator allocator;
+  // Optional; must outlive the cache. Holds the first block of every committed entry while it
+  // is stored, so engines can tell a certain miss without asking (prefix_digest.h).
+  PrefixDigest* digest = nullptr;
 };
 
 // One model's cache shape. Every entry of a model (committed or reserved) has the same shape,
@@ -278,6 +282,7 @@ class PrefixCache {
   int64_t bytes_held() const ABSL_LOCKS_EXCLUDED(mutex_);  // committed entries
   int64_t max_bytes() const { return options_.max_bytes; }
   int block_tokens() const { return options_.block_tokens; }
+  const PrefixDigest* digest() const { return options_.digest; }
   absl::Duration lease_duration() const { return options_.lease_duration; }
   PrefixCacheStats stats() const ABSL_LOCKS_EXCLUDED(mutex_);
 
@@ -315,6 +320,8 @@ class PrefixCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void Remove(Slot* slot, const char* reason, std::vector<Removed>* removed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Adds or removes the entry's first block in options_.digest (if any).
+  void UpdateDigest(const PrefixEntry& entry, bool add) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void Touch(Slot* slot, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void SetExpiry(Slot* slot, absl::Time expires) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   void SweepLocked(absl::Time now, std::vector<Removed>* removed)
