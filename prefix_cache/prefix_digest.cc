@@ -1,5 +1,6 @@
 #include "prefix_cache/prefix_digest.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <openssl/rand.h>
 #include <sys/mman.h>
@@ -21,6 +22,7 @@ namespace {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the digest layout is little-endian");
 
 constexpr uint16_t kSticky = 0xffff;
+constexpr char kDefaultNamePrefix[] = "kvt-prefix-digest-";
 constexpr int64_t kHeartbeatOffset = 32;
 constexpr int64_t kKeysOffset = 40;
 
@@ -72,9 +74,12 @@ absl::Status CheckOptions(const PrefixDigestOptions& options) {
 absl::StatusOr<std::unique_ptr<PrefixDigest>> PrefixDigest::Create(PrefixDigestOptions options) {
   const uint64_t instance = RandomInstance();
   if (options.shm_name.empty()) {
-    options.shm_name = absl::StrFormat("/kvt-prefix-digest-%d-%016x", getpid(), instance);
+    options.shm_name = absl::StrFormat("/%s%d-%016x", kDefaultNamePrefix, getpid(), instance);
   }
   if (absl::Status status = CheckOptions(options); !status.ok()) return status;
+  const int stale = options.remove_stale_after > absl::ZeroDuration()
+                        ? RemoveStale(options.shm_dir, options.remove_stale_after)
+                        : 0;
   const int fd = shm_open(options.shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, options.mode);
   if (fd < 0) {
     const int error = errno;
@@ -97,8 +102,35 @@ absl::StatusOr<std::unique_ptr<PrefixDigest>> PrefixDigest::Create(PrefixDigestO
                                                      Echo(options.shm_name),
                                                      "': ", std::strerror(error)));
   }
-  return std::unique_ptr<PrefixDigest>(
+  auto digest = std::unique_ptr<PrefixDigest>(
       new PrefixDigest(std::move(options), static_cast<uint8_t*>(mapping), instance));
+  digest->stale_removed_ = stale;
+  return digest;
+}
+
+int PrefixDigest::RemoveStale(const std::string& shm_dir, absl::Duration older_than) {
+  DIR* dir = opendir(shm_dir.c_str());
+  if (dir == nullptr) return 0;
+  const uint64_t now_ms = static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()));
+  const uint64_t max_age_ms = static_cast<uint64_t>(absl::ToInt64Milliseconds(older_than));
+  int removed = 0;
+  while (const dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(kDefaultNamePrefix, 0) != 0) continue;
+    const int fd = openat(dirfd(dir), name.c_str(), O_RDONLY | O_NOFOLLOW);
+    if (fd < 0) continue;
+    uint8_t header[kPrefixDigestHeaderBytes];
+    const bool read_whole = pread(fd, header, sizeof(header), 0) == sizeof(header);
+    close(fd);
+    if (!read_whole || std::memcmp(header, kPrefixDigestMagic, 8) != 0) continue;
+    uint64_t beat = 0;
+    for (int b = 0; b < 8; ++b) beat |= uint64_t{header[kHeartbeatOffset + b]} << (8 * b);
+    // A clock step backwards makes a live beat look young, never old.
+    if (beat != 0 && beat + max_age_ms > now_ms) continue;
+    if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  closedir(dir);
+  return removed;
 }
 
 PrefixDigest::PrefixDigest(PrefixDigestOptions options, uint8_t* base, uint64_t instance)
@@ -121,6 +153,8 @@ PrefixDigest::~PrefixDigest() {
   }
   stop_cv_.SignalAll();
   heartbeat_.join();
+  // Readers that still map it must not trust it for the seconds a stale heartbeat would last.
+  __atomic_store_n(Word(base_, kHeartbeatOffset), uint64_t{0}, __ATOMIC_RELEASE);
   munmap(base_, MappingBytes(options_.slots));
   shm_unlink(options_.shm_name.c_str());
 }

@@ -26,7 +26,8 @@ namespace kvt {
 //   [12, 16)  u32 block_tokens: tokens of the first block a key covers
 //   [16, 24)  u64 slots: counters, a power of two
 //   [24, 32)  u64 instance: random, one per digest (a restarted kvtd makes a new one)
-//   [32, 40)  u64 heartbeat: Unix time in ms, rewritten every second while kvtd lives
+//   [32, 40)  u64 heartbeat: Unix time in ms, rewritten every second while kvtd lives; 0 once
+//             the digest is destroyed
 //   [40, 48)  u64 keys: additions minus removals (informational)
 //   [48, 64)  reserved, zero
 //   [64, 64 + 2 * slots)  u16 counters; 0xffff is sticky (never decremented)
@@ -48,6 +49,10 @@ struct PrefixDigestOptions {
   int block_tokens = 16;
   mode_t mode = 0644;  // readers open it read-only
   absl::Duration heartbeat_interval = absl::Seconds(1);
+  // Create first unlinks digests of kvtds that died without unlinking theirs (killed): objects
+  // named kvt-prefix-digest-* in shm_dir whose heartbeat is 0 or older than this. 0: never.
+  absl::Duration remove_stale_after = absl::Seconds(60);
+  std::string shm_dir = "/dev/shm";  // where shm_open's objects are files (Linux)
 };
 
 class PrefixDigest {
@@ -55,11 +60,14 @@ class PrefixDigest {
   // Creates the object exclusively (an existing name is ALREADY_EXISTS) and starts the
   // heartbeat. INVALID_ARGUMENT naming the option for bad slots / block_tokens / name.
   static absl::StatusOr<std::unique_ptr<PrefixDigest>> Create(PrefixDigestOptions options);
-  // Stops the heartbeat, unmaps and unlinks the object (a reader's mapping stays valid, and it
-  // sees the heartbeat stop).
+  // Stops the heartbeat (writing 0 there), unmaps and unlinks the object; a reader's mapping
+  // stays valid and shows the zero.
   ~PrefixDigest();
   PrefixDigest(const PrefixDigest&) = delete;
   PrefixDigest& operator=(const PrefixDigest&) = delete;
+
+  // Unlinks the stale digests in `shm_dir` (see remove_stale_after); returns how many.
+  static int RemoveStale(const std::string& shm_dir, absl::Duration older_than);
 
   // The key of `tokens`' first block; nullopt when shorter than one block.
   static std::optional<BlockHash> KeyOf(absl::Span<const uint32_t> tokens, int block_tokens);
@@ -74,6 +82,7 @@ class PrefixDigest {
   int64_t slots() const { return options_.slots; }
   int block_tokens() const { return options_.block_tokens; }
   uint64_t instance() const { return instance_; }
+  int stale_removed() const { return stale_removed_; }  // by Create
   int64_t keys() const;
 
  private:
@@ -86,6 +95,7 @@ class PrefixDigest {
   const PrefixDigestOptions options_;
   uint8_t* const base_;  // the mapping, kPrefixDigestHeaderBytes + 2 * slots bytes
   const uint64_t instance_;
+  int stale_removed_ = 0;
   Mutex mutex_;  // serialises writers (readers are lock-free, in other processes)
   Mutex stop_mutex_;
   CondVar stop_cv_;

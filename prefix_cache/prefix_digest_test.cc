@@ -219,13 +219,60 @@ TEST(PrefixDigestTest, NameTakenIsAlreadyExistsAndDestructionUnlinks) {
   EXPECT_EQ(PrefixDigest::Create(options).status().code(), absl::StatusCode::kAlreadyExists);
   {
     ForeignReader reader(name);
-    const uint64_t beat = reader.U64(32);
+    EXPECT_GT(reader.U64(32), 0u);
     digest.reset();
-    // The reader's mapping outlives the object's name; the heartbeat stops.
-    std::this_thread::sleep_for(std::chrono::milliseconds(80));
-    EXPECT_EQ(reader.U64(32), beat);
+    // The reader's mapping outlives the object's name and shows the heartbeat gone.
+    EXPECT_EQ(reader.U64(32), 0u);
   }
   EXPECT_LT(shm_open(name.c_str(), O_RDONLY, 0), 0);
+}
+
+// A digest object left behind by a killed kvtd (heartbeat stopped long ago, or never a digest).
+void MakeObject(const std::string& name, const std::string& magic, uint64_t heartbeat_ms) {
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0) << name;
+  uint8_t header[kPrefixDigestHeaderBytes] = {};
+  std::memcpy(header, magic.data(), 8);
+  for (int b = 0; b < 8; ++b) header[32 + b] = static_cast<uint8_t>(heartbeat_ms >> (8 * b));
+  ASSERT_EQ(write(fd, header, sizeof(header)), static_cast<ssize_t>(sizeof(header)));
+  close(fd);
+}
+
+bool Exists(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd >= 0) close(fd);
+  return fd >= 0;
+}
+
+TEST(PrefixDigestTest, CreateRemovesDigestsOfDeadKvtdsOnly) {
+  const std::string tag = absl::StrCat(getpid(), "-", absl::ToUnixNanos(absl::Now()));
+  const uint64_t now_ms = static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()));
+  const std::string old_beat = "/kvt-prefix-digest-test-old-" + tag;
+  const std::string stopped = "/kvt-prefix-digest-test-stopped-" + tag;
+  const std::string fresh = "/kvt-prefix-digest-test-fresh-" + tag;
+  const std::string not_digest = "/kvt-prefix-digest-test-other-" + tag;
+  const std::string other_name = "/kvt-unrelated-" + tag;
+  std::unique_ptr<PrefixDigest> live = MakeDigest();  // a live one: beats every 20 ms
+  ASSERT_NE(live, nullptr);
+  MakeObject(old_beat, "kvtdgst1", now_ms - 120000);
+  MakeObject(stopped, "kvtdgst1", 0);
+  MakeObject(fresh, "kvtdgst1", now_ms - 1000);
+  MakeObject(not_digest, "notadgst", 0);
+  MakeObject(other_name, "kvtdgst1", 0);
+
+  PrefixDigestOptions options;
+  options.block_tokens = kBlock;
+  options.remove_stale_after = absl::Seconds(60);
+  absl::StatusOr<std::unique_ptr<PrefixDigest>> digest = PrefixDigest::Create(options);
+  ASSERT_TRUE(digest.ok()) << digest.status();
+  EXPECT_GE((*digest)->stale_removed(), 2);
+  EXPECT_FALSE(Exists(old_beat));
+  EXPECT_FALSE(Exists(stopped));
+  EXPECT_TRUE(Exists(fresh));
+  EXPECT_TRUE(Exists(not_digest));
+  EXPECT_TRUE(Exists(other_name));
+  EXPECT_TRUE(Exists(live->shm_name()));
+  for (const std::string& name : {fresh, not_digest, other_name}) shm_unlink(name.c_str());
 }
 
 // The cache keeps the digest in step with what it stores.

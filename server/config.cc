@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "common/strict_reader.h"
 #include "nlohmann/json.hpp"
+#include "prefix_cache/prefix_digest.h"
 #include "yaml-cpp/yaml.h"
 
 namespace kvt {
@@ -370,6 +371,14 @@ const std::vector<Row>& Rows() {
       Key(KVTD_KEY(prefix_cache, ttl_seconds)).Above(0),
       Key(KVTD_KEY(prefix_cache, block_tokens)).InRange(1, 4096),
       Key(KVTD_KEY(prefix_cache, lease_seconds)).Above(0),
+      Key(KVTD_KEY(prefix_cache, digest_slots))
+          .Check([](const KvtdConfig&, const int64_t& slots) {
+            return slots == 0 || (slots >= kPrefixDigestMinSlots &&
+                                  slots <= kPrefixDigestMaxSlots && (slots & (slots - 1)) == 0)
+                       ? std::string()
+                       : absl::StrCat("must be 0 (off) or a power of two in [",
+                                      kPrefixDigestMinSlots, ", ", kPrefixDigestMaxSlots, "]");
+          }),
       Key(KVTD_KEY(prefix_cache, min_mapper_quality)),
       Key(KVTD_KEY(prefix_cache, min_r2_heldout)),
       Key(KVTD_KEY(prefix_cache, pair_min_quality))

@@ -81,6 +81,10 @@ struct KvtdConfig {
     double ttl_seconds = 600;       // default and longest lifetime of a stored cache
     int64_t block_tokens = 16;      // chain-hash block: only whole blocks are stored and matched
     double lease_seconds = 30;      // a lookup's lease must be used by TranslateKV within this
+    // Counters of the published-prefix digest (prefix_cache/prefix_digest.h): a shared-memory
+    // Bloom filter of stored prefixes' first blocks, 2 bytes per slot, that same-host engines
+    // read to skip LookupPrefix on a certain miss. A power of two in [1024, 2^28]; 0 = off.
+    int64_t digest_slots = 1 << 20;
     // Quality gate: a pair is offered only when its mapper's recorded held-out quality reaches
     // a floor: pair_min_quality["source->target"] when listed (against whatever the mapper
     // records); else min_mapper_quality for the fit's held-out attention-output cosine (past

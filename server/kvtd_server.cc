@@ -86,6 +86,18 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
     options.ttl = absl::Seconds(config.prefix_cache.ttl_seconds);
     options.block_tokens = static_cast<int>(config.prefix_cache.block_tokens);
     options.lease_duration = absl::Seconds(config.prefix_cache.lease_seconds);
+    if (config.prefix_cache.digest_slots > 0) {
+      PrefixDigestOptions digest;
+      digest.slots = config.prefix_cache.digest_slots;
+      digest.block_tokens = options.block_tokens;
+      // Under auth the digest is kvtd's user's alone: who may ask LookupPrefix is a question
+      // of tokens, and a world-readable digest would answer part of it without one.
+      digest.mode = config.security.auth_token_file.empty() ? 0644 : 0600;
+      absl::StatusOr<std::unique_ptr<PrefixDigest>> made = PrefixDigest::Create(digest);
+      if (!made.ok()) return made.status();
+      server->prefix_digest_ = std::move(*made);
+      options.digest = server->prefix_digest_.get();
+    }
     Metrics* metrics = server->metrics_.get();
     options.on_evict = [metrics](absl::string_view, absl::string_view reason, int64_t bytes) {
       metrics->RecordPrefixEviction(std::string(reason), bytes);
@@ -148,7 +160,12 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
       .With("auth", server->auth_->enabled() ? "bearer" : "off")
       .With("prefix_cache", config.prefix_cache.enabled
                                 ? absl::StrCat(config.prefix_cache.max_bytes, " bytes")
-                                : std::string("off"));
+                                : std::string("off"))
+      .With("prefix_digest", server->prefix_digest_ != nullptr
+                                 ? absl::StrCat("/dev/shm", server->prefix_digest_->shm_name(),
+                                                "; stale removed: ",
+                                                server->prefix_digest_->stale_removed())
+                                 : std::string("off"));
   TranslatorService* service = server->service_.get();
   server->metrics_->SetScrapeSources(store, [service] { return service->inflight_requests(); });
   server->store_ = store;

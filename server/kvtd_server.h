@@ -49,7 +49,8 @@ class KvtdServer {
   // Declared before the service, which records into it, so it is destroyed after it.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> auth_;
-  // Declared before both services, which read it.
+  // Declared before the cache, which writes it, and both services, which read them.
+  std::unique_ptr<PrefixDigest> prefix_digest_;
   std::unique_ptr<PrefixCache> prefix_cache_;
   std::unique_ptr<TranslatorService> service_;
   std::unique_ptr<PrefixCacheService> prefix_service_;

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "prefix_cache/prefix_digest.h"
 #include "proto/kvt/v1/service.pb.h"
 
 namespace kvt {
@@ -13,9 +14,12 @@ namespace kvt {
 inline constexpr char kKvtdVersion[] = "0.1";
 
 // The extensions this build understands, sorted (ServerMetadataResponse.extensions documents
-// each name). "prefix_cache" only when the KvPrefixCache service is enabled.
-std::vector<std::string> ServerExtensions(bool prefix_cache_enabled);
+// each name). "prefix_cache" only when the KvPrefixCache service is enabled, "prefix_digest"
+// only with a digest.
+std::vector<std::string> ServerExtensions(bool prefix_cache_enabled, bool prefix_digest = false);
 
-v1::ServerMetadataResponse ServerMetadataOf(bool prefix_cache_enabled);
+// `digest`: the prefix cache's published-prefix digest, null when there is none.
+v1::ServerMetadataResponse ServerMetadataOf(bool prefix_cache_enabled,
+                                            const PrefixDigest* digest = nullptr);
 
 }  // namespace kvt

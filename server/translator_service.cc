@@ -152,7 +152,8 @@ grpc::Status TranslatorService::ServerMetadata(grpc::ServerContext* context,
                                                v1::ServerMetadataResponse* response) {
   grpc::Status status = Authorize(context, Role::kClient);
   if (!status.ok()) return status;
-  *response = ServerMetadataOf(/*prefix_cache_enabled=*/prefix_cache_ != nullptr);
+  *response = ServerMetadataOf(/*prefix_cache_enabled=*/prefix_cache_ != nullptr,
+                               prefix_cache_ != nullptr ? prefix_cache_->digest() : nullptr);
   return grpc::Status::OK;
 }
 

@@ -21,6 +21,9 @@ class ConnectorConfig:
     model_name: str                     # required: the model's name in mapper manifests
     lookup_timeout_s: float = 0.5       # LookupPrefix deadline
     lookup_wait_s: float = 0.005        # how long the scheduler waits for a lookup in line
+    # Read kvtd's published-prefix digest (shared memory, same host) and skip LookupPrefix for a
+    # prompt whose first block no stored prefix starts with: a certain miss costs no RPC.
+    lookup_digest: bool = True
     translate_timeout_s: float = 10.0   # TranslateKV deadline (whole stream)
     # Translated KV back from kvtd and published KV out: "auto" (shared memory when kvtd
     # accepts it, else inline chunks), "shm" (the same, warning when it cannot), "inline".

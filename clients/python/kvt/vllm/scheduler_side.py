@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvt.vllm.metadata import (Gate, KvtConnectorMetadata, KvtWorkerMetadata, LoadResult,
                                LoadSpec, PublishSpec)
+from kvt.prefix_digest import DigestFollower
 from kvt.vllm.options import ConnectorConfig, RequestOptions, parse_kv_transfer_params
 from kvt.vllm.regions import describe_error
 
@@ -60,8 +61,16 @@ class KvtScheduler:
         # With the cluster tier, a lookup thread may also wait for a fetch from the store.
         self._lookups = ThreadPoolExecutor(max_workers=2 if cluster is None else 4,
                                            thread_name_prefix="kvt-lookup")
+        # kvtd's published-prefix digest: a prompt it shows no stored prefix can match needs no
+        # LookupPrefix. Not with the cluster tier, which asks the store on every local miss.
+        self.digest: Optional[DigestFollower] = None
+        if config.lookup_digest and cluster is None:
+            self.digest = DigestFollower(lambda: self.kvt()[0], self._lookups.submit)
+            self.digest.refresh()
 
     def shutdown(self) -> None:
+        if self.digest is not None:
+            self.digest.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
 
     # -- a new request and its reuse decision --------------------------------------------------
@@ -120,6 +129,11 @@ class KvtScheduler:
                 f"{len(prompt)} prompt tokens, {num_computed_tokens} from the engine's own "
                 f"prefix cache, block size {self.block_size}")
         if st.lookup is None:
+            if self.digest is not None and self.digest.certain_miss(prompt[:limit]):
+                self._count("digest_misses")
+                return self._fallback(st, "no_prefix", "no stored cache starts with the "
+                                      "prompt's first block (kvtd's prefix digest; no lookup "
+                                      "sent)")
             st.lookup = self._start_lookup(st, prompt, num_computed_tokens, limit)
         lookup = st.lookup
         if not lookup.done():

@@ -9,9 +9,9 @@ from typing import Any, Dict, List
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                     KVConnectorStats)
 
-_COUNTERS = ("requests", "lookups", "lookup_errors", "hits", "applied", "fallback_reprefill",
-             "unsupported", "tokens_reused", "load_failures", "publishes", "publish_dropped",
-             "publish_failed", "publish_skipped", "publish_bytes", "publishes_in_place",
+_COUNTERS = ("requests", "lookups", "digest_misses", "lookup_errors", "hits", "applied",
+             "fallback_reprefill", "unsupported", "tokens_reused", "load_failures", "publishes",
+             "publish_dropped", "publish_failed", "publish_skipped", "publish_bytes", "publishes_in_place",
              "publishes_shm", "publish_region_full", "verification_samples",
              # The cluster tier (kv_connector_extra_config.cluster; docs/CLUSTER_TIER.md).
              # lookups / hits above are kvtd's (the node-local tier).
@@ -55,6 +55,7 @@ class KvtConnectorStats(KVConnectorStats):
 _COUNTER_HELP = {
     "requests": "Requests the KvtConnector saw.",
     "lookups": "LookupPrefix calls to kvtd.",
+    "digest_misses": "Requests kvtd's prefix digest showed to be misses (no LookupPrefix sent).",
     "lookup_errors": "LookupPrefix calls that failed (kvtd down, deadline, any error).",
     "hits": "Lookups that found a translatable prefix.",
     "applied": "Requests that finished with outcome applied.",
