@@ -65,9 +65,9 @@ init_none_hash(sha256)
 HASHER = get_request_block_hasher(BLOCK, sha256)
 
 
-def new_request(req_id, salt=None, kvt_params=None):
+def new_request(req_id, salt=None, kvt_params=None, prompt=PROMPT):
     extra = {"kv_transfer_params": {"kvt": kvt_params}} if kvt_params is not None else None
-    return Request(req_id, list(PROMPT), SamplingParams(max_tokens=8, extra_args=extra), None,
+    return Request(req_id, list(prompt), SamplingParams(max_tokens=8, extra_args=extra), None,
                    cache_salt=salt, block_hasher=HASHER)
 
 
@@ -188,6 +188,36 @@ class SchedulerOutcomesTest(unittest.TestCase):
         self.assertEqual(o["tokens_reused"], LOADABLE)
         self.assertEqual(self.counters(), {"requests": 1, "lookups": 1, "hits": 1, "applied": 1,
                                            "tokens_reused": LOADABLE})
+
+    # -- no_prefix from kvtd's prefix digest, without a lookup ---------------------------------
+
+    def test_no_prefix_from_the_digest_sends_no_lookup(self):
+        s = self.scheduler()
+        end = time.monotonic() + 20
+        while not s.digest.ready():  # resolved on a lookup thread when the scheduler starts
+            self.assertLess(time.monotonic(), end, "the prefix digest was never resolved")
+            time.sleep(0.01)
+        # The stored prompt's first block reads "maybe": its lookup goes to kvtd (test_applied).
+        self.assertFalse(s.digest.certain_miss(PROMPT))
+        fresh = [t + 1 for t in PROMPT]  # no stored prefix starts like it
+        request = new_request("digest-miss", prompt=fresh)
+        s.on_new_request(request)
+        self.assertEqual(s.get_num_new_matched_tokens(request, 0), (0, False))
+        _, o = self.finish(s, request)
+        self.assertEqual((o["outcome"], o["reason"]), ("fallback_reprefill", "no_prefix"), o)
+        self.assertIn("prefix digest", o["detail"])
+        self.assertEqual(self.counters(), {"requests": 1, "digest_misses": 1,
+                                           "fallback_reprefill": 1})
+        # Without the digest the same request costs a LookupPrefix, with kvtd's own answer.
+        s = self.scheduler(lookup_digest=False)
+        self.assertIsNone(s.digest)
+        request = new_request("digest-off", prompt=fresh)
+        s.on_new_request(request)
+        self.assertEqual(self.matched(s, request), (0, False))
+        _, o = self.finish(s, request)
+        self.assertEqual((o["outcome"], o["reason"]), ("fallback_reprefill", "no_prefix"), o)
+        self.assertEqual(self.counters(), {"requests": 1, "lookups": 1,
+                                           "fallback_reprefill": 1})
 
     # -- rescheduled -------------------------------------------------------------------------
 
