@@ -94,9 +94,14 @@ absl::StatusOr<std::unique_ptr<KvtdServer>> KvtdServer::Start(const KvtdConfig& 
       // of tokens, and a world-readable digest would answer part of it without one.
       digest.mode = config.security.auth_token_file.empty() ? 0644 : 0600;
       absl::StatusOr<std::unique_ptr<PrefixDigest>> made = PrefixDigest::Create(digest);
-      if (!made.ok()) return made.status();
-      server->prefix_digest_ = std::move(*made);
-      options.digest = server->prefix_digest_.get();
+      if (made.ok()) {
+        server->prefix_digest_ = std::move(*made);
+        options.digest = server->prefix_digest_.get();
+      } else {
+        // Only an optimisation: engines then ask LookupPrefix for every request, as without it.
+        KVT_LOG(kWarning, "prefix digest unavailable; every lookup goes to LookupPrefix")
+            .With("error", made.status().ToString());
+      }
     }
     Metrics* metrics = server->metrics_.get();
     options.on_evict = [metrics](absl::string_view, absl::string_view reason, int64_t bytes) {

@@ -50,6 +50,8 @@ class PrefixDigest:
         self.instance = int(info.instance)
         if "/" in self.name[1:] or not self.name.startswith("/"):
             raise FailedPreconditionError(f"prefix digest: bad shm_name {self.name!r}")
+        self._counters: Optional[np.ndarray] = None
+        self._map: Optional[mmap.mmap] = None
         fd = os.open(shm_dir + self.name, os.O_RDONLY)
         try:
             self._map = mmap.mmap(fd, HEADER_BYTES + 2 * self.slots, mmap.MAP_SHARED,
@@ -77,8 +79,13 @@ class PrefixDigest:
             return None
         return cls(metadata.prefix_digest)
 
+    def _mapping(self) -> mmap.mmap:
+        if self._map is None:
+            raise FailedPreconditionError(f"prefix digest {self.name} is closed")
+        return self._map
+
     def heartbeat_age_s(self) -> float:
-        beat = struct.unpack_from("<Q", self._map, 32)[0]
+        beat = struct.unpack_from("<Q", self._mapping(), 32)[0]
         return float("inf") if beat == 0 else time.time() - beat / 1e3
 
     def live(self) -> bool:
@@ -86,7 +93,7 @@ class PrefixDigest:
         return self.heartbeat_age_s() <= MAX_HEARTBEAT_AGE_S
 
     def keys(self) -> int:
-        return struct.unpack_from("<Q", self._map, 40)[0]
+        return struct.unpack_from("<Q", self._mapping(), 40)[0]
 
     def might_hold(self, token_ids: Sequence[int]) -> bool:
         """False: no prefix kvtd stores starts with `token_ids`' first block (nor can one match
@@ -94,9 +101,12 @@ class PrefixDigest:
         key = first_block_hash(SEED, token_ids, self.block_tokens)
         if not key:
             return False
+        counters = self._counters
+        if counters is None:
+            raise FailedPreconditionError(f"prefix digest {self.name} is closed")
         words = struct.unpack_from(f"<{self.hashes}I", bytes.fromhex(key))
         mask = self.slots - 1
-        return all(self._counters[w & mask] != 0 for w in words)
+        return all(counters[w & mask] != 0 for w in words)
 
     def close(self) -> None:
         self._counters = None
