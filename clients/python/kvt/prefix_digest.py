@@ -163,7 +163,7 @@ class DigestFollower:
     def _resolve(self) -> None:
         digest, retry = None, self._retry_s
         try:
-            digest = PrefixDigest.of(self._client())
+            digest = PrefixDigest.of(self._client(), timeout=2.0)
             if digest is None:
                 retry = self._absent_retry_s
         except OSError as error:
