@@ -23,8 +23,14 @@ a connector engine in turn (the order alternating between rounds), measuring eve
 concurrent case on it, and stopping it. No engine's idle polling then shares the cores with
 another's request, and the rounds show how much two instances of the same engine differ.
 
+With --sequential, the report ends with what the rounds say about the ratios: each ratio's 95%
+interval when engine instances are drawn again (the rounds resampled with replacement, plain and
+connector instances independently), and the plain engine against itself (its even rounds against
+its odd ones): how far apart two sets of instances of one engine are on this machine, the
+resolution the ratios above have. --analyze=RUN.json prints that part again for a saved run.
+
     PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:tax_benchmark -- [--repeat=5] [--json=OUT]
-        [--sequential=2]
+        [--sequential=2] [--analyze=RUN.json]
 """
 
 import argparse
@@ -59,7 +65,13 @@ def main():
     parser.add_argument("--json", default="")
     parser.add_argument("--sequential", type=int, default=0,
                         help="rounds of one engine at a time (0: both engines side by side)")
+    parser.add_argument("--analyze", default="",
+                        help="print the instance intervals of a run saved with --json; no run")
     args = parser.parse_args()
+    if args.analyze:
+        with open(args.analyze) as f:
+            print_instance_intervals(json.load(f)["rounds"])
+        return 0
     work = args.work or tempfile.mkdtemp(prefix="kvt-tax-")
     os.makedirs(os.path.join(work, "store"), exist_ok=True)
     if args.reader:
@@ -238,6 +250,48 @@ def report(latency, throughput, metrics, args, rounds):
             + " ms; tokens/s " + "/".join(f"{v:.0f}" for v in r["throughput"].values()))
     print("\nconnector counters:", {k.replace("vllm:kvt_", ""): v for k, v in metrics.items()
                                      if v})
+    if len(rounds) >= 4:
+        print_instance_intervals(rounds)
+
+
+def round_medians(rounds, engine, cell, mode):
+    """Per round of `engine`, its median of `mode` in `cell` (a shape, or "throughput")."""
+    out = []
+    for r in rounds:
+        if r["engine"] != engine:
+            continue
+        values = r["throughput"] if cell == "throughput" else r["latency"][cell]
+        out.append(values[mode])
+    return out
+
+
+def interval(plain, other, draws=4000, seed=7):
+    """Median-of-rounds ratio other / plain and its 95% percentile interval, the instances of
+    each engine drawn again with replacement."""
+    med = statistics.median
+    rng = random.Random(seed)
+    ratios = sorted(med(rng.choices(other, k=len(other))) / med(rng.choices(plain, k=len(plain)))
+                    for _ in range(draws))
+    return med(other) / med(plain), ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
+def print_instance_intervals(rounds):
+    med = statistics.median
+    cells = list(rounds[0]["latency"]) + ["throughput"]
+    n = sum(r["engine"] == "plain" for r in rounds)
+    print(f"\nInstance intervals ({n} instances per engine; ratio of the medians of the rounds' "
+          "medians, 95% interval with the instances resampled) and the plain engine against "
+          "itself (even rounds / odd rounds):")
+    print("| cell | forbid / plain | miss / plain | plain even / plain odd |")
+    print("|---|---:|---:|---:|")
+    for cell in cells:
+        plain = round_medians(rounds, "plain", cell, "plain")
+        row = [cell + (" (tokens/s)" if cell == "throughput" else " (ms)")]
+        for mode in ("forbid", "miss"):
+            ratio, low, high = interval(plain, round_medians(rounds, "kvt", cell, mode))
+            row.append(f"{ratio:.3f}x [{low:.2f}, {high:.2f}]")
+        row.append(f"{med(plain[0::2]) / med(plain[1::2]):.3f}x")
+        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":
