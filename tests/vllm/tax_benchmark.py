@@ -18,6 +18,10 @@ Each timed request follows a pause (--settle_s) so that neither engine's idle sp
 previous request overlaps it. Then the concurrent case: 16 requests of mixed lengths in flight at
 once per engine, throughput in generated tokens per second.
 
+--pairs=N starts a fresh pair of engines (plain and connector, side by side as above) for each
+of N rounds, so that both the instance and the time of day are drawn again and every round has
+its own same-time ratio.
+
 --sequential=N runs the engines one at a time instead: N rounds, each starting a plain engine and
 a connector engine in turn (the order alternating between rounds), measuring every shape and the
 concurrent case on it, and stopping it. No engine's idle polling then shares the cores with
@@ -65,6 +69,9 @@ def main():
     parser.add_argument("--json", default="")
     parser.add_argument("--sequential", type=int, default=0,
                         help="rounds of one engine at a time (0: both engines side by side)")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="rounds of a fresh plain and connector engine side by side (their "
+                             "requests interleaved), instead of one engine at a time")
     parser.add_argument("--analyze", default="",
                         help="print the instance intervals of a run saved with --json; no run")
     args = parser.parse_args()
@@ -90,8 +97,8 @@ def main():
                                               max_bytes=1 << 30)).__enter__()
     texts = Prompts()
     try:
-        if args.sequential:
-            latency, throughput, outcomes, rounds = run_sequential(make, texts, args)
+        if args.sequential or args.pairs:
+            latency, throughput, outcomes, rounds = run_rounds(make, texts, args)
         else:
             engines = {"plain": make("plain"), "kvt": make("kvt")}
             try:
@@ -119,64 +126,51 @@ def warm_up(engines, texts):
             engine.one(texts.take(n), 4, kvt=({"reuse": "forbid"} if name == "kvt" else None))
 
 
-def run_sequential(make, texts, args):
-    """Rounds of one engine at a time; every sample of a mode pooled over the rounds, and each
-    round's medians kept."""
+def run_rounds(make, texts, args):
+    """Rounds of fresh engines: one at a time (--sequential) or a pair side by side (--pairs).
+    Every sample of a mode is pooled over the rounds, and each round's medians kept."""
     latency = {f"{n}/{gen}": {mode: [] for mode in MODES} for n, gen in SHAPES}
     throughput = {mode: [] for mode in MODES}
     outcomes, rounds = {}, []
-    for r in range(args.sequential):
-        for name in (("plain", "kvt") if r % 2 == 0 else ("kvt", "plain")):
-            modes = ("plain",) if name == "plain" else ("forbid", "miss")
-            engine = make(name, r).start()
+    for r in range(args.sequential or args.pairs):
+        if args.pairs:
+            groups = [("plain", "kvt")]
+        else:
+            groups = [(name,) for name in (("plain", "kvt") if r % 2 == 0 else ("kvt", "plain"))]
+        for names in groups:
+            engines = {name: make(name, r) for name in names}
+            modes = tuple(m for m in MODES if engine_name(m) in engines)
             try:
-                engine.wait_ready()
-                warm_up({name: engine}, texts)
-                lat = measure_latency({name: engine}, texts, args, modes)
-                thr = measure_throughput({name: engine}, texts, args, modes)
-                if name == "kvt":
-                    for key, value in engine.metrics().items():
+                E.start_engines(list(engines.values()))
+                warm_up(engines, texts)
+                lat = measure_latency(engines, texts, args, modes)
+                thr = measure_throughput(engines, texts, args, modes)
+                if "kvt" in engines:
+                    for key, value in engines["kvt"].metrics().items():
                         outcomes[key] = outcomes.get(key, 0) + value
             finally:
-                engine.stop()
+                for engine in engines.values():
+                    engine.stop()
             for shape, walls in lat.items():
                 for mode in modes:
                     latency[shape][mode] += walls[mode]
             for mode in modes:
                 throughput[mode] += thr[mode]
-            rounds.append({"round": r, "engine": name,
-                           "latency": {shape: {m: statistics.median(w[m]) for m in modes}
-                                       for shape, w in lat.items()},
-                           "throughput": {m: statistics.median(thr[m]) for m in modes}})
+            for name in names:
+                mine = [m for m in modes if engine_name(m) == name]
+                rounds.append({"round": r, "engine": name,
+                               "latency": {shape: {m: statistics.median(w[m]) for m in mine}
+                                           for shape, w in lat.items()},
+                               "throughput": {m: statistics.median(thr[m]) for m in mine}})
     return latency, throughput, outcomes, rounds
 
 
-class Prompts:
-    """Fresh held-out prompts: no two requests share a first block, so no engine reuses its own
-    prefix cache and kvtd never holds a prefix of a prompt to come."""
-
-    def __init__(self) -> None:
-        self.offset = 0
-        self.rng = random.Random(0)
-
-    def take(self, n: int):
-        text = family.heldout_text(n, self.offset)
-        if len(text) < n:
-            self.offset = 0
-            text = family.heldout_text(n, 0)
-        self.offset += n + 1
-        # A distinct first token per prompt: block hashes never repeat across requests.
-        return [self.rng.randrange(256)] + text[1:]
-
-
-def request(mode: str, prompt, max_tokens: int) -> dict:
-    kvt = {"reuse": "forbid"} if mode == "forbid" else None
-    return {"prompt": prompt, "max_tokens": max_tokens, "kvt": kvt,
-            "ignore_eos": True}
+def engine_name(mode):
+    return "plain" if mode == "plain" else "kvt"
 
 
 def engine_of(engines, mode):
-    return engines["plain" if mode == "plain" else "kvt"]
+    return engines[engine_name(mode)]
 
 
 def measure_latency(engines, texts, args, modes):
@@ -217,8 +211,10 @@ def measure_throughput(engines, texts, args, modes):
 
 def report(latency, throughput, metrics, args, rounds):
     med = statistics.median
-    samples = args.repeat * max(1, args.sequential)
+    rounds_run = args.sequential or args.pairs
+    samples = args.repeat * max(1, rounds_run)
     how = (f"engines one at a time, {args.sequential} rounds" if args.sequential
+           else f"fresh engine pairs side by side, {args.pairs} rounds" if args.pairs
            else "engines side by side")
     print(f"Connector tax on kvt-tiny-L (vLLM CPU, block size 32, {how}, median of {samples}; "
           "request latency in ms; ratio = mode / plain; publishes "
@@ -235,7 +231,7 @@ def report(latency, throughput, metrics, args, rounds):
     plain = med(throughput["plain"])
     print(f"\n{args.concurrent} requests in flight, mixed lengths (128-1024 prompt, 16-64 "
           f"generated), generated tokens/s, median of "
-          f"{args.concurrent_repeat * max(1, args.sequential)}")
+          f"{args.concurrent_repeat * max(1, rounds_run)}")
     print("| plain engine | forbid | ratio | miss | ratio |")
     print("|---:|---:|---:|---:|---:|")
     cells = [f"{plain:.0f}"]
@@ -275,21 +271,34 @@ def interval(plain, other, draws=4000, seed=7):
     return med(other) / med(plain), ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
+def paired_interval(plain, other, draws=4000, seed=7):
+    """Median over rounds of each round's ratio other / plain (the two engines of a round ran
+    next to each other in time), with its 95% interval over rounds drawn again."""
+    med = statistics.median
+    ratios = [o / p for o, p in zip(other, plain)]
+    rng = random.Random(seed)
+    drawn = sorted(med(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return med(ratios), drawn[int(0.025 * draws)], drawn[int(0.975 * draws) - 1]
+
+
 def print_instance_intervals(rounds):
     med = statistics.median
     cells = list(rounds[0]["latency"]) + ["throughput"]
     n = sum(r["engine"] == "plain" for r in rounds)
     print(f"\nInstance intervals ({n} instances per engine; ratio of the medians of the rounds' "
-          "medians, 95% interval with the instances resampled) and the plain engine against "
-          "itself (even rounds / odd rounds):")
-    print("| cell | forbid / plain | miss / plain | plain even / plain odd |")
-    print("|---|---:|---:|---:|")
+          "medians, 95% interval with the instances resampled; paired: median of each round's "
+          "own ratio, rounds resampled) and the plain engine against itself (even rounds / odd "
+          "rounds):")
+    print("| cell | forbid / plain | miss / plain | paired forbid | paired miss "
+          "| plain even / plain odd |")
+    print("|---|---:|---:|---:|---:|---:|")
     for cell in cells:
         plain = round_medians(rounds, "plain", cell, "plain")
         row = [cell + (" (tokens/s)" if cell == "throughput" else " (ms)")]
-        for mode in ("forbid", "miss"):
-            ratio, low, high = interval(plain, round_medians(rounds, "kvt", cell, mode))
-            row.append(f"{ratio:.3f}x [{low:.2f}, {high:.2f}]")
+        for how in (interval, paired_interval):
+            for mode in ("forbid", "miss"):
+                ratio, low, high = how(plain, round_medians(rounds, "kvt", cell, mode))
+                row.append(f"{ratio:.3f}x [{low:.2f}, {high:.2f}]")
         row.append(f"{med(plain[0::2]) / med(plain[1::2]):.3f}x")
         print("| " + " | ".join(row) + " |")
 
