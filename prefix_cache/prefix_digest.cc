@@ -178,31 +178,26 @@ void PrefixDigest::Positions(const BlockHash& key, uint64_t out[kPrefixDigestHas
   }
 }
 
+void PrefixDigest::Add(const BlockHash& key) { Count(key, +1); }
+
+void PrefixDigest::Remove(const BlockHash& key) { Count(key, -1); }
+
 // Counters are written with atomic stores (readers in other processes load them without a
 // lock); the writer lock keeps each read-modify-write whole.
-void PrefixDigest::Add(const BlockHash& key) {
+void PrefixDigest::Count(const BlockHash& key, int delta) {
   uint64_t positions[kPrefixDigestHashes];
   Positions(key, positions);
   MutexLock lock(&mutex_);
   for (uint64_t p : positions) {
     uint16_t* counter = Counters() + p;
     const uint16_t value = __atomic_load_n(counter, __ATOMIC_RELAXED);
-    if (value != kSticky) __atomic_store_n(counter, value + 1, __ATOMIC_RELEASE);
+    // A saturated counter has lost count of its keys: it stays "maybe" for good. A zero one
+    // cannot be decremented (a Remove without its Add) without wrapping to sticky.
+    if (value == kSticky || (delta < 0 && value == 0)) continue;
+    __atomic_store_n(counter, static_cast<uint16_t>(value + delta), __ATOMIC_RELEASE);
   }
-  __atomic_fetch_add(Word(base_, kKeysOffset), 1, __ATOMIC_RELAXED);
-}
-
-void PrefixDigest::Remove(const BlockHash& key) {
-  uint64_t positions[kPrefixDigestHashes];
-  Positions(key, positions);
-  MutexLock lock(&mutex_);
-  for (uint64_t p : positions) {
-    uint16_t* counter = Counters() + p;
-    const uint16_t value = __atomic_load_n(counter, __ATOMIC_RELAXED);
-    // A saturated counter has lost count of its keys: it stays "maybe" for good.
-    if (value != kSticky && value != 0) __atomic_store_n(counter, value - 1, __ATOMIC_RELEASE);
-  }
-  __atomic_fetch_sub(Word(base_, kKeysOffset), 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(Word(base_, kKeysOffset), static_cast<uint64_t>(int64_t{delta}),
+                     __ATOMIC_RELAXED);
 }
 
 bool PrefixDigest::MightHold(const BlockHash& key) const {

@@ -88,6 +88,7 @@ class PrefixDigest {
  private:
   PrefixDigest(PrefixDigestOptions options, uint8_t* base, uint64_t instance);
   uint16_t* Counters() const;
+  void Count(const BlockHash& key, int delta) ABSL_LOCKS_EXCLUDED(mutex_);
   void Positions(const BlockHash& key, uint64_t out[kPrefixDigestHashes]) const;
   void Beat();
   void HeartbeatLoop() ABSL_LOCKS_EXCLUDED(stop_mutex_);
