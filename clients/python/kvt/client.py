@@ -10,7 +10,7 @@ message.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -99,6 +99,13 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+
+    def watch_connection(self, callback: Callable[[bool], None]) -> None:
+        """Calls `callback(connected)` now and on every change of the channel's connectivity
+        (on gRPC's thread): False when the connection to kvtd is lost (kvtd stopped or
+        restarted) or idle, True once it is up again."""
+        self._channel.subscribe(
+            lambda state: callback(state == grpc.ChannelConnectivity.READY), try_to_connect=False)
 
     def __enter__(self) -> "Client":
         return self

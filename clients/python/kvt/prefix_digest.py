@@ -119,10 +119,12 @@ class PrefixDigest:
 
 
 class DigestFollower:
-    """Keeps the digest of the kvtd behind `client()` open for a caller that must never wait on
-    kvtd: it is resolved (ServerMetadata) on `submit`'s threads, and again when its heartbeat
-    stops (kvtd restarted or gone), at most every `retry_s` (`absent_retry_s` while kvtd
-    announces no digest or it cannot be opened here)."""
+    """Keeps the digest of the kvtd behind `client()` (a kvt.Client) open for a caller that must
+    never wait on kvtd: it is resolved (ServerMetadata) on `submit`'s threads, and dropped as
+    soon as the client's connection to kvtd is lost (a killed kvtd's heartbeat would look fresh
+    for seconds, while a restarted one already takes publishes the old digest never sees) or
+    the heartbeat stops; then resolved again, at most every `retry_s` (`absent_retry_s` while
+    kvtd announces no digest or it cannot be opened here)."""
 
     def __init__(self, client: Callable[[], Any], submit: Callable[..., Any],
                  retry_s: float = 1.0, absent_retry_s: float = 30.0) -> None:
@@ -134,6 +136,8 @@ class DigestFollower:
         self._digest: Optional[PrefixDigest] = None
         self._pending = False
         self._next_try = 0.0
+        self._watched: Any = None  # the client whose connection is watched
+        self._losses = 0           # connection losses seen; a resolve spanning one is dropped
 
     def certain_miss(self, token_ids: Sequence[int]) -> bool:
         """True only when a live digest shows no stored prefix can match `token_ids`; False
@@ -145,8 +149,12 @@ class DigestFollower:
         return False
 
     def ready(self) -> bool:
+        """Whether a live digest is held now; if not, starts a resolve when due."""
         digest = self._digest
-        return digest is not None and digest.live()
+        if digest is not None and digest.live():
+            return True
+        self.refresh()
+        return False
 
     def refresh(self) -> None:
         now = time.monotonic()
@@ -160,10 +168,24 @@ class DigestFollower:
             with self._lock:
                 self._pending = False
 
+    def _on_connection(self, connected: bool) -> None:
+        if not connected:
+            with self._lock:
+                self._digest = None
+                self._next_try = 0.0
+                self._losses += 1
+
     def _resolve(self) -> None:
         digest, retry = None, self._retry_s
+        with self._lock:
+            losses = self._losses
         try:
-            digest = PrefixDigest.of(self._client(), timeout=2.0)
+            client = self._client()
+            if client is not self._watched:
+                # Before the call: a loss from here on drops what it resolves.
+                client.watch_connection(self._on_connection)
+                self._watched = client
+            digest = PrefixDigest.of(client, timeout=2.0)
             if digest is None:
                 retry = self._absent_retry_s
         except OSError as error:
@@ -175,9 +197,9 @@ class DigestFollower:
         # The old mapping is dropped, not closed: a caller may be reading it right now, and
         # the collector unmaps it after the last one.
         with self._lock:
-            self._digest = digest
+            self._digest = digest if self._losses == losses else None
             self._pending = False
-            self._next_try = time.monotonic() + retry
+            self._next_try = time.monotonic() + retry if self._losses == losses else 0.0
 
     def close(self) -> None:
         with self._lock:
