@@ -165,6 +165,30 @@ def run_rounds(make, texts, args):
     return latency, throughput, outcomes, rounds
 
 
+class Prompts:
+    """Fresh held-out prompts: no two requests share a first block, so no engine reuses its own
+    prefix cache and kvtd never holds a prefix of a prompt to come."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self.rng = random.Random(0)
+
+    def take(self, n: int):
+        text = family.heldout_text(n, self.offset)
+        if len(text) < n:
+            self.offset = 0
+            text = family.heldout_text(n, 0)
+        self.offset += n + 1
+        # A distinct first token per prompt: block hashes never repeat across requests.
+        return [self.rng.randrange(256)] + text[1:]
+
+
+def request(mode: str, prompt, max_tokens: int) -> dict:
+    kvt = {"reuse": "forbid"} if mode == "forbid" else None
+    return {"prompt": prompt, "max_tokens": max_tokens, "kvt": kvt,
+            "ignore_eos": True}
+
+
 def engine_name(mode):
     return "plain" if mode == "plain" else "kvt"
 
