@@ -197,6 +197,9 @@ class SchedulerOutcomesTest(unittest.TestCase):
         while not s.digest.ready():  # resolved on a lookup thread when the scheduler starts
             self.assertLess(time.monotonic(), end, "the prefix digest was never resolved")
             time.sleep(0.01)
+        # Resolved once, on the lookup thread the scheduler started it on: the channel's first
+        # connectivity report must not have dropped that resolve and cost another.
+        self.assertEqual(s.digest.resolves, 1)
         # The stored prompt's first block reads "maybe": its lookup goes to kvtd (test_applied).
         self.assertFalse(s.digest.certain_miss(PROMPT))
         fresh = [t + 1 for t in PROMPT]  # no stored prefix starts like it

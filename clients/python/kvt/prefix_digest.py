@@ -138,6 +138,8 @@ class DigestFollower:
         self._next_try = 0.0
         self._watched: Any = None  # the client whose connection is watched
         self._losses = 0           # connection losses seen; a resolve spanning one is dropped
+        self._was_connected = False
+        self.resolves = 0          # ServerMetadata calls made (informational)
 
     def certain_miss(self, token_ids: Sequence[int]) -> bool:
         """True only when a live digest shows no stored prefix can match `token_ids`; False
@@ -169,8 +171,13 @@ class DigestFollower:
                 self._pending = False
 
     def _on_connection(self, connected: bool) -> None:
-        if not connected:
-            with self._lock:
+        # Only a connection that was up can be lost: the channel's first report (idle, before
+        # the resolve's own call connects it) drops nothing.
+        with self._lock:
+            if connected:
+                self._was_connected = True
+            elif self._was_connected:
+                self._was_connected = False
                 self._digest = None
                 self._next_try = 0.0
                 self._losses += 1
@@ -185,6 +192,7 @@ class DigestFollower:
                 # Before the call: a loss from here on drops what it resolves.
                 client.watch_connection(self._on_connection)
                 self._watched = client
+            self.resolves += 1
             digest = PrefixDigest.of(client, timeout=2.0)
             if digest is None:
                 retry = self._absent_retry_s
