@@ -31,7 +31,8 @@ With --sequential, the report ends with what the rounds say about the ratios: ea
 interval when engine instances are drawn again (the rounds resampled with replacement, plain and
 connector instances independently), and the plain engine against itself (its even rounds against
 its odd ones): how far apart two sets of instances of one engine are on this machine, the
-resolution the ratios above have. --analyze=RUN.json prints that part again for a saved run.
+resolution the ratios above have. --analyze=RUN.json[,RUN2.json...] prints that part again for
+saved runs, pooling their rounds.
 
     PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:tax_benchmark -- [--repeat=5] [--json=OUT]
         [--sequential=2] [--analyze=RUN.json]
@@ -73,11 +74,15 @@ def main():
                         help="rounds of a fresh plain and connector engine side by side (their "
                              "requests interleaved), instead of one engine at a time")
     parser.add_argument("--analyze", default="",
-                        help="print the instance intervals of a run saved with --json; no run")
+                        help="print the instance intervals of runs saved with --json "
+                             "(comma-separated: their rounds pooled); no run")
     args = parser.parse_args()
     if args.analyze:
-        with open(args.analyze) as f:
-            print_instance_intervals(json.load(f)["rounds"])
+        rounds = []
+        for path in args.analyze.split(","):  # several runs pool their rounds
+            with open(path) as f:
+                rounds += json.load(f)["rounds"]
+        print_instance_intervals(rounds)
         return 0
     work = args.work or tempfile.mkdtemp(prefix="kvt-tax-")
     os.makedirs(os.path.join(work, "store"), exist_ok=True)
