@@ -12,9 +12,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from kvt.prefix_digest import DigestFollower
 from kvt.vllm.metadata import (Gate, KvtConnectorMetadata, KvtWorkerMetadata, LoadResult,
                                LoadSpec, PublishSpec)
-from kvt.prefix_digest import DigestFollower
 from kvt.vllm.options import ConnectorConfig, RequestOptions, parse_kv_transfer_params
 from kvt.vllm.regions import describe_error
 
