@@ -291,7 +291,8 @@ class SchedulerOutcomesTest(unittest.TestCase):
         os.kill(pid, signal.SIGSTOP)
         try:
             for _ in range(3):  # three steps: the scheduler skips the request each time
-                self.assertEqual(s.get_num_new_matched_tokens(request, 0), (None, False))
+                self.assertEqual(s.get_num_new_matched_tokens(request, 0), (None, False),
+                                 s._reqs[request.request_id].outcome)
                 time.sleep(0.05)
             hold, o = self.finish(s, request)
         finally:

@@ -91,6 +91,7 @@ class KvtConnector(KVConnectorBase_V1):
         self._link = KvtdLink(self.config.kvtd_address)
         self._stats = KvtConnectorStats()
         self._stats_lock = threading.Lock()
+        self._stats_counted = False  # vLLM asks for stats twice a step; most steps count nothing
         self._scheduler: Optional[KvtScheduler] = None
         self._worker: Optional[KvtWorker] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -127,9 +128,13 @@ class KvtConnector(KVConnectorBase_V1):
     def _count(self, name: str, value: int = 1) -> None:
         with self._stats_lock:
             self._stats.add(name, value)
+            self._stats_counted = True
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if not self._stats_counted:  # read without the lock: a count racing it goes next step
+            return None
         with self._stats_lock:
+            self._stats_counted = False
             if self._stats.is_empty():
                 return None
             stats, self._stats = self._stats, KvtConnectorStats()
@@ -199,6 +204,11 @@ class KvtConnector(KVConnectorBase_V1):
         meta = self._meta()
         if meta is not None and self._worker is not None:
             self._worker.start_load_kv(meta)
+
+    def has_connector_metadata(self) -> bool:
+        # vLLM asks this for every attention layer of every step, and calls the two per-layer
+        # hooks below when it is true; this connector has no per-layer work, so it skips them.
+        return False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: vLLM does not schedule a request before they finish

@@ -10,7 +10,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvt.prefix_digest import DigestFollower
 from kvt.vllm.metadata import (Gate, KvtConnectorMetadata, KvtWorkerMetadata, LoadResult,
@@ -58,6 +58,9 @@ class KvtScheduler:
         self._pending_loads: List[LoadSpec] = []
         self._pending_finals: List[PublishSpec] = []
         self._pending_releases: List[str] = []
+        # Requests whose prompt publish is still to come: a decode step of requests that all
+        # published theirs looks at no request at all.
+        self._unpublished: Set[str] = set()
         # With the cluster tier, a lookup thread may also wait for a fetch from the store.
         self._lookups = ThreadPoolExecutor(max_workers=2 if cluster is None else 4,
                                            thread_name_prefix="kvt-lookup")
@@ -96,6 +99,8 @@ class KvtScheduler:
                                        "SamplingParams.skip_reading_prefix_cache)"}
             state.decided = True
         self._reqs[request.request_id] = state
+        if self.config.publish:
+            self._unpublished.add(request.request_id)
 
     def _state(self, request: Any) -> RequestState:
         if request.request_id not in self._reqs:
@@ -269,14 +274,15 @@ class KvtScheduler:
 
     def build_connector_meta(self, scheduler_output: Any,
                              block_ids: Callable[[str], List[int]]) -> KvtConnectorMetadata:
-        preempted = scheduler_output.preempted_req_ids or ()
+        preempted = scheduler_output.preempted_req_ids
         meta = KvtConnectorMetadata(
             loads=self._pending_loads, publishes=self._pending_finals,
             releases=self._pending_releases,
-            fence=[r for r in preempted if r in self._reqs and self._reqs[r].prompt_published],
+            fence=[r for r in preempted if r in self._reqs and self._reqs[r].prompt_published]
+            if preempted else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads, self._pending_finals, self._pending_releases = [], [], []
-        if self.config.publish:
+        if self._unpublished:
             meta.publishes.extend(self._prompt_publishes(scheduler_output, block_ids))
         return meta
 
@@ -291,6 +297,8 @@ class KvtScheduler:
         out = []
         block_tokens = self.config.block_tokens
         for req_id, computed in scheduled:
+            if req_id not in self._unpublished:
+                continue
             st = self._reqs.get(req_id)
             if st is None or st.prompt_published:
                 continue
@@ -303,6 +311,7 @@ class KvtScheduler:
             if not blocks:
                 continue
             st.prompt_published = True
+            self._unpublished.discard(req_id)
             out.append(PublishSpec(req_id=req_id, final=False,
                                    token_ids=list(request.prompt_token_ids[:n]),
                                    block_ids=blocks))
@@ -331,6 +340,7 @@ class KvtScheduler:
     def request_finished(self, request: Any, block_ids: List[int]
                          ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         st = self._reqs.pop(request.request_id, None)
+        self._unpublished.discard(request.request_id)
         if st is None:
             return False, None
         outcome = self._outcome(st)

@@ -141,6 +141,8 @@ class KvtWorker:
 
     def start_load_kv(self, meta: KvtConnectorMetadata) -> None:
         """Before the step's forward: fence, releases, and the loads to start."""
+        if not (meta.fence or meta.releases or meta.loads):
+            return
         if meta.fence and not self.publisher.wait_for(meta.fence, _FENCE_TIMEOUT_S, hurry=True):
             logger.error("kvt: publishes of preempted requests %s still read their blocks "
                          "after %.0f s", sorted(meta.fence), _FENCE_TIMEOUT_S)
@@ -160,6 +162,11 @@ class KvtWorker:
     def get_transfer_results(self, meta: Optional[KvtConnectorMetadata]
                              ) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
+        # Most steps have nothing to report: read without the lock (a load that ends meanwhile
+        # is reported next step; _run_load fills _loads_done before it empties _loads_running).
+        if not (self._loads_running or self._loads_done or self._releases
+                or self._failed_this_step):
+            return results
         idle_wait_s = self.config.idle_wait_ms / 1e3
         with self._lock:
             if (idle_wait_s > 0 and meta is not None and meta.idle and self._loads_running
@@ -191,8 +198,8 @@ class KvtWorker:
     def _run_load(self, spec: LoadSpec) -> None:
         result = TranslatedLoad(self, spec).run()
         with self._lock:
-            self._loads_running.discard(spec.req_id)
             self._loads_done[spec.req_id] = result
+            self._loads_running.discard(spec.req_id)
             self._load_done.notify_all()
         if not result.ok:
             logger.warning("kvt: load of %s failed, vLLM recomputes it: %s", spec.req_id,
