@@ -169,6 +169,19 @@ def wait_stopped(pid, timeout=5.0):
 _salts = iter(range(1 << 30))
 
 
+def last_outcome_line(engine, reason, timeout=10.0):
+    """The engine's last kvt_outcome record once it has `reason`: the lines are written off
+    the scheduler loop, so the newest may still be on its way."""
+    end = time.monotonic() + timeout
+    while True:
+        lines = engine.log_lines("kvt_outcome ")
+        record = json.loads(lines[-1].split("kvt_outcome ", 1)[1]) if lines else None
+        if (record is not None and record.get("reason") == reason) or time.monotonic() > end:
+            assert record is not None, f"{engine.name} logged no kvt_outcome line"
+            return record
+        time.sleep(0.05)
+
+
 def plain(engine, prompt, max_tokens=GEN, logprobs=None):
     """A plain run: no reuse, and a cache salt of its own so it shares no prefix-cache blocks."""
     return engine.one(prompt, max_tokens, kvt={"reuse": "forbid"},
@@ -474,9 +487,7 @@ class KvtConnectorTest(unittest.TestCase):
                          "unsupported")
         for engine in Suite.engines.values():
             engine.one(prompt, 1, kvt={"reuse": "forbid"}, cache_salt=f"e-{engine.name}")
-            lines = engine.log_lines("kvt_outcome ")
-            self.assertTrue(lines, engine.name)
-            record = json.loads(lines[-1].split("kvt_outcome ", 1)[1])
+            record = last_outcome_line(engine, "forbidden")
             self.assertEqual((record["outcome"], record["reason"]),
                              ("fallback_reprefill", "forbidden"), record)
             self.assertEqual(record["model"], family.NAMES[engine.name])

@@ -2,11 +2,13 @@
 reused: what they still do on the steps that matter once they return early on the steps that do
 not. KvtScheduler.build_connector_meta on vLLM's own SchedulerOutput / NewRequestData /
 CachedRequestData for a prompt prefilled in two chunks and then decoded; KvtWorker's
-get_transfer_results with nothing pending, with a load that ended and with blocks held; and
-KvtConnector's stats and per-layer hooks. No kvtd is asked anything: the scheduler side is
-built with lookups off, the worker side with transport inline."""
+get_transfer_results with nothing pending, with a load that ended and with blocks held;
+KvtConnector's stats and per-layer hooks; and the outcome lines, written off the scheduler
+loop. No kvtd is asked anything: the scheduler side is built with lookups off, the worker side
+with transport inline."""
 
 import dataclasses
+import json
 import threading
 import unittest
 
@@ -109,6 +111,18 @@ class SchedulerStepTest(unittest.TestCase):
         meta = scheduler.build_connector_meta(first_chunk(request, len(PROMPT)),
                                               lambda req_id: list(BLOCK_IDS))
         self.assertEqual(meta.publishes, [])
+
+    def test_outcome_lines_are_written_off_the_loop_in_order_and_flushed_at_shutdown(self):
+        with self.assertLogs("vllm.kvt", level="INFO") as logs:
+            for i in range(5):
+                request = new_request(f"r{i}")
+                self.scheduler.on_new_request(request)
+                self.scheduler.request_finished(request, [])
+            self.scheduler.shutdown()
+        records = [r for r in logs.records if r.getMessage().startswith("kvt_outcome ")]
+        self.assertEqual([json.loads(r.getMessage().split(" ", 1)[1])["request_id"]
+                          for r in records], [f"r{i}" for i in range(5)])
+        self.assertEqual({r.threadName.split("_")[0] for r in records}, {"kvt-log"})
 
     def test_a_preempted_request_that_published_is_fenced(self):
         request = new_request("r")
