@@ -3,7 +3,11 @@ stdout by tests/vllm/engines.py: one JSON command per stdin line; each answer is
 starting with "@@kvt " (vLLM's own logs share stdout and are passed through to a log file).
 
     python3 engine_host.py --model=DIR --config='{"kvtd_address": ..., "model_name": ...}' \
-        [--dtype=float32|bfloat16] [--no_connector] [--max_model_len=N]
+        [--dtype=float32|bfloat16] [--no_connector] [--max_model_len=N] [--null_connector]
+
+--null_connector configures tests/vllm/null_connector.py's NullConnector instead of KvtConnector
+(a connector that does nothing: the cost of vLLM's connector plumbing alone), with the CPU core
+reservation of a plain engine, as KvtConnector keeps it (kvt/vllm/cpu_cores.py).
 
 --max_model_len=0 keeps the context the model declares (config.json max_position_embeddings),
 so vLLM refuses longer prompts. A larger N than the declared context raises the model's
@@ -56,6 +60,7 @@ def main():
                         help="0: the model's declared context")
     parser.add_argument("--block_size", type=int, default=32)
     parser.add_argument("--no_connector", action="store_true")
+    parser.add_argument("--null_connector", action="store_true")
     parser.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM LLM dtype)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -72,7 +77,14 @@ def main():
 
     t0 = time.monotonic()
     kwargs = {}
-    if not args.no_connector:
+    if args.null_connector:
+        import platform
+        from kvt.vllm.cpu_cores import ENV, plain_reservation
+        os.environ.setdefault(ENV, str(plain_reservation(1, platform.machine().lower())))
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NullConnector", kv_connector_module_path="null_connector",
+            kv_role="kv_both")
+    elif not args.no_connector:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvtConnector", kv_connector_module_path="kvt.vllm",
             kv_role="kv_both", kv_connector_extra_config=json.loads(args.config))

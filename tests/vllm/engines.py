@@ -34,12 +34,14 @@ class Engine:
 
     def __init__(self, name: str, model_dir: str, config: Dict[str, Any], log_dir: str,
                  max_model_len: int = 1024, block_size: int = 32, env: Optional[dict] = None,
-                 no_connector: bool = False, dtype: str = "float32") -> None:
+                 no_connector: bool = False, dtype: str = "float32",
+                 null_connector: bool = False) -> None:
         self.name = name
         self.cmd = [sys.executable, os.path.join(HERE, "engine_host.py"), f"--model={model_dir}",
                     f"--config={json.dumps(config)}", f"--max_model_len={max_model_len}",
                     f"--block_size={block_size}", f"--dtype={dtype}"] + \
-            (["--no_connector"] if no_connector else [])
+            (["--no_connector"] if no_connector else []) + \
+            (["--null_connector"] if null_connector else [])
         self.log_path = os.path.join(log_dir, f"engine-{name}.log")
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

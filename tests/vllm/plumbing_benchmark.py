@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""How much of the connector's tax is vLLM's and how much is KvtConnector's (docs/VLLM.md, "What
+the connector costs").
+
+Three engines of kvt-tiny-L side by side, as tax_benchmark runs two: `plain` (no KV connector),
+`null` (tests/vllm/null_connector.py: a connector that does nothing, so the engine pays only
+vLLM's connector plumbing: its per-step hooks, the per-layer wrapper, the connector output of
+every step) and `kvt` (KvtConnector with its documented defaults, reuse forbidden). Each
+repetition sends one fresh prompt to each engine in rotating order, after a pause so that no
+engine's idle spinning overlaps another's request. Printed: each connector engine's median
+latency against the plain engine's, the ratio of the medians and the median of the per-repetition
+ratios with its 95% interval (repetitions resampled), and KvtConnector against the null one.
+
+    PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:plumbing_benchmark -- [--repeat=40]
+        [--shape=256/64] [--config='{"publish": false}']
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import engines as E
+import family
+from tax_benchmark import Prompts, request
+
+NAMES = ("plain", "null", "kvt")
+
+
+def interval(ratios, draws=2000, seed=7):
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def compare(walls, name, base):
+    ratios = [x / y for x, y in zip(walls[name], walls[base])]
+    mine, theirs = statistics.median(walls[name]), statistics.median(walls[base])
+    low, high = interval(ratios)
+    print(f"  {name} / {base}: {mine:.1f} / {theirs:.1f} ms ({mine - theirs:+.1f} ms), "
+          f"ratio of medians {mine / theirs:.3f}x, paired {statistics.median(ratios):.3f}x "
+          f"[{low:.3f}, {high:.3f}]")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--shape", default="256/64", help="prompt tokens / generated tokens")
+    parser.add_argument("--config", default="{}", help="KvtConnector extra config overrides")
+    parser.add_argument("--settle_s", type=float, default=1.2)
+    args = parser.parse_args()
+    prompt_tokens, generated = map(int, args.shape.split("/"))
+    work = tempfile.mkdtemp(prefix="kvt-plumbing-")
+    os.makedirs(os.path.join(work, "store"))
+    port = E.free_port()
+    config = {"kvtd_address": f"127.0.0.1:{port}", "model_name": family.NAMES["L"],
+              **json.loads(args.config)}
+    kvtd = family.start_kvtd(os.path.join(work, "store"), port,
+                             family.kvtd_yaml(os.path.join(work, "kvtd.yaml"))).__enter__()
+    engines = {name: E.Engine(name, family.model_dir("L"), config if name == "kvt" else {},
+                              work, max_model_len=2048, no_connector=name == "plain",
+                              null_connector=name == "null") for name in NAMES}
+    texts = Prompts()
+    try:
+        E.start_engines(list(engines.values()))
+        for name, engine in engines.items():  # the first requests of an engine are slower
+            for n in (256, 1024):
+                engine.one(texts.take(n), 4, kvt={"reuse": "forbid"} if name == "kvt" else None)
+        walls = {name: [] for name in NAMES}
+        for rep in range(args.repeat):
+            for name in NAMES[rep % 3:] + NAMES[:rep % 3]:
+                time.sleep(args.settle_s)
+                mode = "forbid" if name == "kvt" else "plain"
+                got = engines[name].generate([request(mode, texts.take(prompt_tokens),
+                                                      generated)])[0]
+                assert len(got["token_ids"]) == generated, got
+                walls[name].append(got["wall_s"] * 1e3)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+        kvtd.__exit__(None, None, None)
+    print(f"{args.shape} on kvt-tiny-L, {args.repeat} repetitions, engines side by side "
+          f"(KvtConnector config {args.config}, reuse forbidden):")
+    compare(walls, "null", "plain")
+    compare(walls, "kvt", "plain")
+    compare(walls, "kvt", "null")
+
+
+if __name__ == "__main__":
+    main()
