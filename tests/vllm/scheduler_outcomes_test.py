@@ -286,7 +286,9 @@ class SchedulerOutcomesTest(unittest.TestCase):
         s = self.scheduler()
         request = new_request("aborted-looking-up")
         s.on_new_request(request)
-        s.kvt()  # the channel is up before kvtd stops answering
+        # The channel is connected before kvtd stops answering (a channel is made lazily: one
+        # still connecting when kvtd stops fails the lookup at once, UNAVAILABLE).
+        s.kvt()[0].health(timeout=10)
         pid = self.kvtd._process.pid
         os.kill(pid, signal.SIGSTOP)
         try:
