@@ -18,32 +18,22 @@ ratios with its 95% interval (repetitions resampled), and KvtConnector against t
 import argparse
 import json
 import os
-import random
 import statistics
 import tempfile
 import time
 
 import engines as E
 import family
-from tax_benchmark import Prompts, request
+from tax_benchmark import Prompts, paired_interval, request
 
 NAMES = ("plain", "null", "kvt")
 
 
-def interval(ratios, draws=2000, seed=7):
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
-                     for _ in range(draws))
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
-
-
 def compare(walls, name, base):
-    ratios = [x / y for x, y in zip(walls[name], walls[base])]
     mine, theirs = statistics.median(walls[name]), statistics.median(walls[base])
-    low, high = interval(ratios)
+    paired, low, high = paired_interval(walls[base], walls[name])
     print(f"  {name} / {base}: {mine:.1f} / {theirs:.1f} ms ({mine - theirs:+.1f} ms), "
-          f"ratio of medians {mine / theirs:.3f}x, paired {statistics.median(ratios):.3f}x "
-          f"[{low:.3f}, {high:.3f}]")
+          f"ratio of medians {mine / theirs:.3f}x, paired {paired:.3f}x [{low:.3f}, {high:.3f}]")
 
 
 def main():

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from tax_benchmark import paired_interval
+
 HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
          "build_connector_meta", "update_connector_output", "request_finished",
          "bind_connector_metadata", "handle_preemptions", "start_load_kv",
@@ -136,15 +138,12 @@ def main():
 
 def report(walls, totals, args):
     plain, kvt = statistics.median(walls[False]), statistics.median(walls[True])
-    ratios = sorted(k / p for p, k in zip(walls[False], walls[True]))
-    rng = random.Random(7)
-    draws = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    paired, low, high = paired_interval(walls[False], walls[True])
     print(f"{args.prompt} prompt tokens, {args.generate} generated, reuse forbidden, "
           f"{args.runs} requests per mode, config {args.config}")
     print(f"  detached (plain): median {plain:.2f} ms")
     print(f"  attached:         median {kvt:.2f} ms ({kvt - plain:+.2f} ms)")
-    print(f"  paired ratio: median {statistics.median(ratios):.4f}, 95% interval "
-          f"[{draws[50]:.4f}, {draws[1949]:.4f}]")
+    print(f"  paired ratio: median {paired:.4f}, 95% interval [{low:.4f}, {high:.4f}]")
     if args.generate > 1:
         steps = args.generate
         print(f"  per step: {(kvt - plain) / steps * 1e3:+.1f} us ({steps} steps a request)")

@@ -303,10 +303,8 @@ class KvtScheduler:
         out = []
         block_tokens = self.config.block_tokens
         for req_id, computed in scheduled:
-            if req_id not in self._unpublished:
-                continue
-            st = self._reqs.get(req_id)
-            if st is None or st.prompt_published:
+            st = self._reqs.get(req_id) if req_id in self._unpublished else None
+            if st is None:
                 continue
             request = st.request
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
