@@ -152,6 +152,20 @@ absl::Status ValidateBenefit(const std::vector<BenefitRecord>& benefit, const Ma
   return absl::OkStatus();
 }
 
+// Why `calibration_yaml` (free-form YAML text) is unusable, or "" when it reads back as a map. The
+// parser dumps the calibration node to text; a key that starts with bytes FE FF (not UTF-8) dumps to
+// text that yaml-cpp then reads as UTF-16, so the parser checks its own dump the same way.
+std::string CalibrationProblem(const std::string& calibration_yaml) {
+  try {
+    if (!YAML::Load(calibration_yaml).IsMap()) {
+      return "calibration must be a YAML map that reads back as one (UTF-8 text)";
+    }
+  } catch (const YAML::Exception& e) {
+    return absl::StrCat("calibration is not valid YAML: ", e.what());
+  }
+  return "";
+}
+
 absl::Status ValidateImpl(const Manifest& m, const ManifestLines& lines, const ErrorMaker& error) {
   if (m.format_version != kManifestFormatVersion) {
     return error(lines.root, absl::StrCat("unsupported format_version ", m.format_version,
@@ -716,6 +730,9 @@ class Parser : private strict::YamlReader {
         return error_(LineOf(calibration), "calibration must be a map (free-form keys)");
       }
       m.calibration_yaml = YAML::Dump(calibration);
+      if (std::string problem = CalibrationProblem(m.calibration_yaml); !problem.empty()) {
+        return error_(LineOf(calibration), problem);
+      }
     }
     if (absl::Status s = OptionalScalar(root, "", "created_by", "a string", &m.created_by);
         !s.ok()) {
@@ -877,13 +894,8 @@ absl::Status ValidateManifest(const Manifest& manifest) {
     return s;
   }
   if (!manifest.calibration_yaml.empty()) {
-    try {
-      if (!YAML::Load(manifest.calibration_yaml).IsMap()) {
-        return absl::InvalidArgumentError("manifest: calibration must be a YAML map");
-      }
-    } catch (const YAML::Exception& e) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("manifest: calibration is not valid YAML: ", e.what()));
+    if (std::string problem = CalibrationProblem(manifest.calibration_yaml); !problem.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("manifest: ", problem));
     }
   }
   return absl::OkStatus();

@@ -660,6 +660,18 @@ TEST(ManifestTest, WrongScalarTypes) {
                    ":29: calibration must be a map");
 }
 
+// Found by manifest_fuzzer: a calibration key starting with bytes FE FF (not UTF-8) parsed, but its
+// dumped text read back as UTF-16, so the parsed manifest failed ValidateManifest and could not be
+// emitted. The parser now refuses it, at the calibration line.
+TEST(ManifestTest, CalibrationThatDoesNotReadBackIsRefusedByTheParser) {
+  std::vector<std::string> lines = ExampleLines();
+  lines[29] = "  \xfe\xff\xff\xff" "generator: random normal";
+  lines[30] = "  seed: 1";
+  lines.insert(lines.begin() + 31, "  weight_scale:: 0.01");
+  KVT_EXPECT_ERROR(ParseManifest(Join(lines)), StatusCode::kInvalidArgument,
+                   ":30: calibration must be a YAML map that reads back as one");
+}
+
 TEST(ManifestTest, YamlSyntaxErrorHasALine) {
   KVT_EXPECT_ERROR(ParseManifest(WithLine(26, "  - {target_layer: 0, sigma_k: [3, 1")),
                    StatusCode::kInvalidArgument, "invalid YAML");
