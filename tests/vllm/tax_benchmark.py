@@ -13,6 +13,11 @@ own prefix cache), and the modes take turns in a rotating order:
   plain    the engine without the connector
   forbid   the connector's engine, kv_transfer_params {"kvt": {"reuse": "forbid"}} (no lookup)
   miss     the connector's engine, default reuse: a lookup that finds nothing
+  null     with --null, a third engine: tests/vllm/null_connector.py, a KV connector whose hooks
+           do nothing, so it pays only what vLLM's plumbing costs any connector
+
+--null splits the tax in every round: null / plain is vLLM's share, forbid / null and miss / null
+KvtConnector's own.
 
 Each timed request follows a pause (--settle_s) so that neither engine's idle spinning from the
 previous request overlaps it. Then the concurrent case: 16 requests of mixed lengths in flight at
@@ -35,7 +40,7 @@ resolution the ratios above have. --analyze=RUN.json[,RUN2.json...] prints that 
 saved runs, pooling their rounds.
 
     PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:tax_benchmark -- [--repeat=5] [--json=OUT]
-        [--sequential=2] [--analyze=RUN.json]
+        [--sequential=2 | --pairs=8] [--null] [--analyze=RUN.json]
 """
 
 import argparse
@@ -52,6 +57,7 @@ import family
 
 SHAPES = ((256, 1), (256, 64), (1024, 1), (1024, 64))
 MODES = ("plain", "forbid", "miss")
+NULL_MODES = ("plain", "null", "forbid", "miss")
 
 
 def main():
@@ -73,6 +79,10 @@ def main():
     parser.add_argument("--pairs", type=int, default=0,
                         help="rounds of a fresh plain and connector engine side by side (their "
                              "requests interleaved), instead of one engine at a time")
+    parser.add_argument("--null", action="store_true",
+                        help="a third engine with a KV connector that does nothing, next to the "
+                             "others in every round: vLLM's share of the tax and KvtConnector's "
+                             "own, apart")
     parser.add_argument("--analyze", default="",
                         help="print the instance intervals of runs saved with --json "
                              "(comma-separated: their rounds pooled); no run")
@@ -94,8 +104,8 @@ def main():
               **json.loads(args.config)}
     def make(name, round_=0):
         return E.Engine(f"{name}-{round_}", family.model_dir("L"),
-                        {} if name == "plain" else config, work, max_model_len=2048,
-                        no_connector=name == "plain")
+                        config if name == "kvt" else {}, work, max_model_len=2048,
+                        no_connector=name == "plain", null_connector=name == "null")
 
     kvtd = family.start_kvtd(os.path.join(work, "store"), port,
                              family.kvtd_yaml(os.path.join(work, "kvtd.yaml"),
@@ -105,12 +115,12 @@ def main():
         if args.sequential or args.pairs:
             latency, throughput, outcomes, rounds = run_rounds(make, texts, args)
         else:
-            engines = {"plain": make("plain"), "kvt": make("kvt")}
+            engines = {name: make(name) for name in engine_names(args)}
             try:
                 E.start_engines(list(engines.values()))
                 warm_up(engines, texts)
-                latency = measure_latency(engines, texts, args, MODES)
-                throughput = measure_throughput(engines, texts, args, MODES)
+                latency = measure_latency(engines, texts, args, modes_of(args))
+                throughput = measure_throughput(engines, texts, args, modes_of(args))
                 outcomes = engines["kvt"].metrics()
                 rounds = []
             finally:
@@ -125,6 +135,14 @@ def main():
                        "rounds": rounds}, f, indent=1)
 
 
+def modes_of(args):
+    return NULL_MODES if args.null else MODES
+
+
+def engine_names(args):
+    return ("plain", "null", "kvt") if args.null else ("plain", "kvt")
+
+
 def warm_up(engines, texts):
     for name, engine in engines.items():  # the first requests of an engine are slower
         for n in (256, 1024):
@@ -134,17 +152,19 @@ def warm_up(engines, texts):
 def run_rounds(make, texts, args):
     """Rounds of fresh engines: one at a time (--sequential) or a pair side by side (--pairs).
     Every sample of a mode is pooled over the rounds, and each round's medians kept."""
-    latency = {f"{n}/{gen}": {mode: [] for mode in MODES} for n, gen in SHAPES}
-    throughput = {mode: [] for mode in MODES}
+    all_modes, names_ = modes_of(args), engine_names(args)
+    latency = {f"{n}/{gen}": {mode: [] for mode in all_modes} for n, gen in SHAPES}
+    throughput = {mode: [] for mode in all_modes}
     outcomes, rounds = {}, []
     for r in range(args.sequential or args.pairs):
         if args.pairs:
-            groups = [("plain", "kvt")]
-        else:
-            groups = [(name,) for name in (("plain", "kvt") if r % 2 == 0 else ("kvt", "plain"))]
+            groups = [names_]
+        else:  # one engine at a time, the order rotating between rounds
+            shift = r % len(names_)
+            groups = [(name,) for name in names_[shift:] + names_[:shift]]
         for names in groups:
             engines = {name: make(name, r) for name in names}
-            modes = tuple(m for m in MODES if engine_name(m) in engines)
+            modes = tuple(m for m in all_modes if engine_name(m) in engines)
             try:
                 E.start_engines(list(engines.values()))
                 warm_up(engines, texts)
@@ -195,7 +215,7 @@ def request(mode: str, prompt, max_tokens: int) -> dict:
 
 
 def engine_name(mode):
-    return "plain" if mode == "plain" else "kvt"
+    return mode if mode in ("plain", "null") else "kvt"
 
 
 def engine_of(engines, mode):
@@ -212,7 +232,7 @@ def measure_latency(engines, texts, args, modes):
                 time.sleep(args.settle_s)
                 got = engine_of(engines, mode).generate([request(mode, texts.take(n), gen)])[0]
                 assert len(got["token_ids"]) == gen, got
-                if mode != "plain":
+                if engine_name(mode) == "kvt":
                     outcome = (got.get("kv_transfer_params") or {}).get("kvt", {})
                     assert outcome.get("outcome") == "fallback_reprefill", outcome
                 walls[mode].append(got["wall_s"] * 1e3)
@@ -248,12 +268,14 @@ def report(latency, throughput, metrics, args, rounds):
     print(f"Connector tax on kvt-tiny-L (vLLM CPU, block size 32, {how}, median of {samples}; "
           "request latency in ms; ratio = mode / plain; publishes "
           f"{'stored' if args.reader else 'refused (no mapper reads the model)'})")
-    print("| prompt / generated | plain engine | forbid | ratio | miss | ratio |")
-    print("|---|---:|---:|---:|---:|---:|")
+    others = [m for m in modes_of(args) if m != "plain"]
+    print("| prompt / generated | plain engine | " + " | ".join(f"{m} | ratio" for m in others)
+          + " |")
+    print("|---|---:|" + "---:|---:|" * len(others))
     for shape, walls in latency.items():
         plain = med(walls["plain"])
         cells = [f"{plain:.1f}"]
-        for mode in ("forbid", "miss"):
+        for mode in others:
             value = med(walls[mode])
             cells += [f"{value:.1f}", f"{value / plain:.3f}x ({value - plain:+.1f} ms)"]
         print(f"| {shape} | " + " | ".join(cells) + " |")
@@ -261,10 +283,10 @@ def report(latency, throughput, metrics, args, rounds):
     print(f"\n{args.concurrent} requests in flight, mixed lengths (128-1024 prompt, 16-64 "
           f"generated), generated tokens/s, median of "
           f"{args.concurrent_repeat * max(1, rounds_run)}")
-    print("| plain engine | forbid | ratio | miss | ratio |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| plain engine | " + " | ".join(f"{m} | ratio" for m in others) + " |")
+    print("|---:|" + "---:|---:|" * len(others))
     cells = [f"{plain:.0f}"]
-    for mode in ("forbid", "miss"):
+    for mode in others:
         value = med(throughput[mode])
         cells += [f"{value:.0f}", f"{value / plain:.3f}x"]
     print("| " + " | ".join(cells) + " |")
@@ -329,6 +351,27 @@ def print_instance_intervals(rounds):
                 ratio, low, high = how(plain, round_medians(rounds, "kvt", cell, mode))
                 row.append(f"{ratio:.3f}x [{low:.2f}, {high:.2f}]")
         row.append(f"{med(plain[0::2]) / med(plain[1::2]):.3f}x")
+        print("| " + " | ".join(row) + " |")
+    if any(r["engine"] == "null" for r in rounds):
+        print_null_split(rounds, cells)
+
+
+def print_null_split(rounds, cells):
+    """vLLM's share (the do-nothing connector against the plain engine) and KvtConnector's own
+    (against the do-nothing connector), each round's own ratio: median and 95% interval."""
+    print("\nThe tax split, paired by round (vLLM's plumbing: null / plain; KvtConnector's own: "
+          "forbid / null, miss / null):")
+    print("| cell | null / plain | forbid / null | miss / null |")
+    print("|---|---:|---:|---:|")
+    for cell in cells:
+        null = round_medians(rounds, "null", cell, "null")
+        pairs = ((round_medians(rounds, "plain", cell, "plain"), null),
+                 (null, round_medians(rounds, "kvt", cell, "forbid")),
+                 (null, round_medians(rounds, "kvt", cell, "miss")))
+        row = [cell + (" (tokens/s)" if cell == "throughput" else " (ms)")]
+        for base, other in pairs:
+            ratio, low, high = paired_interval(base, other)
+            row.append(f"{ratio:.3f}x [{low:.2f}, {high:.2f}]")
         print("| " + " | ".join(row) + " |")
 
 
