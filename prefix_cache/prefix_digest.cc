@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -194,7 +195,9 @@ void PrefixDigest::Count(const BlockHash& key, int delta) {
     // A saturated counter has lost count of its keys: it stays "maybe" for good. A zero one
     // cannot be decremented (a Remove without its Add) without wrapping to sticky.
     if (value == kSticky || (delta < 0 && value == 0)) continue;
-    __atomic_store_n(counter, static_cast<uint16_t>(value + delta), __ATOMIC_RELEASE);
+    const uint16_t updated = static_cast<uint16_t>(value + delta);
+    occupied_ += (value == 0) - (updated == 0);
+    __atomic_store_n(counter, updated, __ATOMIC_RELEASE);
   }
   __atomic_fetch_add(Word(base_, kKeysOffset), static_cast<uint64_t>(int64_t{delta}),
                      __ATOMIC_RELAXED);
@@ -211,6 +214,16 @@ bool PrefixDigest::MightHold(const BlockHash& key) const {
 
 int64_t PrefixDigest::keys() const {
   return static_cast<int64_t>(__atomic_load_n(Word(base_, kKeysOffset), __ATOMIC_RELAXED));
+}
+
+int64_t PrefixDigest::occupied_slots() const {
+  MutexLock lock(&mutex_);
+  return occupied_;
+}
+
+double PrefixDigest::false_positive_rate() const {
+  const double fill = static_cast<double>(occupied_slots()) / static_cast<double>(slots());
+  return std::pow(fill, kPrefixDigestHashes);
 }
 
 void PrefixDigest::Beat() {

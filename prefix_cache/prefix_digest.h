@@ -84,6 +84,10 @@ class PrefixDigest {
   uint64_t instance() const { return instance_; }
   int stale_removed() const { return stale_removed_; }  // by Create
   int64_t keys() const;
+  // Counters that are not zero. A prompt's first block that no stored key has reads "maybe"
+  // (costing the engine a LookupPrefix) with probability (occupied / slots) ^ hashes.
+  int64_t occupied_slots() const ABSL_LOCKS_EXCLUDED(mutex_);
+  double false_positive_rate() const ABSL_LOCKS_EXCLUDED(mutex_);
 
  private:
   PrefixDigest(PrefixDigestOptions options, uint8_t* base, uint64_t instance);
@@ -97,7 +101,8 @@ class PrefixDigest {
   uint8_t* const base_;  // the mapping, kPrefixDigestHeaderBytes + 2 * slots bytes
   const uint64_t instance_;
   int stale_removed_ = 0;
-  Mutex mutex_;  // serialises writers (readers are lock-free, in other processes)
+  mutable Mutex mutex_;  // serialises writers (readers are lock-free, in other processes)
+  int64_t occupied_ ABSL_GUARDED_BY(mutex_) = 0;
   Mutex stop_mutex_;
   CondVar stop_cv_;
   bool stop_ ABSL_GUARDED_BY(stop_mutex_) = false;

@@ -159,6 +159,48 @@ TEST(PrefixDigestTest, NoFalseNegativesAndRemovalUndoesAddition) {
   EXPECT_FALSE(digest->MightHold(added[0]));
 }
 
+// The occupancy counted in the writer is the number of non-zero counters a reader sees, and the
+// false-positive estimate from it matches the rate measured on keys never added.
+TEST(PrefixDigestTest, OccupancyAndFalsePositiveEstimateMatchTheCounters) {
+  constexpr int64_t kSlots = 1 << 12;
+  std::unique_ptr<PrefixDigest> digest = MakeDigest(kSlots);
+  ASSERT_NE(digest, nullptr);
+  ForeignReader reader(digest->shm_name());
+  auto nonzero = [&reader] {
+    int64_t n = 0;
+    for (int64_t slot = 0; slot < kSlots; ++slot) {
+      n += reader.U16(kPrefixDigestHeaderBytes + 2 * slot) != 0;
+    }
+    return n;
+  };
+  EXPECT_EQ(digest->occupied_slots(), 0);
+  EXPECT_EQ(digest->false_positive_rate(), 0.0);
+  std::mt19937 rng(5);
+  std::vector<BlockHash> added;
+  for (int i = 0; i < 1500; ++i) {
+    added.push_back(Key(Seq(kBlock, static_cast<uint32_t>(rng()))));
+    digest->Add(added.back());
+    if (i % 2 == 0) digest->Add(added.back());  // counters above 1 still count once
+  }
+  EXPECT_EQ(digest->occupied_slots(), nonzero());
+  const double estimate = digest->false_positive_rate();
+  int maybe = 0;
+  constexpr int kProbes = 20000;
+  for (int i = 0; i < kProbes; ++i) maybe += digest->MightHold(Key(Seq(kBlock, 1u << 31 | i)));
+  const double measured = static_cast<double>(maybe) / kProbes;
+  // About 1500 keys x 3 counters in 4096 slots: fill ~0.67, rate ~0.3; 20000 probes measure it to
+  // about +-0.01.
+  EXPECT_GT(estimate, 0.2);
+  EXPECT_NEAR(measured, estimate, 0.03) << "estimate " << estimate;
+  for (size_t i = 0; i < added.size(); ++i) {
+    digest->Remove(added[i]);
+    if (i % 2 == 0) digest->Remove(added[i]);
+    if (i == added.size() / 2) EXPECT_EQ(digest->occupied_slots(), nonzero());
+  }
+  EXPECT_EQ(digest->occupied_slots(), 0);
+  EXPECT_EQ(nonzero(), 0);
+}
+
 TEST(PrefixDigestTest, SaturatedCountersStaySet) {
   std::unique_ptr<PrefixDigest> digest = MakeDigest(1 << 10);
   ASSERT_NE(digest, nullptr);

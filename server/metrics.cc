@@ -427,6 +427,18 @@ Metrics::Metrics(std::string device)
                          .Name("kvt_prefix_cache_entries")
                          .Help("Stored source caches (one per published sequence).")
                          .Register(r);
+  digest_keys_ = &BuildGauge()
+                      .Name("kvt_prefix_digest_keys")
+                      .Help("First blocks of stored prefixes in the published-prefix digest "
+                            "that engines read before a lookup.")
+                      .Register(r);
+  digest_false_positives_ =
+      &BuildGauge()
+           .Name("kvt_prefix_digest_false_positive_ratio")
+           .Help("Estimated share of prompts with no stored prefix that the digest answers "
+                 "\"maybe\" (each costs the engine a LookupPrefix): (non-zero counters / "
+                 "prefix_cache.digest_slots) ^ 3.")
+           .Register(r);
 }
 
 Metrics::~Metrics() {
@@ -618,6 +630,11 @@ void Metrics::SetPrefixCacheUsage(int64_t bytes_held, int64_t max_bytes, int64_t
   prefix_bytes_->Add({{"kind", "held"}}).Set(static_cast<double>(bytes_held));
   prefix_bytes_->Add({{"kind", "budget"}}).Set(static_cast<double>(max_bytes));
   prefix_entries_->Add({}).Set(static_cast<double>(entries));
+}
+
+void Metrics::SetPrefixDigestUsage(int64_t keys, double false_positive_rate) {
+  digest_keys_->Add({}).Set(static_cast<double>(keys));
+  digest_false_positives_->Add({}).Set(false_positive_rate);
 }
 
 void Metrics::RecordEviction(const PairLabels& pair, const std::string& device) {

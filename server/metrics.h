@@ -120,6 +120,9 @@ class Metrics {
   // reason: "lru", "ttl", "subsumed", "admin".
   void RecordPrefixEviction(const std::string& reason, int64_t bytes);
   void SetPrefixCacheUsage(int64_t bytes_held, int64_t max_bytes, int64_t entries);
+  // The published-prefix digest (prefix_cache/prefix_digest.h): the keys it holds and the
+  // estimated share of unstored prompts it answers "maybe" (each then costs a LookupPrefix).
+  void SetPrefixDigestUsage(int64_t keys, double false_positive_rate);
   // Live verification (server/live_verifier.h). result: "pass" / "fail" (the sample against
   // the mapper's recorded kv_cosine_heldout - tolerance; "pass" when it records none), "expired"
   // (no own publish in time, or pushed out), "skipped" (the mapper changed version or could not
@@ -181,6 +184,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* out_of_service_;
   prometheus::Family<prometheus::Gauge>* prefix_bytes_;
   prometheus::Family<prometheus::Gauge>* prefix_entries_;
+  prometheus::Family<prometheus::Gauge>* digest_keys_;
+  prometheus::Family<prometheus::Gauge>* digest_false_positives_;
 };
 
 }  // namespace kvt

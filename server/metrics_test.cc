@@ -134,8 +134,11 @@ TEST(MetricsTest, ScrapeTimeValuesComeFromTheStoreAndTheService) {
   EXPECT_THAT(text, HasSubstr(R"(kvt_mapper_evictions_total{device="cpu",source="test/src",target="test/dst"} 0)"));
   metrics.RecordPageIn(PairOf(*store), "cpu", 0.3);
   metrics.RecordEviction(PairOf(*store), "cpu");
+  metrics.SetPrefixDigestUsage(7, 0.25);
   inflight = 0;
   text = metrics.Serialize();
+  EXPECT_THAT(text, HasSubstr("kvt_prefix_digest_keys 7"));
+  EXPECT_THAT(text, HasSubstr("kvt_prefix_digest_false_positive_ratio 0.25"));
   EXPECT_THAT(text, HasSubstr("kvt_inflight_requests 0"));
   EXPECT_THAT(text, HasSubstr(R"(kvt_mapper_page_ins_total{device="cpu",source="test/src",target="test/dst"} 1)"));
   EXPECT_THAT(text, HasSubstr(R"(kvt_mapper_page_in_duration_seconds_count{device="cpu",source="test/src",target="test/dst"} 1)"));

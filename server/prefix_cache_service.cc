@@ -12,6 +12,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "kernels/finite.h"
+#include "prefix_cache/prefix_digest.h"
 #include "quality/kv_quality.h"
 #include "quality/mapper_quality.h"
 #include "server/measure_translation.h"
@@ -173,6 +174,9 @@ void PrefixCacheService::UpdateUsage() {
   if (metrics_ == nullptr || cache_ == nullptr) return;
   const PrefixCacheStats stats = cache_->stats();
   metrics_->SetPrefixCacheUsage(stats.bytes_held, cache_->max_bytes(), stats.entries);
+  if (const PrefixDigest* digest = cache_->digest(); digest != nullptr) {
+    metrics_->SetPrefixDigestUsage(digest->keys(), digest->false_positive_rate());
+  }
 }
 
 grpc::Status PrefixCacheService::Publish(grpc::ServerContext* context,

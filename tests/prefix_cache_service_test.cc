@@ -555,6 +555,25 @@ TEST_F(PrefixCacheServiceTest, ListShowsEntries) {
   EXPECT_FALSE(listed.entries(0).first_block_hash().empty());
 }
 
+// Operators size prefix_cache.digest_slots from these gauges: the keys the digest holds and the
+// share of unstored prompts it would still send to LookupPrefix.
+TEST_F(PrefixCacheServiceTest, MetricsShowTheDigestsKeysAndFalsePositiveRate) {
+  auto gauge = [this](const std::string& name) {
+    const std::string text = kvtd_->server().metrics()->Serialize();
+    const size_t at = text.find("\n" + name + " ");
+    EXPECT_NE(at, std::string::npos) << name;
+    return at == std::string::npos ? -1.0 : std::strtod(text.c_str() + at + name.size() + 2, nullptr);
+  };
+  v1::PublishResponse published;
+  ASSERT_TRUE(Publish("test/src", Tokens(50, 18), Source(50, Layout::kNHD, 19), &published).ok());
+  ASSERT_TRUE(Publish("test/src", Tokens(40, 7), Source(40, Layout::kNHD, 8), &published).ok());
+  EXPECT_EQ(gauge("kvt_prefix_digest_keys"), 2.0);
+  // At most 6 of the default 2^20 counters are set: (6 / 2^20)^3 ~ 2e-16.
+  const double rate = gauge("kvt_prefix_digest_false_positive_ratio");
+  EXPECT_GT(rate, 0.0);
+  EXPECT_LT(rate, 1e-15);
+}
+
 TEST(PrefixCacheDisabledTest, LookupMissesAndCachedInputIsRefused) {
   std::unique_ptr<InProcessKvtd> kvtd = StartKvtdForTest(StoreDir());
   ASSERT_NE(kvtd, nullptr);
