@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "server/metrics.h"
 
 namespace {
 
@@ -40,20 +41,9 @@ std::string TempDir() {
   return dir != nullptr ? dir : "/tmp";
 }
 
-// Every metric family kvtd exports (server/metrics.cc), with the suffixes Prometheus adds.
+// Every metric family kvtd exports (kvt::Metrics::FamilyNames), with the suffixes Prometheus adds.
 bool IsKvtdSeries(const std::string& name) {
-  static const std::set<std::string> families = {
-      "kvt_translate_requests_total",     "kvt_translate_duration_seconds",
-      "kvt_translate_tokens_total",       "kvt_translate_speedup_ratio",
-      "kvt_input_shift_score",            "kvt_validate_requests_total",
-      "kvt_validate_duration_seconds",    "kvt_quality_attention_cosine",
-      "kvt_quality_r2",                   "kvt_quality_kv_cosine",
-      "kvt_quality_error_concentration",  "kvt_mapper_device_resident_bytes",
-      "kvt_mapper_page_ins_total",        "kvt_mapper_evictions_total",
-      "kvt_mapper_page_in_duration_seconds", "kvt_inflight_requests",
-      "kvt_build_info",                   "kvt_backend_info",
-      "kvt_live_quality",                 "kvt_mapper_out_of_service",
-      "kvt_live_verifications_total"};
+  static const std::vector<std::string> families = kvt::Metrics("cpu").FamilyNames();
   for (const char* suffix : {"", "_bucket", "_sum", "_count"}) {
     for (const std::string& family : families) {
       if (name == family + suffix) return true;
@@ -87,7 +77,8 @@ TEST(DeployTest, DashboardHasThePanelsAndValidQueries) {
                              "Tokens translated per second", "Requests by code",
                              "Attention-output cosine by turn", "Drift", "Input-shift score",
                              "Mapper residency", "page-ins", "evictions", "In-flight",
-                             "Live verification"}) {
+                             "Live verification", "Prefix lookups by result",
+                             "Prefix cache memory", "Prefix digest"}) {
     EXPECT_THAT(all_titles, HasSubstr(wanted));
   }
   // Every series a query reads is one kvtd exports.
@@ -116,6 +107,12 @@ TEST(DeployTest, AlertRulesPassPromtoolAndTheirUnitTests) {
   EXPECT_EQ(RunCommand(std::string(kPromtool) + " check rules deploy/prometheus/alerts.yaml", &output), 0)
       << output;
   EXPECT_THAT(output, HasSubstr("SUCCESS"));
+  // Every series a rule reads is one kvtd exports.
+  const std::string alerts = ReadFile("deploy/prometheus/alerts.yaml");
+  const std::regex metric("kvt_[a-z0-9_]+");
+  for (std::sregex_iterator it(alerts.begin(), alerts.end(), metric), end; it != end; ++it) {
+    EXPECT_TRUE(IsKvtdSeries(it->str())) << it->str() << " in alerts.yaml";
+  }
   for (const char* alert : {"KvtLowAttentionCosine", "KvtTranslateErrorRate",
                             "KvtMapperPageInStorm", "KvtSaturated", "KvtMapperOutOfService"}) {
     EXPECT_THAT(ReadFile("deploy/prometheus/alerts.yaml"), HasSubstr("alert: " + std::string(alert)));

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -137,6 +138,9 @@ class Metrics {
 
   // The text exposition (what GET /metrics returns).
   std::string Serialize() const;
+  // Every family kvtd can export, with or without series yet (dashboards and alerts are checked
+  // against it).
+  std::vector<std::string> FamilyNames() const;
 
   // The `turn` label: "0" .. "9" exactly, then "10-19", "20+" (bounded, fine where drift is).
   static std::string TurnBucket(uint32_t turn);
@@ -147,7 +151,15 @@ class Metrics {
   class ScrapeCollector;
   class HttpEndpoint;
 
+  // Records a registered family's name (FamilyNames) and returns it.
+  template <typename T>
+  prometheus::Family<T>* Keep(prometheus::Family<T>& family) {
+    family_names_.push_back(family.GetName());
+    return &family;
+  }
+
   const std::string device_;
+  std::vector<std::string> family_names_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<ScrapeCollector> scrape_;
   std::unique_ptr<HttpEndpoint> endpoint_;

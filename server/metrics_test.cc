@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <set>
 #include <string>
 
 #include "common/testing/http_get.h"
@@ -145,6 +146,19 @@ TEST(MetricsTest, ScrapeTimeValuesComeFromTheStoreAndTheService) {
   EXPECT_EQ(PromtoolCheck(text), "");
   metrics.SetScrapeSources(nullptr, nullptr);
   EXPECT_THAT(metrics.Serialize(), HasSubstr("kvt_inflight_requests 0"));
+}
+
+TEST(MetricsTest, FamilyNamesListEveryFamilyOnceWithOrWithoutSeries) {
+  Metrics metrics("cpu");
+  const std::vector<std::string> names = metrics.FamilyNames();
+  EXPECT_EQ(std::set<std::string>(names.begin(), names.end()).size(), names.size());
+  for (const char* name : {"kvt_translate_requests_total", "kvt_prefix_lookups_total",
+                           "kvt_prefix_digest_keys", "kvt_prefix_digest_false_positive_ratio",
+                           "kvt_inflight_requests", "kvt_mapper_device_resident_bytes"}) {
+    EXPECT_THAT(names, ::testing::Contains(name));
+  }
+  // Series appear only once recorded; the name list does not wait for them.
+  EXPECT_THAT(metrics.Serialize(), Not(HasSubstr("kvt_prefix_digest_keys")));
 }
 
 TEST(MetricsTest, EndpointServesTheRegistryOnAnOsChosenPort) {
