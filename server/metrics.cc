@@ -274,171 +274,177 @@ Metrics::Metrics(std::string device)
       scrape_(std::make_shared<ScrapeCollector>()) {
   prometheus::Registry& r = *registry_;
   build_info_ = Keep(BuildGauge()
-                     .Name("kvt_build_info")
-                     .Help("Always 1; labels say which kvt build is running.")
-                     .Register(r));
+                         .Name("kvt_build_info")
+                         .Help("Always 1; labels say which kvt build is running.")
+                         .Register(r));
   build_info_->Add({{"version", kKvtdVersion}, {"compiler", __VERSION__}}).Set(1);
   backend_info_ = Keep(BuildGauge()
-                       .Name("kvt_backend_info")
-                       .Help("Always 1; the translation backend kvtd chose (backend.type is "
-                             "'requested').")
-                       .Register(r));
-  backend_self_check_ = Keep(BuildGauge()
-                             .Name("kvt_backend_self_check")
-                             .Help("Always 1; the start-up self-check of each backend kvtd tried "
-                                   "(result: pass, mismatch or error; a failed cuda under "
-                                   "backend.type auto means kvtd fell back to cpu).")
-                             .Register(r));
+                           .Name("kvt_backend_info")
+                           .Help("Always 1; the translation backend kvtd chose (backend.type is "
+                                 "'requested').")
+                           .Register(r));
+  backend_self_check_ =
+      Keep(BuildGauge()
+               .Name("kvt_backend_self_check")
+               .Help("Always 1; the start-up self-check of each backend kvtd tried "
+                     "(result: pass, mismatch or error; a failed cuda under "
+                     "backend.type auto means kvtd fell back to cpu).")
+               .Register(r));
   cpu_gemm_path_ = Keep(BuildGauge()
-                        .Name("kvt_cpu_gemm_path")
-                        .Help("Always 1; the CPU backend's GEMM path for bf16/fp16 mappers "
-                              "(onednn_bf16 | sgemm), the ISA oneDNN dispatches, and "
-                              "backend.cpu_gemm as 'requested'. Absent on CUDA.")
-                        .Register(r));
-  cpu_gemm_probe_ = Keep(BuildGauge()
-                         .Name("kvt_cpu_gemm_probe_gflops")
-                         .Help("What backend.cpu_gemm: auto measured at start-up: single-threaded "
-                               "GFLOP/s of each GEMM engine (onednn_bf16, sgemm) on the served "
-                               "mappers' shapes. Absent when a path was forced.")
-                         .Register(r));
+                            .Name("kvt_cpu_gemm_path")
+                            .Help("Always 1; the CPU backend's GEMM path for bf16/fp16 mappers "
+                                  "(onednn_bf16 | sgemm), the ISA oneDNN dispatches, and "
+                                  "backend.cpu_gemm as 'requested'. Absent on CUDA.")
+                            .Register(r));
+  cpu_gemm_probe_ =
+      Keep(BuildGauge()
+               .Name("kvt_cpu_gemm_probe_gflops")
+               .Help("What backend.cpu_gemm: auto measured at start-up: single-threaded "
+                     "GFLOP/s of each GEMM engine (onednn_bf16, sgemm) on the served "
+                     "mappers' shapes. Absent when a path was forced.")
+               .Register(r));
   requests_ = Keep(BuildCounter()
-                   .Name("kvt_translate_requests_total")
-                   .Help("TranslateKV calls by outcome (canonical gRPC code).")
-                   .Register(r));
-  duration_ = Keep(BuildHistogram()
-                   .Name("kvt_translate_duration_seconds")
-                   .Help("Successful TranslateKV wall time per stage (queue, stage_in, compute, "
-                         "stage_out, total).")
-                   .Register(r));
+                       .Name("kvt_translate_requests_total")
+                       .Help("TranslateKV calls by outcome (canonical gRPC code).")
+                       .Register(r));
+  duration_ =
+      Keep(BuildHistogram()
+               .Name("kvt_translate_duration_seconds")
+               .Help("Successful TranslateKV wall time per stage (queue, stage_in, compute, "
+                     "stage_out, total).")
+               .Register(r));
   tokens_ = Keep(BuildCounter()
-                 .Name("kvt_translate_tokens_total")
-                 .Help("Tokens translated by successful TranslateKV calls.")
-                 .Register(r));
-  speedup_ = Keep(BuildHistogram()
-                  .Name("kvt_translate_speedup_ratio")
-                  .Help("Estimated target re-prefill time / translate total time (estimate from "
-                        "the request or metrics.prefill_cost).")
-                  .Register(r));
+                     .Name("kvt_translate_tokens_total")
+                     .Help("Tokens translated by successful TranslateKV calls.")
+                     .Register(r));
+  speedup_ =
+      Keep(BuildHistogram()
+               .Name("kvt_translate_speedup_ratio")
+               .Help("Estimated target re-prefill time / translate total time (estimate from "
+                     "the request or metrics.prefill_cost).")
+               .Register(r));
   input_shift_ = Keep(BuildHistogram()
-                      .Name("kvt_input_shift_score")
-                      .Help("Mean standardised squared deviation of the source features from "
-                            "the mapper's calibration statistics (about 1 in distribution).")
-                      .Register(r));
+                          .Name("kvt_input_shift_score")
+                          .Help("Mean standardised squared deviation of the source features from "
+                                "the mapper's calibration statistics (about 1 in distribution).")
+                          .Register(r));
   validate_requests_ = Keep(BuildCounter()
-                            .Name("kvt_validate_requests_total")
-                            .Help("ValidateKV calls by outcome (canonical gRPC code).")
-                            .Register(r));
+                                .Name("kvt_validate_requests_total")
+                                .Help("ValidateKV calls by outcome (canonical gRPC code).")
+                                .Register(r));
   validate_duration_ = Keep(BuildHistogram()
-                            .Name("kvt_validate_duration_seconds")
-                            .Help("Successful ValidateKV wall time.")
-                            .Register(r));
+                                .Name("kvt_validate_duration_seconds")
+                                .Help("Successful ValidateKV wall time.")
+                                .Register(r));
   attention_cosine_ = Keep(BuildHistogram()
-                           .Name("kvt_quality_attention_cosine")
-                           .Help("ValidateKV attention-output cosine, mean over layers 1.. "
-                                 "(SPEC 5), by conversation turn bucket.")
-                           .Register(r));
+                               .Name("kvt_quality_attention_cosine")
+                               .Help("ValidateKV attention-output cosine, mean over layers 1.. "
+                                     "(SPEC 5), by conversation turn bucket.")
+                               .Register(r));
   r2_ = Keep(BuildHistogram()
-             .Name("kvt_quality_r2")
-             .Help("ValidateKV R^2 of K (content space) and V, mean over layers 1.., by turn "
-                   "bucket.")
-             .Register(r));
-  kv_cosine_ = Keep(BuildHistogram()
-                    .Name("kvt_quality_kv_cosine")
-                    .Help("ValidateKV cosine of translated vs true K and V, mean over layers 1.., "
-                          "by turn bucket.")
-                    .Register(r));
+                 .Name("kvt_quality_r2")
+                 .Help("ValidateKV R^2 of K (content space) and V, mean over layers 1.., by turn "
+                       "bucket.")
+                 .Register(r));
+  kv_cosine_ =
+      Keep(BuildHistogram()
+               .Name("kvt_quality_kv_cosine")
+               .Help("ValidateKV cosine of translated vs true K and V, mean over layers 1.., "
+                     "by turn bucket.")
+               .Register(r));
   error_concentration_ = Keep(BuildHistogram()
-                              .Name("kvt_quality_error_concentration")
-                              .Help("ValidateKV c_K / c_V (1 = isotropic error, > 1 where "
-                                    "attention reads), mean over layers 1.., by turn bucket.")
-                              .Register(r));
-  page_ins_ = Keep(BuildCounter()
-                   .Name("kvt_mapper_page_ins_total")
-                   .Help("Mapper copies into a tier: device=\"host\" loads from disk into "
-                         "host memory, else copies onto that device.")
-                   .Register(r));
-  evictions_ = Keep(BuildCounter()
-                    .Name("kvt_mapper_evictions_total")
-                    .Help("Mappers dropped from a tier (host or device) to make room.")
-                    .Register(r));
-  page_in_duration_ = Keep(BuildHistogram()
-                           .Name("kvt_mapper_page_in_duration_seconds")
-                           .Help("Time of one page-in (host: read and verify from disk; "
-                                 "device: until the last layer has arrived).")
-                           .Register(r));
-  acquisitions_ = Keep(BuildCounter()
-                       .Name("kvt_mapper_acquisitions_total")
-                       .Help("Requests acquiring a mapper in a tier; result=\"hit\" when it "
-                             "was resident (or paging in already), \"miss\" when the request "
-                             "caused the load or page-in.")
-                       .Register(r));
-  prefix_lookups_ = Keep(BuildCounter()
-                         .Name("kvt_prefix_lookups_total")
-                         .Help("LookupPrefix calls by target model and result (\"hit\" or the "
-                               "miss reason: no_prefix, no_mapper, gate, live_quality, "
-                               "verification_sample, forbidden, too_short).")
-                         .Register(r));
-  prefix_reused_tokens_ = Keep(BuildCounter()
-                               .Name("kvt_prefix_reused_tokens_total")
-                               .Help("Tokens of stored source prefixes leased for translation, "
-                                     "by pair.")
-                               .Register(r));
-  prefix_publishes_ = Keep(BuildCounter()
-                           .Name("kvt_prefix_publishes_total")
-                           .Help("Publish calls by model and result (stored, empty, or the "
-                                 "error code).")
-                           .Register(r));
-  prefix_published_tokens_ = Keep(BuildCounter()
-                                  .Name("kvt_prefix_published_tokens_total")
-                                  .Help("Tokens stored by Publish (whole blocks), by model.")
+                                  .Name("kvt_quality_error_concentration")
+                                  .Help("ValidateKV c_K / c_V (1 = isotropic error, > 1 where "
+                                        "attention reads), mean over layers 1.., by turn bucket.")
                                   .Register(r));
-  prefix_evictions_ = Keep(BuildCounter()
-                           .Name("kvt_prefix_evictions_total")
-                           .Help("Stored source caches dropped, by reason (lru, ttl, subsumed, "
-                                 "admin).")
-                           .Register(r));
-  prefix_evicted_bytes_ = Keep(BuildCounter()
-                               .Name("kvt_prefix_evicted_bytes_total")
-                               .Help("Bytes of stored source caches dropped, by reason.")
-                               .Register(r));
-  live_verifications_ = Keep(BuildCounter()
-                            .Name("kvt_live_verifications_total")
-                            .Help("Live verification samples by pair, mapper and result (pass, "
-                                  "fail, no_reference, expired, skipped).")
-                            .Register(r));
-  live_quality_ = Keep(BuildGauge()
-                      .Name("kvt_live_quality")
-                      .Help("Mean K/V cosine of a mapper's last window of live verification "
-                            "samples (translated stored prefix against the target's own "
-                            "cache), by pair and mapper.")
-                      .Register(r));
-  out_of_service_ = Keep(BuildGauge()
-                        .Name("kvt_mapper_out_of_service")
-                        .Help("1 while live verification holds a mapper out of service (its "
-                              "live quality fell below the recorded kv_cosine_heldout minus "
-                              "the tolerance), by pair and mapper.")
-                        .Register(r));
-  prefix_bytes_ = Keep(BuildGauge()
-                       .Name("kvt_prefix_cache_bytes")
-                       .Help("Prefix cache host memory: kind=\"held\" (stored and reserved) "
-                             "and kind=\"budget\" (prefix_cache.max_bytes).")
+  page_ins_ = Keep(BuildCounter()
+                       .Name("kvt_mapper_page_ins_total")
+                       .Help("Mapper copies into a tier: device=\"host\" loads from disk into "
+                             "host memory, else copies onto that device.")
                        .Register(r));
+  evictions_ = Keep(BuildCounter()
+                        .Name("kvt_mapper_evictions_total")
+                        .Help("Mappers dropped from a tier (host or device) to make room.")
+                        .Register(r));
+  page_in_duration_ = Keep(BuildHistogram()
+                               .Name("kvt_mapper_page_in_duration_seconds")
+                               .Help("Time of one page-in (host: read and verify from disk; "
+                                     "device: until the last layer has arrived).")
+                               .Register(r));
+  acquisitions_ = Keep(BuildCounter()
+                           .Name("kvt_mapper_acquisitions_total")
+                           .Help("Requests acquiring a mapper in a tier; result=\"hit\" when it "
+                                 "was resident (or paging in already), \"miss\" when the request "
+                                 "caused the load or page-in.")
+                           .Register(r));
+  prefix_lookups_ = Keep(BuildCounter()
+                             .Name("kvt_prefix_lookups_total")
+                             .Help("LookupPrefix calls by target model and result (\"hit\" or the "
+                                   "miss reason: no_prefix, no_mapper, gate, live_quality, "
+                                   "verification_sample, forbidden, too_short).")
+                             .Register(r));
+  prefix_reused_tokens_ = Keep(BuildCounter()
+                                   .Name("kvt_prefix_reused_tokens_total")
+                                   .Help("Tokens of stored source prefixes leased for translation, "
+                                         "by pair.")
+                                   .Register(r));
+  prefix_publishes_ = Keep(BuildCounter()
+                               .Name("kvt_prefix_publishes_total")
+                               .Help("Publish calls by model and result (stored, empty, or the "
+                                     "error code).")
+                               .Register(r));
+  prefix_published_tokens_ = Keep(BuildCounter()
+                                      .Name("kvt_prefix_published_tokens_total")
+                                      .Help("Tokens stored by Publish (whole blocks), by model.")
+                                      .Register(r));
+  prefix_evictions_ = Keep(BuildCounter()
+                               .Name("kvt_prefix_evictions_total")
+                               .Help("Stored source caches dropped, by reason (lru, ttl, subsumed, "
+                                     "admin).")
+                               .Register(r));
+  prefix_evicted_bytes_ = Keep(BuildCounter()
+                                   .Name("kvt_prefix_evicted_bytes_total")
+                                   .Help("Bytes of stored source caches dropped, by reason.")
+                                   .Register(r));
+  live_verifications_ =
+      Keep(BuildCounter()
+               .Name("kvt_live_verifications_total")
+               .Help("Live verification samples by pair, mapper and result (pass, "
+                     "fail, no_reference, expired, skipped).")
+               .Register(r));
+  live_quality_ = Keep(BuildGauge()
+                           .Name("kvt_live_quality")
+                           .Help("Mean K/V cosine of a mapper's last window of live verification "
+                                 "samples (translated stored prefix against the target's own "
+                                 "cache), by pair and mapper.")
+                           .Register(r));
+  out_of_service_ = Keep(BuildGauge()
+                             .Name("kvt_mapper_out_of_service")
+                             .Help("1 while live verification holds a mapper out of service (its "
+                                   "live quality fell below the recorded kv_cosine_heldout minus "
+                                   "the tolerance), by pair and mapper.")
+                             .Register(r));
+  prefix_bytes_ = Keep(BuildGauge()
+                           .Name("kvt_prefix_cache_bytes")
+                           .Help("Prefix cache host memory: kind=\"held\" (stored and reserved) "
+                                 "and kind=\"budget\" (prefix_cache.max_bytes).")
+                           .Register(r));
   prefix_entries_ = Keep(BuildGauge()
-                         .Name("kvt_prefix_cache_entries")
-                         .Help("Stored source caches (one per published sequence).")
-                         .Register(r));
+                             .Name("kvt_prefix_cache_entries")
+                             .Help("Stored source caches (one per published sequence).")
+                             .Register(r));
   digest_keys_ = Keep(BuildGauge()
-                      .Name("kvt_prefix_digest_keys")
-                      .Help("First blocks of stored prefixes in the published-prefix digest "
-                            "that engines read before a lookup.")
-                      .Register(r));
+                          .Name("kvt_prefix_digest_keys")
+                          .Help("First blocks of stored prefixes in the published-prefix digest "
+                                "that engines read before a lookup.")
+                          .Register(r));
   digest_false_positives_ =
       Keep(BuildGauge()
-           .Name("kvt_prefix_digest_false_positive_ratio")
-           .Help("Estimated share of prompts with no stored prefix that the digest answers "
-                 "\"maybe\" (each costs the engine a LookupPrefix): (non-zero counters / "
-                 "prefix_cache.digest_slots) ^ 3.")
-           .Register(r));
+               .Name("kvt_prefix_digest_false_positive_ratio")
+               .Help("Estimated share of prompts with no stored prefix that the digest answers "
+                     "\"maybe\" (each costs the engine a LookupPrefix): (non-zero counters / "
+                     "prefix_cache.digest_slots) ^ 3.")
+               .Register(r));
 }
 
 Metrics::~Metrics() {

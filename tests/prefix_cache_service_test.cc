@@ -562,7 +562,8 @@ TEST_F(PrefixCacheServiceTest, MetricsShowTheDigestsKeysAndFalsePositiveRate) {
     const std::string text = kvtd_->server().metrics()->Serialize();
     const size_t at = text.find("\n" + name + " ");
     EXPECT_NE(at, std::string::npos) << name;
-    return at == std::string::npos ? -1.0 : std::strtod(text.c_str() + at + name.size() + 2, nullptr);
+    if (at == std::string::npos) return -1.0;
+    return std::strtod(text.c_str() + at + name.size() + 2, nullptr);
   };
   v1::PublishResponse published;
   ASSERT_TRUE(Publish("test/src", Tokens(50, 18), Source(50, Layout::kNHD, 19), &published).ok());

@@ -152,9 +152,9 @@ absl::Status ValidateBenefit(const std::vector<BenefitRecord>& benefit, const Ma
   return absl::OkStatus();
 }
 
-// Why `calibration_yaml` (free-form YAML text) is unusable, or "" when it reads back as a map. The
-// parser dumps the calibration node to text; a key that starts with bytes FE FF (not UTF-8) dumps to
-// text that yaml-cpp then reads as UTF-16, so the parser checks its own dump the same way.
+// Why `calibration_yaml` (free-form YAML text) is unusable, or "" when it reads back as a map.
+// The parser dumps the calibration node to text; a key that starts with bytes FE FF (not UTF-8)
+// dumps to text that yaml-cpp then reads as UTF-16, so the parser checks its own dump the same way.
 std::string CalibrationProblem(const std::string& calibration_yaml) {
   try {
     if (!YAML::Load(calibration_yaml).IsMap()) {
