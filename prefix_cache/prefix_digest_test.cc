@@ -195,7 +195,9 @@ TEST(PrefixDigestTest, OccupancyAndFalsePositiveEstimateMatchTheCounters) {
   for (size_t i = 0; i < added.size(); ++i) {
     digest->Remove(added[i]);
     if (i % 2 == 0) digest->Remove(added[i]);
-    if (i == added.size() / 2) EXPECT_EQ(digest->occupied_slots(), nonzero());
+    if (i == added.size() / 2) {
+      EXPECT_EQ(digest->occupied_slots(), nonzero());
+    }
   }
   EXPECT_EQ(digest->occupied_slots(), 0);
   EXPECT_EQ(nonzero(), 0);
