@@ -10,6 +10,8 @@ repetition sends one fresh prompt to each engine in rotating order, after a paus
 engine's idle spinning overlaps another's request. Printed: each connector engine's median
 latency against the plain engine's, the ratio of the medians and the median of the per-repetition
 ratios with its 95% interval (repetitions resampled), and KvtConnector against the null one.
+One shape, many repetitions on one set of engines; `tax_benchmark --null` splits the tax the same
+way for every shape, over rounds of fresh engines.
 
     PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:plumbing_benchmark -- [--repeat=40]
         [--shape=256/64] [--config='{"publish": false}']
@@ -20,11 +22,10 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import engines as E
 import family
-from tax_benchmark import Prompts, paired_interval, request
+from tax_benchmark import Prompts, measure_latency, paired_interval, warm_up
 
 NAMES = ("plain", "null", "kvt")
 
@@ -57,18 +58,10 @@ def main():
     texts = Prompts()
     try:
         E.start_engines(list(engines.values()))
-        for name, engine in engines.items():  # the first requests of an engine are slower
-            for n in (256, 1024):
-                engine.one(texts.take(n), 4, kvt={"reuse": "forbid"} if name == "kvt" else None)
-        walls = {name: [] for name in NAMES}
-        for rep in range(args.repeat):
-            for name in NAMES[rep % 3:] + NAMES[:rep % 3]:
-                time.sleep(args.settle_s)
-                mode = "forbid" if name == "kvt" else "plain"
-                got = engines[name].generate([request(mode, texts.take(prompt_tokens),
-                                                      generated)])[0]
-                assert len(got["token_ids"]) == generated, got
-                walls[name].append(got["wall_s"] * 1e3)
+        warm_up(engines, texts)
+        walls = measure_latency(engines, texts, args, ("plain", "null", "forbid"),
+                                shapes=[(prompt_tokens, generated)])[f"{prompt_tokens}/{generated}"]
+        walls["kvt"] = walls.pop("forbid")
     finally:
         for engine in engines.values():
             engine.stop()

@@ -222,9 +222,11 @@ def engine_of(engines, mode):
     return engines[engine_name(mode)]
 
 
-def measure_latency(engines, texts, args, modes):
+def measure_latency(engines, texts, args, modes, shapes=SHAPES):
+    """Per shape "prompt/generated", each mode's request latencies (ms): --repeat repetitions, one
+    fresh prompt per mode, the modes in an order rotating between repetitions."""
     out = {}
-    for n, gen in SHAPES:
+    for n, gen in shapes:
         walls = {mode: [] for mode in modes}
         for rep in range(args.repeat):
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]
