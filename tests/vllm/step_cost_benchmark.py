@@ -17,7 +17,8 @@ and the model runner, the connector's threads in a process of its own); tax_benc
 those, end to end.
 
     PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:step_cost_benchmark -- [--runs=60]
-        [--prompt=256] [--generate=64] [--time_hooks] [--config='{"publish": false}']
+        [--prompt=256] [--generate=64] [--time_hooks] [--config='{"publish": false}'] [--reader]
+        [--model=tiny-L|qwen3-0.6b]
 """
 
 import argparse
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from tax_benchmark import paired_interval
+from tax_benchmark import paired_interval, subject_of
 
 HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
          "build_connector_meta", "update_connector_output", "request_finished",
@@ -64,9 +65,16 @@ def main():
     parser.add_argument("--generate", type=int, default=64, help="generated tokens")
     parser.add_argument("--config", default="{}", help="kv_connector_extra_config overrides")
     parser.add_argument("--time_hooks", action="store_true")
+    parser.add_argument("--reader", action="store_true",
+                        help="as tax_benchmark's --reader: kvtd stores every publish (without "
+                             "it kvtd refuses them, and the connector pauses publishing)")
+    parser.add_argument("--model", choices=("tiny-L", "qwen3-0.6b"), default="tiny-L",
+                        help="as tax_benchmark's --model")
+    parser.add_argument("--models_dir", default="",
+                        help="where --model=qwen3-0.6b's weights are written (default: the work "
+                             "directory)")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import family
     import engines as E
     import vllm.distributed.kv_transfer.kv_transfer_state as transfer_state
@@ -81,18 +89,23 @@ def main():
         time_hooks(KvtConnector, totals)
     work = tempfile.mkdtemp(prefix="kvt-step-cost-")
     os.makedirs(os.path.join(work, "store"))
+    subject = subject_of(args.model, args.models_dir or work)
+    if args.reader:
+        subject.reader(os.path.join(work, "store"))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(subject.kv_space_gib))
     port = E.free_port()
     kvtd = family.start_kvtd(os.path.join(work, "store"), port,
-                             family.kvtd_yaml(os.path.join(work, "kvtd.yaml"))).__enter__()
+                             family.kvtd_yaml(os.path.join(work, "kvtd.yaml"),
+                                              max_bytes=subject.kvtd_bytes)).__enter__()
     try:
-        config = {"kvtd_address": f"127.0.0.1:{port}", "model_name": family.NAMES["L"],
+        config = {"kvtd_address": f"127.0.0.1:{port}", "model_name": subject.name,
                   **json.loads(args.config)}
-        llm = LLM(model=family.model_dir("L"), skip_tokenizer_init=True, dtype="float32",
+        llm = LLM(model=subject.path, skip_tokenizer_init=True, dtype=subject.dtype,
                   enforce_eager=True, block_size=32,
                   kv_transfer_config=KVTransferConfig(
                       kv_connector="KvtConnector", kv_connector_module_path="kvt.vllm",
                       kv_role="kv_both", kv_connector_extra_config=config),
-                  **context_kwargs(family.model_dir("L"), 2048))
+                  **context_kwargs(subject.path, 2048))
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         connectors = (scheduler.connector, transfer_state._KV_CONNECTOR_AGENT)
         assert None not in connectors, "the engine has no connector to detach"
@@ -129,17 +142,17 @@ def main():
                 attach(on)
                 walls[on].append(one())
         attach(True)
-        report(walls, totals, args)
+        report(walls, totals, args, subject.label)
     finally:
         kvtd.__exit__(None, None, None)
     sys.stdout.flush()
     os._exit(0)  # vLLM's in-process engine has non-daemon threads
 
 
-def report(walls, totals, args):
+def report(walls, totals, args, label):
     plain, kvt = statistics.median(walls[False]), statistics.median(walls[True])
     paired, low, high = paired_interval(walls[False], walls[True])
-    print(f"{args.prompt} prompt tokens, {args.generate} generated, reuse forbidden, "
+    print(f"{label}: {args.prompt} prompt tokens, {args.generate} generated, reuse forbidden, "
           f"{args.runs} requests per mode, config {args.config}")
     print(f"  detached (plain): median {plain:.2f} ms")
     print(f"  attached:         median {kvt:.2f} ms ({kvt - plain:+.2f} ms)")

@@ -2,10 +2,12 @@
 """The connector's tax: what KvtConnector costs a request it does not help, measured against the
 same engine without the connector, in one run (docs/VLLM.md, "What the connector costs").
 
-Two engines of kvt-tiny-L run side by side: `plain` (no KV connector) and `kvt` (KvtConnector
+Two engines of one model run side by side (--model: kvt-tiny-L by default; qwen3-0.6b, a
+model of Qwen3-0.6B's shapes and architecture with random bf16 weights written at run time by
+tests/vllm/qwen3_shapes.py, where a step costs what a real small model's does): `plain` (no KV connector) and `kvt` (KvtConnector
 with its documented defaults: publishing on, shared memory). kvtd runs with the source-cache
 tier on and an empty mapper store (kvtd refuses the publishes: no mapper reads the model), or,
-with --reader, a store whose one mapper reads kvt-tiny-L into another name (kvtd stores every
+with --reader, a store whose one mapper reads the model into another name (kvtd stores every
 publish); either way nothing can ever be reused. Per shape (prompt tokens x
 generated tokens) and repetition, every mode gets its own fresh prompt (no engine ever hits its
 own prefix cache), and the modes take turns in a rotating order:
@@ -40,7 +42,7 @@ resolution the ratios above have. --analyze=RUN.json[,RUN2.json...] prints that 
 saved runs, pooling their rounds.
 
     PATH=$PWD/.venv/bin:$PATH bazel run //tests/vllm:tax_benchmark -- [--repeat=5] [--json=OUT]
-        [--sequential=2 | --pairs=8] [--null] [--analyze=RUN.json]
+        [--sequential=2 | --pairs=8] [--null] [--model=tiny-L|qwen3-0.6b] [--analyze=RUN.json]
 """
 
 import argparse
@@ -51,9 +53,11 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable, NamedTuple
 
 import engines as E
 import family
+import qwen3_shapes as Q
 
 SHAPES = ((256, 1), (256, 64), (1024, 1), (1024, 64))
 MODES = ("plain", "forbid", "miss")
@@ -83,6 +87,12 @@ def main():
                         help="a third engine with a KV connector that does nothing, next to the "
                              "others in every round: vLLM's share of the tax and KvtConnector's "
                              "own, apart")
+    parser.add_argument("--model", choices=("tiny-L", "qwen3-0.6b"), default="tiny-L",
+                        help="the engines' model: the bundled kvt-tiny-L (float32), or Qwen3-0.6B's "
+                             "shapes (bf16, random weights written under --models_dir)")
+    parser.add_argument("--models_dir", default="",
+                        help="where --model=qwen3-0.6b's weights are written (kept and reused "
+                             "there; default: the work directory)")
     parser.add_argument("--analyze", default="",
                         help="print the instance intervals of runs saved with --json "
                              "(comma-separated: their rounds pooled); no run")
@@ -95,21 +105,23 @@ def main():
         print_instance_intervals(rounds)
         return 0
     work = args.work or tempfile.mkdtemp(prefix="kvt-tax-")
-    os.makedirs(os.path.join(work, "store"), exist_ok=True)
+    store = os.path.join(work, "store")
+    os.makedirs(store, exist_ok=True)
+    subject = subject_of(args.model, args.models_dir or work)
     if args.reader:
-        family.identity_mapper(os.path.join(work, "store"), "L-to-twin", member="L",
-                               source_name=family.NAMES["L"], target_name=family.TWIN_L)
+        subject.reader(store)
     port = E.free_port()
-    config = {"kvtd_address": f"127.0.0.1:{port}", "model_name": family.NAMES["L"],
+    config = {"kvtd_address": f"127.0.0.1:{port}", "model_name": subject.name,
               **json.loads(args.config)}
     def make(name, round_=0):
-        return E.Engine(f"{name}-{round_}", family.model_dir("L"),
-                        config if name == "kvt" else {}, work, max_model_len=2048,
-                        no_connector=name == "plain", null_connector=name == "null")
+        return E.Engine(f"{name}-{round_}", subject.path, config if name == "kvt" else {}, work,
+                        max_model_len=2048, no_connector=name == "plain",
+                        null_connector=name == "null", dtype=subject.dtype,
+                        env={"VLLM_CPU_KVCACHE_SPACE": str(subject.kv_space_gib)})
 
-    kvtd = family.start_kvtd(os.path.join(work, "store"), port,
+    kvtd = family.start_kvtd(store, port,
                              family.kvtd_yaml(os.path.join(work, "kvtd.yaml"),
-                                              max_bytes=1 << 30)).__enter__()
+                                              max_bytes=subject.kvtd_bytes)).__enter__()
     texts = Prompts()
     try:
         if args.sequential or args.pairs:
@@ -128,11 +140,38 @@ def main():
                     engine.stop()
     finally:
         kvtd.__exit__(None, None, None)
-    report(latency, throughput, outcomes, args, rounds)
+    report(latency, throughput, outcomes, args, rounds, subject.label)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"latency": latency, "throughput": throughput, "metrics": outcomes,
-                       "rounds": rounds}, f, indent=1)
+            json.dump({"model": subject.label, "latency": latency, "throughput": throughput,
+                       "metrics": outcomes, "rounds": rounds}, f, indent=1)
+
+
+class Subject(NamedTuple):
+    """The model both engines serve, and what the run needs to know of it."""
+    label: str  # for the report
+    name: str  # the connector's model_name, the name kvtd keys publishes by
+    path: str
+    dtype: str
+    kv_space_gib: int  # VLLM_CPU_KVCACHE_SPACE per engine
+    kvtd_bytes: int  # kvtd's prefix_cache.max_bytes
+    reader: Callable[[str], str]  # writes the --reader mapper into a store
+
+
+def subject_of(model: str, models_dir: str) -> Subject:
+    if model == "tiny-L":
+        return Subject(
+            "kvt-tiny-L (float32)", family.NAMES["L"], family.model_dir("L"), "float32", 1,
+            1 << 30, lambda store: family.identity_mapper(
+                store, "L-to-twin", member="L", source_name=family.NAMES["L"],
+                target_name=family.TWIN_L))
+    name = Q.PAIR[0]  # the Qwen3-0.6B shapes; seed 1, as qwen3_benchmark writes it
+    # 114 KiB of bf16 KV per token: a 1024-token publish is 117 MB, so kvtd keeps about 17.
+    return Subject(
+        f"{name} (Qwen3-0.6B's shapes, random weights, bf16)", name,
+        Q.write_model(models_dir, name, seed=1), "bfloat16", 2, 2 << 30,
+        lambda store: Q.identity_mapper(store, f"{name}-to-twin", model=name, source_name=name,
+                                        target_name=name + "-twin"))
 
 
 def modes_of(args):
@@ -260,14 +299,14 @@ def measure_throughput(engines, texts, args, modes):
     return out
 
 
-def report(latency, throughput, metrics, args, rounds):
+def report(latency, throughput, metrics, args, rounds, label):
     med = statistics.median
     rounds_run = args.sequential or args.pairs
     samples = args.repeat * max(1, rounds_run)
     how = (f"engines one at a time, {args.sequential} rounds" if args.sequential
            else f"fresh engine pairs side by side, {args.pairs} rounds" if args.pairs
            else "engines side by side")
-    print(f"Connector tax on kvt-tiny-L (vLLM CPU, block size 32, {how}, median of {samples}; "
+    print(f"Connector tax on {label} (vLLM CPU, block size 32, {how}, median of {samples}; "
           "request latency in ms; ratio = mode / plain; publishes "
           f"{'stored' if args.reader else 'refused (no mapper reads the model)'})")
     others = [m for m in modes_of(args) if m != "plain"]
