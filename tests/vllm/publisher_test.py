@@ -1,6 +1,7 @@
 """The publisher thread's timing (kvt/vllm/publisher.py): a publish waits `publish_delay_ms` after
 the step that queued it, a fence (wait_for with hurry, a preempted request's blocks about to be
-reused) cuts that wait short, and busy() covers the wait (vLLM keeps the blocks until then).
+reused) cuts that wait short, and busy() covers the wait (vLLM keeps the blocks until then). A
+final publish that arrives while its request's prompt publish still waits takes its place.
 
 The worker here records when a publish starts and ends instead of reading an engine's cache: what
 is tested is when the thread publishes, not how (the end-to-end publishes, in place, through a
@@ -14,20 +15,21 @@ from kvt.vllm.publisher import Publisher
 
 
 class RecordingKv:
-    """Stands where KvtWorker.kv is: its first call marks the publish's start."""
+    """Stands where KvtWorker.kv is: its first call marks the publish's start (and its tokens)."""
 
-    def __init__(self, starts):
-        self.starts = starts
+    def __init__(self, starts, tokens):
+        self.starts, self.tokens = starts, tokens
 
     def cache_bytes(self, tokens):
         self.starts.append(time.monotonic())
+        self.tokens.append(tokens)
         raise RuntimeError("recorded")  # the publisher counts it as a failed publish
 
 
 class Worker:
     def __init__(self):
-        self.starts = []
-        self.kv = RecordingKv(self.starts)
+        self.starts, self.tokens = [], []
+        self.kv = RecordingKv(self.starts, self.tokens)
 
 
 class PublisherDelayTest(unittest.TestCase):
@@ -41,9 +43,10 @@ class PublisherDelayTest(unittest.TestCase):
         self.addCleanup(pub.close)
         return pub, worker, counts
 
-    def spec(self, req_id):
-        return PublishSpec(req_id=req_id, final=False, token_ids=list(range(32)),
-                           block_ids=[0, 1])
+    def spec(self, req_id, final=False):
+        n = 64 if final else 32  # prompt and output; the prompt alone
+        return PublishSpec(req_id=req_id, final=final, token_ids=list(range(n)),
+                           block_ids=list(range(n // 16)))
 
     def test_a_publish_waits_its_delay_and_stays_busy_meanwhile(self):
         pub, worker, counts = self.publisher(0.3)
@@ -89,6 +92,43 @@ class PublisherDelayTest(unittest.TestCase):
         self.assertTrue(pub.wait_for([f"r{i}" for i in range(3)], 5.0))
         self.assertEqual(worker.starts, sorted(worker.starts))
         self.assertEqual(len(worker.starts), 3)
+
+    def test_a_final_publish_takes_the_place_of_its_waiting_prompt_publish(self):
+        pub, worker, counts = self.publisher(0.3)
+        pub.submit(self.spec("r1"))
+        pub.submit(self.spec("r2"))
+        time.sleep(0.1)
+        t_final = time.monotonic()
+        pub.submit(self.spec("r1", final=True))  # r1's prompt publish has not started
+        self.assertTrue(pub.busy("r1"))
+        self.assertTrue(pub.wait_for(["r1", "r2"], 5.0))
+        # One publish of r1, the final one, in the prompt one's place (before r2's), after the
+        # delay counted from the final one's arrival.
+        self.assertEqual(worker.tokens, [64, 32])
+        self.assertGreaterEqual(worker.starts[0] - t_final, 0.3)
+        self.assertEqual(counts.get("publish_coalesced"), 1)
+        self.assertEqual(counts.get("publish_failed"), 2)
+        self.assertFalse(pub.busy("r1"))
+
+    def test_a_started_prompt_publish_is_not_replaced(self):
+        pub, worker, counts = self.publisher(0.0)
+        pub.submit(self.spec("r1"))
+        self.assertTrue(pub.wait_for(["r1"], 5.0))
+        pub.submit(self.spec("r1", final=True))
+        self.assertTrue(pub.wait_for(["r1"], 5.0))
+        self.assertEqual(worker.tokens, [32, 64])
+        self.assertNotIn("publish_coalesced", counts)
+
+    def test_a_fenced_prompt_publish_runs_before_a_later_final_one(self):
+        # A preempted request's prompt publish is hurried out; its final publish comes later
+        # and is published on its own.
+        pub, worker, counts = self.publisher(30.0)
+        pub.submit(self.spec("r1"))
+        self.assertTrue(pub.wait_for(["r1"], 5.0, hurry=True))
+        pub.submit(self.spec("r1", final=True))
+        self.assertTrue(pub.wait_for(["r1"], 5.0, hurry=True))
+        self.assertEqual(worker.tokens, [32, 64])
+        self.assertNotIn("publish_coalesced", counts)
 
 
 if __name__ == "__main__":

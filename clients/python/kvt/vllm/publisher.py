@@ -14,6 +14,11 @@ not be reused meanwhile. vLLM frees a request's blocks in two ways: when it fini
 scheduler side then holds them, and the worker reports the request in finished_sending once
 `busy(req_id)` is false) and when it is preempted (the scheduler side sends a fence and the
 worker calls `wait_for` before the step writes any block).
+
+A request's final publish (prompt and output) covers its prompt publish. When the final one
+arrives while the prompt one is still queued (not yet started: a backlog, or a request shorter
+than the delay), it takes the queued one's place: one publish instead of two, counted as
+publish_coalesced.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from kvt.errors import NotFoundError
 from kvt.vllm.engine_kv import bits_to_float
@@ -49,11 +54,13 @@ class Publisher:
         # cores. A fence (preemption) cuts the wait short.
         self._delay_s = delay_s
         self._hurry = threading.Event()
-        self._queue: "queue.Queue[Optional[Tuple[PublishSpec, float]]]" = \
-            queue.Queue(maxsize=queue_size)
+        # Entries [spec, queued_at]: mutable, so that a final publish can take the place of its
+        # request's prompt publish while that one waits (under _lock).
+        self._queue: "queue.Queue[Optional[List[Any]]]" = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: Counter = Counter()  # req_id -> publishes queued or running
+        self._waiting: Dict[str, List[Any]] = {}  # req_id -> its queued entry not yet started
         # Until then kvtd refuses this model's publishes (no mapper reads it): not sent. The
         # store may gain a reader at any time, so the refusal is asked again after a while.
         self._unread_until = 0.0
@@ -69,14 +76,22 @@ class Publisher:
             self._count("publish_skipped")
             return
         with self._lock:
+            waiting = self._waiting.get(spec.req_id)
+            if waiting is not None and spec.final and not waiting[0].final:
+                # The final publish covers the prompt one: it is published once, in its place.
+                waiting[0], waiting[1] = spec, time.monotonic()
+                self._count("publish_coalesced")
+                return
+            entry = [spec, time.monotonic()]
             try:
-                self._queue.put_nowait((spec, time.monotonic()))
+                self._queue.put_nowait(entry)
             except queue.Full:
                 self._count("publish_dropped")
                 logger.warning("kvt: publish queue full, dropped the %s publish of %s",
                                spec.kind, spec.req_id)
                 return
             self._pending[spec.req_id] += 1
+            self._waiting[spec.req_id] = entry
 
     def busy(self, req_id: str) -> bool:
         """Whether a publish of the request is queued or running (reads its blocks)."""
@@ -112,13 +127,10 @@ class Publisher:
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            entry = self._queue.get()
+            if entry is None:
                 return
-            spec, queued_at = item
-            wait = queued_at + self._delay_s - time.monotonic()
-            if wait > 0:
-                self._hurry.wait(wait)
+            spec = self._start(entry)
             try:
                 self._publish(spec)
             except NotFoundError as error:
@@ -138,6 +150,20 @@ class Publisher:
                     if self._pending[spec.req_id] <= 0:
                         del self._pending[spec.req_id]
                     self._idle.notify_all()
+
+    def _start(self, entry: List[Any]) -> PublishSpec:
+        """Waits out the entry's delay (a coalesced final publish restarts it), then takes the
+        entry out of reach of coalescing and returns what it publishes."""
+        hurried = False
+        while True:
+            with self._lock:
+                wait = entry[1] + self._delay_s - time.monotonic()
+                if wait <= 0 or hurried:
+                    spec = entry[0]
+                    if self._waiting.get(spec.req_id) is entry:
+                        del self._waiting[spec.req_id]
+                    return spec
+            hurried = self._hurry.wait(wait)
 
     def _publish(self, spec: PublishSpec) -> None:
         nbytes = self.w.kv.cache_bytes(len(spec.token_ids))

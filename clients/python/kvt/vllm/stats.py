@@ -11,7 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 
 _COUNTERS = ("requests", "lookups", "digest_misses", "lookup_errors", "hits", "applied",
              "fallback_reprefill", "unsupported", "tokens_reused", "load_failures", "publishes",
-             "publish_dropped", "publish_failed", "publish_skipped", "publish_bytes", "publishes_in_place",
+             "publish_dropped", "publish_coalesced", "publish_failed", "publish_skipped",
+             "publish_bytes", "publishes_in_place",
              "publishes_shm", "publish_region_full", "verification_samples",
              # The cluster tier (kv_connector_extra_config.cluster; docs/CLUSTER_TIER.md).
              # lookups / hits above are kvtd's (the node-local tier).
@@ -65,6 +66,8 @@ _COUNTER_HELP = {
     "load_failures": "Translated loads that failed (vLLM recomputed the request).",
     "publishes": "Caches published to kvtd.",
     "publish_dropped": "Publishes dropped because the publish queue was full.",
+    "publish_coalesced": "Prompt publishes still queued when their request's final publish "
+                         "came, which took their place (one publish instead of two).",
     "publish_failed": "Publishes that failed.",
     "publish_skipped": "Publishes not sent because kvtd said lately that no mapper reads this "
                        "model.",
