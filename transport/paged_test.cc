@@ -107,6 +107,72 @@ TEST(PagedTest, EngineOrderScatterAndGather) {
   }
 }
 
+// The engine order at vLLM CPU's real block size, for 2- and 4-byte elements: whole blocks take
+// the tiled transpose, a partly used first or last block (and a head_dim that is not a multiple
+// of the tile) the element loop. Every element is checked against the index formula, bit for
+// bit (random bit patterns, NaNs included).
+template <typename Element>
+void CheckEngineOrderTiles(int64_t head_dim, int64_t first_token, int64_t tokens,
+                           Layout layer_layout) {
+  SCOPED_TRACE(testing::Message() << sizeof(Element) << "-byte elements, head_dim " << head_dim
+                                  << ", tokens [" << first_token << ", " << tokens << ")");
+  std::mt19937 rng(std::random_device{}());
+  constexpr int64_t kBlocks = 7, kBlockSize = 32, kHeads = 3;
+  const int64_t element = sizeof(Element);
+  PagedLayout paged{Layout::kNHD, kBlocks, kBlockSize, kHeads, head_dim, element};
+  EngineBlockOrder order;
+  order.layer_offsets = {0};
+  order.block_stride = kHeads * 2 * kBlockSize * head_dim;
+  order.kv[0] = BlockStrides{0, 1, 2 * kBlockSize * head_dim, kBlockSize};
+  order.kv[1] = BlockStrides{kBlockSize * head_dim, head_dim, 2 * kBlockSize * head_dim, 1};
+  paged.engine_order = order;
+  const int64_t elements = kBlocks * order.block_stride;
+  ASSERT_TRUE(CheckEngineBlockOrder(paged, 1, elements * element, "f").ok());
+  const std::vector<uint32_t> table = {4, 0, 6, 2, 5};
+  const LayerGeometry layer{layer_layout, kHeads, tokens, head_dim, element};
+  std::vector<Element> contiguous(kHeads * tokens * head_dim);
+  for (Element& x : contiguous) x = static_cast<Element>(rng());
+  for (int kind = 0; kind < 2; ++kind) {
+    std::vector<Element> tensor(elements, static_cast<Element>(0x5a5a5a5a));
+    ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data(), first_token,
+                 tokens);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t h = 0; h < kHeads; ++h) {
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const int64_t slot = t % kBlockSize;
+          const int64_t inner = kind == 0 ? d * kBlockSize + slot
+                                          : kBlockSize * head_dim + slot * head_dim + d;
+          const Element got = tensor[table[t / kBlockSize] * order.block_stride +
+                                     h * 2 * kBlockSize * head_dim + inner];
+          const Element want =
+              t < first_token ? static_cast<Element>(0x5a5a5a5a)
+                              : contiguous[CacheOffset(layer_layout, kHeads, tokens, head_dim, h,
+                                                       t, d)];
+          ASSERT_EQ(got, want) << "kind " << kind << " token " << t << " head " << h << " dim "
+                               << d;
+        }
+      }
+    }
+    std::vector<Element> back(contiguous.size(), 0);
+    ScatterPaged(paged, table.data(), kind, contiguous.data(), layer, tensor.data(), 0, tokens);
+    GatherPaged(paged, table.data(), kind, tensor.data(), layer, back.data());
+    ASSERT_EQ(back, contiguous) << "kind " << kind;
+  }
+}
+
+TEST(PagedTest, EngineOrderTilesAtVllmCpuBlockSize) {
+  for (Layout layer_layout : {Layout::kNHD, Layout::kHND}) {
+    // 150 tokens: blocks 0-3 whole, block 4 partly used; scattering from token 40 starts in
+    // the middle of block 1, at a tile boundary (40 = 32 + 8), and from 37 off one.
+    for (int64_t first : {0, 37, 40}) {
+      CheckEngineOrderTiles<uint16_t>(16, first, 150, layer_layout);
+      CheckEngineOrderTiles<uint32_t>(16, first, 150, layer_layout);
+      CheckEngineOrderTiles<uint16_t>(12, first, 150, layer_layout);  // not a multiple of 8
+      CheckEngineOrderTiles<uint32_t>(6, first, 150, layer_layout);   // nor of 4
+    }
+  }
+}
+
 TEST(PagedTest, BadBlockTablesNameTheField) {
   const PagedLayout paged{Layout::kNHD, 8, 16, 2, 4, 2};
   const std::vector<uint32_t> table = {1, 8, 1};
