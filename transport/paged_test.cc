@@ -21,6 +21,20 @@ int64_t PagedIndex(const PagedLayout& p, int kind, int64_t block, int64_t slot, 
   return ((kind * p.num_blocks + block) * p.block_size * p.num_kv_heads) * p.head_dim + inner;
 }
 
+// vLLM's CPU attention order ("vec" ISA) of one layer: per block and head K transposed,
+// [head_dim, block_size], then V, [block_size, head_dim].
+PagedLayout VllmCpuOrder(int64_t blocks, int64_t block_size, int64_t heads, int64_t dim,
+                         int64_t element_size) {
+  PagedLayout paged{Layout::kNHD, blocks, block_size, heads, dim, element_size};
+  EngineBlockOrder order;
+  order.layer_offsets = {0};
+  order.block_stride = heads * 2 * block_size * dim;
+  order.kv[0] = BlockStrides{0, 1, 2 * block_size * dim, block_size};
+  order.kv[1] = BlockStrides{block_size * dim, dim, 2 * block_size * dim, 1};
+  paged.engine_order = order;
+  return paged;
+}
+
 TEST(PagedTest, ScatterPlacesEveryElementWhereVllmLooksAndGatherInverts) {
   std::mt19937 rng(std::random_device{}());
   for (Layout block_layout : {Layout::kNHD, Layout::kHND}) {
@@ -56,18 +70,13 @@ TEST(PagedTest, ScatterPlacesEveryElementWhereVllmLooksAndGatherInverts) {
   }
 }
 
-// vLLM's CPU attention order ("vec" ISA, fp32): per block and head K transposed, [head_dim,
-// block_size], then V, [block_size, head_dim]. Tokens before first_token stay untouched.
+// vLLM's CPU attention order, fp32, small blocks (the element loop). Tokens before first_token
+// stay untouched.
 TEST(PagedTest, EngineOrderScatterAndGather) {
   std::mt19937 rng(std::random_device{}());
   constexpr int64_t kBlocks = 6, kBlockSize = 4, kHeads = 3, kDim = 5, kTokens = 10, kFirst = 4;
-  PagedLayout paged{Layout::kNHD, kBlocks, kBlockSize, kHeads, kDim, /*element_size=*/4};
-  EngineBlockOrder order;
-  order.layer_offsets = {0};
-  order.block_stride = kHeads * 2 * kBlockSize * kDim;
-  order.kv[0] = BlockStrides{0, 1, 2 * kBlockSize * kDim, kBlockSize};
-  order.kv[1] = BlockStrides{kBlockSize * kDim, kDim, 2 * kBlockSize * kDim, 1};
-  paged.engine_order = order;
+  const PagedLayout paged = VllmCpuOrder(kBlocks, kBlockSize, kHeads, kDim, /*element_size=*/4);
+  const EngineBlockOrder& order = *paged.engine_order;
   const int64_t bytes = kBlocks * order.block_stride * 4;
   ASSERT_EQ(paged.RequiredBytes(1), bytes);
   ASSERT_TRUE(CheckEngineBlockOrder(paged, 1, bytes, "f").ok());
@@ -119,13 +128,8 @@ void CheckEngineOrderTiles(int64_t head_dim, int64_t first_token, int64_t tokens
   std::mt19937 rng(std::random_device{}());
   constexpr int64_t kBlocks = 7, kBlockSize = 32, kHeads = 3;
   const int64_t element = sizeof(Element);
-  PagedLayout paged{Layout::kNHD, kBlocks, kBlockSize, kHeads, head_dim, element};
-  EngineBlockOrder order;
-  order.layer_offsets = {0};
-  order.block_stride = kHeads * 2 * kBlockSize * head_dim;
-  order.kv[0] = BlockStrides{0, 1, 2 * kBlockSize * head_dim, kBlockSize};
-  order.kv[1] = BlockStrides{kBlockSize * head_dim, head_dim, 2 * kBlockSize * head_dim, 1};
-  paged.engine_order = order;
+  const PagedLayout paged = VllmCpuOrder(kBlocks, kBlockSize, kHeads, head_dim, element);
+  const EngineBlockOrder& order = *paged.engine_order;
   const int64_t elements = kBlocks * order.block_stride;
   ASSERT_TRUE(CheckEngineBlockOrder(paged, 1, elements * element, "f").ok());
   const std::vector<uint32_t> table = {4, 0, 6, 2, 5};
