@@ -28,7 +28,8 @@ import queue
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Optional
 
 from kvt.errors import NotFoundError
 from kvt.vllm.engine_kv import bits_to_float
@@ -39,6 +40,14 @@ logger = logging.getLogger("vllm.kvt")
 
 # How long publishes stay off after kvtd said no mapper reads this model.
 UNREAD_RETRY_S = 30.0
+
+
+@dataclass
+class _Entry:
+    """A queued publish. Mutable: a final publish can take the place of its request's prompt
+    publish while that one waits (under Publisher._lock)."""
+    spec: PublishSpec
+    queued_at: float
 
 
 class Publisher:
@@ -54,13 +63,11 @@ class Publisher:
         # cores. A fence (preemption) cuts the wait short.
         self._delay_s = delay_s
         self._hurry = threading.Event()
-        # Entries [spec, queued_at]: mutable, so that a final publish can take the place of its
-        # request's prompt publish while that one waits (under _lock).
-        self._queue: "queue.Queue[Optional[List[Any]]]" = queue.Queue(maxsize=queue_size)
+        self._queue: "queue.Queue[Optional[_Entry]]" = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: Counter = Counter()  # req_id -> publishes queued or running
-        self._waiting: Dict[str, List[Any]] = {}  # req_id -> its queued entry not yet started
+        self._waiting: Dict[str, _Entry] = {}  # req_id -> its queued entry not yet started
         # Until then kvtd refuses this model's publishes (no mapper reads it): not sent. The
         # store may gain a reader at any time, so the refusal is asked again after a while.
         self._unread_until = 0.0
@@ -77,12 +84,12 @@ class Publisher:
             return
         with self._lock:
             waiting = self._waiting.get(spec.req_id)
-            if waiting is not None and spec.final and not waiting[0].final:
+            if waiting is not None and spec.final and not waiting.spec.final:
                 # The final publish covers the prompt one: it is published once, in its place.
-                waiting[0], waiting[1] = spec, time.monotonic()
+                waiting.spec, waiting.queued_at = spec, time.monotonic()
                 self._count("publish_coalesced")
                 return
-            entry = [spec, time.monotonic()]
+            entry = _Entry(spec, time.monotonic())
             try:
                 self._queue.put_nowait(entry)
             except queue.Full:
@@ -151,15 +158,15 @@ class Publisher:
                         del self._pending[spec.req_id]
                     self._idle.notify_all()
 
-    def _start(self, entry: List[Any]) -> PublishSpec:
+    def _start(self, entry: _Entry) -> PublishSpec:
         """Waits out the entry's delay (a coalesced final publish restarts it), then takes the
         entry out of reach of coalescing and returns what it publishes."""
         hurried = False
         while True:
             with self._lock:
-                wait = entry[1] + self._delay_s - time.monotonic()
+                wait = entry.queued_at + self._delay_s - time.monotonic()
                 if wait <= 0 or hurried:
-                    spec = entry[0]
+                    spec = entry.spec
                     if self._waiting.get(spec.req_id) is entry:
                         del self._waiting[spec.req_id]
                     return spec
