@@ -13,6 +13,7 @@
 #include "benchmark/benchmark.h"
 #include "kernels/types.h"
 #include "transport/paged.h"
+#include "transport/paged_testing.h"
 
 namespace kvt {
 namespace {
@@ -22,14 +23,8 @@ constexpr int64_t kLayers = 28, kHeads = 8, kDim = 128, kBlockSize = 32;
 struct Cache {
   explicit Cache(int64_t tokens)
       : tokens(tokens), blocks((tokens + kBlockSize - 1) / kBlockSize) {
-    paged = PagedLayout{Layout::kNHD, blocks, kBlockSize, kHeads, kDim, 2};
-    EngineBlockOrder order;
-    order.block_stride = kHeads * 2 * kBlockSize * kDim;
-    for (int64_t l = 0; l < kLayers; ++l) order.layer_offsets.push_back(l * blocks * order.block_stride * 2);
-    order.kv[0] = BlockStrides{0, 1, 2 * kBlockSize * kDim, kBlockSize};
-    order.kv[1] = BlockStrides{kBlockSize * kDim, kDim, 2 * kBlockSize * kDim, 1};
-    paged.engine_order = order;
-    region.assign(static_cast<size_t>(kLayers * blocks * order.block_stride), 0x3f80);
+    paged = VllmCpuOrder(blocks, kBlockSize, kHeads, kDim, 2, kLayers);
+    region.assign(static_cast<size_t>(kLayers * blocks * paged.BlockStride()), 0x3f80);
     for (int64_t b = 0; b < blocks; ++b) table.push_back(static_cast<uint32_t>((b * 7) % blocks));
     out.assign(static_cast<size_t>(kLayers * kHeads * tokens * kDim), 0);
   }

@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/types.h"
+#include "transport/paged_testing.h"
 
 namespace kvt {
 namespace {
@@ -19,20 +20,6 @@ int64_t PagedIndex(const PagedLayout& p, int kind, int64_t block, int64_t slot, 
                             ? (slot * p.num_kv_heads + head) * p.head_dim + dim
                             : (head * p.block_size + slot) * p.head_dim + dim;
   return ((kind * p.num_blocks + block) * p.block_size * p.num_kv_heads) * p.head_dim + inner;
-}
-
-// vLLM's CPU attention order ("vec" ISA) of one layer: per block and head K transposed,
-// [head_dim, block_size], then V, [block_size, head_dim].
-PagedLayout VllmCpuOrder(int64_t blocks, int64_t block_size, int64_t heads, int64_t dim,
-                         int64_t element_size) {
-  PagedLayout paged{Layout::kNHD, blocks, block_size, heads, dim, element_size};
-  EngineBlockOrder order;
-  order.layer_offsets = {0};
-  order.block_stride = heads * 2 * block_size * dim;
-  order.kv[0] = BlockStrides{0, 1, 2 * block_size * dim, block_size};
-  order.kv[1] = BlockStrides{block_size * dim, dim, 2 * block_size * dim, 1};
-  paged.engine_order = order;
-  return paged;
 }
 
 TEST(PagedTest, ScatterPlacesEveryElementWhereVllmLooksAndGatherInverts) {

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from tax_benchmark import paired_interval, subject_of
+from tax_benchmark import add_model_args, paired_interval, subject_of
 
 HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
          "build_connector_meta", "update_connector_output", "request_finished",
@@ -68,11 +68,7 @@ def main():
     parser.add_argument("--reader", action="store_true",
                         help="as tax_benchmark's --reader: kvtd stores every publish (without "
                              "it kvtd refuses them, and the connector pauses publishing)")
-    parser.add_argument("--model", choices=("tiny-L", "qwen3-0.6b"), default="tiny-L",
-                        help="as tax_benchmark's --model")
-    parser.add_argument("--models_dir", default="",
-                        help="where --model=qwen3-0.6b's weights are written (default: the work "
-                             "directory)")
+    add_model_args(parser)
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import family

@@ -4,7 +4,8 @@ same engine without the connector, in one run (docs/VLLM.md, "What the connector
 
 Two engines of one model run side by side (--model: kvt-tiny-L by default; qwen3-0.6b, a
 model of Qwen3-0.6B's shapes and architecture with random bf16 weights written at run time by
-tests/vllm/qwen3_shapes.py, where a step costs what a real small model's does): `plain` (no KV connector) and `kvt` (KvtConnector
+tests/vllm/qwen3_shapes.py, where a step costs what a real small model's does): `plain` (no KV
+connector) and `kvt` (KvtConnector
 with its documented defaults: publishing on, shared memory). kvtd runs with the source-cache
 tier on and an empty mapper store (kvtd refuses the publishes: no mapper reads the model), or,
 with --reader, a store whose one mapper reads the model into another name (kvtd stores every
@@ -87,12 +88,7 @@ def main():
                         help="a third engine with a KV connector that does nothing, next to the "
                              "others in every round: vLLM's share of the tax and KvtConnector's "
                              "own, apart")
-    parser.add_argument("--model", choices=("tiny-L", "qwen3-0.6b"), default="tiny-L",
-                        help="the engines' model: the bundled kvt-tiny-L (float32), or Qwen3-0.6B's "
-                             "shapes (bf16, random weights written under --models_dir)")
-    parser.add_argument("--models_dir", default="",
-                        help="where --model=qwen3-0.6b's weights are written (kept and reused "
-                             "there; default: the work directory)")
+    add_model_args(parser)
     parser.add_argument("--analyze", default="",
                         help="print the instance intervals of runs saved with --json "
                              "(comma-separated: their rounds pooled); no run")
@@ -145,6 +141,17 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"model": subject.label, "latency": latency, "throughput": throughput,
                        "metrics": outcomes, "rounds": rounds}, f, indent=1)
+
+
+def add_model_args(parser):
+    """--model and --models_dir (subject_of reads them)."""
+    parser.add_argument("--model", choices=("tiny-L", "qwen3-0.6b"), default="tiny-L",
+                        help="the engines' model: the bundled kvt-tiny-L (float32), or "
+                             "Qwen3-0.6B's shapes (bf16, random weights written under "
+                             "--models_dir)")
+    parser.add_argument("--models_dir", default="",
+                        help="where --model=qwen3-0.6b's weights are written (kept and reused "
+                             "there; default: the work directory)")
 
 
 class Subject(NamedTuple):
